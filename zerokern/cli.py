@@ -1,0 +1,147 @@
+"""`zerokern` command line: info | build | bench (train | estimate | consolidate follow)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import List, Optional
+
+# Subcommands of the DESIGN §1 CLI that later issues deliver; they exit 2 with a clear message.
+_PENDING = {"train": "issue 7 (the training job)", "estimate": "issue 7 (memory estimator)",
+            "consolidate": "issue 6 (checkpoints)"}
+
+
+def _cpu_features() -> dict:
+    """x86 SIMD features from /proc/cpuinfo, without building anything."""
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    names = ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c"]
+    return {n: n in flags for n in names}
+
+
+def _nvcc_version() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+        else:
+            return "not found"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"error ({e})"
+    m = re.search(r"release ([\d.]+), (V[\d.]+)", out)
+    return f"{m.group(1)} ({m.group(2)}) at {nvcc}" if m else out.strip()[-80:]
+
+
+def cmd_info(_: argparse.Namespace) -> int:
+    import torch
+
+    from . import __version__
+    from .kernels import backend_status
+    from .kernels.build import cache_root
+
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "not installed"
+    print(f"zerokern {__version__}")
+    print(f"torch    {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    print(f"triton   {triton_v}")
+    print(f"nvcc     {_nvcc_version()}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"gpu {i}    {torch.cuda.get_device_name(i)}")
+    else:
+        print("gpu      none visible to torch")
+    feats = _cpu_features()
+    print("cpu      " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()))
+    isa = ("avx512" if all(feats[k] for k in ("avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                              "fma", "f16c"))
+           else "avx2" if all(feats[k] for k in ("avx2", "fma", "f16c")) else "scalar")
+    print(f"cpu kernel path: {isa}")
+    print(f"op cache {cache_root()}")
+    print("backends:")
+    for name, (ok, why) in backend_status().items():
+        print(f"  {name:<10} {'available' if ok else 'unavailable':<12} {why}")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    import torch
+
+    from .kernels.build import BuildError, load_op
+
+    ops = args.ops or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    rc = 0
+    for op in ops:
+        try:
+            load_op(op)
+            print(f"{op}: ok")
+        except BuildError as e:
+            print(f"{op}: FAILED\n{e}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
+    ran = False
+    rc = 0
+    if args.kernels or not args.step:
+        from .bench import kernels
+
+        rc |= kernels.main(rest)
+        ran = True
+    if args.step:
+        print("zerokern bench --step: the step benchmark arrives with issue 3", file=sys.stderr)
+        rc |= 2
+    return rc if ran else 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerokern", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", metavar="{info,build,bench,train,estimate,consolidate}")
+    sub.required = True
+    sub.add_parser("info", help="versions, CPU features and backend availability")
+    b = sub.add_parser("build", help="prebuild the native ops into the cache")
+    b.add_argument("ops", nargs="*", choices=["cpu", "cuda"], help="default: cpu (+cuda on GPUs)")
+    bench = sub.add_parser("bench", help="kernel / step microbenchmarks; other flags go to the "
+                                         "suite (see `zerokern bench --kernels --help`)",
+                           add_help=False)
+    bench.add_argument("--kernels", action="store_true", help="kernel suite (default)")
+    bench.add_argument("--step", action="store_true", help="optimizer-step suite")
+    for name, what in _PENDING.items():
+        sub.add_parser(name, help=f"arrives with {what}")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd in _PENDING:
+        print(f"zerokern {args.cmd}: not available yet; it arrives with {_PENDING[args.cmd]}",
+              file=sys.stderr)
+        return 2
+    return {"info": cmd_info, "build": cmd_build}[args.cmd](args)

@@ -1,0 +1,107 @@
+"""Fused optimizer kernels over flat shard buffers (DESIGN §3, §6).
+
+    adam_step_(master, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, beta1, beta2, eps,
+               weight_decay, adamw=True, step, grad_scale, found_inf, backend="auto")
+    grad_stats_(grad, found_inf, sumsq, *, backend="auto")
+    available_backends() -> list[str]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import reference
+from .build import BuildError, load_op
+from .dispatch import available_backends, backend_status, resolve
+from .validate import Scalar, check_adam_args, check_backend, check_grad_stats_args
+
+__all__ = ["adam_step_", "grad_stats_", "available_backends", "backend_status", "BuildError",
+           "load_op"]
+
+
+def _triton():
+    # Imported on first use: TRITON_INTERPRET is read when the kernels are decorated.
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def adam_step_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: Optional[torch.Tensor] = None,
+    *,
+    lr: Scalar,
+    beta1: Scalar,
+    beta2: Scalar,
+    eps: Scalar,
+    weight_decay: Scalar,
+    adamw: bool = True,
+    step: torch.Tensor,
+    grad_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """One fused AdamW (or Adam + L2) step over a flat shard, in place (DESIGN §3).
+
+    Args:
+        master, exp_avg, exp_avg_sq: fp32, contiguous, n elements each; updated in place.
+        grad: fp32, fp16 or bf16, n elements; multiplied by `grad_scale` before use.
+        param_out: None, or fp16/bf16 with n elements: receives the updated master rounded to
+            nearest even (bitwise equal to `master.to(dtype)`).
+        lr, beta1, beta2, eps, weight_decay: floats or 0-d tensors (changing them never
+            recompiles anything).
+        adamw: True for decoupled weight decay, False for Adam with L2 (grad += wd * p).
+        step: 0-d int64/int32/float32/float64 device tensor: steps taken so far; incremented.
+        grad_scale: 0-d fp32 device tensor, e.g. 1 / (loss_scale * world_size) * clip_coef.
+        found_inf: 0-d bool or fp32 device tensor; if set, nothing at all changes (bitwise),
+            `step` included.
+        backend: "auto" | "triton" | "cuda" | "cpu" | "reference".
+
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
+        BuildError if a native backend cannot be built.
+    """
+    check_backend(backend)
+    check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, lr=lr, beta1=beta1,
+                    beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, step=step,
+                    grad_scale=grad_scale, found_inf=found_inf)
+    kind = resolve(backend, master.device)
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+              step=step, grad_scale=grad_scale, found_inf=found_inf)
+    if kind == "reference":
+        reference.adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, **kw)
+    elif kind == "triton":
+        _triton().adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, **kw)
+    else:
+        from . import native
+
+        native.adam_step_(kind, master, exp_avg, exp_avg_sq, grad, param_out, **kw)
+
+
+def grad_stats_(grad: torch.Tensor, found_inf: torch.Tensor, sumsq: torch.Tensor, *,
+                backend: str = "auto") -> None:
+    """One read of `grad`: found_inf |= any non-finite; sumsq += sum(float32(grad)^2).
+
+    Args:
+        grad: contiguous fp32/fp16/bf16 tensor (any shape; treated as flat).
+        found_inf: 0-d bool or fp32 tensor on grad's device; only ever set, never cleared.
+        sumsq: 0-d fp32 or fp64 tensor on grad's device; accumulated into. The reduction is
+            deterministic (per-block partials, then one ordered sum; no contended atomics).
+        backend: as for `adam_step_`.
+    """
+    check_backend(backend)
+    check_grad_stats_args(grad, found_inf, sumsq)
+    kind = resolve(backend, grad.device)
+    if kind == "reference":
+        reference.grad_stats_(grad, found_inf, sumsq)
+    elif kind == "triton":
+        _triton().grad_stats_(grad.reshape(-1), found_inf, sumsq)
+    else:
+        from . import native
+
+        native.grad_stats_(kind, grad.reshape(-1), found_inf, sumsq)

@@ -1,0 +1,233 @@
+"""Triton backend: fused AdamW step and grad statistics over flat shard buffers.
+
+On CUDA tensors these are compiled GPU kernels; on CPU tensors they run under the Triton
+interpreter (TRITON_INTERPRET=1, which must be set before this module is imported), for tests.
+
+Every per-step value (lr, step, grad_scale, found_inf) is a runtime argument or a device load,
+never a constexpr, so changing it never recompiles (DESIGN §6). Constexprs are only the layout
+switches: adamw, whether there is a param_out, where hyperparameters come from, the block size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# GPU block: 2048 elements over 8 warps = 8 fp32 per thread = two 128-bit loads per array, enough
+# bytes in flight per SM to saturate HBM; fewer warps idle the load units, more cost registers.
+BLOCK_GPU = 2048
+NUM_WARPS_GPU = 8
+# The interpreter runs programs one after another in numpy: large blocks make it fast on the
+# small test sizes (a 278011-element step drops from minutes to about a second).
+BLOCK_INTERP_MAX = 1 << 16
+# grad_stats_ stage 1 never uses more programs than this, so stage 2 is a single block.
+MAX_PARTIALS = 1024
+
+
+@triton.jit
+def _split_f64(hi, lo):
+    """A float64 rebuilt from two float32 halves (Triton scalar arguments are float32)."""
+    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+
+
+@triton.jit
+def _pow_f64(base, e):
+    """base**e in float64 for an integer e >= 0, by squaring: exact to a few ulps, no libdevice."""
+    r = base * 0.0 + 1.0
+    for _ in tl.static_range(40):  # e < 2^40 steps: beyond any training run
+        r = tl.where((e & 1) == 1, r * base, r)
+        base = base * base
+        e = e >> 1
+    return r
+
+
+@triton.jit
+def _cast_bits_rne(p, OUT_IS_BF16: tl.constexpr):
+    """fp32 -> 16-bit bit pattern, round-to-nearest-even, matching torch's CPU conversion bit for
+    bit (the interpreter truncates fp32->bf16 and numpy keeps signalling-NaN payloads)."""
+    bits = p.to(tl.uint32, bitcast=True)
+    is_nan = p != p
+    if OUT_IS_BF16:
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(is_nan, 0xFFFF, r)  # torch CPU writes every NaN as 0xFFFF
+    else:
+        r = p.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)  # IEEE RNE for non-NaN
+        quiet = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)  # F16C NaN rule
+        r = tl.where(is_nan, quiet, r)
+    return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _adam_step_kernel(
+    master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr, n,
+    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
+    hp_ptr, step_ptr, grad_scale_ptr, found_inf_ptr,
+    ADAMW: tl.constexpr, HAS_OUT: tl.constexpr, OUT_IS_BF16: tl.constexpr,
+    HP_FROM_PTR: tl.constexpr, EXPLICIT_RNE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One fused pass: unscale, weight decay, moments, bias-corrected update, 16-bit cast-back."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # A skipped step writes nothing (DESIGN §3). An early return, not a mask term: a runtime
+    # bound in the mask hides n's divisibility by 16 and costs the 128-bit loads.
+    if tl.load(found_inf_ptr) != 0:
+        return
+    mask = offs < n
+
+    if HP_FROM_PTR:
+        lr = tl.load(hp_ptr + 0)
+        b1 = tl.load(hp_ptr + 1)
+        b2 = tl.load(hp_ptr + 2)
+        eps = tl.load(hp_ptr + 3)
+        wd = tl.load(hp_ptr + 4)
+    else:
+        lr = _split_f64(lr_hi, lr_lo)
+        b1 = _split_f64(b1_hi, b1_lo)
+        b2 = _split_f64(b2_hi, b2_lo)
+        eps = _split_f64(eps_hi, eps_lo)
+        wd = _split_f64(wd_hi, wd_lo)
+    t = tl.load(step_ptr).to(tl.int64) + 1
+    bc1 = 1.0 - _pow_f64(b1, t)
+    bc2 = 1.0 - _pow_f64(b2, t)
+    step_size = (lr / bc1).to(tl.float32)
+    rsqrt_bc2 = (1.0 / tl.sqrt(bc2)).to(tl.float32)
+    decay = (1.0 - lr * wd).to(tl.float32)
+    omb1 = (1.0 - b1).to(tl.float32)
+    omb2 = (1.0 - b2).to(tl.float32)
+    b1f = b1.to(tl.float32)
+    b2f = b2.to(tl.float32)
+    epsf = eps.to(tl.float32)
+    wdf = wd.to(tl.float32)
+    gs = tl.load(grad_scale_ptr)
+
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * gs
+    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    if ADAMW:
+        p = p * decay
+    else:
+        g = g + wdf * p
+    m = b1f * m + omb1 * g
+    v = b2f * v + omb2 * (g * g)
+    # sqrt_rn/div_rn: IEEE results; plain sqrt and / lower to approximations on NVIDIA GPUs.
+    denom = tl.sqrt_rn(v) * rsqrt_bc2 + epsf
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(master_ptr + offs, p, mask=mask)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if HAS_OUT:
+        if EXPLICIT_RNE:
+            tl.store(out_ptr + offs, _cast_bits_rne(p, OUT_IS_BF16), mask=mask)
+        else:
+            # cvt.rn: the same bits as torch CUDA's .to(dtype).
+            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _advance_step_kernel(step_ptr, found_inf_ptr):
+    """step += 1 unless found_inf: a separate launch, after every program of the step has read it."""
+    keep = tl.load(found_inf_ptr) == 0
+    s = tl.load(step_ptr)
+    tl.store(step_ptr, tl.where(keep, s + 1, s))
+
+
+@triton.jit
+def _grad_stats_partial_kernel(grad_ptr, partial_ptr, flag_ptr, n, iters, BLOCK: tl.constexpr):
+    """Stage 1: each program reduces a grid-stride slice to one fp32 partial and one inf flag."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, iters):
+        offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc += g * g
+        bad |= ((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32)
+    tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+    tl.store(flag_ptr + pid, tl.max(bad, axis=0))
+
+
+@triton.jit
+def _grad_stats_final_kernel(partial_ptr, flag_ptr, nparts, found_inf_ptr, sumsq_ptr,
+                             PBLOCK: tl.constexpr):
+    """Stage 2: one program sums the partials in float64 in a fixed order; no atomics."""
+    offs = tl.arange(0, PBLOCK)
+    mask = offs < nparts
+    s = tl.sum(tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float64), axis=0)
+    f = tl.max(tl.load(flag_ptr + offs, mask=mask, other=0), axis=0)
+    old = tl.load(sumsq_ptr)
+    tl.store(sumsq_ptr, (old.to(tl.float64) + s).to(sumsq_ptr.dtype.element_ty))
+    fi = tl.load(found_inf_ptr)
+    tl.store(found_inf_ptr, ((fi != 0) | (f > 0)).to(found_inf_ptr.dtype.element_ty))
+
+
+def _hi_lo(x: float):
+    """Split a double into float32 hi + lo so the kernel can rebuild ~48 bits of it."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
+def _block(n: int, on_cpu: bool) -> int:
+    if on_cpu:  # interpreter
+        return max(1024, min(triton.next_power_of_2(n), BLOCK_INTERP_MAX))
+    return BLOCK_GPU
+
+
+def _num_warps(on_cpu: bool) -> int:
+    return 1 if on_cpu else NUM_WARPS_GPU
+
+
+def adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, beta2, eps,
+               weight_decay, adamw, step, grad_scale, found_inf) -> None:
+    n = master.numel()
+    on_cpu = master.device.type == "cpu"
+    hyper = (lr, beta1, beta2, eps, weight_decay)
+    hp_from_ptr = any(isinstance(x, torch.Tensor) for x in hyper)
+    if hp_from_ptr:
+        # Tensor hyperparameters are read on the device; floats are filled there, not copied.
+        hp = torch.stack([x.to(master.device, torch.float64) if isinstance(x, torch.Tensor)
+                          else torch.full((), float(x), dtype=torch.float64, device=master.device)
+                          for x in hyper])
+        split = [0.0] * 10
+    else:
+        hp = step  # unused pointer placeholder
+        split = [h for x in hyper for h in _hi_lo(float(x))]
+    explicit = on_cpu
+    if param_out is None:
+        out = master  # unused placeholder
+    else:
+        out = param_out.view(torch.int16) if explicit else param_out
+    if n:
+        block = _block(n, on_cpu)
+        _adam_step_kernel[(triton.cdiv(n, block),)](
+            master, exp_avg, exp_avg_sq, grad, out, n, *split,
+            hp, step, grad_scale, found_inf,
+            ADAMW=adamw, HAS_OUT=param_out is not None,
+            OUT_IS_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
+            HP_FROM_PTR=hp_from_ptr, EXPLICIT_RNE=explicit, BLOCK=block,
+            num_warps=_num_warps(on_cpu),
+        )
+    _advance_step_kernel[(1,)](step, found_inf, num_warps=1)
+
+
+def grad_stats_(grad, found_inf, sumsq) -> None:
+    n = grad.numel()
+    if n == 0:
+        return
+    on_cpu = grad.device.type == "cpu"
+    block = _block(n, on_cpu)
+    nprog = min(triton.cdiv(n, block), MAX_PARTIALS)
+    iters = triton.cdiv(triton.cdiv(n, block), nprog)
+    partial = torch.empty(nprog, dtype=torch.float32, device=grad.device)
+    flags = torch.empty(nprog, dtype=torch.int32, device=grad.device)
+    _grad_stats_partial_kernel[(nprog,)](grad, partial, flags, n, iters, BLOCK=block,
+                                         num_warps=_num_warps(on_cpu))
+    _grad_stats_final_kernel[(1,)](partial, flags, nprog, found_inf, sumsq,
+                                   PBLOCK=max(triton.next_power_of_2(nprog), 16),
+                                   num_warps=_num_warps(on_cpu))
