@@ -1,0 +1,170 @@
+// zerokern CUDA backend: thin torch binding over the pure-CUDA launchers in zk_kernels.cu.
+// Python validates arguments first; here only cheap invariants are re-checked (device, dtype,
+// contiguity, numel). Everything is enqueued on the current CUDA stream: no host sync, no .item().
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "zk_kernels.cuh"
+
+namespace {
+
+zk_dtype_t zk_dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ZK_DTYPE_F32;
+    case at::kHalf: return ZK_DTYPE_F16;
+    case at::kBFloat16: return ZK_DTYPE_BF16;
+    case at::kDouble: return ZK_DTYPE_F64;
+    case at::kInt: return ZK_DTYPE_I32;
+    case at::kLong: return ZK_DTYPE_I64;
+    case at::kBool: return ZK_DTYPE_BOOL;
+    default: return ZK_DTYPE_NONE;
+  }
+}
+
+void check_device(const at::Tensor& t, const char* name, const at::Device& dev) {
+  TORCH_CHECK(t.is_cuda(), "zerokern cuda: ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == dev, "zerokern cuda: ", name, " must be on ", dev, ", got ",
+              t.device());
+}
+
+// A flat array of n elements.
+void check_flat(const at::Tensor& t, const char* name, const at::Device& dev, int64_t n) {
+  check_device(t, name, dev);
+  TORCH_CHECK(t.is_contiguous(), "zerokern cuda: ", name, " must be contiguous");
+  TORCH_CHECK(t.numel() == n, "zerokern cuda: ", name, " must have ", n, " elements, got ",
+              t.numel());
+}
+
+// A device scalar (0-d or one element).
+void check_scalar(const at::Tensor& t, const char* name, const at::Device& dev) {
+  check_device(t, name, dev);
+  TORCH_CHECK(t.numel() == 1, "zerokern cuda: ", name, " must be a 0-d tensor, got shape ",
+              t.sizes());
+}
+
+bool is_16bit_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+}
+
+bool is_grad_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || is_16bit_float(t);
+}
+
+bool is_flag_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kBool || t.scalar_type() == at::kFloat;
+}
+
+// One fused Adam/AdamW step on a flat fp32 shard (DESIGN.md §3), then step += 1 unless found_inf.
+void adam_step(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+               const at::Tensor& grad, const std::optional<at::Tensor>& param_out, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool adamw,
+               const at::Tensor& step, const at::Tensor& grad_scale,
+               const at::Tensor& found_inf, const std::optional<at::Tensor>& hp) {
+  TORCH_CHECK(master.is_cuda(), "zerokern cuda: master must be a CUDA tensor, got ",
+              master.device());
+  const at::Device dev = master.device();
+  const int64_t n = master.numel();
+  check_flat(master, "master", dev, n);
+  check_flat(exp_avg, "exp_avg", dev, n);
+  check_flat(exp_avg_sq, "exp_avg_sq", dev, n);
+  check_flat(grad, "grad", dev, n);
+  TORCH_CHECK(master.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
+                  exp_avg_sq.scalar_type() == at::kFloat,
+              "zerokern cuda: master, exp_avg and exp_avg_sq must be float32");
+  TORCH_CHECK(is_grad_dtype(grad), "zerokern cuda: grad must be float32, float16 or bfloat16, got ",
+              grad.scalar_type());
+
+  void* out_ptr = nullptr;
+  zk_dtype_t out_dtype = ZK_DTYPE_NONE;
+  if (param_out.has_value()) {
+    const at::Tensor& po = *param_out;
+    check_flat(po, "param_out", dev, n);
+    TORCH_CHECK(is_16bit_float(po), "zerokern cuda: param_out must be float16 or bfloat16, got ",
+                po.scalar_type());
+    out_ptr = po.data_ptr();
+    out_dtype = zk_dtype_of(po);
+  }
+
+  check_scalar(step, "step", dev);
+  const at::ScalarType st = step.scalar_type();
+  TORCH_CHECK(st == at::kLong || st == at::kInt || st == at::kFloat || st == at::kDouble,
+              "zerokern cuda: step must be int64, int32, float32 or float64, got ", st);
+  check_scalar(grad_scale, "grad_scale", dev);
+  TORCH_CHECK(grad_scale.scalar_type() == at::kFloat,
+              "zerokern cuda: grad_scale must be float32, got ", grad_scale.scalar_type());
+  check_scalar(found_inf, "found_inf", dev);
+  TORCH_CHECK(is_flag_dtype(found_inf), "zerokern cuda: found_inf must be bool or float32, got ",
+              found_inf.scalar_type());
+
+  const double* hp_ptr = nullptr;
+  if (hp.has_value()) {
+    const at::Tensor& h = *hp;
+    check_flat(h, "hp", dev, 5);
+    TORCH_CHECK(h.scalar_type() == at::kDouble, "zerokern cuda: hp must be float64, got ",
+                h.scalar_type());
+    hp_ptr = h.data_ptr<double>();
+  }
+
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = zk_adam_step_launch(
+      master.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+      grad.data_ptr(), zk_dtype_of(grad), out_ptr, out_dtype, n, lr, beta1, beta2, eps,
+      weight_decay, adamw ? 1 : 0, step.data_ptr(), zk_dtype_of(step),
+      grad_scale.data_ptr<float>(), found_inf.data_ptr(), zk_dtype_of(found_inf), hp_ptr, stream);
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// found_inf |= any(!isfinite(grad)); sumsq += sum(float(grad)^2). Deterministic, no atomics.
+void grad_stats(const at::Tensor& grad, const at::Tensor& found_inf, const at::Tensor& sumsq) {
+  TORCH_CHECK(grad.is_cuda(), "zerokern cuda: grad must be a CUDA tensor, got ", grad.device());
+  const at::Device dev = grad.device();
+  const int64_t n = grad.numel();
+  check_flat(grad, "grad", dev, n);
+  TORCH_CHECK(is_grad_dtype(grad), "zerokern cuda: grad must be float32, float16 or bfloat16, got ",
+              grad.scalar_type());
+  check_scalar(found_inf, "found_inf", dev);
+  TORCH_CHECK(is_flag_dtype(found_inf), "zerokern cuda: found_inf must be bool or float32, got ",
+              found_inf.scalar_type());
+  check_scalar(sumsq, "sumsq", dev);
+  TORCH_CHECK(sumsq.scalar_type() == at::kFloat || sumsq.scalar_type() == at::kDouble,
+              "zerokern cuda: sumsq must be float32 or float64, got ", sumsq.scalar_type());
+  if (n == 0) return;
+
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  // Small (<= 8 KiB) per-call workspace from the caching allocator on the current stream: stream
+  // order makes reuse after this function returns safe, and nothing synchronizes.
+  const int64_t ws_bytes = static_cast<int64_t>(zk_grad_stats_workspace_bytes(n));
+  at::Tensor workspace = at::empty({ws_bytes}, grad.options().dtype(at::kByte));
+  const cudaError_t err =
+      zk_grad_stats_launch(grad.data_ptr(), zk_dtype_of(grad), n, found_inf.data_ptr(),
+                           zk_dtype_of(found_inf), sumsq.data_ptr(), zk_dtype_of(sumsq),
+                           workspace.data_ptr(), stream);
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zerokern CUDA kernels (fused Adam/AdamW step, gradient statistics)";
+  m.def("adam_step", &adam_step,
+        "Fused Adam/AdamW step on flat fp32 shards; writes nothing when found_inf is set; "
+        "then step += 1 unless found_inf. hp (float64[5] on device: lr, beta1, beta2, eps, "
+        "weight_decay) replaces the float arguments when given.",
+        py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
+        py::arg("param_out"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adamw"), py::arg("step"), py::arg("grad_scale"),
+        py::arg("found_inf"), py::arg("hp") = py::none());
+  m.def("grad_stats", &grad_stats,
+        "found_inf |= any(!isfinite(grad)); sumsq += sum(float(grad)^2), deterministic.",
+        py::arg("grad"), py::arg("found_inf"), py::arg("sumsq"));
+}

@@ -1,0 +1,99 @@
+"""Collectives as thin wrappers over torch.distributed, counting the bytes each rank sends.
+
+Bytes follow the ring algorithms (DESIGN §5), applied to the tensors really passed, padding
+included: all-reduce sends 2(N-1)/N of the buffer, reduce-scatter (N-1)/N of its input,
+all-gather (N-1)/N of its output. With one rank, or no process group at all, every op is a local
+copy or a no-op and nothing is counted as sent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Done:
+    """Handle of an op that already completed (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class CommStats:
+    """Bytes sent and calls made per collective since the last reset."""
+
+    def __init__(self) -> None:
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def as_dict(self) -> dict:
+        kinds = ("all_reduce", "reduce_scatter", "all_gather")
+        out = {k: int(self.bytes[k]) for k in kinds}
+        out["total"] = sum(out.values())
+        out["calls"] = {k: int(self.calls[k]) for k in kinds}
+        return out
+
+
+class Comm:
+    """The process group a ZeroAdamW runs over; world size 1 without init_process_group."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError("process_group must be a torch.distributed.ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
+        if dist.is_available() and dist.is_initialized():
+            self.group = process_group or dist.group.WORLD
+            self.world_size = dist.get_world_size(self.group)
+            self.rank = dist.get_rank(self.group)
+        elif process_group is not None:
+            raise ValueError("process_group given but torch.distributed is not initialized")
+        else:
+            self.group, self.world_size, self.rank = None, 1, 0
+        self.stats = CommStats()
+
+    def _frac(self) -> float:
+        return (self.world_size - 1) / self.world_size
+
+    def all_reduce_(self, t: torch.Tensor, op=None, async_op: bool = False):
+        if self.world_size == 1:
+            return _Done()
+        self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()))
+        return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
+                               async_op=async_op) or _Done()
+
+    def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """out (n) = sum over ranks of inp[rank*n:(rank+1)*n]; inp has world_size*n elements."""
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return _Done()
+        self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
+        return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
+
+    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """out[rank*n:(rank+1)*n] = inp of each rank; inp may be that slice of out (in place)."""
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return _Done()
+        self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()))
+        return _all_gather(out, inp, group=self.group, async_op=async_op) or _Done()

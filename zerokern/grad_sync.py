@@ -1,0 +1,238 @@
+"""Gradient paths per stage: where grads accumulate and when they are reduced (DESIGN §2).
+
+- FullGrads (stages 0 and 1): `p.grad` are views into one full flat grad buffer, so autograd
+  accumulates straight into it. At `step()` each bucket is all-reduced (stage 0) or
+  reduce-scattered (stage 1) into a grad shard that lives only for the step.
+- BucketedGrads (stage 2): a post-accumulate-grad hook copies each grad into its bucket's staging
+  buffer and drops `p.grad`; a full bucket is reduce-scattered at once (async, so it overlaps the
+  rest of backward) into this rank's grad shard. Only the shard and a few staging buckets are
+  held.
+
+[Note: collective order]
+Every rank must issue the same collectives in the same order or NCCL/gloo hang. Buckets are
+therefore launched in one fixed order (reverse param order, the order grads arrive in, as DDP
+does); a bucket that fills early waits for its turn, and the end-of-backward callback flushes
+what is left, so params without a grad on some rank cannot reorder anything.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.autograd import Variable
+
+from .comm import Comm
+from .flat_group import FlatGroup
+
+# At most this many stage-2 reduce-scatters in flight before the oldest is waited for: two
+# overlap communication with the next bucket's backward; more only hold staging memory.
+MAX_IN_FLIGHT = 2
+
+
+class GradSync:
+    """Base: hook bookkeeping shared by all stages."""
+
+    def __init__(self, groups: List[FlatGroup], comm: Comm, reduce_dtype: torch.dtype) -> None:
+        self.groups = groups
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.micro_steps = 0          # backward passes since zero_grad (host int, no sync)
+        self._callback_queued = False
+        self._hooks = []
+        for gi, g in enumerate(groups):
+            for i, p in enumerate(g.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, gi=gi, i=i: self._on_grad(gi, i, p)))
+
+    def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+        self.on_grad(gi, i, p)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.end_backward()
+        self.micro_steps += 1
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # stage behaviour -----------------------------------------------------------------------
+    def on_grad(self, gi: int, i: int, p: torch.Tensor) -> None: ...
+    def end_backward(self) -> None: ...
+    def reduce(self) -> None:
+        """Called at step(): after it, grad_piece() holds the reduced (summed) grads."""
+    def grad_piece(self, gi: int, k: int) -> torch.Tensor: ...
+    def release(self) -> None:
+        """Called after the update: drop per-step buffers."""
+    def zero_grad(self) -> None:
+        self.micro_steps = 0
+    def held(self) -> Dict[str, List[torch.Tensor]]:
+        return {}
+
+
+class FullGrads(GradSync):
+    """Stages 0 and 1: full grad buffer, reduced at step()."""
+
+    def __init__(self, groups, comm, reduce_dtype, stage: int) -> None:
+        self.stage = stage
+        self.grads = [torch.zeros_like(g.flat) for g in groups]  # (E,) model dtype
+        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
+                       for g, buf in zip(groups, self.grads)]
+        self._reduced: List[Optional[torch.Tensor]] = [None] * len(groups)
+        super().__init__(groups, comm, reduce_dtype)
+        self._attach()
+
+    def _attach(self) -> None:
+        for g, views in zip(self.groups, self._views):
+            for p, v in zip(g.params, views):
+                p.grad = v
+
+    def on_grad(self, gi, i, p) -> None:
+        view = self._views[gi][i]
+        if p.grad is not view:  # grads were set to None (e.g. model.zero_grad()): re-adopt
+            view.copy_(p.grad)
+            p.grad = view
+
+    def reduce(self) -> None:
+        handles = []
+        for gi, (g, buf) in enumerate(zip(self.groups, self.grads)):
+            src = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+            if self.stage == 0:
+                out = src if src is not buf else src  # all-reduce in place
+                for k in range(g.layout.n_buckets):
+                    handles.append(self.comm.all_reduce_(g.bucket(out, k), async_op=True))
+            else:
+                # gloo corrupts an in-place reduce-scatter (output aliasing the input), so the
+                # result goes to a shard buffer that lives only for this step.
+                out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=g.device)
+                for k in range(g.layout.n_buckets):
+                    handles.append(self.comm.reduce_scatter_(
+                        out[g.state_slice(k)], g.bucket(src, k), async_op=True))
+            self._reduced[gi] = out
+        for h in handles:
+            h.wait()
+
+    def grad_piece(self, gi, k) -> torch.Tensor:
+        g, out = self.groups[gi], self._reduced[gi]
+        return g.bucket(out, k) if self.stage == 0 else out[g.state_slice(k)]
+
+    def release(self) -> None:
+        self._reduced = [None] * len(self.groups)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for buf in self.grads:
+            buf.zero_()
+        self._attach()
+
+    def held(self):
+        return {"grads": list(self.grads)}
+
+
+class BucketedGrads(GradSync):
+    """Stage 2: bucketed reduce-scatter during backward into a grad shard."""
+
+    def __init__(self, groups, comm, reduce_dtype, param_order: Dict[int, int]) -> None:
+        self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
+                            for g in groups]  # (S,) reduce dtype
+        self._overlap_count = [[len(g.layout.overlaps(*g.layout.bucket_range(k)))
+                                for k in range(g.layout.n_buckets)] for g in groups]
+        # Fixed launch order (see the Note): buckets whose first param comes last go first.
+        key = []
+        for gi, g in enumerate(groups):
+            for k in range(g.layout.n_buckets):
+                ov = g.layout.overlaps(*g.layout.bucket_range(k))
+                first = min((param_order[id(g.params[i])] for i, _, _ in ov), default=-1)
+                key.append((first, gi, k))
+        self.order: List[Tuple[int, int]] = [(gi, k) for _, gi, k in sorted(key, reverse=True)]
+        self.bucket_numel = max(g.layout.bucket_numel for g in groups)
+        self._pool: List[torch.Tensor] = []
+        self.staging_allocated = 0    # staging buffers ever allocated (bounded, see MAX_IN_FLIGHT)
+        self._fresh = True            # first backward since zero_grad: write the shard directly
+        super().__init__(groups, comm, reduce_dtype)
+        self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        self._pending = [list(c) for c in self._overlap_count]
+        self._staging: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._next = 0                # index into self.order of the next bucket to launch
+        self._in_flight: List[tuple] = []
+
+    def _acquire(self, gi: int, k: int) -> torch.Tensor:
+        if (gi, k) not in self._staging:
+            while len(self._in_flight) >= MAX_IN_FLIGHT and not self._pool:
+                self._complete_oldest()
+            if self._pool:
+                buf = self._pool.pop()
+            else:
+                buf = torch.empty(self.bucket_numel, dtype=self.reduce_dtype,
+                                  device=self.groups[gi].device)
+                self.staging_allocated += 1
+            lo, hi = self.groups[gi].layout.bucket_range(k)
+            view = buf[:hi - lo]
+            view.zero_()  # params without a grad this backward, and padding, contribute 0
+            self._staging[(gi, k)] = view
+        return self._staging[(gi, k)]
+
+    def on_grad(self, gi, i, p) -> None:
+        g = self.groups[gi]
+        s = g.layout.slots[i]
+        flat_grad = p.grad.reshape(-1)
+        for k in g.layout.buckets_of_slot(i):
+            if self._pending[gi][k] <= 0 or (gi, k) in self._launched():
+                raise RuntimeError(
+                    "zerokern stage 2: a parameter's gradient arrived twice in one backward after "
+                    "its bucket was sent (reentrant checkpointing?); use "
+                    "torch.utils.checkpoint(..., use_reentrant=False) or stage=1")
+            lo, hi = g.layout.bucket_range(k)
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            self._acquire(gi, k)[a - lo:b - lo].copy_(flat_grad[a - s.offset:b - s.offset])
+            self._pending[gi][k] -= 1
+        p.grad = None
+        self._launch_ready(flush=False)
+
+    def _launched(self):
+        return set(self.order[:self._next])
+
+    def _launch_ready(self, flush: bool) -> None:
+        while self._next < len(self.order):
+            gi, k = self.order[self._next]
+            if not flush and self._pending[gi][k] > 0:
+                return
+            g = self.groups[gi]
+            staging = self._acquire(gi, k)
+            shard = self.grad_shards[gi][g.state_slice(k)]
+            # Accumulation (DESIGN §2): the first backward writes the shard, later ones add.
+            out = shard if self._fresh else torch.empty_like(shard)
+            h = self.comm.reduce_scatter_(out, staging, async_op=True)
+            self._in_flight.append((h, (gi, k), out if out is not shard else None, shard))
+            self._next += 1
+
+    def _complete_oldest(self) -> None:
+        h, key, tmp, shard = self._in_flight.pop(0)
+        h.wait()
+        if tmp is not None:
+            shard.add_(tmp)
+        self._pool.append(self._staging.pop(key)._base)
+
+    def end_backward(self) -> None:
+        self._launch_ready(flush=True)
+        while self._in_flight:
+            self._complete_oldest()
+        self._fresh = False
+        self._reset_backward()
+
+    def grad_piece(self, gi, k) -> torch.Tensor:
+        return self.grad_shards[gi][self.groups[gi].state_slice(k)]
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._fresh = True  # every shard piece is overwritten by the next backward's flush
+
+    def held(self):
+        return {"grads": list(self.grad_shards), "buckets": list(self._pool)}

@@ -1,0 +1,101 @@
+"""Model-state memory per rank: measured from the buffers held, and the DESIGN §4 formula.
+
+`memory_report` sums the storages the optimizer really holds (so it is a measurement, not the
+formula restated); `estimate_memory` is the formula. They agree within the bucket and padding
+terms, which the report lists separately.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+_CATS = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "padding")
+
+
+def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
+                    offload: Optional[str] = None, reduce_bytes: Optional[int] = None
+                    ) -> Dict[str, int]:
+    """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
+
+    Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
+    offload="cpu" the optimizer column is reported as host bytes and left out of `total`.
+    """
+    if not isinstance(num_params, int) or num_params < 1:
+        raise ValueError(f"num_params must be a positive int, got {num_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    if precision not in _ELEM:
+        raise ValueError(f"precision must be one of {tuple(_ELEM)}, got {precision!r}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    psi, n, e = num_params, world_size, _ELEM[precision]
+    g = reduce_bytes or e
+    state = psi if stage == 0 else psi / n
+    out = {
+        "params": e * (psi / n if stage == 3 else psi),
+        "grads": g * psi if stage <= 1 else g * psi / n,
+        "master": 0 if precision == "fp32" else 4 * state,
+        "exp_avg": 4 * state,
+        "exp_avg_sq": 4 * state,
+    }
+    out["optimizer"] = out["master"] + out["exp_avg"] + out["exp_avg_sq"]
+    out = {k: int(round(v)) for k, v in out.items()}
+    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
+    out["host"] = out["optimizer"] if offload else 0
+    return out
+
+
+def _pad_in_range(lo: int, hi: int, numel: int) -> int:
+    """Padding elements (index >= numel) inside flat range [lo, hi)."""
+    return max(0, hi - max(lo, numel))
+
+
+def _buffers(opt):
+    """(category, tensor, padding elements in it) for every buffer the optimizer holds."""
+    held = opt.grad_sync.held()
+    for gi, g in enumerate(opt.flat_groups):
+        L = g.layout
+        state_ranges = [L.bucket_range(k) if opt.stage == 0 else L.piece_range(k, opt.comm.rank)
+                        for k in range(L.n_buckets)]
+        state_pad = sum(_pad_in_range(lo, hi, L.numel) for lo, hi in state_ranges)
+        yield "params", g.flat, L.padding
+        for cat, t in (("master", g.master), ("exp_avg", g.exp_avg),
+                       ("exp_avg_sq", g.exp_avg_sq)):
+            if t is not None:
+                yield cat, t, state_pad
+        grads = held["grads"][gi]
+        yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
+    for t in held.get("buckets", []):
+        yield "buckets", t, 0
+
+
+def memory_report(opt) -> Dict[str, Any]:
+    """Measured bytes per category for a ZeroAdamW, the formula, and the allowed slack.
+
+    Each category counts the storage bytes of the buffers really held, less their padding,
+    which is reported on its own line; measured_total is the sum of all of them.
+    """
+    meas = dict.fromkeys(_CATS, 0)
+    seen = set()
+    for cat, t, pad in _buffers(opt):
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        pad_bytes = pad * t.element_size()
+        meas[cat] += st.nbytes() - pad_bytes
+        meas["padding"] += pad_bytes
+    psi = sum(g.layout.numel for g in opt.flat_groups)
+    reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
+    formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
+                              reduce_bytes=reduce_bytes)
+    return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,
+            "formula_total": formula["total"],
+            "allowed_slack": meas["buckets"] + meas["padding"],
+            "num_params": psi, "world_size": opt.comm.world_size, "stage": opt.stage,
+            "precision": opt.precision}

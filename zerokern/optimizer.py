@@ -1,0 +1,307 @@
+"""ZeroAdamW: ZeRO stages 0-2 over flat shard buffers with the fused kernels (DESIGN §1-§5).
+
+The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in `partition`,
+the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
+
+[Note: one optimizer step, without a host sync]
+1. `grad_sync.reduce()` completes the gradient reduction (stage 2 already did it in backward).
+2. `grad_stats_` over this rank's grads -> found_inf, sumsq, in one small fp32 tensor; one
+   all-reduce (SUM) combines it across ranks (stages 1-2; at stage 0 every rank has all grads).
+3. On the device: unscale = 1/(loss_scale * world_size * micro_steps), the global norm, the clip
+   coefficient, grad_scale = unscale * clip.
+4. `adam_step_` per bucket: master, moments and the 16-bit cast-back in one pass; skipped
+   bitwise when found_inf.
+5. All-gather the updated 16-bit pieces in place (stages 1-2), then update the loss scale.
+Nothing reads a device value on the host: every branch is on host state (stage, micro-steps).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+import torch
+
+from . import kernels
+from .comm import Comm
+from .flat_group import FlatGroup
+from .grad_sync import BucketedGrads, FullGrads, GradSync
+from .loss_scale import make_loss_scaler
+from .memory import memory_report
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
+    sfx = f" (in {where})" if where else ""
+    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)) \
+            or (not isinstance(lr, torch.Tensor) and not (0.0 <= lr < math.inf)):
+        raise ValueError(f"lr must be a finite number >= 0{sfx}, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be a pair of numbers in [0, 1){sfx}, got {betas!r}")
+    if not (isinstance(eps, numbers.Real) and 0.0 < eps < math.inf):
+        raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
+    if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
+        raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
+
+
+class ZeroAdamW(torch.optim.Optimizer):
+    """AdamW with ZeRO sharding: a drop-in replacement for `torch.optim.AdamW`.
+
+    Args:
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
+        adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).
+        stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads.
+        precision: "fp32" | "bf16" | "fp16", the dtype of params and grads. The model's params
+            are cast in place; fp32 masters keep the original values.
+        loss_scale: fp16: "dynamic", a float (static) or a dict of DynamicLossScaler options.
+            bf16/fp32: 1.0 unless a float is given.
+        max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
+        offload: None (the "cpu" offload arrives with its own issue).
+        bucket_mb: communication bucket size in MiB.
+        reduce_dtype: gradient communication dtype; default the precision dtype.
+        process_group: torch.distributed group; default WORLD, or world size 1 without one.
+        backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
+
+    Gradients are averaged over ranks and over the backward passes since `zero_grad()`, as
+    DDP and DeepSpeed do: with accumulation, backward the per-micro-batch mean loss.
+    """
+
+    def __init__(
+        self,
+        params_or_model: Union[torch.nn.Module, Iterable],
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        adamw: bool = True,
+        stage: int = 2,
+        precision: str = "bf16",
+        loss_scale: Any = "dynamic",
+        max_grad_norm: Optional[float] = None,
+        offload: Optional[str] = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: Optional[torch.dtype] = None,
+        process_group=None,
+        backend: str = "auto",
+    ) -> None:
+        # ---- validate everything before touching the model --------------------------------
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+        if stage == 3:
+            if not isinstance(params_or_model, torch.nn.Module):
+                raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
+                                 "params: it partitions params per module unit")
+            raise NotImplementedError("stage=3 is not implemented yet (it arrives with its own "
+                                      "issue); use stage=2")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        if offload is not None:
+            if offload != "cpu":
+                raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+            raise NotImplementedError("offload='cpu' is not implemented yet; use offload=None")
+        if not isinstance(adamw, bool):
+            raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
+                                              and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be None or a finite number > 0, "
+                             f"got {max_grad_norm!r}")
+        if not (isinstance(bucket_mb, numbers.Real) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if reduce_dtype is not None and reduce_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
+                            f"got {reduce_dtype!r}")
+        kernels.validate.check_backend(backend)
+        _check_hyper(lr, betas, eps, weight_decay)
+        dtype = PRECISIONS[precision]
+        params = params_or_model.parameters() if isinstance(params_or_model, torch.nn.Module) \
+            else params_or_model
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        adamw=adamw)
+        super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
+        trainable = self._check_groups(dtype)
+        comm = Comm(process_group)
+        scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
+
+        # ---- now change the model --------------------------------------------------------
+        self.stage, self.precision, self.dtype = stage, precision, dtype
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.backend = backend
+        self.comm = comm
+        self.scaler = scaler
+        self.reduce_dtype = reduce_dtype or dtype
+        for group, ps in zip(self.param_groups, trainable):
+            group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
+        self.flat_groups: List[FlatGroup] = [
+            FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
+            for ps in trainable]
+        order = {id(p): i for i, p in enumerate(p for ps in trainable for p in ps)}
+        self.grad_sync: GradSync = (
+            BucketedGrads(self.flat_groups, comm, self.reduce_dtype, order) if stage == 2
+            else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+        dev = self.flat_groups[0].device
+        self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
+        self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
+
+    def _check_groups(self, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
+        seen, out, device = set(), [], None
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                         where=f"param group {gi}")
+            ps = []
+            for p in group["params"]:
+                if not p.requires_grad or id(p) in seen:
+                    continue  # frozen params are not optimized; a tied param is stored once
+                seen.add(id(p))
+                if p.is_sparse or p.layout != torch.strided:
+                    raise ValueError(f"params must be dense tensors; param group {gi} has "
+                                     f"layout {p.layout}")
+                if p.dtype not in _FLOAT_DTYPES:
+                    raise TypeError(f"params must be fp32/bf16/fp16; param group {gi} has "
+                                    f"{p.dtype}")
+                if dtype == torch.float32 and p.dtype != torch.float32:
+                    raise TypeError(f"precision='fp32' cannot hold a {p.dtype} param (param "
+                                    "group {gi}); use precision='bf16'/'fp16' or cast the model")
+                if device is None:
+                    device = p.device
+                elif p.device != device:
+                    raise ValueError(f"all params must be on one device; found {device} and "
+                                     f"{p.device}")
+                ps.append(p)
+            out.append(ps)
+        if not any(out):
+            raise ValueError("params_or_model has no trainable parameters (requires_grad=True)")
+        if not all(out):
+            empty = [i for i, ps in enumerate(out) if not ps]
+            raise ValueError(f"param groups {empty} have no trainable parameters")
+        return out
+
+    # ---- training loop API -----------------------------------------------------------------
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        """0-d device tensor: the loss scale used by the last/next backward."""
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss-scaled backward; plain loss.backward() is fine for bf16/fp32."""
+        (loss * self.scaler.scale).backward(**kwargs) if self.precision == "fp16" \
+            else loss.backward(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat grad buffers (set_to_none is accepted for API compatibility)."""
+        self.grad_sync.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        micro = self.grad_sync.micro_steps
+        if micro == 0:
+            raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
+                               "run loss.backward() (or opt.backward(loss)) first")
+        gs = self.grad_sync
+        gs.reduce()
+        stats = self._stats
+        stats.zero_()
+        found, sumsq = stats[0], stats[1]
+        for gi, g in enumerate(self.flat_groups):
+            for k in range(g.layout.n_buckets):
+                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
+        if self.stage > 0:
+            self.comm.all_reduce_(stats)
+        # Device scalars (DESIGN §2 step 3).
+        unscale = (self.scaler.scale * float(self.comm.world_size * micro)).reciprocal()
+        torch.mul(sumsq.sqrt(), unscale, out=self.grad_norm)
+        if self.max_grad_norm is not None:
+            clip = (self.max_grad_norm / (self.grad_norm + 1e-6)).clamp_(max=1.0)
+            grad_scale = unscale * clip
+        else:
+            grad_scale = unscale
+        for gi, (group, g) in enumerate(zip(self.param_groups, self.flat_groups)):
+            b1, b2 = group["betas"]
+            for k in range(g.layout.n_buckets):
+                m, v = g.moments(k)
+                kernels.adam_step_(
+                    g.master_piece(k), m, v, gs.grad_piece(gi, k), g.param_out_piece(k),
+                    lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw=group["adamw"],
+                    step=g.steps[k], grad_scale=grad_scale, found_inf=found,
+                    backend=self.backend)
+        gs.release()
+        if self.stage > 0:
+            # In place: each rank's piece of the flat buffer already holds its update.
+            handles = [self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k),
+                                             async_op=True)
+                       for g in self.flat_groups for k in range(g.layout.n_buckets)]
+            for h in handles:
+                h.wait()
+        torch.gt(found, 0, out=self.step_skipped)
+        self.scaler.update_(self.step_skipped)
+        return loss
+
+    # ---- introspection ---------------------------------------------------------------------
+    def memory_report(self) -> Dict[str, Any]:
+        """Bytes held per category on this rank, with the DESIGN §4 formula beside them."""
+        return memory_report(self)
+
+    def comm_stats(self, reset: bool = False) -> Dict[str, Any]:
+        """Bytes sent per collective type by this rank since the last reset."""
+        out = self.comm.stats.as_dict()
+        if reset:
+            self.comm.stats.reset()
+        return out
+
+    def reset_comm_stats(self) -> None:
+        self.comm.stats.reset()
+
+    @contextmanager
+    def gathered_params(self):
+        """Full params are always resident at stages 0-2; a no-op context for API parity."""
+        yield
+
+    # ---- state -----------------------------------------------------------------------------
+    def _meta(self) -> Dict[str, Any]:
+        return {"stage": self.stage, "precision": self.precision,
+                "world_size": self.comm.world_size, "rank": self.comm.rank,
+                "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
+                             [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's shard: moments, masters, step counters, scaler, hyperparameters."""
+        groups = [{k: v for k, v in group.items() if k != "params"}
+                  for group in self.param_groups]
+        return {"zero": self._meta(),
+                "state": [{k: t.detach().clone() for k, t in g.state_tensors().items()}
+                          for g in self.flat_groups],
+                "param_groups": groups,
+                "loss_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a `state_dict()` of the same model, stage, precision, world size and rank."""
+        if not isinstance(state_dict, dict) or "zero" not in state_dict:
+            raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
+                             "use zerokern.checkpoint to reshard across layouts")
+        meta, mine = state_dict["zero"], self._meta()
+        for key in ("stage", "precision", "world_size", "rank", "layouts"):
+            if meta.get(key) != mine[key]:
+                raise ValueError(f"state_dict {key} {meta.get(key)!r} does not match this "
+                                 f"optimizer's {mine[key]!r}")
+        states, groups = state_dict["state"], state_dict["param_groups"]
+        for g, st in zip(self.flat_groups, states):
+            for k, t in g.state_tensors().items():
+                if k not in st or st[k].shape != t.shape or st[k].dtype != t.dtype:
+                    raise ValueError(f"state_dict entry {k!r} is missing or mis-shaped")
+        for g, st in zip(self.flat_groups, states):  # all checked: now write
+            for k, t in g.state_tensors().items():
+                t.copy_(st[k])
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.scaler.load_state_dict(state_dict["loss_scaler"])
