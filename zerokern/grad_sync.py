@@ -103,7 +103,7 @@ class FullGrads(GradSync):
         for gi, (g, buf) in enumerate(zip(self.groups, self.grads)):
             src = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
             if self.stage == 0:
-                out = src if src is not buf else src  # all-reduce in place
+                out = src  # all-reduce in place
                 for k in range(g.layout.n_buckets):
                     handles.append(self.comm.all_reduce_(g.bucket(out, k), async_op=True))
             else:

@@ -144,10 +144,18 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.grad_sync: GradSync = (
             BucketedGrads(self.flat_groups, comm, self.reduce_dtype, order) if stage == 2
             else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+        self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise NotImplementedError("ZeroAdamW cannot add param groups after construction: "
+                                      "the flat buffers are laid out once; pass all groups "
+                                      "to the constructor")
+        super().add_param_group(param_group)
 
     def _check_groups(self, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
         seen, out, device = set(), [], None

@@ -131,7 +131,7 @@ def _adam_step_kernel(
 
 @triton.jit
 def _advance_step_kernel(step_ptr, found_inf_ptr):
-    """step += 1 unless found_inf: a separate launch, after every program of the step has read it."""
+    """step += 1 unless found_inf: a separate launch, after every program has read step."""
     keep = tl.load(found_inf_ptr) == 0
     s = tl.load(step_ptr)
     tl.store(step_ptr, tl.where(keep, s + 1, s))

@@ -26,7 +26,8 @@ def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_buffer(name: str, t, dtypes, device: Optional[torch.device], numel: Optional[int]) -> None:
+def check_buffer(name: str, t, dtypes, device: Optional[torch.device],
+                 numel: Optional[int]) -> None:
     """A flat data buffer: a dense contiguous tensor of an allowed dtype, device and size."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -1,0 +1,267 @@
+"""Whole training-step benchmark: zerokern stages vs DDP + fused AdamW vs ZeroRedundancyOptimizer.
+
+Every provider trains its own copy of the same GPT (same init, same data) inside one gloo
+process group, interleaved round-robin per repetition so machine noise hits all alike
+(`common` [Note: how a repetition is timed]). A repetition is one iteration: forward, backward,
+optimizer step, zero_grad; stage 2 reduces during backward, DDP too, so the whole iteration is
+the fair unit. `step_ms` times the optimizer step alone. Times are the max over ranks.
+
+Per-rank model-state memory is measured from the tensors each provider holds (params, grads,
+optimizer state; DDP with gradient_as_bucket_view so its buckets are the grads), and for
+zerokern checked against the DESIGN §4 formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import common
+
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _storages(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _torch_state_bytes(model: torch.nn.Module, opt) -> int:
+    ps = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if hasattr(opt, "optim"):  # ZeroRedundancyOptimizer wraps a local optimizer
+        state = [v for s in opt.optim.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+    return _storages(ps) + _storages(p.grad for p in ps) + _storages(state)
+
+
+def _make_providers(args, rank: int, world: int):
+    """name -> (iteration fn, step-only fn, memory fn, model)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zerokern as zk
+
+    from ..gpt import build_gpt
+
+    hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    cfg = build_gpt(args.model_size).config
+    data = [torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=gen)
+            for _ in range(4)]
+    provs: Dict[str, tuple] = {}
+
+    def iteration(model, opt, fwd_model=None, mem_probe=None):
+        it = iter(range(1 << 30))
+
+        def run():
+            x = data[next(it) % len(data)]
+            loss = model.loss(x[:, :-1], x[:, 1:]) if fwd_model is None \
+                else _ddp_loss(fwd_model, x)
+            loss.backward()
+            if mem_probe is not None:  # torch frees grads in zero_grad: measure them here
+                mem_probe()
+            opt.step()
+            opt.zero_grad()
+        return run
+
+    def torch_probe(model, opt):
+        box = {}
+
+        def probe():
+            box["bytes"] = max(box.get("bytes", 0), _torch_state_bytes(model, opt))
+        return probe, box
+
+    for stage in args.stages:
+        m = build_gpt(args.model_size)
+        opt = zk.ZeroAdamW(m, stage=stage, precision=args.precision, backend=args.backend,
+                           bucket_mb=args.bucket_mb, **hp)
+        provs[f"zerokern s{stage}"] = (iteration(m, opt), opt,
+                                       lambda opt=opt: opt.memory_report(), m)
+    if args.peers:
+        m = build_gpt(args.model_size)
+        ddp = DDP(m, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+        opt = torch.optim.AdamW(m.parameters(), fused=True, **hp)
+        probe, box = torch_probe(m, opt)
+        provs["DDP + AdamW(fused)"] = (iteration(m, opt, ddp, probe), opt,
+                                       lambda box=box: box["bytes"], m)
+        m = build_gpt(args.model_size)
+        ddp = DDP(m, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW,
+                                      fused=True, **hp)
+        probe, box = torch_probe(m, opt)
+        provs["DDP + ZeroRedundancyOptimizer"] = (iteration(m, opt, ddp, probe), opt,
+                                                  lambda box=box: box["bytes"], m)
+    return provs
+
+
+def _ddp_loss(ddp, x):
+    logits = ddp(x[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             x[:, 1:].reshape(-1))
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, common.usable_cpus() // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        provs = _make_providers(args, rank, world)
+        iters: Dict[str, List[float]] = {n: [] for n in provs}
+        names = list(provs)
+        for rep in range(args.warmup + args.reps):
+            for i in range(len(names)):
+                name = names[(i + rep) % len(names)]
+                dist.barrier()
+                t0 = time.perf_counter()
+                provs[name][0]()
+                dt = torch.tensor((time.perf_counter() - t0) * 1e3)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if rep >= args.warmup:
+                    iters[name].append(float(dt))
+        # Optimizer step alone: backward once, then time repeated steps (same work per step).
+        steps: Dict[str, List[float]] = {}
+        for name, (_, opt, _, model) in provs.items():
+            steps[name] = []
+            for _ in range(max(3, args.reps // 2)):
+                x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1))
+                (model.loss(x[:, :-1], x[:, 1:])).backward() if name.startswith("zerokern") \
+                    else None
+                if not name.startswith("zerokern"):
+                    continue  # peers' step without DDP's backward reduction is not comparable
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.step()
+                dt = torch.tensor((time.perf_counter() - t0) * 1e3)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                steps[name].append(float(dt))
+                opt.zero_grad()
+        mem = {name: p[2]() for name, p in provs.items()}
+        if rank == 0:
+            queue.put({"iters": iters, "steps": steps, "mem": mem,
+                       "params": sum(p.numel() for p in next(iter(provs.values()))[3]
+                                     .parameters())})
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="zerokern bench --step", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument("--model-size", default="20m", choices=["tiny", "small", "20m", "100m"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="zerokern precision (peers run fp32)")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-peers", dest="peers", action="store_false")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--quick", action="store_true", help="tiny model, 3 reps (for tests)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16
+    if a.nproc < 1 or a.reps < 1 or a.batch < 1 or a.seq < 1:
+        p.error("--nproc, --reps, --batch and --seq must be >= 1")
+    return a
+
+
+def main(argv: List[str]) -> int:
+    args = parse_args(argv)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue))
+             for r in range(args.nproc)]
+    for pr in procs:
+        pr.start()
+    res = queue.get(timeout=3600)
+    for pr in procs:
+        pr.join()
+    if any(pr.exitcode for pr in procs):
+        raise SystemExit("a benchmark rank failed")
+    return report(args, res)
+
+
+def report(args, res) -> int:
+    env = common.environment(torch.device("cpu"))
+    env.update(world_size=args.nproc, backend="gloo", model_size=args.model_size,
+               params=res["params"], batch=args.batch, seq=args.seq, precision=args.precision)
+    base = common.summarize(res["iters"]["DDP + AdamW(fused)"])["median_ms"] \
+        if "DDP + AdamW(fused)" in res["iters"] else None
+    rows = []
+    for name, ms in res["iters"].items():
+        s = common.summarize(ms)
+        mem = res["mem"][name]
+        row = {"provider": name, "iter_ms": s["median_ms"], "p20_ms": s["p20_ms"],
+               "p80_ms": s["p80_ms"], "vs_ddp": (s["median_ms"] / base) if base else None}
+        if res["steps"].get(name):
+            row["step_ms"] = common.summarize(res["steps"][name])["median_ms"]
+        if isinstance(mem, dict):
+            # Model states (params, grads, optimizer, padding); staging buckets are
+            # communication buffers ("residual states" in the ZeRO paper), shown apart.
+            states = mem["measured_total"] - mem["measured"]["buckets"]
+            row["state_MiB"] = states / 2**20
+            row["buckets_MiB"] = mem["measured"]["buckets"] / 2**20
+            row["formula_MiB"] = mem["formula_total"] / 2**20
+            row["vs_formula"] = states / mem["formula_total"]
+            row["memory_report"] = mem
+        else:
+            row["state_MiB"] = mem / 2**20
+        rows.append(row)
+    cols = [("provider", "provider"), ("iter_ms", "iter ms (median)"), ("p20_ms", "p20"),
+            ("p80_ms", "p80"), ("vs_ddp", "× DDP"), ("step_ms", "step ms"),
+            ("state_MiB", "model states MiB/rank"), ("buckets_MiB", "buckets MiB"),
+            ("formula_MiB", "formula MiB"),
+            ("vs_formula", "meas/formula")]
+    title = (f"step benchmark: GPT {args.model_size} ({res['params'] / 1e6:.1f}M params), "
+             f"{args.nproc} gloo ranks, zerokern {args.precision}, peers fp32")
+    common.print_table(rows, cols, title)
+    targets = []
+    by = {r["provider"]: r for r in rows}
+    if "zerokern s2" in by:
+        r = by["zerokern s2"]
+        ok = abs(r["vs_formula"] - 1) <= 0.02
+        targets.append(("stage 2 per-rank model-state bytes within 2% of the formula",
+                        f"{r['vs_formula']:.3f}×", ok))
+    for s in (1, 2):
+        if f"zerokern s{s}" in by and base:
+            v = by[f"zerokern s{s}"]["vs_ddp"]
+            targets.append((f"stage {s} iteration ≤ 1.0× DDP + fused AdamW", f"{v:.2f}×", v <= 1.0))
+    for t, v, ok in targets:
+        print(f"[{'PASS' if ok else 'MISS'}] {t}: {v}")
+    stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}"
+    common.write_json(args.out / f"{stem}.json",
+                      {"env": env, "rows": rows, "raw": res,
+                       "targets": [{"target": t, "value": v, "pass": ok}
+                                   for t, v, ok in targets]})
+    md = [f"# {title}", "", common.markdown_env(env), "",
+          common.markdown_table([{k: v for k, v in r.items() if k != "memory_report"}
+                                 for r in rows], cols), "",
+          *[f"- [{'PASS' if ok else 'MISS'}] {t}: {v}" for t, v, ok in targets], ""]
+    common.write_text(args.out / f"{stem}.md", "\n".join(md))
+    return 0
