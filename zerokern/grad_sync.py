@@ -64,8 +64,12 @@ class GradSync:
     # stage behaviour -----------------------------------------------------------------------
     def on_grad(self, gi: int, i: int, p: torch.Tensor) -> None: ...
     def end_backward(self) -> None: ...
-    def reduce(self) -> None:
-        """Called at step(): after it, grad_piece() holds the reduced (summed) grads."""
+    def reduce(self):
+        """Called at step(): yields (group, bucket) as each bucket's reduced (summed) grads
+        are ready in grad_piece(), so the caller can work on one while others are in flight."""
+        for gi, g in enumerate(self.groups):
+            for k in range(g.layout.n_buckets):
+                yield gi, k
     def grad_piece(self, gi: int, k: int) -> torch.Tensor: ...
     def release(self) -> None:
         """Called after the update: drop per-step buffers."""
@@ -98,24 +102,26 @@ class FullGrads(GradSync):
             view.copy_(p.grad)
             p.grad = view
 
-    def reduce(self) -> None:
+    def reduce(self):
         handles = []
         for gi, (g, buf) in enumerate(zip(self.groups, self.grads)):
             src = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
             if self.stage == 0:
                 out = src  # all-reduce in place
                 for k in range(g.layout.n_buckets):
-                    handles.append(self.comm.all_reduce_(g.bucket(out, k), async_op=True))
+                    handles.append((gi, k, self.comm.all_reduce_(g.bucket(out, k),
+                                                                 async_op=True)))
             else:
                 # gloo corrupts an in-place reduce-scatter (output aliasing the input), so the
                 # result goes to a shard buffer that lives only for this step.
                 out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=g.device)
                 for k in range(g.layout.n_buckets):
-                    handles.append(self.comm.reduce_scatter_(
-                        out[g.state_slice(k)], g.bucket(src, k), async_op=True))
+                    handles.append((gi, k, self.comm.reduce_scatter_(
+                        out[g.state_slice(k)], g.bucket(src, k), async_op=True)))
             self._reduced[gi] = out
-        for h in handles:
+        for gi, k, h in handles:  # in launch order: bucket k is ready while k+1 is in flight
             h.wait()
+            yield gi, k
 
     def grad_piece(self, gi, k) -> torch.Tensor:
         g, out = self.groups[gi], self._reduced[gi]

@@ -4,14 +4,15 @@ The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in 
 the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
 
 [Note: one optimizer step, without a host sync]
-1. `grad_sync.reduce()` completes the gradient reduction (stage 2 already did it in backward).
+1. `grad_sync.reduce()` yields each bucket as its reduction lands (stage 2: already in backward).
 2. `grad_stats_` over this rank's grads -> found_inf, sumsq, in one small fp32 tensor; one
    all-reduce (SUM) combines it across ranks (stages 1-2; at stage 0 every rank has all grads).
 3. On the device: unscale = 1/(loss_scale * world_size * micro_steps), the global norm, the clip
    coefficient, grad_scale = unscale * clip.
 4. `adam_step_` per bucket: master, moments and the 16-bit cast-back in one pass; skipped
    bitwise when found_inf.
-5. All-gather the updated 16-bit pieces in place (stages 1-2), then update the loss scale.
+5. All-gather each updated piece in place as soon as it is written (stages 1-2), then
+   update the loss scale.
 Nothing reads a device value on the host: every branch is on host state (stage, micro-steps).
 """
 
@@ -216,13 +217,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")
         gs = self.grad_sync
-        gs.reduce()
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]
-        for gi, g in enumerate(self.flat_groups):
-            for k in range(g.layout.n_buckets):
-                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
+        for gi, k in gs.reduce():  # stats of bucket k while later buckets are still reducing
+            kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         if self.stage > 0:
             self.comm.all_reduce_(stats)
         # Device scalars (DESIGN §2 step 3).
@@ -233,6 +232,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             grad_scale = unscale * clip
         else:
             grad_scale = unscale
+        gathers = []
         for gi, (group, g) in enumerate(zip(self.param_groups, self.flat_groups)):
             b1, b2 = group["betas"]
             for k in range(g.layout.n_buckets):
@@ -243,14 +243,13 @@ class ZeroAdamW(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"], adamw=group["adamw"],
                     step=g.steps[k], grad_scale=grad_scale, found_inf=found,
                     backend=self.backend)
+                if self.stage > 0:
+                    # In place, and at once: bucket k's all-gather overlaps bucket k+1's update.
+                    gathers.append(self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k),
+                                                         async_op=True))
+        for h in gathers:
+            h.wait()
         gs.release()
-        if self.stage > 0:
-            # In place: each rank's piece of the flat buffer already holds its update.
-            handles = [self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k),
-                                             async_op=True)
-                       for g in self.flat_groups for k in range(g.layout.n_buckets)]
-            for h in handles:
-                h.wait()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
         return loss
