@@ -75,7 +75,16 @@ def cmd_info(_: argparse.Namespace) -> int:
     isa = ("avx512" if all(feats[k] for k in ("avx512f", "avx512bw", "avx512vl", "avx512dq",
                                               "fma", "f16c"))
            else "avx2" if all(feats[k] for k in ("avx2", "fma", "f16c")) else "scalar")
-    print(f"cpu kernel path: {isa}")
+    try:  # the path really in use, if the op is built; else what the CPU supports
+        from .kernels.dispatch import _prebuilt_or_cached
+
+        if _prebuilt_or_cached("cpu"):
+            from .kernels import load_op
+
+            isa = load_op("cpu").selected_isa()
+    except Exception:  # noqa: BLE001 - info must print whatever it can
+        pass
+    print(f"isa      {isa} (cpu kernel path)")
     print(f"op cache {cache_root()}")
     print("backends:")
     for name, (ok, why) in backend_status().items():

@@ -100,24 +100,28 @@ def check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, 
     check_buffer("grad", grad, GRAD_DTYPES, dev, n)
     if param_out is not None:
         check_buffer("param_out", param_out, OUT_DTYPES, dev, n)
-    # The kernels update in place element by element; aliased state would be read after write.
+    # The kernels update in place element by element (and the CUDA kernel reads grad through
+    # the read-only cache): overlapping buffers would be read after write.
     bufs = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
     if param_out is not None:
         bufs["param_out"] = param_out
-    seen: dict = {}
-    for name, t in bufs.items():
-        if n and t.data_ptr() in seen:
-            raise ValueError(f"{name} shares memory with {seen[t.data_ptr()]}; "
-                             "each buffer must be distinct")
-        seen[t.data_ptr()] = name
+    if n and master.device.type != "meta":  # meta tensors have no memory to overlap
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                 for name, t in bufs.items()]
+        for i, (lo, hi, name) in enumerate(spans):
+            for lo2, hi2, name2 in spans[:i]:
+                if lo < hi2 and lo2 < hi:
+                    raise ValueError(f"{name} overlaps {name2} in memory; each buffer must be "
+                                     "distinct")
     check_scalar_tensor("step", step, STEP_DTYPES, dev)
     check_scalar_tensor("grad_scale", grad_scale, (torch.float32,), dev)
     check_scalar_tensor("found_inf", found_inf, FOUND_INF_DTYPES, dev)
-    check_hyper("lr", lr, dev, 0.0, float("inf"))
+    inf = float("inf")
+    check_hyper("lr", lr, dev, 0.0, inf, hi_open=True)
     check_hyper("beta1", beta1, dev, 0.0, 1.0, hi_open=True)
     check_hyper("beta2", beta2, dev, 0.0, 1.0, hi_open=True)
-    check_hyper("eps", eps, dev, 0.0, float("inf"), lo_open=True)
-    check_hyper("weight_decay", weight_decay, dev, 0.0, float("inf"))
+    check_hyper("eps", eps, dev, 0.0, inf, lo_open=True, hi_open=True)
+    check_hyper("weight_decay", weight_decay, dev, 0.0, inf, hi_open=True)
     if not isinstance(adamw, bool):
         raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
 

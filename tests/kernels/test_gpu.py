@@ -1,0 +1,284 @@
+"""adam_step_ / grad_stats_ on CUDA tensors: compiled Triton and the CUDA extension.
+
+Skipped without CUDA. With CUDA, the tests below run in a child pytest process started by
+`test_compiled_triton_child`: this process has TRITON_INTERPRET=1 (conftest), under which Triton
+would *interpret* the kernels on CUDA tensors, so the child sets ZK_TEST_COMPILED_TRITON=1 and
+the real, compiled kernels run there. Checks: the float64 model of DESIGN §3 and the reference
+backend on the same CUDA data, the skipped step as a bitwise no-op, the cast-back bitwise equal
+to CUDA's .to(dtype), grad_stats_, hyperparameters as device tensors, no host sync
+(torch.cuda.set_sync_debug_mode("error")), and no recompilation when per-step values change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerokern import kernels as zk
+
+from . import f64_reference as R
+
+REPO = Path(__file__).resolve().parents[2]
+DEV = "cuda"
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+in_child = pytest.mark.skipif(
+    not COMPILED, reason="runs in the compiled-Triton child process (test_compiled_triton_child)"
+)
+
+# One tolerance table for this file.
+TOL = {
+    # DESIGN §3: fp32 relative error <= 1e-6 against float64, per element, relative to the
+    # magnitude of the summed terms (f64_reference.adam_f64).
+    "rel": 1e-6,
+    # absolute floor, far below any scale the data produces (>= 1e-12); only guards 0/0
+    "floor": 1e-30,
+    # backend vs the reference backend on the same data: each is within one bound of the
+    # float64 result, so they are within two of each other
+    "vs_reference_bounds": 2.0,
+    # sumsq vs float64: fp32 partials of <= ~32 chained additions (u = 6e-8), float64 final
+    # sum; see test_grad_stats.py
+    "sumsq_rel": 1e-5,
+}
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+DTYPES = [
+    (torch.float32, None),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
+DTYPE_IDS = ["f32", "f16", "bf16", "f32-outbf16"]
+SIZES = [1, 127, 4097, 278011, (1 << 20) + 3]
+
+
+@pytest.mark.skipif(COMPILED, reason="this is the child")
+def test_compiled_triton_child():
+    """Run this file again in a process where Triton compiles for the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ZK_TEST_COMPILED_TRITON"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and " passed" in out, out[-8000:]
+
+
+def _call(backend, case, hp):
+    zk.adam_step_(*case.buffers(), **hp, **case.kwargs(), backend=backend)
+
+
+@in_child
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_f64_and_reference(cuda_backend, n, dtypes, adamw):
+    hp = dict(HP, weight_decay=0.05, adamw=adamw)
+    case = R.make_case(n, *dtypes, step=9, device=DEV)
+    for k in range(3):
+        if k:
+            case.new_grad_()
+        ref = case.clone()  # the same state: compare one step, not accumulated roundings
+        want = R.expected_step(case, hp)
+        _call(cuda_backend, case, hp)
+        _call("reference", ref, hp)
+        R.check_step(case, want, TOL)
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            R.assert_within(
+                f"{name} vs reference",
+                getattr(case, name),
+                getattr(ref, name).double(),
+                want.scale[name],
+                TOL["vs_reference_bounds"] * TOL["rel"],
+                TOL["floor"],
+            )
+        assert case.step.item() == 10 + k
+        if case.param_out is not None:
+            R.assert_bitwise("param_out", case.param_out, case.master.to(case.param_out.dtype))
+
+
+@in_child
+@pytest.mark.parametrize("beta2,start", [(0.999, 0), (0.9999, 0), (0.9999, 10**5 - 1)])
+def test_bias_correction_and_exaggerated(cuda_backend, beta2, start):
+    for hp in (dict(HP, beta2=beta2), dict(lr=0.1, beta1=0.5, beta2=0.6, eps=0.25)):
+        hp = dict(hp, weight_decay=0.1, adamw=True)
+        case = R.make_case(4097, torch.float16, torch.float16, step=start, device=DEV)
+        want = R.expected_step(case, hp)
+        _call(cuda_backend, case, hp)
+        R.check_step(case, want, TOL)
+
+
+POISON = {torch.float16: 0x7D01, torch.bfloat16: 0x7F81}
+
+
+@in_child
+@pytest.mark.parametrize("flag", [True, 1.0, math.nan], ids=["bool", "f32-one", "f32-nan"])
+@pytest.mark.parametrize(
+    "out_dtype", [None, torch.float16, torch.bfloat16], ids=["noout", "f16", "bf16"]
+)
+def test_found_inf_is_bitwise_noop(cuda_backend, out_dtype, flag):
+    for step_dtype in (torch.int64, torch.float32):
+        case = R.make_case(
+            278011, torch.float16, out_dtype, step=7, step_dtype=step_dtype, device=DEV
+        )
+        if out_dtype is not None:
+            case.param_out.view(torch.int16).fill_(POISON[out_dtype])
+        case.grad[::1000] = math.inf
+        case.found_inf = torch.tensor(flag, device=DEV)
+        before = case.snapshot()
+        _call(cuda_backend, case, dict(HP, weight_decay=0.1, adamw=True))
+        torch.cuda.synchronize()
+        for name, t in case.tensors().items():
+            R.assert_bitwise(name, t, before[name])
+
+
+@in_child
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_cast_back_bitwise(cuda_backend, out_dtype):
+    """After real steps, and on special values with lr = 0 (ties, subnormals, +-0, +-inf, NaN
+    payloads, overflow), param_out equals CUDA's own .to(dtype) bit for bit."""
+    case = R.make_case((1 << 20) + 3, torch.bfloat16, out_dtype, device=DEV)
+    _call(cuda_backend, case, dict(HP, lr=1e-2, weight_decay=0.01, adamw=True))
+    R.assert_bitwise("param_out", case.param_out, case.master.to(out_dtype))
+    for n in (331 * 3 + 13, 4096 * 3):
+        case = R.make_case(n, torch.float32, out_dtype, device=DEV)
+        case.master.copy_(R.spread(R.special_values(out_dtype), n).to(DEV))
+        case.param_out.view(torch.int16).fill_(POISON[torch.float16])
+        _call(cuda_backend, case, dict(HP, lr=0.0, weight_decay=0.0, adamw=True))
+        R.assert_bitwise("param_out", case.param_out, case.master.to(out_dtype))
+
+
+# Exactly representable in fp32, so fp32 and fp64 device tensors hold the float's value.
+DYADIC = dict(lr=2.0**-10, beta1=0.875, beta2=1 - 2.0**-10, eps=2.0**-20, weight_decay=2.0**-6)
+
+
+@in_child
+@pytest.mark.parametrize("tdtype", [torch.float32, torch.float64])
+def test_tensor_hyperparameters_on_device(cuda_backend, tdtype):
+    a = R.make_case(4097, torch.bfloat16, torch.bfloat16, step=3, device=DEV)
+    b = a.clone()
+    _call(cuda_backend, a, dict(DYADIC, adamw=True))
+    _call(
+        cuda_backend,
+        b,
+        dict({k: torch.tensor(v, dtype=tdtype, device=DEV) for k, v in DYADIC.items()}, adamw=True),
+    )
+    for name, t in a.tensors().items():
+        R.assert_bitwise(name, getattr(b, name), t)
+    # A scheduler writing the device lr tensor in place is seen by the next step.
+    lr = torch.tensor(3e-3, dtype=torch.float64, device=DEV)
+    for new_lr in (3e-3, 0.05):
+        lr.fill_(new_lr)
+        want = R.expected_step(a, dict(DYADIC, lr=new_lr, adamw=True))
+        _call(cuda_backend, a, dict(DYADIC, lr=lr, adamw=True))
+        R.check_step(a, want, TOL)
+
+
+NONFINITE = {
+    torch.float32: (math.inf, -math.inf, math.nan),
+    torch.float16: (math.inf, -math.inf, math.nan),
+    torch.bfloat16: (math.inf, -math.inf, math.nan),
+}
+
+
+@in_child
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"]
+)
+@pytest.mark.parametrize("n", SIZES + [1_000_003])
+def test_grad_stats(cuda_backend, n, dtype):
+    grad = R.log_uniform(n, -4, 1, device=DEV).to(dtype)
+    for sumsq_dtype in (torch.float32, torch.float64):
+        sumsq = torch.tensor(0.75, dtype=sumsq_dtype, device=DEV)
+        found_inf = torch.tensor(False, device=DEV)
+        zk.grad_stats_(grad, found_inf, sumsq, backend=cuda_backend)
+        want = 0.75 + R.sumsq_f64(grad)
+        assert abs(float(sumsq) - want) <= TOL["sumsq_rel"] * want, (float(sumsq), want)
+        assert not found_inf.item()
+        again = torch.tensor(0.75, dtype=sumsq_dtype, device=DEV)
+        zk.grad_stats_(grad, torch.tensor(False, device=DEV), again, backend=cuda_backend)
+        R.assert_bitwise("sumsq (deterministic)", again, sumsq)
+    for pos in sorted({0, n // 2, n - 1}):
+        for value in NONFINITE[dtype]:
+            g = grad.clone()
+            g[pos] = value
+            for flag in (torch.tensor(False, device=DEV), torch.tensor(0.0, device=DEV)):
+                zk.grad_stats_(g, flag, torch.tensor(0.0, device=DEV), backend=cuda_backend)
+                assert flag.item(), f"{value} at [{pos}] of {n} missed"
+    sticky = torch.tensor(True, device=DEV)
+    zk.grad_stats_(grad, sticky, torch.tensor(0.0, device=DEV), backend=cuda_backend)
+    assert sticky.item()
+
+
+@in_child
+@pytest.mark.parametrize(
+    "backend", ["reference"] + (["triton", "cuda"] if torch.cuda.is_available() else [])
+)
+def test_step_path_does_not_sync(backend):
+    """adam_step_ and grad_stats_ with float and device-tensor hyperparameters never wait for
+    the GPU: set_sync_debug_mode("error") turns any synchronising call into an error."""
+    case = R.make_case(4097, torch.bfloat16, torch.bfloat16, device=DEV)
+    tensor_hp = {k: torch.tensor(v, dtype=torch.float64, device=DEV) for k, v in HP.items()}
+    sumsq = torch.tensor(0.0, device=DEV)
+
+    def one_step(hp):
+        zk.grad_stats_(case.grad, case.found_inf, sumsq, backend=backend)
+        _call(backend, case, dict(hp, weight_decay=0.01, adamw=True))
+
+    one_step(HP)  # warm-up: JIT build / compile may synchronise, and that is allowed once
+    one_step(tensor_hp)
+    torch.cuda.synchronize()
+    step_before = case.step.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            one_step(HP)
+            one_step(tensor_hp)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert case.step.item() == step_before.item() + 6
+
+
+@in_child
+def test_triton_does_not_recompile_per_step():
+    """The compiled-kernel caches do not grow when lr, step, grad_scale or found_inf change."""
+    from zerokern.kernels import triton_kernels as tk
+
+    kernels = (
+        tk._adam_step_kernel,
+        tk._advance_step_kernel,
+        tk._grad_stats_partial_kernel,
+        tk._grad_stats_final_kernel,
+    )
+
+    def compiled():
+        return sum(len(c[0]) for jf in kernels for c in jf.device_caches.values())
+
+    case = R.make_case(4096, torch.float16, torch.float16, device=DEV)
+    sumsq = torch.tensor(0.0, device=DEV)
+    zk.grad_stats_(case.grad, case.found_inf, sumsq, backend="triton")
+    _call("triton", case, dict(HP, weight_decay=0.01, adamw=True))
+    count = compiled()
+    assert count >= 4
+    for lr, gs, skip in ((0.5, 2.0**-16, True), (3e-4, 0.37, False), (1.0, 65536.0, True)):
+        case.grad_scale.fill_(gs)
+        case.found_inf.fill_(skip)
+        case.step.add_(1000)
+        zk.grad_stats_(case.grad, case.found_inf, sumsq, backend="triton")
+        _call("triton", case, dict(HP, lr=lr, weight_decay=0.01, adamw=True))
+    assert compiled() == count
+    _call("triton", case, dict(HP, weight_decay=0.01, adamw=False))  # a new layout does compile
+    assert compiled() == count + 1

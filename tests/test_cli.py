@@ -1,0 +1,74 @@
+"""The `zerokern` CLI end to end, in subprocesses, at tiny sizes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def zk(*args, timeout=300, **env):
+    e = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    e.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-m", "zerokern", *args], capture_output=True,
+                          text=True, timeout=timeout, env=e, cwd=REPO)
+
+
+def test_info_reports_versions_features_and_backends():
+    r = zk("info")
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(None, 1) for line in r.stdout.splitlines()
+                 if line and not line.startswith(" ") and len(line.split(None, 1)) == 2)
+    import torch
+
+    assert torch.__version__ in lines["torch"]
+    assert "triton" in lines and "nvcc" in lines
+    assert "avx2=" in lines["cpu"] and "f16c=" in lines["cpu"]
+    backends = {ln.split()[0]: ln.split()[1] for ln in r.stdout.splitlines()
+                if ln.startswith("  ")}
+    assert backends["reference"] == "available"
+    assert set(backends) == {"reference", "triton", "cuda", "cpu"}
+    if not torch.cuda.is_available():  # the reason is printed for an unavailable backend
+        assert "no CUDA device" in r.stdout
+
+
+def test_build_prebuilds_cpu_op():
+    r = zk("build", "cpu", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "cpu: ok" in r.stdout
+    again = zk("info")
+    assert "cpu        available    built" in again.stdout
+
+
+def test_bench_kernels_quick_writes_results(tmp_path):
+    r = zk("bench", "--kernels", "--quick", "--no-plot", "--out", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = list(tmp_path.glob("*.json"))
+    assert files, r.stdout
+    data = json.loads(files[0].read_text())
+    assert data["rows"], data
+    assert list(tmp_path.glob("*.md"))
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["build", "gpu"], ["info", "--nope"], []])
+def test_bad_usage_exits_2_with_usage(args):
+    r = zk(*args)
+    assert r.returncode == 2
+    assert "usage: zerokern" in r.stderr
+
+
+def test_bench_bad_flag_is_an_error():
+    r = zk("bench", "--kernels", "--sizes", "x")
+    assert r.returncode == 2
+    assert "usage" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["train", "estimate", "consolidate"])
+def test_pending_commands_say_so(cmd):
+    r = zk(cmd)
+    assert r.returncode == 2
+    assert "not available yet" in r.stderr
