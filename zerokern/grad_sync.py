@@ -10,9 +10,16 @@
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order or NCCL/gloo hang. Buckets are
-therefore launched in one fixed order (reverse param order, the order grads arrive in, as DDP
-does); a bucket that fills early waits for its turn, and the end-of-backward callback flushes
-what is left, so params without a grad on some rank cannot reorder anything.
+therefore launched in one fixed order; a bucket that fills early waits for its turn, and the
+end-of-backward callback flushes what is left, so params without a grad on some rank cannot
+reorder anything. The order is static, so no rank needs to tell another (learning it from a
+backward, as DDP's bucket rebuild does, would need a broadcast and a host read of its result).
+Buckets go in descending order of where they start *within their own group*, as a fraction of
+the group: within a group that is reverse param order, the order grads arrive in; across groups
+it interleaves them by depth. Groups are typically split by kind (weights / biases and norms),
+each spanning the whole model, so layer i's buckets sit near i/L in every group. A bucket that
+spans many layers (a small group of biases) starts near 0 and goes last: launched first, it
+would hold every other bucket back until backward ends.
 """
 
 from __future__ import annotations
@@ -37,18 +44,29 @@ class GradSync:
         self.groups = groups
         self.comm = comm
         self.reduce_dtype = reduce_dtype
-        self.micro_steps = 0          # backward passes since zero_grad (host int, no sync)
+        self.micro_steps = 0          # backward passes in this window (host int, no sync)
+        self._consumed = False        # step() ran: the next backward opens a new window
+        self.detached = False         # another ZeroAdamW took these params over
         self._callback_queued = False
         self._hooks = []
         for gi, g in enumerate(groups):
             for i, p in enumerate(g.params):
+                p._zerokern_sync = self  # marks the param as owned (see ZeroAdamW's check)
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda p, gi=gi, i=i: self._on_grad(gi, i, p)))
 
     def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise TypeError(f"zerokern: param {i} of param group {gi} got a {p.grad.layout} "
+                            "gradient; sparse gradients are not supported (use dense "
+                            "embeddings, e.g. nn.Embedding(sparse=False))")
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_backward)
+            if self._consumed:  # first backward after a step(): a new averaging window
+                self._consumed = False
+                self.micro_steps = 0
+                self.new_window()
         self.on_grad(gi, i, p)
 
     def _end_backward(self) -> None:
@@ -56,13 +74,20 @@ class GradSync:
         self.end_backward()
         self.micro_steps += 1
 
-    def remove_hooks(self) -> None:
+    def detach(self) -> None:
+        """Remove the hooks; the owning optimizer can no longer step (params were taken over)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.detached = True
+
+    def consumed(self) -> None:
+        """Called by step(): these grads were used; the next backward opens a new window."""
+        self._consumed = True
 
     # stage behaviour -----------------------------------------------------------------------
     def on_grad(self, gi: int, i: int, p: torch.Tensor) -> None: ...
+    def new_window(self) -> None: ...
     def end_backward(self) -> None: ...
     def reduce(self):
         """Called at step(): yields (group, bucket) as each bucket's reduced (summed) grads
@@ -75,6 +100,7 @@ class GradSync:
         """Called after the update: drop per-step buffers."""
     def zero_grad(self) -> None:
         self.micro_steps = 0
+        self._consumed = False
     def held(self) -> Dict[str, List[torch.Tensor]]:
         return {}
 
@@ -84,6 +110,7 @@ class FullGrads(GradSync):
 
     def __init__(self, groups, comm, reduce_dtype, stage: int) -> None:
         self.stage = stage
+        self._in_place_reduced = False  # stage 0 all-reduced the grad buffer itself
         self.grads = [torch.zeros_like(g.flat) for g in groups]  # (E,) model dtype
         self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
                        for g, buf in zip(groups, self.grads)]
@@ -103,10 +130,14 @@ class FullGrads(GradSync):
             p.grad = view
 
     def reduce(self):
+        if self._in_place_reduced:  # a second step() on the same grads: already summed
+            yield from GradSync.reduce(self)
+            return
         handles = []
         for gi, (g, buf) in enumerate(zip(self.groups, self.grads)):
             src = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
             if self.stage == 0:
+                self._in_place_reduced = src is buf
                 out = src  # all-reduce in place
                 for k in range(g.layout.n_buckets):
                     handles.append((gi, k, self.comm.all_reduce_(g.bucket(out, k),
@@ -128,10 +159,16 @@ class FullGrads(GradSync):
         return g.bucket(out, k) if self.stage == 0 else out[g.state_slice(k)]
 
     def release(self) -> None:
+        if not self._in_place_reduced:
+            self._reduced = [None] * len(self.groups)
+
+    def end_backward(self) -> None:
+        self._in_place_reduced = False  # new grads were added: they need reducing again
         self._reduced = [None] * len(self.groups)
 
     def zero_grad(self) -> None:
         super().zero_grad()
+        self._in_place_reduced = False
         for buf in self.grads:
             buf.zero_()
         self._attach()
@@ -143,18 +180,14 @@ class FullGrads(GradSync):
 class BucketedGrads(GradSync):
     """Stage 2: bucketed reduce-scatter during backward into a grad shard."""
 
-    def __init__(self, groups, comm, reduce_dtype, param_order: Dict[int, int]) -> None:
+    def __init__(self, groups, comm, reduce_dtype) -> None:
         self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
                             for g in groups]  # (S,) reduce dtype
         self._overlap_count = [[len(g.layout.overlaps(*g.layout.bucket_range(k)))
                                 for k in range(g.layout.n_buckets)] for g in groups]
-        # Fixed launch order (see the Note): buckets whose first param comes last go first.
-        key = []
-        for gi, g in enumerate(groups):
-            for k in range(g.layout.n_buckets):
-                ov = g.layout.overlaps(*g.layout.bucket_range(k))
-                first = min((param_order[id(g.params[i])] for i, _, _ in ov), default=-1)
-                key.append((first, gi, k))
+        # Fixed launch order (see the Note): latest relative start first.
+        key = [(g.layout.bucket_range(k)[0] / max(g.layout.numel, 1), gi, k)
+               for gi, g in enumerate(groups) for k in range(g.layout.n_buckets)]
         self.order: List[Tuple[int, int]] = [(gi, k) for _, gi, k in sorted(key, reverse=True)]
         self.bucket_numel = max(g.layout.bucket_numel for g in groups)
         self._pool: List[torch.Tensor] = []
@@ -235,6 +268,10 @@ class BucketedGrads(GradSync):
 
     def grad_piece(self, gi, k) -> torch.Tensor:
         return self.grad_shards[gi][self.groups[gi].state_slice(k)]
+
+    def new_window(self) -> None:
+        # After step() the shard was consumed (as in DeepSpeed): overwrite, do not accumulate.
+        self._fresh = True
 
     def zero_grad(self) -> None:
         super().zero_grad()

@@ -69,8 +69,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
 
-    Gradients are averaged over ranks and over the backward passes since `zero_grad()`, as
-    DDP and DeepSpeed do: with accumulation, backward the per-micro-batch mean loss.
+    Gradients are averaged over ranks and over the backward passes since the last `step()` or
+    `zero_grad()`, as DDP and DeepSpeed do: with accumulation, backward the per-micro-batch
+    mean loss. At stage 2 `step()` consumes the gradient shard (as DeepSpeed's does); at stages
+    0-1 `p.grad` keeps torch semantics (accumulates until zeroed, by either zero_grad()).
     """
 
     def __init__(
@@ -120,8 +122,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         kernels.validate.check_backend(backend)
         _check_hyper(lr, betas, eps, weight_decay)
         dtype = PRECISIONS[precision]
-        params = params_or_model.parameters() if isinstance(params_or_model, torch.nn.Module) \
-            else params_or_model
+        if isinstance(params_or_model, torch.nn.Module):
+            for name, mod in params_or_model.named_modules():
+                if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
+                    raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
+                                     "sparse gradients are not supported, use sparse=False")
+            params = params_or_model.parameters()
+        else:
+            params = params_or_model
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
@@ -141,9 +149,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.flat_groups: List[FlatGroup] = [
             FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
             for ps in trainable]
-        order = {id(p): i for i, p in enumerate(p for ps in trainable for p in ps)}
+        for ps in trainable:  # re-creating an optimizer on a model takes its params over
+            for p in ps:
+                old = getattr(p, "_zerokern_sync", None)
+                if old is not None and not old.detached:
+                    old.detach()
         self.grad_sync: GradSync = (
-            BucketedGrads(self.flat_groups, comm, self.reduce_dtype, order) if stage == 2
+            BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
             else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
         self._built = True
         dev = self.flat_groups[0].device
@@ -176,7 +188,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                                     f"{p.dtype}")
                 if dtype == torch.float32 and p.dtype != torch.float32:
                     raise TypeError(f"precision='fp32' cannot hold a {p.dtype} param (param "
-                                    "group {gi}); use precision='bf16'/'fp16' or cast the model")
+                                    f"group {gi}); use precision='bf16'/'fp16' or cast the "
+                                    "model")
                 if device is None:
                     device = p.device
                 elif p.device != device:
@@ -198,9 +211,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         return self.scaler.scale
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """loss-scaled backward; plain loss.backward() is fine for bf16/fp32."""
-        (loss * self.scaler.scale).backward(**kwargs) if self.precision == "fp16" \
-            else loss.backward(**kwargs)
+        """Loss-scaled backward. Plain loss.backward() is fine for bf16/fp32 unless an explicit
+        loss_scale was given (step() divides by it)."""
+        (loss * self.scaler.scale).backward(**kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat grad buffers (set_to_none is accepted for API compatibility)."""
@@ -212,6 +225,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.grad_sync.detached:
+            raise RuntimeError("this ZeroAdamW no longer owns its params: a newer ZeroAdamW was "
+                               "created on the same model and took them over")
         micro = self.grad_sync.micro_steps
         if micro == 0:
             raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
@@ -250,6 +266,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         for h in gathers:
             h.wait()
         gs.release()
+        gs.consumed()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
         return loss
@@ -306,9 +323,10 @@ class ZeroAdamW(torch.optim.Optimizer):
             for k, t in g.state_tensors().items():
                 if k not in st or st[k].shape != t.shape or st[k].dtype != t.dtype:
                     raise ValueError(f"state_dict entry {k!r} is missing or mis-shaped")
-        for g, st in zip(self.flat_groups, states):  # all checked: now write
+        # The scaler checks its entry before writing anything; ours are checked above.
+        self.scaler.load_state_dict(state_dict["loss_scaler"])
+        for g, st in zip(self.flat_groups, states):
             for k, t in g.state_tensors().items():
                 t.copy_(st[k])
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        self.scaler.load_state_dict(state_dict["loss_scaler"])

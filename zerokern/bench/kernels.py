@@ -1,0 +1,572 @@
+"""Kernel microbenchmarks: adam_step_ and grad_stats_ per backend against the torch paths users
+write today, and against the machine's ceilings measured in the same run (DESIGN §6).
+
+[Note: what is compared]
+- Cases (`--dtype-cases`):
+  - bf16 / fp16: 16-bit grad in, fp32 master/m/v updated, 16-bit param_out written.
+    The torch baseline is the mixed-precision path: `master.grad.copy_(grad16)`, then
+    `AdamW([master], fused=True).step()`, then `param16.copy_(master)` ("torch-fused"); the
+    same with `foreach=True` ("torch-foreach").
+  - fp32: fp32 grad, no param_out; the baseline is a plain `AdamW(fused=True)` step.
+  - grad_stats_ against `torch.linalg.vector_norm(g)` + `g.isfinite().all()` ("torch-norm").
+- Byte floors are derived from the dtypes of each case (`adam_bytes`): read master, m, v and
+  the grad, write master, m, v and param_out. bf16 gives DESIGN §6's 28n; fp32 without
+  param_out is 16n read + 12n written = 28n as well. grad_stats_ reads the grad once (2n / 4n).
+  Every provider's GB/s is floor bytes / median time (effective bandwidth), so the numbers
+  compare directly; the torch mixed path really moves >= 40n (cast 6n + step 28n + cast-back
+  6n).
+- Ceilings, timed in the same round-robin at the same size, fp32, 8n bytes each:
+  - in-place `x.mul_(1.0000001)` (read-modify-write): the fair ceiling on a CPU, because
+    adam_step_ updates master, m and v in place the same way, while a copy's destination lines
+    cost a CPU an extra read for ownership (copy ran at 0.66x RMW here at 2^26);
+  - preallocated `dst.copy_(src)`: the fair ceiling on a GPU, which writes without that read.
+
+[Note: shared state]
+All providers of one size share one set of random buffers (master, m, v, grads, param_out);
+the torch optimizers take one step to create their state, then get the shared m and v swapped
+in. Each provider thus starts from the same prepared data, and memory stays ~50 B/element
+instead of ~20 B per provider, so 2^30 elements fit on an 80 GB H100. The caches are flushed
+before every timed call, so no provider inherits data warmed by the one before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from .. import kernels as zk
+from . import common
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ZK_BACKENDS = ("cpu", "triton", "cuda", "reference")
+TORCH_PROVIDERS = ("torch-fused", "torch-foreach", "torch-norm")
+PROVIDERS = ZK_BACKENDS + TORCH_PROVIDERS
+# The reference backend allocates ~10 temporaries and makes as many passes; beyond 2^22 it only
+# slows the run down, so it is timed there only when asked for by name.
+REFERENCE_MAX_LOG2 = 22
+RMW_FACTOR = 1.0000001  # rounds to 1 + 1 ulp: 100 reps change x by ~1e-5 relative, no overflow
+_BROKEN: set = set()  # zk backends that failed to build or run in this process
+TARGET_CPU_MIXED = 1.3  # cpu backend vs torch mixed fused path, bf16, at 2^24 and 2^26
+TARGET_CPU_FP32 = 1.0   # cpu backend vs AdamW(fused=True), fp32
+TARGET_GPU_COPY = 0.90  # adam_step_ fraction of copy bandwidth at >= 2^28
+
+
+def adam_bytes(grad_dtype: torch.dtype, param_out_dtype: torch.dtype | None) -> int:
+    """Byte floor per element of one adam_step_: master, m, v read and written (24) + grad read
+    + param_out written."""
+    po = param_out_dtype.itemsize if param_out_dtype is not None else 0
+    return 24 + grad_dtype.itemsize + po
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str                    # "bf16" | "fp16" | "fp32"
+    grad_dtype: torch.dtype
+    param_out_dtype: torch.dtype | None
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_out_dtype is not None
+
+    def describe(self) -> str:
+        g, total = self.name, adam_bytes(self.grad_dtype, self.param_out_dtype)
+        if self.mixed:
+            return (f"{g} grad + {g} param_out: read master, m, v (12) + grad (2), write master, "
+                    f"m, v (12) + param_out (2) = {total} B/elem")
+        return (f"{g} grad, no param_out: read master, m, v, grad (16), write master, m, v (12) "
+                f"= {total} B/elem")
+
+
+def make_case(name: str) -> Case:
+    dt = DTYPES[name]
+    return Case(name, dt, dt if dt != torch.float32 else None)
+
+
+@dataclass
+class Timed:
+    """One timed callable and how its row is labelled."""
+
+    op: str                      # "adam_step_" | "grad_stats_" | "ceiling"
+    case: str
+    provider: str
+    bytes_per_elem: int
+    fn: Callable[[], None]
+    baseline: str | None = None  # provider whose time this row's speedup is relative to
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.case}/{self.provider}"
+
+
+# ---------------------------------------------------------------------------- providers
+
+
+def runnable_zk_backends(device: torch.device) -> Dict[str, str]:
+    """zk backend -> '' if it can run on `device`, else the reason it cannot."""
+    status = zk.backend_status()
+    out = {}
+    for b in ZK_BACKENDS:
+        ok, why = status.get(b, (False, "unknown backend"))
+        if ok and b == "cpu" and device.type != "cpu":
+            ok, why = False, "needs CPU tensors"
+        if ok and b == "cuda" and device.type != "cuda":
+            ok, why = False, "needs CUDA tensors"
+        out[b] = "" if ok else why
+    return out
+
+
+def default_providers(device: torch.device) -> List[str]:
+    why_not = runnable_zk_backends(device)
+    # Triton on CPU tensors means the interpreter: minutes per call at these sizes.
+    zks = [b for b in ZK_BACKENDS
+           if not why_not[b] and not (b == "triton" and device.type == "cpu")]
+    return zks + list(TORCH_PROVIDERS)
+
+
+def _zk_adam(backend: str, master, m, v, grad, param_out, device) -> Callable[[], None]:
+    step = torch.ones((), dtype=torch.int64, device=device)  # one step already taken
+    grad_scale = torch.ones((), dtype=torch.float32, device=device)
+    found_inf = torch.zeros((), dtype=torch.bool, device=device)
+    b1, b2 = HYPER["betas"]
+    kw = dict(lr=HYPER["lr"], beta1=b1, beta2=b2, eps=HYPER["eps"],
+              weight_decay=HYPER["weight_decay"], step=step, grad_scale=grad_scale,
+              found_inf=found_inf, backend=backend)
+
+    def fn():
+        zk.adam_step_(master, m, v, grad, param_out, **kw)
+
+    fn()  # builds / compiles the backend now, outside the timed reps
+    return fn
+
+
+def _torch_opt(param, grad32, m, v, foreach: bool) -> torch.optim.Optimizer:
+    """AdamW over `param` with prepared state: one real step, then the shared m and v."""
+    param.grad = grad32
+    opt = torch.optim.AdamW([param], **HYPER, **({"foreach": True} if foreach else
+                                                  {"fused": True}))
+    opt.step()
+    state = opt.state[param]
+    state["exp_avg"], state["exp_avg_sq"] = m, v  # the step's own m, v are freed here
+    return opt
+
+
+def _zk_stats(backend: str, grad, device) -> Callable[[], None]:
+    found_inf = torch.zeros((), dtype=torch.bool, device=device)
+    sumsq = torch.zeros((), dtype=torch.float32, device=device)
+
+    def fn():
+        zk.grad_stats_(grad, found_inf, sumsq, backend=backend)
+
+    fn()
+    return fn
+
+
+def _torch_stats(grad) -> Callable[[], None]:
+    def fn():
+        # What clip_grad_norm_ + an inf check cost a user today: two passes over the grad.
+        torch.linalg.vector_norm(grad)
+        grad.isfinite().all()
+
+    return fn
+
+
+def bytes_needed_per_elem(cases: Sequence[Case], providers: Sequence[str], ref: bool) -> int:
+    """Peak bytes per element one size allocates (for skipping sizes that cannot fit)."""
+    need = 12 + 12  # master, m, v; ceilings: rmw x (4) + copy src, dst (8)
+    need += sum(4 for c in cases if c.mixed) + (4 if any(not c.mixed for c in cases) else 0)
+    if any(p in providers for p in ("torch-fused", "torch-foreach")):
+        need += 4 + 8  # fp32 master.grad of the mixed path; m, v of the prep step (transient)
+    if "torch-foreach" in providers:
+        need += 8      # _foreach_sqrt(v) and friends allocate n-sized temporaries
+    if "torch-norm" in providers:
+        need += 4      # isfinite() bool tensor, plus slack for the norm's partials
+    if ref:
+        need += 40     # the reference spec's temporaries
+    return need
+
+
+def build_timed(n: int, log2n: int, cases: Sequence[Case], providers: Sequence[str],
+                device: torch.device, explicit_ref: bool, skipped: List[dict]) -> List[Timed]:
+    gen = torch.Generator(device=device).manual_seed(1234 + log2n)
+
+    def rand(scale: float, positive: bool = False) -> torch.Tensor:
+        # Fresh random data, never zeros; |v| > 0 keeps sqrt(v) away from denormals.
+        if positive:
+            return torch.rand(n, generator=gen, device=device).mul_(scale).add_(1e-8)
+        return torch.randn(n, generator=gen, device=device).mul_(scale)
+
+    master, m, v = rand(1.0), rand(1e-3), rand(1e-6, positive=True)
+    timed: List[Timed] = []
+
+    x = rand(1.0)
+    src, dst = rand(1.0), torch.empty(n, device=device)
+    timed.append(Timed("ceiling", "fp32", "rmw", 8, lambda: x.mul_(RMW_FACTOR)))
+    timed.append(Timed("ceiling", "fp32", "copy", 8, lambda: dst.copy_(src)))
+
+    zks = [b for b in providers if b in ZK_BACKENDS
+           and (b != "reference" or explicit_ref or log2n <= REFERENCE_MAX_LOG2)]
+    grad32_mixed = None  # the fp32 master.grad of the torch mixed path, shared by 16-bit cases
+    for case in cases:
+        grad = rand(1e-3).to(case.grad_dtype)
+        param_out = master.to(case.param_out_dtype) if case.mixed else None
+        floor = adam_bytes(case.grad_dtype, case.param_out_dtype)
+        gfloor = case.grad_dtype.itemsize
+        for b in zks:
+            if b in _BROKEN:
+                continue
+            try:
+                timed.append(Timed("adam_step_", case.name, b, floor,
+                                   _zk_adam(b, master, m, v, grad, param_out, device),
+                                   "torch-fused"))
+                timed.append(Timed("grad_stats_", case.name, b, gfloor,
+                                   _zk_stats(b, grad, device), "torch-norm"))
+            except (zk.BuildError, RuntimeError, ValueError) as e:
+                _BROKEN.add(b)  # a failed JIT build costs ~1 min: don't retry it every size
+                skipped.append({"provider": b, "case": case.name, "log2n": log2n,
+                                "reason": str(e).splitlines()[0][:300]})
+        if case.mixed:
+            if grad32_mixed is None and ({"torch-fused", "torch-foreach"} & set(providers)):
+                # Filled, not empty: the prep step reads it before the first timed copy_.
+                grad32_mixed = grad.float()
+            for p in ("torch-fused", "torch-foreach"):
+                if p not in providers:
+                    continue
+                # Each optimizer gets its own leaf alias of master: torch keys state by tensor.
+                param = master.view(-1)
+                opt = _torch_opt(param, grad32_mixed, m, v, foreach=(p == "torch-foreach"))
+
+                def fn(opt=opt, param=param, grad=grad, param_out=param_out):
+                    param.grad.copy_(grad)      # upcast the 16-bit grad into the fp32 grad
+                    opt.step()
+                    param_out.copy_(param)      # cast-back: the extra 6n pass of DESIGN §6
+
+                timed.append(Timed("adam_step_", case.name, p, floor, fn, "torch-fused"))
+        elif "torch-fused" in providers:
+            param = master.view(-1)
+            opt = _torch_opt(param, grad, m, v, foreach=False)
+            timed.append(Timed("adam_step_", case.name, "torch-fused", floor, opt.step,
+                               "torch-fused"))
+        if "torch-norm" in providers:
+            timed.append(Timed("grad_stats_", case.name, "torch-norm", gfloor,
+                               _torch_stats(grad), "torch-norm"))
+    return timed
+
+
+# ---------------------------------------------------------------------------- rows, targets
+
+
+def make_rows(timed: Sequence[Timed], times: Dict[str, List[float]], n: int,
+              log2n: int) -> List[dict]:
+    rows = []
+    for t in timed:
+        s = common.summarize(times[t.key])
+        rows.append(dict(op=t.op, case=t.case, provider=t.provider, log2n=log2n, n=n,
+                         **s, bytes_per_elem=t.bytes_per_elem, bytes=t.bytes_per_elem * n,
+                         gbps=common.gbps(t.bytes_per_elem * n, s["median_ms"]),
+                         baseline=t.baseline))
+    by_key = {(r["op"], r["case"], r["provider"]): r for r in rows}
+    rmw = by_key[("ceiling", "fp32", "rmw")]["gbps"]
+    copy = by_key[("ceiling", "fp32", "copy")]["gbps"]
+    for r in rows:
+        r["ceiling_rmw_gbps"], r["ceiling_copy_gbps"] = rmw, copy
+        r["frac_rmw"], r["frac_copy"] = r["gbps"] / rmw, r["gbps"] / copy
+        base = by_key.get((r["op"], r["case"], r["baseline"])) if r["baseline"] else None
+        # speedup > 1: faster than the torch path measured in this same round-robin
+        r["speedup"] = base["median_ms"] / r["median_ms"] if base else None
+    return rows
+
+
+def _find(rows, **kw) -> dict | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)
+
+
+def evaluate_targets(rows: Sequence[dict], device: torch.device) -> List[dict]:
+    """The goals DESIGN §6 sets; benchmark outcomes to watch, not test assertions."""
+    out = []
+    if device.type == "cpu":
+        for case, thr, what in (("bf16", TARGET_CPU_MIXED, "torch mixed fused path"),
+                                ("fp32", TARGET_CPU_FP32, "AdamW(fused=True) fp32")):
+            for log2n in (24, 26):
+                r = _find(rows, op="adam_step_", case=case, provider="cpu", log2n=log2n)
+                val = r["speedup"] if r else None
+                out.append(dict(target=f"cpu adam_step_ {case} 2^{log2n}: >= {thr:.1f}x {what}",
+                                value=None if val is None else round(val, 3), threshold=thr,
+                                status="n/a" if val is None else
+                                ("PASS" if val >= thr else "MISS")))
+    else:
+        big = [r for r in rows if r["op"] == "adam_step_" and r["log2n"] >= 28
+               and r["provider"] in ("triton", "cuda")]
+        for r in big:
+            out.append(dict(target=f"{r['provider']} adam_step_ {r['case']} 2^{r['log2n']}: "
+                                   f">= {TARGET_GPU_COPY:.0%} of copy bandwidth",
+                            value=round(r["frac_copy"], 3), threshold=TARGET_GPU_COPY,
+                            status="PASS" if r["frac_copy"] >= TARGET_GPU_COPY else "MISS"))
+        if not big:
+            out.append(dict(target=f"GPU adam_step_ >= 2^28: >= {TARGET_GPU_COPY:.0%} of copy "
+                                   "bandwidth", value=None, threshold=TARGET_GPU_COPY,
+                            status="n/a (no size >= 2^28 measured)"))
+    return out
+
+
+# ---------------------------------------------------------------------------- output
+
+COLUMNS = [("size", "size"), ("provider", "provider"), ("median_ms", "median ms"),
+           ("p20_ms", "p20 ms"), ("p80_ms", "p80 ms"), ("gbps", "GB/s"),
+           ("pct_rmw", "% RMW"), ("pct_copy", "% copy"), ("speedup", "vs torch")]
+
+SECTIONS = {
+    "adam_step_": "adam_step_ ({desc}); vs torch = time of {base} / time",
+    "grad_stats_": "grad_stats_ ({name} grad, floor {b} B/elem); vs torch = time of torch-norm "
+                   "(vector_norm + isfinite().all()) / time",
+    "ceiling": "ceilings (fp32, 8 B/elem): rmw = x.mul_(c) in place, copy = dst.copy_(src)",
+}
+
+
+def _display(rows: Sequence[dict]) -> List[dict]:
+    return [dict(r, size=f"2^{r['log2n']}", pct_rmw=100 * r["frac_rmw"],
+                 pct_copy=100 * r["frac_copy"]) for r in rows]
+
+
+def sections(rows: Sequence[dict], cases: Sequence[Case]):
+    """(title, rows) groups in reading order: adam per case, grad_stats per case, ceilings."""
+    order = {p: i for i, p in enumerate(PROVIDERS + ("rmw", "copy"))}
+    key = lambda r: (r["log2n"], order.get(r["provider"], 99))  # noqa: E731
+    for op in ("adam_step_", "grad_stats_"):
+        for c in cases:
+            sel = sorted((r for r in rows if r["op"] == op and r["case"] == c.name), key=key)
+            if not sel:
+                continue
+            base = ("copy_ + AdamW(fused) + copy_" if c.mixed else "AdamW(fused=True)")
+            title = SECTIONS[op].format(desc=c.describe(), base=base, name=c.name,
+                                        b=c.grad_dtype.itemsize)
+            yield title, _display(sel)
+    yield SECTIONS["ceiling"], _display(sorted((r for r in rows if r["op"] == "ceiling"),
+                                               key=key))
+
+
+def render_markdown(payload: dict, cases: Sequence[Case]) -> str:
+    env, rows = payload["env"], payload["rows"]
+    lines = [f"# zerokern kernel benchmark: {env['device_name']} ({env['device_kind']})", "",
+             common.markdown_env(env), "",
+             f"Command: `{payload['command']}`; {payload['reps']} reps after "
+             f"{payload['warmup']} warm-up, wall time {payload['wall_s']:.0f} s.", "",
+             "- Times: median and p20/p80 over reps; providers interleaved round-robin in each "
+             "rep; caches flushed before every call (CPU: read 2x LLC; CUDA: write 256 MB).",
+             "- GB/s = byte floor of the case / median time (decimal GB). The floor is derived "
+             "from the case's dtypes; the torch mixed path really moves >= 40 B/elem "
+             "(upcast 6 + step 28 + cast-back 6), the floor credits it with 28.",
+             "- % RMW / % copy: fraction of the fp32 in-place read-modify-write and copy "
+             "bandwidth measured in the same rep loop at the same size. RMW is the fair ceiling "
+             "on a CPU, copy on a GPU.",
+             f"- Hyperparameters for every optimizer: lr {HYPER['lr']}, betas {HYPER['betas']}, "
+             f"eps {HYPER['eps']}, weight decay {HYPER['weight_decay']}; torch optimizers step "
+             "from prepared state (one step taken). Reference backend only at sizes <= "
+             f"2^{REFERENCE_MAX_LOG2} unless named in --providers.", "",
+             "## Targets", "", "| target | value | status |", "|---|---:|---|"]
+    for t in payload["targets"]:
+        lines.append(f"| {t['target']} | {common._fmt(t['value'])} | **{t['status']}** |")
+    for w in payload["warnings"]:
+        lines.append(f"\n**{w}**")
+    for s in payload["skipped"]:
+        lines.append(f"\nSkipped: {s}")
+    for title, sel in sections(rows, cases):
+        lines += ["", f"## {title}", "", common.markdown_table(sel, COLUMNS)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], cases: Sequence[Case], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ceil = sorted((r for r in rows if r["op"] == "ceiling"), key=lambda r: r["log2n"])
+    ops = ("adam_step_", "grad_stats_")
+    fig, axes = plt.subplots(len(ops), len(cases), figsize=(5.5 * len(cases), 8),
+                             squeeze=False)
+    for i, op in enumerate(ops):
+        for j, c in enumerate(cases):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["op"] == op and r["case"] == c.name]
+            for p in PROVIDERS:
+                pts = sorted((r["log2n"], r["gbps"]) for r in sel if r["provider"] == p)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=p)
+            for name, style in (("rmw", "--"), ("copy", ":")):
+                pts = [(r["log2n"], r["gbps"]) for r in ceil if r["provider"] == name]
+                if pts:
+                    ax.plot(*zip(*pts), linestyle=style, color="black", label=f"ceiling {name}")
+            ax.set_title(f"{op} {c.name}")
+            ax.set_xticks(sorted({r["log2n"] for r in rows}))
+            ax.set_xlabel("log2(elements)")
+            ax.set_ylabel("GB/s (byte floor / time)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        vals = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+    if not vals or any(not 1 <= x <= 40 for x in vals):
+        raise argparse.ArgumentTypeError(f"log2 sizes must be in 1..40, got {text!r}")
+    return vals
+
+
+def _choice_list(choices: Sequence[str]):
+    def parse(text: str) -> List[str]:
+        vals = [x for x in text.replace(",", " ").split() if x]
+        bad = [x for x in vals if x not in choices]
+        if bad or not vals:
+            raise argparse.ArgumentTypeError(f"{bad or text!r}: choose from {', '.join(choices)}")
+        return vals
+
+    return parse
+
+
+def _flatten(groups) -> List | None:
+    return None if groups is None else list(dict.fromkeys(x for g in groups for x in g))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_kernels",
+        description="Time zerokern adam_step_ / grad_stats_ per backend against the torch "
+                    "paths and the measured copy / read-modify-write ceilings (DESIGN §6).")
+    p.add_argument("--sizes", type=_int_list, nargs="+", metavar="LOG2",
+                   help="log2 element counts, e.g. 20 22 or 20,22 (default: CPU 20 22 24 26; "
+                        "GPU 20 22 ... 30; --quick: 12 14)")
+    p.add_argument("--providers", type=_choice_list(PROVIDERS), nargs="+", metavar="P",
+                   help=f"subset of {', '.join(PROVIDERS)} (default: all that run on the "
+                        "device; triton on CPU only if named, under TRITON_INTERPRET=1)")
+    p.add_argument("--dtype-cases", type=_choice_list(tuple(DTYPES)), nargs="+", metavar="C",
+                   help="grad dtype cases: bf16/fp16 (16-bit grad + param_out), fp32 "
+                        "(no param_out) (default: bf16 fp32)")
+    p.add_argument("--reps", type=int, help="timed repetitions (default: CPU 15, GPU 50; "
+                                            "--quick: 2)")
+    p.add_argument("--warmup", type=int, help="untimed repetitions first (default 2; --quick: 1)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                   help="results folder (default: benchmarks/results)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and 2 reps, for smoke tests (writes kernels-<kind>-quick.*)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="default: cuda if available, else cpu")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    wall0 = time.perf_counter()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible to torch")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(common.usable_cpus())  # all cores this process may use
+    if args.reps is not None and args.reps < 1 or args.warmup is not None and args.warmup < 0:
+        parser.error("--reps must be >= 1 and --warmup >= 0")
+
+    sizes = _flatten(args.sizes) or ([12, 14] if args.quick else
+                                     list(range(20, 27 if device.type == "cpu" else 31, 2)))
+    reps = args.reps or (2 if args.quick else 15 if device.type == "cpu" else 50)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    cases = [make_case(c) for c in (_flatten(args.dtype_cases) or ["bf16", "fp32"])]
+    explicit = _flatten(args.providers)
+    providers = explicit or default_providers(device)
+    reasons = runnable_zk_backends(device)
+    for p in providers:
+        if p in reasons and reasons[p]:
+            parser.error(f"provider {p!r} cannot run on {device.type}: {reasons[p]}")
+    explicit_ref = bool(explicit and "reference" in explicit)
+
+    env = common.environment(device)
+    print(f"zerokern kernel benchmark on {env['device_name']} ({env['usable_cpus']} CPUs, "
+          f"torch {env['torch']}): sizes {[f'2^{s}' for s in sizes]}, providers "
+          f"{providers}, cases {[c.name for c in cases]}, {reps} reps + {warmup} warm-up",
+          flush=True)
+    env["other_cpu_load_before"] = common.other_load_now()
+    warnings = [w for w in [common.busy_warning(env["other_cpu_load_before"], "before the run")]
+                if w and device.type == "cpu"]
+    for w in warnings:
+        print(w, flush=True)
+    other_load = common.OtherLoad()
+    flush = common.CacheFlusher(device)
+    rows: List[dict] = []
+    skipped: List[dict] = []
+    for log2n in sizes:
+        n = 1 << log2n
+        ref = "reference" in providers and (explicit_ref or log2n <= REFERENCE_MAX_LOG2)
+        need = bytes_needed_per_elem(cases, providers, ref) * n
+        free = common.free_memory_bytes(device)
+        if need > 0.85 * free:
+            msg = f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            print(f"  skip 2^{log2n}: {msg}", flush=True)
+            skipped.append({"log2n": log2n, "reason": msg})
+            continue
+        t0 = time.perf_counter()
+        timed = build_timed(n, log2n, cases, providers, device, explicit_ref, skipped)
+        times = common.round_robin([(t.key, t.fn) for t in timed], device, reps, warmup, flush)
+        new = make_rows(timed, times, n, log2n)
+        rows += new
+        del timed, times
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        brief = ", ".join(f"{r['provider']} {r['gbps']:.0f}" for r in new
+                          if r["op"] == "adam_step_" and r["case"] == cases[0].name)
+        print(f"  2^{log2n}: {time.perf_counter() - t0:.1f} s  (adam_step_ {cases[0].name} "
+              f"GB/s: {brief})", flush=True)
+
+    if not rows:
+        print("nothing measured (every size skipped)")
+        return 1
+    targets = evaluate_targets(rows, device)
+    env["other_cpu_load_during"] = other_load.fraction()
+    during = common.busy_warning(env["other_cpu_load_during"], "during the run")
+    if during and device.type == "cpu":
+        warnings.append(during)
+        print(during)
+    if "cpu" in providers and device.type == "cpu":
+        try:  # which SIMD path the cpu backend dispatched to decides its numbers
+            env["zk_cpu_isa"] = zk.load_op("cpu").selected_isa()
+        except Exception as e:  # noqa: BLE001 - a label only; the rows already say what ran
+            env["zk_cpu_isa"] = f"unknown ({type(e).__name__})"
+    payload = dict(benchmark="kernels", env=env, command=" ".join(["bench_kernels", *(argv or [])]),
+                   sizes=sizes, providers=providers, cases=[c.name for c in cases], reps=reps,
+                   warmup=warmup, hyper=HYPER, quick=args.quick,
+                   byte_floors={c.name: {"adam_step_": adam_bytes(c.grad_dtype, c.param_out_dtype),
+                                         "grad_stats_": c.grad_dtype.itemsize} for c in cases},
+                   targets=targets, skipped=skipped, warnings=warnings, rows=rows)
+    for title, sel in sections(rows, cases):
+        common.print_table(sel, COLUMNS, title=f"\n{title}")
+    print()
+    for t in targets:
+        print(f"{t['status']:>5}  {t['target']}  (value {common._fmt(t['value'])})")
+    stem = f"kernels-{env['device_kind']}" + ("-quick" if args.quick else "")
+    payload["wall_s"] = time.perf_counter() - wall0  # before plotting: measurement time only
+    out = [common.write_json(args.out / f"{stem}.json", payload),
+           common.write_text(args.out / f"{stem}.md", render_markdown(payload, cases))]
+    if not args.no_plot:
+        try:
+            out.append(plot(rows, cases, args.out / f"{stem}.png",
+                            f"zerokern kernels on {env['device_name']} ({env['device_kind']})"))
+        except ImportError:
+            print("matplotlib not installed: no plot (pip install matplotlib)")
+    print(f"wall time {time.perf_counter() - wall0:.1f} s; wrote " + ", ".join(map(str, out)))
+    return 0
