@@ -222,7 +222,9 @@ class BucketedGrads(GradSync):
         g = self.groups[gi]
         s = g.layout.slots[i]
         flat_grad = p.grad.reshape(-1)
-        for k in g.layout.buckets_of_slot(i):
+        # Descending, the launch order within a group: a param spanning several buckets fills
+        # and launches them one by one, so staging stays bounded whatever the param size.
+        for k in reversed(g.layout.buckets_of_slot(i)):
             if self._pending[gi][k] <= 0 or (gi, k) in self._launched():
                 raise RuntimeError(
                     "zerokern stage 2: a parameter's gradient arrived twice in one backward after "
@@ -232,6 +234,8 @@ class BucketedGrads(GradSync):
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             self._acquire(gi, k)[a - lo:b - lo].copy_(flat_grad[a - s.offset:b - s.offset])
             self._pending[gi][k] -= 1
+            if self._pending[gi][k] == 0:
+                self._launch_ready(flush=False)
         p.grad = None
         self._launch_ready(flush=False)
 
