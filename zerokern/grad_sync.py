@@ -252,7 +252,7 @@ class BucketedGrads(GradSync):
             shard = self.grad_shards[gi][g.state_slice(k)]
             # Accumulation (DESIGN §2): the first backward writes the shard, later ones add.
             out = shard if self._fresh else torch.empty_like(shard)
-            h = self.comm.reduce_scatter_(out, staging, async_op=True)
+            h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
             self._in_flight.append((h, (gi, k), out if out is not shard else None, shard))
             self._next += 1
 

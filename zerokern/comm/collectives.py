@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
+import os
+
 import torch
 import torch.distributed as dist
+
+from .ring import FutureWork, RingRunner
 
 # torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,6 +72,11 @@ class Comm:
         else:
             self.group, self.world_size, self.rank = None, 1, 0
         self.stats = CommStats()
+        # gloo: reduce-scatter and all-gather as rings over send/recv ([Note: gloo collectives]).
+        self.ring = None
+        if self.world_size > 1 and dist.get_backend(self.group) == "gloo" and \
+                os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
+            self.ring = RingRunner(self.group, self.rank, self.world_size)
 
     def _frac(self) -> float:
         return (self.world_size - 1) / self.world_size
@@ -76,16 +85,28 @@ class Comm:
         if self.world_size == 1:
             return _Done()
         self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()))
-        return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
-                               async_op=async_op) or _Done()
+        op = op or dist.ReduceOp.SUM
+        if self.ring is not None:  # through the ring thread: one order for every collective
+            fut = self.ring.submit(lambda: dist.all_reduce(t, op=op, group=self.group))
+            return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
+        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
 
-    def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-        """out (n) = sum over ranks of inp[rank*n:(rank+1)*n]; inp has world_size*n elements."""
+    def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                        inp_is_scratch: bool = False):
+        """out (n) = sum over ranks of inp[rank*n:(rank+1)*n]; inp has world_size*n elements.
+
+        inp_is_scratch: the caller does not need inp afterwards, so the gloo ring may use it
+        as its work buffer (else it works on a copy).
+        """
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return _Done()
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
+        if self.ring is not None:
+            work = inp if inp_is_scratch else inp.clone()
+            fut = self.ring.submit(self.ring.reduce_scatter, out, work)
+            return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
         return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -95,4 +116,11 @@ class Comm:
                 out.copy_(inp)
             return _Done()
         self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()))
+        if self.ring is not None:
+            n = inp.numel()
+            own = out[self.rank * n:(self.rank + 1) * n]
+            if own.data_ptr() != inp.data_ptr():
+                own.copy_(inp)
+            fut = self.ring.submit(self.ring.all_gather, out)
+            return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
         return _all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
