@@ -71,8 +71,7 @@ def _walk_bytes(opt) -> int:
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
         elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("zerokern"):
-            if obj is not opt.comm:
-                stack.extend(vars(obj).values())
+            stack.extend(vars(obj).values())  # incl. comm: the gloo ring's work buffer
     return total
 
 

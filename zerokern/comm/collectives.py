@@ -104,8 +104,8 @@ class Comm:
             return _Done()
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
         if self.ring is not None:
-            work = inp if inp_is_scratch else inp.clone()
-            fut = self.ring.submit(self.ring.reduce_scatter, out, work)
+            fn = self.ring.reduce_scatter if inp_is_scratch else self.ring.reduce_scatter_copy
+            fut = self.ring.submit(fn, out, inp)
             return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
         return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
 

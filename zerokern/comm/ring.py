@@ -33,6 +33,9 @@ class RingRunner:
         self._prev = dist.get_global_rank(group, (rank - 1) % world_size) if group else \
             (rank - 1) % world_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
+        # One work buffer suffices: the thread runs one collective at a time. Reused because a
+        # fresh 92 MB allocation per step costs page faults comparable to the exchange itself.
+        self._scratch = None
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)
@@ -42,6 +45,16 @@ class RingRunner:
                dist.P2POp(dist.irecv, recv, self._prev, self.group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
+
+    def reduce_scatter_copy(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """As reduce_scatter, leaving inp untouched (works on the runner's scratch buffer)."""
+        s = self._scratch
+        if s is None or s.numel() < inp.numel() or s.dtype != inp.dtype or \
+                s.device != inp.device:
+            s = self._scratch = torch.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
+        work = s[:inp.numel()]
+        work.copy_(inp)
+        self.reduce_scatter(out, work)
 
     def reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
         """out = sum over ranks of chunk `rank` of work; `work` is used as scratch."""
