@@ -8,10 +8,9 @@ copy or a no-op and nothing is counted as sent.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Optional
-
-import os
 
 import torch
 import torch.distributed as dist
