@@ -183,8 +183,9 @@ class BucketedGrads(GradSync):
     def __init__(self, groups, comm, reduce_dtype) -> None:
         self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
                             for g in groups]  # (S,) reduce dtype
-        self._overlap_count = [[len(g.layout.overlaps(*g.layout.bucket_range(k)))
-                                for k in range(g.layout.n_buckets)] for g in groups]
+        self._overlaps = [[g.layout.overlaps(*g.layout.bucket_range(k))
+                           for k in range(g.layout.n_buckets)] for g in groups]
+        self._overlap_count = [[len(ov) for ov in per_group] for per_group in self._overlaps]
         # Fixed launch order (see the Note): latest relative start first.
         key = [(g.layout.bucket_range(k)[0] / max(g.layout.numel, 1), gi, k)
                for gi, g in enumerate(groups) for k in range(g.layout.n_buckets)]
@@ -198,6 +199,7 @@ class BucketedGrads(GradSync):
 
     def _reset_backward(self) -> None:
         self._pending = [list(c) for c in self._overlap_count]
+        self._arrived = [[False] * len(g.params) for g in self.groups]
         self._staging: Dict[Tuple[int, int], torch.Tensor] = {}
         self._next = 0                # index into self.order of the next bucket to launch
         self._in_flight: List[tuple] = []
@@ -212,9 +214,12 @@ class BucketedGrads(GradSync):
                 buf = torch.empty(self.bucket_numel, dtype=self.reduce_dtype,
                                   device=self.groups[gi].device)
                 self.staging_allocated += 1
-            lo, hi = self.groups[gi].layout.bucket_range(k)
+            L = self.groups[gi].layout
+            lo, hi = L.bucket_range(k)
             view = buf[:hi - lo]
-            view.zero_()  # params without a grad this backward, and padding, contribute 0
+            # Not a full zero_(): every param region is overwritten by its grad (a whole pass
+            # saved per step); padding is zeroed here, params with no grad at launch.
+            view[max(L.numel - lo, 0):].zero_()
             self._staging[(gi, k)] = view
         return self._staging[(gi, k)]
 
@@ -236,6 +241,7 @@ class BucketedGrads(GradSync):
             self._pending[gi][k] -= 1
             if self._pending[gi][k] == 0:
                 self._launch_ready(flush=False)
+        self._arrived[gi][i] = True
         p.grad = None
         self._launch_ready(flush=False)
 
@@ -249,6 +255,11 @@ class BucketedGrads(GradSync):
                 return
             g = self.groups[gi]
             staging = self._acquire(gi, k)
+            if self._pending[gi][k] > 0:  # flushed with params that got no grad: they are 0
+                lo = g.layout.bucket_range(k)[0]
+                for i, a, b in self._overlaps[gi][k]:
+                    if not self._arrived[gi][i]:
+                        staging[a - lo:b - lo].zero_()
             shard = self.grad_shards[gi][g.state_slice(k)]
             # Accumulation (DESIGN §2): the first backward writes the shard, later ones add.
             out = shard if self._fresh else torch.empty_like(shard)

@@ -301,7 +301,7 @@ def gbps(nbytes: float, ms: float) -> float:
 Column = Tuple[str, str]  # (row key, header)
 
 
-def _fmt(v) -> str:
+def fmt_value(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -316,7 +316,7 @@ def _fmt(v) -> str:
 
 
 def format_rows(rows: Sequence[dict], columns: Sequence[Column]) -> List[List[str]]:
-    return [[_fmt(r.get(key)) for key, _ in columns] for r in rows]
+    return [[fmt_value(r.get(key)) for key, _ in columns] for r in rows]
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[Column], title: str = "") -> None:

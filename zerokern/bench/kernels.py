@@ -370,7 +370,7 @@ def render_markdown(payload: dict, cases: Sequence[Case]) -> str:
              f"2^{REFERENCE_MAX_LOG2} unless named in --providers.", "",
              "## Targets", "", "| target | value | status |", "|---|---:|---|"]
     for t in payload["targets"]:
-        lines.append(f"| {t['target']} | {common._fmt(t['value'])} | **{t['status']}** |")
+        lines.append(f"| {t['target']} | {common.fmt_value(t['value'])} | **{t['status']}** |")
     for w in payload["warnings"]:
         lines.append(f"\n**{w}**")
     for s in payload["skipped"]:
@@ -557,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.print_table(sel, COLUMNS, title=f"\n{title}")
     print()
     for t in targets:
-        print(f"{t['status']:>5}  {t['target']}  (value {common._fmt(t['value'])})")
+        print(f"{t['status']:>5}  {t['target']}  (value {common.fmt_value(t['value'])})")
     stem = f"kernels-{env['device_kind']}" + ("-quick" if args.quick else "")
     payload["wall_s"] = time.perf_counter() - wall0  # before plotting: measurement time only
     out = [common.write_json(args.out / f"{stem}.json", payload),

@@ -80,14 +80,28 @@ class Comm:
     def _frac(self) -> float:
         return (self.world_size - 1) / self.world_size
 
+    def _on_ring(self, async_op: bool, fn, *args):
+        """Run fn on the ring thread (one order for every collective); a handle if async."""
+        fut = self.ring.submit(fn, *args)
+        if async_op:
+            return FutureWork(fut)
+        fut.result()
+        return _Done()
+
+    @staticmethod
+    def _local(out: torch.Tensor, inp: torch.Tensor):
+        """World size 1: the collective is a copy (or nothing, in place)."""
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return _Done()
+
     def all_reduce_(self, t: torch.Tensor, op=None, async_op: bool = False):
         if self.world_size == 1:
             return _Done()
         self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()))
         op = op or dist.ReduceOp.SUM
-        if self.ring is not None:  # through the ring thread: one order for every collective
-            fut = self.ring.submit(lambda: dist.all_reduce(t, op=op, group=self.group))
-            return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
+        if self.ring is not None:
+            return self._on_ring(async_op, dist.all_reduce, t, op, self.group)
         return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
@@ -98,28 +112,20 @@ class Comm:
         as its work buffer (else it works on a copy).
         """
         if self.world_size == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return _Done()
+            return self._local(out, inp)
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
         if self.ring is not None:
             fn = self.ring.reduce_scatter if inp_is_scratch else self.ring.reduce_scatter_copy
-            fut = self.ring.submit(fn, out, inp)
-            return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
+            return self._on_ring(async_op, fn, out, inp)
         return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """out[rank*n:(rank+1)*n] = inp of each rank; inp may be that slice of out (in place)."""
         if self.world_size == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return _Done()
+            return self._local(out, inp)
         self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()))
         if self.ring is not None:
             n = inp.numel()
-            own = out[self.rank * n:(self.rank + 1) * n]
-            if own.data_ptr() != inp.data_ptr():
-                own.copy_(inp)
-            fut = self.ring.submit(self.ring.all_gather, out)
-            return FutureWork(fut) if async_op else (fut.result(), _Done())[1]
+            self._local(out[self.rank * n:(self.rank + 1) * n], inp)
+            return self._on_ring(async_op, self.ring.all_gather, out)
         return _all_gather(out, inp, group=self.group, async_op=async_op) or _Done()

@@ -74,10 +74,6 @@ class RingRunner:
         for s in range(n - 1):
             self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
 
-    def run_sync(self, fn, *args):
-        """Run fn on the ring thread and wait: keeps every collective in one order."""
-        return self._pool.submit(fn, *args).result()
-
 
 class FutureWork:
     """A torch.distributed-like handle over a Future."""
