@@ -46,6 +46,37 @@ struct IsaKernels {
   SumsqChunkFn sumsq[3];      // [GradType]
 };
 
+// Defines `const IsaKernels& ACCESSOR()` from the including file's adam_chunk<G, O, STREAM> and
+// sumsq_chunk<G> templates: one table per SIMD ISA file, filled once (a function-local static).
+// A macro, not a template: function templates cannot be passed as template arguments.
+#define ZK_DEFINE_ISA_TABLE(ACCESSOR)                                   \
+  const IsaKernels& ACCESSOR() {                                        \
+    static const IsaKernels table = [] {                                \
+      IsaKernels k{};                                                   \
+      zk_fill_grad<kF32>(k);                                            \
+      zk_fill_grad<kF16>(k);                                            \
+      zk_fill_grad<kBF16>(k);                                           \
+      return k;                                                         \
+    }();                                                                \
+    return table;                                                       \
+  }
+
+// The fill helpers ZK_DEFINE_ISA_TABLE expands to; declared in each ISA file's anonymous
+// namespace by ZK_DEFINE_FILL_HELPERS, so they bind to that file's kernels.
+#define ZK_DEFINE_FILL_HELPERS()                                        \
+  template <int G, int O>                                               \
+  void zk_fill_adam(IsaKernels& k) {                                    \
+    k.adam[G][O][0] = &adam_chunk<G, O, false>;                         \
+    k.adam[G][O][1] = &adam_chunk<G, O, true>;                          \
+  }                                                                     \
+  template <int G>                                                      \
+  void zk_fill_grad(IsaKernels& k) {                                    \
+    zk_fill_adam<G, kOutNone>(k);                                       \
+    zk_fill_adam<G, kOutF16>(k);                                        \
+    zk_fill_adam<G, kOutBF16>(k);                                       \
+    k.sumsq[G] = &sumsq_chunk<G>;                                       \
+  }
+
 const IsaKernels& scalar_kernels();
 const IsaKernels& avx2_kernels();
 const IsaKernels& avx512_kernels();

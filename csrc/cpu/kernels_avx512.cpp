@@ -137,33 +137,10 @@ ZK_AVX512 float sumsq_chunk(const void* grad, int64_t begin, int64_t end) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-template <int G, int O>
-void fill_adam(IsaKernels& k) {
-  k.adam[G][O][0] = &adam_chunk<G, O, false>;
-  k.adam[G][O][1] = &adam_chunk<G, O, true>;
-}
-
-template <int G>
-void fill_grad(IsaKernels& k) {
-  fill_adam<G, kOutNone>(k);
-  fill_adam<G, kOutF16>(k);
-  fill_adam<G, kOutBF16>(k);
-  k.sumsq[G] = &sumsq_chunk<G>;
-}
-
-IsaKernels make_table() {
-  IsaKernels k{};
-  fill_grad<kF32>(k);
-  fill_grad<kF16>(k);
-  fill_grad<kBF16>(k);
-  return k;
-}
+ZK_DEFINE_FILL_HELPERS()
 
 }  // namespace
 
-const IsaKernels& avx512_kernels() {
-  static const IsaKernels table = make_table();
-  return table;
-}
+ZK_DEFINE_ISA_TABLE(avx512_kernels)
 
 }  // namespace zk_cpu
