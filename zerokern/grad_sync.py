@@ -148,7 +148,8 @@ class FullGrads(GradSync):
                 out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=g.device)
                 for k in range(g.layout.n_buckets):
                     handles.append((gi, k, self.comm.reduce_scatter_(
-                        out[g.state_slice(k)], g.bucket(src, k), async_op=True)))
+                        out[g.state_slice(k)], g.bucket(src, k), async_op=True,
+                        inp_is_scratch=src is not buf)))  # a converted copy may be scratch
             self._reduced[gi] = out
         for gi, k, h in handles:  # in launch order: bucket k is ready while k+1 is in flight
             h.wait()
