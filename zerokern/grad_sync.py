@@ -227,15 +227,15 @@ class BucketedGrads(GradSync):
     def on_grad(self, gi, i, p) -> None:
         g = self.groups[gi]
         s = g.layout.slots[i]
+        if self._arrived[gi][i]:
+            raise RuntimeError(
+                "zerokern stage 2: a parameter's gradient arrived twice in one backward "
+                "(reentrant checkpointing?); use torch.utils.checkpoint(..., "
+                "use_reentrant=False) or stage=1")
         flat_grad = p.grad.reshape(-1)
         # Descending, the launch order within a group: a param spanning several buckets fills
         # and launches them one by one, so staging stays bounded whatever the param size.
         for k in reversed(g.layout.buckets_of_slot(i)):
-            if self._pending[gi][k] <= 0 or (gi, k) in self._launched():
-                raise RuntimeError(
-                    "zerokern stage 2: a parameter's gradient arrived twice in one backward after "
-                    "its bucket was sent (reentrant checkpointing?); use "
-                    "torch.utils.checkpoint(..., use_reentrant=False) or stage=1")
             lo, hi = g.layout.bucket_range(k)
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             self._acquire(gi, k)[a - lo:b - lo].copy_(flat_grad[a - s.offset:b - s.offset])
@@ -245,9 +245,6 @@ class BucketedGrads(GradSync):
         self._arrived[gi][i] = True
         p.grad = None
         self._launch_ready(flush=False)
-
-    def _launched(self):
-        return set(self.order[:self._next])
 
     def _launch_ready(self, flush: bool) -> None:
         while self._next < len(self.order):

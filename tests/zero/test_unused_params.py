@@ -41,3 +41,23 @@ def test_unused_param_matches_stage0_bitwise(stage):
         assert torch.equal(a, b)
     if stage == 2:
         assert opt.grad_sync.staging_allocated < opt.flat_groups[0].layout.n_buckets
+
+
+class _FakeParam:
+    def __init__(self, grad):
+        self.grad = grad
+
+
+def test_stage2_grad_arriving_twice_in_one_backward_raises():
+    """A second arrival (e.g. reentrant checkpointing) must not overwrite the first silently,
+    even while its bucket is still waiting for other params."""
+    m = WithUnused()
+    opt = zk.ZeroAdamW(m, stage=2, precision="fp32", bucket_mb=1.0, backend="cpu")
+    gs = opt.grad_sync
+    assert gs.groups[0].layout.n_buckets == 1  # the bucket stays open after the first arrival
+    w = gs.groups[0].params[0]
+    gs.on_grad(0, 0, _FakeParam(torch.randn_like(w)))
+    pending = [list(row) for row in gs._pending]
+    with pytest.raises(RuntimeError, match="arrived twice"):
+        gs.on_grad(0, 0, _FakeParam(torch.randn_like(w)))
+    assert gs._pending == pending  # nothing was counted or copied by the refused call
