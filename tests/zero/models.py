@@ -119,7 +119,8 @@ def param_groups(model: nn.Module, tied_twice: bool = True, **decay_over) -> Lis
 
 
 def zero_opt(model: nn.Module, stage: int, precision: str = "fp32", **kw) -> zk.ZeroAdamW:
-    """ZeroAdamW over `param_groups(model)` with the exaggerated hyperparameters."""
+    """ZeroAdamW over `param_groups(model)` with the exaggerated hyperparameters (stage 3: the
+    model itself, with the same groups as `param_groups=`)."""
     kw = {
         "lr": LR,
         "betas": BETAS,
@@ -129,6 +130,9 @@ def zero_opt(model: nn.Module, stage: int, precision: str = "fp32", **kw) -> zk.
         "backend": BACKEND,
         **kw,
     }
+    if stage == 3:
+        return zk.ZeroAdamW(model, stage=3, precision=precision,
+                            param_groups=param_groups(model, tied_twice=False), **kw)
     with warnings.catch_warnings():  # torch warns about the tied param listed twice
         warnings.simplefilter("ignore", UserWarning)
         return zk.ZeroAdamW(param_groups(model), stage=stage, precision=precision, **kw)
@@ -268,7 +272,8 @@ def train_zero(
         opt.step()
         if scheduler is not None:
             scheduler.step()
-        rec["params"].append(snapshot(model))
+        with opt.gathered_params():  # stage 3: full params for the snapshot; else a no-op
+            rec["params"].append(snapshot(model))
         rec["grad_norm"].append(float(opt.grad_norm))
         rec["skipped"].append(bool(opt.step_skipped))
         rec["loss_scale"].append(float(opt.loss_scale))
