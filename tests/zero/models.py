@@ -171,6 +171,17 @@ def snapshot(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def full_snapshot(model: nn.Module, opt: zk.ZeroAdamW) -> Dict[str, torch.Tensor]:
+    """`snapshot` with stage 3's params gathered (a no-op context at stages 0-2)."""
+    with opt.gathered_params():
+        return snapshot(model)
+
+
+def full_replica_diff(model: nn.Module, opt: zk.ZeroAdamW) -> float:
+    with opt.gathered_params():
+        return replica_diff(model)
+
+
 def trainable_names(model: nn.Module) -> List[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -272,8 +283,7 @@ def train_zero(
         opt.step()
         if scheduler is not None:
             scheduler.step()
-        with opt.gathered_params():  # stage 3: full params for the snapshot; else a no-op
-            rec["params"].append(snapshot(model))
+        rec["params"].append(full_snapshot(model, opt))
         rec["grad_norm"].append(float(opt.grad_norm))
         rec["skipped"].append(bool(opt.step_skipped))
         rec["loss_scale"].append(float(opt.loss_scale))

@@ -17,7 +17,7 @@ from . import models as M
 from .harness import cached, case, run_cases
 
 WORLD_SIZES = [1, 2, 3]
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 KINDS = {  # name: (precision, loss_scale, injected value)
     "fp32": ("fp32", None, float("inf")),
     "fp32_nan": ("fp32", None, float("nan")),
@@ -39,7 +39,7 @@ def _state(opt, model):
     sd = opt.state_dict()
     return {
         "tensors": {f"{gi}.{k}": t for gi, st in enumerate(sd["state"]) for k, t in st.items()},
-        "params": M.snapshot(model),
+        "params": M.full_snapshot(model, opt),
         "groups": sd["param_groups"],
     }
 

@@ -62,11 +62,6 @@ def _frozen_tied(model, opt) -> dict:
     }
 
 
-def _replica(model, opt) -> float:
-    with opt.gathered_params():  # stage 3: the gathered params must agree on every rank
-        return M.replica_diff(model)
-
-
 def _zero_run(rank, ws, stage, micro=1, **kw):
     model = M.make_model()
     opt = M.zero_opt(model, stage, **kw)
@@ -90,7 +85,7 @@ def _parity(rank, ws, stage, memo, backend=M.BACKEND):
             M.torch_state(ref["opt"], memo["ref_model"], "exp_avg_sq"),
         ),
         "steps": sorted({int(s) for g in opt.flat_groups for s in g.steps}),
-        "replica": _replica(model, opt),
+        "replica": M.full_replica_diff(model, opt),
         "pos_unchanged": torch.equal(model.pos, M.make_model().pos),
         **_frozen_tied(model, opt),
     }
@@ -148,8 +143,7 @@ def _double_step(rank, ws, stage):
     M.loss_fn(net, M.rank_tokens(0, rank, ws)).backward()
     ref_opt.step()
     ref_opt.step()
-    with opt.gathered_params():
-        snap = M.snapshot(model)
+    snap = M.full_snapshot(model, opt)
     return {
         "rel": M.rel_err(snap, M.snapshot(ref_model)),
         "norm_ratio": float(opt.grad_norm) / norm1,
