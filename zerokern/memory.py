@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional
 import torch
 
 _ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
-_CATS = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "padding")
+_CATS = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "live_units",
+         "padding")
 
 
 def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
@@ -63,7 +64,11 @@ def _buffers(opt):
         state_ranges = [L.bucket_range(k) if opt.stage == 0 else L.piece_range(k, opt.comm.rank)
                         for k in range(L.n_buckets)]
         state_pad = sum(_pad_in_range(lo, hi, L.numel) for lo, hi in state_ranges)
-        yield "params", g.flat, L.padding
+        if opt.stage == 3:  # the resident shard, and the full unit while it is gathered
+            yield "params", g.flat, state_pad
+            yield "live_units", g.full, L.padding
+        else:
+            yield "params", g.flat, L.padding
         for cat, t in (("master", g.master), ("exp_avg", g.exp_avg),
                        ("exp_avg_sq", g.exp_avg_sq)):
             if t is not None:
@@ -82,8 +87,12 @@ def memory_report(opt) -> Dict[str, Any]:
 
     Each category counts the storage bytes of the buffers really held, less their padding,
     which is reported on its own line; measured_total is the sum of all of them.
+    Stage 3 adds peak_live_units (the most full-unit bytes gathered at once so far) and
+    live_units_bound (root + its dependencies + the two largest other units: the running one
+    and the prefetched one), and peak_live_units <= live_units_bound.
 
-    allowed_slack = staging buckets + each buffer's whole padding (< N*128 elements, DESIGN §4).
+    allowed_slack = staging buckets + gathered stage-3 units (live_units, 0 between steps)
+    + each buffer's whole padding (< N*128 elements, DESIGN §4).
     The whole padding, not this rank's share: padding sits in the last bucket, so the ranks that
     hold less of it hold more real elements than Ψ/N, by up to the buffer's padding / N.
     """
@@ -95,7 +104,7 @@ def memory_report(opt) -> Dict[str, Any]:
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
     for cat, t, pad in _buffers(opt):
         st = t.untyped_storage()
-        if st.data_ptr() in seen:
+        if st.nbytes() == 0 or st.data_ptr() in seen:  # (a freed stage-3 unit holds 0 B)
             continue
         seen.add(st.data_ptr())
         pad_bytes = pad * t.element_size()
@@ -105,8 +114,12 @@ def memory_report(opt) -> Dict[str, Any]:
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
                               reduce_bytes=reduce_bytes)
+    out = {}
+    if opt.stage == 3:
+        sync = opt.grad_sync
+        out = {"peak_live_units": sync.peak_live_bytes, "live_units_bound": sync.live_bound()}
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,
             "formula_total": formula["total"],
-            "allowed_slack": meas["buckets"] + pad_bound,
+            "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,
             "num_params": psi, "world_size": opt.comm.world_size, "stage": opt.stage,
             "precision": opt.precision}

@@ -74,6 +74,7 @@ class Stage3Sync(GradSync):
         self.in_backward = False
         self.live_bytes = 0
         self.peak_live_bytes = 0
+        self.prefetch_hits = 0   # gathers already in flight (prefetched) when a unit needed them
         self._param_ids = [id(p) for p in model.parameters()]
         self._rs_order: List[int] = self._static_order()
         super().__init__(flats, comm, reduce_dtype)
@@ -110,16 +111,20 @@ class Stage3Sync(GradSync):
         return [u.index] + sorted(u.deps)
 
     def _gather(self, unit_ids: List[int], wait: bool = True) -> None:
+        launched = set()
         for ui in unit_ids:  # launch every all-gather first, then wait: they overlap
             for fi in self.unit_flats[ui]:
                 f = self.groups[fi]
                 if not f.gathered and f.handle is None:
+                    launched.add(fi)
                     f.start_gather(self.comm)
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
             for ui in unit_ids:
                 for fi in self.unit_flats[ui]:
+                    self.prefetch_hits += self.groups[fi].handle is not None and \
+                        fi not in launched
                     self.groups[fi].finish_gather()
 
     def _free(self, ui: int) -> None:
