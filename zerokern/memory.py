@@ -40,7 +40,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     out = {
         "params": e * (psi / n if stage == 3 else psi),
         "grads": g * psi if stage <= 1 else g * psi / n,
-        "master": 0 if precision == "fp32" else 4 * state,
+        # offload keeps an fp32 master on the host at every precision (the device params
+        # are only the working copy); without offload fp32 params are the master
+        "master": 0 if precision == "fp32" and not offload else 4 * state,
         "exp_avg": 4 * state,
         "exp_avg_sq": 4 * state,
     }
@@ -71,7 +73,7 @@ def _buffers(opt):
             yield "params", g.flat, L.padding
         for cat, t in (("master", g.master), ("exp_avg", g.exp_avg),
                        ("exp_avg_sq", g.exp_avg_sq)):
-            if t is not None:
+            if t is not None and opt.offloader is None:  # offloaded: host bytes, apart
                 yield cat, t, state_pad
         grads = held["grads"][gi]
         yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
@@ -113,11 +115,16 @@ def memory_report(opt) -> Dict[str, Any]:
     psi = sum(g.layout.numel for g in opt.flat_groups)
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
-                              reduce_bytes=reduce_bytes)
+                              offload=opt.offload, reduce_bytes=reduce_bytes)
     out = {}
+    if opt.offloader is not None:  # host memory, apart from the device's
+        host = opt.offloader.host_bytes()
+        out["host_measured"] = host
+        out["host_measured_total"] = sum(host.values())
+        out["host_formula_total"] = formula["host"]
     if opt.stage == 3:
         sync = opt.grad_sync
-        out = {"peak_live_units": sync.peak_live_bytes, "live_units_bound": sync.live_bound()}
+        out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,
             "formula_total": formula["total"],
             "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,

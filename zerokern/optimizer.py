@@ -64,7 +64,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         loss_scale: fp16: "dynamic", a float (static) or a dict of DynamicLossScaler options.
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
-        offload: None (the "cpu" offload arrives with its own issue).
+        offload: None, or "cpu" (stages 1-3): master, exp_avg, exp_avg_sq and the update
+            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload).
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
@@ -114,7 +115,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         if offload is not None:
             if offload != "cpu":
                 raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-            raise NotImplementedError("offload='cpu' is not implemented yet; use offload=None")
+            if stage == 0:
+                raise ValueError("offload='cpu' needs stage 1, 2 or 3 (stage 0 keeps the full "
+                                 "optimizer state on every rank; offloading it saves nothing "
+                                 "that stage 1 would not)")
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
@@ -189,6 +193,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.grad_sync = (
                 BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+        self.offload = offload
+        self.offloader = None
+        if offload == "cpu":
+            from .offload import Offloader
+
+            self.offloader = Offloader(self.flat_groups, self.reduce_dtype)
         self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
@@ -304,17 +314,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             grad_scale = unscale
         gathers = []
+        off = self.offloader
+        scalars_ev = off.begin(grad_scale, found) if off is not None else None
         for gi, g in enumerate(self.flat_groups):
             group = self.param_groups[g.group_index]
             b1, b2 = group["betas"]
             for k in range(g.layout.n_buckets):
-                m, v = g.moments(k)
-                kernels.adam_step_(
-                    g.master_piece(k), m, v, gs.grad_piece(gi, k), g.param_out_piece(k),
-                    lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=group["adamw"],
-                    step=g.steps[k], grad_scale=grad_scale, found_inf=found,
-                    backend=self.backend)
+                if off is not None:  # on the host, pipelined with the copies (offload.py)
+                    off.update_piece(gi, k, gs.grad_piece(gi, k), scalars_ev, lr=group["lr"],
+                                     beta1=b1, beta2=b2, eps=group["eps"],
+                                     weight_decay=group["weight_decay"], adamw=group["adamw"],
+                                     backend=self.backend)
+                else:
+                    self._device_update(g, group, k, gs.grad_piece(gi, k), grad_scale, found)
                 if self.stage in (1, 2):  # stage 3 keeps only the shard
                     # In place, and at once: bucket k's all-gather overlaps bucket k+1's update.
                     gathers.append(self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k),
@@ -326,6 +338,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
         return loss
+
+    def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
+        b1, b2 = group["betas"]
+        m, v = g.moments(k)
+        kernels.adam_step_(
+            g.master_piece(k), m, v, grad, g.param_out_piece(k),
+            lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=group["adamw"],
+            step=g.steps[k], grad_scale=grad_scale, found_inf=found,
+            backend=self.backend)
 
     # ---- introspection ---------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
@@ -367,7 +389,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                              [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's shard: moments, masters, step counters, scaler, hyperparameters."""
+        """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
+        stage 3 the param shard, which the model's own state_dict cannot give)."""
         groups = [{k: v for k, v in group.items() if k != "params"}
                   for group in self.param_groups]
         return {"zero": self._meta(),

@@ -99,12 +99,15 @@ class ShardedFlat:
         self.gathered = False
 
     def write_back_(self) -> None:
-        """After the user changed gathered params: take this rank's piece back into the shard
-        (and the fp32 master, rounded from the 16-bit values)."""
+        """After the user changed gathered params: take this rank's piece back into the shard.
+        The fp32 master takes the new value only where the 16-bit param changed, so the
+        params left alone keep their full-precision masters."""
         piece = self.full[slice(*self.layout.piece_range(0, self.rank))]
-        self.flat.copy_(piece)
         if self.master is not None:
-            self.master.copy_(piece)
+            changed = piece != self.flat
+            master = self.master.to(piece.device)
+            self.master.copy_(torch.where(changed, piece.float(), master))
+        self.flat.copy_(piece)
 
     # -- the interface step() and the reports use (same names as FlatGroup) --------------------
     def state_slice(self, k: int) -> slice:
@@ -120,7 +123,9 @@ class ShardedFlat:
         return self.exp_avg, self.exp_avg_sq
 
     def state_tensors(self) -> dict:
-        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+        # The param shard too: at stage 3 the model's own state_dict has no values to give.
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps,
+               "params": self.flat}
         if self.master is not None:
             out["master"] = self.master
         return out
