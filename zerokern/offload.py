@@ -31,6 +31,7 @@ latency (the pipeline's fill) stays well under a millisecond.
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -98,7 +99,10 @@ class Offloader:
         dev = groups[0].device
         self.cuda = dev.type == "cuda"
         self.stream = torch.cuda.Stream(dev) if self.cuda else None
-        self.wait_s = 0.0  # host time spent in the blocking wait (diagnostics only)
+        # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
+        # perf_counter reads the host clock, not a device value).
+        self.wait_s = 0.0
+        self.kernel_s = 0.0
 
     # -- copies: async on the copy stream on a GPU, plain copies on a CPU-only machine --------
     def _copy(self, dst: torch.Tensor, src: torch.Tensor):
@@ -111,10 +115,11 @@ class Offloader:
             ev.record(self.stream)
         return ev
 
-    @staticmethod
-    def _wait(ev) -> None:
+    def _wait(self, ev) -> None:
         if ev is not None:
+            t0 = time.perf_counter()
             ev.synchronize()  # [Note: the one blocking wait]
+            self.wait_s += time.perf_counter() - t0
 
     def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> Optional[object]:
         """Ship this step's scalars to the host (after the device computed them)."""
@@ -150,11 +155,13 @@ class Offloader:
             hi = min(lo + self.chunk, n)
             self._wait(evs[i])
             s = step.clone()  # every chunk is the same step (the kernel advances its copy)
+            t0 = time.perf_counter()
             kernels.adam_step_(master[lo:hi], m[lo:hi], v[lo:hi], hgrad[lo:hi],
                                None if hparam is None else hparam[lo:hi], lr=lr, beta1=beta1,
                                beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                                step=s, grad_scale=scale, found_inf=found,
                                backend="reference" if backend == "reference" else "cpu")
+            self.kernel_s += time.perf_counter() - t0
             new_step = s
             src = master[lo:hi] if hparam is None else hparam[lo:hi]
             self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
