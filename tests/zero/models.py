@@ -190,7 +190,7 @@ def rel_err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     """max over params of max|a - b| / max|b| (b is the reference), computed in float64."""
     worst = 0.0
     for n in b:
-        x, y = a[n].double(), b[n].double()
+        x, y = a[n].double().cpu(), b[n].double().cpu()  # (offload: host vs device)
         worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item())
     return worst
 
