@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,7 +120,7 @@ def _save(path: str, obj: Any) -> None:
 
 
 def _child(rank: int, world: int, port: int, cfg: TrainConfig, dev_type: str,
-           out_dir: str) -> None:
+           out_dir: str, work: Callable) -> None:
     path = os.path.join(out_dir, f"rank{rank}.pt")
     code = 0
     try:
@@ -132,7 +132,7 @@ def _child(rank: int, world: int, port: int, cfg: TrainConfig, dev_type: str,
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         dist.init_process_group("nccl" if dev_type == "cuda" else "gloo", store=store,
                                 rank=rank, world_size=world, timeout=timeout)
-        res = run_rank(cfg, device)
+        res = work(cfg, device)
         _save(path, {"ok": res if rank == 0 else None})
     except NotImplementedError as e:
         _save(path, {"not_implemented": _not_implemented_message(e)})
@@ -155,13 +155,16 @@ def _read(path: str) -> Optional[dict]:
         return None
 
 
-def run_spawned(cfg: TrainConfig, dev_type: str, nproc: int) -> Dict[str, Any]:
-    """Spawn `nproc` ranks, wait for them, return rank 0's results or raise RankError."""
+def run_spawned(cfg: TrainConfig, dev_type: str, nproc: int,
+                work: Callable = run_rank) -> Dict[str, Any]:
+    """Spawn `nproc` ranks that each run `work(cfg, device)` (a module-level function) in a
+    process group; return rank 0's result or raise RankError."""
     ctx = mp.get_context("spawn")  # fork would copy this process's OpenMP/CUDA state
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     with tempfile.TemporaryDirectory(prefix="zerokern-train-") as out_dir:
-        procs = [ctx.Process(target=_child, args=(r, nproc, store.port, cfg, dev_type, out_dir),
+        procs = [ctx.Process(target=_child, args=(r, nproc, store.port, cfg, dev_type, out_dir,
+                                                   work),
                              daemon=True) for r in range(nproc)]
         try:
             for p in procs:
