@@ -78,8 +78,10 @@ def _device(dev_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _not_implemented_message(e: NotImplementedError) -> str:
-    return f"not available yet: {e}"
+def _not_implemented_message(e: NotImplementedError, cfg: TrainConfig) -> str:
+    flags = " ".join(f for f, on in ((f"--stage {cfg.stage}", cfg.stage == 3),
+                                     (f"--offload {cfg.offload}", cfg.offload)) if on)
+    return f"{flags or 'this configuration'} is not available yet: {e}"
 
 
 # ---------------------------------------------------------------------------- in process
@@ -91,7 +93,7 @@ def run_in_process(cfg: TrainConfig, dev_type: str) -> Dict[str, Any]:
     try:
         return run_rank(cfg, _device(dev_type, 0))
     except NotImplementedError as e:
-        raise RankError(_not_implemented_message(e), EXIT_NOT_IMPLEMENTED) from None
+        raise RankError(_not_implemented_message(e, cfg), EXIT_NOT_IMPLEMENTED) from None
 
 
 def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
@@ -106,7 +108,7 @@ def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         res = run_rank(cfg, device)
         return res if dist.get_rank() == 0 else None
     except NotImplementedError as e:
-        raise RankError(_not_implemented_message(e), EXIT_NOT_IMPLEMENTED) from None
+        raise RankError(_not_implemented_message(e, cfg), EXIT_NOT_IMPLEMENTED) from None
     finally:
         dist.destroy_process_group()
 
@@ -135,7 +137,7 @@ def _child(rank: int, world: int, port: int, cfg: TrainConfig, dev_type: str,
         res = work(cfg, device)
         _save(path, {"ok": res if rank == 0 else None})
     except NotImplementedError as e:
-        _save(path, {"not_implemented": _not_implemented_message(e)})
+        _save(path, {"not_implemented": _not_implemented_message(e, cfg)})
         code = EXIT_NOT_IMPLEMENTED
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         _save(path, {"error": traceback.format_exc(), "message": f"{type(e).__name__}: {e}"})
