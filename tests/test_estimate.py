@@ -4,7 +4,9 @@
   param) and the gpt "tiny" preset, each category of `opt.memory_report()["measured"]` after two
   training steps equals the estimate, byte for byte, at stages 0-2, fp32 and bf16, tiny buckets
   (many, params straddling them) and the default 25 MB (one), at world size 1 (no process
-  group), 2 and 3 (gloo, every rank: the padding split differs per rank).
+  group) and 2 (gloo, both ranks: the padding split differs per rank). World size 3 passed
+  too when tried (commit message); it is left out to keep this file near 30 s on 2 busy cores
+  (its spawn alone costs ~10 s there).
 - Negative controls: the estimate with the wrong grad order (reverse registration) misses the
   stage-2 staging bytes, and without the gloo ring scratch (comm="nccl") misses stage 1's.
 - `--params`: a one-param model matches exactly; for Ψ up to 7e9 the total minus buckets lies
@@ -120,7 +122,7 @@ def test_estimate_equals_memory_report_single_process(name, stage, precision, bu
     assert est["device_total"] == sum(meas.values())
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("name,stage,precision,bucket_mb", CASES)
 def test_estimate_equals_memory_report_every_rank(world_size, name, stage, precision,
                                                   bucket_mb):
@@ -130,7 +132,7 @@ def test_estimate_equals_memory_report_every_rank(world_size, name, stage, preci
         _assert_equal(meas, est, f"world size {world_size}, rank {rank}")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2])
 def test_negative_controls_wrong_grad_order_and_missing_ring_scratch(world_size):
     results = cached(_multi_rank, world_size)
     meas, _, extra = case(results, _key("tinylm", 2, "bf16", M.BUCKET_MB))[0]

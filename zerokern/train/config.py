@@ -17,14 +17,17 @@ from ..gpt import PRESETS
 
 PRECISIONS = ("bf16", "fp32", "fp16")
 
-# Defaults, measured on this project's 2-core CPU VM (2 gloo ranks, 1 thread each, bf16):
-# - model "tiny" (d_model 64, 2 layers, 0.12M params with the byte vocab): at seq 128 the
-#   bigger presets learn about as much per step (d 128 / 4 layers reached 2.48 vs 2.53 after
-#   200 steps) but cost 2-4x the time per step, and the run must fit 2 minutes with the
-#   first-use kernel build (~45 s) in it.
-# - bf16: 220 ms vs 253 ms per fwd+bwd at d 128 (this CPU has avx512_bf16); the masters, m and v
-#   stay fp32, so the loss curve matches fp32's.
-DEFAULTS = dict(stage=2, precision="bf16", steps=300, model_size="tiny", batch=16, seq=128,
+# Defaults, measured on this project's 2-core CPU VM (2 gloo ranks, 1 thread each), shared with
+# other jobs, so times vary ~2x with their load:
+# - model "tiny" (d_model 64, 2 layers, 0.12M params with the byte vocab), seq 128, batch 16 per
+#   rank: 200 steps take 27-54 s and bring the loss from 5.57 to 2.50 (mean of the last 10
+#   steps); 300 steps reached 2.51, no better within the +-0.05 noise of that mean. A 4x larger
+#   model (d 128, 4 layers) reached 2.48 after 200 steps at 2-4x the time per step, and the run
+#   must fit 2 minutes with the first-use kernel build (38-45 s) in it.
+# - lr 1e-2: 5e-3, 1e-2 and 2e-2 all ended at 2.45-2.51 after 300 steps.
+# - bf16: 220 ms vs 253 ms per step at d 128 on one thread (this CPU has avx512_bf16); the
+#   masters, m and v stay fp32.
+DEFAULTS = dict(stage=2, precision="bf16", steps=200, model_size="tiny", batch=16, seq=128,
                 lr=1e-2, seed=0)
 
 

@@ -173,9 +173,13 @@ def run_spawned(cfg: TrainConfig, dev_type: str, nproc: int,
                 p.start()
             first_fail, killed = None, False
             while any(p.is_alive() for p in procs):
-                if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed and first_fail is None:
                     first_fail = time.monotonic()
-                if first_fail is not None and time.monotonic() - first_fail > GRACE_S:
+                # A feature not available yet needs no other rank's story: stop at once
+                # (a slower rank may still be joining the group its peer already left).
+                if any(p.exitcode == EXIT_NOT_IMPLEMENTED for p in procs) or \
+                        (first_fail is not None and time.monotonic() - first_fail > GRACE_S):
                     killed = True
                     break
                 time.sleep(0.05)
