@@ -206,7 +206,6 @@ def test_cli_model_preset_and_factory_and_stage_selection(capsys):
 
 
 def test_cli_hugging_face_config_json_builds_on_meta(capsys):
-    pytest.importorskip("transformers")  # an optional dependency of --model only
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
@@ -238,7 +237,6 @@ def test_cli_bad_flags_exit_2_with_usage(capsys, argv, flag):
 
 
 def test_cli_hub_name_offline_fails_fast_and_clearly(capsys, monkeypatch):
-    pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rc, _, err = _cli(capsys, "estimate", "--model", "no-such-org/no-such-model-zk")
     assert rc == 2

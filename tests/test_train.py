@@ -4,7 +4,7 @@
   the loss is finite and falls, the stage-0 run saw the same data (its per-step losses match to
   fp32 round-off; different data would differ by ~0.1), memory per rank equals zerokern.estimate,
   comm per step is the §5 ring volume within padding, loss.png is a PNG.
-- 1 rank (in process, no process group), default bf16.
+- 1 rank (in process, no process group), default bf16; 2 ranks started by torchrun.
 - Not-yet-available features (--stage 3, --offload cpu) exit 2 with one clear line, no
   traceback and no hang, whatever ZeroAdamW does today (checked against it directly).
 - A rank that dies makes the command fail with its traceback; a rank left running is killed.
@@ -106,6 +106,20 @@ def test_train_one_rank_in_process(tmp_path, capsys):
     assert m["memory"]["estimate_matches_rank0"] is True
     assert m["compare"] is None
     assert (out / "loss.png").exists()
+
+
+def test_train_under_torchrun_uses_its_ranks(tmp_path):
+    out = tmp_path / "trun"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "-m", "zerokern", "train", *TINY, "--steps", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("zerokern train: GPT") == 1  # rank 0 reports, once
+    m = json.loads((out / "metrics.json").read_text())
+    _check_metrics(m, 3, 2)
+    assert m["comm_backend"] == "gloo" and m["comm_per_step"]["reduce_scatter"] > 0
 
 
 def _raises_not_implemented(**kw) -> bool:

@@ -449,31 +449,9 @@ def _count(text: str) -> int:
     return int(v)
 
 
-def _world(text: str) -> int:
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _bucket(text: str) -> float:
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
-
-
 def add_arguments(p) -> None:
+    from .train.config import int_at_least, positive_float
+
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, metavar="N",
                       help="parameter count (e.g. 7e9): one flat buffer of N elements")
@@ -481,13 +459,13 @@ def add_arguments(p) -> None:
                       help="a zerokern.gpt preset (tiny, small, 20m, 100m), a factory "
                            "module:function, or a Hugging Face config (JSON, config.json path, "
                            "directory, or hub name); built on the meta device")
-    p.add_argument("--world-size", type=_world, default=1, metavar="N",
+    p.add_argument("--world-size", type=int_at_least(1), default=1, metavar="N",
                    help="ranks (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append",
                    help="stage(s) to show (repeatable; default all of 0-3)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
     p.add_argument("--offload", choices=["none", "cpu"], default="none")
-    p.add_argument("--bucket-mb", type=_bucket, default=25.0,
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
                    help="rank to report (totals are equal on all ranks; default 0)")

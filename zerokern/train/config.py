@@ -56,7 +56,8 @@ def default_out_dir() -> str:
     return str(Path("runs") / _dt.datetime.now().strftime("train-%Y%m%d-%H%M%S"))
 
 
-def _int_at_least(lo: int):
+def int_at_least(lo: int):
+    """argparse type: an int >= lo (the error names the flag, argparse adds it)."""
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -68,7 +69,8 @@ def _int_at_least(lo: int):
     return parse
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
     try:
         v = float(text)
     except ValueError:
@@ -90,31 +92,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=d["stage"],
                    help=f"ZeRO stage (default {d['stage']})")
-    p.add_argument("--nproc", type=_int_at_least(1), default=None,
+    p.add_argument("--nproc", type=int_at_least(1), default=None,
                    help="ranks to spawn (default: one per GPU, else 2 CPU ranks over gloo; "
                         "ignored under torchrun)")
     p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
                    help=f"model dtype; masters and moments stay fp32 (default {d['precision']})")
     p.add_argument("--offload", type=_offload, default=None, metavar="{cpu,none}",
                    help="ZeRO-Offload of master/m/v to the host (default none)")
-    p.add_argument("--steps", type=_int_at_least(1), default=d["steps"],
+    p.add_argument("--steps", type=int_at_least(1), default=d["steps"],
                    help=f"optimizer steps (default {d['steps']})")
     p.add_argument("--model-size", choices=sorted(PRESETS), default=d["model_size"],
                    help=f"zerokern.gpt preset, with the byte vocab (default {d['model_size']})")
-    p.add_argument("--batch", type=_int_at_least(1), default=d["batch"],
+    p.add_argument("--batch", type=int_at_least(1), default=d["batch"],
                    help=f"sequences per rank per step (default {d['batch']})")
-    p.add_argument("--seq", type=_int_at_least(2), default=d["seq"],
+    p.add_argument("--seq", type=int_at_least(2), default=d["seq"],
                    help=f"tokens per sequence (default {d['seq']})")
-    p.add_argument("--lr", type=_positive_float, default=d["lr"],
+    p.add_argument("--lr", type=positive_float, default=d["lr"],
                    help=f"peak learning rate (default {d['lr']:g}; warm-up, then cosine)")
     p.add_argument("--out", default=None,
                    help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--compare", action="store_true",
                    help="also train at stage 0 (same seed and data) and compare the losses")
-    p.add_argument("--seed", type=_int_at_least(0), default=d["seed"])
+    p.add_argument("--seed", type=int_at_least(0), default=d["seed"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA with NCCL if a GPU is visible, else CPU with gloo")
-    p.add_argument("--bucket-mb", type=_positive_float, default=25.0,
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
 
 
