@@ -385,7 +385,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             b["grads"] = (L.shard_numel - spad) * r
             b["padding"] += spad * r
             b["buckets"] = _staging_bytes(spec, g, dtype)
-            notes.append(f"stage-2 staging buckets from the grad order: {spec.order_source}")
+            if spec.units is not None:  # a model: say where its grad order came from
+                notes.append(f"stage-2 staging buckets replay the grad order of "
+                             f"{spec.order_source}")
         if stage == 1 and comm == "gloo" and world_size > 1:
             b["buckets"] = L.bucket_numel * r  # the ring's one scratch bucket (see the Note)
     else:
@@ -493,7 +495,9 @@ _ROWS = [("params", "params"), ("live_units", "live units (max gathered unit)"),
 def format_table(results: List[Dict[str, Any]]) -> str:
     """The human-readable table: one column per stage."""
     r0 = results[0]
-    head = (f"zerokern estimate: {r0['model']} ({r0['num_params']:,} params), "
+    what = f"{r0['num_params']:,} params" if r0["model"] == "--params" else \
+        f"{r0['model']} ({r0['num_params']:,} params)"
+    head = (f"zerokern estimate: {what}, "
             f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
             f"offload {r0['offload'] or 'none'}, comm {r0['comm']}; bytes on rank {r0['rank']}")
     cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
