@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZeRO-Offload of master/m/v to the host (default none)")
     p.add_argument("--steps", type=int_at_least(1), default=d["steps"],
                    help=f"optimizer steps (default {d['steps']})")
-    p.add_argument("--model-size", choices=sorted(PRESETS), default=d["model_size"],
+    p.add_argument("--model-size", choices=list(PRESETS), default=d["model_size"],
                    help=f"zerokern.gpt preset, with the byte vocab (default {d['model_size']})")
     p.add_argument("--batch", type=int_at_least(1), default=d["batch"],
                    help=f"sequences per rank per step (default {d['batch']})")
@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--compare", action="store_true",
                    help="also train at stage 0 (same seed and data) and compare the losses")
-    p.add_argument("--seed", type=int_at_least(0), default=d["seed"])
+    p.add_argument("--seed", type=int_at_least(0), default=d["seed"],
+                   help="model init and data seed (default 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA with NCCL if a GPU is visible, else CPU with gloo")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
