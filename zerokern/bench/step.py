@@ -199,7 +199,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--no-fsdp2", dest="fsdp2", action="store_false",
                    help="without the FSDP2 peer (it runs by default when stage 3 does)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--quick", action="store_true", help="tiny model, 3 reps (for tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 3 reps, for tests (writes step-...-quick.*)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     a = p.parse_args(argv)
     if a.quick:
         a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16
@@ -280,7 +282,8 @@ def report(args, res) -> int:
                 targets.append((f"stage 3 iteration ≤ {bound}× {peer}", f"{v:.2f}×", v <= bound))
     for t, v, ok in targets:
         print(f"[{'PASS' if ok else 'MISS'}] {t}: {v}")
-    stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}"
+    stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}" + \
+        ("-quick" if args.quick else "")
     common.write_json(args.out / f"{stem}.json",
                       {"env": env, "rows": rows, "raw": res,
                        "targets": [{"target": t, "value": v, "pass": ok}
@@ -290,4 +293,41 @@ def report(args, res) -> int:
                                  for r in rows], cols), "",
           *[f"- [{'PASS' if ok else 'MISS'}] {t}: {v}" for t, v, ok in targets], ""]
     common.write_text(args.out / f"{stem}.md", "\n".join(md))
+    if not args.no_plot:
+        plot(rows, args.out / f"{stem}.png", title)
     return 0
+
+
+def plot(rows: List[dict], path: Path, title: str) -> Path:
+    """Iteration time per provider (median, p20-p80 whiskers) beside model-state MiB/rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["provider"] for r in rows]
+    ys = range(len(rows))
+    colors = ["tab:blue" if n.startswith("zerokern") else "tab:gray" for n in names]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8), sharey=True)
+    med = [r["iter_ms"] for r in rows]
+    err = [[m - r["p20_ms"] for m, r in zip(med, rows)],
+           [r["p80_ms"] - m for m, r in zip(med, rows)]]
+    ax_t.barh(ys, med, xerr=err, color=colors, capsize=3)
+    ax_t.set_xlabel("iteration ms (median, p20-p80)")
+    ax_t.set_yticks(list(ys), names)
+    ax_t.invert_yaxis()
+    mem = [r["state_MiB"] for r in rows]
+    ax_m.barh(ys, mem, color=colors)
+    bk = [r.get("buckets_MiB") or 0 for r in rows]
+    ax_m.barh(ys, bk, left=mem, color="tab:orange", label="comm buffers (buckets)")
+    ax_m.set_xlim(0, 1.08 * max(m + b for m, b in zip(mem, bk)))
+    ax_m.set_xlabel("model states MiB per rank")
+    ax_m.legend(fontsize=8)
+    for ax in (ax_t, ax_m):
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
