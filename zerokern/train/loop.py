@@ -126,7 +126,7 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
             "comm_per_step": {k: comm[k] / cfg.steps
                               for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
             "comm_calls_per_step": {k: v / cfg.steps for k, v in comm["calls"].items()},
-            "num_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "num_params": sum(g.layout.numel for g in opt.flat_groups),  # (stage 3: p is empty)
             "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
 
 
