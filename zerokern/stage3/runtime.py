@@ -134,9 +134,9 @@ class Stage3Sync(GradSync):
                 f.free()
                 self.live_bytes -= f.full_bytes
 
-    def _free_unreferenced(self) -> None:
+    def _free_unreferenced(self, keep=()) -> None:
         for u in self.active_units:
-            if self._refs[u.index] == 0:
+            if self._refs[u.index] == 0 and u.index not in keep:
                 self._free(u.index)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -173,9 +173,14 @@ class Stage3Sync(GradSync):
     def _post_forward(self, u: Unit, out) -> None:
         if self.in_backward:
             return
+        # [Note: the root stays gathered for backward] With grad enabled the root's backward
+        # comes first and needs it again at once; keeping it costs no peak memory (the root
+        # is gathered through every forward and backward anyway) and saves its re-gather,
+        # as FSDP2 does. Freed by the end of backward, or by step()/an eval forward.
+        keep = set(self._need(u)) if u.is_root and torch.is_grad_enabled() else set()
         for ui in self._need(u):
             self._refs[ui] -= 1
-            if self._refs[ui] == 0:
+            if self._refs[ui] == 0 and ui not in keep:
                 self._free(ui)
         if torch.is_grad_enabled():
             for t in _tensors(out, []):
@@ -185,7 +190,7 @@ class Stage3Sync(GradSync):
             if self._recording != self.fwd_order:
                 self.fwd_order = self._recording
                 self._rs_order = self._static_order()
-            self._free_unreferenced()  # prefetches the forward did not use
+            self._free_unreferenced(keep)  # prefetches the forward did not use
 
     # ---- backward ----------------------------------------------------------------------------
     def _pre_backward(self, u: Unit) -> None:
@@ -276,6 +281,7 @@ class Stage3Sync(GradSync):
 
     # ---- step / zero_grad / reports ----------------------------------------------------------
     def reduce(self):
+        self._free_unreferenced()  # a root kept by a forward that had no backward
         for fi in range(len(self.groups)):
             yield fi, 0
 
