@@ -15,6 +15,7 @@ the checkpoint. The models carry two buffers (one int) and a non-persistent one.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -25,6 +26,7 @@ import sys
 import time
 import warnings
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -245,12 +247,39 @@ def _corrupt(rank, ws, root, what):
             and before["groups"] == after["groups"]}
 
 
+def _save_fails(rank, ws, root):
+    """A rank that cannot write (disk full): every rank raises, the old checkpoint survives."""
+    d = os.path.join(root, "fp32")
+    with open(os.path.join(d, "meta.json"), "rb") as f:
+        meta_before = f.read()
+    model, opt = _target(rank, ws, SOURCE_STAGE, "fp32")
+    real = ck.writer._write_rank
+
+    def failing(tmp, view):
+        if view.rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(tmp, view)
+
+    with mock.patch.object(ck.writer, "_write_rank", failing):
+        try:
+            ck.save(d, model, opt)
+            err = None
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    with open(os.path.join(d, "meta.json"), "rb") as f:
+        meta_after = f.read()
+    return {"error": err, "meta_unchanged": meta_before == meta_after,
+            "leftovers": [s for s in os.listdir(root) if ".tmp-" in s]}
+
+
 def _source_worker(rank, ws, root):
     cases = {f"save_{p}": functools.partial(_save_run, rank, ws, root, p) for p in PRECISIONS}
     for p in PRECISIONS:
         cases[f"same_{p}"] = functools.partial(_load_run, rank, ws, SOURCE_STAGE, root, p)
     for what in CORRUPTIONS:
         cases[f"bad_{what}"] = functools.partial(_corrupt, rank, ws, root, what)
+    cases["save_fails"] = functools.partial(_save_fails, rank, ws, root)
     return run_cases(cases)
 
 
@@ -330,6 +359,14 @@ def test_negative_control_params_only_resume_is_caught(root, ws, stage):
     err = M.rel_err(res["final"]["params"], src["final"]["params"])
     print(f"negative control ws={ws} stage={stage}: rel {err:.3g}")
     assert err > TOL["negative_factor"] * TOL["reshard_fp32"], err
+
+
+def test_failed_save_raises_on_every_rank_and_keeps_the_old_checkpoint(root):
+    res = case(_source(root), "save_fails")
+    assert res[1]["error"] and "injected" in res[1]["error"], res[1]
+    assert res[0]["error"] and "rank(s) [1] failed" in res[0]["error"], res[0]
+    assert all(r["meta_unchanged"] and not r["leftovers"] for r in res), res
+    ck.verify(os.path.join(root, "fp32"))
 
 
 @pytest.mark.parametrize("what", list(CORRUPTIONS))
