@@ -232,7 +232,46 @@ def phase_torch_load(a, rank=0):
     return {"secs": secs, "cold_first": True, "bytes": n, "mem": mem.report()}
 
 
-PHASES = {"save": phase_save, "load": phase_load, "consolidate": phase_consolidate,
+def phase_raw_write(a, rank=0):
+    """Ceiling: the same fp32 state bytes, written sequentially to a new file, fsync'd."""
+    model, opt = _build(a.model, 0, seed=1)
+    fn = a.dir + ".raw"
+
+    def write():
+        if os.path.exists(fn):
+            os.remove(fn)  # a new file each time, as a checkpoint save makes
+        with open(fn, "wb") as f:
+            for g in opt.flat_groups:
+                for buf in (g.master, g.exp_avg, g.exp_avg_sq):
+                    f.write(buf.numpy())
+            f.flush()
+            os.fsync(f.fileno())
+
+    with MemSampler() as mem:
+        secs = _timed(write, a.reps)
+    return {"secs": secs, "bytes": os.path.getsize(fn), "mem": mem.report()}
+
+
+def phase_raw_read(a, rank=0):
+    """Ceiling: that file read back into one preallocated buffer (cold, then warm)."""
+    fn = a.dir + ".raw"
+    n = os.path.getsize(fn)
+    buf = bytearray(n)
+    secs = []
+    with MemSampler() as mem:
+        for cold in [True] + [False] * (a.reps - 1):
+            if cold:
+                _drop_cache(fn)
+            t0 = time.perf_counter()
+            with open(fn, "rb", buffering=0) as f:
+                f.readinto(buf)
+            secs.append(time.perf_counter() - t0)
+    os.remove(fn)
+    return {"secs": secs, "cold_first": True, "bytes": n, "mem": mem.report()}
+
+
+PHASES = {"raw_write": phase_raw_write, "raw_read": phase_raw_read, "save": phase_save,
+          "load": phase_load, "consolidate": phase_consolidate,
           "consolidate_file": phase_consolidate_file, "torch_save": phase_torch_save,
           "torch_load": phase_torch_load}
 
@@ -295,6 +334,8 @@ def _child(args, **kw) -> dict:
 
 
 ROWS = [  # (row name, phase, world size, stage, dir key, extra)
+    ("ceiling: raw write + fsync", "raw_write", 1, 0, "n1", {}),
+    ("ceiling: raw read", "raw_read", 1, 0, "n1", {}),
     ("save N=1 stage 0", "save", 1, 0, "n1", {}),
     ("load N=1 stage 0", "load", 1, 0, "n1", {}),
     ("save N=2 stage 2", "save", 2, 2, "n2", {}),
