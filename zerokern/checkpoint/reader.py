@@ -95,6 +95,21 @@ class SavedIndex:
         return lo, lo + n * _F32
 
 
+def _cover(lo: int, hi: int, pieces):
+    """Split [lo, hi) into (a, b, master view of [a, b) or None) by sorted held pieces."""
+    at = lo
+    for plo, phi, master in pieces:
+        a, b = max(plo, at), min(phi, hi)
+        if a >= b:
+            continue
+        if at < a:
+            yield at, a, None
+        yield a, b, master[a - plo:b - plo]
+        at = b
+    if at < hi:
+        yield at, hi, None
+
+
 def load(path, model: nn.Module, opt) -> Dict[str, Any]:
     """Load a checkpoint into model and opt (collective: every rank calls).
 
@@ -147,10 +162,24 @@ class _Plan:
                 for fname, off, d0, n in index.sources(j, p.lo, p.hi):
                     lo, _ = index.byte_range(fname, key, off, n)
                     self.copies.append((dest, d0, fname, lo, n))
+        # Model-dtype values: cast from the master this rank just loaded where it holds it
+        # (at stage 0 all of it: 4 of 16 bytes/param not read again; at fp32 the same memory,
+        # nothing to do), else read the saved master.
+        # casts: (dest view, dest offset, loaded master view, count), applied after the copies
+        self.casts: List[Tuple[torch.Tensor, int, torch.Tensor, int]] = []
+        held = defaultdict(list)
+        for p in view.held:
+            held[p.param].append((p.lo, p.hi, p.master))
         for v in view.values:
-            for fname, off, d0, n in index.sources(self.match[v.param], v.lo, v.hi):
-                lo, _ = index.byte_range(fname, "master", off, n)
-                self.copies.append((v.value, d0, fname, lo, n))
+            for a, b, master in _cover(v.lo, v.hi, sorted(held[v.param], key=lambda x: x[0])):
+                dest = v.value[a - v.lo:b - v.lo]
+                if master is not None:
+                    if dest.data_ptr() != master.data_ptr():
+                        self.casts.append((dest, 0, master, b - a))
+                    continue
+                for fname, off, d0, n in index.sources(self.match[v.param], a, b):
+                    lo, _ = index.byte_range(fname, "master", off, n)
+                    self.copies.append((dest, d0, fname, lo, n))
         self.steps = self._plan_steps()
         self.groups = self._plan_groups()
         self.scaler_state = self._plan_scaler()
@@ -273,6 +302,8 @@ class _Plan:
             src = as_tensor(read_span(path(fname), lo, n * _F32), torch.float32)
             dest[d0:d0 + n].copy_(src)  # a cast for 16-bit params: round to nearest even
             del src
+        for dest, d0, master, n in self.casts:
+            dest[d0:d0 + n].copy_(master)  # round to nearest even, as the optimizer's cast-back
         for t, dt, fname, lo, nbytes in self.extras:
             if nbytes:
                 src = as_tensor(read_span(path(fname), lo, nbytes), dt).reshape(t.shape)
