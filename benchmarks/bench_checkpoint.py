@@ -199,6 +199,27 @@ def _master_bytes(d: str) -> int:
                for f in meta["files"].values() if "sections" in f)
 
 
+def _file_writes(fn: str, write, reps: int) -> dict:
+    with MemSampler() as mem:
+        secs = _timed(write, reps)
+    return {"secs": secs, "bytes": os.path.getsize(fn), "mem": mem.report()}
+
+
+def _file_reads(fn: str, read, reps: int) -> dict:
+    """read() timed cold (fn dropped from the page cache), then warm; fn removed after."""
+    secs = []
+    with MemSampler() as mem:
+        for cold in [True] + [False] * (reps - 1):
+            if cold:
+                _drop_cache(fn)
+            t0 = time.perf_counter()
+            read()
+            secs.append(time.perf_counter() - t0)
+    n = os.path.getsize(fn)
+    os.remove(fn)
+    return {"secs": secs, "cold_first": True, "bytes": n, "mem": mem.report()}
+
+
 def phase_torch_save(a, rank=0):
     model, opt = _build(a.model, 0, seed=1)
     fn = a.dir + ".pt"
@@ -211,25 +232,12 @@ def phase_torch_save(a, rank=0):
         with open(fn, "rb+") as f:
             os.fsync(f.fileno())
 
-    with MemSampler() as mem:
-        secs = _timed(save, a.reps)
-    return {"secs": secs, "bytes": os.path.getsize(fn), "mem": mem.report()}
+    return _file_writes(fn, save, a.reps)
 
 
 def phase_torch_load(a, rank=0):
     fn = a.dir + ".pt"
-    secs = []
-    with MemSampler() as mem:
-        for cold in [True] + [False] * (a.reps - 1):
-            if cold:
-                _drop_cache(fn)
-            t0 = time.perf_counter()
-            obj = torch.load(fn, weights_only=True)
-            secs.append(time.perf_counter() - t0)
-            del obj
-    n = os.path.getsize(fn)
-    os.remove(fn)
-    return {"secs": secs, "cold_first": True, "bytes": n, "mem": mem.report()}
+    return _file_reads(fn, lambda: torch.load(fn, weights_only=True), a.reps)
 
 
 def phase_raw_write(a, rank=0):
@@ -247,27 +255,19 @@ def phase_raw_write(a, rank=0):
             f.flush()
             os.fsync(f.fileno())
 
-    with MemSampler() as mem:
-        secs = _timed(write, a.reps)
-    return {"secs": secs, "bytes": os.path.getsize(fn), "mem": mem.report()}
+    return _file_writes(fn, write, a.reps)
 
 
 def phase_raw_read(a, rank=0):
     """Ceiling: that file read back into one preallocated buffer (cold, then warm)."""
     fn = a.dir + ".raw"
-    n = os.path.getsize(fn)
-    buf = bytearray(n)
-    secs = []
-    with MemSampler() as mem:
-        for cold in [True] + [False] * (a.reps - 1):
-            if cold:
-                _drop_cache(fn)
-            t0 = time.perf_counter()
-            with open(fn, "rb", buffering=0) as f:
-                f.readinto(buf)
-            secs.append(time.perf_counter() - t0)
-    os.remove(fn)
-    return {"secs": secs, "cold_first": True, "bytes": n, "mem": mem.report()}
+    buf = bytearray(os.path.getsize(fn))
+
+    def read():
+        with open(fn, "rb", buffering=0) as f:
+            f.readinto(buf)
+
+    return _file_reads(fn, read, a.reps)
 
 
 PHASES = {"raw_write": phase_raw_write, "raw_read": phase_raw_read, "save": phase_save,
