@@ -194,7 +194,8 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
                 raise CheckpointError(f"param {view.params[int(i)].name!r} has step {v} on "
                                       f"rank {info['rank']} and {steps[int(i)]} on another")
     params = [{"name": p.name, "aliases": list(p.aliases), "shape": list(p.shape),
-               "group": p.group, "step": steps.get(i, 0)} for i, p in enumerate(view.params)]
+               "dtype": dtype_name(view.dtype), "group": p.group, "step": steps.get(i, 0)}
+              for i, p in enumerate(view.params)]
     _check_cover(view, infos)
     files = {rank_file(x["rank"]): {k: x[k] for k in ("rank", "bytes", "blocks", "segments",
                                                       "sections")} for x in infos}
@@ -211,7 +212,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "zerokern_version": zerokern.__version__, "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
-        "param_dtype": dtype_name(view.dtype),
+        "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
         "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
