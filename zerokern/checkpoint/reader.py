@@ -132,6 +132,8 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
     err, plan = None, None
     try:
         plan = _Plan(path, view, extras)
+    except (KeyError, IndexError) as e:  # a crc-valid file this code cannot follow
+        err = CheckpointError(f"{os.path.join(path, META)}: malformed metadata ({e!r})")
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         err = e
     coll.agree(err)
@@ -165,8 +167,8 @@ class _Plan:
         # Model-dtype values: cast from the master this rank just loaded where it holds it
         # (at stage 0 all of it: 4 of 16 bytes/param not read again; at fp32 the same memory,
         # nothing to do), else read the saved master.
-        # casts: (dest view, dest offset, loaded master view, count), applied after the copies
-        self.casts: List[Tuple[torch.Tensor, int, torch.Tensor, int]] = []
+        # casts: (dest view, loaded master view of the same elements), after the copies
+        self.casts: List[Tuple[torch.Tensor, torch.Tensor]] = []
         held = defaultdict(list)
         for p in view.held:
             held[p.param].append((p.lo, p.hi, p.master))
@@ -175,7 +177,7 @@ class _Plan:
                 dest = v.value[a - v.lo:b - v.lo]
                 if master is not None:
                     if dest.data_ptr() != master.data_ptr():
-                        self.casts.append((dest, 0, master, b - a))
+                        self.casts.append((dest, master))
                     continue
                 for fname, off, d0, n in index.sources(self.match[v.param], a, b):
                     lo, _ = index.byte_range(fname, "master", off, n)
@@ -302,8 +304,8 @@ class _Plan:
             src = as_tensor(read_span(path(fname), lo, n * _F32), torch.float32)
             dest[d0:d0 + n].copy_(src)  # a cast for 16-bit params: round to nearest even
             del src
-        for dest, d0, master, n in self.casts:
-            dest[d0:d0 + n].copy_(master)  # round to nearest even, as the optimizer's cast-back
+        for dest, master in self.casts:
+            dest.copy_(master)  # round to nearest even, as the optimizer's cast-back
         for t, dt, fname, lo, nbytes in self.extras:
             if nbytes:
                 src = as_tensor(read_span(path(fname), lo, nbytes), dt).reshape(t.shape)
