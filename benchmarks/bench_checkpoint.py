@@ -420,7 +420,9 @@ def main(argv=None) -> int:
           "are noisy; `first` of a load is cold (this benchmark's files dropped from the page "
           "cache), the median is over the warm repetitions. Save includes fsync. Memory: "
           "extra anon = peak anonymous memory above the value before the phase (minus the "
-          "output for consolidate -> dict); extra RSS adds mapped page-cache pages.\n",
+          "output for consolidate -> dict); extra RSS adds mapped page-cache pages. Writing "
+          "new files on this VM's disk varied 3x between runs within an hour (save N=1: "
+          "2.0 to 6.3 s): compare rows within one run, against its ceiling rows.\n",
           common.markdown_table(rows, COLUMNS), "",
           *[f"- [{'PASS' if ok else 'FAIL'}] {c}" for c, ok in checks], ""]
     common.write_text(out / f"{stem}.md", "\n".join(md))
