@@ -1,4 +1,4 @@
-"""`zerokern` command line: info | build | bench (train | estimate | consolidate follow)."""
+"""`zerokern` command line: train | bench | estimate | build | info (consolidate follows)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,27 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from typing import List, Optional
 
 # Subcommands of the DESIGN §1 CLI that later issues deliver; they exit 2 with a clear message.
-_PENDING = {"train": "issue 7 (the training job)", "estimate": "issue 7 (memory estimator)",
-            "consolidate": "issue 6 (checkpoints)"}
+_PENDING = {"consolidate": "issue 6 (checkpoints)"}
+
+
+def _process_start() -> float:
+    """time.perf_counter() at which this process started (Linux), else now.
+
+    `import zerokern` already imported torch (~2-3 s) before main() runs; a wall time that
+    leaves it out would flatter `zerokern train`.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.perf_counter() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
 
 
 def _cpu_features() -> dict:
@@ -123,10 +139,53 @@ def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
     return rc
 
 
+def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, t0: float) -> int:
+    from . import train
+
+    cfg = train.from_args(args)
+    try:
+        from .train import launch
+
+        if not launch.under_torchrun():
+            launch.plan(cfg)  # --nproc / --device against the GPUs, before anything starts
+    except ValueError as e:
+        parser.error(str(e))
+    return train.run(cfg, t0)
+
+
+def cmd_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import estimate
+
+    try:
+        return estimate.main(args)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerokern", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", metavar="{info,build,bench,train,estimate,consolidate}")
+    sub = p.add_subparsers(dest="cmd", metavar="{train,bench,estimate,build,info,consolidate}")
     sub.required = True
+    from . import estimate
+    from .train import config as train_config
+
+    tr = sub.add_parser("train", help="train a small GPT with ZeroAdamW on the Python stdlib's "
+                                      "source (2 CPU ranks, or one rank per GPU, or torchrun)",
+                        description="Train a small GPT (zerokern.gpt, byte vocab) with "
+                                    "ZeroAdamW on the Python standard library's source; print "
+                                    "the loss, memory per rank and communication per step; "
+                                    "write metrics.json and loss.png to --out.")
+    train_config.add_arguments(tr)
+    tr.set_defaults(subparser=tr)
+    est = sub.add_parser("estimate", help="memory per rank for each ZeRO stage, exact for "
+                                          "zerokern's layout, beside the formulas",
+                         description="Per-rank bytes of params, grads, optimizer states, "
+                                     "buckets and padding for each stage: exact for zerokern's "
+                                     "layout (equal to opt.memory_report()), beside DESIGN "
+                                     "§4's formula and DeepSpeed's (K = 12).")
+    estimate.add_arguments(est)
+    est.set_defaults(subparser=est)
     sub.add_parser("info", help="versions, CPU features and backend availability")
     b = sub.add_parser("build", help="prebuild the native ops into the cache")
     b.add_argument("ops", nargs="*", choices=["cpu", "cuda"], help="default: cpu (+cuda on GPUs)")
@@ -141,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    t0 = _process_start()  # train reports its wall time from here
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -153,4 +213,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"zerokern {args.cmd}: not available yet; it arrives with {_PENDING[args.cmd]}",
               file=sys.stderr)
         return 2
+    if args.cmd in ("train", "estimate"):  # their errors print their own usage line
+        if args.cmd == "train":
+            return cmd_train(args, args.subparser, t0)
+        return cmd_estimate(args, args.subparser)
     return {"info": cmd_info, "build": cmd_build}[args.cmd](args)

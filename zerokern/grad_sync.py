@@ -60,6 +60,11 @@ class GradSync:
             raise TypeError(f"zerokern: param {i} of param group {gi} got a {p.grad.layout} "
                             "gradient; sparse gradients are not supported (use dense "
                             "embeddings, e.g. nn.Embedding(sparse=False))")
+        self._begin_backward()
+        self.on_grad(gi, i, p)
+
+    def _begin_backward(self) -> None:
+        """Called from any hook inside a backward: the first call queues end_backward."""
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_backward)
@@ -67,7 +72,6 @@ class GradSync:
                 self._consumed = False
                 self.micro_steps = 0
                 self.new_window()
-        self.on_grad(gi, i, p)
 
     def _end_backward(self) -> None:
         self._callback_queued = False

@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional
 import torch
 
 _ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
-_CATS = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "padding")
+_CATS = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "live_units",
+         "padding")
 
 
 def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
@@ -39,7 +40,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     out = {
         "params": e * (psi / n if stage == 3 else psi),
         "grads": g * psi if stage <= 1 else g * psi / n,
-        "master": 0 if precision == "fp32" else 4 * state,
+        # offload keeps an fp32 master on the host at every precision (the device params
+        # are only the working copy); without offload fp32 params are the master
+        "master": 0 if precision == "fp32" and not offload else 4 * state,
         "exp_avg": 4 * state,
         "exp_avg_sq": 4 * state,
     }
@@ -63,10 +66,14 @@ def _buffers(opt):
         state_ranges = [L.bucket_range(k) if opt.stage == 0 else L.piece_range(k, opt.comm.rank)
                         for k in range(L.n_buckets)]
         state_pad = sum(_pad_in_range(lo, hi, L.numel) for lo, hi in state_ranges)
-        yield "params", g.flat, L.padding
+        if opt.stage == 3:  # the resident shard, and the full unit while it is gathered
+            yield "params", g.flat, state_pad
+            yield "live_units", g.full, L.padding
+        else:
+            yield "params", g.flat, L.padding
         for cat, t in (("master", g.master), ("exp_avg", g.exp_avg),
                        ("exp_avg_sq", g.exp_avg_sq)):
-            if t is not None:
+            if t is not None and opt.offloader is None:  # offloaded: host bytes, apart
                 yield cat, t, state_pad
         grads = held["grads"][gi]
         yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
@@ -82,8 +89,12 @@ def memory_report(opt) -> Dict[str, Any]:
 
     Each category counts the storage bytes of the buffers really held, less their padding,
     which is reported on its own line; measured_total is the sum of all of them.
+    Stage 3 adds peak_live_units (the most full-unit bytes gathered at once so far) and
+    live_units_bound (root + its dependencies + the two largest other units: the running one
+    and the prefetched one), and peak_live_units <= live_units_bound.
 
-    allowed_slack = staging buckets + each buffer's whole padding (< N*128 elements, DESIGN §4).
+    allowed_slack = staging buckets + gathered stage-3 units (live_units, 0 between steps)
+    + each buffer's whole padding (< N*128 elements, DESIGN §4).
     The whole padding, not this rank's share: padding sits in the last bucket, so the ranks that
     hold less of it hold more real elements than Ψ/N, by up to the buffer's padding / N.
     """
@@ -95,7 +106,7 @@ def memory_report(opt) -> Dict[str, Any]:
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
     for cat, t, pad in _buffers(opt):
         st = t.untyped_storage()
-        if st.data_ptr() in seen:
+        if st.nbytes() == 0 or st.data_ptr() in seen:  # (a freed stage-3 unit holds 0 B)
             continue
         seen.add(st.data_ptr())
         pad_bytes = pad * t.element_size()
@@ -104,9 +115,18 @@ def memory_report(opt) -> Dict[str, Any]:
     psi = sum(g.layout.numel for g in opt.flat_groups)
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
-                              reduce_bytes=reduce_bytes)
+                              offload=opt.offload, reduce_bytes=reduce_bytes)
+    out = {}
+    if opt.offloader is not None:  # host memory, apart from the device's
+        host = opt.offloader.host_bytes()
+        out["host_measured"] = host
+        out["host_measured_total"] = sum(host.values())
+        out["host_formula_total"] = formula["host"]
+    if opt.stage == 3:
+        sync = opt.grad_sync
+        out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,
             "formula_total": formula["total"],
-            "allowed_slack": meas["buckets"] + pad_bound,
+            "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,
             "num_params": psi, "world_size": opt.comm.world_size, "stage": opt.stage,
             "precision": opt.precision}

@@ -1,4 +1,4 @@
-"""ZeroAdamW: ZeRO stages 0-2 over flat shard buffers with the fused kernels (DESIGN §1-§5).
+"""ZeroAdamW: ZeRO stages 0-3 over flat shard buffers with the fused kernels (DESIGN §1-§5).
 
 The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in `partition`,
 the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
@@ -57,17 +57,24 @@ class ZeroAdamW(torch.optim.Optimizer):
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
         lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
         adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).
-        stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads.
+        stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads, 3 also
+            params (per module unit; needs the model).
         precision: "fp32" | "bf16" | "fp16", the dtype of params and grads. The model's params
             are cast in place; fp32 masters keep the original values.
         loss_scale: fp16: "dynamic", a float (static) or a dict of DynamicLossScaler options.
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
-        offload: None (the "cpu" offload arrives with its own issue).
+        offload: None, or "cpu" (stages 1-3): master, exp_avg, exp_avg_sq and the update
+            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload).
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
+        param_groups: with a model: param-group dicts over its params (e.g. no weight decay
+            for biases and norms); every trainable param of the model must be in one.
+        units: stage 3 only: which submodules are gathered together. None: each child of
+            every nn.ModuleList, plus the root for the rest; or module classes; or a callable
+            `(module) -> bool`. The root is always a unit.
 
     Gradients are averaged over ranks and over the backward passes since the last `step()` or
     `zero_grad()`, as DDP and DeepSpeed do: with accumulation, backward the per-micro-batch
@@ -92,6 +99,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         reduce_dtype: Optional[torch.dtype] = None,
         process_group=None,
         backend: str = "auto",
+        *,
+        param_groups: Optional[List[Dict[str, Any]]] = None,
+        units=None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
@@ -100,14 +110,15 @@ class ZeroAdamW(torch.optim.Optimizer):
             if not isinstance(params_or_model, torch.nn.Module):
                 raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
                                  "params: it partitions params per module unit")
-            raise NotImplementedError("stage=3 is not implemented yet (it arrives with its own "
-                                      "issue); use stage=2")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         if offload is not None:
             if offload != "cpu":
                 raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-            raise NotImplementedError("offload='cpu' is not implemented yet; use offload=None")
+            if stage == 0:
+                raise ValueError("offload='cpu' needs stage 1, 2 or 3 (stage 0 keeps the full "
+                                 "optimizer state on every rank; offloading it saves nothing "
+                                 "that stage 1 would not)")
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
@@ -120,6 +131,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
                             f"got {reduce_dtype!r}")
         kernels.validate.check_backend(backend)
+        if units is not None and stage != 3:
+            raise ValueError(f"units applies to stage=3 only (got stage={stage})")
+        if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
+            raise ValueError("param_groups is for a model (params_or_model=model); with bare "
+                             "params pass the group dicts as params_or_model")
         _check_hyper(lr, betas, eps, weight_decay)
         dtype = PRECISIONS[precision]
         if isinstance(params_or_model, torch.nn.Module):
@@ -127,7 +143,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
                     raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
                                      "sparse gradients are not supported, use sparse=False")
-            params = params_or_model.parameters()
+            params = (params_or_model.parameters() if param_groups is None
+                      else self._groups_of_model(params_or_model, param_groups))
         else:
             params = params_or_model
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -135,6 +152,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
         trainable = self._check_groups(dtype)
         comm = Comm(process_group)
+        unit_list = None
+        if stage == 3:
+            from .stage3 import find_units
+
+            unit_list = find_units(params_or_model, units)  # raises on a bad policy
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -146,17 +168,37 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.reduce_dtype = reduce_dtype or dtype
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
-        self.flat_groups: List[FlatGroup] = [
-            FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
-            for ps in trainable]
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
             for p in ps:
                 old = getattr(p, "_zerokern_sync", None)
                 if old is not None and not old.detached:
-                    old.detach()
-        self.grad_sync: GradSync = (
-            BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
-            else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+                    old.detach()  # (stage 3: gathers them whole again first)
+        if stage == 3:
+            from .stage3 import ShardedFlat, Stage3Sync
+
+            group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
+            self.units = unit_list
+            self.flat_groups = [
+                ShardedFlat(ps, dtype, comm.world_size, comm.rank, gi, u.index)
+                for u in unit_list for gi in range(len(trainable))
+                for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
+            self.grad_sync: GradSync = Stage3Sync(self.flat_groups, unit_list, comm,
+                                                  self.reduce_dtype, params_or_model)
+        else:
+            self.flat_groups: List[FlatGroup] = [
+                FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
+                for ps in trainable]
+            for gi, g in enumerate(self.flat_groups):
+                g.group_index = gi
+            self.grad_sync = (
+                BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
+                else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+        self.offload = offload
+        self.offloader = None
+        if offload == "cpu":
+            from .offload import Offloader
+
+            self.offloader = Offloader(self.flat_groups, self.reduce_dtype)
         self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
@@ -169,6 +211,29 @@ class ZeroAdamW(torch.optim.Optimizer):
                                       "the flat buffers are laid out once; pass all groups "
                                       "to the constructor")
         super().add_param_group(param_group)
+
+    @staticmethod
+    def _groups_of_model(model: torch.nn.Module, groups) -> List[Dict[str, Any]]:
+        """param_groups over a model: every param must be the model's, and every trainable
+        param of the model must be in a group."""
+        if not isinstance(groups, (list, tuple)) or not groups or \
+                not all(isinstance(g, dict) and "params" in g for g in groups):
+            raise TypeError("param_groups must be a non-empty list of dicts with 'params'")
+        mine = {id(p) for p in model.parameters()}
+        listed = set()
+        for gi, g in enumerate(groups):
+            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+            for p in ps:
+                if id(p) not in mine:
+                    raise ValueError(f"param_groups[{gi}] holds a tensor that is not a "
+                                     "parameter of the model")
+                listed.add(id(p))
+        missing = [n for n, p in model.named_parameters() if p.requires_grad
+                   and id(p) not in listed]
+        if missing:
+            raise ValueError(f"param_groups leaves out trainable params of the model: "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        return [dict(g) for g in groups]
 
     def _check_groups(self, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
         seen, out, device = set(), [], None
@@ -249,17 +314,20 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             grad_scale = unscale
         gathers = []
-        for gi, (group, g) in enumerate(zip(self.param_groups, self.flat_groups)):
+        off = self.offloader
+        scalars_ev = off.begin(grad_scale, found) if off is not None else None
+        for gi, g in enumerate(self.flat_groups):
+            group = self.param_groups[g.group_index]
             b1, b2 = group["betas"]
             for k in range(g.layout.n_buckets):
-                m, v = g.moments(k)
-                kernels.adam_step_(
-                    g.master_piece(k), m, v, gs.grad_piece(gi, k), g.param_out_piece(k),
-                    lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=group["adamw"],
-                    step=g.steps[k], grad_scale=grad_scale, found_inf=found,
-                    backend=self.backend)
-                if self.stage > 0:
+                if off is not None:  # on the host, pipelined with the copies (offload.py)
+                    off.update_piece(gi, k, gs.grad_piece(gi, k), scalars_ev, lr=group["lr"],
+                                     beta1=b1, beta2=b2, eps=group["eps"],
+                                     weight_decay=group["weight_decay"], adamw=group["adamw"],
+                                     backend=self.backend)
+                else:
+                    self._device_update(g, group, k, gs.grad_piece(gi, k), grad_scale, found)
+                if self.stage in (1, 2):  # stage 3 keeps only the shard
                     # In place, and at once: bucket k's all-gather overlaps bucket k+1's update.
                     gathers.append(self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k),
                                                          async_op=True))
@@ -270,6 +338,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
         return loss
+
+    def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
+        b1, b2 = group["betas"]
+        m, v = g.moments(k)
+        kernels.adam_step_(
+            g.master_piece(k), m, v, grad, g.param_out_piece(k),
+            lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=group["adamw"],
+            step=g.steps[k], grad_scale=grad_scale, found_inf=found,
+            backend=self.backend)
 
     # ---- introspection ---------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
@@ -287,9 +365,21 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.comm.stats.reset()
 
     @contextmanager
-    def gathered_params(self):
-        """Full params are always resident at stages 0-2; a no-op context for API parity."""
-        yield
+    def gathered_params(self, modify: bool = False):
+        """Full params inside the block (stage 3 gathers every unit, then re-shards; at
+        stages 0-2 they are always resident and this does nothing). Collective at stage 3.
+
+        modify=True: changes made to the params inside are kept (each rank takes its piece
+        back into its shard and fp32 master); otherwise they are discarded at stage 3.
+        """
+        if self.stage != 3:
+            yield
+            return
+        self.grad_sync.gather_all()
+        try:
+            yield
+        finally:
+            self.grad_sync.release_all(write_back=modify)
 
     # ---- state -----------------------------------------------------------------------------
     def _meta(self) -> Dict[str, Any]:
@@ -299,7 +389,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                              [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's shard: moments, masters, step counters, scaler, hyperparameters."""
+        """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
+        stage 3 the param shard, which the model's own state_dict cannot give)."""
         groups = [{k: v for k, v in group.items() if k != "params"}
                   for group in self.param_groups]
         return {"zero": self._meta(),

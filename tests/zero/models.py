@@ -119,7 +119,8 @@ def param_groups(model: nn.Module, tied_twice: bool = True, **decay_over) -> Lis
 
 
 def zero_opt(model: nn.Module, stage: int, precision: str = "fp32", **kw) -> zk.ZeroAdamW:
-    """ZeroAdamW over `param_groups(model)` with the exaggerated hyperparameters."""
+    """ZeroAdamW over `param_groups(model)` with the exaggerated hyperparameters (stage 3: the
+    model itself, with the same groups as `param_groups=`)."""
     kw = {
         "lr": LR,
         "betas": BETAS,
@@ -129,6 +130,9 @@ def zero_opt(model: nn.Module, stage: int, precision: str = "fp32", **kw) -> zk.
         "backend": BACKEND,
         **kw,
     }
+    if stage == 3:
+        return zk.ZeroAdamW(model, stage=3, precision=precision,
+                            param_groups=param_groups(model, tied_twice=False), **kw)
     with warnings.catch_warnings():  # torch warns about the tied param listed twice
         warnings.simplefilter("ignore", UserWarning)
         return zk.ZeroAdamW(param_groups(model), stage=stage, precision=precision, **kw)
@@ -167,6 +171,17 @@ def snapshot(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def full_snapshot(model: nn.Module, opt: zk.ZeroAdamW) -> Dict[str, torch.Tensor]:
+    """`snapshot` with stage 3's params gathered (a no-op context at stages 0-2)."""
+    with opt.gathered_params():
+        return snapshot(model)
+
+
+def full_replica_diff(model: nn.Module, opt: zk.ZeroAdamW) -> float:
+    with opt.gathered_params():
+        return replica_diff(model)
+
+
 def trainable_names(model: nn.Module) -> List[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -175,7 +190,7 @@ def rel_err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     """max over params of max|a - b| / max|b| (b is the reference), computed in float64."""
     worst = 0.0
     for n in b:
-        x, y = a[n].double(), b[n].double()
+        x, y = a[n].double().cpu(), b[n].double().cpu()  # (offload: host vs device)
         worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item())
     return worst
 
@@ -268,7 +283,7 @@ def train_zero(
         opt.step()
         if scheduler is not None:
             scheduler.step()
-        rec["params"].append(snapshot(model))
+        rec["params"].append(full_snapshot(model, opt))
         rec["grad_norm"].append(float(opt.grad_norm))
         rec["skipped"].append(bool(opt.step_skipped))
         rec["loss_scale"].append(float(opt.loss_scale))

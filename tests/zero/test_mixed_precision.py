@@ -19,7 +19,7 @@ from .harness import cached, case, run_cases
 
 STEPS = 6
 WORLD_SIZES = [1, 2, 3, 4]
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 KINDS = {  # name: (precision, loss_scale, reduce in fp32)
     "bf16": ("bf16", None, False),
     "bf16_r32": ("bf16", None, True),
@@ -100,7 +100,7 @@ def _compare(rank, ws, kind, stage, memo):
     )
     rec = M.train_zero(model, opt, rank, ws, STEPS)
     masters = M.gather_state(opt, model, "master")
-    params = M.snapshot(model)
+    params = M.full_snapshot(model, opt)
     trainable = M.trainable_names(model)
     memo[(kind, stage)] = masters
     tols = _master_tols(kind, ref["masters"][-1])
@@ -122,7 +122,7 @@ def _compare(rank, ws, kind, stage, memo):
         "ref_skipped": ref["skipped"],
         "loss_scale": rec["loss_scale"],
         "ref_loss_scale": ref["loss_scale"],
-        "replica": M.replica_diff(model),
+        "replica": M.full_replica_diff(model, opt),
     }
 
 

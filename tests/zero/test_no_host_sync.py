@@ -26,7 +26,7 @@ from .harness import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 BACKENDS = ["reference", "cpu"]
 CONFIGS = {  # name: (precision, max_grad_norm, loss_scale)
     "fp32": ("fp32", None, None),
@@ -77,7 +77,7 @@ def _run(rank, ws, cfg, stage, backend) -> dict:
     opt = M.zero_opt(
         model, stage, precision, backend=backend, max_grad_norm=clip, loss_scale=scale or "dynamic"
     )
-    before = M.snapshot(model)
+    before = M.full_snapshot(model, opt)
     error, host_reads = None, 0
     for s in range(STEPS):
         opt.zero_grad()
@@ -114,7 +114,7 @@ def _run(rank, ws, cfg, stage, backend) -> dict:
         "host_reads": host_reads,
         "armed": armed,
         "skipped": bool(opt.step_skipped),
-        "moved": not M.bitwise_equal(M.snapshot(model), before),
+        "moved": not M.bitwise_equal(M.full_snapshot(model, opt), before),
     }
 
 

@@ -17,7 +17,7 @@ from . import models as M
 from .harness import cached, case, run_cases
 
 WORLD_SIZES = [1, 2, 3]
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 KINDS = {  # name: (precision, loss_scale, injected value)
     "fp32": ("fp32", None, float("inf")),
     "fp32_nan": ("fp32", None, float("nan")),
@@ -39,7 +39,7 @@ def _state(opt, model):
     sd = opt.state_dict()
     return {
         "tensors": {f"{gi}.{k}": t for gi, st in enumerate(sd["state"]) for k, t in st.items()},
-        "params": M.snapshot(model),
+        "params": M.full_snapshot(model, opt),
         "groups": sd["param_groups"],
     }
 
@@ -52,10 +52,11 @@ def _same(a, b) -> dict:
     }
 
 
-def _case(rank, ws, kind, stage):
+def _case(rank, ws, kind, stage, **kw):
+    """kw: more ZeroAdamW options for both runs (test_offload passes offload="cpu")."""
     precision, scale, value = KINDS[kind]
     model = M.make_model()
-    opt = M.zero_opt(model, stage, precision, loss_scale=scale or "dynamic")
+    opt = M.zero_opt(model, stage, precision, loss_scale=scale or "dynamic", **kw)
     target = model.blocks[1].fc1.weight  # mid-model: several buckets before and after it
     handles = []
 
@@ -94,7 +95,7 @@ def _case(rank, ws, kind, stage):
         # The same run without the bad step's data must give the same bits: the skip left no
         # trace (no stale grads, no half-updated bucket, no advanced counter).
         ref_model = M.make_model()
-        ref_opt = M.zero_opt(ref_model, stage, precision, loss_scale=scale or "dynamic")
+        ref_opt = M.zero_opt(ref_model, stage, precision, loss_scale=scale or "dynamic", **kw)
         M.train_zero(ref_model, ref_opt, rank, ws, BAD_STEP)
         ref = M.train_zero(ref_model, ref_opt, rank, ws, STEPS - BAD_STEP - 1, start=BAD_STEP + 1)
         out["same_as_without_bad_step"] = M.bitwise_equal(clean["params"][-1], ref["params"][-1])

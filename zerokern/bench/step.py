@@ -1,4 +1,5 @@
-"""Whole training-step benchmark: zerokern stages vs DDP + fused AdamW vs ZeroRedundancyOptimizer.
+"""Whole training-step benchmark: zerokern stages vs DDP + fused AdamW, ZeroRedundancyOptimizer
+and FSDP2 (`fully_shard` per block and root, the stage-3 peer).
 
 Every provider trains its own copy of the same GPT (same init, same data) inside one gloo
 process group, interleaved round-robin per repetition so machine noise hits all alike
@@ -34,6 +35,8 @@ def _storages(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
+        if hasattr(t, "to_local"):  # FSDP2 DTensor: this rank's local shard
+            t = t.to_local()
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())
@@ -107,6 +110,18 @@ def _make_providers(args, rank: int, world: int):
         probe, box = torch_probe(m, opt)
         provs["DDP + ZeroRedundancyOptimizer"] = (iteration(m, opt, ddp, probe), opt,
                                                   lambda box=box: box["bytes"], m)
+    if args.fsdp2:
+        from torch.distributed.fsdp import fully_shard
+
+        m = build_gpt(args.model_size)
+        for blk in m.blocks:  # the same units as zerokern's default stage-3 policy
+            fully_shard(blk)
+        fully_shard(m)
+        # fused AdamW takes FSDP2's DTensor params on CPU (torch >= 2.4)
+        opt = torch.optim.AdamW(m.parameters(), fused=True, **hp)
+        probe, box = torch_probe(m, opt)
+        provs["FSDP2 + AdamW(fused)"] = (iteration(m, opt, None, probe), opt,
+                                         lambda box=box: box["bytes"], m)
     return provs
 
 
@@ -174,17 +189,23 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="zerokern precision (peers run fp32)")
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--backend", default="auto")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--no-peers", dest="peers", action="store_false")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="without DDP and ZeroRedundancyOptimizer")
+    p.add_argument("--no-fsdp2", dest="fsdp2", action="store_false",
+                   help="without the FSDP2 peer (it runs by default when stage 3 does)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--quick", action="store_true", help="tiny model, 3 reps (for tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 3 reps, for tests (writes step-...-quick.*)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     a = p.parse_args(argv)
     if a.quick:
         a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16
+    a.fsdp2 = a.fsdp2 and 3 in a.stages
     if a.nproc < 1 or a.reps < 1 or a.batch < 1 or a.seq < 1:
         p.error("--nproc, --reps, --batch and --seq must be >= 1")
     return a
@@ -252,9 +273,17 @@ def report(args, res) -> int:
         if f"zerokern s{s}" in by and base:
             v = by[f"zerokern s{s}"]["vs_ddp"]
             targets.append((f"stage {s} iteration ≤ 1.0× DDP + fused AdamW", f"{v:.2f}×", v <= 1.0))
+    if "zerokern s3" in by:
+        s3 = by["zerokern s3"]["iter_ms"]
+        for peer, bound in (("zerokern s2", 1.3), ("FSDP2 + AdamW(fused)", 1.0)):
+            if peer in by:
+                v = s3 / by[peer]["iter_ms"]
+                by["zerokern s3"][f"vs {peer}"] = v
+                targets.append((f"stage 3 iteration ≤ {bound}× {peer}", f"{v:.2f}×", v <= bound))
     for t, v, ok in targets:
         print(f"[{'PASS' if ok else 'MISS'}] {t}: {v}")
-    stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}"
+    stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}" + \
+        ("-quick" if args.quick else "")
     common.write_json(args.out / f"{stem}.json",
                       {"env": env, "rows": rows, "raw": res,
                        "targets": [{"target": t, "value": v, "pass": ok}
@@ -264,4 +293,41 @@ def report(args, res) -> int:
                                  for r in rows], cols), "",
           *[f"- [{'PASS' if ok else 'MISS'}] {t}: {v}" for t, v, ok in targets], ""]
     common.write_text(args.out / f"{stem}.md", "\n".join(md))
+    if not args.no_plot:
+        plot(rows, args.out / f"{stem}.png", title)
     return 0
+
+
+def plot(rows: List[dict], path: Path, title: str) -> Path:
+    """Iteration time per provider (median, p20-p80 whiskers) beside model-state MiB/rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["provider"] for r in rows]
+    ys = range(len(rows))
+    colors = ["tab:blue" if n.startswith("zerokern") else "tab:gray" for n in names]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8), sharey=True)
+    med = [r["iter_ms"] for r in rows]
+    err = [[m - r["p20_ms"] for m, r in zip(med, rows)],
+           [r["p80_ms"] - m for m, r in zip(med, rows)]]
+    ax_t.barh(ys, med, xerr=err, color=colors, capsize=3)
+    ax_t.set_xlabel("iteration ms (median, p20-p80)")
+    ax_t.set_yticks(list(ys), names)
+    ax_t.invert_yaxis()
+    mem = [r["state_MiB"] for r in rows]
+    ax_m.barh(ys, mem, color=colors)
+    bk = [r.get("buckets_MiB") or 0 for r in rows]
+    ax_m.barh(ys, bk, left=mem, color="tab:orange", label="comm buffers (buckets)")
+    ax_m.set_xlim(0, 1.08 * max(m + b for m, b in zip(mem, bk)))
+    ax_m.set_xlabel("model states MiB per rank")
+    ax_m.legend(fontsize=8)
+    for ax in (ax_t, ax_m):
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,184 @@
+"""ZeRO-Offload (`offload="cpu"`): master, exp_avg, exp_avg_sq and the update live on the host.
+
+Per (flat group, bucket) piece of n elements, in chunks of `chunk_numel` (DESIGN §2, offload):
+
+    device grad piece --D2H--> pinned host grad chunk          (copy stream)
+    cpu kernel: host master/m/v updated, 16-bit param chunk written into a pinned buffer
+    pinned param chunk --H2D--> device param piece             (copy stream)
+    then, as without offload: all-gather (stages 1-2); stage 3 keeps the shard.
+
+On a GPU the copies run on their own stream, so chunk i+1 travels while the CPU updates chunk
+i and chunk i-1 travels back. On a CPU-only machine the "device" buffers are host memory too;
+the host buffers are still distinct from the working ones, so the same path runs (and is
+tested in CI) with plain copies.
+
+[Note: the one blocking wait]
+The host cannot update a chunk before its gradient (and the step's grad_scale and found_inf,
+computed on the device after the stats all-reduce) have arrived in host memory: `_wait` on the
+chunk's copy event is that wait, and it is the only one. It is inherent to computing on the
+host (ZeRO-Offload blocks there too). Nothing else reads a device value on the host: the
+step's branches stay on host state, and the skip on overflow happens inside the kernel, which
+reads found_inf from the copied host scalar; the host also reads that copy (host memory,
+after the wait) to skip the param copies of an overflowed step.
+
+[Note: chunk size]
+`CHUNK_NUMEL` = 2^20 elements (4 MiB of fp32 master per chunk). Measured on the 2-core EPYC
+(`benchmarks/results/offload-cpu.md`): per-chunk overhead is flat from 2^18 up; below 2^16
+the per-call cost (validation, OpenMP fork) shows. On a GPU, 2^20 elements is 2 MiB of 16-bit
+grad per copy, large enough for near-peak PCIe bandwidth, small enough that the first copy's
+latency (the pipeline's fill) stays well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import torch
+
+from . import kernels
+
+CHUNK_NUMEL = 1 << 20
+
+
+def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype, pin_memory=pin)
+
+
+class HostState:
+    """One flat group's optimizer state on the host, and its pinned staging buffers.
+
+    Takes over the group's master / exp_avg / exp_avg_sq / steps: after construction those
+    attributes of the group *are* the host tensors, so state_dict, the checkpoint code and the
+    reports see them where they live. fp32 precision gets a host master too (the device flat
+    buffer is then only the working copy).
+    """
+
+    def __init__(self, g, grad_dtype: torch.dtype, chunk_numel: int = CHUNK_NUMEL) -> None:
+        self.g = g
+        self.device = g.device
+        self.pin = g.device.type == "cuda"
+        self.chunk = chunk_numel
+        n = g.exp_avg.numel()
+        fp32 = torch.float32
+        if g.master is not None:
+            master = g.master
+        else:  # fp32: the working params are the master; the host keeps its own copy
+            master = torch.cat([g.master_piece(k).reshape(-1)
+                                for k in range(g.layout.n_buckets)])
+        g.master = self._to_host(master, fp32)
+        g.exp_avg = self._to_host(g.exp_avg, fp32)
+        g.exp_avg_sq = self._to_host(g.exp_avg_sq, fp32)
+        g.steps = g.steps.to("cpu")
+        self.fp32 = g.dtype == fp32
+        self.grad = _host_empty(n, grad_dtype, self.pin)          # staging, distinct buffers
+        self.param = None if self.fp32 else _host_empty(n, g.dtype, self.pin)
+        self.scalars = _host_empty(2, fp32, self.pin)            # [grad_scale, found_inf]
+        # A numpy view of the same host memory: found_inf is read there once it has arrived
+        # (a host read of host memory, no device sync), to skip the copies on overflow.
+        self.scalars_np = self.scalars.numpy()
+
+    def _to_host(self, t: torch.Tensor, dtype) -> torch.Tensor:
+        out = _host_empty(t.numel(), dtype, self.pin)
+        out.copy_(t.reshape(-1))
+        return out
+
+    def host_tensors(self) -> List[torch.Tensor]:
+        return [t for t in (self.grad, self.param, self.scalars) if t is not None]
+
+
+class Offloader:
+    """Runs the host update for every piece of every group, pipelined with the copies."""
+
+    def __init__(self, groups, grad_dtype: torch.dtype, chunk_numel: int = CHUNK_NUMEL) -> None:
+        if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
+            raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
+                             f"{chunk_numel!r}")
+        self.chunk = chunk_numel
+        self.states = [HostState(g, grad_dtype, chunk_numel) for g in groups]
+        dev = groups[0].device
+        self.cuda = dev.type == "cuda"
+        self.stream = torch.cuda.Stream(dev) if self.cuda else None
+        # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
+        # perf_counter reads the host clock, not a device value).
+        self.wait_s = 0.0
+        self.kernel_s = 0.0
+
+    # -- copies: async on the copy stream on a GPU, plain copies on a CPU-only machine --------
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def _wait(self, ev) -> None:
+        if ev is not None:
+            t0 = time.perf_counter()
+            ev.synchronize()  # [Note: the one blocking wait]
+            self.wait_s += time.perf_counter() - t0
+
+    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> Optional[object]:
+        """Ship this step's scalars to the host (after the device computed them)."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        ev = None
+        for st in self.states:
+            self._copy(st.scalars[0:1], grad_scale.reshape(1).float())
+            ev = self._copy(st.scalars[1:2], found_inf.reshape(1).float())
+        return ev
+
+    def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
+                     beta2, eps, weight_decay, adamw, backend: str) -> None:
+        """Update bucket k's piece of group gi on the host; write the params back."""
+        st = self.states[gi]
+        g = st.g
+        sl = g.state_slice(k)
+        master, m, v = g.master[sl], g.exp_avg[sl], g.exp_avg_sq[sl]
+        hgrad = st.grad[sl]
+        hparam = None if st.fp32 else st.param[sl]
+        dev_out = g.param_out_piece(k)  # the device params (fp32 too: master is on the host)
+        step = g.steps[k]
+        n = master.numel()
+        scale, found = st.scalars[0], st.scalars[1]
+        # D2H of every chunk is queued at once (the copy stream runs ahead of the CPU).
+        evs = [self._copy(hgrad[lo:lo + self.chunk], grad[lo:lo + self.chunk])
+               for lo in range(0, n, self.chunk)]
+        self._wait(scalars_ev)
+        if st.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no copies either
+            return
+        new_step = step
+        for i, lo in enumerate(range(0, n, self.chunk)):
+            hi = min(lo + self.chunk, n)
+            self._wait(evs[i])
+            s = step.clone()  # every chunk is the same step (the kernel advances its copy)
+            t0 = time.perf_counter()
+            kernels.adam_step_(master[lo:hi], m[lo:hi], v[lo:hi], hgrad[lo:hi],
+                               None if hparam is None else hparam[lo:hi], lr=lr, beta1=beta1,
+                               beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                               step=s, grad_scale=scale, found_inf=found,
+                               backend="reference" if backend == "reference" else "cpu")
+            self.kernel_s += time.perf_counter() - t0
+            new_step = s
+            src = master[lo:hi] if hparam is None else hparam[lo:hi]
+            self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
+        step.copy_(new_step)
+        self.end()  # bucket k's params are on the device before its all-gather is issued
+
+    def end(self) -> None:
+        """The device may use the params once every H2D copy has landed (stream order)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def host_bytes(self) -> dict:
+        out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "host_staging": 0}
+        for st in self.states:
+            g = st.g
+            out["master"] += g.master.untyped_storage().nbytes()
+            out["exp_avg"] += g.exp_avg.untyped_storage().nbytes()
+            out["exp_avg_sq"] += g.exp_avg_sq.untyped_storage().nbytes()
+            out["host_staging"] += sum(t.untyped_storage().nbytes() for t in st.host_tensors())
+        return out

@@ -1,0 +1,103 @@
+"""Stage 3 units: which module gathers which params (DESIGN §2, stage 3).
+
+A unit is a submodule whose params are gathered together before it runs and freed after. The
+default policy makes each child of every `nn.ModuleList` a unit (the transformer blocks, in
+practice), and the root a unit for whatever is left (embeddings, final norm, head). A user
+policy is a set/tuple of module classes, or a callable `policy(module) -> bool`; the root is
+always a unit.
+
+Each trainable param is *owned* by the innermost unit containing the first module that
+registers it. A param reached again from another unit (a tie, e.g. an embedding used as the LM
+head in a different unit) stays owned by the first unit, and the second unit records it as a
+*dependency*: gathering the second unit gathers the owner too. Frozen params are not sharded:
+they stay resident (the "persistent" params of the memory report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Set, Union
+
+import torch.nn as nn
+
+Policy = Union[None, type, Set[type], tuple, list, frozenset, Callable[[nn.Module], bool]]
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str                                # module path ("" is the root)
+    module: nn.Module
+    params: List[nn.Parameter] = field(default_factory=list)   # owned, trainable, unique
+    deps: Set[int] = field(default_factory=set)                # units whose params it uses
+    persistent: List[nn.Parameter] = field(default_factory=list)  # frozen: never sharded
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ""
+
+
+def _policy_fn(policy: Policy) -> Callable[[nn.Module], bool]:
+    if policy is None:
+        return lambda m: False  # ModuleList children are marked by the walk below
+    if isinstance(policy, type):
+        policy = (policy,)
+    if isinstance(policy, (set, frozenset, tuple, list)):
+        classes = tuple(policy)
+        if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
+                                  for c in classes):
+            raise TypeError("units must be None, nn.Module classes, or a callable "
+                            f"(module) -> bool; got {policy!r}")
+        return lambda m: isinstance(m, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"units must be None, nn.Module classes, or a callable (module) -> bool; "
+                    f"got {type(policy).__name__}")
+
+
+def find_units(model: nn.Module, policy: Policy = None) -> List[Unit]:
+    """Units in module pre-order (the root is unit 0), with owned params and dependencies."""
+    is_unit = _policy_fn(policy)
+    units: List[Unit] = [Unit(0, "", model)]
+    owner: Dict[int, int] = {}
+    seen_frozen: Set[int] = set()
+
+    visited: Set[int] = set()
+
+    def walk(mod: nn.Module, prefix: str, unit: Unit, parent_is_list: bool) -> None:
+        if id(mod) in visited:  # a shared submodule: its first place owns its params; here
+            for p in mod.parameters():  # the enclosing unit depends on their owners
+                if p.requires_grad and owner.get(id(p), unit.index) != unit.index:
+                    unit.deps.add(owner[id(p)])
+            return
+        visited.add(id(mod))
+        if prefix and (is_unit(mod) if policy is not None else parent_is_list):
+            unit = Unit(len(units), prefix, mod)
+            units.append(unit)
+        for p in mod._parameters.values():
+            if p is None:
+                continue
+            if not p.requires_grad:
+                if id(p) not in seen_frozen:
+                    seen_frozen.add(id(p))
+                    unit.persistent.append(p)
+                continue
+            if id(p) not in owner:
+                owner[id(p)] = unit.index
+                unit.params.append(p)
+            elif owner[id(p)] != unit.index:
+                unit.deps.add(owner[id(p)])
+        is_list = isinstance(mod, nn.ModuleList)
+        for name, child in mod._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}.{name}" if prefix else name, unit, is_list)
+
+    walk(model, "", units[0], False)
+    return units
+
+
+def describe(units: List[Unit]) -> List[dict]:
+    """A printable summary: name, owned numel, dependencies."""
+    return [{"unit": u.index, "name": u.name or "<root>",
+             "numel": sum(p.numel() for p in u.params), "deps": sorted(u.deps)}
+            for u in units]

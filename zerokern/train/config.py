@@ -1,0 +1,129 @@
+"""`zerokern train` options: one dataclass, its argparse flags, and their validation.
+
+Every value is checked by argparse (a `type=` function or `choices=`), so a bad one exits 2 with
+the usage line and the flag's name before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..gpt import PRESETS
+
+PRECISIONS = ("bf16", "fp32", "fp16")
+
+# Defaults, measured on this project's 2-core CPU VM (2 gloo ranks, 1 thread each), shared with
+# other jobs, so times vary ~2x with their load:
+# - model "tiny" (d_model 64, 2 layers, 0.12M params with the byte vocab), seq 128, batch 16 per
+#   rank: 200 steps take 27-54 s and bring the loss from 5.57 to 2.50 (mean of the last 10
+#   steps); 300 steps reached 2.51, no better within the +-0.05 noise of that mean. A 4x larger
+#   model (d 128, 4 layers) reached 2.48 after 200 steps at 2-4x the time per step, and the run
+#   must fit 2 minutes with the first-use kernel build (38-45 s) in it.
+# - lr 1e-2: 5e-3, 1e-2 and 2e-2 all ended at 2.45-2.51 after 300 steps.
+# - bf16: 220 ms vs 253 ms per step at d 128 on one thread (this CPU has avx512_bf16); the
+#   masters, m and v stay fp32.
+DEFAULTS = dict(stage=2, precision="bf16", steps=200, model_size="tiny", batch=16, seq=128,
+                lr=1e-2, seed=0)
+
+
+@dataclass
+class TrainConfig:
+    stage: int = DEFAULTS["stage"]
+    nproc: Optional[int] = None       # None: one rank per GPU, else 2 CPU ranks
+    precision: str = DEFAULTS["precision"]
+    offload: Optional[str] = None
+    steps: int = DEFAULTS["steps"]
+    model_size: str = DEFAULTS["model_size"]
+    batch: int = DEFAULTS["batch"]    # sequences per rank per step
+    seq: int = DEFAULTS["seq"]
+    lr: float = DEFAULTS["lr"]
+    out: Optional[str] = None          # None: runs/train-<timestamp>
+    compare: bool = False
+    seed: int = DEFAULTS["seed"]
+    device: str = "auto"              # "auto" | "cpu" | "cuda"
+    bucket_mb: float = 25.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_out_dir() -> str:
+    return str(Path("runs") / _dt.datetime.now().strftime("train-%Y%m%d-%H%M%S"))
+
+
+def int_at_least(lo: int):
+    """argparse type: an int >= lo (the error names the flag, argparse adds it)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def _offload(text: str) -> Optional[str]:
+    if text in ("none", "None"):
+        return None
+    if text != "cpu":
+        raise argparse.ArgumentTypeError(f"must be 'cpu' or 'none', got {text!r}")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=d["stage"],
+                   help=f"ZeRO stage (default {d['stage']})")
+    p.add_argument("--nproc", type=int_at_least(1), default=None,
+                   help="ranks to spawn (default: one per GPU, else 2 CPU ranks over gloo; "
+                        "ignored under torchrun)")
+    p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
+                   help=f"model dtype; masters and moments stay fp32 (default {d['precision']})")
+    p.add_argument("--offload", type=_offload, default=None, metavar="{cpu,none}",
+                   help="ZeRO-Offload of master/m/v to the host (default none)")
+    p.add_argument("--steps", type=int_at_least(1), default=d["steps"],
+                   help=f"optimizer steps (default {d['steps']})")
+    p.add_argument("--model-size", choices=list(PRESETS), default=d["model_size"],
+                   help=f"zerokern.gpt preset, with the byte vocab (default {d['model_size']})")
+    p.add_argument("--batch", type=int_at_least(1), default=d["batch"],
+                   help=f"sequences per rank per step (default {d['batch']})")
+    p.add_argument("--seq", type=int_at_least(2), default=d["seq"],
+                   help=f"tokens per sequence (default {d['seq']})")
+    p.add_argument("--lr", type=positive_float, default=d["lr"],
+                   help=f"peak learning rate (default {d['lr']:g}; warm-up, then cosine)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default runs/train-<timestamp>)")
+    p.add_argument("--compare", action="store_true",
+                   help="also train at stage 0 (same seed and data) and compare the losses")
+    p.add_argument("--seed", type=int_at_least(0), default=d["seed"],
+                   help="model init and data seed (default 0)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA with NCCL if a GPU is visible, else CPU with gloo")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
+                   help="ZeroAdamW communication bucket size (default 25)")
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(stage=args.stage, nproc=args.nproc, precision=args.precision,
+                       offload=args.offload, steps=args.steps, model_size=args.model_size,
+                       batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
+                       compare=args.compare, seed=args.seed, device=args.device,
+                       bucket_mb=args.bucket_mb)

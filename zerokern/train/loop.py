@@ -1,0 +1,156 @@
+"""One rank of `zerokern train`: build the GPT, train it with ZeroAdamW, collect the metrics.
+
+Runs identically in a spawned rank, under torchrun, or alone (world size 1, no process group).
+The step loop never reads a device value on the host except for the progress display (below).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..gpt import build_gpt
+from .config import TrainConfig
+from .data import VOCAB, Batches, load_corpus
+
+# Loss and loss scale are read on the host (a device sync) only to refresh the progress bar,
+# every DISPLAY_EVERY steps: on a GPU a per-step .item() would stall the launch queue. The
+# loss curve itself stays on the device until the end of the run.
+DISPLAY_EVERY = 5
+HYPER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MAX_GRAD_NORM = 1.0
+WARMUP_FRAC = 0.1   # linear warm-up over the first 10% of steps, then cosine to 10% of lr
+FINAL_LR_FRAC = 0.1
+FINAL_WINDOW = 10   # "final loss" = mean over the last steps (one batch is noisy)
+
+
+def lr_lambda(steps: int):
+    warm = max(1, int(steps * WARMUP_FRAC))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, steps - warm)
+        return FINAL_LR_FRAC + (1 - FINAL_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The preset's width and depth with the byte vocab and --seq positions, seeded."""
+    return build_gpt(cfg.model_size, seed=cfg.seed, vocab=VOCAB, seq=cfg.seq).to(device)
+
+
+def _world() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _Progress:
+    """tqdm bar on rank 0 (loss, tokens/s, loss scale); silent elsewhere."""
+
+    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            import threading
+
+            from tqdm.auto import tqdm
+
+            # tqdm's default lock is a multiprocessing semaphore; a spawned rank exits with
+            # os._exit, so the resource tracker would warn that it leaked. One thread draws.
+            tqdm.set_lock(threading.RLock())
+            self.bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True,
+                            mininterval=0.5)
+
+    def update(self, n: int, **post) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch.Tensor,
+               show: bool, desc: str) -> Dict[str, Any]:
+    """Train a fresh model at `stage`; returns the loss curve (mean over ranks) and reports."""
+    import zerokern as zk
+
+    rank, world = _world()
+    model = build_model(cfg, device)
+    opt = zk.ZeroAdamW(model, lr=cfg.lr, stage=stage, precision=cfg.precision,
+                       offload=cfg.offload, max_grad_norm=MAX_GRAD_NORM,
+                       bucket_mb=cfg.bucket_mb, **HYPER)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
+    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank)
+    losses = torch.zeros(cfg.steps, dtype=torch.float32, device=device)  # (steps,) on device
+    tokens_per_step = cfg.batch * cfg.seq * world
+    bar = _Progress(show, cfg.steps, desc)
+    shown, t0 = 0, time.perf_counter()
+    for step in range(cfg.steps):
+        x, y = (t.to(device, non_blocking=True) for t in batches.get(step))
+        loss = model.loss(x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses[step] = loss.detach()
+        if show and ((step + 1) % DISPLAY_EVERY == 0 or step + 1 == cfg.steps):
+            # The one host sync of the loop: for the display only (see DISPLAY_EVERY).
+            elapsed = time.perf_counter() - t0
+            bar.update(step + 1 - shown, loss=f"{losses[step].item():.3f}",
+                       tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}",
+                       scale=f"{opt.loss_scale.item():g}")
+            shown = step + 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    train_s = time.perf_counter() - t0
+    bar.close()
+    if world > 1:  # the curve is the global batch's loss: the mean of the ranks' losses
+        dist.all_reduce(losses)
+        losses /= world
+    comm = opt.comm_stats()
+    reports = _gather(opt.memory_report())
+    curve: List[float] = losses.cpu().tolist()
+    return {"stage": stage, "loss_curve": curve,
+            "loss_first": curve[0], "loss_last": curve[-1],
+            "loss_final": sum(curve[-FINAL_WINDOW:]) / len(curve[-FINAL_WINDOW:]),
+            "train_s": train_s, "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tokens_per_step * cfg.steps / train_s,
+            "memory_reports": reports,
+            "comm_per_step": {k: comm[k] / cfg.steps
+                              for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
+            "comm_calls_per_step": {k: v / cfg.steps for k, v in comm["calls"].items()},
+            "num_params": sum(g.layout.numel for g in opt.flat_groups),  # (stage 3: p is empty)
+            "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
+
+
+def _gather(obj: Any) -> List[Any]:
+    """Every rank's `obj` (rank order) on every rank; [obj] without a process group."""
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: List[Optional[Any]] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_rank(cfg: TrainConfig, device: torch.device) -> Dict[str, Any]:
+    """The whole job on this rank: the main run, then (--compare) the stage-0 run."""
+    rank, world = _world()
+    t0 = time.perf_counter()
+    corpus = load_corpus()
+    main = train_once(cfg, cfg.stage, device, corpus, show=rank == 0,
+                      desc=f"stage {cfg.stage}")
+    out = {"main": main, "compare": None, "world_size": world, "device": str(device),
+           "corpus_bytes": int(corpus.numel())}
+    if cfg.compare:
+        out["compare"] = train_once(cfg, 0, device, corpus, show=rank == 0,
+                                    desc="stage 0 (--compare)")
+    out["rank_s"] = time.perf_counter() - t0
+    return out

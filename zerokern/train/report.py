@@ -1,0 +1,209 @@
+"""The end of `zerokern train`: the summary printed, `metrics.json` and `loss.png` written.
+
+Memory per rank is what `opt.memory_report()` measured on each rank, beside zerokern's exact
+estimate for the same model (`zerokern.estimate`, which must agree to the byte), the DESIGN §4
+formula at this stage and at stage 0 (`estimate_memory(..., stage=0)`), and, with --compare,
+what stage 0 really held. Communication is bytes sent per rank per step (`opt.comm_stats()`)
+against DESIGN §5's ring volume.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..bench.common import cpu_model, print_table
+from ..estimate import MEASURED, estimate, spec_from_model
+from ..memory import estimate_memory
+from .config import TrainConfig
+from .loop import build_model
+
+MAX_RANK_COLUMNS = 4  # more ranks: rank 0 and the largest total are shown
+
+
+def _unit(nbytes: float) -> tuple:
+    """(name, scale) that shows `nbytes` with a few significant digits."""
+    return ("MiB", 2**20) if nbytes >= 10 * 2**20 else ("KiB", 2**10)
+
+
+def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str, Any]]:
+    """zerokern.estimate for this run's model (built on meta); None for stage 3 / offload."""
+    if cfg.stage == 3 or cfg.offload:
+        return None
+    with torch.device("meta"):
+        model = build_model(cfg, torch.device("meta"))
+    return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
+                    cfg.precision, cfg.bucket_mb, comm=comm)
+
+
+def memory_rows(cfg: TrainConfig, res: Dict[str, Any], est: Optional[dict],
+                scale: float) -> List[dict]:
+    """One row per memory_report category, values in units of `scale` bytes."""
+    def _mib(b: Optional[float]) -> Optional[float]:
+        return None if b is None else b / scale
+
+    reports = res["main"]["memory_reports"]
+    world = len(reports)
+    show = list(range(world)) if world <= MAX_RANK_COLUMNS else \
+        [0, max(range(world), key=lambda r: reports[r]["measured_total"])]
+    psi = reports[0]["num_params"]
+    f = reports[0]["formula"]
+    f0 = estimate_memory(psi, world, 0, cfg.precision)
+    cmp = res.get("compare")
+    rows = []
+    for cat in (*MEASURED, "total"):
+        row = {"category": cat}
+        for r in show:
+            m = reports[r]
+            row[f"rank{r}"] = _mib(m["measured_total"] if cat == "total" else m["measured"][cat])
+        if est is not None:
+            row["estimate"] = _mib(est["device_total"] if cat == "total" else est["bytes"][cat])
+        row["formula"] = _mib(f.get(cat))
+        row["stage0_formula"] = _mib(f0.get(cat))
+        if cmp:
+            m0 = cmp["memory_reports"][0]
+            row["stage0_measured"] = _mib(m0["measured_total"] if cat == "total"
+                                          else m0["measured"][cat])
+        rows.append(row)
+    return rows
+
+
+def memory_columns(rows: List[dict], stage: int, unit: str) -> List[tuple]:
+    cols = [("category", f"{unit} per rank")]
+    cols += [(k, f"rank {k[4:]} measured") for k in rows[0] if k.startswith("rank")]
+    if "estimate" in rows[0]:
+        cols.append(("estimate", "zerokern estimate"))
+    cols += [("formula", f"§4 formula stage {stage}"), ("stage0_formula", "§4 formula stage 0")]
+    if "stage0_measured" in rows[0]:
+        cols.append(("stage0_measured", "stage 0 measured"))
+    return cols
+
+
+def comm_formula_bytes(psi: int, world: int, stage: int, precision: str) -> float:
+    """DESIGN §5: about 2Ψ(N-1)/N elements per rank per step (3Ψ(N-1)/N at stage 3)."""
+    e = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
+    return (3 if stage == 3 else 2) * psi * (world - 1) / world * e
+
+
+def estimate_matches(res: Dict[str, Any], est: Optional[dict]) -> Optional[bool]:
+    if est is None:
+        return None
+    rank0 = res["main"]["memory_reports"][0]["measured"]
+    return all(rank0[c] == est["bytes"][c] for c in MEASURED)
+
+
+def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
+              comm_backend: str) -> Dict[str, Any]:
+    """Everything `metrics.json` holds."""
+    main, world = res["main"], res["world_size"]
+    est = exact_estimate(cfg, world, "gloo" if comm_backend == "gloo" else "nccl")
+    psi = main["num_params"]
+    out = {
+        "config": cfg.to_dict(), "world_size": world, "device": res["device"],
+        "comm_backend": comm_backend, "num_params": psi,
+        "env": {"torch": torch.__version__, "python": platform.python_version(),
+                "cpu": cpu_model(),
+                "gpu": torch.cuda.get_device_name(0) if res["device"].startswith("cuda")
+                else None},
+        "corpus_bytes": res["corpus_bytes"],
+        "loss": {k: main[k] for k in ("loss_first", "loss_last", "loss_final")},
+        "loss_curve": main["loss_curve"],
+        "tokens_per_step": main["tokens_per_step"], "tokens_per_s": main["tokens_per_s"],
+        "memory": {"per_rank": main["memory_reports"],
+                   "estimate": est,
+                   "estimate_matches_rank0": estimate_matches(res, est),
+                   "formula_stage0": estimate_memory(psi, world, 0, cfg.precision)},
+        "comm_per_step": main["comm_per_step"],
+        "comm_calls_per_step": main["comm_calls_per_step"],
+        "comm_formula_bytes_per_step": comm_formula_bytes(psi, world, cfg.stage, cfg.precision),
+        "timing": {**timing, "train_s": main["train_s"]},
+        "compare": None,
+    }
+    cmp = res.get("compare")
+    if cmp:
+        diffs = [abs(a - b) for a, b in zip(main["loss_curve"], cmp["loss_curve"])]
+        out["compare"] = {"stage": 0, "loss_first": cmp["loss_first"],
+                          "loss_final": cmp["loss_final"], "loss_curve": cmp["loss_curve"],
+                          "max_abs_loss_diff": max(diffs), "train_s": cmp["train_s"],
+                          "memory_per_rank": cmp["memory_reports"],
+                          "comm_per_step": cmp["comm_per_step"]}
+    return out
+
+
+def print_summary(cfg: TrainConfig, res: Dict[str, Any], m: Dict[str, Any]) -> None:
+    main, world = res["main"], m["world_size"]
+    print(f"\nzerokern train: GPT {cfg.model_size} ({m['num_params'] / 1e6:.2f}M params, byte "
+          f"vocab), stage {cfg.stage}, {cfg.precision}, {world} rank(s) on {m['device']} "
+          f"({m['comm_backend'] or 'no process group'}), {cfg.steps} steps of "
+          f"{main['tokens_per_step']:,} tokens")
+    print(f"loss: {main['loss_first']:.3f} -> {main['loss_final']:.3f} (first step -> mean of "
+          f"the last {min(10, cfg.steps)} steps; last step {main['loss_last']:.3f})")
+    c = m["compare"]
+    if c:
+        print(f"stage 0 (--compare, same seed and data): {c['loss_first']:.3f} -> "
+              f"{c['loss_final']:.3f}; largest per-step loss difference "
+              f"{c['max_abs_loss_diff']:.2e}")
+    est = m["memory"]["estimate"]
+    unit, scale = _unit(main["memory_reports"][0]["measured_total"])
+    rows = memory_rows(cfg, res, est, scale)
+    print_table(rows, memory_columns(rows, cfg.stage, unit), "\nmemory per rank (model states "
+                "and communication buffers, opt.memory_report())")
+    if est is not None:
+        ok = m["memory"]["estimate_matches_rank0"]
+        verdict = "equal in every category" if ok else "DIFFERENT (a bug: please report it)"
+        print(f"zerokern.estimate (this model on the meta device) vs rank 0 measured: {verdict}")
+    cps = m["comm_per_step"]
+    crow = [{"kind": k, "bytes": int(cps[k]), "calls": m["comm_calls_per_step"].get(k)}
+            for k in ("all_reduce", "reduce_scatter", "all_gather", "total")]
+    crow.append({"kind": "§5 formula 2Ψ(N-1)/N", "bytes": int(m["comm_formula_bytes_per_step"])})
+    print_table(crow, [("kind", "collective"), ("bytes", "bytes sent per step"),
+                       ("calls", "calls per step")],
+                f"\ncommunication per rank per step (opt.comm_stats(), {world} ranks)")
+
+
+def print_timing(m: Dict[str, Any]) -> None:
+    t, tok_s = m["timing"], m["tokens_per_s"]
+    print(f"time: {t['wall_s']:.1f} s since the command started: start-up {t['startup_s']:.1f} "
+          f"s (kernel build {t['build_s']:.1f} s, rank spawn), training {t['train_s']:.1f} s at "
+          f"{tok_s:,.0f} tokens/s, report {t['report_s']:.1f} s")
+
+
+def plot_loss(m: Dict[str, Any], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    curves = [(f"stage {m['config']['stage']}", m["loss_curve"])]
+    if m["compare"]:
+        curves.append(("stage 0 (--compare)", m["compare"]["loss_curve"]))
+    for (label, ys), style in zip(curves, ("-", "--")):
+        ax.plot(range(1, len(ys) + 1), ys, style, label=label, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte, mean over ranks)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plot(cfg: TrainConfig, m: Dict[str, Any], out_dir: Path) -> Path:
+    title = (f"zerokern train: GPT {cfg.model_size}, stage {cfg.stage}, {cfg.precision}, "
+             f"{m['world_size']} rank(s), {m['device']}")
+    return plot_loss(m, out_dir / "loss.png", title)
+
+
+def write_metrics(m: Dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.json"
+    path.write_text(json.dumps(m, indent=1, default=str) + "\n")
+    return path
