@@ -2,9 +2,14 @@
 
 Everything else in zerokern.checkpoint sees only an `OptimizerView`: per unique trainable param
 its name, aliases, full shape and param group, and, per contiguous element range this rank
-holds, writable views into the fp32 master, exp_avg, exp_avg_sq and the model-dtype param. A new
-buffer structure (stage 3: one FlatGroup-like buffer per module unit and param group, `flat`
-holding only this rank's shard) plugs in as one more builder next to `_flat_group_view`.
+holds, writable views into the fp32 master, exp_avg, exp_avg_sq and the model-dtype param.
+One builder per buffer structure:
+- `_flat_group_view`: stages 0-2, one FlatGroup per param group (flat buffer full on every rank);
+- `_sharded_flat_view`: stage 3, one ShardedFlat per (module unit, param group), `flat`
+  holding only this rank's shard.
+With offload="cpu" the same builders apply: the offloader replaces the group's master,
+exp_avg, exp_avg_sq and steps by host tensors of the same layout (a host master at fp32 too,
+the device `flat` then being a working copy), so the views point at the host state.
 
 Element ranges are in each param's own flattened coordinates, never in a flat buffer's, so a
 checkpoint does not depend on bucket sizes, padding, world size or stage.
@@ -109,9 +114,6 @@ def optimizer_view(model: nn.Module, opt: ZeroAdamW) -> OptimizerView:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(opt, ZeroAdamW):
         raise TypeError(f"opt must be a zerokern.ZeroAdamW, got {type(opt).__name__}")
-    if opt.stage not in (0, 1, 2):
-        raise NotImplementedError(f"zerokern.checkpoint has no adapter for stage {opt.stage} "
-                                  "yet (add it in zerokern/checkpoint/views.py)")
     if opt.grad_sync.detached:
         raise ValueError("opt no longer owns its params: a newer ZeroAdamW was created on the "
                          "same model; checkpoint that one")
@@ -122,8 +124,28 @@ def optimizer_view(model: nn.Module, opt: ZeroAdamW) -> OptimizerView:
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
         param_groups=opt.param_groups, scaler=opt.scaler)
     for gi, g in enumerate(opt.flat_groups):
-        _flat_group_view(view, keys, gi, g)
+        if opt.stage == 3:
+            if g.gathered or g.handle is not None:
+                raise ValueError("opt has gathered stage-3 params (inside gathered_params() or "
+                                 "a forward): save or load between steps")
+            _sharded_flat_view(view, keys, g)
+        else:
+            _flat_group_view(view, keys, getattr(g, "group_index", gi), g)
     return view
+
+
+def _specs(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g) -> int:
+    """Append g's params to view.params; returns the index of the first."""
+    base = len(view.params)
+    for i, (p, s) in enumerate(zip(g.params, g.layout.slots)):
+        names = keys.get(id(p))
+        if not names:
+            raise ValueError(f"opt holds a param that model does not have (param {i} of param "
+                             f"group {gi}, shape {tuple(s.shape)}): pass the model the "
+                             "optimizer was built on")
+        view.params.append(ParamSpec(names[0], tuple(names[1:]), tuple(s.shape), gi))
+        view.param_tensors.append(p)
+    return base
 
 
 def _flat_group_view(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g) -> None:
@@ -134,15 +156,8 @@ def _flat_group_view(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g
     bucket, bucket k at `shard_offset(k)`. At precision fp32 `master` is None: `flat` is it.
     """
     L, rank, stage = g.layout, g.rank, g.stage
-    base = len(view.params)
-    for i, (p, s) in enumerate(zip(g.params, L.slots)):
-        names = keys.get(id(p))
-        if not names:
-            raise ValueError(f"opt holds a param that model does not have (param {i} of param "
-                             f"group {gi}, shape {tuple(s.shape)}): pass the model the "
-                             "optimizer was built on")
-        view.params.append(ParamSpec(names[0], tuple(names[1:]), tuple(s.shape), gi))
-        view.param_tensors.append(p)
+    base = _specs(view, keys, gi, g)
+    for i, s in enumerate(L.slots):
         view.values.append(ValuePiece(base + i, 0, s.numel,
                                       g.flat[s.offset:s.offset + s.numel]))
 
@@ -167,6 +182,28 @@ def _flat_group_view(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g
     view.layout.append({"numel": L.numel, "padded_numel": L.padded_numel,
                         "bucket_numel": L.bucket_numel, "world_size": L.world_size,
                         "offsets": [s.offset for s in L.slots]})
+
+
+def _sharded_flat_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
+    """Stage 3: a ShardedFlat (stage3/sharded_flat.py) is one bucket, and rank r holds piece
+    r of it: `flat`, master, exp_avg, exp_avg_sq are all (S,) and indexed alike. At precision
+    fp32 master is None and `flat` is the master. One step counter per buffer."""
+    L = g.layout
+    base = _specs(view, keys, g.group_index, g)
+    lo, hi = L.piece_range(0, g.rank)
+    for i, a, b in L.overlaps(lo, hi):
+        off, st, n = L.slots[i].offset, a - lo, b - a
+        value = g.flat[st:st + n]
+        master = value if g.master is None else g.master[st:st + n]
+        piece = StatePiece(base + i, a - off, b - off, master, g.exp_avg[st:st + n],
+                           g.exp_avg_sq[st:st + n])
+        view.held.append(piece)
+        view.owned.append(piece)
+        view.values.append(ValuePiece(base + i, a - off, b - off, value))
+    view.steps.append(StepCounter(g.steps[0], tuple(range(base, base + len(g.params)))))
+    view.layout.append({"numel": L.numel, "padded_numel": L.padded_numel,
+                        "bucket_numel": L.bucket_numel, "world_size": L.world_size,
+                        "offsets": [s.offset for s in L.slots], "unit": g.unit_index})
 
 
 def model_extras(model: nn.Module, view: OptimizerView) -> List[Tuple[str, Tuple[str, ...],
