@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     size = os.path.getsize(out)
     dt = time.perf_counter() - t0
-    print(f"wrote {out} ({size / 1e6:.1f} MB, {args.dtype}) in {dt:.2f} s")
+    print(f"wrote {out} ({size / 1e6:.3g} MB, {args.dtype}) in {dt:.2f} s")
     return 0
 
 
