@@ -1,0 +1,26 @@
+"""Checkpoints of ZeroAdamW training: save at one world size and stage, load at any other.
+
+    zk.checkpoint.save(path, model, opt)     # collective
+    zk.checkpoint.load(path, model, opt)     # collective; any world size, stage, precision
+    zk.checkpoint.consolidate(path)          # full fp32 state dict for model.load_state_dict
+    zerokern consolidate DIR OUT             # the same, to a .pt or .safetensors file
+
+The format is in format.py [Note: checkpoint format, version 1], the atomic replace in
+writer.py [Note: atomic replace], the load rules in reader.py [Note: load is all-or-nothing],
+and everything read from the optimizer in views.py.
+"""
+
+from .consolidate import consolidate, verify
+from .format import (
+    VERSION,
+    CheckpointError,
+    ChecksumError,
+    MissingFileError,
+    ModelMismatchError,
+    VersionError,
+)
+from .reader import load
+from .writer import save
+
+__all__ = ["save", "load", "consolidate", "verify", "VERSION", "CheckpointError",
+           "ChecksumError", "MissingFileError", "ModelMismatchError", "VersionError"]

@@ -1,0 +1,195 @@
+"""`consolidate(path)`: the full state dict that `model.load_state_dict(strict=True)` accepts.
+
+Streams one tensor at a time from the rank files (memory-mapped, every block's crc checked as
+it is read), so the peak above the output is one param's read mapping, and with
+`out="x.safetensors"` the output is not held at all: each tensor is written as it is made.
+Keys and their order are those of the saving model's `model.state_dict()`: tied aliases are
+there (sharing one tensor in the returned dict, as in `model.state_dict()`; written twice in a
+safetensors file, whose format has no aliases), and so are buffers and frozen params, saved
+from rank 0, so strict loading works.
+
+Params come from the fp32 masters (not the 16-bit params), cast to `dtype` (fp32 by default;
+bf16/fp16 round to nearest even, bitwise what the optimizer's cast-back gives). Floating
+buffers and frozen params are cast to `dtype` too; integer ones keep theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from .format import (
+    EXTRA,
+    BlockVerifier,
+    CheckpointError,
+    as_tensor,
+    dtype_from_name,
+    find_checkpoint,
+    read_meta,
+    read_span,
+    tensor_bytes,
+)
+from .reader import SavedIndex
+from .writer import check_path
+
+_OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
+              torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+FORMATS = ("pt", "safetensors")
+
+
+def _out_dtype(dtype) -> torch.dtype:
+    dt = _OUT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dt not in _OUT_DTYPES.values():
+        raise ValueError(f"dtype must be one of torch.float32/bfloat16/float16 or "
+                         f"{tuple(_OUT_DTYPES)}, got {dtype!r}")
+    return dt
+
+
+class _Source:
+    """A read-only checkpoint: metadata, index, checked reads."""
+
+    def __init__(self, path) -> None:
+        d, warning = find_checkpoint(check_path(path))
+        if warning:
+            warnings.warn(warning, stacklevel=3)
+        self.dir = d
+        self.meta = read_meta(d)
+        self.index = SavedIndex(self.meta)
+        self.files = BlockVerifier(d, self.meta["files"], self.meta["block_bytes"])
+        for name in self.meta["files"]:
+            self.files.check_present(name)
+        extras = {}
+        for e in self.meta["extras"]:
+            for n in [e["name"], *e["aliases"]]:
+                extras[n] = e
+        self.extras = extras
+
+    def entries(self, dtype: torch.dtype) -> List[Tuple[str, Tuple[int, ...], torch.dtype, Any]]:
+        """(key, shape, output dtype, source) in state_dict order; source: param index or
+        extra entry."""
+        out = []
+        for key in self.meta["state_dict_keys"]:
+            if key in self.index.by_name:
+                j = self.index.by_name[key]
+                out.append((key, tuple(self.meta["params"][j]["shape"]), dtype, j))
+            elif key in self.extras:
+                e = self.extras[key]
+                dt = dtype_from_name(e["dtype"])
+                out.append((key, tuple(e["shape"]), dtype if dt.is_floating_point else dt, e))
+            else:
+                raise CheckpointError(f"{self.dir}: state_dict key {key!r} is neither a param "
+                                      "nor an extra of the checkpoint")
+        return out
+
+    def read(self, src, shape, dtype: torch.dtype, section: str = "master") -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        out = torch.empty(n, dtype=dtype)
+        if isinstance(src, int):
+            for fname, off, d0, cnt in self.index.sources(src, 0, n):
+                lo, hi = self.index.byte_range(fname, section, off, cnt)
+                self.files.verify(fname, [(lo, hi)])
+                out[d0:d0 + cnt].copy_(as_tensor(read_span(self.files.path(fname), lo, hi - lo),
+                                                 torch.float32))
+        else:
+            dt = dtype_from_name(src["dtype"])
+            nbytes = n * dt.itemsize
+            if nbytes:
+                lo = src["offset"]
+                self.files.verify(EXTRA, [(lo, lo + nbytes)])
+                out.copy_(as_tensor(read_span(self.files.path(EXTRA), lo, nbytes), dt))
+        return out.reshape(shape)
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(key, tensor) in state_dict order; an alias yields the tensor of its first key."""
+        made: Dict[int, torch.Tensor] = {}
+        for key, shape, dt, src in self.entries(dtype):
+            ident = src if isinstance(src, int) else id(src)
+            if ident not in made:
+                made[ident] = self.read(src, shape, dt)
+            yield key, made[ident]
+
+
+def consolidate(path, out=None, *, dtype=torch.float32,
+                fmt: Optional[str] = None) -> Union[Dict[str, torch.Tensor], str]:
+    """Full state dict of a checkpoint, from its fp32 masters (no process group needed).
+
+    Args:
+        path: checkpoint directory written by `zerokern.checkpoint.save`.
+        out: None to return the dict; else a file to write (atomically, via `out.tmp`).
+        dtype: output dtype of params (and floating buffers): fp32 (default), bf16 or fp16.
+        fmt: "pt" (torch.save) or "safetensors"; default from out's suffix (.safetensors),
+            else "pt". safetensors is written by zerokern itself (streamed; no extra needed
+            to write it, `pip install zerokern[safetensors]` to read it with that library).
+
+    Returns:
+        The state dict {key: tensor (CPU)}, keys as `model.state_dict()`, or the path written.
+
+    Raises:
+        CheckpointError and kinds (ChecksumError, MissingFileError, VersionError).
+    """
+    dt = _out_dtype(dtype)
+    if out is not None:
+        out = check_path(out)
+        if fmt is None:
+            fmt = "safetensors" if out.endswith(".safetensors") else "pt"
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS} or None, got {fmt!r}")
+    src = _Source(path)
+    if out is None:
+        return dict(src.tensors(dt))
+    tmp = out + ".tmp"
+    try:
+        if fmt == "safetensors":
+            _write_safetensors(tmp, src, dt)
+        else:
+            torch.save(dict(src.tensors(dt)), tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+def _write_safetensors(fn: str, src: _Source, dtype: torch.dtype) -> None:
+    """The safetensors layout: u64 header size, JSON header, raw little-endian data."""
+    entries = src.entries(dtype)
+    header: Dict[str, Any] = {"__metadata__": {"format": "pt", "source": "zerokern checkpoint"}}
+    off = 0
+    for key, shape, dt, _ in entries:
+        n = 1
+        for d in shape:
+            n *= d
+        header[key] = {"dtype": _ST_DTYPES[dt], "shape": list(shape),
+                       "data_offsets": [off, off + n * dt.itemsize]}
+        off += n * dt.itemsize
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned
+    with open(fn, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for _key, shape, dt, s in entries:  # aliases are read again: one tensor held at a time
+            f.write(tensor_bytes(src.read(s, shape, dt)))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify(path) -> Dict[str, Any]:
+    """Check every block of every file of a checkpoint against its crc (reads all of it).
+
+    Returns:
+        {"path", "files", "bytes"} of the checkpoint.
+    """
+    src = _Source(path)
+    for name in sorted(src.meta["files"]):
+        src.files.verify_all(name)
+    return {"path": src.dir, "files": len(src.meta["files"]),
+            "bytes": sum(f["bytes"] for f in src.meta["files"].values())}

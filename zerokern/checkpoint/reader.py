@@ -1,0 +1,319 @@
+"""`load(path, model, opt)`: at any world size and stage, straight from the saved shards.
+
+[Note: load is all-or-nothing]
+Phase 1, per rank, writing nothing: read and check the metadata; match every param by name
+(aliases included), shape and param group; check buffers and frozen params; plan the copies
+(for each element range this rank holds, the saved segments and byte offsets that hold it);
+check that every needed file exists with its recorded size; verify the crc of every block the
+plan touches; check that the step counters and the loss scaler can take the saved values.
+Then all ranks agree (`Collective.agree`): if any rank failed, every rank raises and nothing
+was written anywhere. Phase 2 copies from the same, verified, bytes.
+
+Values loaded:
+- fp32 master, exp_avg, exp_avg_sq: bitwise the saved ones (fp32 in every precision);
+- model-dtype params: `master.to(dtype)` (round to nearest even), what the optimizer keeps
+  after every step; at precision fp32 the param buffer is the master;
+- step counters, hyperparameters of each param group (lr, betas, eps, weight_decay, adamw and
+  any other key, e.g. a scheduler's `initial_lr`; the scheduler's own state is the user's to
+  save), and the loss-scaler state;
+- buffers and frozen params of the model (copied with a cast if the model's dtype differs).
+A checkpoint saved at another precision loads too (the masters are fp32 in every precision).
+The loss scaler is then left as the loading optimizer built it, with a warning, when the
+scaler kinds differ (fp16 dynamic vs bf16/fp32 static): its state does not carry over.
+Gradients are not part of a checkpoint and are left alone; call `opt.zero_grad()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import warnings
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .collective import Collective
+from .format import (
+    EXTRA,
+    META,
+    BlockVerifier,
+    CheckpointError,
+    ModelMismatchError,
+    as_tensor,
+    decode_value,
+    dtype_from_name,
+    find_checkpoint,
+    read_meta,
+    read_span,
+)
+from .views import OptimizerView, model_extras, optimizer_view
+from .writer import check_path
+
+_F32 = 4  # bytes per saved state element
+
+
+class SavedIndex:
+    """Where each saved param's elements are: per param, sorted (lo, hi, file, elem_off)."""
+
+    def __init__(self, meta: Dict[str, Any]) -> None:
+        self.meta = meta
+        self.params = meta["params"]
+        self.by_name: Dict[str, int] = {}
+        for j, p in enumerate(self.params):
+            for n in [p["name"], *p["aliases"]]:
+                self.by_name[n] = j
+        segs = defaultdict(list)
+        for fname, info in meta["files"].items():
+            for j, lo, hi, off in info.get("segments", ()):
+                segs[j].append((lo, hi, fname, off))
+        self.segments = {j: sorted(s) for j, s in segs.items()}
+        self._starts = {j: [s[0] for s in v] for j, v in self.segments.items()}
+
+    def sources(self, j: int, lo: int, hi: int) -> List[Tuple[str, int, int, int]]:
+        """(file, saved elem offset, dest offset from lo, count) covering [lo, hi) of param j."""
+        segs, starts = self.segments.get(j, []), self._starts.get(j, [])
+        out, at = [], lo
+        k = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while at < hi and k < len(segs):
+            slo, shi, fname, off = segs[k]
+            if slo <= at < shi:
+                n = min(hi, shi) - at
+                out.append((fname, off + at - slo, at - lo, n))
+                at += n
+            elif slo > at:
+                break
+            k += 1
+        if at < hi:
+            raise CheckpointError(f"{META}: elements [{at}, {hi}) of param "
+                                  f"{self.params[j]['name']!r} are in no rank file")
+        return out
+
+    def byte_range(self, fname: str, section: str, elem_off: int, n: int) -> Tuple[int, int]:
+        lo = self.meta["files"][fname]["sections"][section] + elem_off * _F32
+        return lo, lo + n * _F32
+
+
+def _cover(lo: int, hi: int, pieces):
+    """Split [lo, hi) into (a, b, master view of [a, b) or None) by sorted held pieces."""
+    at = lo
+    for plo, phi, master in pieces:
+        a, b = max(plo, at), min(phi, hi)
+        if a >= b:
+            continue
+        if at < a:
+            yield at, a, None
+        yield a, b, master[a - plo:b - plo]
+        at = b
+    if at < hi:
+        yield at, hi, None
+
+
+def load(path, model: nn.Module, opt) -> Dict[str, Any]:
+    """Load a checkpoint into model and opt (collective: every rank calls).
+
+    Works at any world size, stage and precision. Each rank memory-maps and reads only the
+    byte ranges it holds; nothing is converted offline.
+
+    Returns:
+        {"path", "world_size", "stage", "precision", "step"} of the checkpoint read.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+        CheckpointError (a ValueError) and its kinds, on every rank, with nothing modified:
+        ChecksumError (names the file), MissingFileError, VersionError, ModelMismatchError
+        (names the param).
+    """
+    path = check_path(path)
+    view = optimizer_view(model, opt)
+    extras = model_extras(model, view)
+    coll = Collective(view.group, view.rank, view.world_size)
+    err, plan = None, None
+    try:
+        plan = _Plan(path, view, extras)
+    except (KeyError, IndexError) as e:  # a crc-valid file this code cannot follow
+        err = CheckpointError(f"{os.path.join(path, META)}: malformed metadata ({e!r})")
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        err = e
+    coll.agree(err)
+    if plan.warning:
+        warnings.warn(plan.warning, stacklevel=2)
+    plan.apply()
+    m = plan.meta
+    return {"path": plan.dir, "world_size": m["world_size"], "stage": m["stage"],
+            "precision": m["precision"],
+            "step": max((p["step"] for p in m["params"]), default=0)}
+
+
+class _Plan:
+    """Phase 1 of [Note: load is all-or-nothing]: everything checked, nothing written."""
+
+    def __init__(self, path: str, view: OptimizerView, extras) -> None:
+        self.view = view
+        self.dir, self.warning = find_checkpoint(path)
+        self.meta = meta = read_meta(self.dir)
+        self.index = index = SavedIndex(meta)
+        self.files = BlockVerifier(self.dir, meta["files"], meta["block_bytes"])
+        self.match = self._match_params()
+        # copies: (dest view, dest offset, file, byte offset, count); saved data is fp32
+        self.copies: List[Tuple[torch.Tensor, int, str, int, int]] = []
+        for p in view.held:
+            j = self.match[p.param]
+            for key, dest in p.tensors().items():
+                for fname, off, d0, n in index.sources(j, p.lo, p.hi):
+                    lo, _ = index.byte_range(fname, key, off, n)
+                    self.copies.append((dest, d0, fname, lo, n))
+        # Model-dtype values: cast from the master this rank just loaded where it holds it
+        # (at stage 0 all of it: 4 of 16 bytes/param not read again; at fp32 the same memory,
+        # nothing to do), else read the saved master.
+        # casts: (dest view, loaded master view of the same elements), after the copies
+        self.casts: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        held = defaultdict(list)
+        for p in view.held:
+            held[p.param].append((p.lo, p.hi, p.master))
+        for v in view.values:
+            for a, b, master in _cover(v.lo, v.hi, sorted(held[v.param], key=lambda x: x[0])):
+                dest = v.value[a - v.lo:b - v.lo]
+                if master is not None:
+                    if dest.data_ptr() != master.data_ptr():
+                        self.casts.append((dest, master))
+                    continue
+                for fname, off, d0, n in index.sources(self.match[v.param], a, b):
+                    lo, _ = index.byte_range(fname, "master", off, n)
+                    self.copies.append((dest, d0, fname, lo, n))
+        self.steps = self._plan_steps()
+        self.groups = self._plan_groups()
+        self.scaler_state = self._plan_scaler()
+        self.extras = self._plan_extras(extras)
+        # Files present with their recorded sizes, then the crc of every block read.
+        ranges = defaultdict(list)
+        for _, _, fname, lo, n in self.copies:
+            ranges[fname].append((lo, lo + n * _F32))
+        for _, _, fname, lo, nbytes in self.extras:
+            ranges[fname].append((lo, lo + nbytes))
+        for fname in sorted(ranges):
+            self.files.check_present(fname)
+        for fname in sorted(ranges):
+            self.files.verify(fname, ranges[fname])
+
+    def _match_params(self) -> List[int]:
+        view, idx, fn = self.view, self.index, os.path.join(self.dir, META)
+        saved = self.meta["params"]
+        if len(self.meta["param_groups"]) != len(view.param_groups):
+            raise ModelMismatchError(f"{fn}: {len(self.meta['param_groups'])} param groups "
+                                     f"saved, the optimizer has {len(view.param_groups)}")
+        match, missing = [], []
+        for p in view.params:
+            j = next((idx.by_name[n] for n in (p.name, *p.aliases) if n in idx.by_name), None)
+            if j is None:
+                missing.append(p.name)
+                match.append(-1)
+                continue
+            s = saved[j]
+            if tuple(s["shape"]) != p.shape:
+                raise ModelMismatchError(f"{fn}: param {p.name!r} has shape {tuple(s['shape'])}"
+                                         f" in the checkpoint, {p.shape} in the model")
+            if s["group"] != p.group:
+                raise ModelMismatchError(f"{fn}: param {p.name!r} is in param group "
+                                         f"{s['group']} in the checkpoint, {p.group} here")
+            match.append(j)
+        unused = sorted(set(range(len(saved))) - set(match))
+        if missing or unused:
+            raise ModelMismatchError(
+                f"{fn}: the checkpoint holds another model: params not in the checkpoint: "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint params not "
+                f"optimized here: {[saved[j]['name'] for j in unused[:8]]}")
+        return match
+
+    def _plan_steps(self) -> List[Tuple[torch.Tensor, int]]:
+        out = []
+        for c in self.view.steps:
+            vals = {self.meta["params"][self.match[i]]["step"] for i in c.params}
+            if len(vals) > 1:
+                names = [self.view.params[i].name for i in c.params]
+                raise CheckpointError(f"{os.path.join(self.dir, META)}: params {names} share "
+                                      f"one step counter here but have steps {sorted(vals)} "
+                                      "in the checkpoint")
+            if vals:
+                out.append((c.value, vals.pop()))
+        return out
+
+    def _plan_groups(self) -> List[Dict[str, Any]]:
+        out = []
+        for g, saved in zip(self.view.param_groups, self.meta["param_groups"]):
+            out.append({k: decode_value(v, g.get(k)) for k, v in saved.items()})
+        return out
+
+    def _plan_scaler(self) -> Optional[Dict[str, Any]]:
+        saved, scaler = self.meta["loss_scaler"], self.view.scaler
+        mine = scaler.state_dict()
+        if saved.get("kind") != mine["kind"]:
+            if self.meta["precision"] == self.view.precision:
+                raise CheckpointError(
+                    f"{os.path.join(self.dir, META)}: the checkpoint has a {saved.get('kind')} "
+                    f"loss scaler, this optimizer a {mine['kind']} one at the same precision "
+                    f"{self.view.precision!r}; build it with the same loss_scale")
+            self.warning = ((self.warning + "; ") if self.warning else "") + (
+                f"zerokern.checkpoint: saved at precision {self.meta['precision']!r} with a "
+                f"{saved.get('kind')} loss scaler, loading at {self.view.precision!r} with a "
+                f"{mine['kind']} one: the loss-scaler state is not loaded")
+            return None
+        state = {"kind": mine["kind"]}
+        for k, t in mine.items():
+            if isinstance(t, torch.Tensor):
+                if k not in saved:
+                    raise CheckpointError(f"{os.path.join(self.dir, META)}: loss_scaler has "
+                                          f"no {k!r}")
+                state[k] = torch.tensor(saved[k], dtype=t.dtype)
+        return state
+
+    def _plan_extras(self, extras) -> List[Tuple[torch.Tensor, torch.dtype, str, int, int]]:
+        """(model tensor, saved dtype, file, byte offset, bytes) per buffer / frozen param."""
+        fn = os.path.join(self.dir, META)
+        saved = {}
+        for e in self.meta["extras"]:
+            for n in [e["name"], *e["aliases"]]:
+                saved[n] = e
+        out, used = [], set()
+        for name, aliases, t in extras:
+            e = next((saved[n] for n in (name, *aliases) if n in saved), None)
+            if e is None:
+                raise ModelMismatchError(f"{fn}: the checkpoint holds another model: "
+                                         f"buffer/frozen param {name!r} is not in it")
+            if tuple(e["shape"]) != tuple(t.shape):
+                raise ModelMismatchError(f"{fn}: {name!r} has shape {tuple(e['shape'])} in the "
+                                         f"checkpoint, {tuple(t.shape)} in the model")
+            dt = dtype_from_name(e["dtype"])
+            if dt.is_floating_point != t.dtype.is_floating_point:
+                raise ModelMismatchError(f"{fn}: {name!r} is {dt} in the checkpoint, "
+                                         f"{t.dtype} in the model")
+            used.add(e["name"])
+            out.append((t, dt, EXTRA, e["offset"], t.numel() * dt.itemsize))
+        unused = [e["name"] for e in self.meta["extras"] if e["name"] not in used]
+        if unused:
+            raise ModelMismatchError(f"{fn}: the checkpoint holds another model: buffers/"
+                                     f"frozen params not in the model: {unused[:8]}")
+        return out
+
+    # ---- phase 2 ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply(self) -> None:
+        path = self.files.path
+        for dest, d0, fname, lo, n in self.copies:
+            src = as_tensor(read_span(path(fname), lo, n * _F32), torch.float32)
+            dest[d0:d0 + n].copy_(src)  # a cast for 16-bit params: round to nearest even
+            del src
+        for dest, master in self.casts:
+            dest.copy_(master)  # round to nearest even, as the optimizer's cast-back
+        for t, dt, fname, lo, nbytes in self.extras:
+            if nbytes:
+                src = as_tensor(read_span(path(fname), lo, nbytes), dt).reshape(t.shape)
+                t.detach().copy_(src)
+        for counter, v in self.steps:
+            counter.fill_(v)
+        for g, saved in zip(self.view.param_groups, self.groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        if self.scaler_state is not None:
+            self.view.scaler.load_state_dict(self.scaler_state)
+

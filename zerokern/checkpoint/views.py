@@ -1,0 +1,225 @@
+"""The one place the checkpoint code reads the optimizer's buffers: `optimizer_view(model, opt)`.
+
+Everything else in zerokern.checkpoint sees only an `OptimizerView`: per unique trainable param
+its name, aliases, full shape and param group, and, per contiguous element range this rank
+holds, writable views into the fp32 master, exp_avg, exp_avg_sq and the model-dtype param.
+One builder per buffer structure:
+- `_flat_group_view`: stages 0-2, one FlatGroup per param group (flat buffer full on every rank);
+- `_sharded_flat_view`: stage 3, one ShardedFlat per (module unit, param group), `flat`
+  holding only this rank's shard.
+With offload="cpu" the same builders apply: the offloader replaces the group's master,
+exp_avg, exp_avg_sq and steps by host tensors of the same layout (a host master at fp32 too,
+the device `flat` then being a working copy), so the views point at the host state.
+
+Element ranges are in each param's own flattened coordinates, never in a flat buffer's, so a
+checkpoint does not depend on bucket sizes, padding, world size or stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..optimizer import ZeroAdamW
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One unique trainable param: `name` is its first key in `model.state_dict()`."""
+
+    name: str
+    aliases: Tuple[str, ...]  # further state_dict keys of the same Parameter (tied weights)
+    shape: Tuple[int, ...]
+    group: int  # index into opt.param_groups
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class StatePiece:
+    """Optimizer state of elements [lo, hi) of flattened param `param`; views of shape (hi-lo,)."""
+
+    param: int
+    lo: int
+    hi: int
+    master: torch.Tensor  # fp32; at precision fp32 a view of the param buffer itself
+    exp_avg: torch.Tensor  # fp32
+    exp_avg_sq: torch.Tensor  # fp32
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+@dataclass
+class ValuePiece:
+    """Model-dtype param values of elements [lo, hi) held on this rank: a (hi-lo,) view."""
+
+    param: int
+    lo: int
+    hi: int
+    value: torch.Tensor
+
+
+@dataclass
+class StepCounter:
+    """A step counter (0-d int64 view) and the params whose elements it governs, on any rank."""
+
+    value: torch.Tensor
+    params: Tuple[int, ...]
+
+
+@dataclass
+class OptimizerView:
+    stage: int
+    precision: str
+    dtype: torch.dtype  # model dtype of the params
+    world_size: int
+    rank: int
+    group: Any  # torch.distributed process group, or None at world size 1 without one
+    params: List[ParamSpec]
+    param_tensors: List[torch.Tensor]  # the Parameters, same order (to tell them from extras)
+    held: List[StatePiece]  # all state this rank holds: a load fills every piece
+    owned: List[StatePiece]  # this rank's share, a partition over ranks: a save writes these
+    values: List[ValuePiece]  # model-dtype values held here: a load writes master.to(dtype)
+    steps: List[StepCounter]
+    param_groups: List[Dict[str, Any]]  # opt.param_groups, live (hyperparameters)
+    scaler: Any  # zerokern.loss_scale.LossScaler
+    layout: List[Dict[str, Any]] = field(default_factory=list)  # informational, for metadata
+
+
+def state_dict_keys(model: nn.Module) -> Dict[int, List[str]]:
+    """id(tensor) -> its keys in model.state_dict(), in order (several when tied)."""
+    out: Dict[int, List[str]] = {}
+    for k, t in model.state_dict(keep_vars=True).items():
+        out.setdefault(id(t), []).append(k)
+    return out
+
+
+def optimizer_view(model: nn.Module, opt: ZeroAdamW) -> OptimizerView:
+    """Describe what `opt` holds on this rank, named after `model`'s state_dict keys.
+
+    Raises:
+        TypeError: model is not an nn.Module or opt not a ZeroAdamW.
+        ValueError: opt optimizes a param that `model` does not have.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(opt, ZeroAdamW):
+        raise TypeError(f"opt must be a zerokern.ZeroAdamW, got {type(opt).__name__}")
+    if opt.grad_sync.detached:
+        raise ValueError("opt no longer owns its params: a newer ZeroAdamW was created on the "
+                         "same model; checkpoint that one")
+    keys = state_dict_keys(model)
+    view = OptimizerView(
+        stage=opt.stage, precision=opt.precision, dtype=opt.dtype,
+        world_size=opt.comm.world_size, rank=opt.comm.rank, group=opt.comm.group,
+        params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
+        param_groups=opt.param_groups, scaler=opt.scaler)
+    for gi, g in enumerate(opt.flat_groups):
+        if opt.stage == 3:
+            if g.gathered or g.handle is not None:
+                raise ValueError("opt has gathered stage-3 params (inside gathered_params() or "
+                                 "a forward): save or load between steps")
+            _sharded_flat_view(view, keys, g)
+        else:
+            _flat_group_view(view, keys, getattr(g, "group_index", gi), g)
+    return view
+
+
+def _specs(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g) -> int:
+    """Append g's params to view.params; returns the index of the first."""
+    base = len(view.params)
+    for i, (p, s) in enumerate(zip(g.params, g.layout.slots)):
+        names = keys.get(id(p))
+        if not names:
+            raise ValueError(f"opt holds a param that model does not have (param {i} of param "
+                             f"group {gi}, shape {tuple(s.shape)}): pass the model the "
+                             "optimizer was built on")
+        view.params.append(ParamSpec(names[0], tuple(names[1:]), tuple(s.shape), gi))
+        view.param_tensors.append(p)
+    return base
+
+
+def _flat_group_view(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g) -> None:
+    """Stages 0-2: one FlatGroup per param group (partition.py [Note: bucket-major layout]).
+
+    Flat buffer `flat` is full on every rank. State buffers (master, exp_avg, exp_avg_sq) are
+    full at stage 0 (indexed like `flat`); at stages 1-2 they hold this rank's piece of every
+    bucket, bucket k at `shard_offset(k)`. At precision fp32 `master` is None: `flat` is it.
+    """
+    L, rank, stage = g.layout, g.rank, g.stage
+    base = _specs(view, keys, gi, g)
+    for i, s in enumerate(L.slots):
+        view.values.append(ValuePiece(base + i, 0, s.numel,
+                                      g.flat[s.offset:s.offset + s.numel]))
+
+    def pieces(k: int, lo: int, hi: int) -> List[StatePiece]:
+        out = []
+        for i, a, b in L.overlaps(lo, hi):
+            off = L.slots[i].offset
+            st = a if stage == 0 else L.shard_offset(k) + a - L.piece_range(k, rank)[0]
+            n = b - a
+            master = g.flat[a:b] if g.master is None else g.master[st:st + n]
+            out.append(StatePiece(base + i, a - off, b - off, master,
+                                  g.exp_avg[st:st + n], g.exp_avg_sq[st:st + n]))
+        return out
+
+    for k in range(L.n_buckets):
+        blo, bhi = L.bucket_range(k)
+        view.steps.append(StepCounter(g.steps[k], tuple(base + i for i, _, _ in
+                                                        L.overlaps(blo, bhi))))
+        mine = pieces(k, *L.piece_range(k, rank))  # the canonical share: r-th piece of bucket k
+        view.owned += mine
+        view.held += pieces(k, blo, bhi) if stage == 0 else mine
+    view.layout.append({"numel": L.numel, "padded_numel": L.padded_numel,
+                        "bucket_numel": L.bucket_numel, "world_size": L.world_size,
+                        "offsets": [s.offset for s in L.slots]})
+
+
+def _sharded_flat_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
+    """Stage 3: a ShardedFlat (stage3/sharded_flat.py) is one bucket, and rank r holds piece
+    r of it: `flat`, master, exp_avg, exp_avg_sq are all (S,) and indexed alike. At precision
+    fp32 master is None and `flat` is the master. One step counter per buffer."""
+    L = g.layout
+    base = _specs(view, keys, g.group_index, g)
+    lo, hi = L.piece_range(0, g.rank)
+    for i, a, b in L.overlaps(lo, hi):
+        off, st, n = L.slots[i].offset, a - lo, b - a
+        value = g.flat[st:st + n]
+        master = value if g.master is None else g.master[st:st + n]
+        piece = StatePiece(base + i, a - off, b - off, master, g.exp_avg[st:st + n],
+                           g.exp_avg_sq[st:st + n])
+        view.held.append(piece)
+        view.owned.append(piece)
+        view.values.append(ValuePiece(base + i, a - off, b - off, value))
+    view.steps.append(StepCounter(g.steps[0], tuple(range(base, base + len(g.params)))))
+    view.layout.append({"numel": L.numel, "padded_numel": L.padded_numel,
+                        "bucket_numel": L.bucket_numel, "world_size": L.world_size,
+                        "offsets": [s.offset for s in L.slots], "unit": g.unit_index})
+
+
+def model_extras(model: nn.Module, view: OptimizerView) -> List[Tuple[str, Tuple[str, ...],
+                                                                      torch.Tensor]]:
+    """(name, aliases, tensor) for every state_dict tensor the optimizer does not hold:
+    buffers and frozen params (also trainable params left out of the optimizer)."""
+    managed = {id(t) for t in view.param_tensors}
+    out, seen = [], set()
+    keys = state_dict_keys(model)
+    for k, t in model.state_dict(keep_vars=True).items():
+        if id(t) in managed or id(t) in seen:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"model.state_dict() entry {k!r} is a {type(t).__name__}, not a "
+                            "tensor (get_extra_state): zerokern.checkpoint saves tensors only")
+        seen.add(id(t))
+        names = keys[id(t)]
+        out.append((k, tuple(names[1:]), t))
+    return out

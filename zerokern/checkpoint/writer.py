@@ -1,0 +1,287 @@
+"""`save(path, model, opt)`: every rank writes its share; rank 0 writes metadata and commits.
+
+[Note: atomic replace]
+1. Rank 0 creates `<path>.tmp-<nonce>/` (nonce shared with every rank).
+2. Each rank writes and fsyncs `rankNNNNN.bin` (rank 0 also `extra.bin`); they send rank 0
+   their segment index and block checksums.
+3. Rank 0 writes `meta.json` last and fsyncs it and the directory: the tmp directory is now a
+   complete checkpoint.
+4. Commit. No previous checkpoint: `rename(tmp, path)`. Otherwise `renameat2(tmp, path,
+   RENAME_EXCHANGE)` swaps the two directories in one atomic step (Linux >= 3.15 on ext4, xfs,
+   btrfs, tmpfs), and the old one, now at the tmp name, is deleted. At every instant `path`
+   is either the complete old or the complete new checkpoint.
+   Fallback where the exchange is unsupported (other OS/filesystems): rename `path` to
+   `<path>.old-<nonce>`, then `tmp` to `path`, then delete the backup. A crash between the two
+   renames leaves no `path`; `load` and `consolidate` then read the backup, with a warning
+   (format.find_checkpoint), and the next save deletes it.
+   A `latest` pointer file would also work but makes `path` something other than a checkpoint
+   directory; the exchange keeps `path` itself the checkpoint.
+5. Every rank learns the outcome (`Collective.agree`): all return or all raise.
+A crash before step 4 leaves the previous checkpoint untouched plus a stale tmp directory,
+which the next successful save to the same path deletes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+import shutil
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .collective import Collective
+from .format import (
+    BLOCK_BYTES,
+    EXTRA,
+    EXTRA_ALIGN,
+    FORMAT,
+    META,
+    SECTIONS,
+    VERSION,
+    CheckpointError,
+    DataFile,
+    dtype_name,
+    encode_value,
+    rank_file,
+    write_meta,
+)
+from .views import OptimizerView, model_extras, optimizer_view
+
+# Test hooks (tests/zero/test_checkpoint.py): pause at a point of the save, so a test can kill
+# the writer there ("files_written": rank files done, no metadata yet; "old_moved": between
+# the two renames of the fallback), and force the fallback commit.
+PAUSE_ENV = "ZEROKERN_CHECKPOINT_TEST_PAUSE"  # "<point>=<seconds>"
+NO_EXCHANGE_ENV = "ZEROKERN_CHECKPOINT_NO_EXCHANGE"  # "1": commit with two renames
+
+
+def _pause(point: str) -> None:
+    spec = os.environ.get(PAUSE_ENV, "")
+    name, _, secs = spec.partition("=")
+    if name == point:
+        print(f"zerokern.checkpoint: paused at {point}", file=sys.stderr, flush=True)
+        time.sleep(float(secs))
+
+
+def check_path(path) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("path must not be empty")
+    return os.path.abspath(path)
+
+
+def save(path, model: nn.Module, opt) -> str:
+    """Save model and optimizer state to the directory `path` (collective: every rank calls).
+
+    Args:
+        path: checkpoint directory, the same on every rank (a shared filesystem across
+            nodes). An existing checkpoint there is replaced atomically; an existing path
+            that is not a zerokern checkpoint is refused.
+        model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
+        opt: the zerokern.ZeroAdamW.
+
+    Returns:
+        The absolute path written.
+
+    Raises:
+        TypeError, ValueError: bad arguments, before anything is written.
+        CheckpointError: the save failed on some rank; the previous checkpoint is intact.
+    """
+    path = check_path(path)
+    view = optimizer_view(model, opt)
+    extras = model_extras(model, view)
+    coll = Collective(view.group, view.rank, view.world_size)
+
+    paths = coll.all_gather(path)
+    if len(set(paths)) != 1:
+        raise ValueError(f"path must be the same on every rank, got {paths}")
+    nonce = coll.from_rank0(secrets.token_hex(6))
+    tmp = f"{path}.tmp-{nonce}"
+    err: Optional[BaseException] = None
+    if view.rank == 0:
+        try:
+            _preflight(path)
+            os.makedirs(tmp)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            err = e
+    coll.agree(err)
+
+    try:
+        info: Any = _write_rank(tmp, view)
+        if view.rank == 0:
+            info["extra"] = _write_extras(tmp, extras)
+        _pause("files_written")
+    except Exception as e:  # noqa: BLE001
+        info = e
+    infos = coll.all_gather(info if not isinstance(info, BaseException) else None)
+    failed = [r for r, x in enumerate(infos) if x is None]
+    err = info if isinstance(info, BaseException) else None
+    if view.rank == 0:
+        try:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"{path}: rank(s) {failed} failed to write their file; "
+                                      "the previous checkpoint is intact")
+            write_meta(tmp, _metadata(view, model, extras, infos))
+            _fsync_dir(tmp)
+            _commit(tmp, path, nonce)
+        except Exception as e:  # noqa: BLE001
+            if err is None:
+                err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    coll.agree(err)
+    return path
+
+
+def _preflight(path: str) -> None:
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"path {path} exists and is not a directory")
+        if not os.path.isfile(os.path.join(path, META)):
+            raise ValueError(f"path {path} exists and is not a zerokern checkpoint (no {META}); "
+                             "refusing to replace it")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+
+def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
+    """This rank's file: master | exp_avg | exp_avg_sq, each the `owned` pieces in order."""
+    f = DataFile(os.path.join(tmp, rank_file(view.rank)))
+    segments, elem = [], 0
+    for p in view.owned:
+        segments.append([p.param, p.lo, p.hi, elem])
+        elem += p.hi - p.lo
+    sections = {}
+    for key in SECTIONS:
+        sections[key] = f.nbytes
+        for p in view.owned:
+            f.write(getattr(p, key))
+    out = f.close()
+    # Step counts, read on the host once per counter (a checkpoint may sync; a step may not).
+    steps: Dict[int, int] = {}
+    for c in view.steps:
+        v = int(c.value)
+        for i in c.params:
+            if steps.setdefault(i, v) != v:
+                raise CheckpointError(f"param {view.params[i].name!r} is governed by step "
+                                      f"counters holding {steps[i]} and {v}")
+    return {"rank": view.rank, "segments": segments, "sections": sections, "steps": steps, **out}
+
+
+def _write_extras(tmp: str, extras) -> Dict[str, Any]:
+    f = DataFile(os.path.join(tmp, EXTRA))
+    index = []
+    for name, aliases, t in extras:
+        f.pad_to(EXTRA_ALIGN)
+        index.append({"name": name, "aliases": list(aliases), "shape": list(t.shape),
+                      "dtype": dtype_name(t.dtype), "offset": f.nbytes,
+                      "param": isinstance(t, nn.Parameter)})
+        f.write(t)
+    return {"index": index, **f.close()}
+
+
+def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[str, Any]]):
+    steps: Dict[int, int] = {}
+    for info in infos:
+        for i, v in info["steps"].items():
+            if steps.setdefault(int(i), v) != v:
+                raise CheckpointError(f"param {view.params[int(i)].name!r} has step {v} on "
+                                      f"rank {info['rank']} and {steps[int(i)]} on another")
+    params = [{"name": p.name, "aliases": list(p.aliases), "shape": list(p.shape),
+               "dtype": dtype_name(view.dtype), "group": p.group, "step": steps.get(i, 0)}
+              for i, p in enumerate(view.params)]
+    _check_cover(view, infos)
+    files = {rank_file(x["rank"]): {k: x[k] for k in ("rank", "bytes", "blocks", "segments",
+                                                      "sections")} for x in infos}
+    extra = infos[0]["extra"]
+    files[EXTRA] = {"bytes": extra["bytes"], "blocks": extra["blocks"]}
+    groups = [{k: encode_value(v, f"param_groups[{gi}][{k!r}]") for k, v in g.items()
+               if k != "params"} for gi, g in enumerate(view.param_groups)]
+    scaler = {k: (v.item() if isinstance(v, torch.Tensor) else v)
+              for k, v in view.scaler.state_dict().items()}
+    import zerokern
+
+    return {
+        "format": FORMAT, "version": VERSION, "block_bytes": BLOCK_BYTES,
+        "zerokern_version": zerokern.__version__, "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
+        "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",
+        "params": params, "layout": view.layout, "param_groups": groups,
+        "loss_scaler": scaler, "extras": extra["index"], "files": files,
+        "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
+    }
+
+
+def _check_cover(view: OptimizerView, infos) -> None:
+    """The segments of all ranks cover every param exactly once (guards the adapter)."""
+    by_param: Dict[int, list] = {}
+    for x in infos:
+        for i, lo, hi, _ in x["segments"]:
+            by_param.setdefault(i, []).append((lo, hi))
+    for i, p in enumerate(view.params):
+        at = 0
+        for lo, hi in sorted(by_param.get(i, [])):
+            if lo != at:
+                break
+            at = hi
+        if at != p.numel or sum(hi - lo for lo, hi in by_param.get(i, [])) != p.numel:
+            raise CheckpointError(f"internal: the ranks' shards do not cover param {p.name!r} "
+                                  "exactly once")
+
+
+# ---- commit --------------------------------------------------------------------------------------
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap directories a and b (renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if os.environ.get(NO_EXCHANGE_ENV) == "1" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False  # glibc < 2.28
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    e = ctypes.get_errno()
+    if e in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(e, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(e)}")
+
+
+def _commit(tmp: str, path: str, nonce: str) -> None:
+    parent, base = os.path.split(path)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        _fsync_dir(parent)
+        shutil.rmtree(tmp)  # the previous checkpoint, swapped out
+    else:
+        old = f"{path}.old-{nonce}"
+        os.rename(path, old)
+        _fsync_dir(parent)
+        _pause("old_moved")
+        os.rename(tmp, path)
+        _fsync_dir(parent)
+        shutil.rmtree(old)
+    _fsync_dir(parent)
+    for s in os.listdir(parent):  # leftovers of interrupted saves to this path
+        if s.startswith((base + ".tmp-", base + ".old-")):
+            shutil.rmtree(os.path.join(parent, s), ignore_errors=True)
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
