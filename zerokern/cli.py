@@ -1,4 +1,4 @@
-"""`zerokern` command line: train | bench | estimate | build | info (consolidate follows)."""
+"""`zerokern` command line: train | bench | estimate | build | info | consolidate."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ import subprocess
 import sys
 import time
 from typing import List, Optional
-
-# Subcommands of the DESIGN §1 CLI that later issues deliver; they exit 2 with a clear message.
-_PENDING = {"consolidate": "issue 6 (checkpoints)"}
 
 
 def _process_start() -> float:
@@ -126,9 +123,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
-    """--kernels (the default) and/or --step; the remaining flags go to each suite."""
+    """--kernels (the default), --step and/or --offload; the remaining flags go to each."""
     rc = 0
-    if args.kernels or not args.step:
+    if args.kernels or not (args.step or args.offload):
         from .bench import kernels
 
         rc |= kernels.main(rest)
@@ -136,6 +133,10 @@ def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
         from .bench import step
 
         rc |= step.main(rest)
+    if args.offload:
+        from .bench import offload
+
+        rc |= offload.main(rest)
     return rc
 
 
@@ -194,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     bench.add_argument("--kernels", action="store_true", help="kernel suite (default)")
     bench.add_argument("--step", action="store_true", help="optimizer-step suite")
-    for name, what in _PENDING.items():
-        sub.add_parser(name, help=f"arrives with {what}")
+    bench.add_argument("--offload", action="store_true", help="offload='cpu' suite")
+    from .checkpoint import cli as checkpoint_cli
+
+    checkpoint_cli.add_arguments(sub.add_parser("consolidate", help=checkpoint_cli.HELP))
     return p
 
 
@@ -209,10 +212,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd in _PENDING:
-        print(f"zerokern {args.cmd}: not available yet; it arrives with {_PENDING[args.cmd]}",
-              file=sys.stderr)
-        return 2
+    if args.cmd == "consolidate":
+        from .checkpoint import cli as checkpoint_cli
+
+        return checkpoint_cli.run(args)
     if args.cmd in ("train", "estimate"):  # their errors print their own usage line
         if args.cmd == "train":
             return cmd_train(args, args.subparser, t0)

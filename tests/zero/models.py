@@ -228,9 +228,11 @@ def gather_state(opt: zk.ZeroAdamW, model: nn.Module, key: str) -> Dict[str, tor
     for g in opt.flat_groups:
         L = g.layout
         buf = getattr(g, key)
-        if buf is None:
+        replicated = opt.stage == 0 or ws == 1
+        if buf is None:  # fp32: the param buffer is the master (full at stages 0-2)
             buf = g.flat
-        if opt.stage == 0 or ws == 1:
+            replicated = replicated or opt.stage != 3
+        if replicated:
             full = buf
         else:
             full = torch.empty(L.padded_numel, dtype=buf.dtype)
