@@ -9,7 +9,9 @@
     params straddling them) and the default 25 MB (one);
   - stage 3, fp32 and bf16, default unit policy, for the odd model, gpt tiny and gpt-deep
     (tiny with 4 blocks, where MAX_IN_FLIGHT recycles staging buffers, so the pool is not
-    one buffer per unit);
+    one buffer per unit); bf16 for gpt-perm (blocks called out of order: the reduce-scatter
+    order comes from the recorded forward) and the odd model with the embedding its own unit
+    (a tie across units: the root depends on it);
   - offload="cpu" at stages 1, 2 and 3, fp32 and bf16, on the odd model with tiny buckets.
   World size 3 passed too when tried for stages 0-2 (commit message); it is left out to keep
   this file near 45 s on 2 busy cores (its spawn alone costs ~10 s there).
@@ -82,14 +84,18 @@ class PermutedGPT(GPT):
 
 
 MAKERS = {"tinylm": M.make_model, "gpt-tiny": lambda: build_gpt("tiny"), "one-param": OneParam,
-          "gpt-deep": lambda: build_gpt("tiny", n_layers=DEEP_LAYERS), "gpt-perm": PermutedGPT}
+          "gpt-deep": lambda: build_gpt("tiny", n_layers=DEEP_LAYERS), "gpt-perm": PermutedGPT,
+          "tinylm-tie": M.make_model}
+# Stage-3 unit policies other than the default: the embedding its own unit, so the root's tied
+# head depends on it (a dependency counts in the live-unit bound).
+UNITS = {"tinylm-tie": {M.Block, nn.Embedding}}
 
 
-def _spec(name: str, units=None) -> E.ModelSpec:
+def _spec(name: str) -> E.ModelSpec:
     if name == "one-param":
         return E.spec_from_numel(ODD_NUMEL)
     with torch.device("meta"):
-        return E.spec_from_model(MAKERS[name](), name, units=units)
+        return E.spec_from_model(MAKERS[name](), name, units=UNITS.get(name))
 
 
 def _train_and_report(name, stage, precision, bucket_mb, rank, world_size, offload=None):
@@ -100,7 +106,8 @@ def _train_and_report(name, stage, precision, bucket_mb, rank, world_size, offlo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         opt = zk.ZeroAdamW(model, stage=stage, precision=precision, bucket_mb=bucket_mb,
-                           offload=offload, backend="reference")
+                           offload=offload, backend="reference",
+                           units=UNITS.get(name) if stage == 3 else None)
     for step in range(2):
         tokens = M.rank_tokens(step, rank, world_size)
         model(tokens[:, :-1]).float().square().mean().backward()
@@ -122,7 +129,7 @@ def _predicted(est: dict) -> dict:
 CASES = [(n, s, p, b, None) for n in BUCKETS for s in STAGES for p in PRECISIONS
          for b in BUCKETS[n]]
 S3_CASES = [(n, 3, p, 25.0, None) for n in ("tinylm", "gpt-tiny", "gpt-deep")
-            for p in PRECISIONS] + [("gpt-perm", 3, "bf16", 25.0, None)]
+            for p in PRECISIONS] + [(n, 3, "bf16", 25.0, None) for n in ("gpt-perm", "tinylm-tie")]
 OFFLOAD_CASES = [("tinylm", s, p, M.BUCKET_MB, "cpu") for s in (1, 2, 3) for p in PRECISIONS]
 ALL_CASES = CASES + S3_CASES + OFFLOAD_CASES
 
@@ -239,6 +246,12 @@ def test_stage3_forward_order_is_recorded_and_matters():
     for n in (1, 2):
         assert E.estimate(by_unit, n, 3, "bf16")["bytes"]["buckets"] > \
             E.estimate(spec, n, 3, "bf16")["bytes"]["buckets"]
+
+
+def test_stage3_tie_across_units_is_a_dependency():
+    spec = _spec("tinylm-tie")
+    assert [u.name for u in spec.units] == ["", "emb", "blocks.0", "blocks.1"]
+    assert spec.units[0].deps == (1,)  # the root's head uses the embedding unit's weight
 
 
 def test_stage3_pool_is_bounded_not_one_buffer_per_unit():
