@@ -54,7 +54,11 @@ def resolve_device(cfg: TrainConfig) -> str:
 
 
 def plan(cfg: TrainConfig) -> Tuple[str, int]:
-    """(device type, number of ranks to spawn) for a run outside torchrun; checks --nproc."""
+    """(device type, number of ranks to spawn) for a run outside torchrun; checks --nproc and
+    --offload against --stage."""
+    if cfg.offload and cfg.stage == 0:
+        raise ValueError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (stage 0 keeps the "
+                         "full optimizer state on every rank)")
     dev = resolve_device(cfg)
     if dev == "cuda":
         n_gpu = torch.cuda.device_count()
