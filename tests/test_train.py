@@ -5,10 +5,13 @@
   fp32 round-off; different data would differ by ~0.1), memory per rank equals zerokern.estimate,
   comm per step is the §5 ring volume within padding, loss.png is a PNG.
 - 1 rank (in process, no process group), default bf16; 2 ranks started by torchrun.
-- Not-yet-available features (--stage 3, --offload cpu) exit 2 with one clear line, no
-  traceback and no hang, whatever ZeroAdamW does today (checked against it directly).
+- Stage 3 on 2 spawned ranks and --offload cpu in process (stages 2 and 3) train, and rank 0's
+  memory equals zerokern.estimate in every device category, every host one (offload) and the
+  live-unit bound (stage 3); --offload with --compare runs its stage-0 baseline without
+  offload (ZeroAdamW takes none at stage 0).
 - A rank that dies makes the command fail with its traceback; a rank left running is killed.
-- Bad flags exit 2 with usage and the flag's name, before anything is spawned.
+- Bad flags exit 2 with usage and the flag's name, before anything is spawned (also --offload
+  at --stage 0).
 - Data: deterministic, different per rank, the same for the same (seed, rank, step).
 """
 
@@ -26,7 +29,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import zerokern as zk
 from zerokern import cli
 from zerokern.train import data, launch
 from zerokern.train.config import TrainConfig
@@ -122,35 +124,56 @@ def test_train_under_torchrun_uses_its_ranks(tmp_path):
     assert m["comm_backend"] == "gloo" and m["comm_per_step"]["reduce_scatter"] > 0
 
 
-def _raises_not_implemented(**kw) -> bool:
-    try:
-        zk.ZeroAdamW(torch.nn.Linear(4, 4), **kw)
-    except NotImplementedError:
-        return True
-    return False
-
-
-def test_stage3_on_two_ranks_exits_2_cleanly_or_works(tmp_path):
-    t0 = time.monotonic()
-    r = zk_cmd("train", *TINY, "--stage", "3", "--nproc", "2", "--out", str(tmp_path / "x"))
-    if _raises_not_implemented(stage=3):
-        assert r.returncode == 2, r.stdout + r.stderr
-        assert "--stage 3 is not available yet" in r.stderr
-        assert "Traceback" not in r.stderr
-        assert time.monotonic() - t0 < launch.GRACE_S + 60  # no rank waited for the other
-    else:  # the feature has landed: the run must simply work
-        assert r.returncode == 0, r.stdout + r.stderr
-
-
-def test_offload_in_process_exits_2_cleanly_or_works(tmp_path, capsys):
-    rc = cli.main(["train", *TINY, "--offload", "cpu", "--nproc", "1",
-                   "--out", str(tmp_path / "x")])
-    err = capsys.readouterr().err
-    if _raises_not_implemented(offload="cpu"):
-        assert rc == 2
-        assert "--offload cpu is not available yet" in err and "Traceback" not in err
+def _check_estimate_matches(m: dict, stdout: str, stage: int, offload) -> None:
+    """Rank 0's memory_report equals zerokern.estimate: device, host and live-unit bound."""
+    assert m["memory"]["estimate_matches_rank0"] is True
+    assert "equal in every category" in stdout
+    est, rank0 = m["memory"]["estimate"], m["memory"]["per_rank"][0]
+    assert (est["stage"], est["offload"]) == (stage, offload)
+    assert est["bytes"] == rank0["measured"] and est["device_total"] == rank0["measured_total"]
+    if offload:
+        assert est["host"] == rank0["host_measured"] and est["host_total"] > 0
+        assert all(rank0["measured"][c] == 0 for c in ("master", "exp_avg", "exp_avg_sq"))
+        assert "host" in stdout and "staging" in stdout  # the host rows (may wrap)
     else:
-        assert rc == 0, err
+        assert "host_measured" not in rank0
+    if stage == 3:
+        assert est["live_units_bound"] == rank0["live_units_bound"] > 0
+        assert "live" in stdout and "bound" in stdout  # its row (may wrap)
+
+
+def test_stage3_on_two_ranks_works_and_matches_the_estimate(tmp_path):
+    out = tmp_path / "s3"
+    r = zk_cmd("train", *TINY, "--steps", "3", "--stage", "3", "--nproc", "2",
+               "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())
+    _check_metrics(m, 3, 2)
+    assert m["config"]["stage"] == 3 and m["num_params"] > 0
+    assert m["loss"]["loss_last"] < m["loss_curve"][0]
+    _check_estimate_matches(m, r.stdout, 3, None)
+    # Stage 3 gathers every unit twice (forward, backward) and reduce-scatters it once.
+    c = m["comm_per_step"]
+    assert c["all_gather"] == 2 * c["reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_in_process_works_and_matches_the_estimate(tmp_path, capsys, stage):
+    out = tmp_path / "off"
+    compare = ["--compare"] if stage == 2 else []  # its stage-0 run takes no offload
+    rc = cli.main(["train", *TINY, "--steps", "3", "--stage", str(stage), "--offload", "cpu",
+                   "--nproc", "1", "--out", str(out), *compare])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    m = json.loads((out / "metrics.json").read_text())
+    _check_metrics(m, 3, 1)
+    assert m["config"]["offload"] == "cpu"
+    _check_estimate_matches(m, cap.out, stage, "cpu")
+    if compare:
+        c = m["compare"]
+        assert c["stage"] == 0 and len(c["loss_curve"]) == 3
+        assert c["loss_curve"][0] == m["loss_curve"][0]  # same init, same first batch
+        assert "host_measured" not in c["memory_per_rank"][0]
 
 
 def _rank1_dies_rank0_hangs(cfg, device):
@@ -176,7 +199,7 @@ def test_a_dead_rank_fails_the_command_and_the_other_is_killed(monkeypatch):
     (["--precision", "fp8"], "--precision"), (["--batch", "x"], "--batch"),
     (["--lr", "0"], "--lr"), (["--lr", "inf"], "--lr"), (["--stage", "4"], "--stage"),
     (["--offload", "nvme"], "--offload"), (["--model-size", "huge"], "--model-size"),
-    (["--seq", "1"], "--seq"),
+    (["--seq", "1"], "--seq"), (["--stage", "0", "--offload", "cpu"], "--offload cpu needs"),
 ])
 def test_bad_flags_exit_2_with_usage_before_spawning(capsys, argv, flag):
     with pytest.raises(SystemExit) as ei:

@@ -1,14 +1,27 @@
 """Per-rank memory of zerokern's buffers, exactly, for a model or a parameter count.
 
 `estimate_memory` (memory.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + 12Ψ and its shards. This module
-predicts what `opt.memory_report()["measured"]` will say, byte for byte, by building zerokern's
-own layout: `FlatGroup` (so `make_layout`, `bucket_numel_for` and `ALIGN` padding) over `meta`
-tensors, which allocate nothing. A model contributes its real param shapes: frozen params are
-skipped and a tied param (one Parameter reached twice) is stored once, as ZeroAdamW does, in one
-flat buffer (a model gives one param group). `--params N` is one buffer of N elements.
+predicts what `opt.memory_report()` will say, byte for byte, by building zerokern's own buffers
+over `meta` tensors, which allocate nothing: `FlatGroup` at stages 0-2 (so `make_layout`,
+`bucket_numel_for` and `ALIGN` padding), and at stage 3 one `ShardedFlat` per unit that owns
+params, units from `zerokern.stage3.find_units` (the default policy, or the one given to
+`spec_from_model(units=...)`, as ZeroAdamW's `units=`). A model contributes its real param
+shapes: frozen params are skipped and a tied param (one Parameter reached twice) is stored once,
+by the first unit that reaches it, as ZeroAdamW does (a model gives one param group).
+`--params N` is one buffer of N elements (at stage 3: one param, so the root is the only unit).
+
+What is predicted, after a training step:
+- `bytes`: `memory_report()["measured"]`, the device categories. `live_units` (stage-3 units
+  gathered) is 0 between steps; `live_units_bound` is `memory_report()["live_units_bound"]`
+  (`Stage3Sync.live_bound()`: the root and its ties plus the two largest other units).
+- `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. `Offloader` moves
+  master, exp_avg and exp_avg_sq of every buffer to the host, padding included, with an fp32
+  master at every precision (at fp32 the device params are then only the working copy), and
+  keeps host staging per buffer: a grad piece in the reduce dtype, a param piece in the model
+  dtype (not at fp32) and 2 fp32 scalars. The device no longer holds master, m or v.
 
 [Note: categories that depend on the run]
-Two categories are not a function of the shapes alone; here is how each is modelled.
+Three buffers are not a function of the shapes alone; here is how each is modelled.
 - Stage-2 staging buckets (`buckets`): how many bucket-sized staging buffers stage 2 allocates
   depends on the order grads arrive in backward (a bucket is launched only when all its params'
   grads are in, and in a fixed order). We replay that order through zerokern's own
@@ -17,21 +30,25 @@ Two categories are not a function of the shapes alone; here is how each is model
   The order comes from one backward of the model on the `meta` device (token ids in, sum of
   the output as the loss): that is the order autograd fires the post-accumulate-grad hooks
   in, the same on CPU as on meta (checked on zerokern.gpt). When the model cannot run on meta
-  (an unknown input signature), the order is reverse registration order and the result says so;
-  `--params` is one param, so its order is trivial.
+  (an unknown input signature), the order is reverse registration order and the result says so
+  (`exact: False`); `--params` is one param, so its order is trivial.
+- Stage-3 staging pool (`buckets`): Stage3Sync keeps, per padded unit size, as many full-unit
+  staging buffers as were ever in use at once: a unit takes one at its first grad and gives it
+  back when its reduce-scatter is waited for, which happens only when MAX_IN_FLIGHT (2) are in
+  flight or backward ends; reduce-scatters go in the reverse of the forward's unit order, the
+  root last. So it depends on the grad order and on the forward's unit order. The same meta
+  forward records the units' calls (their forward pre-hooks, as Stage3Sync records them), and
+  the replay drives the real Stage3Sync over meta ShardedFlats: one forward through stand-in
+  unit modules carrying its hooks (so it derives its reduce-scatter order itself), then
+  `on_grad` in the recorded grad order and `end_backward`.
 - The gloo ring's scratch buffer (`buckets`, stage 1 over gloo, N > 1): zerokern runs gloo's
   reduce-scatter as a ring that needs a work copy of the bucket when the bucket itself must
   survive (stage 1 reduces the `p.grad` buffer); it keeps one such buffer, sized to the largest
   bucket. NCCL (GPUs), `ZEROKERN_GLOO_RING=0` and world size 1 have none. `comm="gloo"` counts
-  it; the default `comm="nccl"` does not.
-The measurement is taken after at least one training step: before the first backward stage 2
-holds no staging buffers yet.
-
-Stage 3 and offload are not implemented yet (ZeroAdamW raises for them). Their figures model
-DESIGN §2's proposal: stage 3 gives each unit (each child of every nn.ModuleList, plus the root
-for the rest) its own flat buffer of which a rank holds a shard, plus one gathered unit live at
-a time (`live_units`, the largest unit) and one staging bucket; offload moves master, m and v
-(and their padding) to host memory. They are marked `exact: False`.
+  it; the default `comm="nccl"` does not. (Stages 2-3 hand the ring their staging buffer as its
+  work buffer: no scratch.)
+The measurement is taken after at least one training step: before the first backward stages 2
+and 3 hold no staging buffers yet.
 """
 
 from __future__ import annotations
@@ -41,18 +58,20 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import torch
 from torch import nn
 
 from .memory import _pad_in_range, estimate_memory
-from .partition import bucket_numel_for, make_layout
 
+# Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
+# between steps) and host ones, as memory_report()["host_measured"] (offload).
 CATEGORIES = ("params", "live_units", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
               "padding")
-MEASURED = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "padding")
+MEASURED = CATEGORIES
+HOST_CATEGORIES = ("master", "exp_avg", "exp_avg_sq", "host_staging")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMMS = ("nccl", "gloo")
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
@@ -60,6 +79,19 @@ K_DEEPSPEED = 12
 # Token ids fed to the meta backward that finds the grad order. 4 positions: short enough for
 # any positional table (tests/zero/models.py has 7), and attention still mixes positions.
 _PROBE_SEQ = 4
+_ONE_PARAM = "one param"  # the order_source of `--params` (its order is trivial)
+
+
+class UnitSpec(NamedTuple):
+    """One stage-3 unit, as `zerokern.stage3.find_units` makes it.
+
+    name: module path ("" is the root); params: indices into ModelSpec.shapes of the params it
+    owns, in the unit's own order (its flat buffer's); deps: units whose params it uses (ties).
+    """
+
+    name: str
+    params: Tuple[int, ...]
+    deps: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,14 +101,21 @@ class ModelSpec:
     shapes: unique trainable params in `model.parameters()` order (the flat-buffer order).
     grad_order: indices into `shapes` in the order backward delivers their grads; indices
         missing here get no grad (unused params), as in a real backward.
-    units: stage-3 units as (name, indices into shapes); None when there is no model.
+    order_source: how grad_order and fwd_units were found; order_known: False when they are
+        a fallback guess (the model did not run on meta), which stage 2-3 staging depends on.
+    units: stage-3 units (`find_units` with `unit_policy`); unit 0 is the root.
+    fwd_units: indices into `units` (not the root) in the order the forward called them, as
+        Stage3Sync records it (repeats included); its reduce-scatter order follows from it.
     """
 
     name: str
     shapes: Tuple[Tuple[int, ...], ...]
     grad_order: Tuple[int, ...]
     order_source: str
-    units: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None
+    units: Tuple[UnitSpec, ...]
+    fwd_units: Tuple[int, ...] = ()
+    order_known: bool = True
+    unit_policy: str = "default"
 
     @property
     def num_params(self) -> int:
@@ -94,10 +133,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def spec_from_numel(num_params: int) -> ModelSpec:
-    """A bare parameter count: one flat buffer of `num_params` elements."""
+    """A bare parameter count: one flat buffer of `num_params` elements (at stage 3 one param
+    in the root unit, the only unit)."""
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
-    return ModelSpec("--params", ((num_params,),), (0,), "one param")
+    return ModelSpec("--params", ((num_params,),), (0,), _ONE_PARAM, (UnitSpec("", (0,)),),
+                     unit_policy="root only")
 
 
 def _trainable(model: nn.Module) -> List[nn.Parameter]:
@@ -105,76 +146,91 @@ def _trainable(model: nn.Module) -> List[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def stage3_units(model: nn.Module, params: Sequence[nn.Parameter]
-                 ) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
-    """DESIGN §2 default units: each child of every nn.ModuleList, plus the root for the rest.
+def stage3_units(model: nn.Module, params: Sequence[nn.Parameter], policy=None
+                 ) -> Tuple[Tuple[UnitSpec, ...], list]:
+    """Stage-3 units of `model` by zerokern's own `find_units(model, policy)` (None: each child
+    of every nn.ModuleList, plus the root), as UnitSpecs over `params`; also the Units."""
+    from .stage3 import find_units
 
-    A param reached from several units (tied) belongs to the first unit that reaches it.
-    """
     index = {id(p): i for i, p in enumerate(params)}
-    taken: set = set()
-    units = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList):
-            for cname, child in mod.named_children():
-                ids = []
-                for p in child.parameters():
-                    if id(p) in index and id(p) not in taken:
-                        taken.add(id(p))
-                        ids.append(index[id(p)])
-                if ids:
-                    units.append((f"{name}.{cname}" if name else cname, tuple(sorted(ids))))
-    rest = tuple(i for i, p in enumerate(params) if id(p) not in taken)
-    if rest:
-        units.insert(0, ("<root>", rest))
-    return tuple(units)
+    units = find_units(model, policy)
+    return tuple(UnitSpec(u.name, tuple(index[id(p)] for p in u.params), tuple(sorted(u.deps)))
+                 for u in units), units
 
 
-def grad_order(model: nn.Module, params: Sequence[nn.Parameter]) -> Tuple[Tuple[int, ...], str]:
-    """Order in which backward delivers the params' grads, from one backward on `meta`.
+def record_order(model: nn.Module, params: Sequence[nn.Parameter], units: Sequence = ()
+                 ) -> Tuple[Tuple[int, ...], Tuple[int, ...], str, bool]:
+    """The order backward delivers the params' grads and the order forward calls the stage-3
+    units, from one forward and backward on `meta`.
 
-    Returns (indices into params, how it was found). Falls back to reverse registration order
-    (the order the flat layout assumes) when the model does not run on meta with token ids.
+    Returns (grad order: indices into params, forward unit order: indices into units without
+    the root, how it was found, whether it was found). Falls back to reverse registration order
+    for grads (the order the flat layout assumes) and unit order for the forward when the model
+    does not run on meta with token ids.
     """
     index = {id(p): i for i, p in enumerate(params)}
     seen: List[int] = []
+    calls: List[int] = []
+    recording = [True]  # unit calls inside backward (checkpoint recompute) are not recorded
+
+    def on_call(ui: int) -> None:
+        if recording[0]:
+            calls.append(ui)
+
     hooks = [p.register_post_accumulate_grad_hook(lambda p: seen.append(index[id(p)]))
              for p in params]
+    hooks += [u.module.register_forward_pre_hook(lambda m, args, ui=u.index: on_call(ui))
+              for u in units if u.index != 0]
     try:
         dev = params[0].device if params else torch.device("meta")
         if dev.type != "meta":
             raise ValueError("the model is not on the meta device")
         x = torch.zeros(1, _PROBE_SEQ, dtype=torch.long, device="meta")
         out = model(x)
+        recording[0] = False
         out = getattr(out, "logits", out)
         if isinstance(out, (tuple, list)):
             out = out[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"the model returned {type(out).__name__}, not a tensor")
         out.float().sum().backward()
-        order, source = tuple(seen), "one backward on the meta device"
+        order, fwd, source, known = (tuple(seen), tuple(calls),
+                                     "one forward and backward on the meta device", True)
     except Exception as e:  # noqa: BLE001 - any failure means: use the fallback order
         msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         order = tuple(reversed(range(len(params))))
+        fwd = tuple(u.index for u in units if u.index != 0)
         source = f"reverse registration order (the model did not run on meta: {msg})"
+        known = False
     finally:
         for h in hooks:
             h.remove()
         for p in params:
             p.grad = None
+    return order, fwd, source, known
+
+
+def grad_order(model: nn.Module, params: Sequence[nn.Parameter]) -> Tuple[Tuple[int, ...], str]:
+    """Order in which backward delivers the params' grads (see `record_order`)."""
+    order, _, source, _ = record_order(model, params)
     return order, source
 
 
-def spec_from_model(model: nn.Module, name: str = "model") -> ModelSpec:
-    """Shapes, grad order and stage-3 units of `model` (ideally built on the meta device)."""
+def spec_from_model(model: nn.Module, name: str = "model", units=None) -> ModelSpec:
+    """Shapes, grad order and stage-3 units of `model` (ideally built on the meta device).
+
+    units: the stage-3 unit policy, as ZeroAdamW's `units=` (None: the default).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     params = _trainable(model)
     if not params:
         raise ValueError(f"{name} has no trainable parameters (requires_grad=True)")
-    order, source = grad_order(model, params)
-    return ModelSpec(name, tuple(tuple(p.shape) for p in params), order, source,
-                     stage3_units(model, params))
+    unit_specs, unit_objs = stage3_units(model, params, units)
+    order, fwd, source, known = record_order(model, params, unit_objs)
+    policy = "default" if units is None else getattr(units, "__name__", repr(units))
+    return ModelSpec(name, tuple(tuple(p.shape) for p in params), order, source, unit_specs,
+                     fwd, known, policy)
 
 
 # ---------------------------------------------------------------------------- model loading
@@ -278,6 +334,9 @@ class _InstantComm:
     def reduce_scatter_(self, out, inp, async_op=False, inp_is_scratch=False):
         return self._Done()
 
+    def all_gather_(self, out, inp, async_op=False):
+        return self._Done()
+
 
 def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, stage,
                 bucket_bytes):
@@ -304,6 +363,58 @@ def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
         gs.detach()
 
 
+class _Stub(nn.Module):
+    """A unit's module in the stage-3 replay: calling it runs Stage3Sync's forward hooks. The
+    root's stub calls the other units' stubs in the recorded forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: List[nn.Module] = []  # a plain list: not submodules
+
+    def forward(self) -> None:
+        for m in self.calls:
+            m()
+
+
+class _GradOf:
+    """All Stage3Sync.on_grad reads of a param: its `.grad` (which it sets to None)."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype):
+    """Stage 3 through zerokern's own ShardedFlat and Stage3Sync on meta tensors.
+
+    One forward (the recorded unit calls, so Stage3Sync derives its reduce-scatter order as in
+    a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
+    (the flats, bytes of the staging pool it holds after, Stage3Sync.live_bound()).
+    """
+    from .stage3 import ShardedFlat, Stage3Sync, Unit
+
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in spec.shapes]
+    stubs = [_Stub() for _ in spec.units]
+    units = [Unit(i, u.name, stubs[i], [params[j] for j in u.params], set(u.deps))
+             for i, u in enumerate(spec.units)]
+    flats = [ShardedFlat(u.params, dtype, world_size, rank, 0, u.index)
+             for u in units if u.params]  # one param group: one flat per unit with params
+    where = {j: (fi, slot) for fi, u in enumerate(u for u in spec.units if u.params)
+             for slot, j in enumerate(u.params)}
+    sync = Stage3Sync(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0])
+    try:
+        stubs[0].calls = [stubs[i] for i in spec.fwd_units]
+        stubs[0]()
+        for j in spec.grad_order:
+            fi, slot = where[j]
+            sync.on_grad(fi, slot, _GradOf(torch.empty(spec.shapes[j], dtype=dtype,
+                                                       device="meta")))
+        sync.end_backward()
+        staging = sum(t.untyped_storage().nbytes() for t in sync.held()["buckets"])
+        return flats, staging, sync.live_bound()
+    finally:
+        sync.detach()
+
+
 def _state_padding(layout, rank: int, stage: int) -> int:
     ranges = [layout.bucket_range(k) if stage == 0 else layout.piece_range(k, rank)
               for k in range(layout.n_buckets)]
@@ -321,6 +432,9 @@ def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None
         raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
     if offload not in (None, "cpu"):
         raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    if offload and stage == 0:
+        raise ValueError("offload='cpu' needs stage 1, 2 or 3 (as ZeroAdamW: stage 0 keeps the "
+                         "full optimizer state on every rank)")
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, world_size), got {rank!r}")
     if comm not in COMMS:
@@ -347,87 +461,96 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
 
     Args:
         spec: from `spec_from_model` or `spec_from_numel`.
-        world_size, stage, precision, bucket_mb, offload: as ZeroAdamW (N ranks).
+        world_size, stage, precision, bucket_mb, offload: as ZeroAdamW (N ranks); offload
+            "cpu" needs stage 1-3, as ZeroAdamW.
         rank: the rank to report. Totals are the same on every rank; the split between real
             elements and `padding` is not (padding sits at the end of the last bucket, so rank
             0 holds the most real elements).
         comm: "nccl" or "gloo" (gloo's ring keeps a scratch bucket at stage 1, see the Note).
 
-    Returns a dict: `bytes` (category -> bytes; the stage 0-2 categories equal
-    `memory_report()["measured"]` after a training step), `device_total`, `host_total`,
-    `formula` (DESIGN §4, `estimate_memory`), `deepspeed` (K = 12), `exact` (False for stage 3
-    and offload, which model the design proposal), and notes.
+    Returns a dict: `bytes` (category -> bytes on the device; equal to
+    `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
+    equal to `memory_report()["host_measured"]`, else zeros), `host_total`,
+    `live_units_bound` (stage 3: `memory_report()["live_units_bound"]`, the most full-unit
+    bytes a step gathers at once; else None), `formula` (DESIGN §4, `estimate_memory`),
+    `deepspeed` (K = 12), `exact` (False only where a staging pool depends on a grad order that
+    had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
     dtype = PRECISIONS[precision]
     e = dtype.itemsize
     r = e  # reduce dtype: the precision's (ZeroAdamW's default)
     has_master = dtype != torch.float32
-    bucket_bytes = bucket_mb * 2**20
     b = dict.fromkeys(CATEGORIES, 0)
-    opt_pad = 0  # padding inside master/m/v (moves to the host with offload)
+    host = dict.fromkeys(HOST_CATEGORIES, 0)
+    live_bound = None
     notes = []
     if stage < 3:
         g = _meta_group(spec, range(len(spec.shapes)), dtype, world_size, rank, stage,
-                        bucket_bytes)
+                        bucket_mb * 2**20)
         L = g.layout
-        state_numel = L.padded_numel if stage == 0 else L.shard_numel
-        spad = _state_padding(L, rank, stage)
+        layouts = [L]
         b["params"], b["padding"] = (L.padded_numel - L.padding) * e, L.padding * e
-        for cat in ("master", "exp_avg", "exp_avg_sq"):
-            if cat != "master" or has_master:
-                b[cat] = (state_numel - spad) * 4
-                opt_pad += spad * 4
         if stage <= 1:  # FullGrads: a full grad buffer in the model dtype
             b["grads"] = (L.padded_numel - L.padding) * e
             b["padding"] += L.padding * e
-        else:  # BucketedGrads: this rank's grad shard in the reduce dtype, plus staging
-            b["grads"] = (L.shard_numel - spad) * r
-            b["padding"] += spad * r
+        if stage == 2:  # BucketedGrads: staging buffers (the grad shard is counted below)
             b["buckets"] = _staging_bytes(spec, g, dtype)
-            if spec.units is not None:  # a model: say where its grad order came from
+            if spec.order_source != _ONE_PARAM:  # a model: say where its grad order came from
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
         if stage == 1 and comm == "gloo" and world_size > 1:
             b["buckets"] = L.bucket_numel * r  # the ring's one scratch bucket (see the Note)
     else:
-        units = spec.units or (("<all>", tuple(range(len(spec.shapes)))),)
-        bn = None
-        for _, idx in units:
-            L = make_layout([spec.shapes[i] for i in idx], world_size,
-                            bucket_numel_for(bucket_bytes, e, world_size))
-            bn = max(bn or 0, L.bucket_numel)
-            spad = _state_padding(L, rank, 1)
-            real = L.shard_numel - spad
-            b["params"] += real * e
-            b["grads"] += real * r
-            b["padding"] += spad * (e + r)
+        flats, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank, dtype)
+        layouts = [f.layout for f in flats]
+        if spec.order_source == _ONE_PARAM:
+            notes.append("stage 3 with --params: one param in the root unit, gathered whole, "
+                         "with a staging buffer of its full size; give --model for per-block "
+                         "units")
+        else:
+            notes.append(f"stage 3: {len(flats)} units with params ({spec.unit_policy} unit "
+                         f"policy), one buffer each, padded to N*128 elements; the staging "
+                         f"pool replays Stage3Sync over the forward and grad order of "
+                         f"{spec.order_source}")
+        notes.append("live units (bound): full units gathered at once in a step (root and "
+                     "its ties + the two largest other units); 0 between steps, so not in the "
+                     "device total")
+    for L in layouts:
+        # Sharded per-rank state (stages 1-3; the whole buffer at stage 0): this rank's pieces.
+        state = L.padded_numel if stage == 0 else L.shard_numel
+        spad = _state_padding(L, rank, stage)
+        if stage == 3:  # the resident param shard
+            b["params"] += (state - spad) * e
+            b["padding"] += spad * e
+        if stage >= 2:  # the grad shard, in the reduce dtype
+            b["grads"] += (state - spad) * r
+            b["padding"] += spad * r
+        if offload:  # HostState: all of it (padding too) in host memory, fp32 master always
+            for cat in ("master", "exp_avg", "exp_avg_sq"):
+                host[cat] += state * 4
+            host["host_staging"] += state * r + (0 if dtype == torch.float32 else state * e) \
+                + 2 * 4  # grad staging, param staging, [grad_scale, found_inf]
+        else:
             for cat in ("master", "exp_avg", "exp_avg_sq"):
                 if cat != "master" or has_master:
-                    b[cat] += real * 4
-                    opt_pad += spad * 4
-            if spec.units:
-                b["live_units"] = max(b["live_units"], L.padded_numel * e)
-        b["buckets"] = bn * r
-        notes.append("stage 3 models DESIGN §2's proposal (not implemented yet): per-unit flat "
-                     "shards, one gathered unit live (the largest), one staging bucket")
-        if not spec.units:
-            notes.append("live units: n/a without a model (give --model)")
-    b["padding"] += 0 if offload else opt_pad
-    host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "padding"), 0)
+                    b[cat] += (state - spad) * 4
+                    b["padding"] += spad * 4
     if offload:
-        for cat in ("master", "exp_avg", "exp_avg_sq"):
-            host[cat], b[cat] = b[cat], 0
-        host["padding"] = opt_pad
-        notes.append("offload='cpu' (not implemented yet): master, m, v on the host; pinned "
-                     "16-bit staging copies are not counted")
+        notes.append("offload='cpu': master (fp32 at every precision), m and v in host memory, "
+                     "with pinned staging (grad piece, 16-bit param piece, 2 scalars) per "
+                     "buffer; host figures include their padding")
+    exact = stage < 2 or spec.order_known
+    if not exact:
+        notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
+                     "not run on meta), so `buckets` may differ from a run")
     formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload)
     return {
         "model": spec.name, "num_params": spec.num_params, "world_size": world_size,
         "stage": stage, "precision": precision, "bucket_mb": bucket_mb, "offload": offload,
-        "rank": rank, "comm": comm, "exact": stage < 3 and not offload,
+        "rank": rank, "comm": comm, "exact": exact,
         "bytes": b, "device_total": sum(b.values()), "host": host,
-        "host_total": sum(host.values()),
+        "host_total": sum(host.values()), "live_units_bound": live_bound,
         "formula": formula, "deepspeed": deepspeed_formula(spec.num_params, world_size, stage,
                                                            offload),
         "grad_order": spec.order_source, "notes": notes,
@@ -486,10 +609,12 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-_ROWS = [("params", "params"), ("live_units", "live units (max gathered unit)"),
+_ROWS = [("params", "params"), ("live_units", "live units (bound, in a step)"),
          ("grads", "grads"), ("buckets", "buckets"), ("master", "optimizer: master (fp32)"),
          ("exp_avg", "optimizer: m (fp32)"), ("exp_avg_sq", "optimizer: v (fp32)"),
          ("padding", "padding")]
+_HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
+              ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
 
 
 def format_table(results: List[Dict[str, Any]]) -> str:
@@ -503,18 +628,21 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
     table = []
     for key, label in _ROWS:
-        cells = []
-        for r in results:
-            if key == "live_units":
-                cells.append("n/a" if r["stage"] == 3 and r["bytes"][key] == 0 else
-                             "-" if r["stage"] < 3 else human_bytes(r["bytes"][key]))
-            else:
-                cells.append(human_bytes(r["bytes"][key]))
+        if key == "live_units":  # the bound; the measured category is 0 between steps
+            cells = [human_bytes(r["live_units_bound"]) if r["stage"] == 3 else "-"
+                     for r in results]
+        else:
+            cells = [human_bytes(r["bytes"][key]) for r in results]
         table.append((label, cells))
     table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
     if any(r["offload"] for r in results):
-        table.append(("host (offload)", [human_bytes(r["host_total"]) for r in results]))
-    table.append(("DESIGN §4 formula (total)",
+        for key, label in _HOST_ROWS:
+            table.append((label, [human_bytes(r["host"][key]) for r in results]))
+        table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
+        table.append(("DESIGN §4 formula (host)",
+                      [human_bytes(r["formula"]["host"]) for r in results]))
+    table.append(("DESIGN §4 formula (device total)" if any(r["offload"] for r in results)
+                  else "DESIGN §4 formula (total)",
                   [human_bytes(r["formula"]["total"]) for r in results]))
     table.append(("DeepSpeed / ZeRO paper, K = 12",
                   [human_bytes(r["deepspeed"]["total"]) for r in results]))
@@ -524,15 +652,19 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     for label, cells in table:
         lines.append("  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, ws)]))
     lines.append("")
-    if any(r["exact"] for r in results):
-        lines.append("Stages without * are exact for zerokern's layout: they equal "
-                     "opt.memory_report()['measured'] after a training step.")
+    lines.append("Exact for zerokern's layout" + (" (stages without *)" if not
+                                                  all(r["exact"] for r in results) else "")
+                 + ": each device row equals opt.memory_report()['measured'] after a training "
+                 "step" + (", each host row its ['host_measured']" if r0["offload"] else "")
+                 + (", live units its ['live_units_bound']" if any(r["stage"] == 3
+                                                                  for r in results) else "")
+                 + ".")
     notes = []
     for r in results:
         for n in r["notes"]:
             if n not in notes:
                 notes.append(n)
-    lines += [f"* {n}" if n.startswith(("stage 3", "offload")) else f"- {n}" for n in notes]
+    lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 
 
@@ -544,8 +676,14 @@ def main(args) -> int:
         spec = spec_from_model(model, desc)
     if not 0 <= args.rank < args.world_size:
         raise ValueError(f"--rank must be in [0, --world-size), got {args.rank}")
-    stages = sorted(set(args.stage)) if args.stage else [0, 1, 2, 3]
     offload = None if args.offload == "none" else args.offload
+    if args.stage:
+        stages = sorted(set(args.stage))
+        if offload and 0 in stages:
+            raise ValueError("--offload cpu needs --stage 1, 2 or 3 (stage 0 keeps the full "
+                             "optimizer state on every rank)")
+    else:  # every stage that takes this --offload
+        stages = [1, 2, 3] if offload else [0, 1, 2, 3]
     results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
                         args.rank, args.comm) for s in stages]
     if args.json:

@@ -3,7 +3,7 @@
 [Note: no hangs]
 A spawned rank that raises records its traceback in a result file and exits non-zero. The
 parent polls the ranks; once one has failed, the others get GRACE_S seconds to finish (they
-usually raise too, e.g. every rank rejects --stage 3 in the constructor) and are then killed:
+usually raise too, e.g. every rank rejects the same configuration) and are then killed:
 a rank left waiting in a collective its dead peer will never join cannot hang the command.
 The rendezvous TCPStore lives in the parent on a port the OS picked (no free-port race), as in
 tests/zero/harness.py. Under torchrun, torchrun's agent does this job.
@@ -54,7 +54,11 @@ def resolve_device(cfg: TrainConfig) -> str:
 
 
 def plan(cfg: TrainConfig) -> Tuple[str, int]:
-    """(device type, number of ranks to spawn) for a run outside torchrun; checks --nproc."""
+    """(device type, number of ranks to spawn) for a run outside torchrun; checks --nproc and
+    --offload against --stage."""
+    if cfg.offload and cfg.stage == 0:
+        raise ValueError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (stage 0 keeps the "
+                         "full optimizer state on every rank)")
     dev = resolve_device(cfg)
     if dev == "cuda":
         n_gpu = torch.cuda.device_count()

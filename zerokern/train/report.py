@@ -17,12 +17,15 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..bench.common import cpu_model, print_table
-from ..estimate import MEASURED, estimate, spec_from_model
+from ..estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
 from ..memory import estimate_memory
 from .config import TrainConfig
 from .loop import build_model
 
 MAX_RANK_COLUMNS = 4  # more ranks: rank 0 and the largest total are shown
+# memory_report()["host_measured"] category -> its row (offload); the formula's master/m/v
+# are host bytes with offload, so they go on these rows.
+HOST_ROWS = {c: "host " + c.replace("host_", "") for c in HOST_CATEGORIES}
 
 
 def _unit(nbytes: float) -> tuple:
@@ -31,13 +34,27 @@ def _unit(nbytes: float) -> tuple:
 
 
 def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str, Any]]:
-    """zerokern.estimate for this run's model (built on meta); None for stage 3 / offload."""
-    if cfg.stage == 3 or cfg.offload:
-        return None
+    """zerokern.estimate for this run's model (built on meta), at its stage and offload."""
     with torch.device("meta"):
         model = build_model(cfg, torch.device("meta"))
     return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
-                    cfg.precision, cfg.bucket_mb, comm=comm)
+                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm)
+
+
+def _figures(m: Dict[str, Any]) -> Dict[str, Any]:
+    """memory_report() / estimate() as {row: bytes}: the device categories, then the host
+    ones (offload) and the live-unit bound (stage 3) where the run has them. A report has
+    `measured`, an estimate `bytes`."""
+    dev = m["measured"] if "measured" in m else m["bytes"]
+    out = {c: dev[c] for c in MEASURED}
+    out["total"] = m["measured_total"] if "measured" in m else m["device_total"]
+    host = m.get("host_measured") if "measured" in m else (m["host"] if m["offload"] else None)
+    if host is not None:
+        out.update({row: host[c] for c, row in HOST_ROWS.items()})
+        out["host total"] = sum(host.values())
+    if m.get("live_units_bound") is not None:
+        out["live units bound"] = m["live_units_bound"]
+    return out
 
 
 def memory_rows(cfg: TrainConfig, res: Dict[str, Any], est: Optional[dict],
@@ -54,20 +71,30 @@ def memory_rows(cfg: TrainConfig, res: Dict[str, Any], est: Optional[dict],
     f = reports[0]["formula"]
     f0 = estimate_memory(psi, world, 0, cfg.precision)
     cmp = res.get("compare")
+    figs = [_figures(reports[r]) for r in range(world)]
+    est_figs = _figures(est) if est is not None else None
+    cmp_figs = _figures(cmp["memory_reports"][0]) if cmp else None
     rows = []
-    for cat in (*MEASURED, "total"):
+    for cat in figs[0]:
+        if cat == "live_units" and cfg.stage != 3:
+            continue  # gathered stage-3 units only (compared all the same)
         row = {"category": cat}
         for r in show:
-            m = reports[r]
-            row[f"rank{r}"] = _mib(m["measured_total"] if cat == "total" else m["measured"][cat])
-        if est is not None:
-            row["estimate"] = _mib(est["device_total"] if cat == "total" else est["bytes"][cat])
-        row["formula"] = _mib(f.get(cat))
-        row["stage0_formula"] = _mib(f0.get(cat))
-        if cmp:
-            m0 = cmp["memory_reports"][0]
-            row["stage0_measured"] = _mib(m0["measured_total"] if cat == "total"
-                                          else m0["measured"][cat])
+            row[f"rank{r}"] = _mib(figs[r][cat])
+        if est_figs is not None:
+            row["estimate"] = _mib(est_figs.get(cat))
+        host_cat = {row: c for c, row in HOST_ROWS.items()}.get(cat)
+        if cat == "host total":
+            row["formula"] = _mib(f["host"])
+        elif host_cat is not None:
+            row["formula"] = _mib(f.get(host_cat))
+        elif cfg.offload and cat in ("master", "exp_avg", "exp_avg_sq"):
+            row["formula"] = None  # the formula's figure is on the host row
+        else:
+            row["formula"] = _mib(f.get(cat))
+        row["stage0_formula"] = None if cat.startswith("host ") else _mib(f0.get(cat))
+        if cmp_figs is not None:
+            row["stage0_measured"] = _mib(cmp_figs.get(cat))
         rows.append(row)
     return rows
 
@@ -90,10 +117,11 @@ def comm_formula_bytes(psi: int, world: int, stage: int, precision: str) -> floa
 
 
 def estimate_matches(res: Dict[str, Any], est: Optional[dict]) -> Optional[bool]:
+    """Rank 0's report equals the estimate in every device category, and in every host one
+    (offload) and the live-unit bound (stage 3)."""
     if est is None:
         return None
-    rank0 = res["main"]["memory_reports"][0]["measured"]
-    return all(rank0[c] == est["bytes"][c] for c in MEASURED)
+    return _figures(res["main"]["memory_reports"][0]) == _figures(est)
 
 
 def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
