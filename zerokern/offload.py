@@ -22,11 +22,13 @@ reads found_inf from the copied host scalar; the host also reads that copy (host
 after the wait) to skip the param copies of an overflowed step.
 
 [Note: chunk size]
-`CHUNK_NUMEL` = 2^20 elements (4 MiB of fp32 master per chunk). Measured on the 2-core EPYC
-(`benchmarks/results/offload-cpu.md`): per-chunk overhead is flat from 2^18 up; below 2^16
-the per-call cost (validation, OpenMP fork) shows. On a GPU, 2^20 elements is 2 MiB of 16-bit
-grad per copy, large enough for near-peak PCIe bandwidth, small enough that the first copy's
-latency (the pipeline's fill) stays well under a millisecond.
+`CHUNK_NUMEL` = 2^22 elements (16 MiB of fp32 master per chunk). Measured on the 2-core EPYC,
+23.2M-param GPT, stage 2, bf16, the offloaded step (`benchmarks/results/offload-20m-s2-bf16.md`):
+2^14: 113 ms, 2^16: 45 ms, 2^18: 42 ms, 2^20: 31 ms, 2^22: 27 ms. Each chunk is one kernel
+call (argument checks, an OpenMP fork), so small chunks pay per call; on a CPU-only machine
+nothing overlaps, so fewer is better. On a GPU, 2^22 elements is 8 MiB of 16-bit grad per copy
+(full PCIe bandwidth), and the pipeline's fill, the first chunk's copy, is about 0.3 ms at
+25 GB/s: a small price against a step of many chunks.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 
 from . import kernels
 
-CHUNK_NUMEL = 1 << 20
+CHUNK_NUMEL = 1 << 22
 
 
 def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -90,7 +92,9 @@ class HostState:
 class Offloader:
     """Runs the host update for every piece of every group, pipelined with the copies."""
 
-    def __init__(self, groups, grad_dtype: torch.dtype, chunk_numel: int = CHUNK_NUMEL) -> None:
+    def __init__(self, groups, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None
+                 ) -> None:
+        chunk_numel = CHUNK_NUMEL if chunk_numel is None else chunk_numel
         if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
             raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
                              f"{chunk_numel!r}")

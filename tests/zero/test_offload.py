@@ -30,11 +30,19 @@ STAGES = [1, 2, 3]
 PRECISIONS = ["fp32", "bf16", "fp16"]
 
 
-def _parity(rank, ws, stage, prec):
+def _parity(rank, ws, stage, prec, chunk=None):
+    """chunk: the offload pipeline's chunk size; small ones run many chunks per bucket."""
+    from zerokern import offload as off_mod
+
     runs = {}
     for off in (None, "cpu"):
         model = M.make_model()
-        opt = M.zero_opt(model, stage, prec, offload=off, max_grad_norm=0.05)
+        saved = off_mod.CHUNK_NUMEL
+        off_mod.CHUNK_NUMEL = chunk or saved
+        try:
+            opt = M.zero_opt(model, stage, prec, offload=off, max_grad_norm=0.05)
+        finally:
+            off_mod.CHUNK_NUMEL = saved
         rec = M.train_zero(model, opt, rank, ws, STEPS)
         runs[off] = (model, opt, rec)
     (m0, o0, r0), (m1, o1, r1) = runs[None], runs["cpu"]
@@ -45,6 +53,8 @@ def _parity(rank, ws, stage, prec):
         "skipped": r1["skipped"],
         "ref_skipped": r0["skipped"],
         "grad_norm_equal": r1["grad_norm"] == r0["grad_norm"],
+        "n_chunks_max": max(-(-g.layout.piece_numel(k) // o1.offloader.chunk)
+                            for g in o1.flat_groups for k in range(g.layout.n_buckets)),
     }
     for key in ("exp_avg", "exp_avg_sq", "master"):
         if prec != "fp32" or key != "master":
@@ -114,6 +124,9 @@ def _worker(rank, ws):
     for stage in STAGES:
         for prec in PRECISIONS:
             cases[f"parity_{stage}_{prec}"] = functools.partial(_parity, rank, ws, stage, prec)
+        # 128-element chunks: every bucket piece runs the pipeline over several chunks
+        cases[f"parity_{stage}_chunked"] = functools.partial(_parity, rank, ws, stage, "bf16",
+                                                             chunk=128)
         cases[f"resume_{stage}"] = functools.partial(_resume, rank, ws, stage, "bf16")
         cases[f"nosync_{stage}"] = functools.partial(_no_host_sync, rank, ws, stage)
         for kind in ("fp16_dynamic", "bf16"):
@@ -139,6 +152,17 @@ def test_parity_with_the_same_stage_without_offload(ws, stage, prec):
             if k.endswith("_bitwise"):
                 assert v, f"rank {r}: {k}"
         assert res["distinct"], "host buffers must be distinct from the working buffers"
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_many_chunks_per_piece(ws, stage):
+    for r, res in enumerate(case(_results(ws), f"parity_{stage}_chunked")):
+        assert res["n_chunks_max"] >= 2, "the pieces must span several chunks"
+        assert res["bitwise"], f"rank {r}: chunked offload differs (rel {res['rel']:.3g})"
+        for k, v in res.items():
+            if k.endswith("_bitwise"):
+                assert v, f"rank {r}: {k}"
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
