@@ -152,9 +152,10 @@ def test_stage3_on_two_ranks_works_and_matches_the_estimate(tmp_path):
     assert m["config"]["stage"] == 3 and m["num_params"] > 0
     assert m["loss"]["loss_last"] < m["loss_curve"][0]
     _check_estimate_matches(m, r.stdout, 3, None)
-    # Stage 3 gathers every unit twice (forward, backward) and reduce-scatters it once.
+    # Stage 3 gathers every unit twice (forward, backward) and reduce-scatters it once, except
+    # the root, which stays gathered from its forward to its backward (one gather).
     c = m["comm_per_step"]
-    assert c["all_gather"] == 2 * c["reduce_scatter"] > 0
+    assert c["reduce_scatter"] < c["all_gather"] < 2 * c["reduce_scatter"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
