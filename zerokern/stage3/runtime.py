@@ -4,7 +4,8 @@ Forward (module hooks on every unit):
     pre-hook   gather the unit and the units it depends on (ties); prefetch the next unit of
                the last forward's order (async, so it overlaps this unit's compute)
     post-hook  free them again (reference counted: the root stays gathered around its
-               children); with grad enabled, hook the unit's outputs for backward
+               children, and with grad enabled until its backward); with grad enabled, hook
+               the unit's outputs for backward
 Backward:
     output hook   (fires when the grad of the unit's output is ready, before any of the unit's
                   backward runs) re-gather the unit and prefetch the one before it
