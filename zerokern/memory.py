@@ -103,6 +103,8 @@ def memory_report(opt) -> Dict[str, Any]:
     pad_bound = 0
     for g in opt.flat_groups:
         n_bufs = 4 + (g.master is not None)  # params, grads, exp_avg, exp_avg_sq (+ master)
+        if opt.offloader is not None:
+            n_bufs = 2  # master, exp_avg, exp_avg_sq are host bytes, not in this total
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
     for cat, t, pad in _buffers(opt):
         st = t.untyped_storage()
