@@ -99,6 +99,15 @@ def _hf():
     return HFWrap()
 
 
+def _hf_checkpointed():
+    """HF's own gradient checkpointing, reentrant (torch.utils.checkpoint(use_reentrant=True)):
+    the block's first forward runs under no_grad, its recompute inside backward."""
+    m = HFWrap()
+    m.gpt.config.use_cache = False
+    m.gpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return m
+
+
 # ---- rank side -----------------------------------------------------------------------------------
 def _zero_train(make, rank, ws, stage, steps=STEPS, **kw):
     model = make()
@@ -107,8 +116,9 @@ def _zero_train(make, rank, ws, stage, steps=STEPS, **kw):
     return model, opt, rec
 
 
-def _parity(rank, ws, make, memo, key, **kw):
-    ref = M.train_torch(make(), rank, ws, STEPS)
+def _parity(rank, ws, make, memo, key, ref_make=None, **kw):
+    """ref_make: the DDP reference's model when it differs (checkpointing changes no math)."""
+    ref = M.train_torch((ref_make or make)(), rank, ws, STEPS)
     _, _, rec0 = _zero_train(make, rank, ws, 0)
     model, opt, rec3 = _zero_train(make, rank, ws, 3, **kw)
     memo[key] = rec3
@@ -265,7 +275,11 @@ def _worker(rank, ws):
 
 
 def _hf_worker(rank, ws):
-    return run_cases({"hf": functools.partial(_parity, rank, ws, _hf, {}, "hf")})
+    return run_cases({
+        "hf": functools.partial(_parity, rank, ws, _hf, {}, "hf"),
+        "hf_ckpt": functools.partial(_parity, rank, ws, _hf_checkpointed, {}, "hf_ckpt",
+                                     ref_make=_hf),
+    })
 
 
 def _results(ws):
@@ -301,8 +315,9 @@ def test_negative_control_detected(ws):
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 4])
-def test_hf_gpt2_parity(ws):
-    for r, res in enumerate(case(cached(_hf_worker, ws), "hf")):
+@pytest.mark.parametrize("name", ["hf", "hf_ckpt"])
+def test_hf_gpt2_parity(ws, name):
+    for r, res in enumerate(case(cached(_hf_worker, ws), name)):
         assert len(res["units"]) == 3 and res["units"][1][0].endswith("h.0"), res["units"]
         assert res["moved"] > 100 * TOL["param"]
         assert res["rel_ddp"] <= TOL["param"], f"rank {r}: vs DDP+AdamW {res['rel_ddp']:.3g}"
