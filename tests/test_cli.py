@@ -94,3 +94,13 @@ def test_consolidate_without_args_is_a_usage_error():
     r = zk("consolidate")
     assert r.returncode == 2
     assert "usage" in r.stderr
+
+
+def test_bench_step_failing_ranks_end_the_command(tmp_path):
+    """A rank that raises ends `bench --step` at once with its error (it used to wait up to an
+    hour for a result that never came)."""
+    r = zk("bench", "--step", "--quick", "--nproc", "2", "--stages", "2", "--no-peers",
+           "--backend", "bogus", "--out", str(tmp_path), timeout=120)
+    assert r.returncode != 0
+    assert "backend must be one of" in r.stderr
+    assert "without a result" in r.stderr or "failed" in r.stderr

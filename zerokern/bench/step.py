@@ -220,12 +220,42 @@ def main(argv: List[str]) -> int:
              for r in range(args.nproc)]
     for pr in procs:
         pr.start()
-    res = queue.get(timeout=3600)
-    for pr in procs:
-        pr.join()
+    try:
+        res = _wait_result(queue, procs)
+    finally:  # also on a failure or Ctrl-C: no rank outlives the command
+        for pr in procs:
+            if pr.is_alive() and pr.exitcode is None:
+                pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+            pr.join()
     if any(pr.exitcode for pr in procs):
         raise SystemExit("a benchmark rank failed")
     return report(args, res)
+
+
+def _wait_result(queue, procs, grace_s: float = 10.0):
+    """Rank 0's result; a rank that dies stops the benchmark (its peers would otherwise wait
+    in a collective until gloo's timeout) after `grace_s` for its traceback to print."""
+    import queue as queue_mod
+
+    failed_at = None
+    while True:
+        try:
+            return queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead and failed_at is None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise SystemExit(f"benchmark rank(s) {dead} failed (exit codes "
+                             f"{[procs[r].exitcode for r in dead]}); see their tracebacks above")
+        if not any(p.is_alive() for p in procs):
+            raise SystemExit("every benchmark rank exited without a result")
 
 
 def report(args, res) -> int:
