@@ -19,8 +19,8 @@ What is predicted, after a training step:
 - `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. `Offloader` moves
   master, exp_avg and exp_avg_sq of every buffer to the host, padding included, with an fp32
   master at every precision (at fp32 the device params are then only the working copy), and
-  keeps host staging per buffer: a grad piece in the reduce dtype, a param piece in the model
-  dtype (not at fp32) and 2 fp32 scalars. The device no longer holds master, m or v.
+  keeps host staging per buffer: a grad piece in the reduce dtype and a param piece in the
+  model dtype (not at fp32), plus 2 fp32 scalars once. The device no longer holds master, m or v.
 
 [Note: categories that depend on the run]
 Three buffers are not a function of the shapes alone; here is how each is modelled.
@@ -296,17 +296,18 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         if offload:  # HostState: all of it (padding too) in host memory, fp32 master always
             for cat in ("master", "exp_avg", "exp_avg_sq"):
                 host[cat] += state * 4
-            host["host_staging"] += state * r + (0 if dtype == torch.float32 else state * e) \
-                + 2 * 4  # grad staging, param staging, [grad_scale, found_inf]
+            # grad staging, param staging
+            host["host_staging"] += state * r + (0 if dtype == torch.float32 else state * e)
         else:
             for cat in ("master", "exp_avg", "exp_avg_sq"):
                 if cat != "master" or has_master:
                     b[cat] += (state - spad) * 4
                     b["padding"] += spad * 4
     if offload:
+        host["host_staging"] += 2 * 4  # the Offloader's [grad_scale, found_inf], once
         notes.append("offload='cpu': master (fp32 at every precision), m and v in host memory, "
-                     "with pinned staging (grad piece, 16-bit param piece, 2 scalars) per "
-                     "buffer; host figures include their padding")
+                     "with pinned staging (grad piece, 16-bit param piece) per buffer and 2 "
+                     "scalars; host figures include their padding")
     exact = stage < 2 or spec.order_known
     if not exact:
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "

@@ -56,11 +56,9 @@ class HostState:
     buffer is then only the working copy).
     """
 
-    def __init__(self, g, grad_dtype: torch.dtype, chunk_numel: int = CHUNK_NUMEL) -> None:
+    def __init__(self, g, grad_dtype: torch.dtype) -> None:
         self.g = g
-        self.device = g.device
         self.pin = g.device.type == "cuda"
-        self.chunk = chunk_numel
         n = g.exp_avg.numel()
         fp32 = torch.float32
         if g.master is not None:
@@ -75,10 +73,6 @@ class HostState:
         self.fp32 = g.dtype == fp32
         self.grad = _host_empty(n, grad_dtype, self.pin)          # staging, distinct buffers
         self.param = None if self.fp32 else _host_empty(n, g.dtype, self.pin)
-        self.scalars = _host_empty(2, fp32, self.pin)            # [grad_scale, found_inf]
-        # A numpy view of the same host memory: found_inf is read there once it has arrived
-        # (a host read of host memory, no device sync), to skip the copies on overflow.
-        self.scalars_np = self.scalars.numpy()
 
     def _to_host(self, t: torch.Tensor, dtype) -> torch.Tensor:
         out = _host_empty(t.numel(), dtype, self.pin)
@@ -86,7 +80,7 @@ class HostState:
         return out
 
     def host_tensors(self) -> List[torch.Tensor]:
-        return [t for t in (self.grad, self.param, self.scalars) if t is not None]
+        return [t for t in (self.grad, self.param) if t is not None]
 
 
 class Offloader:
@@ -99,9 +93,14 @@ class Offloader:
             raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
                              f"{chunk_numel!r}")
         self.chunk = chunk_numel
-        self.states = [HostState(g, grad_dtype, chunk_numel) for g in groups]
+        self.states = [HostState(g, grad_dtype) for g in groups]
         dev = groups[0].device
         self.cuda = dev.type == "cuda"
+        # This step's [grad_scale, found_inf] on the host, once for every group; found_inf is
+        # read through the numpy view once it has arrived (a host read of host memory, no
+        # device sync), to skip an overflowed step's copies.
+        self.scalars = _host_empty(2, torch.float32, self.cuda)
+        self.scalars_np = self.scalars.numpy()
         self.stream = torch.cuda.Stream(dev) if self.cuda else None
         # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
         # perf_counter reads the host clock, not a device value).
@@ -129,11 +128,8 @@ class Offloader:
         """Ship this step's scalars to the host (after the device computed them)."""
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        ev = None
-        for st in self.states:
-            self._copy(st.scalars[0:1], grad_scale.reshape(1).float())
-            ev = self._copy(st.scalars[1:2], found_inf.reshape(1).float())
-        return ev
+        self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
+        return self._copy(self.scalars[1:2], found_inf.reshape(1).float())
 
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
                      beta2, eps, weight_decay, adamw, backend: str) -> None:
@@ -147,12 +143,13 @@ class Offloader:
         dev_out = g.param_out_piece(k)  # the device params (fp32 too: master is on the host)
         step = g.steps[k]
         n = master.numel()
-        scale, found = st.scalars[0], st.scalars[1]
+        scale, found = self.scalars[0], self.scalars[1]
         # D2H of every chunk is queued at once (the copy stream runs ahead of the CPU).
         evs = [self._copy(hgrad[lo:lo + self.chunk], grad[lo:lo + self.chunk])
                for lo in range(0, n, self.chunk)]
         self._wait(scalars_ev)
-        if st.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no copies either
+        if self.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no copies either
+            self.end()  # the queued grad copies still read the device grads: order them
             return
         new_step = step
         for i, lo in enumerate(range(0, n, self.chunk)):
@@ -185,4 +182,5 @@ class Offloader:
             out["exp_avg"] += g.exp_avg.untyped_storage().nbytes()
             out["exp_avg_sq"] += g.exp_avg_sq.untyped_storage().nbytes()
             out["host_staging"] += sum(t.untyped_storage().nbytes() for t in st.host_tensors())
+        out["host_staging"] += self.scalars.untyped_storage().nbytes()
         return out

@@ -32,17 +32,12 @@ PRECISIONS = ["fp32", "bf16", "fp16"]
 
 def _parity(rank, ws, stage, prec, chunk=None):
     """chunk: the offload pipeline's chunk size; small ones run many chunks per bucket."""
-    from zerokern import offload as off_mod
-
     runs = {}
     for off in (None, "cpu"):
         model = M.make_model()
-        saved = off_mod.CHUNK_NUMEL
-        off_mod.CHUNK_NUMEL = chunk or saved
-        try:
-            opt = M.zero_opt(model, stage, prec, offload=off, max_grad_norm=0.05)
-        finally:
-            off_mod.CHUNK_NUMEL = saved
+        opt = M.zero_opt(model, stage, prec, offload=off, max_grad_norm=0.05)
+        if off and chunk:
+            opt.offloader.chunk = chunk
         rec = M.train_zero(model, opt, rank, ws, STEPS)
         runs[off] = (model, opt, rec)
     (m0, o0, r0), (m1, o1, r1) = runs[None], runs["cpu"]

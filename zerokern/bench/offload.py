@@ -24,18 +24,15 @@ DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def _setup(args, offload, chunk=None):
     import zerokern as zk
-    from zerokern import offload as off_mod
 
     from ..gpt import build_gpt
 
     torch.manual_seed(0)
     m = build_gpt(args.model_size)
-    if offload and chunk:
-        saved, off_mod.CHUNK_NUMEL = off_mod.CHUNK_NUMEL, chunk
     opt = zk.ZeroAdamW(m, stage=args.stage, precision=args.precision, offload=offload,
                        lr=1e-4, weight_decay=0.01)
     if offload and chunk:
-        opt.offloader.chunk, off_mod.CHUNK_NUMEL = chunk, saved
+        opt.offloader.chunk = chunk  # only the pipeline's loop reads it
     return m, opt
 
 
