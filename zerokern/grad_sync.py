@@ -6,7 +6,7 @@
 - BucketedGrads (stage 2): a post-accumulate-grad hook copies each grad into its bucket's staging
   buffer and drops `p.grad`; a full bucket is reduce-scattered at once (async, so it overlaps the
   rest of backward) into this rank's grad shard. Only the shard and a few staging buckets are
-  held.
+  held. Its shard accumulation is ShardedGrads, which stage 3's Stage3Sync shares.
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order or NCCL/gloo hang. Buckets are
@@ -182,12 +182,54 @@ class FullGrads(GradSync):
         return {"grads": list(self.grads)}
 
 
-class BucketedGrads(GradSync):
-    """Stage 2: bucketed reduce-scatter during backward into a grad shard."""
+class ShardedGrads(GradSync):
+    """Stages 2 and 3: staged grads are reduce-scattered during backward (async) into one grad
+    shard per buffer. Accumulation (DESIGN §2): the first backward of a window writes the shard,
+    later ones add to it. Subclasses decide what is staged when, and keep `_staging`."""
 
     def __init__(self, groups, comm, reduce_dtype) -> None:
         self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
                             for g in groups]  # (S,) reduce dtype
+        self._fresh = True            # first backward since zero_grad: write the shard directly
+        self._in_flight: List[tuple] = []
+        super().__init__(groups, comm, reduce_dtype)
+
+    def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
+        out = shard if self._fresh else torch.empty_like(shard)
+        h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
+        self._in_flight.append((h, key, out if out is not shard else None, shard))
+
+    def _complete_oldest(self) -> None:
+        h, key, tmp, shard = self._in_flight.pop(0)
+        h.wait()
+        if tmp is not None:
+            shard.add_(tmp)
+        self._recycle(self._staging.pop(key))
+
+    def _recycle(self, staging: torch.Tensor) -> None: ...
+
+    def _drain(self) -> None:
+        """End of a backward: every reduction has landed; the next backward accumulates."""
+        while self._in_flight:
+            self._complete_oldest()
+        self._fresh = False
+
+    def grad_piece(self, gi, k) -> torch.Tensor:
+        return self.grad_shards[gi][self.groups[gi].state_slice(k)]
+
+    def new_window(self) -> None:
+        # After step() the shard was consumed (as in DeepSpeed): overwrite, do not accumulate.
+        self._fresh = True
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._fresh = True  # every shard piece is overwritten by the next backward's flush
+
+
+class BucketedGrads(ShardedGrads):
+    """Stage 2: bucketed reduce-scatter during backward into a grad shard."""
+
+    def __init__(self, groups, comm, reduce_dtype) -> None:
         self._overlaps = [[g.layout.overlaps(*g.layout.bucket_range(k))
                            for k in range(g.layout.n_buckets)] for g in groups]
         self._overlap_count = [[len(ov) for ov in per_group] for per_group in self._overlaps]
@@ -198,7 +240,6 @@ class BucketedGrads(GradSync):
         self.bucket_numel = max(g.layout.bucket_numel for g in groups)
         self._pool: List[torch.Tensor] = []
         self.staging_allocated = 0    # staging buffers ever allocated (bounded, see MAX_IN_FLIGHT)
-        self._fresh = True            # first backward since zero_grad: write the shard directly
         super().__init__(groups, comm, reduce_dtype)
         self._reset_backward()
 
@@ -207,7 +248,6 @@ class BucketedGrads(GradSync):
         self._arrived = [[False] * len(g.params) for g in self.groups]
         self._staging: Dict[Tuple[int, int], torch.Tensor] = {}
         self._next = 0                # index into self.order of the next bucket to launch
-        self._in_flight: List[tuple] = []
 
     def _acquire(self, gi: int, k: int) -> torch.Tensor:
         if (gi, k) not in self._staging:
@@ -262,37 +302,16 @@ class BucketedGrads(GradSync):
                 for i, a, b in self._overlaps[gi][k]:
                     if not self._arrived[gi][i]:
                         staging[a - lo:b - lo].zero_()
-            shard = self.grad_shards[gi][g.state_slice(k)]
-            # Accumulation (DESIGN §2): the first backward writes the shard, later ones add.
-            out = shard if self._fresh else torch.empty_like(shard)
-            h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
-            self._in_flight.append((h, (gi, k), out if out is not shard else None, shard))
+            self._reduce_async((gi, k), staging, self.grad_shards[gi][g.state_slice(k)])
             self._next += 1
 
-    def _complete_oldest(self) -> None:
-        h, key, tmp, shard = self._in_flight.pop(0)
-        h.wait()
-        if tmp is not None:
-            shard.add_(tmp)
-        self._pool.append(self._staging.pop(key)._base)
+    def _recycle(self, staging: torch.Tensor) -> None:
+        self._pool.append(staging._base)
 
     def end_backward(self) -> None:
         self._launch_ready(flush=True)
-        while self._in_flight:
-            self._complete_oldest()
-        self._fresh = False
+        self._drain()
         self._reset_backward()
-
-    def grad_piece(self, gi, k) -> torch.Tensor:
-        return self.grad_shards[gi][self.groups[gi].state_slice(k)]
-
-    def new_window(self) -> None:
-        # After step() the shard was consumed (as in DeepSpeed): overwrite, do not accumulate.
-        self._fresh = True
-
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        self._fresh = True  # every shard piece is overwritten by the next backward's flush
 
     def held(self):
         return {"grads": list(self.grad_shards), "buckets": list(self._pool)}

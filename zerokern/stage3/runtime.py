@@ -34,7 +34,7 @@ from typing import Dict, List
 
 import torch
 
-from ..grad_sync import MAX_IN_FLIGHT, GradSync
+from ..grad_sync import MAX_IN_FLIGHT, ShardedGrads
 from .sharded_flat import ShardedFlat
 from .units import Unit
 
@@ -52,7 +52,7 @@ def _tensors(obj, out: list) -> list:
     return out
 
 
-class Stage3Sync(GradSync):
+class Stage3Sync(ShardedGrads):
     def __init__(self, flats: List[ShardedFlat], units: List[Unit], comm,
                  reduce_dtype: torch.dtype, model: torch.nn.Module) -> None:
         self.units = units
@@ -63,11 +63,8 @@ class Stage3Sync(GradSync):
         # Units that own params or use other units' params take part; the root always does.
         self.active_units = [u for u in units if u.is_root or self.unit_flats[u.index]
                              or u.deps]
-        self.grad_shards = [torch.zeros(f.layout.shard_numel, dtype=reduce_dtype,
-                                        device=f.device) for f in flats]
         self._pool: Dict[int, List[torch.Tensor]] = defaultdict(list)
         self.staging_allocated = 0
-        self._fresh = True
         self.fwd_order: List[int] = []       # units (not the root) in the last forward's order
         self._recording: List[int] = []
         self._fwd_pos = 0
@@ -106,7 +103,6 @@ class Stage3Sync(GradSync):
         self._staging: Dict[int, torch.Tensor] = {}
         self._bwd_gathered: set = set()
         self._next = 0
-        self._in_flight: List[tuple] = []
 
     def _need(self, u: Unit) -> List[int]:
         return [u.index] + sorted(u.deps)
@@ -256,27 +252,17 @@ class Stage3Sync(GradSync):
                             staging[s.offset:s.offset + s.numel].zero_()
                 while len(self._in_flight) >= MAX_IN_FLIGHT:
                     self._complete_oldest()
-                shard = self.grad_shards[fi]
-                out = shard if self._fresh else torch.empty_like(shard)
-                h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
-                self._in_flight.append((h, fi, out if out is not shard else None, shard))
+                self._reduce_async(fi, staging, self.grad_shards[fi])
             self._free(ui)
             self._next += 1
 
-    def _complete_oldest(self) -> None:
-        h, fi, tmp, shard = self._in_flight.pop(0)
-        h.wait()
-        if tmp is not None:
-            shard.add_(tmp)
-        buf = self._staging.pop(fi)
-        self._pool[buf.numel()].append(buf)
+    def _recycle(self, staging: torch.Tensor) -> None:
+        self._pool[staging.numel()].append(staging)
 
     def end_backward(self) -> None:
         self._launch_ready(flush=True)
-        while self._in_flight:
-            self._complete_oldest()
+        self._drain()
         self.in_backward = False
-        self._fresh = False
         self._free_unreferenced()
         self._reset_backward()
 
@@ -285,16 +271,6 @@ class Stage3Sync(GradSync):
         self._free_unreferenced()  # a root kept by a forward that had no backward
         for fi in range(len(self.groups)):
             yield fi, 0
-
-    def grad_piece(self, gi, k) -> torch.Tensor:
-        return self.grad_shards[gi]
-
-    def new_window(self) -> None:
-        self._fresh = True
-
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        self._fresh = True
 
     def held(self):
         return {"grads": list(self.grad_shards),
