@@ -93,3 +93,21 @@ class FlatGroup:
         if self.master is not None:
             out["master"] = self.master
         return out
+
+    # -- following the model (model_sync.py) ---------------------------------------------------
+    def to_(self, device: torch.device) -> None:
+        """Move every buffer to device (the params are re-viewed by adopt_params_)."""
+        for name in ("flat", "master", "exp_avg", "exp_avg_sq", "steps"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        self.device = torch.device(device)
+
+    def adopt_params_(self) -> None:
+        """Take each param's current values into the flat buffer and view it again."""
+        base, es = self.flat.data_ptr(), self.flat.element_size()
+        for p, s in zip(self.params, self.layout.slots):
+            if p.data_ptr() != base + s.offset * es or p.device != self.device:
+                view = self.flat[s.offset:s.offset + s.numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(s.shape)

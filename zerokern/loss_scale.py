@@ -82,6 +82,11 @@ class LossScaler:
         """Updates the scale after a step (0-d bool ``found_inf``); a no-op when static."""
         self._found(found_inf)
 
+    def to_(self, device) -> None:
+        """Move the scaler's tensors (the model moved; see model_sync.py)."""
+        for name in self._TENSORS:
+            setattr(self, name, getattr(self, name).to(device))
+
     def hit_min_scale(self) -> bool:
         """Whether the last step overflowed at the minimum scale. Always False when static."""
         return False

@@ -4,11 +4,15 @@ The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in 
 the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
 
 [Note: one optimizer step, without a host sync]
-1. `grad_sync.reduce()` yields each bucket as its reduction lands (stage 2: already in backward).
+1. `grad_sync.reduce()` yields each bucket as its reduction lands (stages 0-2: normally already
+   reduced during backward; what ran under no_sync() only is reduced here).
 2. `grad_stats_` over this rank's grads -> found_inf, sumsq, in one small fp32 tensor; one
-   all-reduce (SUM) combines it across ranks (stages 1-2; at stage 0 every rank has all grads).
-3. On the device: unscale = 1/(loss_scale * world_size * micro_steps), the global norm, the clip
-   coefficient, grad_scale = unscale * clip.
+   all-reduce (SUM) combines it across ranks (stages 1-3; at stage 0 every rank has all grads).
+3. On the device: unscale = 1/(loss_scale * N) for summed shards (stages 1-3), 1/loss_scale at
+   stage 0 (its grads are already DDP's average); the global norm, the clip coefficient,
+   grad_scale = unscale * clip. Grads sum over backward passes, as torch's: no division by the
+   number of micro-batches (divide the loss, as with DDP). Steps 1-3 run once per set of grads
+   (`_prepare`), so `clip_grad_norm_()` before `step()` costs nothing extra.
 4. `adam_step_` per bucket: master, moments and the 16-bit cast-back in one pass; skipped
    bitwise when found_inf.
 5. All-gather each updated piece in place as soon as it is written (stages 1-2), then
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -31,6 +37,7 @@ from .flat_group import FlatGroup
 from .grad_sync import BucketedGrads, FullGrads, GradSync
 from .loss_scale import make_loss_scaler
 from .memory import memory_report
+from .model_sync import ModelWatch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,6 +55,20 @@ def _check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
         raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
     if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
         raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
+
+
+def _check_distributed_env(process_group) -> None:
+    """A launcher's WORLD_SIZE > 1 without a process group would silently train one model per
+    rank (world size 1 each)."""
+    import torch.distributed as dist
+
+    ws = os.environ.get("WORLD_SIZE", "1")
+    if process_group is None and not (dist.is_available() and dist.is_initialized()) and \
+            ws.isdigit() and int(ws) > 1:
+        raise RuntimeError(
+            f"zerokern: WORLD_SIZE={ws} is set (a torchrun/launcher job) but torch.distributed "
+            "is not initialized, so every rank would train its own model. Call "
+            "torch.distributed.init_process_group() before building ZeroAdamW")
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -76,10 +97,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
 
-    Gradients are averaged over ranks and over the backward passes since the last `step()` or
-    `zero_grad()`, as DDP and DeepSpeed do: with accumulation, backward the per-micro-batch
-    mean loss. At stage 2 `step()` consumes the gradient shard (as DeepSpeed's does); at stages
-    0-1 `p.grad` keeps torch semantics (accumulates until zeroed, by either zero_grad()).
+    Gradients have torch's and DDP's semantics: they SUM over the backward passes since
+    `zero_grad()` (also across a `step()` without `zero_grad()`) and are AVERAGED over ranks.
+    With accumulation divide the loss by the number of micro-batches, as with DDP, and run all
+    but the last micro-batch under `opt.no_sync()`. `p.grad` after backward is DDP's gradient
+    at stage 0; at stages 1-3 it is released (a placeholder whose use raises: the gradient is
+    sharded) - clip with `opt.clip_grad_norm_()`.
     """
 
     def __init__(
@@ -137,6 +160,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise ValueError("param_groups is for a model (params_or_model=model); with bare "
                              "params pass the group dicts as params_or_model")
         _check_hyper(lr, betas, eps, weight_decay)
+        _check_distributed_env(process_group)
         dtype = PRECISIONS[precision]
         if isinstance(params_or_model, torch.nn.Module):
             for name, mod in params_or_model.named_modules():
@@ -151,6 +175,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
         trainable = self._check_groups(dtype)
+        frozen = self._frozen_params(params_or_model, dtype, stage)
         comm = Comm(process_group)
         unit_list = None
         if stage == 3:
@@ -170,7 +195,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
             for p in ps:
-                old = getattr(p, "_zerokern_sync", None)
+                ref = getattr(p, "_zerokern_sync", None)
+                old = ref() if ref is not None else None
                 if old is not None and not old.detached:
                     old.detach()  # (stage 3: gathers them whole again first)
         if stage == 3:
@@ -193,6 +219,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.grad_sync = (
                 BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+        for p in frozen:  # frozen params are part of the model the forward runs (issue 11)
+            p.data = p.data.to(dtype)
         self.offload = offload
         self.offloader = None
         if offload == "cpu":
@@ -204,6 +232,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
+        self._prepared = None         # grad_sync.generation whose stats are in _stats
+        self._clip_next = None        # (max_norm, norm) from clip_grad_norm_ for the next step
+        gs = self.grad_sync
+        gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
+            float(scaler.scale) != 1.0
+        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        self.model_watch = None
+        if stage != 3:
+            self.model_watch = ModelWatch(self, model)
+            ref = weakref.ref(self)
+            gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_built", False):
@@ -234,6 +273,22 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise ValueError(f"param_groups leaves out trainable params of the model: "
                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
         return [dict(g) for g in groups]
+
+    def _frozen_params(self, params_or_model, dtype: torch.dtype, stage: int) -> list:
+        """Frozen float params to cast to `precision` (all of the model's, or those passed)."""
+        if stage == 3:
+            return []  # stage 3 shards and casts them with their unit
+        if isinstance(params_or_model, torch.nn.Module):
+            ps = list(params_or_model.parameters())
+        else:
+            ps = [p for g in self.param_groups for p in g["params"]]
+        seen, out = set(), []
+        for p in ps:
+            if not p.requires_grad and id(p) not in seen and p.dtype in _FLOAT_DTYPES \
+                    and p.dtype != dtype:
+                seen.add(id(p))
+                out.append(p)
+        return out
 
     def _check_groups(self, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
         seen, out, device = set(), [], None
@@ -275,29 +330,67 @@ class ZeroAdamW(torch.optim.Optimizer):
         """0-d device tensor: the loss scale used by the last/next backward."""
         return self.scaler.scale
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`."""
+        return self.grad_sync.mark_scaled_loss(loss * self.scaler.scale)
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """Loss-scaled backward. Plain loss.backward() is fine for bf16/fp32 unless an explicit
-        loss_scale was given (step() divides by it)."""
-        (loss * self.scaler.scale).backward(**kwargs)
+        """Loss-scaled backward. With fp16 (or an explicit loss_scale) every backward must go
+        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """As DDP's no_sync(): backward passes inside accumulate locally, with no
+        communication; the first backward outside reduces everything (or step() does). Stage 2
+        holds a full local grad accumulator meanwhile (Ψ elements of reduce_dtype)."""
+        gs = self.grad_sync
+        old, gs.sync = gs.sync, False
+        try:
+            yield
+        finally:
+            gs.sync = old
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat grad buffers (set_to_none is accepted for API compatibility)."""
-        self.grad_sync.zero_grad()
+        """As torch's: p.grad becomes None (set_to_none=True) or zeros; the accumulated
+        gradient (and every shard of it) is cleared."""
+        self.grad_sync.zero_grad(set_to_none)
+        self._clip_next = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.grad_sync.detached:
+    def _follow_model(self) -> None:
+        if self.model_watch is not None:
+            self.model_watch.check()
+
+    def _move_to(self, device) -> None:
+        """The model moved (model_sync.py): buffers, state and scalars follow it."""
+        for g in self.flat_groups:
+            g.to_(device)
+        self.grad_sync.to_(device)
+        for name in ("_stats", "grad_norm", "step_skipped"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.scaler.to_(device)
+
+    def _check_ready(self) -> None:
+        gs = self.grad_sync
+        if gs.detached:
             raise RuntimeError("this ZeroAdamW no longer owns its params: a newer ZeroAdamW was "
                                "created on the same model and took them over")
-        micro = self.grad_sync.micro_steps
-        if micro == 0:
+        self._follow_model()
+        if gs.micro_steps == 0 or not gs.has_grads():
             raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")
+        if gs.unscaled_backward:
+            raise RuntimeError(
+                f"ZeroAdamW(precision={self.precision!r}): a backward since zero_grad() did "
+                "not go through the loss scale, so its gradients would be divided by a scale "
+                "that was never applied. Use opt.backward(loss) or "
+                "opt.scale_loss(loss).backward() for every backward (then opt.zero_grad())")
+
+    def _prepare(self) -> None:
+        """Reduce, then found_inf/sumsq/grad_norm: once per set of grads (Note steps 1-3)."""
         gs = self.grad_sync
+        if self._prepared == gs.generation:
+            return
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]
@@ -305,14 +398,60 @@ class ZeroAdamW(torch.optim.Optimizer):
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         if self.stage > 0:
             self.comm.all_reduce_(stats)
-        # Device scalars (DESIGN §2 step 3).
-        unscale = (self.scaler.scale * float(self.comm.world_size * micro)).reciprocal()
-        torch.mul(sumsq.sqrt(), unscale, out=self.grad_norm)
-        if self.max_grad_norm is not None:
-            clip = (self.max_grad_norm / (self.grad_norm + 1e-6)).clamp_(max=1.0)
-            grad_scale = unscale * clip
+        divisor = 1 if gs.averaged else self.comm.world_size
+        self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
+        torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
+        self._prepared = gs.generation
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over every rank's shard (a 0-d device tensor, no host sync);
+        the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
+        DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
+        backward and before step(), as FSDP's clip_grad_norm_."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or \
+                not 0 < max_norm < math.inf:
+            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or \
+                not norm_type > 0:
+            raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+        self._check_ready()
+        self._prepare()
+        norm = self.grad_norm if norm_type == 2 else self._other_norm(float(norm_type))
+        self._clip_next = (float(max_norm), norm)
+        return norm.clone()
+
+    def _other_norm(self, p: float) -> torch.Tensor:
+        gs = self.grad_sync
+        parts = [gs.grad_piece(gi, k).float() for gi, g in enumerate(self.flat_groups)
+                 for k in range(g.layout.n_buckets)]
+        if p == math.inf:
+            acc = torch.stack([t.abs().max() for t in parts if t.numel()]).max()
+            op = torch.distributed.ReduceOp.MAX
         else:
-            grad_scale = unscale
+            acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
+            op = torch.distributed.ReduceOp.SUM
+        if self.stage > 0:
+            self.comm.all_reduce_(acc, op=op)
+        return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_ready()
+        self._prepare()
+        gs = self.grad_sync
+        found = self._stats[0]
+        clip = None
+        if self._clip_next is not None:
+            max_norm, norm = self._clip_next
+            clip = (max_norm / (norm + 1e-6)).clamp_(max=1.0)
+        elif self.max_grad_norm is not None:
+            clip = (self.max_grad_norm / (self.grad_norm + 1e-6)).clamp_(max=1.0)
+        grad_scale = self._unscale if clip is None else self._unscale * clip
+        self._clip_next = None
         gathers = []
         off = self.offloader
         scalars_ev = off.begin(grad_scale, found) if off is not None else None
@@ -333,10 +472,10 @@ class ZeroAdamW(torch.optim.Optimizer):
                                                          async_op=True))
         for h in gathers:
             h.wait()
-        gs.release()
-        gs.consumed()
+        gs.after_step()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
+        self._prepared = None  # the stats of a second step() are taken again
         return loss
 
     def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
@@ -421,3 +560,11 @@ class ZeroAdamW(torch.optim.Optimizer):
                 t.copy_(st[k])
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        self.state_loaded()
+
+    def state_loaded(self) -> None:
+        """The masters were just loaded (state_dict, zerokern.checkpoint): they define the
+        state, so param writes made before the load are not taken into them again."""
+        if self.model_watch is not None:
+            self.model_watch.record_versions()
+        self.grad_sync.generation += 1

@@ -17,6 +17,7 @@ contiguous slice, so the mean-reduced loss averaged over ranks is the global mea
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -269,7 +270,7 @@ def train_zero(
     scheduler=None,
     before_backward: Optional[Callable[[int], None]] = None,
 ) -> dict:
-    """`steps` ZeroAdamW steps; each backward is the per-micro-batch mean loss via opt.backward.
+    """`steps` ZeroAdamW steps; each backward is the micro-batch's loss / micro via opt.backward.
 
     Returns {"params": [snapshot after each step], "grad_norm": [...], "skipped": [...],
     "loss_scale": [...], "lr": [[group lrs] per step]} (host reads happen after each step).
@@ -280,7 +281,11 @@ def train_zero(
         for m in range(micro):
             if before_backward is not None:
                 before_backward(s)
-            opt.backward(loss_fn(model, rank_tokens(s, rank, ws, micro=m)))
+            # As with DDP: the loss divided by the micro-batches (grads sum over backward
+            # passes), every micro-batch but the last under no_sync().
+            ctx = opt.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                opt.backward(loss_fn(model, rank_tokens(s, rank, ws, micro=m)) / micro)
         rec["lr"].append([g["lr"] for g in opt.param_groups])
         opt.step()
         if scheduler is not None:

@@ -25,6 +25,7 @@ import torch
 import zerokern as zk
 from zerokern.grad_sync import MAX_IN_FLIGHT
 from zerokern.partition import ALIGN
+from zerokern.released_grad import ReleasedGrad
 
 from . import models as M
 from .harness import cached, case, run_cases
@@ -61,6 +62,8 @@ def _walk_bytes(opt) -> int:
         if id(obj) in visited:
             continue
         visited.add(id(obj))
+        if isinstance(obj, ReleasedGrad):
+            continue  # what p.grad shows at stages 1-3: no storage
         if isinstance(obj, torch.Tensor):
             st = obj.untyped_storage()
             if obj.numel() >= TOL["small_tensor_numel"] and st.data_ptr() not in seen:
@@ -114,7 +117,7 @@ def _expected_comm(opt, micro: int) -> dict:
     pb = ELEM[opt.precision]
     ar = rs = ag = 0
     calls = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
-    reduces = micro if opt.stage == 2 else 1  # stage 2 reduce-scatters every backward
+    reduces = 1  # micro-batches but the last run under no_sync() (train_zero): one reduction
     for g in opt.flat_groups:
         for k in range(g.layout.n_buckets):
             lo, hi = g.layout.bucket_range(k)

@@ -57,7 +57,7 @@ def test_stage2_grad_arriving_twice_in_one_backward_raises():
     assert gs.groups[0].layout.n_buckets == 1  # the bucket stays open after the first arrival
     w = gs.groups[0].params[0]
     gs.on_grad(0, 0, _FakeParam(torch.randn_like(w)))
-    pending = [list(row) for row in gs._pending]
+    pending = [list(row) for row in gs._sched.pending]
     with pytest.raises(RuntimeError, match="arrived twice"):
         gs.on_grad(0, 0, _FakeParam(torch.randn_like(w)))
-    assert gs._pending == pending  # nothing was counted or copied by the refused call
+    assert gs._sched.pending == pending  # nothing was counted or copied by the refused call

@@ -140,6 +140,8 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
     if plan.warning:
         warnings.warn(plan.warning, stacklevel=2)
     plan.apply()
+    if hasattr(opt, "state_loaded"):
+        opt.state_loaded()  # the loaded masters define the state (model_sync.py)
     m = plan.meta
     return {"path": plan.dir, "world_size": m["world_size"], "stage": m["stage"],
             "precision": m["precision"],

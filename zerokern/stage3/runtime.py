@@ -53,6 +53,8 @@ def _tensors(obj, out: list) -> list:
 
 
 class Stage3Sync(ShardedGrads):
+    stage = 3
+
     def __init__(self, flats: List[ShardedFlat], units: List[Unit], comm,
                  reduce_dtype: torch.dtype, model: torch.nn.Module) -> None:
         self.units = units

@@ -1,0 +1,169 @@
+"""Keeping the optimizer and the model in agreement after construction (stages 0-2).
+
+At stages 0-2 every trainable param is a view into its group's flat buffer and 16-bit params
+have an fp32 master. Users change the model behind the optimizer's back in ordinary ways; each
+is followed or refused here, at the next backward or step, before anything is corrupted:
+
+- `model.to(device)` / `.cuda()` (Accelerate and Trainer do it): `Module._apply` gives every
+  param new storage on the new device, so the params stop viewing the flat buffer and a step
+  would change nothing. The buffers, state and grads move along and the params are re-viewed,
+  as a torch optimizer keeps working after `model.to()`.
+- New storage on the same device (`p.data = t`, `module._apply(fn)`): the values are taken in.
+- A dtype other than `precision`, or a new shape: a clear error (torch would silently keep
+  training the old Parameter; we cannot).
+- In-place writes (`model.load_state_dict`, `nn.init.*`, `p.copy_()` under no_grad) bump
+  `p._version`, a host-side counter our own kernels never touch (they write the flat buffer,
+  whose views have their own counters): the fp32 master of a changed param takes its new
+  16-bit value (what building the optimizer after the write would give). With the model given,
+  `model.load_state_dict` of an fp32 state dict is caught by a hook and the masters take the
+  exact fp32 values. (`p.data.copy_()` bypasses the counter, as it bypasses autograd.)
+
+All checks read host metadata only (data_ptr, shape, dtype, device, _version): no host sync.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+
+
+class ModelWatch:
+    def __init__(self, opt, model: Optional[torch.nn.Module]) -> None:
+        self._opt = weakref.ref(opt)
+        self._loaded: Dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.record_versions()
+        if model is not None:
+            ref = weakref.ref(self)
+            names = {id(p) for g in opt.flat_groups for p in g.params}
+
+            def pre(module, state_dict, prefix, *args, ref=ref, names=names):
+                me = ref()
+                if me is None or prefix:
+                    return
+                for name, p in module.named_parameters(remove_duplicate=False):
+                    v = state_dict.get(name)
+                    if id(p) in names and isinstance(v, torch.Tensor) and \
+                            v.dtype == torch.float32 and v.shape == p.shape:
+                        me._loaded[id(p)] = v
+
+            def post(module, incompatible, ref=ref):
+                me = ref()
+                if me is not None:
+                    me.check()
+
+            self._hooks.append(model.register_load_state_dict_pre_hook(pre))
+            self._hooks.append(model.register_load_state_dict_post_hook(post))
+            opt_ref = weakref.ref(opt)
+            self._hooks.append(model.register_forward_pre_hook(
+                lambda m, a, ref=opt_ref: _refuse_ddp(ref, m)))
+
+    def record_versions(self) -> None:
+        opt = self._opt()
+        self._versions: List[List[int]] = [[p._version for p in g.params]
+                                           for g in opt.flat_groups]
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---- the check -----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Follow what the user did to the params since the last check (see module doc)."""
+        opt = self._opt()
+        moved, changed = [], []
+        for gi, g in enumerate(opt.flat_groups):
+            es = g.flat.element_size()
+            base = g.flat.data_ptr()
+            for i, (p, s) in enumerate(zip(g.params, g.layout.slots)):
+                if p.dtype != g.dtype:
+                    raise TypeError(
+                        f"zerokern: param {i} of param group {gi} was cast to {p.dtype} after "
+                        f"ZeroAdamW(precision={opt.precision!r}) was built; cast the model "
+                        "before building the optimizer, or build it with the precision you "
+                        "want (ZeroAdamW casts the params itself)")
+                if tuple(p.shape) != s.shape:
+                    raise RuntimeError(
+                        f"zerokern: param {i} of param group {gi} changed shape from {s.shape} "
+                        f"to {tuple(p.shape)} after ZeroAdamW was built; build the optimizer "
+                        "after the model is complete")
+                if p.device != g.device or p.data_ptr() != base + s.offset * es:
+                    moved.append((gi, i))
+                elif p._version != self._versions[gi][i]:
+                    changed.append((gi, i))
+        if moved:
+            self._readopt(opt, moved)
+        if changed or moved or self._loaded:
+            for gi, i in changed + moved:
+                self._sync_master(opt.flat_groups[gi], i)
+            for gi, g in enumerate(opt.flat_groups):  # loaded via a hook, unchanged versions
+                for i, p in enumerate(g.params):
+                    if id(p) in self._loaded and (gi, i) not in changed + moved:
+                        self._sync_master(g, i)
+            self._loaded.clear()
+            self.record_versions()
+            opt.grad_sync.generation += 1  # cached stats may be stale
+
+    def _readopt(self, opt, moved) -> None:
+        devices = {opt.flat_groups[gi].params[i].device for gi, i in moved}
+        if len(devices) > 1 or any(p.device != next(iter(devices))
+                                   for g in opt.flat_groups for p in g.params):
+            raise RuntimeError(
+                "zerokern: the model's params are now on several devices "
+                f"({sorted(str(d) for d in devices)}); ZeroAdamW needs them on one device")
+        device = next(iter(devices))
+        if device != opt.flat_groups[0].device:
+            if opt.offloader is not None:
+                raise RuntimeError(
+                    f"zerokern: the model moved to {device} after ZeroAdamW(offload='cpu') "
+                    "was built; move the model first, then build the optimizer")
+            opt._move_to(device)
+        for g in opt.flat_groups:
+            g.adopt_params_()  # copy the params' current values in, view them again
+        opt.grad_sync.readopt()
+
+    @staticmethod
+    def _state_regions(g, i):
+        """(master view, flat lo, flat hi) for param i's part of this rank's state."""
+        s = g.layout.slots[i]
+        for k in range(g.layout.n_buckets):
+            lo, hi = g._state_range(k)
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                yield g.master_piece(k)[a - lo:b - lo], a, b
+
+    def _sync_master(self, g, i: int) -> None:
+        if g.master is None:
+            return  # fp32 without offload: the flat buffer is the master
+        p, s = g.params[i], g.layout.slots[i]
+        exact = self._loaded.get(id(p))
+        for m, a, b in self._state_regions(g, i):
+            new = g.flat[a:b].to(m.device)
+            if exact is not None:
+                src = exact.detach().reshape(-1)[a - s.offset:b - s.offset].to(m.device)
+                if torch.equal(src.to(new.dtype), new):  # this rank's params hold it
+                    m.copy_(src)
+                    continue
+            m.copy_(new)  # the param was written as a whole: its 16-bit value is the value
+
+
+def _refuse_ddp(opt_ref, module) -> None:
+    """DDP around a ZeroAdamW model: two reducers issuing collectives on one process group.
+
+    Refused at the first forward, before any gradient exists. A warning would not do: besides
+    reducing every gradient twice, DDP's all-reduces and ours interleave in a per-rank order
+    (ours run on the gloo ring thread), which was seen to hang 3 gloo ranks at stage 0, and at
+    stages 1-2 DDP writes its result into p.grad, which holds no values there."""
+    opt = opt_ref()
+    if opt is None:
+        return
+    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is not None and ddp.module is module:
+        raise RuntimeError(
+            f"zerokern: the model is wrapped in DistributedDataParallel, but ZeroAdamW("
+            f"stage={opt.stage}) reduces the gradients itself. Pass the bare model to your "
+            "training loop (no DDP wrapper); use opt.no_sync() where you used DDP's no_sync() "
+            "and opt.clip_grad_norm_() for clipping")
