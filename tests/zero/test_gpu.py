@@ -149,7 +149,7 @@ def test_offload_pinned_bytes_are_the_reported_bytes():
     opt = M.zero_opt(model, 2, "bf16", offload="cpu")
     rep = opt.memory_report()
     locked = pinned.pinned_bytes() - pinned0
-    assert locked == rep["host_measured_total"] - opt.offloader.scalars.untyped_storage().nbytes()
+    assert locked == rep["host_measured_total"]
     # what is left in the caching allocator: a few scalars (loss scale, [grad_scale, found_inf])
     assert host_stats().get("allocated_bytes.current", 0) - cached0 <= 4096
 

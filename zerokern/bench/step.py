@@ -2,7 +2,8 @@
 and FSDP2 (`fully_shard` per block and root, the stage-3 peer).
 
 Every provider trains its own copy of the same GPT (same init, same data) inside one process
-group (gloo on CPU; `--device cuda`: NCCL, one GPU per rank, issue 14), interleaved round-robin per repetition so machine noise hits all alike
+group (gloo on CPU; `--device cuda`: NCCL, one GPU per rank, issue 14), interleaved
+round-robin per repetition so machine noise hits all alike
 (`common` [Note: how a repetition is timed]). A repetition is one iteration: forward, backward,
 optimizer step, zero_grad; stage 2 reduces during backward, DDP too, so the whole iteration is
 the fair unit. `step_ms` times the optimizer step alone. Times are the max over ranks.

@@ -3,8 +3,9 @@
 [Note: build cache and locking]
 - Each op builds into `<cache>/<op>-<key>/`, where key hashes the sources, flags, torch, CUDA and
   Python versions, and for the CUDA op the GPU architectures it is compiled for (issue 14,
-  defect 5: `_cuda_arch_key`); a change to any of them builds afresh, and an existing `.so` is imported
-  straight away without calling ninja (a second process pays ~0.1 s, not a rebuild).
+  defect 5: `_cuda_arch_key`); a change to any of them builds afresh, and an existing `.so`
+  is imported straight away without calling ninja (a second process pays ~0.1 s, not a
+  rebuild).
 - The cache is $ZEROKERN_CACHE_DIR, else $TORCH_EXTENSIONS_DIR/zerokern, else ~/.cache/zerokern.
 - Builds are serialised by `fcntl.flock` on `<cache>/<op>.lock`. The kernel drops a flock when
   its holder dies, so a build killed mid-way leaves no lock that can hang a later import.
