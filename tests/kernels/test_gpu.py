@@ -339,7 +339,8 @@ def test_other_device_than_current(cuda_backend):
     assert abs(float(sumsq) - R.sumsq_f64(case.grad)) <= TOL["sumsq_rel"] * float(sumsq)
 
 
-LARGE_N = (1 << 31) + 37  # int32 offsets would wrap; 37: an odd tail past 2^31
+BOUNDARY = 1 << 31  # int32 element offsets wrap here
+LARGE_N = BOUNDARY + 37  # 37: an odd tail past 2^31
 
 
 def _need_gib(gib: float):
@@ -361,7 +362,7 @@ def test_adam_past_2_31_elements(cuda_backend):
     grad = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     out = torch.empty(n, device=DEV, dtype=torch.bfloat16)
     scalars = R.make_case(1, torch.bfloat16, torch.bfloat16, step=5, device=DEV)
-    windows = [(0, 4096), ((1 << 31) - 4096, (1 << 31) + 16), (n - 100, n)]
+    windows = [(0, 4096), (BOUNDARY - 4096, BOUNDARY + 16), (n - 100, n)]
     before = [R.AdamCase(master[a:b].clone(), exp_avg[a:b].clone(), exp_avg_sq[a:b].clone(),
                          grad[a:b].clone(), None, scalars.step.clone(), scalars.grad_scale,
                          scalars.found_inf) for a, b in windows]
@@ -381,11 +382,11 @@ def test_adam_past_2_31_elements(cuda_backend):
 def test_grad_stats_past_2_31_elements(cuda_backend):
     _need_gib(12)
     grad = torch.randn(LARGE_N, device=DEV, dtype=torch.bfloat16)
-    want = sum(float(c.double().square().sum()) for c in grad.split(1 << 28))
+    want = sum(float(c.double().square().sum()) for c in grad.split(1 << 28))  # bounded temps
     sumsq, found = torch.tensor(0.0, dtype=torch.float64, device=DEV), torch.tensor(False,
                                                                                   device=DEV)
     zk.grad_stats_(grad, found, sumsq, backend=cuda_backend)
     assert abs(float(sumsq) - want) <= TOL["sumsq_rel_large"] * want and not found.item()
-    grad[(1 << 31) + 5] = math.inf  # past 2^31: found only with 64-bit offsets
+    grad[BOUNDARY + 5] = math.inf  # past 2^31: found only with 64-bit offsets
     zk.grad_stats_(grad, found, torch.tensor(0.0, device=DEV), backend=cuda_backend)
     assert found.item()
