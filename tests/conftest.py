@@ -1,25 +1,25 @@
-"""Shared test setup: the Triton interpreter, the backends runnable here, per-test seeds.
+"""Shared test setup: the Triton interpreter or the compiled kernels, the backends runnable
+here, the `gpu` and `large` marks, per-test seeds.
 
-TRITON_INTERPRET=1 must be in the environment before triton or zerokern is imported: @triton.jit
-reads it when the kernels are decorated. The Triton backend then runs on CPU tensors (numpy),
-which is how the Triton kernels are checked on machines without a GPU.
-
-The one exception is the child process that tests/kernels/test_gpu.py starts on a CUDA machine
-to exercise the *compiled* Triton kernels: it sets ZK_TEST_COMPILED_TRITON=1, and the
-interpreter stays off there (one process cannot hold both kinds of kernel).
+[Note: one kind of Triton kernel per process] (issue 14, defect 1)
+TRITON_INTERPRET is read when @triton.jit decorates the kernels, so one process runs either
+interpreted kernels (CPU tensors, numpy) or compiled ones (CUDA), never both. This conftest
+decides in `pytest_configure`, before any test module (and so triton) is imported:
+* `python -m pytest -m gpu` on a CUDA machine: the interpreter stays OFF, and the tests marked
+  `gpu` run the compiled Triton kernels and the CUDA extension on the GPU;
+* any other run: the interpreter is ON (the Triton kernels are checked on CPU tensors) and the
+  `gpu` tests are skipped, with the command that runs them; on a CUDA machine
+  tests/kernels/test_gpu.py::test_gpu_suite_in_child runs that command in a child process.
+ZK_TEST_COMPILED_TRITON=1 forces the compiled kernels too (the child sets it).
 """
 
 import os
+import sys
+import zlib
+from pathlib import Path
 
-if os.environ.get("ZK_TEST_COMPILED_TRITON") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import sys  # noqa: E402
-import zlib  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # a checkout without `pip install -e .`
@@ -31,13 +31,58 @@ from zerokern import kernels as zk  # noqa: E402
 HOST_BACKENDS = ["reference", "cpu", "triton"]
 # Backends that run on CUDA tensors (compiled Triton and the CUDA extension); empty without a GPU.
 CUDA_BACKENDS = ["triton", "cuda"] if torch.cuda.is_available() else []
+# Set by pytest_configure: True when this process runs the compiled kernels (no interpreter).
+COMPILED = {"on": False}
+GPU_COMMAND = "python -m pytest -m gpu"
+
+
+def _selects_only_gpu(markexpr: str) -> bool:
+    """Does `-m markexpr` select tests marked gpu and deselect unmarked ones?"""
+    if not markexpr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression
+
+        expr = Expression.compile(markexpr)
+        return bool(expr.evaluate(lambda m: m == "gpu")) and not expr.evaluate(lambda m: False)
+    except Exception:  # noqa: BLE001 - a private API; fall back to reading the words
+        words = markexpr.split()
+        return "gpu" in words and "not" not in words
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"gpu: runs the compiled kernels on a CUDA device; "
+                                       f"`{GPU_COMMAND}` (skipped in any other run)")
+    config.addinivalue_line("markers", "large: needs tens of GiB of GPU memory (n >= 2^31); "
+                                       "deselect with -m 'gpu and not large'")
+    compiled = torch.cuda.is_available() and (
+        _selects_only_gpu(config.getoption("markexpr", "") or "")
+        or os.environ.get("ZK_TEST_COMPILED_TRITON") == "1")
+    COMPILED["on"] = compiled
+    if compiled:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if "zerokern.kernels.triton_kernels" in sys.modules:  # decorated already: too late
+        tk = sys.modules["zerokern.kernels.triton_kernels"]
+        assert tk.INTERPRET == (not compiled), "triton kernels imported before conftest chose"
+
+
+def pytest_collection_modifyitems(config, items):
+    if COMPILED["on"]:
+        return
+    why = ("needs a CUDA device" if not torch.cuda.is_available() else
+           f"runs the compiled kernels, in their own process: `{GPU_COMMAND}`")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=why))
 # The instruction sets the CPU extension can be forced to (op.force_isa), vector paths first.
 CPU_ISAS = ["avx512", "avx2", "scalar"]
 
 _BUILD_ERRORS: dict = {}
 
 
-def require_backend(name: str) -> None:
+def require_backend(name: str, on_cpu: bool = False) -> None:
     """Fail (not skip) when a backend that should run here cannot: a broken build is a bug."""
     if name in ("cpu", "cuda"):
         if name not in _BUILD_ERRORS:
@@ -48,6 +93,8 @@ def require_backend(name: str) -> None:
                 _BUILD_ERRORS[name] = str(e)
         if _BUILD_ERRORS[name]:
             pytest.fail(f"the {name} backend failed to build:\n{_BUILD_ERRORS[name]}")
+    if name == "triton" and on_cpu and COMPILED["on"]:
+        pytest.skip("the Triton interpreter is off in this process (compiled kernels, -m gpu)")
     ok, why = zk.backend_status()[name]
     if not ok:
         pytest.fail(f"backend {name!r} should run here but is unavailable: {why}")
@@ -56,13 +103,15 @@ def require_backend(name: str) -> None:
 @pytest.fixture(params=HOST_BACKENDS)
 def backend(request) -> str:
     """A backend on CPU tensors. Narrow it with parametrize("backend", [...], indirect=True)."""
-    require_backend(request.param)
+    require_backend(request.param, on_cpu=True)
     return request.param
 
 
 @pytest.fixture(params=CUDA_BACKENDS or [pytest.param("none", marks=pytest.mark.skip("no CUDA"))])
 def cuda_backend(request) -> str:
-    """A backend on CUDA tensors (compiled triton, cuda); skipped without a GPU."""
+    """A backend on CUDA tensors (compiled triton, cuda); skipped without a GPU. Only for tests
+    marked `gpu` (elsewhere the interpreter would run the Triton kernels on CUDA tensors)."""
+    assert request.node.get_closest_marker("gpu") is not None, "mark this test gpu"
     require_backend(request.param)
     return request.param
 

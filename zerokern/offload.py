@@ -38,13 +38,15 @@ from typing import List, Optional
 
 import torch
 
-from . import kernels
+from . import kernels, pinned
 
 CHUNK_NUMEL = 1 << 22
 
 
 def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(n, dtype=dtype, pin_memory=pin)
+    # Pinned: exactly n elements page-locked, not the caching host allocator's power-of-two
+    # block (issue 14, defect 4; zerokern/pinned.py), so host_bytes() is what is locked.
+    return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
 
 
 class HostState:

@@ -5,7 +5,15 @@
 * binding.cpp passes a host-compiler syntax check against torch's headers and nvcc's CUDA headers,
   when this torch wheel ships the ATen/cuda and c10/cuda headers.
 
-Both compilers run concurrently (one module fixture), so the module takes about as long as the
+* (issue 14) from `nvcc -ptx`, per kernel entry: the aligned bodies use 128-bit loads and stores
+  (ld.global[.nc].v4 / st.global.v4) for every array; the stats kernels use no atomics; no
+  kernel touches local memory (ld/st.local); and ptxas's register counts stay within each
+  kernel's __launch_bounds__ (256x4 -> 64, 256x8 -> 32, 1024x1 -> 64).
+* Each of those checks has a negative control, compiled from a small file of deliberately bad
+  kernels (a scalar copy, an atomicAdd reduction, a kernel spilling under -maxrregcount=24):
+  the checks must reject them, so they can fail.
+
+All compilers run concurrently (one module fixture), so the module takes about as long as the
 slower one (the torch headers, ~20-30 s).
 """
 
@@ -62,6 +70,35 @@ TORCH_CUDA_HEADERS = [
 # c10/cuda headers but not this file, so the syntax check supplies it from a temporary directory.
 GENERATED_MACROS = "c10/cuda/impl/cuda_cmake_macros.h"
 GENERATED_MACROS_TEXT = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+
+# Registers per thread allowed by each kernel's __launch_bounds__(threads, min blocks per SM):
+# 65536 registers per SM / (threads x blocks), rounded down to ptxas's allocation unit.
+REG_BOUNDS = {
+    "zk_adam_kernel": 64,  # (256, 4)
+    "zk_grad_stats_partial_kernel": 32,  # (256, 8)
+    "zk_grad_stats_final_kernel": 64,  # (1024)
+}
+
+# Deliberately bad kernels: each check below must reject one of them (negative controls).
+CONTROLS_CU = r"""
+__global__ void control_scalar_copy(const float* __restrict__ x, float* __restrict__ y, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    y[i] = 2.0f * x[i];
+}
+__global__ void control_atomic_sum(const float* __restrict__ x, float* out, long n) {
+  long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i < n) atomicAdd(out, x[i] * x[i]);
+}
+__global__ void control_spill(const float4* __restrict__ x, float* __restrict__ out) {
+  float4 a[40];  // ~72 registers uncapped (over a 256x4 bound), spills under -maxrregcount=24
+#pragma unroll
+  for (int i = 0; i < 40; ++i) a[i] = x[threadIdx.x + i * 1024];
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 40; ++i) s += a[i].x * a[39 - i].y + a[i].z * a[(i + 7) % 40].w;
+  out[threadIdx.x] = s;
+}
+"""
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -157,10 +194,24 @@ def builds(tmp_path_factory):
         str(tmp / "zk_kernels.o"),
         str(KERNELS_CU),
     ]
+    controls = tmp / "controls.cu"
+    controls.write_text(CONTROLS_CU)
+    ptx_flags = [f for f in NVCC_FLAGS if f not in ("-Xcompiler", "-Wall")]
+    cmds = {
+        "kernels": nvcc_cmd,
+        "ptx": [NVCC, *ptx_flags, "-ptx", "-o", str(tmp / "zk_kernels.ptx"), str(KERNELS_CU)],
+        "controls": [NVCC, "-arch=sm_90", "-O3", "-maxrregcount=24", "-Xptxas", "-v", "-c",
+                     "-o", str(tmp / "controls.o"), str(controls)],
+        "controls_free": [NVCC, "-arch=sm_90", "-O3", "-Xptxas", "-v", "-c", "-o",
+                          str(tmp / "controls_free.o"), str(controls)],
+        "controls_ptx": [NVCC, "-arch=sm_90", "-O3", "-maxrregcount=24", "-ptx", "-o",
+                         str(tmp / "controls.ptx"), str(controls)],
+    }
     procs = {
-        "kernels": subprocess.Popen(
-            nvcc_cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        name: subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        for name, cmd in cmds.items()
     }
     bind_cmd, skip_reason = _binding_command(tmp)
     if bind_cmd is not None:
@@ -177,6 +228,9 @@ def builds(tmp_path_factory):
             out += "\n(timed out)"
         results[name] = (proc.returncode, out, shlex.join(proc.args))
     results["binding_skip"] = skip_reason
+    for name in ("ptx", "controls_ptx"):
+        path = tmp / ("zk_kernels.ptx" if name == "ptx" else "controls.ptx")
+        results[name + "_text"] = path.read_text() if path.exists() else ""
     return results
 
 
@@ -239,3 +293,115 @@ def test_binding_syntax(builds):
     assert rc == 0, f"{cmd}\n{out}"
     bad = [ln for ln in out.splitlines() if _BAD_WORDS.search(ln)]
     assert not bad, f"{cmd}\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------- PTX-level checks (issue 14) --
+
+_ENTRY = re.compile(r"^(?:\.visible\s+)?\.entry\s+(\S+?)\(", re.M)
+_OPCODE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
+
+
+def ptx_entries(ptx: str) -> dict[str, dict[str, int]]:
+    """Mangled entry name -> opcode counts of its body."""
+    marks = [(m.start(), m.group(1)) for m in _ENTRY.finditer(ptx)] + [(len(ptx), None)]
+    out = {}
+    for (start, name), (end, _) in zip(marks, marks[1:]):
+        ops: dict[str, int] = {}
+        for op in _OPCODE.findall(ptx[start:end]):
+            ops[op] = ops.get(op, 0) + 1
+        out[name] = ops
+    return out
+
+
+def _n(ops: dict, pred) -> int:
+    return sum(c for op, c in ops.items() if pred(op))
+
+
+def v4_loads(ops: dict) -> int:
+    return _n(ops, lambda op: op.startswith("ld.global") and ".v4." in op)
+
+
+def v4_stores(ops: dict) -> int:
+    return _n(ops, lambda op: op.startswith("st.global") and ".v4." in op)
+
+
+def atomics(ops: dict) -> list[str]:
+    return sorted(op for op in ops if op.startswith(("atom.", "red.")))
+
+
+def local_memory(ops: dict) -> list[str]:
+    return sorted(op for op in ops if op.startswith(("ld.local", "st.local")))
+
+
+def adam_vector_ok(name: str, ops: dict) -> bool:
+    """Two float4 per fp32 array (master, exp_avg, exp_avg_sq) each way, plus the grad (two
+    float4 if fp32, one uint4 if 16-bit) and a uint4 param_out store if there is one."""
+    g32 = "zk_adam_kernelIf" in name
+    out16 = "NoOut" not in name
+    return v4_loads(ops) >= 6 + (2 if g32 else 1) and v4_stores(ops) >= 6 + (1 if out16 else 0)
+
+
+def _ptx(builds, key="ptx") -> dict[str, dict[str, int]]:
+    rc, out, cmd = builds[key]
+    assert rc == 0, f"{cmd}\n{out}"
+    entries = ptx_entries(builds[key + "_text"])
+    assert entries, "no .entry in the PTX"
+    return entries
+
+
+def test_aligned_bodies_use_128bit_accesses(builds):
+    entries = _ptx(builds)
+    adam = {k: v for k, v in entries.items() if "zk_adam_kernel" in k}
+    assert len(adam) == EXPECTED_KERNELS["zk_adam_kernel"], sorted(entries)
+    for name, ops in adam.items():
+        assert adam_vector_ok(name, ops), (name, v4_loads(ops), v4_stores(ops))
+    for name, ops in entries.items():
+        if "zk_grad_stats_partial_kernel" in name:
+            want = 2 if "partial_kernelIf" in name else 1
+            assert v4_loads(ops) >= want, (name, v4_loads(ops))
+
+
+def test_stats_reduction_has_no_atomics(builds):
+    entries = _ptx(builds)
+    stats = {k: v for k, v in entries.items() if "zk_grad_stats" in k}
+    assert len(stats) == 4, sorted(entries)
+    for name, ops in stats.items():
+        assert not atomics(ops), (name, atomics(ops))
+
+
+def test_no_local_memory(builds):
+    for name, ops in _ptx(builds).items():
+        assert not local_memory(ops), (name, local_memory(ops))
+
+
+def over_bounds(kernels: dict, bounds: dict) -> list[str]:
+    """Kernels whose ptxas register count exceeds the bound for their name stem."""
+    return [f"{name}: {regs} > {bound}" for name, (regs, _, _) in kernels.items()
+            for stem, bound in bounds.items() if stem in name and regs > bound]
+
+
+def test_registers_within_launch_bounds(builds):
+    rc, out, cmd = builds["kernels"]
+    assert rc == 0, f"{cmd}\n{out}"
+    kernels = _ptxas_kernels(out)
+    assert {stem for stem in REG_BOUNDS for k in kernels if stem in k} == set(REG_BOUNDS)
+    assert not over_bounds(kernels, REG_BOUNDS), over_bounds(kernels, REG_BOUNDS)
+    print("\n".join(f"{k}: {v[0]} registers, spill {v[1]}/{v[2]} B" for k, v in kernels.items()))
+
+
+def test_controls_fail_the_checks(builds):
+    """Negative controls: each check rejects the kernel built to fail it."""
+    entries = _ptx(builds, "controls_ptx")
+    by = {stem: ops for stem in ("control_scalar_copy", "control_atomic_sum", "control_spill")
+          for name, ops in entries.items() if stem in name}
+    assert v4_loads(by["control_scalar_copy"]) == 0
+    assert not adam_vector_ok("zk_adam_kernelIfNoOut", by["control_scalar_copy"])
+    assert atomics(by["control_atomic_sum"])
+    rc, out, cmd = builds["controls"]
+    assert rc == 0, f"{cmd}\n{out}"
+    spilled = [m.groups() for m in _SPILL.finditer(out) if m.groups() != ("0", "0")]
+    assert spilled, f"the -maxrregcount=24 control did not spill:\n{out}"
+    # Without the cap the same kernel needs more registers than a 256x4 launch bound allows.
+    rc, out, cmd = builds["controls_free"]
+    assert rc == 0, f"{cmd}\n{out}"
+    assert over_bounds(_ptxas_kernels(out), {"control_spill": REG_BOUNDS["zk_adam_kernel"]}), out

@@ -7,7 +7,13 @@ report PTX opcode counts and ptxas's resource usage as JSON. Checked per variant
 * IEEE sqrt and division (sqrt.rn.f32, div.rn.f32), no approximations anywhere;
 * the cast-back rounds to nearest even (cvt.rn.f16* / cvt.rn.bf16*, never rz/rm/rp);
 * no register spills and no stack frame (ptxas -v);
-* grad_stats_ uses no atomics (DESIGN §3: no contended atomics, deterministic).
+* grad_stats_ uses no atomics (DESIGN §3: no contended atomics, deterministic);
+* register counts within the occupancy the launch configuration is sized for (TOL);
+* no fp64 at all in the per-element Adam kernel: the fp64 set-up runs once per launch in
+  `_adam_scalars_kernel` (issue 14, defect 3).
+Each check has a negative control that must fail it: the scalar variants an odd n or a
+misaligned view compile to (defect 7), the aligned kernel capped at 32 registers (spills), the
+fp64 prologue (fp64), and a reduction with tl.atomic_add (atomics).
 A last check patches the kernels' launch to record Triton's JIT cache key: changing lr, step,
 grad_scale or found_inf between calls must not change it (nothing recompiles, DESIGN §6).
 """
@@ -35,6 +41,13 @@ TOL = {
     # ptxas -v: bytes of spill stores / spill loads / stack frame allowed.
     "spill_bytes": 0,
     "stack_bytes": 0,
+    # Registers per thread (ptxas, sm_90; test_register_counts_report prints them). Adam:
+    # <= 64 keeps 4 programs of 256 threads resident per SM (1024 threads), the CUDA kernel's
+    # __launch_bounds__(256, 4); measured 56-64 aligned, 126 for the scalar variant of a
+    # misaligned launch (defect 7). Stats partials: <= 32 = 8 programs/SM, full occupancy for
+    # a kernel that moves 2-4 B per element; measured 30-32.
+    "adam_registers": 64,
+    "stats_registers": 32,
 }
 
 GRAD = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16"}
@@ -45,48 +58,53 @@ FLAG = ["*i1", "*fp32"]
 
 def adam_variants():
     out = []
-    for i, (adamw, o, g, hp) in enumerate(
-        itertools.product([True, False], OUT, GRAD, [False, True])
-    ):
-        name = f"adam-{'adamw' if adamw else 'l2'}-out{o}-g{g}-hp{'ptr' if hp else 'arg'}"
-        out.append(
-            dict(
-                id=name,
-                kind="adam",
-                adamw=adamw,
-                out=OUT[o],
-                grad=GRAD[g],
-                hp_from_ptr=hp,
-                n="i32",
-                n_div16=True,
-                step=STEP[i % 4],
-                flag=FLAG[i % 2],
-            )
-        )
-    # 64-bit n (shards over 2^31 elements) and an n that is not a multiple of 16.
+    for adamw, o, g in itertools.product([True, False], OUT, GRAD):
+        name = f"adam-{'adamw' if adamw else 'l2'}-out{o}-g{g}"
+        out.append(dict(id=name, kind="adam", adamw=adamw, out=OUT[o], grad=GRAD[g], n="i32",
+                        n_div16=True, aligned=True, block="gpu"))
+    # 64-bit n (shards over 2^31 elements).
     out.append(dict(out[1], id="adam-n-i64", n="i64"))
-    out.append(dict(out[1], id="adam-n-odd", n_div16=False))
+    # What the launcher compiles for head/tail pieces of < 16 elements (issue 14, defect 7).
+    out.append(dict(out[1], id="adam-edge", n_div16=False, aligned=False, block="edge"))
+    # Negative controls: what a launch over an odd n or a misaligned view used to compile (the
+    # scalar variant, defect 7), and the aligned kernel squeezed to 32 registers (spills).
+    out.append(dict(out[1], id="control-adam-n-odd", n_div16=False, control="scalar"))
+    out.append(dict(out[1], id="control-adam-unaligned", aligned=False, control="scalar"))
+    out.append(dict(out[1], id="control-adam-maxnreg32", maxnreg=32, control="spill"))
     return out
+
+
+def scalars_variants():
+    """The once-per-launch fp64 prologue (defect 3): hyperparameters from args or a pointer."""
+    return [dict(id=f"scalars-hp{'ptr' if hp else 'arg'}-{s[1:]}-{f[1:]}", kind="scalars",
+                 hp_from_ptr=hp, step=s, flag=f)
+            for i, (hp, s, f) in enumerate(itertools.product([False, True], STEP, FLAG))
+            if i % 2 == 0 or hp]
 
 
 VARIANTS = (
     adam_variants()
+    + scalars_variants()
     + [
         dict(id=f"advance-{s[1:]}-{f[1:]}", kind="advance", step=s, flag=f)
         for s in STEP
         for f in FLAG
     ]
     + [dict(id=f"stats-partial-{g}", kind="partial", grad=GRAD[g]) for g in GRAD]
+    + [dict(id="stats-partial-edge", kind="partial", grad="*bf16", block="edge")]
     + [
         dict(id=f"stats-final-{f[1:]}-{s[1:]}", kind="final", flag=f, sumsq=s)
         for f in FLAG
         for s in ("*fp32", "*fp64")
     ]
+    # Negative control: a reduction with atomics, which the stats check must reject.
+    + [dict(id="control-atomic-sum", kind="atomic", control="atomic")]
 )
 
 CHILD = r'''
 import contextlib, io, json, re, sys
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from zerokern.kernels import triton_kernels as tk
@@ -98,14 +116,20 @@ variants, out_path, check_keys = json.loads(sys.argv[1]), sys.argv[2], sys.argv[
 assert type(tk._adam_step_kernel).__name__ == "JITFunction", "interpreter is on"
 
 
-def build(fn, types, const, aligned, num_warps):
+@triton.jit
+def _control_atomic_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_add(out_ptr, tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0.0), axis=0))
+
+
+def build(fn, types, const, aligned, num_warps, **opts):
     """Compile for TARGET; returns the PTX and ptxas's -v log (triton runs ptxas -v itself)."""
     sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         k = triton.compile(ASTSource(fn, sig, dict(const), attrs), target=TARGET,
-                           options=dict(num_warps=num_warps))
+                           options=dict(num_warps=num_warps, **opts))
     return k.asm["ptx"], buf.getvalue()
 
 
@@ -114,16 +138,24 @@ def compile_variant(v):
         fn = tk._adam_step_kernel
         out = v["out"] or "*fp32"  # no param_out: the launcher passes master as a placeholder
         types = dict(master_ptr="*fp32", exp_avg_ptr="*fp32", exp_avg_sq_ptr="*fp32",
-                     grad_ptr=v["grad"], out_ptr=out, n=v["n"], hp_ptr="*fp64",
-                     step_ptr=v["step"], grad_scale_ptr="*fp32", found_inf_ptr=v["flag"])
-        types.update({a: "fp32" for a in fn.arg_names if a.endswith(("_hi", "_lo"))})
+                     grad_ptr=v["grad"], out_ptr=out, n=v["n"], sc_ptr="*fp32")
+        edge = v["block"] == "edge"
         const = dict(ADAMW=v["adamw"], HAS_OUT=v["out"] is not None,
-                     OUT_IS_BF16=v["out"] == "*bf16", HP_FROM_PTR=v["hp_from_ptr"],
-                     EXPLICIT_RNE=False, BLOCK=tk.BLOCK_GPU)
-        aligned = ["master_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "grad_ptr", "out_ptr",
-                   "hp_ptr", "step_ptr", "grad_scale_ptr", "found_inf_ptr"]
+                     OUT_IS_BF16=v["out"] == "*bf16", EXPLICIT_RNE=False,
+                     BLOCK=tk.BLOCK_EDGE if edge else tk.BLOCK_GPU)
+        aligned = ["sc_ptr"]
+        if v["aligned"]:
+            aligned += ["master_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "grad_ptr", "out_ptr"]
         aligned += ["n"] if v["n_div16"] else []
-        return build(fn, types, const, aligned, tk.NUM_WARPS_GPU)
+        opts = dict(maxnreg=v["maxnreg"]) if v.get("maxnreg") else {}
+        return build(fn, types, const, aligned, 1 if edge else tk.NUM_WARPS_GPU, **opts)
+    if v["kind"] == "scalars":
+        fn = tk._adam_scalars_kernel
+        types = dict(sc_ptr="*fp32", hp_ptr="*fp64", step_ptr=v["step"], grad_scale_ptr="*fp32",
+                     found_inf_ptr=v["flag"])
+        types.update({a: "fp32" for a in fn.arg_names if a.endswith(("_hi", "_lo"))})
+        return build(fn, types, dict(HP_FROM_PTR=v["hp_from_ptr"]),
+                     ["sc_ptr", "hp_ptr", "step_ptr", "grad_scale_ptr", "found_inf_ptr"], 1)
     if v["kind"] == "advance":
         return build(tk._advance_step_kernel, dict(step_ptr=v["step"], found_inf_ptr=v["flag"]),
                      {}, ["step_ptr", "found_inf_ptr"], 1)
@@ -131,12 +163,17 @@ def compile_variant(v):
         fn = tk._grad_stats_partial_kernel
         types = dict(grad_ptr=v["grad"], partial_ptr="*fp32", flag_ptr="*i32", n="i32",
                      iters="i32")
+        if v.get("block") == "edge":
+            return build(fn, types, dict(BLOCK=tk.BLOCK_EDGE), [], 1)
         return build(fn, types, dict(BLOCK=tk.BLOCK_GPU),
                      ["grad_ptr", "partial_ptr", "flag_ptr", "n"], tk.NUM_WARPS_GPU)
+    if v["kind"] == "atomic":
+        return build(_control_atomic_sum, dict(x_ptr="*fp32", out_ptr="*fp32", n="i32"),
+                     dict(BLOCK=1024), ["x_ptr", "n"], 4)
     fn = tk._grad_stats_final_kernel
     types = dict(partial_ptr="*fp32", flag_ptr="*i32", nparts="i32", found_inf_ptr=v["flag"],
                  sumsq_ptr=v["sumsq"])
-    return build(fn, types, dict(PBLOCK=tk.MAX_PARTIALS), ["partial_ptr", "flag_ptr"],
+    return build(fn, types, dict(PBLOCK=2 * tk.MAX_PARTIALS), ["partial_ptr", "flag_ptr"],
                  tk.NUM_WARPS_GPU)
 
 
@@ -171,8 +208,8 @@ if check_keys:
             _, spec, opts = binder(*args, **kwargs)
             keys.append((jf.fn.__name__, compute_cache_key({}, spec, opts)))
         jf.run = run
-    for jf in (tk._adam_step_kernel, tk._advance_step_kernel, tk._grad_stats_partial_kernel,
-               tk._grad_stats_final_kernel):
+    for jf in (tk._adam_scalars_kernel, tk._adam_step_kernel, tk._advance_step_kernel,
+               tk._grad_stats_partial_kernel, tk._grad_stats_final_kernel):
         patch(jf)
     meta = dict(device="meta")
     layouts = {}
@@ -244,16 +281,46 @@ def _count(ops: dict, prefix: str) -> int:
     return sum(c for op, c in ops.items() if op.startswith(prefix))
 
 
+# ---- the checks, as predicates, so that each negative control can show it fails ------------
+
+def vector_ok(ops: dict, v: dict) -> bool:
+    """128-bit loads and stores of every fp32 array (two per array per thread, BLOCK 2048)."""
+    arrays = 3 + (v["grad"] == "*fp32")
+    return (_count(ops, "ld.global.v4") >= arrays * TOL["min_v4_per_fp32_array"]
+            and _count(ops, "st.global.v4") >= 3 * TOL["min_v4_per_fp32_array"])
+
+
+def spill_free(usage: dict) -> bool:
+    return (bool(usage["spill_stores"]) and max(usage["spill_stores"]) <= TOL["spill_bytes"]
+            and max(usage["spill_loads"]) <= TOL["spill_bytes"]
+            and max(usage["stack"]) <= TOL["stack_bytes"])
+
+
+def regs_ok(usage: dict, bound: int) -> bool:
+    return bool(usage["registers"]) and max(usage["registers"]) <= bound
+
+
+def fp64_free(ops: dict) -> list:
+    """(defect 3) fp64 instructions: arithmetic on .f64 and conversions to or from it."""
+    return sorted(op for op in ops if ".f64" in op)
+
+
+def atomics(ops: dict) -> list:
+    return sorted(op for op in ops if op.startswith(("atom.", "red.")))
+
+
 def _common_checks(r: dict) -> None:
     ops, usage = r["ops"], r["ptxas"]
     assert not [op for op in ops if "approx" in op or op.startswith("div.full")], sorted(ops)
-    assert usage["spill_stores"] and max(usage["spill_stores"]) <= TOL["spill_bytes"], usage
-    assert max(usage["spill_loads"]) <= TOL["spill_bytes"], usage
-    assert max(usage["stack"]) <= TOL["stack_bytes"], usage
+    assert spill_free(usage), usage
 
 
 def _ids(kind):
-    return [v for v in VARIANTS if v["kind"] == kind]
+    return [v for v in VARIANTS if v["kind"] == kind and not v.get("control")]
+
+
+def _controls(kind):
+    return [v for v in VARIANTS if v.get("control") == kind]
 
 
 @pytest.mark.parametrize("v", _ids("adam"), ids=lambda v: v["id"])
@@ -261,10 +328,11 @@ def test_adam_variant(compiled, v):
     r = compiled[v["id"]]
     ops = r["ops"]
     _common_checks(r)
-    if v["n_div16"]:
-        arrays = 3 + (v["grad"] == "*fp32")
-        assert _count(ops, "ld.global.v4") >= arrays * TOL["min_v4_per_fp32_array"], ops
-        assert _count(ops, "st.global.v4") >= 3 * TOL["min_v4_per_fp32_array"], ops
+    if v["block"] == "gpu":
+        assert vector_ok(ops, v), ops
+        assert regs_ok(r["ptxas"], TOL["adam_registers"]), r["ptxas"]["registers"]
+    # (defect 3) the per-element kernel carries no fp64: the set-up is the prologue's
+    assert not fp64_free(ops), fp64_free(ops)
     assert _count(ops, "sqrt.rn.f32") >= 1 and _count(ops, "div.rn.f32") >= 1, sorted(ops)
     assert not [
         op
@@ -285,6 +353,16 @@ def test_adam_variant(compiled, v):
         assert narrowing and all(op.startswith(want) for op in narrowing), narrowing
 
 
+@pytest.mark.parametrize("v", _ids("scalars"), ids=lambda v: v["id"])
+def test_adam_scalars_prologue(compiled, v):
+    """The fp64 set-up compiles (one program, 32 threads) without spills; it is the negative
+    control of the fp64 check: the check does see fp64 where it is."""
+    r = compiled[v["id"]]
+    _common_checks(r)
+    assert fp64_free(r["ops"]), "the fp64 check found no fp64 in the fp64 prologue"
+    assert _count(r["ops"], "st.global") >= 11
+
+
 @pytest.mark.parametrize("v", _ids("advance"), ids=lambda v: v["id"])
 def test_advance_step_variant(compiled, v):
     r = compiled[v["id"]]
@@ -297,9 +375,42 @@ def test_grad_stats_variant(compiled, v):
     r = compiled[v["id"]]
     ops = r["ops"]
     _common_checks(r)
-    assert not [op for op in ops if op.startswith(("atom.", "red."))], sorted(ops)
-    if v["kind"] == "partial":  # one 128-bit load per 4 fp32 / 8 16-bit grads
+    assert not atomics(ops), atomics(ops)
+    if v["kind"] == "partial" and v.get("block") != "edge":  # one 128-bit load per 4 fp32
         assert _count(ops, "ld.global.v4") >= (2 if v["grad"] == "*fp32" else 1), ops
+        assert regs_ok(r["ptxas"], TOL["stats_registers"]), r["ptxas"]["registers"]
+
+
+# ---- negative controls: each check fails on a variant built to fail it ----------------------
+
+@pytest.mark.parametrize("v", _controls("scalar"), ids=lambda v: v["id"])
+def test_control_scalar_variant_fails_vector_check(compiled, v):
+    """An odd n or a misaligned pointer compiles to scalar accesses (what defect 7 launched)."""
+    r = compiled[v["id"]]
+    assert not vector_ok(r["ops"], v), r["ops"]
+    assert _count(r["ops"], "ld.global.v4") == 0, r["ops"]
+    if not v["aligned"]:  # the misaligned one also breaks the register bound
+        assert not regs_ok(r["ptxas"], TOL["adam_registers"]), r["ptxas"]["registers"]
+
+
+@pytest.mark.parametrize("v", _controls("spill"), ids=lambda v: v["id"])
+def test_control_register_cap_fails_spill_check(compiled, v):
+    usage = compiled[v["id"]]["ptxas"]
+    assert not spill_free(usage), usage
+    assert not regs_ok(usage, 0)  # and the register check rejects a bound it exceeds
+
+
+@pytest.mark.parametrize("v", _controls("atomic"), ids=lambda v: v["id"])
+def test_control_atomic_reduction_fails_atomics_check(compiled, v):
+    assert atomics(compiled[v["id"]]["ops"])
+
+
+def test_register_counts_report(compiled):
+    """The numbers behind the bounds, printed for the record (pytest -s shows them)."""
+    rows = {k: (r["ptxas"]["registers"], max(r["ptxas"]["spill_stores"] or [0]))
+            for k, r in compiled.items() if k != "__keys__"}
+    print("\n".join(f"{k}: registers {regs} spill {sp}" for k, (regs, sp) in rows.items()))
+    assert rows
 
 
 def test_per_step_values_do_not_recompile(compiled):
@@ -311,6 +422,9 @@ def test_per_step_values_do_not_recompile(compiled):
         assert len(seen) == 1, f"{name}: {len(seen)} different JIT keys across per-step values"
         kernels = [k for k, _ in seen[0]]
         assert kernels.count("_adam_step_kernel") == 1, kernels
+        assert kernels.count("_adam_scalars_kernel") == 1, kernels
         assert "_advance_step_kernel" in kernels and "_grad_stats_final_kernel" in kernels
     adam_keys = {name: dict(seen[0])["_adam_step_kernel"] for name, seen in layouts.items()}
-    assert len(set(adam_keys.values())) == 3, "the key ignores adamw / HP_FROM_PTR"
+    assert len(set(adam_keys.values())) == 2, "the main kernel's key ignores adamw"
+    pro_keys = {name: dict(seen[0])["_adam_scalars_kernel"] for name, seen in layouts.items()}
+    assert len(set(pro_keys.values())) == 2, "the prologue's key ignores HP_FROM_PTR"

@@ -1,8 +1,9 @@
 """Whole training-step benchmark: zerokern stages vs DDP + fused AdamW, ZeroRedundancyOptimizer
 and FSDP2 (`fully_shard` per block and root, the stage-3 peer).
 
-Every provider trains its own copy of the same GPT (same init, same data) inside one gloo
-process group, interleaved round-robin per repetition so machine noise hits all alike
+Every provider trains its own copy of the same GPT (same init, same data) inside one process
+group (gloo on CPU; `--device cuda`: NCCL, one GPU per rank, issue 14), interleaved
+round-robin per repetition so machine noise hits all alike
 (`common` [Note: how a repetition is timed]). A repetition is one iteration: forward, backward,
 optimizer step, zero_grad; stage 2 reduces during backward, DDP too, so the whole iteration is
 the fair unit. `step_ms` times the optimizer step alone. Times are the max over ranks.
@@ -64,10 +65,15 @@ def _make_providers(args, rank: int, world: int):
     from ..gpt import build_gpt
 
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    dev = _device(args, rank)
     gen = torch.Generator().manual_seed(1234 + rank)
     cfg = build_gpt(args.model_size).config
-    data = [torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=gen)
+    data = [torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=gen).to(dev)
             for _ in range(4)]
+    ddp_kw = dict(device_ids=[dev.index]) if dev.type == "cuda" else {}
+
+    def gpt():
+        return build_gpt(args.model_size).to(dev)
     provs: Dict[str, tuple] = {}
 
     def iteration(model, opt, fwd_model=None, mem_probe=None, no_sync=None):
@@ -98,20 +104,20 @@ def _make_providers(args, rank: int, world: int):
         return probe, box
 
     for stage in args.stages:
-        m = build_gpt(args.model_size)
+        m = gpt()
         opt = zk.ZeroAdamW(m, stage=stage, precision=args.precision, backend=args.backend,
                            bucket_mb=args.bucket_mb, **hp)
         provs[f"zerokern s{stage}"] = (iteration(m, opt, no_sync=opt.no_sync), opt,
                                        lambda opt=opt: opt.memory_report(), m)
     if args.peers:
-        m = build_gpt(args.model_size)
-        ddp = DDP(m, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+        m = gpt()
+        ddp = DDP(m, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb, **ddp_kw)
         opt = torch.optim.AdamW(m.parameters(), fused=True, **hp)
         probe, box = torch_probe(m, opt)
         provs["DDP + AdamW(fused)"] = (iteration(m, opt, ddp, probe, ddp.no_sync), opt,
                                        lambda box=box: box["bytes"], m)
-        m = build_gpt(args.model_size)
-        ddp = DDP(m, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+        m = gpt()
+        ddp = DDP(m, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb, **ddp_kw)
         opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW,
                                       fused=True, **hp)
         probe, box = torch_probe(m, opt)
@@ -121,7 +127,7 @@ def _make_providers(args, rank: int, world: int):
     if args.fsdp2:
         from torch.distributed.fsdp import fully_shard
 
-        m = build_gpt(args.model_size)
+        m = gpt()
         for blk in m.blocks:  # the same units as zerokern's default stage-3 policy
             fully_shard(blk)
         fully_shard(m)
@@ -151,10 +157,30 @@ def _ddp_loss(ddp, x):
                                              x[:, 1:].reshape(-1))
 
 
+def _device(args, rank: int) -> torch.device:
+    """This rank's device: the CPU, or GPU `rank` (--device cuda; one GPU per rank)."""
+    return torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+
+
+def _timer(dev: torch.device):
+    """perf_counter around the work; on a GPU, after the queued kernels have finished."""
+    def now() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+    return now
+
+
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, common.usable_cpus() // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = _device(args, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    now = _timer(dev)
     try:
         provs = _make_providers(args, rank, world)
         iters: Dict[str, List[float]] = {n: [] for n in provs}
@@ -163,9 +189,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             for i in range(len(names)):
                 name = names[(i + rep) % len(names)]
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = now()
                 provs[name][0]()
-                dt = torch.tensor((time.perf_counter() - t0) * 1e3)
+                dt = torch.tensor((now() - t0) * 1e3, device=dev)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 if rep >= args.warmup:
                     iters[name].append(float(dt))
@@ -174,15 +200,15 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         for name, (_, opt, _, model) in provs.items():
             steps[name] = []
             for _ in range(max(3, args.reps // 2)):
-                x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1))
+                x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), device=dev)
                 (model.loss(x[:, :-1], x[:, 1:])).backward() if name.startswith("zerokern") \
                     else None
                 if not name.startswith("zerokern"):
                     continue  # peers' step without DDP's backward reduction is not comparable
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = now()
                 opt.step()
-                dt = torch.tensor((time.perf_counter() - t0) * 1e3)
+                dt = torch.tensor((now() - t0) * 1e3, device=dev)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 steps[name].append(float(dt))
                 opt.zero_grad()
@@ -203,7 +229,10 @@ def _free_port() -> int:
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zerokern bench --step", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument("--nproc", type=int, help="ranks (default: CPU 2 gloo ranks; CUDA one NCCL "
+                                             "rank per visible GPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (gloo) or cuda (NCCL, GPU i for rank i)")
     p.add_argument("--model-size", default="20m", choices=["tiny", "small", "20m", "100m"])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
@@ -225,6 +254,13 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="tiny model, 3 reps, for tests (writes step-...-quick.*)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     a = p.parse_args(argv)
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device visible to torch")
+        a.nproc = a.nproc or torch.cuda.device_count()
+        if a.nproc > torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+            p.error(f"--nproc {a.nproc} > {torch.cuda.device_count()} visible GPUs")
+    a.nproc = a.nproc or 2
     if a.quick:
         a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16
     a.fsdp2 = a.fsdp2 and 3 in a.stages
@@ -281,8 +317,9 @@ def _wait_result(queue, procs, grace_s: float = 10.0):
 
 
 def report(args, res) -> int:
-    env = common.environment(torch.device("cpu"))
-    env.update(world_size=args.nproc, backend="gloo", model_size=args.model_size,
+    env = common.environment(torch.device(args.device))
+    pg = "nccl" if args.device == "cuda" else "gloo"
+    env.update(world_size=args.nproc, backend=pg, model_size=args.model_size,
                params=res["params"], batch=args.batch, seq=args.seq, precision=args.precision,
                micro_batches=args.micro)
     base = common.summarize(res["iters"]["DDP + AdamW(fused)"])["median_ms"] \
@@ -313,7 +350,7 @@ def report(args, res) -> int:
             ("formula_MiB", "formula MiB"),
             ("vs_formula", "meas/formula")]
     title = (f"step benchmark: GPT {args.model_size} ({res['params'] / 1e6:.1f}M params), "
-             f"{args.nproc} gloo ranks, zerokern {args.precision}, peers fp32")
+             f"{args.nproc} {pg} ranks, zerokern {args.precision}, peers fp32")
     common.print_table(rows, cols, title)
     targets = []
     by = {r["provider"]: r for r in rows}
@@ -336,7 +373,8 @@ def report(args, res) -> int:
     for t, v, ok in targets:
         print(f"[{'PASS' if ok else 'MISS'}] {t}: {v}")
     stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}" + \
-        (f"-micro{args.micro}" if args.micro > 1 else "") + ("-quick" if args.quick else "")
+        (f"-micro{args.micro}" if args.micro > 1 else "") + \
+        ("-cuda" if args.device == "cuda" else "") + ("-quick" if args.quick else "")
     common.write_json(args.out / f"{stem}.json",
                       {"env": env, "rows": rows, "raw": res,
                        "targets": [{"target": t, "value": v, "pass": ok}

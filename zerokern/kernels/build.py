@@ -2,8 +2,10 @@
 
 [Note: build cache and locking]
 - Each op builds into `<cache>/<op>-<key>/`, where key hashes the sources, flags, torch, CUDA and
-  Python versions; a change to any of them builds afresh, and an existing `.so` is imported
-  straight away without calling ninja (a second process pays ~0.1 s, not a rebuild).
+  Python versions, and for the CUDA op the GPU architectures it is compiled for (issue 14,
+  defect 5: `_cuda_arch_key`); a change to any of them builds afresh, and an existing `.so`
+  is imported straight away without calling ninja (a second process pays ~0.1 s, not a
+  rebuild).
 - The cache is $ZEROKERN_CACHE_DIR, else $TORCH_EXTENSIONS_DIR/zerokern, else ~/.cache/zerokern.
 - Builds are serialised by `fcntl.flock` on `<cache>/<op>.lock`. The kernel drops a flock when
   its holder dies, so a build killed mid-way leaves no lock that can hang a later import.
@@ -99,6 +101,25 @@ def _all_source_files(spec: OpSpec) -> List[Path]:
     return sorted(files)
 
 
+def _cuda_arch_key() -> str:
+    """(5) The architectures cpp_extension will compile for, as it chooses them.
+
+    TORCH_CUDA_ARCH_LIST when set; else the compute capability of every visible GPU (what
+    cpp_extension detects). Without this, a cache shared by two GPU models (an NFS home, a
+    container image) hands one model a .so built for the other: "no kernel image is available".
+    """
+    import torch
+
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return "list:" + " ".join(env.replace(";", " ").split())
+    if torch.cuda.is_available():
+        caps = sorted({torch.cuda.get_device_capability(i)
+                       for i in range(torch.cuda.device_count())})
+        return "detected:" + ",".join(f"{a}.{b}" for a, b in caps)
+    return "detected:none"
+
+
 def build_key(spec: OpSpec) -> str:
     import torch
 
@@ -108,6 +129,8 @@ def build_key(spec: OpSpec) -> str:
         h.update(f.read_bytes())
     h.update(repr((spec.cflags, spec.cuda_cflags, spec.ldflags, torch.__version__,
                    torch.version.cuda, sys.version_info[:2], platform.machine())).encode())
+    if spec.cuda:
+        h.update(_cuda_arch_key().encode())
     return h.hexdigest()[:16]
 
 

@@ -11,7 +11,13 @@ import torch
 
 
 def _f64(x, device: torch.device) -> torch.Tensor:
-    """A hyperparameter as a 0-d float64 tensor on `device` (a fill, never a host copy)."""
+    """A hyperparameter as a 0-d float64 tensor on `device` (a fill, never a host copy).
+
+    A CPU tensor is read on the host (host memory: no sync) and filled, like a float: `.to()`
+    would be a blocking host-to-device copy per call, i.e. per bucket per step (issue 14, 6).
+    """
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and device.type != "cpu":
+        return torch.full((), float(x), dtype=torch.float64, device=device)
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=torch.float64)
     return torch.full((), float(x), dtype=torch.float64, device=device)

@@ -6,11 +6,30 @@ interpreter (TRITON_INTERPRET=1, which must be set before this module is importe
 Every per-step value (lr, step, grad_scale, found_inf) is a runtime argument or a device load,
 never a constexpr, so changing it never recompiles (DESIGN §6). Constexprs are only the layout
 switches: adamw, whether there is a param_out, where hyperparameters come from, the block size.
+
+[Note: launch plan] (issue 14)
+- (2) Triton launches on the *current* device and stream, not the tensors' device: every launch
+  runs under `_on_device(t.device)` (torch.cuda.device), so params on cuda:1 with cuda:0 current
+  launch on cuda:1, on cuda:1's current stream.
+- (3) The fp64 bias corrections and step size (~300 fp64 ops with the 40-step pow) are computed
+  once per launch by a one-program prologue, `_adam_scalars_kernel`, into a 16-float device
+  buffer that every program of `_adam_step_kernel` reads (11 L2-resident loads). The per-element
+  kernel has no fp64 at all; on 1/64-rate fp64 GPUs (L4, A10, consumer cards) the per-program
+  set-up used to cost more than the kernel's memory time.
+- (7) Triton specialises pointers on 16-byte alignment and n on divisibility by 16; if either
+  fails, the whole launch compiles to scalar loads (78-128 registers). `_segments` splits a call
+  into an aligned body (every pointer 16-byte aligned, length a multiple of 16: the vector
+  variant) and a head/tail of < 16 elements each, launched separately with a 16-element block.
+- (6) A hyperparameter given as a CPU tensor is read on the host (a host read of host memory,
+  no sync) and passed like a float: no blocking host-to-device copy per bucket. Under CUDA-graph
+  capture it is therefore frozen at capture time; a CUDA tensor lr is read on the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import List, Tuple
 
 import torch
 import triton
@@ -27,6 +46,15 @@ NUM_WARPS_GPU = 8
 BLOCK_INTERP_MAX = 1 << 16
 # grad_stats_ stage 1 never uses more programs than this, so stage 2 is a single block.
 MAX_PARTIALS = 1024
+# (7) Vector granularity: Triton's divisibility specialisation is 16 (bytes for pointers,
+# units for integers). Head and tail segments are shorter than this and use this block.
+ALIGN = 16
+BLOCK_EDGE = 16
+
+# (3) The per-launch fp32 scalar buffer written by _adam_scalars_kernel: [0] lr/bc1,
+# [1] 1/sqrt(bc2), [2] 1 - lr*wd, [3] b1, [4] 1-b1, [5] b2, [6] 1-b2, [7] eps, [8] wd,
+# [9] grad_scale, [10] skip (found_inf != 0).
+SC_LEN = 16  # 64 bytes: one L2 sector pair, and 16-byte aligned from the caching allocator
 
 
 @triton.jit
@@ -63,22 +91,11 @@ def _cast_bits_rne(p, OUT_IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _adam_step_kernel(
-    master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr, n,
-    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
-    hp_ptr, step_ptr, grad_scale_ptr, found_inf_ptr,
-    ADAMW: tl.constexpr, HAS_OUT: tl.constexpr, OUT_IS_BF16: tl.constexpr,
-    HP_FROM_PTR: tl.constexpr, EXPLICIT_RNE: tl.constexpr, BLOCK: tl.constexpr,
+def _adam_scalars_kernel(
+    sc_ptr, lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
+    hp_ptr, step_ptr, grad_scale_ptr, found_inf_ptr, HP_FROM_PTR: tl.constexpr,
 ):
-    """One fused pass: unscale, weight decay, moments, bias-corrected update, 16-bit cast-back."""
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    # A skipped step writes nothing (DESIGN §3). An early return, not a mask term: a runtime
-    # bound in the mask hides n's divisibility by 16 and costs the 128-bit loads.
-    if tl.load(found_inf_ptr) != 0:
-        return
-    mask = offs < n
-
+    """(3) One program per launch: the float64 set-up of DESIGN §3, rounded once to float32."""
     if HP_FROM_PTR:
         lr = tl.load(hp_ptr + 0)
         b1 = tl.load(hp_ptr + 1)
@@ -94,16 +111,44 @@ def _adam_step_kernel(
     t = tl.load(step_ptr).to(tl.int64) + 1
     bc1 = 1.0 - _pow_f64(b1, t)
     bc2 = 1.0 - _pow_f64(b2, t)
-    step_size = (lr / bc1).to(tl.float32)
-    rsqrt_bc2 = (1.0 / tl.sqrt(bc2)).to(tl.float32)
-    decay = (1.0 - lr * wd).to(tl.float32)
-    omb1 = (1.0 - b1).to(tl.float32)
-    omb2 = (1.0 - b2).to(tl.float32)
-    b1f = b1.to(tl.float32)
-    b2f = b2.to(tl.float32)
-    epsf = eps.to(tl.float32)
-    wdf = wd.to(tl.float32)
-    gs = tl.load(grad_scale_ptr)
+    tl.store(sc_ptr + 0, (lr / bc1).to(tl.float32))
+    tl.store(sc_ptr + 1, (1.0 / tl.sqrt(bc2)).to(tl.float32))
+    tl.store(sc_ptr + 2, (1.0 - lr * wd).to(tl.float32))
+    tl.store(sc_ptr + 3, b1.to(tl.float32))
+    tl.store(sc_ptr + 4, (1.0 - b1).to(tl.float32))
+    tl.store(sc_ptr + 5, b2.to(tl.float32))
+    tl.store(sc_ptr + 6, (1.0 - b2).to(tl.float32))
+    tl.store(sc_ptr + 7, eps.to(tl.float32))
+    tl.store(sc_ptr + 8, wd.to(tl.float32))
+    tl.store(sc_ptr + 9, tl.load(grad_scale_ptr).to(tl.float32))
+    # found_inf is bool or fp32; a NaN flag counts as set (!= 0), as in every backend.
+    tl.store(sc_ptr + 10, (tl.load(found_inf_ptr) != 0).to(tl.float32))
+
+
+@triton.jit
+def _adam_step_kernel(
+    master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, out_ptr, n, sc_ptr,
+    ADAMW: tl.constexpr, HAS_OUT: tl.constexpr, OUT_IS_BF16: tl.constexpr,
+    EXPLICIT_RNE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One fused pass: unscale, weight decay, moments, bias-corrected update, 16-bit cast-back."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # A skipped step writes nothing (DESIGN §3). An early return, not a mask term: a runtime
+    # bound in the mask hides n's divisibility by 16 and costs the 128-bit loads.
+    if tl.load(sc_ptr + 10) != 0:
+        return
+    mask = offs < n
+    step_size = tl.load(sc_ptr + 0)
+    rsqrt_bc2 = tl.load(sc_ptr + 1)
+    decay = tl.load(sc_ptr + 2)
+    b1 = tl.load(sc_ptr + 3)
+    omb1 = tl.load(sc_ptr + 4)
+    b2 = tl.load(sc_ptr + 5)
+    omb2 = tl.load(sc_ptr + 6)
+    eps = tl.load(sc_ptr + 7)
+    wd = tl.load(sc_ptr + 8)
+    gs = tl.load(sc_ptr + 9)
 
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * gs
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
@@ -112,11 +157,11 @@ def _adam_step_kernel(
     if ADAMW:
         p = p * decay
     else:
-        g = g + wdf * p
-    m = b1f * m + omb1 * g
-    v = b2f * v + omb2 * (g * g)
+        g = g + wd * p
+    m = b1 * m + omb1 * g
+    v = b2 * v + omb2 * (g * g)
     # sqrt_rn/div_rn: IEEE results; plain sqrt and / lower to approximations on NVIDIA GPUs.
-    denom = tl.sqrt_rn(v) * rsqrt_bc2 + epsf
+    denom = tl.sqrt_rn(v) * rsqrt_bc2 + eps
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
@@ -131,7 +176,7 @@ def _adam_step_kernel(
 
 @triton.jit
 def _advance_step_kernel(step_ptr, found_inf_ptr):
-    """step += 1 unless found_inf: a separate launch, after every program has read step."""
+    """step += 1 unless found_inf: a separate launch, after the prologue has read step."""
     keep = tl.load(found_inf_ptr) == 0
     s = tl.load(step_ptr)
     tl.store(step_ptr, tl.where(keep, s + 1, s))
@@ -167,6 +212,8 @@ def _grad_stats_final_kernel(partial_ptr, flag_ptr, nparts, found_inf_ptr, sumsq
     tl.store(found_inf_ptr, ((fi != 0) | (f > 0)).to(found_inf_ptr.dtype.element_ty))
 
 
+# ------------------------------------------------------------------ host side ----------------
+
 def _hi_lo(x: float):
     """Split a double into float32 hi + lo so the kernel can rebuild ~48 bits of it."""
     hi = float(torch.tensor(x, dtype=torch.float32))
@@ -183,37 +230,80 @@ def _num_warps(on_cpu: bool) -> int:
     return 1 if on_cpu else NUM_WARPS_GPU
 
 
+def _on_device(dev: torch.device):
+    """(2) Make the tensors' device current for the launch (its current stream with it)."""
+    if dev.type == "cuda":
+        return torch.cuda.device(dev)
+    return contextlib.nullcontext()
+
+
+def _segments(n: int, tensors) -> List[Tuple[int, int, bool]]:
+    """(7) [(start, length, vector)]: an aligned body plus head/tail pieces shorter than 16.
+
+    The body starts at the first element h < 8 where every tensor's address is 16-byte aligned
+    and has a length that is a multiple of 16, so Triton compiles it with 128-bit accesses. When
+    no such h exists (views misaligned against each other) one scalar launch covers everything.
+    """
+    h = next((h for h in range(8)
+              if all((t.data_ptr() + h * t.element_size()) % ALIGN == 0 for t in tensors)), None)
+    if h is None:
+        return [(0, n, False)] if n else []
+    if n - h < ALIGN:  # too short for a body: two edge pieces of < 16
+        return [(s, ln, False) for s, ln in ((0, h), (h, n - h)) if ln]
+    nb = (n - h) // ALIGN * ALIGN
+    segs = [(0, h, False)] if h else []
+    segs.append((h, nb, True))
+    if h + nb < n:
+        segs.append((h + nb, n - h - nb, False))
+    return segs
+
+
+def _hyper(x, dev: torch.device):
+    """(6) A CPU tensor is read on the host like a float; a device tensor stays on the device."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return float(x)
+    return x
+
+
 def adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, beta2, eps,
                weight_decay, adamw, step, grad_scale, found_inf) -> None:
     n = master.numel()
-    on_cpu = master.device.type == "cpu"
-    hyper = (lr, beta1, beta2, eps, weight_decay)
+    dev = master.device
+    on_cpu = dev.type == "cpu"
+    hyper = [_hyper(x, dev) for x in (lr, beta1, beta2, eps, weight_decay)]
     hp_from_ptr = any(isinstance(x, torch.Tensor) for x in hyper)
-    if hp_from_ptr:
-        # Tensor hyperparameters are read on the device; floats are filled there, not copied.
-        hp = torch.stack([x.to(master.device, torch.float64) if isinstance(x, torch.Tensor)
-                          else torch.full((), float(x), dtype=torch.float64, device=master.device)
-                          for x in hyper])
-        split = [0.0] * 10
-    else:
-        hp = step  # unused pointer placeholder
-        split = [h for x in hyper for h in _hi_lo(float(x))]
-    explicit = on_cpu
-    if param_out is None:
-        out = master  # unused placeholder
-    else:
-        out = param_out.view(torch.int16) if explicit else param_out
-    if n:
-        block = _block(n, on_cpu)
-        _adam_step_kernel[(triton.cdiv(n, block),)](
-            master, exp_avg, exp_avg_sq, grad, out, n, *split,
-            hp, step, grad_scale, found_inf,
-            ADAMW=adamw, HAS_OUT=param_out is not None,
-            OUT_IS_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
-            HP_FROM_PTR=hp_from_ptr, EXPLICIT_RNE=explicit, BLOCK=block,
-            num_warps=_num_warps(on_cpu),
-        )
-    _advance_step_kernel[(1,)](step, found_inf, num_warps=1)
+    with _on_device(dev):
+        if n:
+            if hp_from_ptr:
+                # Device tensors are read on the device; floats are filled there, not copied.
+                hp = torch.stack([x.to(dev, torch.float64) if isinstance(x, torch.Tensor)
+                                  else torch.full((), x, dtype=torch.float64, device=dev)
+                                  for x in hyper])
+                split = [0.0] * 10
+            else:
+                hp = step  # unused pointer placeholder
+                split = [h for x in hyper for h in _hi_lo(float(x))]
+            sc = torch.empty(SC_LEN, dtype=torch.float32, device=dev)
+            _adam_scalars_kernel[(1,)](sc, *split, hp, step, grad_scale, found_inf,
+                                       HP_FROM_PTR=hp_from_ptr, num_warps=1)
+            _adam_launches(master, exp_avg, exp_avg_sq, grad, param_out, n, sc, adamw, on_cpu)
+        _advance_step_kernel[(1,)](step, found_inf, num_warps=1)
+
+
+def _adam_launches(master, exp_avg, exp_avg_sq, grad, param_out, n, sc, adamw, on_cpu):
+    explicit = on_cpu  # the interpreter truncates fp32->bf16: round in the kernel
+    out = master if param_out is None else (param_out.view(torch.int16) if explicit
+                                            else param_out)
+    arrays = [master, exp_avg, exp_avg_sq, grad, out]
+    const = dict(ADAMW=adamw, HAS_OUT=param_out is not None,
+                 OUT_IS_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
+                 EXPLICIT_RNE=explicit)
+    for start, length, vector in _segments(n, arrays):
+        a = arrays if length == n else [t[start:start + length] for t in arrays]
+        block = _block(length, on_cpu) if vector or length >= ALIGN else BLOCK_EDGE
+        warps = _num_warps(on_cpu) if block > BLOCK_EDGE else 1
+        _adam_step_kernel[(triton.cdiv(length, block),)](*a, length, sc, BLOCK=block,
+                                                         num_warps=warps, **const)
 
 
 def grad_stats_(grad, found_inf, sumsq) -> None:
@@ -221,13 +311,25 @@ def grad_stats_(grad, found_inf, sumsq) -> None:
     if n == 0:
         return
     on_cpu = grad.device.type == "cpu"
-    block = _block(n, on_cpu)
-    nprog = min(triton.cdiv(n, block), MAX_PARTIALS)
-    iters = triton.cdiv(triton.cdiv(n, block), nprog)
-    partial = torch.empty(nprog, dtype=torch.float32, device=grad.device)
-    flags = torch.empty(nprog, dtype=torch.int32, device=grad.device)
-    _grad_stats_partial_kernel[(nprog,)](grad, partial, flags, n, iters, BLOCK=block,
-                                         num_warps=_num_warps(on_cpu))
-    _grad_stats_final_kernel[(1,)](partial, flags, nprog, found_inf, sumsq,
-                                   PBLOCK=max(triton.next_power_of_2(nprog), 16),
-                                   num_warps=_num_warps(on_cpu))
+    segs = _segments(n, [grad])
+    # (7) The body gets up to MAX_PARTIALS programs; each edge piece one more partial slot, so
+    # the reduction order stays fixed by n and the alignment alone (deterministic).
+    plan = []
+    for start, length, vector in segs:
+        block = _block(length, on_cpu) if vector or length >= ALIGN else BLOCK_EDGE
+        nprog = min(triton.cdiv(length, block), MAX_PARTIALS)
+        plan.append((start, length, block, nprog, triton.cdiv(triton.cdiv(length, block), nprog)))
+    total = sum(p[3] for p in plan)
+    with _on_device(grad.device):
+        partial = torch.empty(total, dtype=torch.float32, device=grad.device)
+        flags = torch.empty(total, dtype=torch.int32, device=grad.device)
+        slot = 0
+        for start, length, block, nprog, iters in plan:
+            g = grad if length == n else grad[start:start + length]
+            warps = _num_warps(on_cpu) if block > BLOCK_EDGE else 1
+            _grad_stats_partial_kernel[(nprog,)](g, partial[slot:], flags[slot:], length, iters,
+                                                 BLOCK=block, num_warps=warps)
+            slot += nprog
+        _grad_stats_final_kernel[(1,)](partial, flags, total, found_inf, sumsq,
+                                       PBLOCK=max(triton.next_power_of_2(total), 16),
+                                       num_warps=_num_warps(on_cpu))
