@@ -115,7 +115,7 @@ def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, st
 
 def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
     """Stage-2 staging buffers after one backward in spec.grad_order, via BucketedGrads."""
-    from .grad_sync import BucketedGrads
+    from .sharded_grads import BucketedGrads
 
     comm = _InstantComm(group.layout.world_size, group.rank)
     gs = BucketedGrads([group], comm, reduce_dtype)

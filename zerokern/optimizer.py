@@ -34,10 +34,12 @@ import torch
 from . import kernels
 from .comm import Comm
 from .flat_group import FlatGroup
-from .grad_sync import BucketedGrads, FullGrads, GradSync
+from .full_grads import FullGrads
+from .grad_sync import GradSync
 from .loss_scale import make_loss_scaler
 from .memory import memory_report
 from .model_sync import ModelWatch
+from .sharded_grads import BucketedGrads
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -315,8 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Rows, targets and output live in kernels_report (it imports this module's constants).
-    from .kernels_report import COLUMNS, evaluate_targets, make_rows, plot, render_markdown, \
-        sections
+    from .kernels_report import (
+        COLUMNS,
+        evaluate_targets,
+        make_rows,
+        plot,
+        render_markdown,
+        sections,
+    )
 
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -34,7 +34,8 @@ from typing import Dict, List
 
 import torch
 
-from ..grad_sync import MAX_IN_FLIGHT, ShardedGrads
+from ..grad_sync import MAX_IN_FLIGHT
+from ..sharded_grads import ShardedGrads
 from .sharded_flat import ShardedFlat
 from .units import Unit
 

@@ -1,0 +1,167 @@
+"""Stages 0 and 1: a full flat grad buffer, reduced bucket by bucket during backward.
+
+`p.grad` are views into the buffer, so autograd accumulates straight into it. Outside
+`no_sync()` each bucket is reduced as soon as its grads are in (async, in the fixed order of
+grad_sync's [Note: collective order], overlapping the rest of backward, as DDP does): stage 0
+all-reduces it in place (SUM, then / N on landing), so `p.grad` is exactly DDP's gradient;
+stage 1 reduce-scatters it into a grad shard that lives until the step, and `p.grad` is
+released. What ran under `no_sync()` only is reduced at `step()`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .grad_sync import GradSync, Schedule
+
+
+class FullGrads(GradSync):
+    """Stages 0 and 1: a full grad buffer, reduced bucket by bucket during backward."""
+
+    def __init__(self, groups, comm, reduce_dtype, stage: int) -> None:
+        self.stage = stage
+        self.averaged = stage == 0
+        self.grads = [torch.zeros_like(g.flat) for g in groups]  # (E,) model dtype
+        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
+                       for g, buf in zip(groups, self.grads)]
+        self._sched = Schedule(groups)
+        self._handles: List[tuple] = []
+        self._shard: List[Optional[torch.Tensor]] = [None] * len(groups)  # stage 1
+        self._wide: List[Optional[torch.Tensor]] = [None] * len(groups)  # stage 0, see _launch
+        self._reduced = False         # the buffer's contents are reduced (stage 0 in place)
+        super().__init__(groups, comm, reduce_dtype)
+
+    # -- p.grad ----------------------------------------------------------------------------------
+    def exposed_grad(self, gi, i):
+        if self.stage == 1 and self._reduced:
+            return self.released(gi, i)
+        return self._views[gi][i]
+
+    def zeroed_grad(self, gi, i):
+        return self._views[gi][i]
+
+    def to_(self, device) -> None:
+        self.grads = [b.to(device) for b in self.grads]
+        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
+                       for g, buf in zip(self.groups, self.grads)]
+        self._shard = [None] * len(self.groups)
+        self._reduced = False
+
+    def clear_all(self) -> None:
+        for buf in self.grads:
+            buf.zero_()
+        self._reduced = False
+
+    def clear_some(self, params) -> None:
+        for gi, i in params:
+            self._views[gi][i].zero_()
+        self._reduced = False
+
+    def adopt_foreign(self, params) -> None:
+        for gi, i in params:
+            self._views[gi][i].copy_(self.groups[gi].params[i].grad)
+        self._reduced = False
+
+    # -- backward ----------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        for g, views in zip(self.groups, self._views):
+            for p, v in zip(g.params, views):
+                p.grad = v  # autograd accumulates in place
+        self._reduced = False
+        self._sched.reset()
+
+    def on_grad(self, gi, i, p) -> None:
+        view = self._views[gi][i]
+        if p.grad is not view:  # autograd replaced it (create_graph=True): keep the sum
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.sync:
+            return
+        if self._sched.arrived[gi][i] and self._sched.launched(gi, i):
+            raise RuntimeError(
+                f"zerokern stage {self.stage}: a parameter's gradient arrived twice in one "
+                "backward after its bucket was reduced (reentrant checkpointing?); use "
+                "torch.utils.checkpoint(..., use_reentrant=False)")
+        self._sched.arrive(gi, i)
+        for gk in self._sched.ready(flush=False):
+            self._launch(*gk)
+
+    def _launch(self, gi: int, k: int) -> None:
+        g, buf = self.groups[gi], self.grads[gi]
+        b = g.bucket(buf, k)
+        if self.stage == 0:
+            src = b
+            if b.dtype != self.reduce_dtype:
+                # Reduced in reduce_dtype into a buffer kept until the step, which updates
+                # from it; p.grad gets the result rounded to the param dtype, as DDP's.
+                if self._wide[gi] is None:
+                    self._wide[gi] = torch.empty(buf.numel(), dtype=self.reduce_dtype,
+                                                 device=buf.device)
+                src = g.bucket(self._wide[gi], k)
+                src.copy_(b)
+            # SUM, then / N on landing: p.grad is DDP's average, and an fp16 sum that
+            # overflows is inf here too, so found_inf is the same at every stage.
+            h = self.comm.all_reduce_(src, async_op=True)
+            self._handles.append((gi, k, h, b if src is not b else None,
+                                  src if src is not b else None))
+            return
+        src = b if b.dtype == self.reduce_dtype else b.to(self.reduce_dtype)
+        if self._shard[gi] is None:
+            self._shard[gi] = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype,
+                                          device=g.device)
+        # gloo corrupts an in-place reduce-scatter (output aliasing the input), so the result
+        # goes to a shard buffer that lives until the step.
+        h = self.comm.reduce_scatter_(self._shard[gi][g.state_slice(k)], src, async_op=True,
+                                      inp_is_scratch=src is not b)
+        self._handles.append((gi, k, h, None, None))
+
+    def _wait_all(self):
+        n = self.comm.world_size
+        for gi, k, h, back, src in self._handles:
+            h.wait()
+            if self.stage == 0 and n > 1:
+                (src if src is not None else self.groups[gi].bucket(self.grads[gi], k)).div_(n)
+            if back is not None:
+                back.copy_(src)
+            yield gi, k
+        self._handles = []
+
+    def end_backward(self) -> None:
+        if not self.sync:
+            return
+        for gk in self._sched.ready(flush=True):
+            self._launch(*gk)
+        for _ in self._wait_all():
+            pass
+        self._reduced = True
+
+    # -- step ----------------------------------------------------------------------------------
+    def reduce(self):
+        if self._reduced:
+            yield from GradSync.reduce(self)
+            return
+        # Only no_sync() backward passes (or a step() after a cleared reduction): reduce now.
+        self._sched.reset()
+        for gk in self._sched.ready(flush=True):
+            self._launch(*gk)
+        yield from self._wait_all()  # in launch order: k is ready while k+1 is in flight
+        self._reduced = True
+
+    def grad_piece(self, gi, k) -> torch.Tensor:
+        g = self.groups[gi]
+        if self.stage == 0:
+            return g.bucket(self.grads[gi] if self._wide[gi] is None else self._wide[gi], k)
+        return self._shard[gi][g.state_slice(k)]
+
+    def after_step(self) -> None:
+        if self.stage == 1:  # the shard lives from the reducing backward to the step
+            self._shard = [None] * len(self.groups)
+            self._reduced = False
+        elif any(w is not None for w in self._wide):  # a second step re-reduces p.grad
+            self._wide = [None] * len(self.groups)
+            self._reduced = False
+
+    def held(self):
+        return {"grads": list(self.grads)}

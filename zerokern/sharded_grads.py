@@ -1,0 +1,201 @@
+"""Stages 2 and 3: gradients reduce-scattered during backward into a grad shard.
+
+ShardedGrads holds the shard accumulators and the async reduce-scatter with its landing; stage 2's
+BucketedGrads (below) and stage 3's Stage3Sync stage the grads their own way. Inside
+`no_sync()` stage 2 accumulates into a full local buffer (Ψ elements of reduce_dtype, as FSDP2's
+`set_requires_gradient_sync(False)`), folded into the next synced backward or reduced at step().
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
+
+
+class ShardedGrads(GradSync):
+    """Stages 2 and 3: staged grads are reduce-scattered during backward (async) into one grad
+    shard per buffer. Accumulation (DESIGN §2): the first reduction since zero_grad writes the
+    shard, later ones add to it. Subclasses decide what is staged when, and keep `_staging`."""
+
+    def __init__(self, groups, comm, reduce_dtype) -> None:
+        self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
+                            for g in groups]  # (S,) reduce dtype
+        self._fresh = True            # first reduction since zero_grad: write the shard directly
+        self._in_flight: List[tuple] = []
+        super().__init__(groups, comm, reduce_dtype)
+
+    def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
+        out = shard if self._fresh else torch.empty_like(shard)
+        h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
+        self._in_flight.append((h, key, out if out is not shard else None, shard))
+
+    def _complete_oldest(self) -> None:
+        h, key, tmp, shard = self._in_flight.pop(0)
+        h.wait()
+        if tmp is not None:
+            shard.add_(tmp)
+        self._recycle(self._staging.pop(key))
+
+    def _recycle(self, staging: torch.Tensor) -> None: ...
+
+    def _drain(self) -> None:
+        """End of a reduction: every reduce-scatter has landed; the next one accumulates."""
+        while self._in_flight:
+            self._complete_oldest()
+        self._fresh = False
+
+    def grad_piece(self, gi, k) -> torch.Tensor:
+        return self.grad_shards[gi][self.groups[gi].state_slice(k)]
+
+    def to_(self, device) -> None:
+        self.grad_shards = [t.to(device) for t in self.grad_shards]
+
+    def begin_backward(self) -> None:
+        for g in self.groups:  # our ReleasedGrad must not be accumulated into
+            for p in g.params:
+                p.grad = None
+
+    def clear_all(self) -> None:
+        self._fresh = True  # every shard piece is overwritten by the next reduction
+
+    def clear_some(self, params) -> None:
+        """Zero the cleared params' part of this rank's grad shard (and local accumulator)."""
+        if self._fresh:
+            return
+        for gi, i in params:
+            g = self.groups[gi]
+            L, s = g.layout, g.layout.slots[i]
+            for k in range(L.n_buckets):
+                lo, hi = L.piece_range(k, g.rank)
+                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < b:
+                    off = g.state_slice(k).start
+                    self.grad_shards[gi][off + a - lo:off + b - lo].zero_()
+
+
+class BucketedGrads(ShardedGrads):
+    """Stage 2: bucketed reduce-scatter during backward into a grad shard."""
+
+    stage = 2
+
+    def __init__(self, groups, comm, reduce_dtype) -> None:
+        self._sched = Schedule(groups)
+        self.bucket_numel = max(g.layout.bucket_numel for g in groups)
+        self._pool: List[torch.Tensor] = []
+        self.staging_allocated = 0    # staging buffers ever allocated (bounded, see MAX_IN_FLIGHT)
+        self._local: Optional[List[torch.Tensor]] = None  # no_sync() accumulators, (E,) each
+        super().__init__(groups, comm, reduce_dtype)
+        self._staging: Dict[Tuple[int, int], torch.Tensor] = {}
+
+    def _acquire(self, gi: int, k: int) -> torch.Tensor:
+        if (gi, k) not in self._staging:
+            while len(self._in_flight) >= MAX_IN_FLIGHT and not self._pool:
+                self._complete_oldest()
+            if self._pool:
+                buf = self._pool.pop()
+            else:
+                buf = torch.empty(self.bucket_numel, dtype=self.reduce_dtype,
+                                  device=self.groups[gi].device)
+                self.staging_allocated += 1
+            L = self.groups[gi].layout
+            lo, hi = L.bucket_range(k)
+            view = buf[:hi - lo]
+            # Not a full zero_(): every param region is overwritten by its grad (a whole pass
+            # saved per step); padding is zeroed here, params with no grad at launch.
+            view[max(L.numel - lo, 0):].zero_()
+            self._staging[(gi, k)] = view
+        return self._staging[(gi, k)]
+
+    def on_grad(self, gi, i, p) -> None:
+        g = self.groups[gi]
+        s = g.layout.slots[i]
+        flat_grad = p.grad.reshape(-1)
+        p.grad = None
+        if not self.sync:  # no_sync(): local accumulation, no communication
+            if self._local is None:
+                self._local = [torch.zeros(h.layout.padded_numel, dtype=self.reduce_dtype,
+                                           device=h.device) for h in self.groups]
+            self._local[gi][s.offset:s.offset + s.numel].add_(flat_grad)
+            return
+        if self._sched.arrived[gi][i]:
+            raise RuntimeError(
+                "zerokern stage 2: a parameter's gradient arrived twice in one backward "
+                "(reentrant checkpointing?); use torch.utils.checkpoint(..., "
+                "use_reentrant=False) or stage=1")
+        local = None if self._local is None else self._local[gi]
+        # Descending, the launch order within a group: a param spanning several buckets fills
+        # and launches them one by one, so staging stays bounded whatever the param size.
+        for k in reversed(g.layout.buckets_of_slot(i)):
+            lo, hi = g.layout.bucket_range(k)
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            dst = self._acquire(gi, k)[a - lo:b - lo]
+            if local is None:
+                dst.copy_(flat_grad[a - s.offset:b - s.offset])
+            else:
+                torch.add(flat_grad[a - s.offset:b - s.offset], local[a:b], out=dst)
+            self._sched.pending[gi][k] -= 1
+            if self._sched.pending[gi][k] == 0:
+                self._launch_ready(flush=False)
+        self._sched.arrived[gi][i] = True
+        self._launch_ready(flush=False)
+
+    def _launch_ready(self, flush: bool) -> None:
+        for gi, k in self._sched.ready(flush):
+            g = self.groups[gi]
+            staging = self._acquire(gi, k)
+            if self._sched.pending[gi][k] > 0:  # flushed: params that got no grad here
+                lo = g.layout.bucket_range(k)[0]
+                for i, a, b in self._sched.overlaps[gi][k]:
+                    if not self._sched.arrived[gi][i]:
+                        if self._local is None:
+                            staging[a - lo:b - lo].zero_()
+                        else:
+                            staging[a - lo:b - lo].copy_(self._local[gi][a:b])
+            self._reduce_async((gi, k), staging, self.grad_shards[gi][g.state_slice(k)])
+
+    def _recycle(self, staging: torch.Tensor) -> None:
+        self._pool.append(staging._base)
+
+    def _reduce_all(self) -> None:
+        self._launch_ready(flush=True)
+        self._drain()
+        self._sched.reset()
+        self._local = None
+
+    def end_backward(self) -> None:
+        if self.sync:
+            self._reduce_all()
+        else:
+            self._sched.reset()
+
+    def reduce(self):
+        if self._local is not None:  # backward passes under no_sync() only: reduce them now
+            self._sched.reset()
+            self._reduce_all()
+        yield from GradSync.reduce(self)
+
+    def clear_all(self) -> None:
+        super().clear_all()
+        self._local = None
+
+    def to_(self, device) -> None:
+        super().to_(device)
+        self._pool, self._staging = [], {}
+        if self._local is not None:
+            self._local = [t.to(device) for t in self._local]
+
+    def clear_some(self, params) -> None:
+        super().clear_some(params)
+        if self._local is not None:
+            for gi, i in params:
+                s = self.groups[gi].layout.slots[i]
+                self._local[gi][s.offset:s.offset + s.numel].zero_()
+
+    def held(self):
+        out = {"grads": list(self.grad_shards), "buckets": list(self._pool)}
+        if self._local is not None:
+            out["buckets"] += self._local
+        return out
