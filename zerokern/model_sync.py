@@ -34,6 +34,9 @@ class ModelWatch:
         self._opt = weakref.ref(opt)
         self._loaded: Dict[int, torch.Tensor] = {}
         self._hooks = []
+        self._model = None if model is None else weakref.ref(model)
+        self._owned = {id(p) for g in opt.flat_groups for p in g.params}
+        self._n_params = None if model is None else len(list(model.parameters()))
         self.record_versions()
         if model is not None:
             ref = weakref.ref(self)
@@ -74,6 +77,7 @@ class ModelWatch:
     def check(self) -> None:
         """Follow what the user did to the params since the last check (see module doc)."""
         opt = self._opt()
+        self._check_structure()
         moved, changed = [], []
         for gi, g in enumerate(opt.flat_groups):
             es = g.flat.element_size()
@@ -106,6 +110,24 @@ class ModelWatch:
             self._loaded.clear()
             self.record_versions()
             opt.grad_sync.generation += 1  # cached stats may be stale
+
+    def _check_structure(self) -> None:
+        """A Parameter replaced or added after construction (`model.fc.weight =
+        nn.Parameter(...)`): torch's optimizer would keep training the old object silently."""
+        model = None if self._model is None else self._model()
+        if model is None:
+            return
+        ps = list(model.parameters())
+        if len(ps) == self._n_params and all(id(p) in self._owned for p in ps
+                                             if p.requires_grad):
+            return
+        new = [n for n, p in model.named_parameters()
+               if p.requires_grad and id(p) not in self._owned]
+        raise RuntimeError(
+            "zerokern: the model's parameters changed after ZeroAdamW was built (a Parameter "
+            f"replaced or added: {new[:5] or 'params removed'}); the optimizer would keep "
+            "updating the old ones. Build the model completely (and load or replace weights "
+            "with load_state_dict / p.copy_()), then build the optimizer")
 
     def _readopt(self, opt, moved) -> None:
         devices = {opt.flat_groups[gi].params[i].device for gi, i in moved}

@@ -104,6 +104,19 @@ def test_fp32_parity_with_torch_adamw_on_cuda(cuda_backend, stage):
     assert err <= TOL["fp32"], f"stage {stage}: {err:.3g}"
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_model_to_cuda_after_construction_is_followed(cuda_backend, stage):
+    """Accelerate/Trainer place the model after the optimizer is built: ZeroAdamW built on the
+    CPU model follows model.cuda() (buffers, state, grads move) and trains as if built there."""
+    model = M.make_model()
+    opt = M.zero_opt(model, stage, "fp32", backend=cuda_backend)
+    model.cuda()
+    _train(model, opt)
+    assert opt.flat_groups[0].flat.is_cuda and opt.grad_norm.is_cuda
+    err = M.rel_err(M.full_snapshot(model, opt), _torch_reference())
+    assert err <= TOL["fp32"], f"stage {stage}: {err:.3g}"
+
+
 def _ulps_16bit(a: torch.Tensor, b: torch.Tensor):
     """Max distance in units in the last place, and the fraction of elements that differ."""
     ia = a.view(torch.int16).to(torch.int32)

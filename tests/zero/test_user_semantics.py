@@ -246,6 +246,21 @@ def _cast_error(rank, ws, stage):
     return "no error"
 
 
+def _param_replaced(rank, ws, stage):
+    """A Parameter replaced after construction: a clear error, nothing changed."""
+    model = M.make_model()
+    opt = zk.ZeroAdamW(model, stage=stage, precision="fp32", backend=M.BACKEND)
+    model.blocks[0].fc1.weight = nn.Parameter(model.blocks[0].fc1.weight.detach().clone())
+    before = M.snapshot(model)
+    try:
+        opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws)))
+        opt.step()
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e)
+    return msg, M.bitwise_equal(M.snapshot(model), before)
+
+
 def _frozen_cast(rank, ws, stage):
     model = M.make_model()
     opt = M.zero_opt(model, stage, precision="bf16")
@@ -308,6 +323,7 @@ def _rank_cases(rank, ws):
         cases[f"load_sd_bare_s{st}"] = p(_load_sd, rank, ws, st, True)
         cases[f"replaced_s{st}"] = p(_replaced, rank, ws, st, memo)
         cases[f"cast_error_s{st}"] = p(_cast_error, rank, ws, st)
+        cases[f"param_replaced_s{st}"] = p(_param_replaced, rank, ws, st)
         cases[f"frozen_cast_s{st}"] = p(_frozen_cast, rank, ws, st)
         if ws > 1:
             cases[f"ddp_refused_s{st}"] = p(_ddp_refused, rank, ws, st)
@@ -412,6 +428,14 @@ def test_params_replaced_are_followed(ws, stage):
 def test_cast_after_construction_raises(ws, stage):
     for msg in case(_res(ws), f"cast_error_s{stage}"):
         assert "precision='bf16'" in msg
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_replaced_parameter_raises(ws, stage):
+    for msg, unchanged in case(_res(ws), f"param_replaced_s{stage}"):
+        assert "parameters changed" in msg and "fc1.weight" in msg
+        assert unchanged
 
 
 @pytest.mark.parametrize("ws", WS)
