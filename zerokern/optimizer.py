@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -39,38 +38,17 @@ from .grad_sync import GradSync
 from .loss_scale import make_loss_scaler
 from .memory import memory_report
 from .model_sync import ModelWatch
+from .optimizer_args import (
+    FLOAT_DTYPES,
+    check_distributed_env,
+    check_groups,
+    check_hyper,
+    frozen_params,
+    groups_of_model,
+)
 from .sharded_grads import BucketedGrads
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
-    sfx = f" (in {where})" if where else ""
-    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)) \
-            or (not isinstance(lr, torch.Tensor) and not (0.0 <= lr < math.inf)):
-        raise ValueError(f"lr must be a finite number >= 0{sfx}, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"betas must be a pair of numbers in [0, 1){sfx}, got {betas!r}")
-    if not (isinstance(eps, numbers.Real) and 0.0 < eps < math.inf):
-        raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
-    if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
-        raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
-
-
-def _check_distributed_env(process_group) -> None:
-    """A launcher's WORLD_SIZE > 1 without a process group would silently train one model per
-    rank (world size 1 each)."""
-    import torch.distributed as dist
-
-    ws = os.environ.get("WORLD_SIZE", "1")
-    if process_group is None and not (dist.is_available() and dist.is_initialized()) and \
-            ws.isdigit() and int(ws) > 1:
-        raise RuntimeError(
-            f"zerokern: WORLD_SIZE={ws} is set (a torchrun/launcher job) but torch.distributed "
-            "is not initialized, so every rank would train its own model. Call "
-            "torch.distributed.init_process_group() before building ZeroAdamW")
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -152,7 +130,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                              f"got {max_grad_norm!r}")
         if not (isinstance(bucket_mb, numbers.Real) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        if reduce_dtype is not None and reduce_dtype not in _FLOAT_DTYPES:
+        if reduce_dtype is not None and reduce_dtype not in FLOAT_DTYPES:
             raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
                             f"got {reduce_dtype!r}")
         kernels.validate.check_backend(backend)
@@ -161,8 +139,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
             raise ValueError("param_groups is for a model (params_or_model=model); with bare "
                              "params pass the group dicts as params_or_model")
-        _check_hyper(lr, betas, eps, weight_decay)
-        _check_distributed_env(process_group)
+        check_hyper(lr, betas, eps, weight_decay)
+        check_distributed_env(process_group)
         dtype = PRECISIONS[precision]
         if isinstance(params_or_model, torch.nn.Module):
             for name, mod in params_or_model.named_modules():
@@ -170,14 +148,14 @@ class ZeroAdamW(torch.optim.Optimizer):
                     raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
                                      "sparse gradients are not supported, use sparse=False")
             params = (params_or_model.parameters() if param_groups is None
-                      else self._groups_of_model(params_or_model, param_groups))
+                      else groups_of_model(params_or_model, param_groups))
         else:
             params = params_or_model
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
-        trainable = self._check_groups(dtype)
-        frozen = self._frozen_params(params_or_model, dtype, stage)
+        trainable = check_groups(self.param_groups, dtype)
+        frozen = frozen_params(self.param_groups, params_or_model, dtype, stage)
         comm = Comm(process_group)
         unit_list = None
         if stage == 3:
@@ -252,79 +230,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                                       "the flat buffers are laid out once; pass all groups "
                                       "to the constructor")
         super().add_param_group(param_group)
-
-    @staticmethod
-    def _groups_of_model(model: torch.nn.Module, groups) -> List[Dict[str, Any]]:
-        """param_groups over a model: every param must be the model's, and every trainable
-        param of the model must be in a group."""
-        if not isinstance(groups, (list, tuple)) or not groups or \
-                not all(isinstance(g, dict) and "params" in g for g in groups):
-            raise TypeError("param_groups must be a non-empty list of dicts with 'params'")
-        mine = {id(p) for p in model.parameters()}
-        listed = set()
-        for gi, g in enumerate(groups):
-            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-            for p in ps:
-                if id(p) not in mine:
-                    raise ValueError(f"param_groups[{gi}] holds a tensor that is not a "
-                                     "parameter of the model")
-                listed.add(id(p))
-        missing = [n for n, p in model.named_parameters() if p.requires_grad
-                   and id(p) not in listed]
-        if missing:
-            raise ValueError(f"param_groups leaves out trainable params of the model: "
-                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        return [dict(g) for g in groups]
-
-    def _frozen_params(self, params_or_model, dtype: torch.dtype, stage: int) -> list:
-        """Frozen float params to cast to `precision` (all of the model's, or those passed)."""
-        if stage == 3:
-            return []  # stage 3 shards and casts them with their unit
-        if isinstance(params_or_model, torch.nn.Module):
-            ps = list(params_or_model.parameters())
-        else:
-            ps = [p for g in self.param_groups for p in g["params"]]
-        seen, out = set(), []
-        for p in ps:
-            if not p.requires_grad and id(p) not in seen and p.dtype in _FLOAT_DTYPES \
-                    and p.dtype != dtype:
-                seen.add(id(p))
-                out.append(p)
-        return out
-
-    def _check_groups(self, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
-        seen, out, device = set(), [], None
-        for gi, group in enumerate(self.param_groups):
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                         where=f"param group {gi}")
-            ps = []
-            for p in group["params"]:
-                if not p.requires_grad or id(p) in seen:
-                    continue  # frozen params are not optimized; a tied param is stored once
-                seen.add(id(p))
-                if p.is_sparse or p.layout != torch.strided:
-                    raise ValueError(f"params must be dense tensors; param group {gi} has "
-                                     f"layout {p.layout}")
-                if p.dtype not in _FLOAT_DTYPES:
-                    raise TypeError(f"params must be fp32/bf16/fp16; param group {gi} has "
-                                    f"{p.dtype}")
-                if dtype == torch.float32 and p.dtype != torch.float32:
-                    raise TypeError(f"precision='fp32' cannot hold a {p.dtype} param (param "
-                                    f"group {gi}); use precision='bf16'/'fp16' or cast the "
-                                    "model")
-                if device is None:
-                    device = p.device
-                elif p.device != device:
-                    raise ValueError(f"all params must be on one device; found {device} and "
-                                     f"{p.device}")
-                ps.append(p)
-            out.append(ps)
-        if not any(out):
-            raise ValueError("params_or_model has no trainable parameters (requires_grad=True)")
-        if not all(out):
-            empty = [i for i, ps in enumerate(out) if not ps]
-            raise ValueError(f"param groups {empty} have no trainable parameters")
-        return out
 
     # ---- training loop API -----------------------------------------------------------------
     @property

@@ -1,0 +1,114 @@
+"""ZeroAdamW's argument checks: everything is validated before the model is touched (DESIGN §1,
+errors on bad input)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Any, Dict, List
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
+    sfx = f" (in {where})" if where else ""
+    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)) \
+            or (not isinstance(lr, torch.Tensor) and not (0.0 <= lr < math.inf)):
+        raise ValueError(f"lr must be a finite number >= 0{sfx}, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be a pair of numbers in [0, 1){sfx}, got {betas!r}")
+    if not (isinstance(eps, numbers.Real) and 0.0 < eps < math.inf):
+        raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
+    if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
+        raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
+
+
+def check_distributed_env(process_group) -> None:
+    """A launcher's WORLD_SIZE > 1 without a process group would silently train one model per
+    rank (world size 1 each)."""
+    import torch.distributed as dist
+
+    ws = os.environ.get("WORLD_SIZE", "1")
+    if process_group is None and not (dist.is_available() and dist.is_initialized()) and \
+            ws.isdigit() and int(ws) > 1:
+        raise RuntimeError(
+            f"zerokern: WORLD_SIZE={ws} is set (a torchrun/launcher job) but torch.distributed "
+            "is not initialized, so every rank would train its own model. Call "
+            "torch.distributed.init_process_group() before building ZeroAdamW")
+
+
+def groups_of_model(model: torch.nn.Module, groups) -> List[Dict[str, Any]]:
+    """param_groups over a model: every param must be the model's, and every trainable
+    param of the model must be in a group."""
+    if not isinstance(groups, (list, tuple)) or not groups or \
+            not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise TypeError("param_groups must be a non-empty list of dicts with 'params'")
+    mine = {id(p) for p in model.parameters()}
+    listed = set()
+    for gi, g in enumerate(groups):
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            if id(p) not in mine:
+                raise ValueError(f"param_groups[{gi}] holds a tensor that is not a "
+                                 "parameter of the model")
+            listed.add(id(p))
+    missing = [n for n, p in model.named_parameters() if p.requires_grad
+               and id(p) not in listed]
+    if missing:
+        raise ValueError(f"param_groups leaves out trainable params of the model: "
+                         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return [dict(g) for g in groups]
+
+def frozen_params(param_groups, params_or_model, dtype: torch.dtype, stage: int) -> list:
+    """Frozen float params to cast to `precision` (all of the model's, or those passed)."""
+    if stage == 3:
+        return []  # stage 3 shards and casts them with their unit
+    if isinstance(params_or_model, torch.nn.Module):
+        ps = list(params_or_model.parameters())
+    else:
+        ps = [p for g in param_groups for p in g["params"]]
+    seen, out = set(), []
+    for p in ps:
+        if not p.requires_grad and id(p) not in seen and p.dtype in FLOAT_DTYPES \
+                and p.dtype != dtype:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+def check_groups(param_groups, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
+    seen, out, device = set(), [], None
+    for gi, group in enumerate(param_groups):
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                     where=f"param group {gi}")
+        ps = []
+        for p in group["params"]:
+            if not p.requires_grad or id(p) in seen:
+                continue  # frozen params are not optimized; a tied param is stored once
+            seen.add(id(p))
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(f"params must be dense tensors; param group {gi} has "
+                                 f"layout {p.layout}")
+            if p.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"params must be fp32/bf16/fp16; param group {gi} has "
+                                f"{p.dtype}")
+            if dtype == torch.float32 and p.dtype != torch.float32:
+                raise TypeError(f"precision='fp32' cannot hold a {p.dtype} param (param "
+                                f"group {gi}); use precision='bf16'/'fp16' or cast the "
+                                "model")
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ValueError(f"all params must be on one device; found {device} and "
+                                 f"{p.device}")
+            ps.append(p)
+        out.append(ps)
+    if not any(out):
+        raise ValueError("params_or_model has no trainable parameters (requires_grad=True)")
+    if not all(out):
+        empty = [i for i, ps in enumerate(out) if not ps]
+        raise ValueError(f"param groups {empty} have no trainable parameters")
+    return out
