@@ -343,7 +343,7 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p) -> None:
-    from .train.config import int_at_least, positive_float
+    from .argtypes import int_at_least, positive_float
 
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, metavar="N",

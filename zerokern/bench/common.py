@@ -33,48 +33,17 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
+# Host facts and tables live below the bench layer (train/ uses them too); re-exported here.
+from ..host import cpu_llc_bytes, cpu_model, usable_cpus  # noqa: F401
+from ..tables import Column, fmt_value, format_rows, markdown_table, print_table  # noqa: F401
+
 TimedFn = Tuple[str, Callable[[], None]]  # (name, zero-argument callable)
 
 # Five times the 50 MB L2 of an H100, as in llm.c; the env records the device's actual L2.
 CUDA_FLUSH_BYTES = 256 << 20
-# Used when sysfs does not report an L3 (some VMs, containers).
-CPU_LLC_FALLBACK_BYTES = 32 << 20
 
 
 # ---------------------------------------------------------------------------- environment
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_llc_bytes() -> int:
-    """Size of the largest cache sysfs lists for cpu0 (the LLC), or a 32 MB guess."""
-    best = 0
-    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            txt = (idx / "size").read_text().strip()
-        except OSError:
-            continue
-        m = re.fullmatch(r"(\d+)([KMG]?)", txt)
-        if m:
-            best = max(best, int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20,
-                                                  "G": 1 << 30}[m.group(2)])
-    return best or CPU_LLC_FALLBACK_BYTES
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def device_name(device: torch.device) -> str:
@@ -297,58 +266,6 @@ def gbps(nbytes: float, ms: float) -> float:
 
 
 # ---------------------------------------------------------------------------- output
-
-Column = Tuple[str, str]  # (row key, header)
-
-
-def fmt_value(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if v != v:  # NaN
-            return "-"
-        if abs(v) >= 100:
-            return f"{v:.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.3g}" if abs(v) < 0.1 else f"{v:.2f}"
-    return str(v)
-
-
-def format_rows(rows: Sequence[dict], columns: Sequence[Column]) -> List[List[str]]:
-    return [[fmt_value(r.get(key)) for key, _ in columns] for r in rows]
-
-
-def print_table(rows: Sequence[dict], columns: Sequence[Column], title: str = "") -> None:
-    """A console table: rich if it is installed, else aligned plain text."""
-    cells = format_rows(rows, columns)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-                  for i, (_, h) in enumerate(columns)]
-        if title:
-            print(title)
-        print("  ".join(h.rjust(w) for (_, h), w in zip(columns, widths)))
-        print("  ".join("-" * w for w in widths))
-        for c in cells:
-            print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
-        return
-    table = Table(title=title or None)
-    for _, h in columns:
-        table.add_column(h, justify="right")
-    for c in cells:
-        table.add_row(*c)
-    Console().print(table)
-
-
-def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
-    head = "| " + " | ".join(h for _, h in columns) + " |"
-    sep = "|" + "|".join("---:" for _ in columns) + "|"
-    body = ["| " + " | ".join(c) + " |" for c in format_rows(rows, columns)]
-    return "\n".join([head, sep, *body])
-
 
 def markdown_env(env: dict) -> str:
     keys = ["device_name", "cpu_model", "usable_cpus", "torch_threads", "gpu_memory_bytes",

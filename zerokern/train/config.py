@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..argtypes import int_at_least, positive_float
 from ..gpt import PRESETS
 
 PRECISIONS = ("bf16", "fp32", "fp16")
@@ -54,30 +54,6 @@ class TrainConfig:
 
 def default_out_dir() -> str:
     return str(Path("runs") / _dt.datetime.now().strftime("train-%Y%m%d-%H%M%S"))
-
-
-def int_at_least(lo: int):
-    """argparse type: an int >= lo (the error names the flag, argparse adds it)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite float > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
 
 
 def _offload(text: str) -> Optional[str]:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..bench.common import usable_cpus
+from ..host import usable_cpus
 from .config import TrainConfig
 from .loop import run_rank
 

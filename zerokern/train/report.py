@@ -16,9 +16,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..bench.common import cpu_model, print_table
 from ..estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
+from ..host import cpu_model
 from ..memory import estimate_memory
+from ..tables import print_table
 from .config import TrainConfig
 from .loop import build_model
 

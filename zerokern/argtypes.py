@@ -1,0 +1,30 @@
+"""argparse types shared by the command-line tools (the error names the flag; argparse adds it)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def int_at_least(lo: int):
+    """argparse type: an int >= lo (the error names the flag, argparse adds it)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
