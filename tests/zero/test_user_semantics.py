@@ -195,17 +195,15 @@ def _fp16_plain(rank, ws, stage):
     return plain
 
 
-def _load_sd(rank, ws, stage, bare):
+def _load_sd(rank, ws, stage, bare, offload=None):
     """model.load_state_dict after building the optimizer = building it after loading."""
     src = M.make_model(seed=5)
     sd = src.state_dict()  # fp32
+    kw = dict(stage=stage, precision="bf16", lr=M.LR, eps=M.EPS, bucket_mb=M.BUCKET_MB,
+              backend=M.BACKEND, offload=offload)
 
     def build(model):
-        if bare:
-            return zk.ZeroAdamW(model.parameters(), stage=stage, precision="bf16", lr=M.LR,
-                                eps=M.EPS, bucket_mb=M.BUCKET_MB, backend=M.BACKEND)
-        return zk.ZeroAdamW(model, stage=stage, precision="bf16", lr=M.LR, eps=M.EPS,
-                            bucket_mb=M.BUCKET_MB, backend=M.BACKEND)
+        return zk.ZeroAdamW(model.parameters() if bare else model, **kw)
 
     def train(model, opt):
         for s in range(2):
@@ -322,6 +320,8 @@ def _rank_cases(rank, ws):
     for st in (0, 1, 2):
         cases[f"load_sd_s{st}"] = p(_load_sd, rank, ws, st, False)
         cases[f"load_sd_bare_s{st}"] = p(_load_sd, rank, ws, st, True)
+        if st > 0:
+            cases[f"load_sd_offload_s{st}"] = p(_load_sd, rank, ws, st, False, "cpu")
         cases[f"replaced_s{st}"] = p(_replaced, rank, ws, st, memo)
         cases[f"cast_error_s{st}"] = p(_cast_error, rank, ws, st)
         cases[f"param_replaced_s{st}"] = p(_param_replaced, rank, ws, st)
@@ -415,6 +415,14 @@ def test_fp16_plain_backward_raises(ws, stage):
 @pytest.mark.parametrize("bare", [False, True])
 def test_load_state_dict_after_construction(ws, stage, bare):
     for same in case(_res(ws), f"load_sd{'_bare' if bare else ''}_s{stage}"):
+        assert same
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_load_state_dict_after_construction_with_offload(ws, stage):
+    """The fp32 masters live on the host with offload='cpu': they are updated there."""
+    for same in case(_res(ws), f"load_sd_offload_s{stage}"):
         assert same
 
 
