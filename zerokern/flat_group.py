@@ -88,6 +88,15 @@ class FlatGroup:
     def piece(self, buf: torch.Tensor, k: int) -> torch.Tensor:
         return buf[slice(*self.layout.piece_range(k, self.rank))]
 
+    def publish_piece(self, comm, k: int):
+        """After bucket k's update: all-gather this rank's new piece into every rank's params
+        (stages 1-2, async, in place: it overlaps bucket k+1's update); stage 0 updated the
+        whole bucket itself. Returns the handle, or None."""
+        if self.stage == 0:
+            return None
+        return comm.all_gather_(self.bucket(self.flat, k), self.piece(self.flat, k),
+                                async_op=True)
+
     def state_tensors(self) -> dict:
         out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
         if self.master is not None:

@@ -303,7 +303,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         found, sumsq = stats[0], stats[1]
         for gi, k in gs.reduce():  # stats of bucket k while later buckets are still reducing
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
-        if self.stage > 0:
+        if not gs.averaged:  # each rank holds a shard (stages 1-3): combine the stats
             self.comm.all_reduce_(stats)
         divisor = 1 if gs.averaged else self.comm.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
@@ -337,7 +337,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
             op = torch.distributed.ReduceOp.SUM
-        if self.stage > 0:
+        if not self.grad_sync.averaged:
             self.comm.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
@@ -373,12 +373,10 @@ class ZeroAdamW(torch.optim.Optimizer):
                                      backend=self.backend)
                 else:
                     self._device_update(g, group, k, gs.grad_piece(gi, k), grad_scale, found)
-                if self.stage in (1, 2):  # stage 3 keeps only the shard
-                    # In place, and at once: bucket k's all-gather overlaps bucket k+1's update.
-                    gathers.append(self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k),
-                                                         async_op=True))
+                gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
-            h.wait()
+            if h is not None:
+                h.wait()
         gs.after_step()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)

@@ -122,6 +122,10 @@ class ShardedFlat:
     def moments(self, k: int):
         return self.exp_avg, self.exp_avg_sq
 
+    def publish_piece(self, comm, k: int):
+        """Stage 3 keeps only the shard: the next gather brings the update to every rank."""
+        return None
+
     def state_tensors(self) -> dict:
         # The param shard too: at stage 3 the model's own state_dict has no values to give.
         out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps,
