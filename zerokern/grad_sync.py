@@ -24,6 +24,7 @@ would hold every other bucket back until backward ends.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -49,11 +50,15 @@ class GradSync:
         self.detached = False         # another ZeroAdamW took these params over
         self._callback_queued = False
         self._hooks = []
+        # A weak reference: the hook lives in the param's grad accumulator (C++), where the
+        # garbage collector cannot see a cycle back to this object, so `del opt, model` would
+        # never free the optimizer's buffers.
+        ref = weakref.ref(self)
         for gi, g in enumerate(groups):
             for i, p in enumerate(g.params):
                 p._zerokern_sync = self  # marks the param as owned (see ZeroAdamW's check)
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, gi=gi, i=i: self._on_grad(gi, i, p)))
+                    lambda p, gi=gi, i=i: ref() is not None and ref()._on_grad(gi, i, p)))
 
     def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
         if p.grad is not None and p.grad.layout != torch.strided:

@@ -157,6 +157,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             from .stage3 import find_units
 
             unit_list = find_units(params_or_model, units)  # raises on a bad policy
+            dev = trainable[0][0].device
+            for u in unit_list:
+                for p in u.frozen:
+                    if p.device != dev:
+                        raise ValueError(f"all params must be on one device; found {dev} and "
+                                         f"{p.device} (a frozen param of unit "
+                                         f"{u.name or '<root>'!r})")
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -182,8 +189,12 @@ class ZeroAdamW(torch.optim.Optimizer):
                 ShardedFlat(ps, dtype, comm.world_size, comm.rank, gi, u.index)
                 for u in unit_list for gi in range(len(trainable))
                 for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
+            # Frozen params: sharded with their unit, cast to the precision, no grads and no
+            # optimizer state (units.py); group_index -1: in no param group.
+            frozen = [ShardedFlat(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index,
+                                  trainable=False) for u in unit_list if u.frozen]
             self.grad_sync: GradSync = Stage3Sync(self.flat_groups, unit_list, comm,
-                                                  self.reduce_dtype, params_or_model)
+                                                  self.reduce_dtype, params_or_model, frozen)
         else:
             self.flat_groups: List[FlatGroup] = [
                 FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
