@@ -121,6 +121,7 @@ class Stage3Sync(ShardedGrads):
         self._refs: Dict[int, int] = defaultdict(int)   # forward reference counts per unit
         # grad-enabled calls per unit whose backward is still to come (rule 3)
         self._calls: Dict[int, int] = defaultdict(int)
+        self._unsignalled: set = set()   # units called with no input that requires grad
         self._unit_of = {id(u.module): u.index for u in self.active_units}
         self.in_backward = False
         self.live_bytes = 0
@@ -231,14 +232,15 @@ class Stage3Sync(ShardedGrads):
         if self._fcur < len(self.schedule):  # prefetch the next unit of the schedule
             self._gather(self._need(self.units[self.schedule[self._fcur]]), wait=False)
         if torch.is_grad_enabled() and not u.is_root:  # rule 3: post-backward on the inputs
-            self._calls[u.index] += 1
             ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
-            if not ins:  # no signal for this call: the unit ends by its grads or the flush
-                self._calls[u.index] += 1 << 30
-            left = [len(ins)]
-            hook = _weak(self, "_input_grad")
-            for t in ins:
-                t.register_hook(lambda g, u=u, left=left: hook(u, left))
+            if ins:
+                self._calls[u.index] += 1
+                left = [len(ins)]
+                hook = _weak(self, "_input_grad")
+                for t in ins:
+                    t.register_hook(lambda g, u=u, left=left: hook(u, left))
+            else:  # no signal from this call: the unit is done by its grads or the flush
+                self._unsignalled.add(u.index)
 
     def _post_forward(self, u: Unit, out) -> None:
         if self.in_backward:
@@ -294,7 +296,7 @@ class Stage3Sync(ShardedGrads):
         self._reach(self._bsched, self._bcur, pos, free_skipped=False)
         self._bcur = pos + 1
         for ui in skipped:
-            if self._calls[ui] == 0:
+            if self._calls[ui] == 0 and ui not in self._unsignalled:
                 self._release(ui)
                 self._unit_done(ui)
 
@@ -303,7 +305,19 @@ class Stage3Sync(ShardedGrads):
         if left[0] == 0:  # this call's backward is over; the unit's when all calls' are
             self._calls[u.index] -= 1
             if self._calls[u.index] == 0:
-                self._unit_done(u.index)
+                if u.index not in self._unsignalled:
+                    self._unit_done(u.index)
+                self._maybe_free(u.index)
+
+    def _maybe_free(self, ui: int) -> None:
+        """Free a unit whose backward no longer needs it: its trainable params have all their
+        grads (every op that saved one of them has run) and, if it holds frozen params (which
+        get no grad to tell), the grads of its inputs have been computed."""
+        if self._refs[ui] or ui in self._held_deps or self._pending.get(ui, 0) > 0:
+            return
+        if self._calls[ui] > 0 and any(not f.trainable for f in self._bufs(ui)):
+            return
+        self._free(ui)
 
     def _unit_done(self, ui: int) -> None:
         """u's backward is over on this rank: params still without a grad were not used."""
@@ -349,8 +363,7 @@ class Stage3Sync(ShardedGrads):
         self._pending[ui] -= 1
         if self._pending[ui] == 0:
             self._done.add(ui)
-            if ui not in self._held_deps and self._refs[ui] == 0:
-                self._free(ui)  # every use of its params has run (their grads are all in)
+            self._maybe_free(ui)
             self._launch_ready(flush=False)
 
     def _launch_ready(self, flush: bool) -> None:
@@ -369,9 +382,8 @@ class Stage3Sync(ShardedGrads):
                     self._complete_oldest()
                 self._reduce_async(fi, staging, self.grad_shards[fi])
             self._reduced.add(ui)
-            if ui not in self._held_deps and self._refs[ui] == 0 and not flush \
-                    and self._pending[ui] == 0:
-                self._free(ui)
+            if not flush:
+                self._maybe_free(ui)
             self._next += 1
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
@@ -393,6 +405,7 @@ class Stage3Sync(ShardedGrads):
         self.in_backward = False
         self._free_unreferenced()
         self._calls.clear()
+        self._unsignalled.clear()
         self._reset_backward()
 
     # ---- step / zero_grad / reports ----------------------------------------------------------
