@@ -5,7 +5,9 @@ A rank that issues its collectives in another order than its peers does not alwa
 collectives with equal byte counts exchange each other's data (the gloo ring, and NCCL when the
 sizes match) and training goes on, wrong. In debug mode every Comm records, per collective,
 (kind, dtype, shape, label), where the label names the buffer (e.g. "unit 3 group 0"), so a
-reorder of two same-shaped units shows too. `check()` (called at every stage-3 step(), and by
+reorder of two same-shaped units shows too. Records are compared per process group: stage 3
+reduce-scatters on a group of its own, and ranks may interleave the two groups differently
+without harm (only the order within a group must agree). `check()` (called at every stage-3 step(), and by
 anyone who wants to) exchanges a 64-bit hash and the count of each rank's record since the
 last check over the main process group, with plain torch.distributed collectives that are
 themselves not recorded; on a mismatch it gathers the records (all_gather_object) and raises
@@ -50,6 +52,9 @@ class CollectiveLog:
         self.checks += 1
         if group is None or dist.get_world_size(group) == 1:
             return
+        # Per group: only the order within one group must agree (ranks may interleave the
+        # groups differently, [Note: stage-3 collective order]).
+        records = sorted(records, key=lambda r: r[0])  # stable: each group's order is kept
         mine = torch.tensor([len(records), self._digest_of(records)], dtype=torch.int64)
         n = dist.get_world_size(group)
         dev = _device_of(group)
@@ -83,14 +88,19 @@ def _fmt(r: Optional[Record]) -> str:
 
 
 def _first_divergence(every: List[List[Record]], where: str, check_no: int) -> str:
-    longest = max(len(r) for r in every)
-    for i in range(longest):
-        seen = [r[i] if i < len(r) else None for r in every]
-        if any(s != seen[0] for s in seen):
+    tags = sorted({r[0] for recs in every for r in recs})
+    for tag in tags:
+        per_rank = [[r for r in recs if r[0] == tag] for recs in every]
+        longest = max(len(r) for r in per_rank)
+        for i in range(longest):
+            seen = [r[i] if i < len(r) else None for r in per_rank]
+            if all(s == seen[0] for s in seen):
+                continue
             ranks = "; ".join(f"rank {k}: {_fmt(s)}" for k, s in enumerate(seen))
             return (f"zerokern ({ENV}=1): the ranks issued different collectives before "
-                    f"{where} (check {check_no}); the first difference is collective #{i}: "
-                    f"{ranks}. Every rank must issue the same collectives in the same order "
+                    f"{where} (check {check_no}); the first difference is collective #{i} of "
+                    f"the {tag} group: {ranks}. Every rank must issue the same collectives in "
+                    "the same order on each group "
                     "(same modules called in the same order on every rank, or units skipped "
                     "through zerokern's schedule; see [Note: stage-3 collective order] in "
                     "zerokern/stage3/runtime.py)")

@@ -41,6 +41,8 @@ class ModelGuard:
         # param id -> (buffer, slot index), for every sharded param, trainable and frozen
         self.where = {id(p): (f, i) for f in list(sync.groups) + sync.frozen
                       for i, p in enumerate(f.params)}
+        f0 = sync.groups[0]
+        self.dtype, self.device = f0.dtype, f0.device
         self.hooks: List = []
         ref = weakref.ref(self)
         for mod in model.modules():
@@ -70,21 +72,24 @@ class ModelGuard:
         model = self.model_ref()
         if model is None:
             return
-        if [id(p) for p in model.parameters()] != self._param_ids:
+        # The model's params now (a .to() may have replaced them) and the optimizer's.
+        params = list(model.parameters())
+        moved = [p for p in params + [f.params[i] for f, i in self.where.values()]
+                 if p.is_floating_point() and (p.dtype, p.device) != (self.dtype, self.device)]
+        if moved:
+            p = moved[0]
+            raise RuntimeError(
+                f"zerokern stage 3 ({where}): a param is now {p.dtype} on {p.device}, but "
+                f"ZeroAdamW holds the params as {self.dtype} on {self.device}: model.to()/.cuda()/"
+                ".half()/.float() ran after the optimizer was built. At stage 3 the params "
+                "live in the optimizer's shards: move the model to its device before "
+                "creating ZeroAdamW, and choose the dtype with precision= (the optimizer "
+                "casts the model)")
+        if [id(p) for p in params] != self._param_ids:
             raise ValueError("zerokern stage 3: the model's parameters changed after ZeroAdamW "
                              "wrapped it (a module replaced or added, or a parameter created "
                              "after wrapping); build the model completely, then create the "
                              "optimizer")
-        for pid, (f, i) in self.where.items():
-            p = f.params[i]
-            if p.dtype != f.dtype or p.device != f.device:
-                raise RuntimeError(
-                    f"zerokern stage 3 ({where}): a param is now {p.dtype} on {p.device}, but "
-                    f"ZeroAdamW holds it as {f.dtype} on {f.device}: model.to()/.cuda()/"
-                    ".half()/.float() ran after the optimizer was built. At stage 3 the params "
-                    "live in the optimizer's shards: move the model to its device before "
-                    "creating ZeroAdamW, and choose the dtype with precision= (the optimizer "
-                    "casts the model)")
 
     # ---- state dicts ----------------------------------------------------------------------------
     def _on_state_dict(self, keep_vars: bool) -> None:

@@ -86,6 +86,10 @@ def _weak(self, name: str):
     optimizer, so a strong reference there would keep `del opt, model` from freeing anything."""
     ref = weakref.ref(self)
 
+    # [Note: stage 3 under torch.compile] The hooks run eagerly, never traced: they issue
+    # collectives and swap `p.data`, which dynamo would turn into in-place ops on the params
+    # (autograd then sees the saved params "modified by an inplace operation").
+    @torch.compiler.disable
     def hook(*args):
         obj = ref()
         return None if obj is None else getattr(obj, name)(*args)
