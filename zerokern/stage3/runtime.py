@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
@@ -437,6 +438,24 @@ class Stage3Sync(ShardedGrads):
             for f in list(self.groups) + self.frozen:
                 f.write_back_()
         self._free_unreferenced()
+
+    @contextmanager
+    def frozen_whole(self, write_back: bool = False):
+        """Between steps: the frozen params whole inside the block (collective), e.g. for a
+        checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
+        for f in self.frozen:
+            f.start_gather(self.comm, self._label(f))
+        for f in self.frozen:
+            f.finish_gather()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            for f in self.frozen:
+                if ok and write_back:
+                    f.write_back_()
+                f.free()
 
     @property
     def all_gathered(self) -> bool:

@@ -101,6 +101,12 @@ class ShardedFlat:
             self.handle = None
         for p in self.params:
             p.data = self._empty
+        if not self.full.untyped_storage().resizable():
+            # Exported while gathered (t.numpy(), as checkpoint and safetensors writers do,
+            # marks the storage fixed-size): leave it to its holders and take a new one.
+            L = self.layout
+            self.full = torch.empty(L.padded_numel, dtype=self.dtype, device=self.device)
+            self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
