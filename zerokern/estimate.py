@@ -104,7 +104,7 @@ class _InstantComm:
     def all_gather_(self, out, inp, async_op=False, label=None):
         return self._Done()
 
-    def split(self) -> "_InstantComm":
+    def split(self) -> _InstantComm:
         return self
 
     def check_collectives(self, where: str = "") -> None:

@@ -144,5 +144,6 @@ def memory_report(opt) -> Dict[str, Any]:
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,
             "formula_total": formula["total"],
             "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,
-            "num_params": psi, "num_frozen": frozen_numel, "world_size": opt.comm.world_size, "stage": opt.stage,
+            "num_params": psi, "num_frozen": frozen_numel,
+            "world_size": opt.comm.world_size, "stage": opt.stage,
             "precision": opt.precision}

@@ -53,7 +53,7 @@ D, N_BLOCKS, N_EXPERTS = 16, 6, 4
 DEBUG_ENV = "ZEROKERN_DEBUG_COLLECTIVES"
 
 
-# ---- a model whose ranks use different params ------------------------------------------------------
+# ---- a model whose ranks use different params ----------------------------------------------------
 class DynBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -164,7 +164,7 @@ def _with_debug(fn):
         os.environ.pop(DEBUG_ENV, None)
 
 
-# ---- rank side: control flow and the debug mode ------------------------------------------------------
+# ---- rank side: control flow and the debug mode --------------------------------------------------
 def _flow(rank, ws, debug=False):
     ref = ddp_reference(make_dyn(), rank, ws)
     model = make_dyn()
@@ -284,7 +284,7 @@ def _frozen_worker(rank, ws):
                       "lora_bf16": functools.partial(_lora_bf16, rank, ws)})
 
 
-# ---- rank side: the usual tools -------------------------------------------------------------------
+# ---- rank side: the usual tools ------------------------------------------------------------------
 def _ddp_wrap(rank, ws):
     model = M.make_model()
     opt = _zero3(model)
@@ -464,7 +464,7 @@ def test_frozen_params_cast_to_precision_and_reported(ws):
         assert abs(x["total"] - x["formula"]) <= x["slack"]
 
 
-# ---- tests: the usual tools -------------------------------------------------------------------------
+# ---- tests: the usual tools ----------------------------------------------------------------------
 def _misc(name):
     return case(cached(_misc_worker, 2), name)
 

@@ -48,8 +48,7 @@ from .format import (
     read_meta,
     read_span,
 )
-from .views import (OptimizerView, model_extras, optimizer_view,
-                    whole_frozen_params)
+from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 from .writer import check_path
 
 _F32 = 4  # bytes per saved state element

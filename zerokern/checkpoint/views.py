@@ -18,7 +18,6 @@ checkpoint does not depend on bucket sizes, padding, world size or stage.
 from __future__ import annotations
 
 from contextlib import contextmanager
-
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 

@@ -51,8 +51,7 @@ from .format import (
     rank_file,
     write_meta,
 )
-from .views import (OptimizerView, model_extras, optimizer_view,
-                    whole_frozen_params)
+from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 
 # Test hooks (tests/zero/test_checkpoint.py): pause at a point of the save, so a test can kill
 # the writer there ("files_written": rank files done, no metadata yet; "old_moved": between

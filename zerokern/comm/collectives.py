@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .debug import CollectiveLog, enabled as _debug_enabled
+from .debug import CollectiveLog
+from .debug import enabled as _debug_enabled
 from .ring import FutureWork, RingRunner
 
 # One extra group per parent group for stage 3's reduce-scatters ([Note: stage-3 collective
@@ -65,7 +66,7 @@ class Comm:
     """The process group a ZeroAdamW runs over; world size 1 without init_process_group."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 _parent: Optional["Comm"] = None) -> None:
+                 _parent: Optional[Comm] = None) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError("process_group must be a torch.distributed.ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
@@ -88,7 +89,7 @@ class Comm:
                 os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
             self.ring = RingRunner(self.group, self.rank, self.world_size)
 
-    def split(self) -> "Comm":
+    def split(self) -> Comm:
         """A Comm over a second process group with the same ranks (the same group object for
         every optimizer on this group), sharing this one's stats and debug log. World size 1:
         a Comm that only copies."""
