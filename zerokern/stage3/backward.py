@@ -14,8 +14,7 @@ from .units import Unit
 
 class Stage3Backward(ShardedGrads):
     def _pre_backward(self, u: Unit) -> None:
-        self._begin_backward()
-        self.in_backward = True
+        """The grad of u's output is ready: u's backward is about to run."""
         self._bwd_reach(u)
 
     def _bwd_reach(self, u: Unit) -> None:
@@ -58,7 +57,9 @@ class Stage3Backward(ShardedGrads):
         """Free a unit whose backward no longer needs it: its trainable params have all their
         grads (every op that saved one of them has run) and, if it holds frozen params (which
         get no grad to tell), the grads of its inputs have been computed."""
-        if self._refs[ui] or ui in self._held_deps or self._pending.get(ui, 0) > 0:
+        if self._refs[ui] or ui in self._held_deps:
+            return
+        if self._pending.get(ui, 0) > 0 and ui not in self._done:  # (done: the rest unused)
             return
         if self._calls[ui] > 0 and any(not f.trainable for f in self._bufs(ui)):
             return
