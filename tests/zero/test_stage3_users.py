@@ -61,8 +61,9 @@ class DynBlock(nn.Module):
         self.fa = nn.Linear(D, D)
         self.fb = nn.Linear(D, D)
 
-    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
-        h = self.fa(self.ln(x)) if branch else self.fb(self.ln(x))  # a branch inside a unit
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        y = self.ln(x)  # a branch inside a unit: fa, fb or both
+        h = self.fa(y) if branch == 0 else self.fb(y) if branch == 1 else self.fa(y) + self.fb(y)
         return x + torch.tanh(h)
 
 
@@ -77,13 +78,18 @@ class Expert(nn.Module):
 
 class DynLM(nn.Module):
     """6 blocks and 4 experts, all units (children of ModuleLists). Per forward, decided by the
-    rank's tokens (so ranks decide differently): some blocks are dropped, each block runs one of
-    two branches, and each sequence is routed to one expert (only the chosen experts run).
-    dynamic=False: every block runs branch fa, every expert runs (the same on every rank)."""
+    rank's tokens (so ranks decide differently): some blocks are dropped, each block runs fa, fb
+    or both (a rank using both reduces a block at once where a peer must decide that a param
+    went unused), and each sequence is routed to one expert (only the chosen experts run).
+    dynamic=False: every expert runs, every block runs fa (stall=None) or fa and fb."""
 
-    def __init__(self, dynamic: bool = True) -> None:
+    def __init__(self, dynamic: bool = True, stall: bool = False) -> None:
         super().__init__()
         self.dynamic = dynamic
+        # stall (with dynamic=False): every block runs fa and fb, except that the last one runs
+        # fa only where stall is set (one rank): that rank cannot reduce the first unit of
+        # backward until it knows fb went unused, while its peers reduce on and wait for it
+        self.stall = stall
         self.emb = nn.Embedding(M.VOCAB, D)
         self.blocks = nn.ModuleList(DynBlock() for _ in range(N_BLOCKS))
         self.experts = nn.ModuleList(Expert() for _ in range(N_EXPERTS))
@@ -99,7 +105,9 @@ class DynLM(nn.Module):
             if self.dynamic and (c + i) % 3 == 0:
                 dropped.append(i)  # layer drop
                 continue
-            branch = bool((c // 3 + i) % 2) if self.dynamic else True
+            branch = (c // 3 + i) % 3 if self.dynamic else 0 if self.stall is None else 2
+            if self.stall and i == N_BLOCKS - 1:
+                branch = 0
             branches.append(branch)
             x = blk(x, branch)
         route = tokens[:, 0] % N_EXPERTS if self.dynamic else None
@@ -115,9 +123,9 @@ class DynLM(nn.Module):
         return self.head(self.ln_f(x + y))
 
 
-def make_dyn(dynamic: bool = True) -> DynLM:
+def make_dyn(dynamic: bool = True, stall=None) -> DynLM:
     torch.manual_seed(M.MODEL_SEED)
-    return DynLM(dynamic)
+    return DynLM(dynamic, stall)
 
 
 def _adamw(model: nn.Module, betas=M.BETAS) -> torch.optim.AdamW:
@@ -174,6 +182,17 @@ def _flow(rank, ws, debug=False):
             "trace": model.trace, "debug_checks": opt.comm.log.checks if debug else None}
 
 
+def _stall(rank, ws):
+    """Rank 1 leaves a param of the first unit of backward unused (rule 3 of [Note: stage-3
+    collective order]: without the post-backward signal its peers, reducing on, would block
+    on that unit's reduce-scatter while it waits on their gathers)."""
+    make = functools.partial(make_dyn, False, rank == 1)
+    ref = ddp_reference(make(), rank, ws)
+    model = make()
+    got = train3(model, _zero3(model), rank, ws)
+    return {"rel": M.rel_err(got, ref), "moved": M.rel_err(got, M.snapshot(make()))}
+
+
 def _flow_negative(rank, ws):
     ref = ddp_reference(make_dyn(), rank, ws, betas=(0.55, 0.6))
     model = make_dyn()
@@ -184,8 +203,8 @@ def _reordered(rank, ws, debug):
     """Rank 1 reduce-scatters two same-shaped blocks in swapped order (an injected bug)."""
     if ws == 1:
         return None
-    ref = ddp_reference(make_dyn(False), rank, ws)
-    model = make_dyn(False)
+    ref = ddp_reference(make_dyn(False, None), rank, ws)
+    model = make_dyn(False, None)
     opt = _with_debug(lambda: _zero3(model)) if debug else _zero3(model)
     order = opt.grad_sync._rs_order
     if rank == 1:
@@ -201,6 +220,7 @@ def _flow_worker(rank, ws):
     return run_cases({
         "flow": functools.partial(_flow, rank, ws),
         "flow_negative": functools.partial(_flow_negative, rank, ws),
+        "stall": functools.partial(_stall, rank, ws),
         "flow_debug": functools.partial(_flow, rank, ws, debug=True),
         "reorder_silent": functools.partial(_reordered, rank, ws, False),
         "reorder_debug": functools.partial(_reordered, rank, ws, True),
@@ -405,6 +425,13 @@ def test_data_dependent_control_flow_matches_ddp(ws):
         assert x["rel"] <= TOL["param"], f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
     if ws > 1:  # the ranks really took different paths (dropped blocks, branches, experts)
         assert len({tuple(x["trace"]) for x in res}) == ws
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_unused_param_on_one_rank_does_not_deadlock(ws):
+    for r, x in enumerate(case(cached(_flow_worker, ws), "stall")):
+        assert x["moved"] > 100 * TOL["param"]
+        assert x["rel"] <= TOL["param"], f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])
