@@ -80,9 +80,10 @@ class Comm:
             self.group, self.world_size, self.rank = None, 1, 0
         self.stats = CommStats() if _parent is None else _parent.stats
         self.tag = "main" if _parent is None else "reduce-scatter"
-        # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one.
-        self.log = (_parent.log if _parent is not None else
-                    CollectiveLog() if _debug_enabled() else None)
+        # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one,
+        # started by the optimizer that checks it at every step() (enable_debug_log), so a
+        # log nobody checks never grows.
+        self.log = _parent.log if _parent is not None else None
         # gloo: reduce-scatter and all-gather as rings over send/recv ([Note: gloo collectives]).
         self.ring = None
         if self.world_size > 1 and dist.get_backend(self.group) == "gloo" and \
@@ -103,6 +104,11 @@ class Comm:
             _SPLIT_GROUPS[key] = dist.new_group(ranks, backend=dist.get_backend(self.group),
                                                 use_local_synchronization=True)
         return Comm(_SPLIT_GROUPS[key], _parent=self)
+
+    def enable_debug_log(self) -> None:
+        """Record every collective if ZEROKERN_DEBUG_COLLECTIVES=1 (call before split())."""
+        if self.log is None and _debug_enabled():
+            self.log = CollectiveLog()
 
     def check_collectives(self, where: str = "step()") -> None:
         """ZEROKERN_DEBUG_COLLECTIVES=1: raise on every rank if the ranks issued different

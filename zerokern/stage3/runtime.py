@@ -134,6 +134,7 @@ class Stage3Sync(Stage3Backward):
         self.prefetch_hits = 0   # gathers already in flight (prefetched) when a unit needed them
         # Rule 2: reduce-scatters in the reversed schedule, the root last, on their own group.
         self._rs_order: List[int] = [u for u in self._bsched + [0] if self.unit_flats[u]]
+        comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked in reduce()
         self.rs_comm = comm.split()
         super().__init__(flats, comm, reduce_dtype)
         self.guard = guards.ModelGuard(self, model)
