@@ -77,8 +77,8 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
-CATEGORIES = ("params", "live_units", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
-              "padding")
+CATEGORIES = ("params", "frozen", "live_units", "grads", "buckets", "master", "exp_avg",
+              "exp_avg_sq", "padding")
 MEASURED = CATEGORIES
 HOST_CATEGORIES = ("master", "exp_avg", "exp_avg_sq", "host_staging")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,11 +98,20 @@ class _InstantComm:
     def __init__(self, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
 
-    def reduce_scatter_(self, out, inp, async_op=False, inp_is_scratch=False):
+    def reduce_scatter_(self, out, inp, async_op=False, inp_is_scratch=False, label=None):
         return self._Done()
 
-    def all_gather_(self, out, inp, async_op=False):
+    def all_gather_(self, out, inp, async_op=False, label=None):
         return self._Done()
+
+    def split(self) -> _InstantComm:
+        return self
+
+    def enable_debug_log(self) -> None:
+        pass
+
+    def check_collectives(self, where: str = "") -> None:
+        pass
 
 
 def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, stage,
@@ -165,9 +174,13 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
              for i, u in enumerate(spec.units)]
     flats = [ShardedFlat(u.params, dtype, world_size, rank, 0, u.index)
              for u in units if u.params]  # one param group: one flat per unit with params
+    frozen = [ShardedFlat([nn.Parameter(torch.empty(s, device="meta"), requires_grad=False)
+                           for s in us.frozen], dtype, world_size, rank, -1, i, trainable=False)
+              for i, us in enumerate(spec.units) if us.frozen]
     where = {j: (fi, slot) for fi, u in enumerate(u for u in spec.units if u.params)
              for slot, j in enumerate(u.params)}
-    sync = Stage3Sync(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0])
+    sync = Stage3Sync(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0],
+                      frozen)
     try:
         stubs[0].calls = [stubs[i] for i in spec.fwd_units]
         stubs[0]()
@@ -177,7 +190,7 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
                                                        device="meta")))
         sync.end_backward()
         staging = sum(t.untyped_storage().nbytes() for t in sync.held()["buckets"])
-        return flats, staging, sync.live_bound()
+        return flats, frozen, staging, sync.live_bound()
     finally:
         sync.detach()
 
@@ -269,8 +282,13 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         if stage == 1 and comm == "gloo" and world_size > 1:
             b["buckets"] = L.bucket_numel * r  # the ring's one scratch bucket (see the Note)
     else:
-        flats, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank, dtype)
+        flats, frozen, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank,
+                                                                 dtype)
         layouts = [f.layout for f in flats]
+        for f in frozen:  # frozen shards: this rank's piece, cast to the precision
+            spad = _state_padding(f.layout, rank, 3)
+            b["frozen"] += (f.layout.shard_numel - spad) * e
+            b["padding"] += spad * e
         if spec.order_source == _ONE_PARAM:
             notes.append("stage 3 with --params: one param in the root unit, gathered whole, "
                          "with a staging buffer of its full size; give --model for per-block "
@@ -313,6 +331,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
                      "not run on meta), so `buckets` may differ from a run")
     formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload)
+    if stage == 3:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
+        formula["frozen"] = int(round(spec.num_frozen * e / world_size))
+        formula["total"] += formula["frozen"]
     return {
         "model": spec.name, "num_params": spec.num_params, "world_size": world_size,
         "stage": stage, "precision": precision, "bucket_mb": bucket_mb, "offload": offload,
@@ -377,7 +398,8 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-_ROWS = [("params", "params"), ("live_units", "live units (bound, in a step)"),
+_ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
+         ("live_units", "live units (bound, in a step)"),
          ("grads", "grads"), ("buckets", "buckets"), ("master", "optimizer: master (fp32)"),
          ("exp_avg", "optimizer: m (fp32)"), ("exp_avg_sq", "optimizer: v (fp32)"),
          ("padding", "padding")]

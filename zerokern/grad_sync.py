@@ -232,6 +232,7 @@ class GradSync:
         return {}
 
 
+@torch.compiler.disable  # hooks run eagerly, never traced (see stage3/runtime.py's _weak)
 def _call(ref, name: str, *args):
     obj = ref()
     if obj is not None and not obj.detached:

@@ -12,8 +12,10 @@ from typing import Any, Dict, Optional
 import torch
 
 _ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
-_CATS = ("params", "grads", "buckets", "master", "exp_avg", "exp_avg_sq", "live_units",
-         "padding")
+# frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
+# optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
+_CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
+         "live_units", "padding")
 
 
 def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
@@ -77,6 +79,10 @@ def _buffers(opt):
                 yield cat, t, state_pad
         grads = held["grads"][gi]
         yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
+    for f in getattr(opt.grad_sync, "frozen", ()):  # stage 3: frozen shards, gathered units
+        L = f.layout
+        yield "frozen", f.flat, _pad_in_range(*L.piece_range(0, opt.comm.rank), L.numel)
+        yield "live_units", f.full, L.padding
     for t in held.get("buckets", []):
         yield "buckets", t, 0
     ring = getattr(opt.comm, "ring", None)
@@ -106,6 +112,8 @@ def memory_report(opt) -> Dict[str, Any]:
         if opt.offloader is not None:
             n_bufs = 2  # master, exp_avg, exp_avg_sq are host bytes, not in this total
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
+    frozen = getattr(opt.grad_sync, "frozen", ())
+    pad_bound += sum(f.layout.padding * 4 for f in frozen)
     for cat, t, pad in _buffers(opt):
         st = t.untyped_storage()
         if st.nbytes() == 0 or st.data_ptr() in seen:  # (a freed stage-3 unit holds 0 B)
@@ -118,6 +126,12 @@ def memory_report(opt) -> Dict[str, Any]:
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
                               offload=opt.offload, reduce_bytes=reduce_bytes)
+    # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
+    # 16-bit shard, Φ·e/N for Φ frozen elements.
+    frozen_numel = sum(f.layout.numel for f in frozen)
+    formula["frozen"] = int(round(frozen_numel * torch.empty((), dtype=opt.dtype)
+                                  .element_size() / opt.comm.world_size))
+    formula["total"] += formula["frozen"]
     out = {}
     if opt.offloader is not None:  # host memory, apart from the device's
         host = opt.offloader.host_bytes()
@@ -130,5 +144,6 @@ def memory_report(opt) -> Dict[str, Any]:
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,
             "formula_total": formula["total"],
             "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,
-            "num_params": psi, "world_size": opt.comm.world_size, "stage": opt.stage,
+            "num_params": psi, "num_frozen": frozen_numel,
+            "world_size": opt.comm.world_size, "stage": opt.stage,
             "precision": opt.precision}

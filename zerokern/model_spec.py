@@ -35,6 +35,7 @@ class UnitSpec(NamedTuple):
     name: str
     params: Tuple[int, ...]
     deps: Tuple[int, ...] = ()
+    frozen: Tuple[Tuple[int, ...], ...] = ()  # shapes of its frozen float params (sharded)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return sum(_numel(s) for s in self.shapes)
+
+    @property
+    def num_frozen(self) -> int:
+        """Elements of the frozen float params (stage 3 shards them with their unit)."""
+        return sum(_numel(s) for u in self.units for s in u.frozen)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -97,7 +103,8 @@ def stage3_units(model: nn.Module, params: Sequence[nn.Parameter], policy=None
 
     index = {id(p): i for i, p in enumerate(params)}
     units = find_units(model, policy)
-    return tuple(UnitSpec(u.name, tuple(index[id(p)] for p in u.params), tuple(sorted(u.deps)))
+    return tuple(UnitSpec(u.name, tuple(index[id(p)] for p in u.params), tuple(sorted(u.deps)),
+                          tuple(tuple(p.shape) for p in u.frozen))
                  for u in units), units
 
 

@@ -155,13 +155,20 @@ class ZeroAdamW(torch.optim.Optimizer):
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
         trainable = check_groups(self.param_groups, dtype)
-        frozen = frozen_params(self.param_groups, params_or_model, dtype, stage)
+        to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         comm = Comm(process_group)
         unit_list = None
         if stage == 3:
             from .stage3 import find_units
 
             unit_list = find_units(params_or_model, units)  # raises on a bad policy
+            dev = trainable[0][0].device
+            for u in unit_list:
+                for p in u.frozen:
+                    if p.device != dev:
+                        raise ValueError(f"all params must be on one device; found {dev} and "
+                                         f"{p.device} (a frozen param of unit "
+                                         f"{u.name or '<root>'!r})")
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -188,8 +195,12 @@ class ZeroAdamW(torch.optim.Optimizer):
                 ShardedFlat(ps, dtype, comm.world_size, comm.rank, gi, u.index)
                 for u in unit_list for gi in range(len(trainable))
                 for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
+            # Frozen params: sharded with their unit, cast to the precision, no grads and no
+            # optimizer state (units.py); group_index -1: in no param group.
+            frozen = [ShardedFlat(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index,
+                                  trainable=False) for u in unit_list if u.frozen]
             self.grad_sync: GradSync = Stage3Sync(self.flat_groups, unit_list, comm,
-                                                  self.reduce_dtype, params_or_model)
+                                                  self.reduce_dtype, params_or_model, frozen)
         else:
             self.flat_groups: List[FlatGroup] = [
                 FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
@@ -199,7 +210,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.grad_sync = (
                 BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
-        for p in frozen:  # frozen params are part of the model the forward runs (issue 11)
+        for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
             p.data = p.data.to(dtype)
         self.offload = offload
         self.offloader = None

@@ -50,12 +50,15 @@ def _frozen_tied(model, opt) -> dict:
         in_flat = all(any(lo <= p.data_ptr() < hi for lo, hi in flats)
                       for p in model.parameters() if p.requires_grad)
     pos = model.pos
+    with opt.gathered_params():  # stage 3 shards the frozen pos with the root unit too
+        pos_full = pos.detach().clone()
     return {
         "layout_numel": sum(g.layout.numel for g in opt.flat_groups),
         "unique_numel": unique,
         "pos_in_flat": any(lo <= pos.data_ptr() < hi for lo, hi in flats),
         "pos_in_groups": any(p is pos for g in opt.param_groups for p in g["params"]),
         "pos_dtype": str(pos.dtype),
+        "pos_unchanged": torch.equal(pos_full, M.make_model().pos),
         "tied": model.head.weight is model.emb.weight,
         "params_in_flat": in_flat,
         "n_buckets": [g.layout.n_buckets for g in opt.flat_groups],
@@ -86,7 +89,6 @@ def _parity(rank, ws, stage, memo, backend=M.BACKEND):
         ),
         "steps": sorted({int(s) for g in opt.flat_groups for s in g.steps}),
         "replica": M.full_replica_diff(model, opt),
-        "pos_unchanged": torch.equal(model.pos, M.make_model().pos),
         **_frozen_tied(model, opt),
     }
     if stage > 0:

@@ -7,7 +7,7 @@ test_no_host_sync run stage 3 too): the cases that only exist when params are pa
 - HuggingFace GPT-2 from a small config (random init, no download): the same parity;
 - eval() + no_grad forward and a forward without backward: right outputs, nothing left
   gathered, training unaffected;
-- memory: between steps each rank holds its shard plus the frozen (persistent) param, no more;
+- memory: between steps each rank holds its shard of the trainable and the frozen params, no more;
   the peak of gathered units stays within memory_report's live-unit bound; prefetch happens;
 - comm_stats: one step is exactly two all-gathers and one reduce-scatter of every unit buffer
   (plus the stats pair), i.e. about 3Ψ(N-1)/N, less the root's backward gather (kept from
@@ -162,7 +162,8 @@ def _eval_and_forward_only(rank, ws):
         "live_fwd": live_fwd,
         "live_end": live_end,
         "root_bytes": sum(f.layout.numel * f.full.element_size()  # (report: less padding)
-                          for f in opt.flat_groups if f.unit_index == 0),
+                          for f in opt.flat_groups + opt.grad_sync.frozen
+                          if f.unit_index == 0),
         "rel_after": M.rel_err(rec["params"][-1], ref["params"][-1]),
     }
 
@@ -177,13 +178,15 @@ def _resident(rank, ws, prec):
             held += st.nbytes()
     # the params' memory: the (empty) param tensors, the unit buffers and the resident shards
     held += sum(f.full.untyped_storage().nbytes() + f.flat.untyped_storage().nbytes()
-                for f in opt.flat_groups)
+                for f in opt.flat_groups + opt.grad_sync.frozen)
     rep = opt.memory_report()
     elem = torch.empty((), dtype=opt.dtype).element_size()
     return {
         "held": held,
         "shards": sum(f.layout.padded_numel // ws * elem for f in opt.flat_groups),
-        "frozen": model.pos.untyped_storage().nbytes(),
+        # the frozen `pos` is sharded with the root, cast to the precision
+        "frozen": sum(f.layout.padded_numel // ws * elem for f in opt.grad_sync.frozen),
+        "pos_storage": model.pos.untyped_storage().nbytes(),
         "param_shapes": sorted({tuple(p.shape) for p in model.parameters() if p.requires_grad}),
         "measured": rep["measured_total"],
         "formula": rep["formula_total"],
@@ -210,8 +213,10 @@ def _comm(rank, ws, prec):
     frac = Fraction(n - 1, n)
     # two all-gathers per unit buffer (forward, backward); the root's is kept from its
     # forward for its backward ([Note: the root stays gathered for backward]): one
+    # its forward for its backward ([Note: the root stays gathered for backward]): one.
+    # Frozen params (the model's `pos`) are sharded with their unit and gathered with it.
     ag = sum((1 if f.unit_index == 0 else 2) * int(frac * f.layout.padded_numel * e)
-             for f in opt.flat_groups)
+             for f in opt.flat_groups + opt.grad_sync.frozen)
     rs = sum(int(frac * f.layout.padded_numel * e) for f in opt.flat_groups)
     ar = int(2 * frac * 8) if n > 1 else 0
     psi = sum(f.layout.numel for f in opt.flat_groups)
@@ -220,7 +225,8 @@ def _comm(rank, ws, prec):
             "n_root": n_root,
             "three_psi": int(3 * frac * psi * e),
             "padding": sum(f.layout.padding for f in opt.flat_groups) * e * 3,
-            "calls": got["calls"], "n_flats": len(opt.flat_groups)}
+            "calls": got["calls"], "n_flats": len(opt.flat_groups),
+            "n_frozen_root": sum(f.unit_index == 0 for f in opt.grad_sync.frozen)}
 
 
 def _state_dict(rank, ws):
@@ -339,6 +345,7 @@ def test_eval_no_grad_and_forward_without_backward(ws):
 def test_resident_params_are_the_shard(ws, prec):
     for r, res in enumerate(case(_results(ws), f"resident_{prec}")):
         assert res["held"] == res["shards"] + res["frozen"], f"rank {r}: {res}"
+        assert res["frozen"] > 0 and res["pos_storage"] == 0, "the frozen param is sharded"
         assert res["param_shapes"] == [(0,)], "trainable params must be empty between steps"
         assert res["live"] == 0
         assert 0 < res["peak"] <= res["bound"], f"rank {r}: peak {res['peak']} > {res['bound']}"
@@ -355,7 +362,8 @@ def test_comm_is_two_gathers_and_one_reduce_scatter(ws, prec):
         for k in exp:
             assert got[k] == exp[k], f"{k}: {got[k]} != {exp[k]}"
         if ws > 1:  # one rank sends nothing and counts no calls
-            assert res["calls"]["all_gather"] == 2 * res["n_flats"] - res["n_root"]
+            assert res["calls"]["all_gather"] == 2 * res["n_flats"] - res["n_root"] + \
+                res["n_frozen_root"]
             assert res["calls"]["reduce_scatter"] == res["n_flats"]
         # about 3Ψ(N-1)/N, less the root's second gather
         assert got["all_gather"] + got["reduce_scatter"] <= res["three_psi"] + res["padding"]

@@ -48,7 +48,7 @@ from .format import (
     read_meta,
     read_span,
 )
-from .views import OptimizerView, model_extras, optimizer_view
+from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 from .writer import check_path
 
 _F32 = 4  # bytes per saved state element
@@ -125,6 +125,11 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
         ChecksumError (names the file), MissingFileError, VersionError, ModelMismatchError
         (names the param).
     """
+    with whole_frozen_params(opt, write_back=True):  # stage 3 (collective)
+        return _load(path, model, opt)
+
+
+def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)

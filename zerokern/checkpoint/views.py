@@ -17,6 +17,7 @@ checkpoint does not depend on bucket sizes, padding, world size or stage.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -223,3 +224,16 @@ def model_extras(model: nn.Module, view: OptimizerView) -> List[Tuple[str, Tuple
         names = keys[id(t)]
         out.append((k, tuple(names[1:]), t))
     return out
+
+
+@contextmanager
+def whole_frozen_params(opt, write_back: bool = False):
+    """Stage 3 shards frozen params with their unit (stage3/units.py); a checkpoint keeps them
+    whole among the extras (extra.bin), so save and load see them gathered. Collective at
+    stage 3; nothing at stages 0-2 or for a bad `opt` (the checks that follow report it)."""
+    sync = getattr(opt, "grad_sync", None)
+    if getattr(opt, "stage", None) != 3 or not getattr(sync, "frozen", None) or sync.detached:
+        yield
+        return
+    with sync.frozen_whole(write_back):
+        yield

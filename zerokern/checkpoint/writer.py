@@ -51,7 +51,7 @@ from .format import (
     rank_file,
     write_meta,
 )
-from .views import OptimizerView, model_extras, optimizer_view
+from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 
 # Test hooks (tests/zero/test_checkpoint.py): pause at a point of the save, so a test can kill
 # the writer there ("files_written": rank files done, no metadata yet; "old_moved": between
@@ -94,6 +94,11 @@ def save(path, model: nn.Module, opt) -> str:
         TypeError, ValueError: bad arguments, before anything is written.
         CheckpointError: the save failed on some rank; the previous checkpoint is intact.
     """
+    with whole_frozen_params(opt):  # stage 3 (collective)
+        return _save(path, model, opt)
+
+
+def _save(path, model: nn.Module, opt) -> str:
     path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)

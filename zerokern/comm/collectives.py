@@ -15,7 +15,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .debug import CollectiveLog
+from .debug import enabled as _debug_enabled
 from .ring import FutureWork, RingRunner
+
+# One extra group per parent group for stage 3's reduce-scatters ([Note: stage-3 collective
+# order] in stage3/runtime.py), made once and shared by every optimizer on that group: groups
+# are never destroyed, so one per optimizer would leak connections.
+_SPLIT_GROUPS: dict = {}
 
 # torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -58,7 +65,8 @@ class CommStats:
 class Comm:
     """The process group a ZeroAdamW runs over; world size 1 without init_process_group."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 _parent: Optional[Comm] = None) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError("process_group must be a torch.distributed.ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
@@ -70,12 +78,47 @@ class Comm:
             raise ValueError("process_group given but torch.distributed is not initialized")
         else:
             self.group, self.world_size, self.rank = None, 1, 0
-        self.stats = CommStats()
+        self.stats = CommStats() if _parent is None else _parent.stats
+        self.tag = "main" if _parent is None else "reduce-scatter"
+        # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one,
+        # started by the optimizer that checks it at every step() (enable_debug_log), so a
+        # log nobody checks never grows.
+        self.log = _parent.log if _parent is not None else None
         # gloo: reduce-scatter and all-gather as rings over send/recv ([Note: gloo collectives]).
         self.ring = None
         if self.world_size > 1 and dist.get_backend(self.group) == "gloo" and \
                 os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
             self.ring = RingRunner(self.group, self.rank, self.world_size)
+
+    def split(self) -> Comm:
+        """A Comm over a second process group with the same ranks (the same group object for
+        every optimizer on this group), sharing this one's stats and debug log. World size 1:
+        a Comm that only copies."""
+        if self.world_size == 1:
+            return Comm(None, _parent=self)
+        key = self.group
+        if key not in _SPLIT_GROUPS:
+            ranks = dist.get_process_group_ranks(self.group)
+            # use_local_synchronization: only these ranks take part in creating it (a
+            # subgroup's optimizer must not need the other ranks of WORLD).
+            _SPLIT_GROUPS[key] = dist.new_group(ranks, backend=dist.get_backend(self.group),
+                                                use_local_synchronization=True)
+        return Comm(_SPLIT_GROUPS[key], _parent=self)
+
+    def enable_debug_log(self) -> None:
+        """Record every collective if ZEROKERN_DEBUG_COLLECTIVES=1 (call before split())."""
+        if self.log is None and _debug_enabled():
+            self.log = CollectiveLog()
+
+    def check_collectives(self, where: str = "step()") -> None:
+        """ZEROKERN_DEBUG_COLLECTIVES=1: raise on every rank if the ranks issued different
+        collectives since the last check (a no-op when the mode is off)."""
+        if self.log is not None:
+            self.log.check(self.group, where)
+
+    def _record(self, kind: str, t: torch.Tensor, label: Optional[str]) -> None:
+        if self.log is not None:
+            self.log.add(self.tag, kind, t, label)
 
     def _frac(self) -> float:
         return (self.world_size - 1) / self.world_size
@@ -95,9 +138,11 @@ class Comm:
             out.copy_(inp)
         return _Done()
 
-    def all_reduce_(self, t: torch.Tensor, op=None, async_op: bool = False):
+    def all_reduce_(self, t: torch.Tensor, op=None, async_op: bool = False,
+                    label: Optional[str] = None):
         if self.world_size == 1:
             return _Done()
+        self._record("all_reduce", t, label)
         self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()))
         op = op or dist.ReduceOp.SUM
         if self.ring is not None:
@@ -105,24 +150,28 @@ class Comm:
         return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
-                        inp_is_scratch: bool = False):
+                        inp_is_scratch: bool = False, label: Optional[str] = None):
         """out (n) = sum over ranks of inp[rank*n:(rank+1)*n]; inp has world_size*n elements.
 
         inp_is_scratch: the caller does not need inp afterwards, so the gloo ring may use it
-        as its work buffer (else it works on a copy).
+        as its work buffer (else it works on a copy). label: names the buffer in the
+        ZEROKERN_DEBUG_COLLECTIVES record.
         """
         if self.world_size == 1:
             return self._local(out, inp)
+        self._record("reduce_scatter", inp, label)
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
         if self.ring is not None:
             fn = self.ring.reduce_scatter if inp_is_scratch else self.ring.reduce_scatter_copy
             return self._on_ring(async_op, fn, out, inp)
         return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
 
-    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                    label: Optional[str] = None):
         """out[rank*n:(rank+1)*n] = inp of each rank; inp may be that slice of out (in place)."""
         if self.world_size == 1:
             return self._local(out, inp)
+        self._record("all_gather", out, label)
         self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()))
         if self.ring is not None:
             n = inp.numel()

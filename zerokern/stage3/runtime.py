@@ -1,41 +1,69 @@
 """Stage 3 at run time: gather units around their forward and backward, reduce-scatter grads.
 
 Forward (module hooks on every unit):
-    pre-hook   gather the unit and the units it depends on (ties); prefetch the next unit of
-               the last forward's order (async, so it overlaps this unit's compute)
+    pre-hook   gather the unit (and, first, any unit of the schedule this rank skipped) and
+               the units it depends on (ties); prefetch the next unit of the schedule (async,
+               so it overlaps this unit's compute)
     post-hook  free them again (reference counted: the root stays gathered around its
                children, and with grad enabled until its backward); with grad enabled, hook
-               the unit's outputs for backward
+               the unit's outputs (pre-backward) and inputs (post-backward)
 Backward:
     output hook   (fires when the grad of the unit's output is ready, before any of the unit's
-                  backward runs) re-gather the unit and prefetch the one before it
-    grad hooks    copy each param's grad into the unit's staging buffer; once every param of
-                  the unit has its grad the unit is freed and reduce-scattered into the grad
-                  shard (accumulating over micro-batches, DESIGN §2)
-    end           flush: every unit not yet reduced is reduced (params without a grad count
-                  as zero) and freed; in-flight reductions are waited for
+                  backward runs) re-gather the unit, as the forward did, and prefetch the next
+    grad hooks    copy each param's grad into the unit's staging buffer; once the unit is
+                  done (every param has its grad, or the grad of its input is ready: params
+                  without one were not used) it is freed and reduce-scattered, in the static
+                  order, into the grad shard (accumulating over backward passes, DESIGN §2)
+    end           flush: gather what the schedule has not reached (units this rank did not
+                  use), reduce what is left (params without a grad count as zero), wait
 
 [Note: stage-3 collective order]
-Every rank must issue the same collectives in the same order. Gathers follow the module calls
-and the autograd graph, which are the same on every rank as long as every rank runs the same
-model code (as FSDP also requires). Reduce-scatters go in one static order derived from the
-forward order (reverse, root last), like stage 2's buckets: a unit whose params got no grad on
-one rank only (data-dependent) cannot reorder anything; it just waits for the flush.
+Every rank must issue the same collectives in the same order, also when ranks use different
+params in a step (a branch inside a unit, a unit skipped on one rank, MoE routing). Three rules
+make the order independent of which params a rank used:
+1. Gathers follow a static schedule, not the calls. The schedule is the units in module
+   registration order (the same on every rank). Each forward gathers every unit of it once,
+   in that order: a unit's pre-hook first gathers (and at once frees) the units before it
+   that this rank skipped, and the root's post-hook gathers those skipped at the end. Backward
+   does the same over the reversed schedule (output hooks and checkpoint recomputes move the
+   cursor; the end of backward gathers the rest). A skipped unit thus costs this rank one
+   gather that its peers need, and nothing else. Frees in forward are reference counted on
+   the calls, so whether a unit is gathered when the schedule reaches it is the same on every
+   rank. A unit called again after the schedule passed it (a block used twice) is gathered
+   again if freed: that is consistent only if every rank calls it again, as with FSDP.
+2. Reduce-scatters go in one static order (the reversed schedule, the root last) on a process
+   group of their own (Comm.split). A rank that waits for a reduce-scatter (bounded staging,
+   MAX_IN_FLIGHT) then never blocks a gather its peers wait on: on one group, gathers and
+   reduce-scatters in different interleavings would pair a gather with a reduce-scatter of
+   the same size (gloo's ring: silently wrong) or hang (NCCL).
+3. A unit is reduced once its backward is done on this rank: all its params have grads, or
+   the grad of its inputs has been computed (FSDP2's post-backward: autograd runs a param's
+   AccumulateGrad, which has the highest priority, as soon as it is ready, so a param without
+   a grad by then was not used), or the schedule passed it without its backward running (not
+   used on this rank). Unused params count as zero. Without rule 3 a rank where one param of
+   a unit was unused would hold back every later reduce-scatter until the end of backward,
+   while its peers wait on those with gathers still to come: a deadlock.
+A param whose grad arrives after its unit was reduced (a param outside its unit's input
+path) raises a RuntimeError naming the fix. ZEROKERN_DEBUG_COLLECTIVES=1 checks the whole
+record across ranks at every step() (comm/debug.py).
 
 Activation checkpointing (non-reentrant): the recompute runs the unit's forward inside
 backward, after the output hook gathered it; the hooks see `in_backward` and neither free nor
-prefetch there.
+prefetch there. HF's reentrant checkpointing has no output hooks (its first forward runs under
+no_grad): the recompute's pre-hook moves the backward cursor instead.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
 
-from ..grad_sync import MAX_IN_FLIGHT
-from ..sharded_grads import ShardedGrads
+from . import guards
+from .backward import Stage3Backward
 from .sharded_flat import ShardedFlat
 from .units import Unit
 
@@ -53,83 +81,110 @@ def _tensors(obj, out: list) -> list:
     return out
 
 
-class Stage3Sync(ShardedGrads):
+def _weak(self, name: str):
+    """A hook calling self.<name>(*args) through a weak reference: hooks live in C++ (tensor
+    and grad-accumulator hooks) where the garbage collector cannot see a cycle back to the
+    optimizer, so a strong reference there would keep `del opt, model` from freeing anything."""
+    ref = weakref.ref(self)
+
+    # [Note: stage 3 under torch.compile] The hooks run eagerly, never traced: they issue
+    # collectives and swap `p.data`, which dynamo would turn into in-place ops on the params
+    # (autograd then sees the saved params "modified by an inplace operation").
+    @torch.compiler.disable
+    def hook(*args):
+        obj = ref()
+        return None if obj is None else getattr(obj, name)(*args)
+    return hook
+
+
+class Stage3Sync(Stage3Backward):
     stage = 3
 
     def __init__(self, flats: List[ShardedFlat], units: List[Unit], comm,
-                 reduce_dtype: torch.dtype, model: torch.nn.Module) -> None:
+                 reduce_dtype: torch.dtype, model: torch.nn.Module,
+                 frozen: List[ShardedFlat] = ()) -> None:
         self.units = units
-        self.model = model
-        self.unit_flats: Dict[int, List[int]] = defaultdict(list)
+        self.frozen = list(frozen)
+        self.unit_flats: Dict[int, List[int]] = defaultdict(list)   # trainable, by index
         for fi, f in enumerate(flats):
             self.unit_flats[f.unit_index].append(fi)
-        # Units that own params or use other units' params take part; the root always does.
-        self.active_units = [u for u in units if u.is_root or self.unit_flats[u.index]
+        self.unit_bufs: Dict[int, List[ShardedFlat]] = defaultdict(list)  # trainable + frozen
+        for f in list(flats) + self.frozen:
+            self.unit_bufs[f.unit_index].append(f)
+        # Units that hold params or use other units' params take part; the root always does.
+        self.active_units = [u for u in units if u.is_root or self.unit_bufs[u.index]
                              or u.deps]
         self._pool: Dict[int, List[torch.Tensor]] = defaultdict(list)
         self.staging_allocated = 0
+        # The gather schedule ([Note: stage-3 collective order], rule 1): registration order.
+        self.schedule: List[int] = [u.index for u in self.active_units if not u.is_root]
+        self._fpos = {ui: k for k, ui in enumerate(self.schedule)}
+        self._bsched = list(reversed(self.schedule))
+        self._bpos = {ui: k for k, ui in enumerate(self._bsched)}
+        self._held_deps = {d for u in self.active_units for d in u.deps}
         self.fwd_order: List[int] = []       # units (not the root) in the last forward's order
         self._recording: List[int] = []
-        self._fwd_pos = 0
+        self._fcur = 0
         self._refs: Dict[int, int] = defaultdict(int)   # forward reference counts per unit
+        # grad-enabled calls per unit whose backward is still to come (rule 3)
+        self._calls: Dict[int, int] = defaultdict(int)
+        self._unsignalled: set = set()   # units called with no input that requires grad
+        self._unit_of = {id(u.module): u.index for u in self.active_units}
         self.in_backward = False
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.prefetch_hits = 0   # gathers already in flight (prefetched) when a unit needed them
-        self._param_ids = [id(p) for p in model.parameters()]
-        self._rs_order: List[int] = self._static_order()
+        # Rule 2: reduce-scatters in the reversed schedule, the root last, on their own group.
+        self._rs_order: List[int] = [u for u in self._bsched + [0] if self.unit_flats[u]]
+        comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked in reduce()
+        self.rs_comm = comm.split()
         super().__init__(flats, comm, reduce_dtype)
+        self.guard = guards.ModelGuard(self, model)
         for u in self.active_units:
             self._hooks.append(u.module.register_forward_pre_hook(
-                lambda m, args, u=u: self._pre_forward(u)))
-            self._hooks.append(u.module.register_forward_hook(
-                lambda m, args, out, u=u: self._post_forward(u, out)))
+                _weak(self, "_pre_forward_hook"), with_kwargs=True))
+            self._hooks.append(u.module.register_forward_hook(_weak(self, "_post_forward_hook")))
+        self._hooks += self.guard.hooks
         self._reset_backward()
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _static_order(self) -> List[int]:
-        """Reduce-scatter order: the last forward reversed (first call of each unit), then the
-        units it did not see, the root last (its embedding's grad comes at the very end)."""
-        seen, order = set(), []
-        for u in self.fwd_order:
-            if u not in seen:
-                seen.add(u)
-                order.append(u)
-        rest = [u.index for u in self.active_units if u.index not in seen and not u.is_root]
-        out = list(reversed(order)) + sorted(rest, reverse=True) + [0]
-        return [u for u in out if self.unit_flats[u]]
-
     def _reset_backward(self) -> None:
         self._pending = {u: sum(len(self.groups[fi].params) for fi in fis)
                          for u, fis in self.unit_flats.items()}
         self._arrived = [[False] * len(g.params) for g in self.groups]
         self._staging: Dict[int, torch.Tensor] = {}
-        self._bwd_gathered: set = set()
+        self._done: set = set()       # units whose backward is over on this rank (rule 3)
+        self._reduced: set = set()
+        self._bcur = 0
         self._next = 0
 
     def _need(self, u: Unit) -> List[int]:
         return [u.index] + sorted(u.deps)
 
+    def _bufs(self, ui: int) -> List[ShardedFlat]:
+        return self.unit_bufs[ui]
+
+    def _label(self, f: ShardedFlat) -> str:
+        return (f"unit {f.unit_index} group {f.group_index}" if f.trainable
+                else f"unit {f.unit_index} frozen")
+
     def _gather(self, unit_ids: List[int], wait: bool = True) -> None:
         launched = set()
         for ui in unit_ids:  # launch every all-gather first, then wait: they overlap
-            for fi in self.unit_flats[ui]:
-                f = self.groups[fi]
+            for f in self._bufs(ui):
                 if not f.gathered and f.handle is None:
-                    launched.add(fi)
-                    f.start_gather(self.comm)
+                    launched.add(id(f))
+                    f.start_gather(self.comm, self._label(f))
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
             for ui in unit_ids:
-                for fi in self.unit_flats[ui]:
-                    self.prefetch_hits += self.groups[fi].handle is not None and \
-                        fi not in launched
-                    self.groups[fi].finish_gather()
+                for f in self._bufs(ui):
+                    self.prefetch_hits += f.handle is not None and id(f) not in launched
+                    f.finish_gather()
 
     def _free(self, ui: int) -> None:
-        for fi in self.unit_flats[ui]:
-            f = self.groups[fi]
+        for f in self._bufs(ui):
             if f.gathered or f.handle is not None:
                 f.free()
                 self.live_bytes -= f.full_bytes
@@ -139,36 +194,61 @@ class Stage3Sync(ShardedGrads):
             if self._refs[u.index] == 0 and u.index not in keep:
                 self._free(u.index)
 
-    # ---- forward -----------------------------------------------------------------------------
-    def _check_structure(self) -> None:
-        ids = [id(p) for p in self.model.parameters()]
-        if ids != self._param_ids:
-            raise ValueError("zerokern stage 3: the model's parameters changed after ZeroAdamW "
-                             "wrapped it (a module replaced or added, or a parameter created "
-                             "after wrapping); build the model completely, then create the "
-                             "optimizer")
+    def _reach(self, sched: List[int], cur: int, pos: int, free_skipped: bool = True) -> None:
+        """Gather sched[cur:pos + 1] in order (rule 1). The ones before pos were skipped by
+        this rank so far: with free_skipped, free them once their gather landed (unless
+        referenced); else keep them for a backward still to come."""
+        for ui in sched[cur:pos + 1]:
+            self._gather(self._need(self.units[ui]), wait=False)
+        for ui in sched[cur:pos]:
+            self._gather(self._need(self.units[ui]))
+            if free_skipped:
+                self._release(ui)
 
-    def _pre_forward(self, u: Unit) -> None:
-        if self.in_backward:  # checkpoint recompute: the output hook gathered it already
+    def _release(self, ui: int) -> None:
+        """Free unit ui and its deps if nothing references them (deps of other units are held
+        until the end of backward: whether they are gathered must not depend on the data)."""
+        for uj in self._need(self.units[ui]):
+            if self._refs[uj] == 0 and uj not in self._held_deps:
+                self._free(uj)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _pre_forward_hook(self, module, args, kwargs):
+        self._pre_forward(self.units[self._unit_of[id(module)]], args, kwargs)
+
+    def _post_forward_hook(self, module, args, out):
+        self._post_forward(self.units[self._unit_of[id(module)]], out)
+
+    def _pre_forward(self, u: Unit, args=(), kwargs=None) -> None:
+        if self.in_backward:  # checkpoint recompute: gathered by the output hook, or here
+            self._bwd_reach(u)
             self._gather(self._need(u))
             return
         if u.is_root:
-            self._check_structure()
-            self._recording, self._fwd_pos = [], 0
+            self.guard.check_forward()
+            self._recording, self._fcur = [], 0
         else:
             self._recording.append(u.index)
         need = self._need(u)
         for ui in need:
             self._refs[ui] += 1
+        pos = self._fpos.get(u.index, -1)
+        if pos >= self._fcur:
+            self._reach(self.schedule, self._fcur, pos)
+            self._fcur = pos + 1
         self._gather(need)
-        if not u.is_root:
-            pos = self._fwd_pos
-            self._fwd_pos += 1
-            if pos + 1 < len(self.fwd_order) and self.fwd_order[pos] == u.index:
-                nxt = self.units[self.fwd_order[pos + 1]]
-                self._gather(self._need(nxt), wait=False)  # prefetch
-        elif self.fwd_order:
-            self._gather(self._need(self.units[self.fwd_order[0]]), wait=False)
+        if self._fcur < len(self.schedule):  # prefetch the next unit of the schedule
+            self._gather(self._need(self.units[self.schedule[self._fcur]]), wait=False)
+        if torch.is_grad_enabled() and not u.is_root:  # rule 3: post-backward on the inputs
+            ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
+            if ins:
+                self._calls[u.index] += 1
+                left = [len(ins)]
+                hook = _weak(self, "_input_grad")
+                for t in ins:
+                    t.register_hook(lambda g, u=u, left=left: hook(u, left))
+            else:  # no signal from this call: the unit is done by its grads or the flush
+                self._unsignalled.add(u.index)
 
     def _post_forward(self, u: Unit, out) -> None:
         if self.in_backward:
@@ -183,94 +263,22 @@ class Stage3Sync(ShardedGrads):
             if self._refs[ui] == 0 and ui not in keep:
                 self._free(ui)
         if torch.is_grad_enabled():
+            hook = _weak(self, "_pre_backward")
             for t in _tensors(out, []):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+                    t.register_hook(lambda grad, u=u: hook(u))
         if u.is_root:
-            if self._recording != self.fwd_order:
-                self.fwd_order = self._recording
-                self._rs_order = self._static_order()
+            self.fwd_order = self._recording
+            if self._fcur < len(self.schedule):  # units this rank skipped at the end
+                self._reach(self.schedule, self._fcur, len(self.schedule) - 1)
+                self._release(self.schedule[-1])
+                self._fcur = len(self.schedule)
             self._free_unreferenced(keep)  # prefetches the forward did not use
-
-    # ---- backward ----------------------------------------------------------------------------
-    def _pre_backward(self, u: Unit) -> None:
-        self._begin_backward()
-        self.in_backward = True
-        if u.index in self._bwd_gathered:
-            return
-        self._bwd_gathered.add(u.index)
-        self._gather(self._need(u))
-        # Prefetch the unit whose backward comes next: the one called before u in forward.
-        order = self.fwd_order
-        if u.is_root:
-            prev = order[-1] if order else None
-        else:
-            first = order.index(u.index) if u.index in order else 0
-            prev = order[first - 1] if first > 0 else None
-        if prev is not None and prev not in self._bwd_gathered:
-            self._gather(self._need(self.units[prev]), wait=False)
-
-    def _acquire(self, fi: int) -> torch.Tensor:
-        if fi not in self._staging:
-            L = self.groups[fi].layout
-            pool = self._pool[L.padded_numel]
-            if pool:
-                buf = pool.pop()
-            else:
-                buf = torch.empty(L.padded_numel, dtype=self.reduce_dtype,
-                                  device=self.groups[fi].device)
-                self.staging_allocated += 1
-            buf[L.numel:].zero_()  # padding; param regions are overwritten by their grads
-            self._staging[fi] = buf
-        return self._staging[fi]
-
-    def on_grad(self, gi, i, p) -> None:
-        f = self.groups[gi]
-        if self._arrived[gi][i]:
-            raise RuntimeError(
-                "zerokern stage 3: a parameter's gradient arrived twice in one backward "
-                "(reentrant checkpointing?); use torch.utils.checkpoint(..., "
-                "use_reentrant=False)")
-        s = f.layout.slots[i]
-        self._acquire(gi)[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
-        self._arrived[gi][i] = True
-        p.grad = None
-        ui = f.unit_index
-        self._pending[ui] -= 1
-        if self._pending[ui] == 0:
-            self._free(ui)  # every use of its params has run (their grads are all in)
-            self._launch_ready(flush=False)
-
-    def _launch_ready(self, flush: bool) -> None:
-        while self._next < len(self._rs_order):
-            ui = self._rs_order[self._next]
-            if not flush and self._pending[ui] > 0:
-                return
-            for fi in self.unit_flats[ui]:
-                f = self.groups[fi]
-                staging = self._acquire(fi)
-                if self._pending[ui] > 0:  # flushed: params without a grad count as zero
-                    for i, s in enumerate(f.layout.slots):
-                        if not self._arrived[fi][i]:
-                            staging[s.offset:s.offset + s.numel].zero_()
-                while len(self._in_flight) >= MAX_IN_FLIGHT:
-                    self._complete_oldest()
-                self._reduce_async(fi, staging, self.grad_shards[fi])
-            self._free(ui)
-            self._next += 1
-
-    def _recycle(self, staging: torch.Tensor) -> None:
-        self._pool[staging.numel()].append(staging)
-
-    def end_backward(self) -> None:
-        self._launch_ready(flush=True)
-        self._drain()
-        self.in_backward = False
-        self._free_unreferenced()
-        self._reset_backward()
 
     # ---- step / zero_grad / reports ----------------------------------------------------------
     def reduce(self):
+        self.guard.check_step()
+        self.comm.check_collectives("step()")  # ZEROKERN_DEBUG_COLLECTIVES=1 only
         self._free_unreferenced()  # a root kept by a forward that had no backward
         for fi in range(len(self.groups)):
             yield fi, 0
@@ -289,15 +297,37 @@ class Stage3Sync(ShardedGrads):
         for u in self.active_units:
             self._refs[u.index] -= 1
         if write_back:
-            for f in self.groups:
+            for f in list(self.groups) + self.frozen:
                 f.write_back_()
         self._free_unreferenced()
+
+    @contextmanager
+    def frozen_whole(self, write_back: bool = False):
+        """Between steps: the frozen params whole inside the block (collective), e.g. for a
+        checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
+        for f in self.frozen:
+            f.start_gather(self.comm, self._label(f))
+        for f in self.frozen:
+            f.finish_gather()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            for f in self.frozen:
+                if ok and write_back:
+                    f.write_back_()
+                f.free()
+
+    @property
+    def all_gathered(self) -> bool:
+        return all(f.gathered for f in list(self.groups) + self.frozen)
 
     def live_bound(self) -> int:
         """Bytes of full params that can be gathered at once: the root and its dependencies,
         plus two other units with theirs (the running one and the prefetched one)."""
         def unit_bytes(ui: int) -> int:
-            return sum(self.groups[fi].full_bytes for fi in self.unit_flats[ui])
+            return sum(f.full_bytes for f in self._bufs(ui))
 
         root = self.units[0]
         base = sum(unit_bytes(ui) for ui in self._need(root))
@@ -309,4 +339,3 @@ class Stage3Sync(ShardedGrads):
     def detach(self) -> None:
         super().detach()
         self.gather_all()  # the params are left whole (views of full buffers) for the new owner
-

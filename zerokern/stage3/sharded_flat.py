@@ -8,6 +8,9 @@ is the DESIGN layout `[r·S, (r+1)·S)` of the unit's flat buffer):
     exp_avg     (S,)  fp32
     exp_avg_sq  (S,)  fp32
     steps       (1,)  int64
+A frozen buffer (trainable=False: the unit's requires_grad=False params, e.g. a LoRA base model)
+has only `flat` and `full`: it is gathered and freed with its unit and cast to the precision
+like the others, but holds no master, moments or step (None), and gets no grad shard.
 
 [Note: freeing by storage resize]
 The params are views into `full` while the unit is gathered and 0-element tensors otherwise
@@ -30,8 +33,9 @@ from ..partition import FlatLayout, make_layout, round_up
 
 class ShardedFlat:
     def __init__(self, params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
-                 rank: int, group_index: int, unit_index: int) -> None:
+                 rank: int, group_index: int, unit_index: int, trainable: bool = True) -> None:
         self.params = params
+        self.trainable = trainable
         self.dtype = dtype
         self.rank = rank
         self.stage = 3
@@ -48,7 +52,7 @@ class ShardedFlat:
         lo, hi = L.piece_range(0, rank)
         fp32 = torch.float32
         self.master: Optional[torch.Tensor] = None
-        if dtype != fp32:  # fp32 masters from the original values, before the cast
+        if dtype != fp32 and trainable:  # fp32 masters from the original values, before the cast
             self.master = torch.zeros(S, dtype=fp32, device=self.device)
             self._copy_params_(self.master, lo, hi)
         self.flat = torch.zeros(S, dtype=dtype, device=self.device)
@@ -57,9 +61,11 @@ class ShardedFlat:
         self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.exp_avg = torch.zeros(S, dtype=fp32, device=self.device)
-        self.exp_avg_sq = torch.zeros(S, dtype=fp32, device=self.device)
-        self.steps = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.exp_avg = self.exp_avg_sq = self.steps = None
+        if trainable:
+            self.exp_avg = torch.zeros(S, dtype=fp32, device=self.device)
+            self.exp_avg_sq = torch.zeros(S, dtype=fp32, device=self.device)
+            self.steps = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.gathered = True   # full is allocated (freed just below)
         self.handle = None     # an all-gather in flight into full
         self.free()
@@ -74,12 +80,12 @@ class ShardedFlat:
     def full_bytes(self) -> int:
         return self._full_bytes
 
-    def start_gather(self, comm) -> None:
+    def start_gather(self, comm, label=None) -> None:
         """Allocate full and launch the all-gather of every rank's shard into it (async)."""
         if self.gathered or self.handle is not None:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, self.flat, async_op=True)
+        self.handle = comm.all_gather_(self.full, self.flat, async_op=True, label=label)
 
     def finish_gather(self) -> None:
         if self.handle is not None:
@@ -95,6 +101,12 @@ class ShardedFlat:
             self.handle = None
         for p in self.params:
             p.data = self._empty
+        if not self.full.untyped_storage().resizable():
+            # Exported while gathered (t.numpy(), as checkpoint and safetensors writers do,
+            # marks the storage fixed-size): leave it to its holders and take a new one.
+            L = self.layout
+            self.full = torch.empty(L.padded_numel, dtype=self.dtype, device=self.device)
+            self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 

@@ -9,8 +9,11 @@ always a unit.
 Each trainable param is *owned* by the innermost unit containing the first module that
 registers it. A param reached again from another unit (a tie, e.g. an embedding used as the LM
 head in a different unit) stays owned by the first unit, and the second unit records it as a
-*dependency*: gathering the second unit gathers the owner too. Frozen params are not sharded:
-they stay resident (the "persistent" params of the memory report).
+*dependency*: gathering the second unit gathers the owner too. Frozen (requires_grad=False)
+floating-point params are owned the same way and sharded with their unit in a buffer of their
+own (no grads, no optimizer state), as FSDP2 shards them: a LoRA model's base weights take 1/N
+per rank. Frozen params of other dtypes (integer, e.g. quantised tables) cannot be cast to the
+precision and stay resident (`persistent`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class Unit:
     module: nn.Module
     params: List[nn.Parameter] = field(default_factory=list)   # owned, trainable, unique
     deps: Set[int] = field(default_factory=set)                # units whose params it uses
-    persistent: List[nn.Parameter] = field(default_factory=list)  # frozen: never sharded
+    frozen: List[nn.Parameter] = field(default_factory=list)      # owned, requires_grad=False
+    persistent: List[nn.Parameter] = field(default_factory=list)  # frozen non-float: resident
 
     @property
     def is_root(self) -> bool:
@@ -67,7 +71,7 @@ def find_units(model: nn.Module, policy: Policy = None) -> List[Unit]:
     def walk(mod: nn.Module, prefix: str, unit: Unit, parent_is_list: bool) -> None:
         if id(mod) in visited:  # a shared submodule: its first place owns its params; here
             for p in mod.parameters():  # the enclosing unit depends on their owners
-                if p.requires_grad and owner.get(id(p), unit.index) != unit.index:
+                if owner.get(id(p), unit.index) != unit.index:
                     unit.deps.add(owner[id(p)])
             return
         visited.add(id(mod))
@@ -77,14 +81,14 @@ def find_units(model: nn.Module, policy: Policy = None) -> List[Unit]:
         for p in mod._parameters.values():
             if p is None:
                 continue
-            if not p.requires_grad:
+            if not p.requires_grad and not p.is_floating_point():
                 if id(p) not in seen_frozen:
                     seen_frozen.add(id(p))
                     unit.persistent.append(p)
                 continue
             if id(p) not in owner:
                 owner[id(p)] = unit.index
-                unit.params.append(p)
+                (unit.params if p.requires_grad else unit.frozen).append(p)
             elif owner[id(p)] != unit.index:
                 unit.deps.add(owner[id(p)])
         is_list = isinstance(mod, nn.ModuleList)
@@ -99,5 +103,6 @@ def find_units(model: nn.Module, policy: Policy = None) -> List[Unit]:
 def describe(units: List[Unit]) -> List[dict]:
     """A printable summary: name, owned numel, dependencies."""
     return [{"unit": u.index, "name": u.name or "<root>",
-             "numel": sum(p.numel() for p in u.params), "deps": sorted(u.deps)}
+             "numel": sum(p.numel() for p in u.params),
+             "frozen_numel": sum(p.numel() for p in u.frozen), "deps": sorted(u.deps)}
             for u in units]

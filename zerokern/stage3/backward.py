@@ -1,0 +1,156 @@
+"""Stage 3's backward half: re-gather units as backward reaches them, reduce-scatter their
+grads (DESIGN §2). The rules and their reasons are in [Note: stage-3 collective order] in
+runtime.py; `Stage3Sync` (runtime.py) adds the forward half and the bookkeeping this uses
+(`_gather`, `_reach`, `_release`, `_free`, the schedules and counters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..grad_sync import MAX_IN_FLIGHT
+from ..sharded_grads import ShardedGrads
+from .units import Unit
+
+
+class Stage3Backward(ShardedGrads):
+    def _pre_backward(self, u: Unit) -> None:
+        """The grad of u's output is ready: u's backward is about to run."""
+        self._bwd_reach(u)
+
+    def _bwd_reach(self, u: Unit) -> None:
+        """Move the backward cursor to u (rule 1): gather it, and first the units of the
+        reversed schedule this rank skipped (their backward is over here: rule 3)."""
+        self._begin_backward()
+        self.in_backward = True
+        if u.is_root:
+            self._gather(self._need(u))
+        else:
+            pos = self._bpos.get(u.index, -1)
+            if pos >= self._bcur:
+                self._skip_backward(pos)
+            self._gather(self._need(u))
+        if self._bcur < len(self._bsched):  # prefetch the next unit of the reversed schedule
+            self._gather(self._need(self.units[self._bsched[self._bcur]]), wait=False)
+
+    def _skip_backward(self, pos: int) -> None:
+        """Move the backward cursor to pos. A unit passed over that the forward did not call
+        (with grad) on this rank is unused here: gathered for its peers, freed, done (rule 3);
+        one it did call (out of schedule order) stays gathered for its backward to come."""
+        skipped = self._bsched[self._bcur:pos]
+        self._reach(self._bsched, self._bcur, pos, free_skipped=False)
+        self._bcur = pos + 1
+        for ui in skipped:
+            if self._calls[ui] == 0 and ui not in self._unsignalled:
+                self._release(ui)
+                self._unit_done(ui)
+
+    def _input_grad(self, u: Unit, left: list) -> None:
+        left[0] -= 1
+        if left[0] == 0:  # this call's backward is over; the unit's when all calls' are
+            self._calls[u.index] -= 1
+            if self._calls[u.index] == 0:
+                if u.index not in self._unsignalled:
+                    self._unit_done(u.index)
+                self._maybe_free(u.index)
+
+    def _maybe_free(self, ui: int) -> None:
+        """Free a unit whose backward no longer needs it: its trainable params have all their
+        grads (every op that saved one of them has run) and, if it holds frozen params (which
+        get no grad to tell), the grads of its inputs have been computed."""
+        if self._refs[ui] or ui in self._held_deps:
+            return
+        if self._pending.get(ui, 0) > 0 and ui not in self._done:  # (done: the rest unused)
+            return
+        if self._calls[ui] > 0 and any(not f.trainable for f in self._bufs(ui)):
+            return
+        self._free(ui)
+
+    def _unit_done(self, ui: int) -> None:
+        """u's backward is over on this rank: params still without a grad were not used."""
+        if ui in self._done or not self.unit_flats[ui]:
+            return
+        self._done.add(ui)
+        self._launch_ready(flush=False)
+
+    def _acquire(self, fi: int) -> torch.Tensor:
+        if fi not in self._staging:
+            L = self.groups[fi].layout
+            pool = self._pool[L.padded_numel]
+            if pool:
+                buf = pool.pop()
+            else:
+                buf = torch.empty(L.padded_numel, dtype=self.reduce_dtype,
+                                  device=self.groups[fi].device)
+                self.staging_allocated += 1
+            buf[L.numel:].zero_()  # padding; param regions are overwritten by their grads
+            self._staging[fi] = buf
+        return self._staging[fi]
+
+    def on_grad(self, gi, i, p) -> None:
+        f = self.groups[gi]
+        ui = f.unit_index
+        if self._arrived[gi][i]:
+            raise RuntimeError(
+                "zerokern stage 3: a parameter's gradient arrived twice in one backward "
+                "(reentrant checkpointing?); use torch.utils.checkpoint(..., "
+                "use_reentrant=False)")
+        if ui in self._reduced:
+            raise RuntimeError(
+                f"zerokern stage 3: param {i} of unit {self.units[ui].name or '<root>'!r} got "
+                "its gradient after the unit's backward was over (the grad of the unit's "
+                "inputs was already computed), so its unit was already reduced: the param is "
+                "used outside the path from the unit's inputs to its outputs. Make the module "
+                "that uses it a unit of its own (units=...) or move the param into the module "
+                "that uses it")
+        s = f.layout.slots[i]
+        self._acquire(gi)[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
+        self._arrived[gi][i] = True
+        p.grad = None
+        self._pending[ui] -= 1
+        if self._pending[ui] == 0:
+            self._done.add(ui)
+            self._maybe_free(ui)
+            self._launch_ready(flush=False)
+
+    def _launch_ready(self, flush: bool) -> None:
+        while self._next < len(self._rs_order):
+            ui = self._rs_order[self._next]
+            if not flush and self._pending[ui] > 0 and ui not in self._done:
+                return
+            for fi in self.unit_flats[ui]:
+                f = self.groups[fi]
+                staging = self._acquire(fi)
+                if self._pending[ui] > 0:  # params without a grad count as zero
+                    for i, s in enumerate(f.layout.slots):
+                        if not self._arrived[fi][i]:
+                            staging[s.offset:s.offset + s.numel].zero_()
+                while len(self._in_flight) >= MAX_IN_FLIGHT:
+                    self._complete_oldest()
+                self._reduce_async(fi, staging, self.grad_shards[fi])
+            self._reduced.add(ui)
+            if not flush:
+                self._maybe_free(ui)
+            self._next += 1
+
+    def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
+        out = shard if self._fresh else torch.empty_like(shard)
+        h = self.rs_comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True,
+                                         label=self._label(self.groups[key]))
+        self._in_flight.append((h, key, out if out is not shard else None, shard))
+
+    def _recycle(self, staging: torch.Tensor) -> None:
+        self._pool[staging.numel()].append(staging)
+
+    def end_backward(self) -> None:
+        if self._bcur < len(self._bsched):  # units this rank did not use: their gathers
+            self._reach(self._bsched, self._bcur, len(self._bsched) - 1)
+            self._release(self._bsched[-1])
+            self._bcur = len(self._bsched)
+        self._launch_ready(flush=True)
+        self._drain()
+        self.in_backward = False
+        self._free_unreferenced()
+        self._calls.clear()
+        self._unsignalled.clear()
+        self._reset_backward()

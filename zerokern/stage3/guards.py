@@ -1,0 +1,147 @@
+"""Stage 3: what the model's own API would get wrong with sharded params, caught or made right.
+
+Between steps a stage-3 param is an empty tensor and its values live in the optimizer's shard
+(sharded_flat.py). Anything that reads or replaces params behind the optimizer's back would
+otherwise act on those empty tensors without a word. `ModelGuard` hooks the model so that:
+
+- `model.state_dict()` outside `opt.gathered_params()` raises, naming gathered_params(): the
+  values are not on this rank, and gathering them would be a collective that hangs when only
+  rank 0 saves (the usual `if rank == 0: torch.save(model.state_dict())`). keep_vars=True is
+  let through: it returns the Parameter objects themselves (what checkpoint code uses to
+  name them), never copies of empty values.
+- `model.load_state_dict(full_sd)` loads anywhere, with no collective: each rank copies its
+  own piece of every param from the full tensors into its shard (cast to the precision) and,
+  for trainable params, the fp32 master (the full fp32 values, not the 16-bit rounding).
+- A forward inside `DistributedDataParallel` raises: DDP would all-reduce grads that stage 3
+  has already reduce-scattered and freed (it crashed deep in autograd on the [0]-shaped params).
+- `model.to(device)` / `.half()` / `.float()` after the optimizer was built raises at the next
+  forward or step (the params are the optimizer's views; a moved or cast empty tensor would be
+  silently replaced by the next gather), and so does a changed set of parameters.
+Hooks hold the sync through a weak reference ([Note] in runtime.py's `_weak`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List
+
+import torch
+
+
+def _ddp_forward_active() -> bool:
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return getattr(ddp, "_active_ddp_module", None) is not None
+
+
+class ModelGuard:
+    def __init__(self, sync, model: torch.nn.Module) -> None:
+        self._sync = weakref.ref(sync)
+        self.model_ref = weakref.ref(model)
+        self._param_ids = [id(p) for p in model.parameters()]
+        # param id -> (buffer, slot index), for every sharded param, trainable and frozen
+        self.where = {id(p): (f, i) for f in list(sync.groups) + sync.frozen
+                      for i, p in enumerate(f.params)}
+        f0 = sync.groups[0]
+        self.dtype, self.device = f0.dtype, f0.device
+        self.hooks: List = []
+        ref = weakref.ref(self)
+        for mod in model.modules():
+            if not any(id(p) in self.where for p in mod._parameters.values() if p is not None):
+                continue
+            self.hooks.append(mod.register_state_dict_pre_hook(
+                lambda m, prefix, keep_vars: ref() and ref()._on_state_dict(keep_vars)))
+            self.hooks.append(mod.register_load_state_dict_pre_hook(
+                lambda m, sd, prefix, *rest: ref() and ref()._on_load(m, sd, prefix, *rest)))
+
+    # ---- checks -------------------------------------------------------------------------------
+    def check_forward(self) -> None:
+        if _ddp_forward_active():
+            raise RuntimeError(
+                "zerokern stage 3: the model runs inside torch.nn.parallel."
+                "DistributedDataParallel. Do not wrap a ZeroAdamW-managed model in DDP: "
+                "ZeroAdamW reduces the gradients itself (at stage 3 it reduce-scatters them "
+                "and frees the full params, which DDP's all-reduce cannot work with). Call the "
+                "model directly (with Hugging Face Trainer/accelerate, let them see no DDP: "
+                "e.g. build the optimizer yourself and pass the unwrapped model)")
+        self.check_params("forward")
+
+    def check_step(self) -> None:
+        self.check_params("step()")
+
+    def check_params(self, where: str) -> None:
+        model = self.model_ref()
+        if model is None:
+            return
+        # The model's params now (a .to() may have replaced them) and the optimizer's.
+        params = list(model.parameters())
+        moved = [p for p in params + [f.params[i] for f, i in self.where.values()]
+                 if p.is_floating_point() and (p.dtype, p.device) != (self.dtype, self.device)]
+        if moved:
+            p = moved[0]
+            raise RuntimeError(
+                f"zerokern stage 3 ({where}): a param is now {p.dtype} on {p.device}, but "
+                f"ZeroAdamW holds the params as {self.dtype} on {self.device}: model.to()/.cuda()/"
+                ".half()/.float() ran after the optimizer was built. At stage 3 the params "
+                "live in the optimizer's shards: move the model to its device before "
+                "creating ZeroAdamW, and choose the dtype with precision= (the optimizer "
+                "casts the model)")
+        if [id(p) for p in params] != self._param_ids:
+            raise ValueError("zerokern stage 3: the model's parameters changed after ZeroAdamW "
+                             "wrapped it (a module replaced or added, or a parameter created "
+                             "after wrapping); build the model completely, then create the "
+                             "optimizer")
+
+    # ---- state dicts ----------------------------------------------------------------------------
+    def _on_state_dict(self, keep_vars: bool) -> None:
+        sync = self._sync()
+        if sync is None or keep_vars or sync.all_gathered:
+            return
+        raise RuntimeError(
+            "zerokern stage 3: model.state_dict() outside opt.gathered_params(): the params "
+            "are sharded across ranks and this rank holds only its piece (the param tensors "
+            "are empty between steps). On every rank, wrap it: `with opt.gathered_params(): "
+            "sd = model.state_dict()` (collective; then save on rank 0), or save with "
+            "zerokern.checkpoint.save(path, model, opt)")
+
+    @torch.no_grad()
+    def _on_load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                 error_msgs) -> None:
+        """Load this module's own sharded params from full tensors into this rank's shard."""
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or id(p) not in self.where or key not in state_dict:
+                continue
+            f, i = self.where[id(p)]
+            slot = f.layout.slots[i]
+            value = state_dict[key]
+            if f.gathered:  # inside gathered_params(): torch copies into the full view
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape:
+                    self._load_piece(f, i, value)  # and the shard keeps it on release
+                continue
+            if local_metadata.get("assign_to_params_buffers", False):
+                error_msgs.append(f"{key}: load_state_dict(assign=True) would replace a "
+                                  "stage-3 param that ZeroAdamW shards; use assign=False")
+            elif not isinstance(value, torch.Tensor) or tuple(value.shape) != slot.shape:
+                shape = getattr(value, "shape", type(value).__name__)
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(shape) if isinstance(value, torch.Tensor) else shape}"
+                                  f" from checkpoint, the shape in current model is "
+                                  f"{slot.shape}")
+            else:
+                self._load_piece(f, i, value)
+            # The param is an empty tensor now: hand torch's own copy an empty value.
+            state_dict[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @staticmethod
+    def _load_piece(f, i: int, value: torch.Tensor) -> None:
+        L = f.layout
+        lo, hi = L.piece_range(0, f.rank)
+        off = L.slots[i].offset
+        flat_value = value.detach().reshape(-1)
+        for j, a, b in L.overlaps(lo, hi):
+            if j != i:
+                continue
+            src = flat_value[a - off:b - off].to(f.device)
+            f.flat[a - lo:b - lo].copy_(src)  # round to nearest even, as the cast-back
+            if f.master is not None:
+                f.master[a - lo:b - lo].copy_(src)  # the full fp32 value
