@@ -22,9 +22,7 @@ Results: benchmarks/results/checkpoint-cpu.{json,md} (checkpoint-cpu-quick.* wit
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import resource
 import shutil
@@ -284,42 +282,17 @@ PHASES = {"raw_write": phase_raw_write, "raw_read": phase_raw_read, "save": phas
           "torch_load": phase_torch_load}
 
 
-def _rank_main(rank, a, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=a.ws,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        res = PHASES[a.phase](a, rank)
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
+def _rank_phase(rank, ws, a):
+    return PHASES[a.phase](a, rank)
 
 
 def run_phase(a) -> dict:
     """Child side: one phase at world size a.ws; rank results merged (worst rank)."""
     if a.ws == 1:
         return PHASES[a.phase](a)
-    import socket
+    from zerokern.spawn import spawn_ranks  # the one multi-rank launcher
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mktemp(prefix="zkck_")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, a, port, out)) for r in range(a.ws)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    ranks = []
-    for r in range(a.ws):
-        with open(f"{out}.{r}") as f:
-            ranks.append(json.load(f))
-        os.remove(f"{out}.{r}")
+    ranks = spawn_ranks(_rank_phase, a.ws, a, threads=1, pg_timeout=600)
     res = dict(ranks[0])
     res["secs"] = [max(x) for x in zip(*(r["secs"] for r in ranks))]
     res["mem"] = {k: max(r["mem"][k] for r in ranks) for k in ranks[0]["mem"]}

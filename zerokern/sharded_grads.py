@@ -24,11 +24,13 @@ class ShardedGrads(GradSync):
         self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
                             for g in groups]  # (S,) reduce dtype
         self._fresh = True            # first reduction since zero_grad: write the shard directly
+        self._issued = False          # a reduce-scatter was issued since the last drain
         self._in_flight: List[tuple] = []
         super().__init__(groups, comm, reduce_dtype)
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else torch.empty_like(shard)
+        self._issued = True
         h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
         self._in_flight.append((h, key, out if out is not shard else None, shard))
 
@@ -45,7 +47,9 @@ class ShardedGrads(GradSync):
         """End of a reduction: every reduce-scatter has landed; the next one accumulates."""
         while self._in_flight:
             self._complete_oldest()
-        self._fresh = False
+        if self._issued:  # (a backward under no_sync() reduced nothing: still fresh)
+            self._fresh = False
+            self._issued = False
 
     def grad_piece(self, gi, k) -> torch.Tensor:
         return self.grad_shards[gi][self.groups[gi].state_slice(k)]

@@ -83,7 +83,8 @@ def _zero(rank, ws, stage, steps=STEPS, micro=1, clip=None, norm_type=2.0, sched
             (opt.zero_grad() if zero == "opt" else model.zero_grad())
         elif op == "b":
             last = schedule is not None or m == micro - 1
-            ctx = opt.no_sync() if (no_sync and not last) else contextlib.nullcontext()
+            ctx = opt.no_sync() if (no_sync == "all" or (no_sync and not last)) \
+                else contextlib.nullcontext()
             with ctx:
                 opt.backward(M.loss_fn(model, M.rank_tokens(s, rank, ws, micro=m)) / micro)
         else:
@@ -307,6 +308,7 @@ def _rank_cases(rank, ws):
     for st in STAGES:
         cases[f"accum_plain_s{st}"] = p(_accum, rank, ws, st, memo, False)
         cases[f"accum_nosync_s{st}"] = p(_accum, rank, ws, st, memo, True)
+        cases[f"accum_allnosync_s{st}"] = p(_accum, rank, ws, st, memo, "all")
         cases[f"two_steps_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbsbszbs"))
         cases[f"model_zero_grad_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbszbbs"),
                                             zero="model")
@@ -340,10 +342,11 @@ def _res(ws):
 
 @pytest.mark.parametrize("ws", WS)
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("no_sync", [False, True])
+@pytest.mark.parametrize("no_sync", ["plain", "nosync", "allnosync"])
 def test_accumulation_sums_like_ddp(ws, stage, no_sync):
-    """loss / k per micro-batch (the torch habit) gives DDP's big-batch result."""
-    for rel in case(_res(ws), f"accum_{'nosync' if no_sync else 'plain'}_s{stage}"):
+    """loss / k per micro-batch (the torch habit) gives DDP's big-batch result: every backward
+    reducing, all but the last under no_sync(), or all under no_sync() (step() reduces)."""
+    for rel in case(_res(ws), f"accum_{no_sync}_s{stage}"):
         assert rel <= TOL
 
 

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ..spawn import RankFailure, spawn_ranks
 from . import common
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -171,60 +170,46 @@ def _timer(dev: torch.device):
     return now
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, common.usable_cpus() // world))
+def _worker(rank: int, world: int, args):
+    """One rank (run by zerokern.spawn): every provider, interleaved; rank 0's results."""
     dev = _device(args, rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
     now = _timer(dev)
-    try:
-        provs = _make_providers(args, rank, world)
-        iters: Dict[str, List[float]] = {n: [] for n in provs}
-        names = list(provs)
-        for rep in range(args.warmup + args.reps):
-            for i in range(len(names)):
-                name = names[(i + rep) % len(names)]
-                dist.barrier()
-                t0 = now()
-                provs[name][0]()
-                dt = torch.tensor((now() - t0) * 1e3, device=dev)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                if rep >= args.warmup:
-                    iters[name].append(float(dt))
-        # Optimizer step alone: backward once, then time repeated steps (same work per step).
-        steps: Dict[str, List[float]] = {}
-        for name, (_, opt, _, model) in provs.items():
-            steps[name] = []
-            for _ in range(max(3, args.reps // 2)):
-                x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), device=dev)
-                (model.loss(x[:, :-1], x[:, 1:])).backward() if name.startswith("zerokern") \
-                    else None
-                if not name.startswith("zerokern"):
-                    continue  # peers' step without DDP's backward reduction is not comparable
-                dist.barrier()
-                t0 = now()
-                opt.step()
-                dt = torch.tensor((now() - t0) * 1e3, device=dev)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                steps[name].append(float(dt))
-                opt.zero_grad()
-        mem = {name: p[2]() for name, p in provs.items()}
-        if rank == 0:
-            queue.put({"iters": iters, "steps": steps, "mem": mem,
-                       "params": sum(p.numel() for p in next(iter(provs.values()))[3]
-                                     .parameters())})
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    provs = _make_providers(args, rank, world)
+    iters: Dict[str, List[float]] = {n: [] for n in provs}
+    names = list(provs)
+    for rep in range(args.warmup + args.reps):
+        for i in range(len(names)):
+            name = names[(i + rep) % len(names)]
+            dist.barrier()
+            t0 = now()
+            provs[name][0]()
+            dt = torch.tensor((now() - t0) * 1e3, device=dev)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if rep >= args.warmup:
+                iters[name].append(float(dt))
+    # Optimizer step alone: backward once, then time repeated steps (same work per step).
+    steps: Dict[str, List[float]] = {}
+    for name, (_, opt, _, model) in provs.items():
+        steps[name] = []
+        for _ in range(max(3, args.reps // 2)):
+            x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), device=dev)
+            (model.loss(x[:, :-1], x[:, 1:])).backward() if name.startswith("zerokern") \
+                else None
+            if not name.startswith("zerokern"):
+                continue  # peers' step without DDP's backward reduction is not comparable
+            dist.barrier()
+            t0 = now()
+            opt.step()
+            dt = torch.tensor((now() - t0) * 1e3, device=dev)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            steps[name].append(float(dt))
+            opt.zero_grad()
+    mem = {name: p[2]() for name, p in provs.items()}
+    if rank == 0:
+        return {"iters": iters, "steps": steps, "mem": mem,
+                "params": sum(p.numel() for p in next(iter(provs.values()))[3]
+                              .parameters())}
+    return None
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -269,51 +254,21 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     return a
 
 
+def _cuda_of(rank: int) -> torch.device:
+    return torch.device("cuda", rank)
+
+
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue))
-             for r in range(args.nproc)]
-    for pr in procs:
-        pr.start()
+    cuda = args.device == "cuda"
     try:
-        res = _wait_result(queue, procs)
-    finally:  # also on a failure or Ctrl-C: no rank outlives the command
-        for pr in procs:
-            if pr.is_alive() and pr.exitcode is None:
-                pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
-            pr.join()
-    if any(pr.exitcode for pr in procs):
-        raise SystemExit("a benchmark rank failed")
+        res = spawn_ranks(_worker, args.nproc, args, backend="nccl" if cuda else "gloo",
+                          threads=max(1, common.usable_cpus() // args.nproc),
+                          device_of=_cuda_of if cuda else None)[0]
+    except RankFailure as e:  # a dead rank stops the others within seconds ([Note: no hangs])
+        print(e, file=sys.stderr)
+        raise SystemExit("a benchmark rank failed") from None
     return report(args, res)
-
-
-def _wait_result(queue, procs, grace_s: float = 10.0):
-    """Rank 0's result; a rank that dies stops the benchmark (its peers would otherwise wait
-    in a collective until gloo's timeout) after `grace_s` for its traceback to print."""
-    import queue as queue_mod
-
-    failed_at = None
-    while True:
-        try:
-            return queue.get(timeout=0.5)
-        except queue_mod.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if dead and failed_at is None:
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > grace_s:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            raise SystemExit(f"benchmark rank(s) {dead} failed (exit codes "
-                             f"{[procs[r].exitcode for r in dead]}); see their tracebacks above")
-        if not any(p.is_alive() for p in procs):
-            raise SystemExit("every benchmark rank exited without a result")
 
 
 def report(args, res) -> int:

@@ -104,7 +104,14 @@ class Stage3Backward(ShardedGrads):
                 "that uses it a unit of its own (units=...) or move the param into the module "
                 "that uses it")
         s = f.layout.slots[i]
-        self._acquire(gi)[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
+        grad = p.grad.reshape(-1)
+        if not self.sync:  # no_sync(): a full local accumulator per buffer, no reduce-scatter
+            self._local_buf(gi)[s.offset:s.offset + s.numel].add_(grad)
+        elif self._local is not None and self._local[gi] is not None:
+            torch.add(grad, self._local[gi][s.offset:s.offset + s.numel],
+                      out=self._acquire(gi)[s.offset:s.offset + s.numel])
+        else:
+            self._acquire(gi)[s.offset:s.offset + s.numel].copy_(grad)
         self._arrived[gi][i] = True
         p.grad = None
         self._pending[ui] -= 1
@@ -113,7 +120,22 @@ class Stage3Backward(ShardedGrads):
             self._maybe_free(ui)
             self._launch_ready(flush=False)
 
+    def _local_buf(self, fi: int) -> torch.Tensor:
+        """[Note: stage 3 under no_sync] As FSDP2's set_requires_gradient_sync(False): grads
+        accumulate unsharded, one full buffer per (unit, group) in reduce_dtype (the Ψ elements
+        of a replicated gradient, on top of the shards), and are folded into the next synced
+        backward's staging (or reduced from there at step()). The gathers still run."""
+        if self._local is None:
+            self._local = [None] * len(self.groups)
+        if self._local[fi] is None:
+            L = self.groups[fi].layout
+            self._local[fi] = torch.zeros(L.padded_numel, dtype=self.reduce_dtype,
+                                          device=self.groups[fi].device)
+        return self._local[fi]
+
     def _launch_ready(self, flush: bool) -> None:
+        if not self.sync:
+            return
         while self._next < len(self._rs_order):
             ui = self._rs_order[self._next]
             if not flush and self._pending[ui] > 0 and ui not in self._done:
@@ -121,10 +143,17 @@ class Stage3Backward(ShardedGrads):
             for fi in self.unit_flats[ui]:
                 f = self.groups[fi]
                 staging = self._acquire(fi)
+                local = None if self._local is None else self._local[fi]
                 if self._pending[ui] > 0:  # params without a grad count as zero
                     for i, s in enumerate(f.layout.slots):
                         if not self._arrived[fi][i]:
-                            staging[s.offset:s.offset + s.numel].zero_()
+                            sl = slice(s.offset, s.offset + s.numel)
+                            if local is None:
+                                staging[sl].zero_()
+                            else:  # ...plus what no_sync() accumulated for them
+                                staging[sl].copy_(local[sl])
+                if local is not None:
+                    self._local[fi] = None
                 while len(self._in_flight) >= MAX_IN_FLIGHT:
                     self._complete_oldest()
                 self._reduce_async(fi, staging, self.grad_shards[fi])
@@ -135,6 +164,7 @@ class Stage3Backward(ShardedGrads):
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else torch.empty_like(shard)
+        self._issued = True
         h = self.rs_comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True,
                                          label=self._label(self.groups[key]))
         self._in_flight.append((h, key, out if out is not shard else None, shard))
@@ -147,7 +177,7 @@ class Stage3Backward(ShardedGrads):
             self._reach(self._bsched, self._bcur, len(self._bsched) - 1)
             self._release(self._bsched[-1])
             self._bcur = len(self._bsched)
-        self._launch_ready(flush=True)
+        self._launch_ready(flush=True)  # (not under no_sync(): nothing is reduced then)
         self._drain()
         self.in_backward = False
         self._free_unreferenced()

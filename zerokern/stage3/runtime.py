@@ -62,6 +62,7 @@ from typing import Dict, List
 
 import torch
 
+from ..grad_sync import MAX_IN_FLIGHT
 from . import guards
 from .backward import Stage3Backward
 from .sharded_flat import ShardedFlat
@@ -115,6 +116,7 @@ class Stage3Sync(Stage3Backward):
         self.active_units = [u for u in units if u.is_root or self.unit_bufs[u.index]
                              or u.deps]
         self._pool: Dict[int, List[torch.Tensor]] = defaultdict(list)
+        self._local = None  # no_sync() accumulators ([Note: stage 3 under no_sync])
         self.staging_allocated = 0
         # The gather schedule ([Note: stage-3 collective order], rule 1): registration order.
         self.schedule: List[int] = [u.index for u in self.active_units if not u.is_root]
@@ -278,15 +280,39 @@ class Stage3Sync(Stage3Backward):
     # ---- step / zero_grad / reports ----------------------------------------------------------
     def reduce(self):
         self.guard.check_step()
-        self.comm.check_collectives("step()")  # ZEROKERN_DEBUG_COLLECTIVES=1 only
         self._free_unreferenced()  # a root kept by a forward that had no backward
+        if self._local is not None and any(t is not None for t in self._local):
+            # Backward passes under no_sync() only: reduce their accumulators now, in the
+            # static order (every rank holds one per buffer, zeros where no grad came).
+            for ui in self._rs_order:
+                for fi in self.unit_flats[ui]:
+                    buf = self._local_buf(fi)
+                    self._staging[fi] = buf
+                    while len(self._in_flight) >= MAX_IN_FLIGHT:
+                        self._complete_oldest()
+                    self._reduce_async(fi, buf, self.grad_shards[fi])
+            self._drain()
+            self._local = None
+        self.comm.check_collectives("step()")  # ZEROKERN_DEBUG_COLLECTIVES=1 only
         for fi in range(len(self.groups)):
             yield fi, 0
 
     def held(self):
+        local = [t for t in (self._local or []) if t is not None]  # no_sync() accumulators
         return {"grads": list(self.grad_shards),
                 "buckets": [b for bufs in self._pool.values() for b in bufs]
-                + list(self._staging.values())}
+                + list(self._staging.values()) + local}
+
+    def clear_all(self) -> None:
+        super().clear_all()
+        self._local = None
+
+    def clear_some(self, params) -> None:
+        super().clear_some(params)
+        for gi, i in params:
+            if self._local is not None and self._local[gi] is not None:
+                s = self.groups[gi].layout.slots[i]
+                self._local[gi][s.offset:s.offset + s.numel].zero_()
 
     def gather_all(self) -> None:
         for u in self.active_units:
