@@ -33,6 +33,7 @@ class ReleasedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, stage: int, dtype=None, device=None):
+        # like's current shape: torch requires it (a freed stage-3 param has 0 elements)
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,
                                                 device=device or like.device,
                                                 requires_grad=False)
