@@ -95,7 +95,7 @@ class FlatGroup:
         if self.stage == 0:
             return None
         return comm.all_gather_(self.bucket(self.flat, k), self.piece(self.flat, k),
-                                async_op=True)
+                                async_op=True, label=f"group {self.group_index} bucket {k}")
 
     def state_tensors(self) -> dict:
         out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}

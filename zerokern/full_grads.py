@@ -103,7 +103,7 @@ class FullGrads(GradSync):
                 src.copy_(b)
             # SUM, then / N on landing: p.grad is DDP's average, and an fp16 sum that
             # overflows is inf here too, so found_inf is the same at every stage.
-            h = self.comm.all_reduce_(src, async_op=True)
+            h = self.comm.all_reduce_(src, async_op=True, label=f"group {gi} bucket {k}")
             self._handles.append((gi, k, h, b if src is not b else None,
                                   src if src is not b else None))
             return
@@ -114,7 +114,7 @@ class FullGrads(GradSync):
         # gloo corrupts an in-place reduce-scatter (output aliasing the input), so the result
         # goes to a shard buffer that lives until the step.
         h = self.comm.reduce_scatter_(self._shard[gi][g.state_slice(k)], src, async_op=True,
-                                      inp_is_scratch=src is not b)
+                                      inp_is_scratch=src is not b, label=f"group {gi} bucket {k}")
         self._handles.append((gi, k, h, None, None))
 
     def _wait_all(self):

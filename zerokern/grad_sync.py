@@ -225,6 +225,9 @@ class GradSync:
         for gi, g in enumerate(self.groups):
             for k in range(g.layout.n_buckets):
                 yield gi, k
+    def check_collectives(self) -> None:
+        """ZEROKERN_DEBUG_COLLECTIVES=1: every rank issued the same collectives so far."""
+        self.comm.check_collectives("step()")
     def grad_piece(self, gi: int, k: int) -> torch.Tensor: ...
     def after_step(self) -> None:
         """Called after the update: drop per-step buffers."""

@@ -157,6 +157,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         trainable = check_groups(self.param_groups, dtype)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         comm = Comm(process_group)
+        comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         if stage == 3:
             from .stage3 import find_units
@@ -309,6 +310,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         gs = self.grad_sync
         if self._prepared == gs.generation:
             return
+        gs.check_collectives()  # ZEROKERN_DEBUG_COLLECTIVES=1 only
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]

@@ -31,7 +31,8 @@ class ShardedGrads(GradSync):
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else torch.empty_like(shard)
         self._issued = True
-        h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True)
+        h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True,
+                                      label=f"group {key[0]} bucket {key[1]}")
         self._in_flight.append((h, key, out if out is not shard else None, shard))
 
     def _complete_oldest(self) -> None:

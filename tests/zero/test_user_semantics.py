@@ -11,6 +11,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import weakref
 
 import pytest
@@ -261,6 +262,29 @@ def _param_replaced(rank, ws, stage):
     return msg, M.bitwise_equal(M.snapshot(model), before)
 
 
+def _debug_reorder(rank, ws, stage, inject):
+    """ZEROKERN_DEBUG_COLLECTIVES=1 at stages 0-2: rank 1 launches two buckets in swapped
+    order (an injected bug: same-sized buckets would pair silently on gloo's ring). Every rank
+    must raise at step() naming the divergence; without the injection it trains."""
+    os.environ["ZEROKERN_DEBUG_COLLECTIVES"] = "1"
+    try:
+        model = M.make_model()
+        opt = M.zero_opt(model, stage, bucket_mb=M.BUCKET_MB)
+    finally:
+        os.environ.pop("ZEROKERN_DEBUG_COLLECTIVES", None)
+    order = opt.grad_sync._sched.order
+    if inject and rank == 1:
+        order[0], order[1] = order[1], order[0]
+    try:
+        for s in range(2):
+            opt.zero_grad()
+            opt.backward(M.loss_fn(model, M.rank_tokens(s, rank, ws)))
+            opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
 def _frozen_cast(rank, ws, stage):
     model = M.make_model()
     opt = M.zero_opt(model, stage, precision="bf16")
@@ -330,6 +354,8 @@ def _rank_cases(rank, ws):
         cases[f"frozen_cast_s{st}"] = p(_frozen_cast, rank, ws, st)
         if ws > 1:
             cases[f"ddp_refused_s{st}"] = p(_ddp_refused, rank, ws, st)
+            cases[f"debug_ok_s{st}"] = p(_debug_reorder, rank, ws, st, False)
+            cases[f"debug_reorder_s{st}"] = p(_debug_reorder, rank, ws, st, True)
     return run_cases(cases)
 
 
@@ -471,6 +497,14 @@ def test_ddp_wrap_is_refused(ws, stage):
     for msg, unchanged in case(_res(ws), f"ddp_refused_s{stage}"):
         assert "DistributedDataParallel" in msg and "bare model" in msg
         assert unchanged
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_debug_collectives_catches_a_reorder(ws, stage):
+    assert case(_res(ws), f"debug_ok_s{stage}") == ["trained"] * ws  # negative control
+    for msg in case(_res(ws), f"debug_reorder_s{stage}"):
+        assert "collective" in msg.lower() and "rank" in msg
 
 
 def test_world_size_env_without_process_group_raises(monkeypatch):

@@ -297,6 +297,9 @@ class Stage3Sync(Stage3Backward):
         for fi in range(len(self.groups)):
             yield fi, 0
 
+    def check_collectives(self) -> None:
+        """Checked in reduce(), after the flush of what ran under no_sync()."""
+
     def held(self):
         local = [t for t in (self._local or []) if t is not None]  # no_sync() accumulators
         return {"grads": list(self.grad_shards),
