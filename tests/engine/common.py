@@ -67,7 +67,7 @@ def restore_linear():
 
 
 def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
-          model=None) -> List[float]:
+          model=None, client_optimizer=None) -> List[float]:
     """Per-step losses (the mean over this rank's micro-batches of one step) of `steps`
     optimizer steps through `which` in {"zerokern", "deepspeed"}."""
     launcher_env(rank)
@@ -76,7 +76,11 @@ def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
     if which == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
+        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN reports fp16 support; torch
+        # runs fp16 on this CPU all the same, so the reference is allowed to run it.
+        get_accelerator().is_fp16_supported = lambda: True
         ctx = restore_linear()
         init = deepspeed.initialize
     else:
@@ -85,7 +89,9 @@ def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
         ctx = contextlib.nullcontext()
         init = zerokern.initialize
     with ctx:
-        engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=cfg)
+        opt = None if client_optimizer is None else client_optimizer(model)
+        engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=cfg,
+                               optimizer=opt)
         gas = engine.gradient_accumulation_steps()
         losses = []
         for s in range(steps):
@@ -95,7 +101,7 @@ def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
                 loss = engine(input_ids=x, labels=x).loss
                 engine.backward(loss)
                 engine.step()
-                total += float(loss)
+                total += float(loss.detach())
             losses.append(total / gas)
         if which == "deepspeed":
             engine.destroy() if hasattr(engine, "destroy") else None
@@ -104,3 +110,26 @@ def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
 
 def rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1) -> List[float]:
+    """The plain-torch reference: DDP + a torch optimizer, loss / gas, no_sync off-boundary."""
+    import torch.distributed as dist
+
+    model = gpt2()
+    net = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    opt = make_optimizer(model)
+    losses = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ctx = net.no_sync() if (m < gas - 1 and net is not model) else contextlib.nullcontext()
+            with ctx:
+                x = tokens(s, m, rank)
+                loss = net(input_ids=x, labels=x).loss
+                (loss / gas).backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / gas)
+    return losses

@@ -278,6 +278,9 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
     cfg = load_config(config)
     _check_auto(cfg)
     _unknown(cfg, set(HONOURED_TOP) | set(NO_EFFECT_TOP), "")
+    # zero_optimization first: a key zerokern cannot honour is the error a user sees first
+    probe = EngineConfig(0, 0, 0, world_size)
+    _zero(cfg.get("zero_optimization", {}), probe)
     tb, mb, gas = batch_sizes(cfg, world_size)
     out = EngineConfig(tb, mb, gas, world_size, raw=cfg)
     out.gradient_clipping = _num("gradient_clipping", cfg.get("gradient_clipping", 0.0))
