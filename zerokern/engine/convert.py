@@ -67,7 +67,8 @@ def zero_from_torch(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                "betas": tuple(g["betas"]), "eps": g["eps"], "weight_decay": g["weight_decay"]}
         if "initial_lr" in g:
             out["initial_lr"] = g["initial_lr"]
-        groups.append(out)
+        if out["params"] and any(p.requires_grad for p in out["params"]):
+            groups.append(out)  # an empty group (e.g. no no-decay params) has nothing to do
     d = optimizer.defaults
     zk = ZeroAdamW(model, lr=float(d["lr"]), betas=tuple(d["betas"]), eps=d["eps"],
                    weight_decay=d["weight_decay"], adamw=adamw,
