@@ -20,12 +20,13 @@ from zero.harness import cached, case, run_cases  # noqa: E402
 from . import hf_common as H  # noqa: E402
 
 TOL = {
-    "fp32": 1e-5,   # the bound; measured <= 1e-7 (Trainer) and 1e-7 (accelerate)
+    "fp32": 1e-5,   # the bound; measured <= 1.1e-7 (Trainer), 9.9e-8 (accelerate)
     # bf16: the reference is Trainer/accelerate bf16 = autocast over fp32 weights; zerokern
     # keeps bf16 weights (fp32 masters), as DeepSpeed does under Trainer, so every forward
-    # sees weights rounded to 8 bits (2^-9 relative). See BF16_MEASURED for the measured gap.
-    "bf16": 2e-2,
-    "norm_fp32": 1e-5,  # global norm, fp32 sums in another order
+    # sees weights rounded to 8 bits (2^-9 = 2e-3 relative per weight; the loss, a mean over
+    # many, moves far less).
+    "bf16": 1e-3,  # measured 5.0e-5 - 8.9e-5 (stages 1, 3; Trainer and accelerate)
+    "norm_fp32": 1e-5,  # global norm, fp32 sums in another order; measured <= 2.1e-7
 }
 _TMP = tempfile.mkdtemp(prefix="zk_hf_")
 atexit.register(shutil.rmtree, _TMP, True)
