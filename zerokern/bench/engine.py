@@ -33,13 +33,15 @@ from .step import _free_port, _wait_result
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def config(stage: int, precision: str, batch: int) -> dict:
+def config(stage: int, precision: str, batch: int, bucket=None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
            "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01,
                                                      "torch_adam": True}},
            "zero_optimization": {"stage": stage, "overlap_comm": True,
                                  "contiguous_gradients": True}}
+    if bucket:
+        cfg["zero_optimization"]["reduce_bucket_size"] = int(bucket)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -47,9 +49,14 @@ def config(stage: int, precision: str, batch: int) -> dict:
 
 def held_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process."""
+    import warnings
+
     gc.collect()
     seen, total = set(), 0
-    for o in gc.get_objects():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated module attributes
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in objs:
         try:
             if not isinstance(o, torch.Tensor) or o.device.type == "meta":
                 continue
@@ -79,7 +86,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     try:
         for precision in args.precisions:
             for stage in args.stages:
-                cfg = config(stage, precision, args.batch)
+                cfg = config(stage, precision, args.batch, args.reduce_bucket_size)
                 engines, mem, linear = {}, {}, {}
                 for name, init in (("zerokern", zerokern.initialize),
                                    ("deepspeed", deepspeed.initialize)):
@@ -146,6 +153,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--reduce-bucket-size", type=float, default=None,
+                   help="zero_optimization.reduce_bucket_size in elements (default: absent)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -182,7 +191,8 @@ def report(args, res) -> int:
     except Exception:  # noqa: BLE001
         env["deepspeed"] = None
     env.update(world_size=args.nproc, backend="gloo", model_size=args.model_size,
-               batch=args.batch, seq=args.seq, reps=args.reps)
+               batch=args.batch, seq=args.seq, reps=args.reps,
+               reduce_bucket_size=args.reduce_bucket_size)
     rows = []
     for key, r in res.items():
         z, d = (common.summarize(r["times"][n]) for n in ("zerokern", "deepspeed"))
@@ -197,9 +207,12 @@ def report(args, res) -> int:
             ("mem_ratio", "memory zk/DS")]
     params = next(iter(res.values()))["params"]
     title = (f"engine benchmark: GPT {args.model_size} ({params / 1e6:.1f}M params), "
-             f"{args.nproc} gloo ranks, batch {args.batch}x{args.seq}, medians of {args.reps}")
+             f"{args.nproc} gloo ranks, batch {args.batch}x{args.seq}, medians of {args.reps}, "
+             f"reduce_bucket_size {args.reduce_bucket_size or 'absent'}")
     common.print_table(rows, cols, title)
     stem = f"engine-{args.model_size}-n{args.nproc}"
+    if args.reduce_bucket_size:
+        stem += f"-bucket{int(args.reduce_bucket_size)}"
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / f"{stem}.json", {"env": env, "rows": rows})
     md = (f"# {title}\n\n{common.markdown_env(env)}\n\n{common.markdown_table(rows, cols)}\n\n"

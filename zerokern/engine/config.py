@@ -61,7 +61,11 @@ HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
                 "zero_optimization", "communication_data_type")
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DS_REDUCE_BUCKET_DEFAULT = 500_000_000  # elements (DeepSpeed's default)
+# Without reduce_bucket_size zerokern keeps its own 25 MiB buckets, not DeepSpeed's default of
+# 5e8 elements: zerokern's staging buckets live between steps, and at that size they are as
+# large as the model (at 23M params fp32: +88 MiB per rank at stages 1-2, measured by
+# `zerokern bench --engine`), where DeepSpeed's default costs it little between steps.
+ZK_BUCKET_MB_DEFAULT = 25.0
 
 
 @dataclass
@@ -80,7 +84,7 @@ class EngineConfig:
     precision: str = "fp32"
     loss_scale: Any = None                        # ZeroAdamW(loss_scale=)
     stage: int = 0
-    reduce_bucket_elements: int = DS_REDUCE_BUCKET_DEFAULT
+    reduce_bucket_elements: Optional[int] = None  # None: zerokern's default bucket
     reduce_dtype: Optional[torch.dtype] = None
     offload: Optional[str] = None
     gather_16bit_on_save: bool = False
@@ -90,6 +94,8 @@ class EngineConfig:
     @property
     def bucket_mb(self) -> float:
         """reduce_bucket_size (elements) in MiB of the reduce dtype (zerokern's unit)."""
+        if self.reduce_bucket_elements is None:
+            return ZK_BUCKET_MB_DEFAULT
         dtype = self.reduce_dtype or {"fp32": torch.float32, "bf16": torch.bfloat16,
                                       "fp16": torch.float16}[self.precision]
         return self.reduce_bucket_elements * dtype.itemsize / 2**20

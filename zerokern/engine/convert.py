@@ -87,6 +87,24 @@ def rebind_scheduler(scheduler, old, new) -> None:
                 g_new[k] = g_old[k]
     if hasattr(scheduler, "_last_lr"):
         scheduler._last_lr = [g["lr"] for g in new.param_groups]
-    # torch wraps optimizer.step to count calls (a warning otherwise); ZeroAdamW's is plain
-    if not hasattr(new, "_opt_called"):
-        new._opt_called = True
+    _track_step(new)
+
+
+def _track_step(opt) -> None:
+    """What torch's LRScheduler does to the optimizer it is built on: mark opt.step calls, so
+    the scheduler does not warn that it stepped first (weak reference: no cycle)."""
+    import functools
+    import weakref
+
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    ref, step = weakref.ref(opt), type(opt).step
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        o = ref()
+        o._opt_called = True
+        return step(o, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper

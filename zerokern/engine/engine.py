@@ -349,7 +349,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     engine = ZeroEngine(model, opt, cfg, sched, loader)
     if rank == 0:
         log.info("zerokern.initialize: stage %d, %s, micro-batch %d x accumulation %d x %d "
-                 "rank(s) = %d, bucket %.1f MiB (reduce_bucket_size %d elements)", cfg.stage,
+                 "rank(s) = %d, bucket %.1f MiB (reduce_bucket_size %s elements)", cfg.stage,
                  cfg.precision, cfg.micro_batch_size, cfg.gradient_accumulation_steps,
                  world_size, cfg.train_batch_size, cfg.bucket_mb, cfg.reduce_bucket_elements)
         if cfg.no_effect:
