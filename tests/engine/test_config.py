@@ -4,20 +4,16 @@ once. World size 1 in this process, plus one spawn of 2 gloo ranks (loader, chec
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
-import math
 import os
 
 import pytest
 import torch
+from zero.harness import cached, case, run_cases  # noqa: E402
 
 import zerokern as zk
 from zerokern.engine import parse_config
 from zerokern.engine import schedulers as S
-
-from zero.harness import cached, case, run_cases  # noqa: E402
 
 from . import common as C
 

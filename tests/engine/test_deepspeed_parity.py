@@ -17,6 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
 
 from zero.harness import cached, case, run_cases  # noqa: E402
+
 from . import common as C  # noqa: E402
 
 # One tolerance table (relative, per-step loss, max over 10 steps).

@@ -4,11 +4,9 @@ downloads."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List
 
 import torch
-
 from engine import common as C
 
 STEPS, GAS, BATCH, LR, CLIP = 10, 2, 2, 3e-3, 0.5

@@ -163,6 +163,11 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SystemExit("zerokern bench --engine compares against DeepSpeed: pip install "
+                         "deepspeed (it runs on the CPU with DS_ACCELERATOR=cpu)")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

@@ -267,7 +267,8 @@ def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:
     # DeepSpeed's dynamic scaler: 2**initial_scale_power, x2 after loss_scale_window clean
     # steps, /2 after `hysteresis` overflows, never below min_loss_scale.
     out.loss_scale = {
-        "init_scale": 2.0 ** _int("fp16.initial_scale_power", fp16.get("initial_scale_power", 16), 0),
+        "init_scale": 2.0 ** _int("fp16.initial_scale_power",
+                                  fp16.get("initial_scale_power", 16), 0),
         "growth_interval": _int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000)),
         "hysteresis": _int("fp16.hysteresis", fp16.get("hysteresis", 2)),
         "min_scale": _num("fp16.min_loss_scale", fp16.get("min_loss_scale", 1), 1e-30),

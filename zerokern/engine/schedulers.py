@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 Floats = Union[float, Sequence[float]]
@@ -50,8 +49,9 @@ class WarmupLR(LRScheduler):
     """From warmup_min_lr to warmup_max_lr (default: the optimizer's lr) over warmup_num_steps
     (log or linear), then constant."""
 
-    def __init__(self, optimizer, warmup_min_lr: Floats = 0.0, warmup_max_lr: Optional[Floats] = None,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
+    def __init__(self, optimizer, warmup_min_lr: Floats = 0.0,
+                 warmup_max_lr: Optional[Floats] = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1):
         if last_batch_iteration != -1:
             raise ValueError("last_batch_iteration: resume through load_state_dict()")
         self.warmup_type = _check_warmup_type(warmup_type)
@@ -101,7 +101,8 @@ class WarmupCosineLR(LRScheduler):
         if last_batch_iteration != -1:
             raise ValueError("last_batch_iteration: resume through load_state_dict()")
         if isinstance(warmup_num_steps, bool) or int(warmup_num_steps) <= 0:
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+            raise ValueError(f"warmup_num_steps must be a positive integer, "
+                             f"got {warmup_num_steps!r}")
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
         self.warmup_type = _check_warmup_type(warmup_type)
@@ -114,7 +115,8 @@ class WarmupCosineLR(LRScheduler):
         if i < self.warmup_num_steps:
             g = _warmup_gamma(i, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + g * (1.0 - self.warmup_min_ratio)
-        done = (i - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
+        span = max(1, self.total_num_steps - self.warmup_num_steps)
+        done = (i - self.warmup_num_steps + 1) / span
         cos = (1 + math.cos(math.pi * min(1.0, done))) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cos)
 

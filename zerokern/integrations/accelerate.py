@@ -66,7 +66,7 @@ class ZeroAccelerator(Accelerator):
 
     @classmethod
     def adopt(cls, accelerator: Accelerator, zero_stage: int = 2,
-              zero_options: Optional[Dict[str, Any]] = None) -> "ZeroAccelerator":
+              zero_options: Optional[Dict[str, Any]] = None) -> ZeroAccelerator:
         """Turn an Accelerator another library built (e.g. Trainer's) into a ZeroAccelerator,
         keeping all of its state (same process group, plugins, gradient state)."""
         accelerator.__class__ = cls
