@@ -25,9 +25,10 @@ TOL = {
     "fp32": 1e-5,  # the issue's bound; measured 4.9e-8 (stage 2 and 3): only summation order
     # bf16: both keep bf16 params/grads and fp32 masters, but reduce and accumulate in another
     # order and dtype (DeepSpeed sums micro-batch grads into fp32 partitions); one bf16 ulp is
-    # 2^-8 = 3.9e-3 of a value, and a loss is a mean over many of them. Measured 4.1e-5-4.6e-5.
+    # 2^-8 = 3.9e-3 of a value, and a loss is a mean over many of them. Measured 5.7e-5-6.2e-5.
     "bf16": 1e-3,
-    # fp16 (seed 000, dynamic loss scale): 10 mantissa bits, 2^-11 = 4.9e-4 half-ulp per value.
+    # fp16 (seed 000, dynamic loss scale): 10 mantissa bits, 2^-11 = 4.9e-4 half-ulp per value;
+    # measured 7.5e-6.
     "fp16": 2e-3,
 }
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
@@ -82,7 +83,7 @@ def _cases(rank, ws):
         with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
             C.train("zerokern", rank, cfg, client_optimizer=_torch_adamw)  # as DeepSpeed
         cfg.update(train_micro_batch_size_per_gpu=C.MICRO_BATCH, zero_force_ds_cpu_optimizer=False)
-        # Here DeepSpeed itself departs from DDP + torch.optim.AdamW by 1.7e-4 (with the
+        # Here DeepSpeed itself departs from DDP + torch.optim.AdamW by up to 2.8e-4 (with the
         # client AdamW at every stage, stage 0 included, and with this config's optimizer at
         # stage 3 + offload), while it agrees to 1e-7 with the same AdamW from the config at
         # stage 0; so the reference is DDP + torch.optim.AdamW (zerokern: 9.9e-8), and
@@ -129,7 +130,7 @@ def test_seed_002_stage3_offload():
     matches DDP + the script's AdamW (see the case for why not DeepSpeed here)."""
     for z, ref, d in case(_results(), "seed002-s3-offload"):
         assert C.rel(z, ref) <= TOL["fp32"], (z, ref)
-        assert C.rel(d, ref) < 1e-3, (d, ref)  # DeepSpeed (informative; measured 1.7e-4)
+        assert C.rel(d, ref) < 1e-3, (d, ref)  # DeepSpeed (informative; measured <= 2.8e-4)
 
 
 def test_negative_control():
