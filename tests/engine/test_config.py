@@ -297,3 +297,31 @@ def test_loader_and_checkpoint_across_world_sizes(tmp_path):
     assert client == {"epoch": 7} and path.endswith(f"global_step{steps}")
     assert engine.global_steps == steps and engine.get_lr() == lr
     assert engine.load_checkpoint(str(tmp_path / "nothing")) == (None, None)
+
+
+# ---- the process group from the launcher's environment -------------------------------------
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_init_distributed_from_launcher_env(launcher):
+    """torchrun/deepspeed set RANK/WORLD_SIZE/LOCAL_RANK; mpirun OMPI_COMM_WORLD_*; gloo on
+    a CPU-only machine. (A subprocess: the default group is process-wide.)"""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("OMPI_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    if launcher == "torchrun":
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    else:
+        env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1",
+                   OMPI_COMM_WORLD_LOCAL_RANK="0")
+    code = ("import torch.distributed as d, zerokern; zerokern.init_distributed(); "
+            "print(d.get_backend(), d.get_rank(), d.get_world_size())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-3:] == ["gloo", "0", "1"]

@@ -50,8 +50,9 @@ def _recording(cls):
 
 def trainer_run(rank: int, out_dir: str, zero_stage=None, precision: str = "fp32",
                 steps: int = STEPS, save_steps=None, resume=None, weight_decay: float = 0.1,
-                save_model_to=None) -> Dict[str, Any]:
-    """A Trainer script; zero_stage=None is the plain Trainer (torch AdamW, DDP)."""
+                save_model_to=None, lora: bool = False) -> Dict[str, Any]:
+    """A Trainer script; zero_stage=None is the plain Trainer (torch AdamW, DDP).
+    lora: a PEFT LoRA model (frozen base weights; stage 3 shards them with their unit)."""
     from transformers import Trainer, TrainingArguments
 
     env(rank)
@@ -69,6 +70,11 @@ def trainer_run(rank: int, out_dir: str, zero_stage=None, precision: str = "fp32
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         bf16=precision == "bf16", disable_tqdm=True, dataloader_drop_last=True)
     model = C.gpt2()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"],
+                                                 lora_dropout=0.0))
     trainer = cls(model=model, args=args, train_dataset=TokenData(), **kw)
     trainer.losses = []
     first = {}

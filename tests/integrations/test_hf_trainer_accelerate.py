@@ -56,6 +56,11 @@ def _worker(rank, ws, tmp):
         # stage 3: checkpoints every 5 steps (resumed at N = 1 below), save_model at the end
         cases["trainer-s3-save"] = lambda: H.trainer_run(
             rank, f"{d}/save", zero_stage=3, save_steps=5, save_model_to=f"{d}/final")
+        if _has_peft():
+            cases["trainer-ref-lora"] = lambda: H.trainer_run(rank, f"{d}/lr", lora=True,
+                                                              steps=5)
+            cases["trainer-s3-lora"] = lambda: H.trainer_run(rank, f"{d}/l3", zero_stage=3,
+                                                             lora=True, steps=5)
         # negative control: weight decay on every param, not Trainer's no-decay groups
         cases["trainer-s2-negative"] = lambda: H.trainer_run(rank, f"{d}/neg", zero_stage=2,
                                                              weight_decay=0.5)
@@ -64,6 +69,12 @@ def _worker(rank, ws, tmp):
             rank, f"{d}/resume", zero_stage=1, resume=f"{tmp}/n2/save/checkpoint-5")
         cases["from-pretrained"] = lambda: _from_pretrained(f"{tmp}/n2/final")
     return run_cases(cases)
+
+
+def _has_peft() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
 
 
 def _from_pretrained(path):
@@ -128,3 +139,12 @@ def test_resume_stage3_n2_checkpoint_at_stage1_n1():
     sd = consolidate(f"{_TMP}/n2/save/checkpoint-5/zerokern")
     for n, p in r["first_params"].items():
         assert torch.equal(p, sd[n].float()), n  # the masters of step 5, resharded 2 -> 1
+
+
+def test_peft_lora_stage3_matches_ddp():
+    if not _has_peft():
+        pytest.skip("peft is not installed")
+    res = _n2()
+    for ref, z in zip(case(res, "trainer-ref-lora"), case(res, "trainer-s3-lora")):
+        assert z["stage"] == 3
+        assert _rel(z["losses"], ref["losses"]) <= TOL["fp32"]
