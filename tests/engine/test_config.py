@@ -100,6 +100,12 @@ def test_no_effect_keys_are_logged_once(caplog, tmp_path):
     for k in ("contiguous_gradients", "overlap_comm", "allgather_bucket_size"):
         assert f"zero_optimization.{k}" in lines[0]
     assert ("zero_optimization.contiguous_gradients" in dict(engine.config.no_effect))
+    # DeepSpeed's aliases: config_params=, and args.deepspeed_config (a JSON path)
+    import argparse
+
+    for kw in ({"config_params": cfg}, {"args": argparse.Namespace(deepspeed_config=str(path))}):
+        engine, *_ = zk.initialize(model=C.gpt2(), **kw)
+        assert engine.gradient_accumulation_steps() == 2 and engine.optimizer.stage == 2
 
 
 # ---- optimizer / precision / zero_optimization map onto ZeroAdamW --------------------------
