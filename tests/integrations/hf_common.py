@@ -68,7 +68,8 @@ def trainer_run(rank: int, out_dir: str, zero_stage=None, precision: str = "fp32
         adam_beta2=0.9, adam_epsilon=1e-6, max_grad_norm=CLIP, lr_scheduler_type="linear",
         warmup_steps=2, logging_steps=1, report_to=[], use_cpu=True, seed=7,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        bf16=precision == "bf16", fp16=precision == "fp16", disable_tqdm=True, dataloader_drop_last=True)
+        bf16=precision == "bf16", fp16=precision == "fp16", disable_tqdm=True,
+        dataloader_drop_last=True)
     model = C.gpt2()
     if lora:
         from peft import LoraConfig, get_peft_model
