@@ -1,8 +1,10 @@
 """zerokern: ZeRO sharded data parallelism for PyTorch with fused optimizer kernels."""
 
 from . import checkpoint, kernels
+from .engine import init_distributed, initialize
 from .memory import estimate_memory
 from .optimizer import ZeroAdamW
 
 __version__ = "0.1.0"
-__all__ = ["ZeroAdamW", "checkpoint", "estimate_memory", "kernels", "__version__"]
+__all__ = ["ZeroAdamW", "checkpoint", "estimate_memory", "init_distributed", "initialize",
+           "kernels", "__version__"]

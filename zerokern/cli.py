@@ -125,7 +125,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
     """--kernels (the default), --step and/or --offload; the remaining flags go to each."""
     rc = 0
-    if args.kernels or not (args.step or args.offload):
+    if args.kernels or not (args.step or args.offload or args.engine):
         from .bench import kernels
 
         rc |= kernels.main(rest)
@@ -137,6 +137,10 @@ def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
         from .bench import offload
 
         rc |= offload.main(rest)
+    if args.engine:
+        from .bench import engine
+
+        rc |= engine.main(rest)
     return rc
 
 
@@ -196,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kernels", action="store_true", help="kernel suite (default)")
     bench.add_argument("--step", action="store_true", help="optimizer-step suite")
     bench.add_argument("--offload", action="store_true", help="offload='cpu' suite")
+    bench.add_argument("--engine", action="store_true",
+                       help="zerokern.initialize vs deepspeed.initialize, same config")
     from .checkpoint import cli as checkpoint_cli
 
     checkpoint_cli.add_arguments(sub.add_parser("consolidate", help=checkpoint_cli.HELP))

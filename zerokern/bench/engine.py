@@ -1,0 +1,227 @@
+"""Engine benchmark: `deepspeed.initialize` vs `zerokern.initialize` on the same DeepSpeed
+config, the same GPT and the same data, 2 gloo ranks, stages 1-3, fp32 and bf16.
+
+Both engines of one (stage, precision) are alive at once and timed interleaved (A B, B A, ...),
+so machine noise hits both alike. An iteration is engine(x) -> loss, engine.backward(loss),
+engine.step() (gradient_accumulation_steps 1). Times are the max over ranks per iteration.
+
+Held memory per rank: the bytes of every tensor storage alive in the process (found through
+the garbage collector, each storage counted once) after an iteration, minus the same count
+before the engine was built: params, grads, optimizer state, and any buffers the engine keeps
+between steps (staging buckets included), measured the same way for both.
+DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process; each engine runs
+with its own (DeepSpeed's while DeepSpeed runs, torch's otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import common
+from .step import _free_port, _wait_result
+
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def config(stage: int, precision: str, batch: int, bucket=None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01,
+                                                     "torch_adam": True}},
+           "zero_optimization": {"stage": stage, "overlap_comm": True,
+                                 "contiguous_gradients": True}}
+    if bucket:
+        cfg["zero_optimization"]["reduce_bucket_size"] = int(bucket)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def held_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process."""
+    import warnings
+
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated module attributes
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in objs:
+        try:
+            if not isinstance(o, torch.Tensor) or o.device.type == "meta":
+                continue
+            s = o.untyped_storage()
+        except Exception:  # noqa: BLE001 - odd tensor subclasses
+            continue
+        key = s.data_ptr()
+        if key and key not in seen:
+            seen.add(key)
+            total += s.nbytes()
+    return total
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(max(1, common.usable_cpus() // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import deepspeed
+    import torch.nn.functional as F
+
+    import zerokern
+    from zerokern.gpt import build_gpt
+
+    torch_linear = F.linear
+    out: Dict[str, dict] = {}
+    try:
+        for precision in args.precisions:
+            for stage in args.stages:
+                cfg = config(stage, precision, args.batch, args.reduce_bucket_size)
+                engines, mem, linear = {}, {}, {}
+                for name, init in (("zerokern", zerokern.initialize),
+                                   ("deepspeed", deepspeed.initialize)):
+                    before = held_bytes()
+                    model = build_gpt(args.model_size, seed=0)
+                    eng = init(model=model, model_parameters=model.parameters(),
+                               config=copy.deepcopy(cfg))[0]
+                    linear[name] = F.linear
+                    F.linear = torch_linear
+                    engines[name] = (eng, model)
+                    _iteration(eng, model, args, linear[name], torch_linear, rank)
+                    mem[name] = held_bytes() - before
+                times: Dict[str, List[float]] = {n: [] for n in engines}
+                names = list(engines)
+                for rep in range(args.warmup + args.reps):
+                    for i in range(len(names)):
+                        name = names[(i + rep) % len(names)]
+                        eng, model = engines[name]
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        _iteration(eng, model, args, linear[name], torch_linear, rank)
+                        dt = torch.tensor((time.perf_counter() - t0) * 1e3)
+                        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                        if rep >= args.warmup:
+                            times[name].append(float(dt))
+                m = torch.tensor([float(mem["zerokern"]), float(mem["deepspeed"])])
+                dist.all_reduce(m, op=dist.ReduceOp.MAX)
+                out[f"s{stage}-{precision}"] = {
+                    "stage": stage, "precision": precision, "times": times,
+                    "held_bytes": {"zerokern": m[0].item(), "deepspeed": m[1].item()},
+                    "params": sum(p.numel() for p in build_gpt(args.model_size).parameters())}
+                for eng, _ in engines.values():
+                    if hasattr(eng, "destroy"):
+                        eng.destroy()
+                del engines, eng, model
+                F.linear = torch_linear
+                gc.collect()
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _iteration(eng, model, args, linear, torch_linear, rank: int) -> None:
+    import torch.nn.functional as F
+
+    F.linear = linear
+    try:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), generator=g)
+        logits = eng(x[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        eng.backward(loss)
+        eng.step()
+    finally:
+        F.linear = torch_linear
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="zerokern bench --engine", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--model-size", default="20m", choices=["tiny", "small", "20m", "100m"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--reduce-bucket-size", type=float, default=None,
+                   help="zero_optimization.reduce_bucket_size in elements (default: absent)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return p.parse_args(argv)
+
+
+def main(argv: List[str]) -> int:
+    args = parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SystemExit("zerokern bench --engine compares against DeepSpeed: pip install "
+                         "deepspeed (it runs on the CPU with DS_ACCELERATOR=cpu)")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue))
+             for r in range(args.nproc)]
+    for pr in procs:
+        pr.start()
+    try:
+        res = _wait_result(queue, procs)
+    finally:
+        for pr in procs:
+            if pr.is_alive():
+                pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+            pr.join()
+    return report(args, res)
+
+
+def report(args, res) -> int:
+    env = common.environment(torch.device("cpu"))
+    try:
+        import deepspeed
+
+        env["deepspeed"] = deepspeed.__version__
+    except Exception:  # noqa: BLE001
+        env["deepspeed"] = None
+    env.update(world_size=args.nproc, backend="gloo", model_size=args.model_size,
+               batch=args.batch, seq=args.seq, reps=args.reps,
+               reduce_bucket_size=args.reduce_bucket_size)
+    rows = []
+    for key, r in res.items():
+        z, d = (common.summarize(r["times"][n]) for n in ("zerokern", "deepspeed"))
+        hz, hd = r["held_bytes"]["zerokern"], r["held_bytes"]["deepspeed"]
+        rows.append({"config": key, "zk_ms": z["median_ms"], "ds_ms": d["median_ms"],
+                     "time_ratio": z["median_ms"] / d["median_ms"],
+                     "zk_MiB": hz / 2**20, "ds_MiB": hd / 2**20, "mem_ratio": hz / hd,
+                     "zk": z, "ds": d})
+    cols = [("config", "stage-precision"), ("zk_ms", "zerokern iter ms"),
+            ("ds_ms", "DeepSpeed iter ms"), ("time_ratio", "time zk/DS"),
+            ("zk_MiB", "zerokern held MiB/rank"), ("ds_MiB", "DeepSpeed held MiB/rank"),
+            ("mem_ratio", "memory zk/DS")]
+    params = next(iter(res.values()))["params"]
+    title = (f"engine benchmark: GPT {args.model_size} ({params / 1e6:.1f}M params), "
+             f"{args.nproc} gloo ranks, batch {args.batch}x{args.seq}, medians of {args.reps}, "
+             f"reduce_bucket_size {args.reduce_bucket_size or 'absent'}")
+    common.print_table(rows, cols, title)
+    stem = f"engine-{args.model_size}-n{args.nproc}"
+    if args.reduce_bucket_size:
+        stem += f"-bucket{int(args.reduce_bucket_size)}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    common.write_json(args.out / f"{stem}.json", {"env": env, "rows": rows})
+    md = (f"# {title}\n\n{common.markdown_env(env)}\n\n{common.markdown_table(rows, cols)}\n\n"
+          "Targets (issue 12): time zk/DS <= 0.5 and memory zk/DS <= 0.9 at every row.\n")
+    common.write_text(args.out / f"{stem}.md", md)
+    print(f"wrote {args.out / stem}.json and .md")
+    return 0

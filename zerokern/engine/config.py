@@ -1,0 +1,350 @@
+"""DeepSpeed JSON config -> zerokern settings, with DeepSpeed's meaning and units.
+
+Every key is one of three kinds (the tables below):
+- honoured: it changes what zerokern does, as DeepSpeed documents (bucket sizes are ELEMENTS in
+  DeepSpeed and MiB in zerokern: converted with the element size of the reduce dtype);
+- no effect: accepted, and listed once in the start-up log with the reason (zerokern already
+  behaves that way, e.g. gradients are always contiguous);
+- anything else, or a value zerokern cannot honour (NVMe offload, param offload): ValueError
+  naming the key. Nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+# key -> reason it has no effect in zerokern (accepted and logged once)
+NO_EFFECT_TOP = {
+    "zero_allow_untested_optimizer": "zerokern builds ZeroAdamW itself",
+    "gradient_predivide_factor": "averaging over ranks is exact in zerokern (DESIGN §3)",
+    "prescale_gradients": "averaging over ranks is exact in zerokern (DESIGN §3)",
+    "memory_breakdown": "use optimizer.memory_report()",
+    "dump_state": "zerokern prints no state dump",
+    "zero_force_ds_cpu_optimizer": "the offloaded update is always zerokern's C++ kernel",
+}
+NO_EFFECT_ZERO = {
+    "allgather_bucket_size": "zerokern gathers the same buckets it reduces (reduce_bucket_size)",
+    "overlap_comm": "communication always overlaps backward (GPU side stream; gloo rings)",
+    "reduce_scatter": "stages 1-3 always reduce-scatter",
+    "allgather_partitions": "stages 1-2 always all-gather the updated shards",
+    "contiguous_gradients": "gradients are always contiguous (flat buffers)",
+    "round_robin_gradients": "each rank owns one piece of every bucket already",
+    "ignore_unused_parameters": "an unused param counts as a zero gradient (DESIGN §2)",
+    "sub_group_size": "the update runs per bucket",
+    "stage3_prefetch_bucket_size": "stage 3 prefetches one unit ahead (module units)",
+    "stage3_param_persistence_threshold": "stage 3 shards every unit; the root stays resident",
+    "stage3_max_live_parameters": "stage 3 bounds live params by units (live_units_bound)",
+    "stage3_max_reuse_distance": "stage 3 frees a unit after its use",
+    "load_from_fp32_weights": "checkpoints always hold fp32 masters",
+    "elastic_checkpoint": "zerokern checkpoints load at any world size",
+}
+NO_EFFECT_OFFLOAD = {
+    "pin_memory": "host buffers are always pinned on a GPU (none on a CPU-only machine)",
+    "buffer_count": "the pipeline uses its own chunking (offload.py)",
+    "fast_init": "no effect for device 'cpu'",
+}
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
+                    "bias_correction", "amsgrad")
+FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "min_loss_scale", "consecutive_hysteresis", "auto_cast")
+HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_param",
+                 "stage3_gather_16bit_weights_on_model_save",
+                 "stage3_gather_fp16_weights_on_model_save")
+HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
+                "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
+                "zero_optimization", "communication_data_type")
+COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Without reduce_bucket_size zerokern keeps its own 25 MiB buckets, not DeepSpeed's default of
+# 5e8 elements: zerokern's staging buckets live between steps, and at that size they are as
+# large as the model (at 23M params fp32: +88 MiB per rank at stages 1-2, measured by
+# `zerokern bench --engine`), where DeepSpeed's default costs it little between steps.
+ZK_BUCKET_MB_DEFAULT = 25.0
+
+
+@dataclass
+class EngineConfig:
+    """The parsed config. Sizes: batch sizes in samples, bucket_mb in MiB."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    optimizer: Optional[Dict[str, Any]] = None    # {"type", "params"} as given
+    scheduler: Optional[Dict[str, Any]] = None    # {"type", "params"} as given
+    precision: str = "fp32"
+    loss_scale: Any = None                        # ZeroAdamW(loss_scale=)
+    stage: int = 0
+    reduce_bucket_elements: Optional[int] = None  # None: zerokern's default bucket
+    reduce_dtype: Optional[torch.dtype] = None
+    offload: Optional[str] = None
+    gather_16bit_on_save: bool = False
+    no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
+    raw: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bucket_mb(self) -> float:
+        """reduce_bucket_size (elements) in MiB of the reduce dtype (zerokern's unit)."""
+        if self.reduce_bucket_elements is None:
+            return ZK_BUCKET_MB_DEFAULT
+        dtype = self.reduce_dtype or {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                      "fp16": torch.float16}[self.precision]
+        return self.reduce_bucket_elements * dtype.itemsize / 2**20
+
+
+def load_config(config: Any) -> Dict[str, Any]:
+    """A dict, or a path to a JSON file (DeepSpeed's `config=` / `config_params=`)."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict or a path to a JSON file, got "
+                         f"{type(config).__name__}")
+    return config
+
+
+def _check_auto(d: Dict[str, Any], prefix: str = "") -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _check_auto(v, f"{prefix}{k}.")
+        elif isinstance(v, str) and v == "auto":
+            raise ValueError(f"config key {prefix}{k!s} is 'auto': only the Hugging Face "
+                             "integration fills 'auto' values; zerokern.initialize needs a value")
+
+
+def _int(key: str, v: Any, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or v != int(v) or int(v) < lo:
+        raise ValueError(f"config key {key} must be an integer >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _num(key: str, v: Any, lo: float = 0.0) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= lo:
+        raise ValueError(f"config key {key} must be a number >= {lo}, got {v!r}")
+    return float(v)
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"config key {key} must be true or false, got {v!r}")
+    return v
+
+
+def _unknown(d: Dict[str, Any], allowed, prefix: str) -> None:
+    for k in d:
+        if k not in allowed:
+            raise ValueError(f"config key {prefix}{k} is not supported by zerokern "
+                             f"(supported here: {sorted(allowed)})")
+
+
+def batch_sizes(cfg: Dict[str, Any], world_size: int) -> Tuple[int, int, int]:
+    """DeepSpeed's triple: train = micro * gas * world_size; any two imply the third."""
+    tb = cfg.get("train_batch_size")
+    mb = cfg.get("train_micro_batch_size_per_gpu")
+    gas = cfg.get("gradient_accumulation_steps")
+    tb = None if tb is None else _int("train_batch_size", tb)
+    mb = None if mb is None else _int("train_micro_batch_size_per_gpu", mb)
+    gas = None if gas is None else _int("gradient_accumulation_steps", gas)
+    if tb is None and mb is None:
+        raise ValueError("config needs train_batch_size or train_micro_batch_size_per_gpu "
+                         "(DeepSpeed: either, with gradient_accumulation_steps optional)")
+    if tb is not None and mb is not None and gas is not None:
+        pass
+    elif tb is not None and mb is not None:
+        gas = tb // (mb * world_size) or 1
+    elif tb is not None and gas is not None:
+        mb = tb // (gas * world_size) or 1
+    elif mb is not None and gas is not None:
+        tb = mb * gas * world_size
+    elif tb is not None:
+        gas, mb = 1, tb // world_size or 1
+    else:
+        gas, tb = 1, mb * world_size
+    if tb != mb * gas * world_size:
+        given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                             "gradient_accumulation_steps") if k in cfg]
+        raise ValueError(
+            f"config key train_batch_size: {tb} != train_micro_batch_size_per_gpu ({mb}) * "
+            f"gradient_accumulation_steps ({gas}) * world size ({world_size}) (given: {given})")
+    return tb, mb, gas
+
+
+def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
+    if not isinstance(z, dict):
+        raise ValueError(f"config key zero_optimization must be a dict, got {z!r}")
+    _unknown(z, set(HONOURED_ZERO) | set(NO_EFFECT_ZERO), "zero_optimization.")
+    stage = z.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"config key zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    out.stage = int(stage)
+    if "reduce_bucket_size" in z:
+        out.reduce_bucket_elements = _int("zero_optimization.reduce_bucket_size",
+                                          z["reduce_bucket_size"])
+    if "allgather_bucket_size" in z:
+        _int("zero_optimization.allgather_bucket_size", z["allgather_bucket_size"])
+    for k in ("overlap_comm", "reduce_scatter", "allgather_partitions", "contiguous_gradients",
+              "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint",
+              "load_from_fp32_weights"):
+        if k in z:
+            _bool(f"zero_optimization.{k}", z[k])
+    for k in ("stage3_gather_16bit_weights_on_model_save",
+              "stage3_gather_fp16_weights_on_model_save"):
+        if k in z:
+            out.gather_16bit_on_save = _bool(f"zero_optimization.{k}", z[k])
+    for k, why in NO_EFFECT_ZERO.items():
+        if k in z:
+            out.no_effect.append((f"zero_optimization.{k}", why))
+    oo = z.get("offload_optimizer")
+    if oo is not None:
+        key = "zero_optimization.offload_optimizer"
+        if not isinstance(oo, dict):
+            raise ValueError(f"config key {key} must be a dict, got {oo!r}")
+        _unknown(oo, {"device", "nvme_path", *NO_EFFECT_OFFLOAD, "ratio"}, key + ".")
+        dev = oo.get("device", "none")
+        if dev == "nvme":
+            raise ValueError(f"config key {key}.device='nvme': NVMe offload does not exist in "
+                             "zerokern yet; use 'cpu' or 'none'")
+        if dev not in ("cpu", "none", None):
+            raise ValueError(f"config key {key}.device must be 'cpu' or 'none', got {dev!r}")
+        if "ratio" in oo and oo["ratio"] != 1.0:
+            raise ValueError(f"config key {key}.ratio: partial offload is not supported (1.0 only)")
+        if "nvme_path" in oo:
+            raise ValueError(f"config key {key}.nvme_path: NVMe offload does not exist in "
+                             "zerokern yet")
+        if dev == "cpu":
+            if out.stage == 0:
+                raise ValueError(f"config key {key}.device='cpu' needs "
+                                 "zero_optimization.stage 1, 2 or 3")
+            out.offload = "cpu"
+            for k, why in NO_EFFECT_OFFLOAD.items():
+                if k in oo:
+                    out.no_effect.append((f"{key}.{k}", why))
+    op = z.get("offload_param")
+    if op is not None:
+        key = "zero_optimization.offload_param"
+        if not isinstance(op, dict):
+            raise ValueError(f"config key {key} must be a dict, got {op!r}")
+        dev = op.get("device", "none")
+        if dev not in ("none", None):
+            raise ValueError(f"config key {key}.device={dev!r}: parameter offload does not "
+                             "exist in zerokern yet (offload_optimizer with device 'cpu' "
+                             "does); remove offload_param or set its device to 'none'")
+        _unknown(op, {"device", *NO_EFFECT_OFFLOAD}, key + ".")
+
+
+def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:
+    fp16, bf16 = cfg.get("fp16", {}), cfg.get("bf16", {})
+    for name, d in (("fp16", fp16), ("bf16", bf16)):
+        if not isinstance(d, dict):
+            raise ValueError(f"config key {name} must be a dict, got {d!r}")
+    _unknown(bf16, {"enabled"}, "bf16.")
+    _unknown(fp16, set(FP16_KEYS), "fp16.")
+    f_on = _bool("fp16.enabled", fp16.get("enabled", False))
+    b_on = _bool("bf16.enabled", bf16.get("enabled", False))
+    if f_on and b_on:
+        raise ValueError("config keys fp16.enabled and bf16.enabled are both true; pick one")
+    if fp16.get("auto_cast", False):
+        raise ValueError("config key fp16.auto_cast=true (casting inputs) is not supported; "
+                         "cast the inputs in the model")
+    if fp16.get("consecutive_hysteresis", False):
+        raise ValueError("config key fp16.consecutive_hysteresis=true is not supported")
+    out.precision = "fp16" if f_on else "bf16" if b_on else "fp32"
+    if not f_on:
+        return
+    ls = _num("fp16.loss_scale", fp16.get("loss_scale", 0))
+    if ls > 0:
+        out.loss_scale = ls  # static
+        return
+    # DeepSpeed's dynamic scaler: 2**initial_scale_power, x2 after loss_scale_window clean
+    # steps, /2 after `hysteresis` overflows, never below min_loss_scale.
+    out.loss_scale = {
+        "init_scale": 2.0 ** _int("fp16.initial_scale_power",
+                                  fp16.get("initial_scale_power", 16), 0),
+        "growth_interval": _int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000)),
+        "hysteresis": _int("fp16.hysteresis", fp16.get("hysteresis", 2)),
+        "min_scale": _num("fp16.min_loss_scale", fp16.get("min_loss_scale", 1), 1e-30),
+        "growth_factor": 2.0, "backoff_factor": 0.5}
+
+
+def parse_config(config: Any, world_size: int) -> EngineConfig:
+    """Parse and validate a DeepSpeed config (dict or JSON path) for `world_size` ranks.
+
+    Raises:
+        ValueError: naming the key, for unknown keys, 'auto' values, inconsistent batch
+            sizes and values zerokern cannot honour.
+    """
+    cfg = load_config(config)
+    _check_auto(cfg)
+    _unknown(cfg, set(HONOURED_TOP) | set(NO_EFFECT_TOP), "")
+    # zero_optimization first: a key zerokern cannot honour is the error a user sees first
+    probe = EngineConfig(0, 0, 0, world_size)
+    _zero(cfg.get("zero_optimization", {}), probe)
+    tb, mb, gas = batch_sizes(cfg, world_size)
+    out = EngineConfig(tb, mb, gas, world_size, raw=cfg)
+    out.gradient_clipping = _num("gradient_clipping", cfg.get("gradient_clipping", 0.0))
+    out.steps_per_print = _int("steps_per_print", cfg.get("steps_per_print", 10))
+    out.wall_clock_breakdown = _bool("wall_clock_breakdown", cfg.get("wall_clock_breakdown", False))
+    for k, why in NO_EFFECT_TOP.items():
+        if k in cfg:
+            out.no_effect.append((k, why))
+    if "communication_data_type" in cfg:
+        cdt = cfg["communication_data_type"]
+        if cdt not in COMM_DTYPES:
+            raise ValueError(f"config key communication_data_type must be one of "
+                             f"{sorted(COMM_DTYPES)}, got {cdt!r}")
+        out.reduce_dtype = COMM_DTYPES[cdt]
+    _precision(cfg, out)
+    _zero(cfg.get("zero_optimization", {}), out)
+    for key in ("optimizer", "scheduler"):
+        d = cfg.get(key)
+        if d is None:
+            continue
+        if not isinstance(d, dict) or "type" not in d:
+            raise ValueError(f"config key {key} must be a dict with 'type', got {d!r}")
+        _unknown(d, {"type", "params"}, f"{key}.")
+        if not isinstance(d.get("params", {}), dict):
+            raise ValueError(f"config key {key}.params must be a dict")
+        setattr(out, key, {"type": d["type"], "params": dict(d.get("params", {}))})
+    if out.optimizer is not None:
+        optimizer_settings(out.optimizer)  # validate now, before anything is built
+    return out
+
+
+def optimizer_settings(opt_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """DeepSpeed's Adam/AdamW config -> ZeroAdamW keyword arguments.
+
+    DeepSpeed: type "Adam" is AdamW unless adam_w_mode is false (L2); "AdamW" always
+    decoupled. weight_decay defaults to 0 (FusedAdam / DeepSpeedCPUAdam), or with
+    torch_adam to torch's default (AdamW 0.01, Adam 0)."""
+    t = str(opt_cfg["type"]).lower()
+    if t not in ("adam", "adamw"):
+        raise ValueError(f"config key optimizer.type {opt_cfg['type']!r} is not supported: "
+                         "zerokern has Adam and AdamW (ZeroAdamW)")
+    p = opt_cfg.get("params", {})
+    _unknown(p, set(OPTIMIZER_PARAMS), "optimizer.params.")
+    torch_adam = _bool("optimizer.params.torch_adam", p.get("torch_adam", False))
+    adam_w_mode = _bool("optimizer.params.adam_w_mode", p.get("adam_w_mode", True))
+    if not _bool("optimizer.params.bias_correction", p.get("bias_correction", True)):
+        raise ValueError("config key optimizer.params.bias_correction=false is not supported")
+    if _bool("optimizer.params.amsgrad", p.get("amsgrad", False)):
+        raise ValueError("config key optimizer.params.amsgrad=true is not supported")
+    adamw = True if t == "adamw" else adam_w_mode
+    wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
+    betas = p.get("betas", (0.9, 0.999))
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+        raise ValueError(f"config key optimizer.params.betas must be a pair, got {betas!r}")
+    return {"lr": _num("optimizer.params.lr", p.get("lr", 1e-3)),
+            "betas": tuple(float(b) for b in betas),
+            "eps": _num("optimizer.params.eps", p.get("eps", 1e-8)),
+            "weight_decay": _num("optimizer.params.weight_decay",
+                                 p.get("weight_decay", wd_default)),
+            "adamw": adamw}

@@ -1,0 +1,358 @@
+"""`zerokern.initialize`: DeepSpeed's engine shape over ZeroAdamW.
+
+    engine, optimizer, loader, scheduler = zerokern.initialize(model=model,
+        model_parameters=model.parameters(), config=ds_config)
+    loss = engine(**batch).loss
+    engine.backward(loss)   # x loss scale x 1/gradient_accumulation_steps; no_sync off-boundary
+    engine.step()           # the optimizer steps only at the accumulation boundary
+
+[Note: the accumulation boundary] DeepSpeed counts micro-steps: step() after every
+backward, and the boundary is every gradient_accumulation_steps-th. A backward that is not at
+a boundary runs under `opt.no_sync()` (no communication, torch's/DDP's meaning); the one at the
+boundary reduces everything. The gradient is the mean over ranks of the sum over micro-batches
+of loss/gas, as in DeepSpeed. On an fp16 overflow the step is skipped and so is the scheduler's
+step (DeepSpeed's rule), which costs one host read of `opt.step_skipped` per step, fp16 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import checkpoint as zk_checkpoint
+from ..optimizer import ZeroAdamW
+from .config import EngineConfig, optimizer_settings, parse_config
+from .convert import groups_for_model, zero_from_torch
+from .schedulers import build_scheduler
+
+log = logging.getLogger("zerokern.engine")
+_ENGINE_STATE = "engine_state.pt"
+_ZERO_DIR = "zero"
+
+
+def _env_int(*names: str) -> Optional[int]:
+    for n in names:
+        v = os.environ.get(n)
+        if v is not None and v.strip().lstrip("-").isdigit():
+            return int(v)
+    return None
+
+
+def init_distributed(dist_backend: Optional[str] = None, timeout=datetime.timedelta(minutes=30),
+                     init_method: Optional[str] = None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Start the default process group from the launcher's environment, as
+    `deepspeed.init_distributed`: torchrun and DeepSpeed's launcher (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or mpirun (OMPI_COMM_WORLD_*). NCCL when CUDA is
+    available, gloo otherwise. Does nothing if a group exists already."""
+    if dist.is_initialized():
+        return
+    rank = rank if rank >= 0 else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    world_size = world_size if world_size > 0 else _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
+                                                            "PMI_SIZE")
+    if rank is None or world_size is None:
+        raise RuntimeError("zerokern.init_distributed: no RANK/WORLD_SIZE in the environment; "
+                           "launch with torchrun, deepspeed or mpirun")
+    local = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(local if local is not None else rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local if local is not None else rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
+def _world() -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ZeroEngine(nn.Module):
+    """DeepSpeed's engine surface over a model and its ZeroAdamW (build it with initialize)."""
+
+    def __init__(self, model: nn.Module, optimizer: ZeroAdamW, cfg: EngineConfig,
+                 lr_scheduler=None, training_dataloader=None) -> None:
+        super().__init__()
+        self.module = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.config = cfg
+        self.global_rank, self.world_size = _world()
+        self.local_rank = _env_int("LOCAL_RANK") or 0
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._times: Dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._last_loss = None
+
+    # ---- DeepSpeed's accessors ----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.optimizer.flat_groups[0].device
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.optimizer.stage
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float:
+        """The last step's global gradient norm (a host read)."""
+        return float(self.optimizer.grad_norm)
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.optimizer.loss_scale)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def no_sync(self):
+        return self.optimizer.no_sync()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self._times["forward"] += time.perf_counter() - t0
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """loss x loss scale (x 1/gradient_accumulation_steps) backward, no_sync() off the
+        accumulation boundary. Returns the loss as given."""
+        t0 = time.perf_counter()
+        self._last_loss = loss.detach()
+        gas = self.config.gradient_accumulation_steps
+        scaled = loss / gas if (scale_wrt_gas and gas > 1) else loss
+        ctx = (contextlib.nullcontext() if self.is_gradient_accumulation_boundary()
+               else self.optimizer.no_sync())
+        with ctx:
+            self.optimizer.backward(scaled, retain_graph=retain_graph)
+        self._times["backward"] += time.perf_counter() - t0
+        return loss
+
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        """Count a micro-step; at the boundary: clip, step, schedule, zero the grads."""
+        t0 = time.perf_counter()
+        if self.is_gradient_accumulation_boundary():
+            opt = self.optimizer
+            if self.config.gradient_clipping > 0:
+                opt.clip_grad_norm_(self.config.gradient_clipping)
+            opt.step()
+            skipped = opt.precision == "fp16" and bool(opt.step_skipped)  # Note: fp16 only
+            self.skipped_steps += int(skipped)
+            if self.lr_scheduler is not None and not skipped:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            opt.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
+            self._report()
+        self.micro_steps += 1
+        self._times["step"] += time.perf_counter() - t0
+
+    def _report(self) -> None:
+        n = self.config.steps_per_print
+        if self.global_rank != 0 or self.global_steps % n != 0:
+            return
+        log.info("step=%d, skipped=%d, lr=%s, loss_scale=%s", self.global_steps,
+                 self.skipped_steps, self.get_lr(), self.loss_scale)
+        if self.config.wall_clock_breakdown:
+            t = self._times
+            log.info("time (ms) over the last %d steps | forward: %.2f | backward: %.2f | "
+                     "step: %.2f", n, t["forward"] * 1e3, t["backward"] * 1e3, t["step"] * 1e3)
+        for k in self._times:
+            self._times[k] = 0.0
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[Dict[str, Any]] = None,
+                        save_latest: bool = True) -> bool:
+        """Collective. `save_dir/tag/` holds a zerokern checkpoint (any world size loads it)
+        and the engine's counters, scheduler state and client_state."""
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        path = os.path.join(save_dir, tag)
+        if self.global_rank == 0:
+            os.makedirs(path, exist_ok=True)
+        if self.world_size > 1:
+            dist.barrier()
+        zk_checkpoint.save(os.path.join(path, _ZERO_DIR), self.module, self.optimizer)
+        if self.global_rank == 0:
+            state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                     "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                     "lr_scheduler": (self.lr_scheduler.state_dict()
+                                      if self.lr_scheduler is not None else None),
+                     "client_state": dict(client_state or {})}
+            torch.save(state, os.path.join(path, _ENGINE_STATE) + ".tmp")
+            os.replace(os.path.join(path, _ENGINE_STATE) + ".tmp",
+                       os.path.join(path, _ENGINE_STATE))
+            if save_latest:
+                with open(os.path.join(save_dir, "latest"), "w") as f:
+                    f.write(tag)
+        if self.world_size > 1:
+            dist.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Collective. Returns (path, client_state), or (None, None) when there is no
+        `latest` and no tag (as DeepSpeed)."""
+        if not (load_module_strict and load_optimizer_states) or load_module_only:
+            raise ValueError("load_checkpoint: zerokern loads the module and the optimizer "
+                             "together (load_module_strict/load_optimizer_states True, "
+                             "load_module_only False); for weights only use "
+                             "zerokern.checkpoint.consolidate")
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                log.warning("load_checkpoint: no %s and no tag; nothing loaded", latest)
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag))
+        zk_checkpoint.load(os.path.join(path, _ZERO_DIR), self.module, self.optimizer)
+        state = torch.load(os.path.join(path, _ENGINE_STATE), weights_only=False)
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.global_samples = state["global_samples"]
+        self.skipped_steps = state["skipped_steps"]
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"]:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return path, state["client_state"]
+
+    def consolidated_16bit_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The full model state dict in the training dtype (collective at stage 3; DeepSpeed's
+        `_zero3_consolidated_16bit_state_dict`). Every rank gets it."""
+        with self.optimizer.gathered_params():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Collective. At stage 3 only with stage3_gather_16bit_weights_on_model_save (False
+        otherwise, as DeepSpeed); rank 0 writes `save_dir/save_filename`."""
+        if self.optimizer.stage == 3 and not self.config.gather_16bit_on_save:
+            log.warning("save_16bit_model: stage 3 needs zero_optimization."
+                        "stage3_gather_16bit_weights_on_model_save=true; nothing saved")
+            return False
+        sd = self.consolidated_16bit_state_dict()
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(sd, os.path.join(save_dir, save_filename))
+        if self.world_size > 1:
+            dist.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
+
+
+def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroAdamW:
+    zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
+                   offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ValueError("optimizer is given both as optimizer= and as config key optimizer; "
+                         "give one (as DeepSpeed)")
+    if optimizer is not None:
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            params = model_parameters if model_parameters is not None else model.parameters()
+            optimizer = optimizer(params)
+        if isinstance(optimizer, ZeroAdamW):
+            return optimizer
+        return zero_from_torch(optimizer, model, **zero_kw)
+    if cfg.optimizer is None:
+        raise ValueError("no optimizer: give config key optimizer (Adam/AdamW) or optimizer=")
+    hyper = optimizer_settings(cfg.optimizer)
+    groups = groups_for_model(model, model_parameters, hyper)
+    return ZeroAdamW(model, **hyper, **zero_kw, param_groups=groups)
+
+
+def _build_scheduler(cfg: EngineConfig, opt, lr_scheduler):
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler, opt)  # the config wins, as in DeepSpeed
+    if lr_scheduler is None:
+        return None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(opt)
+    if getattr(lr_scheduler, "optimizer", None) is not opt:
+        raise ValueError("lr_scheduler is bound to another optimizer; pass a callable "
+                         "(optimizer -> scheduler) so it drives zerokern's ZeroAdamW")
+    return lr_scheduler
+
+
+def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
+               model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port: int = 29500, mpu=None, dist_init_required: Optional[bool] = None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """DeepSpeed's `initialize` over ZeroAdamW: returns (engine, optimizer, loader, scheduler).
+
+    config (or config_params, or args.deepspeed_config): a DeepSpeed config dict or JSON path;
+    see zerokern/engine/config.py for the keys. The process group is started from the
+    launcher's environment when there is none (dist_init_required=False: never).
+    training_data: a Dataset; the loader then has a DistributedSampler and the micro-batch
+    size. optimizer: a torch Adam/AdamW (converted), a ZeroAdamW, or a callable(params).
+    lr_scheduler: a callable(optimizer) (or a scheduler already on the ZeroAdamW given).
+    """
+    if model is None:
+        raise ValueError("initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("initialize: mpu / mesh_param (model parallelism) are not supported")
+    sources = [c for c in (config, config_params, getattr(args, "deepspeed_config", None))
+               if c is not None]
+    if not sources:
+        raise ValueError("initialize: give config= (or config_params=, or args.deepspeed_config)")
+    if len(sources) > 1 and any(s is not sources[0] and s != sources[0] for s in sources):
+        raise ValueError("initialize: config, config_params and args.deepspeed_config differ; "
+                         "give one")
+    if not dist.is_initialized() and dist_init_required is not False and \
+            (_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        init_distributed()
+    rank, world_size = _world()
+    cfg = parse_config(sources[0], world_size)  # raises before the model is touched
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    opt = _build_optimizer(model, cfg, optimizer, model_parameters)
+    sched = _build_scheduler(cfg, opt, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            training_data, num_replicas=world_size, rank=rank) if world_size > 1 else None
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.micro_batch_size,
+                                             sampler=sampler, collate_fn=collate_fn)
+    engine = ZeroEngine(model, opt, cfg, sched, loader)
+    if rank == 0:
+        log.info("zerokern.initialize: stage %d, %s, micro-batch %d x accumulation %d x %d "
+                 "rank(s) = %d, bucket %.1f MiB (reduce_bucket_size %s elements)", cfg.stage,
+                 cfg.precision, cfg.micro_batch_size, cfg.gradient_accumulation_steps,
+                 world_size, cfg.train_batch_size, cfg.bucket_mb, cfg.reduce_bucket_elements)
+        if cfg.no_effect:
+            log.info("config keys with no effect in zerokern: %s",
+                     "; ".join(f"{k} ({why})" for k, why in cfg.no_effect))
+    return engine, opt, loader, sched

@@ -1,0 +1,237 @@
+"""DeepSpeed's learning-rate schedules as torch LR schedulers (no deepspeed import).
+
+WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle take DeepSpeed's parameter names and
+follow its documented formulas. They subclass `torch.optim.lr_scheduler.LRScheduler`, so
+`state_dict()`, `get_last_lr()` and Trainer/Accelerate's handling work unchanged.
+
+[Note: iteration index] DeepSpeed's schedules count `last_batch_iteration` from -1 (before the
+first step) and are stepped once per optimizer step. torch's `last_epoch` is 0 after
+construction, so the DeepSpeed index is `last_epoch - 1`: the lr of the first optimizer step is
+the schedule at index -1 (the minimum for the warm-ups), of the second at index 0, and so on,
+as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from torch.optim.lr_scheduler import LRScheduler
+
+Floats = Union[float, Sequence[float]]
+
+
+def _per_group(opt, value: Floats, name: str) -> List[float]:
+    n = len(opt.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} param groups")
+        return [float(v) for v in value]
+    return [float(value)] * n
+
+
+def _warmup_gamma(i: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """Fraction of the warm-up done at DeepSpeed index i (>= 0): log or linear."""
+    if i >= warmup_num_steps:
+        return 1.0
+    if warmup_type == "log":
+        return math.log(i + 1) / math.log(warmup_num_steps)
+    return i / warmup_num_steps
+
+
+def _check_warmup_type(t: str) -> str:
+    if t not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {t!r}")
+    return t
+
+
+class WarmupLR(LRScheduler):
+    """From warmup_min_lr to warmup_max_lr (default: the optimizer's lr) over warmup_num_steps
+    (log or linear), then constant."""
+
+    def __init__(self, optimizer, warmup_min_lr: Floats = 0.0,
+                 warmup_max_lr: Optional[Floats] = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1):
+        if last_batch_iteration != -1:
+            raise ValueError("last_batch_iteration: resume through load_state_dict()")
+        self.warmup_type = _check_warmup_type(warmup_type)
+        self.warmup_num_steps = max(2, int(warmup_num_steps))  # DeepSpeed's floor: log(1) = 0
+        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        maxs = [g["lr"] for g in optimizer.param_groups] if warmup_max_lr is None else warmup_max_lr
+        self.max_lrs = _per_group(optimizer, maxs, "warmup_max_lr")
+        super().__init__(optimizer)
+
+    def _gamma(self, i: int) -> float:
+        return _warmup_gamma(i, self.warmup_num_steps, self.warmup_type)
+
+    def get_lr(self) -> List[float]:
+        i = self.last_epoch - 1  # [Note: iteration index]
+        if i < 0:
+            return list(self.min_lrs)
+        g = self._gamma(i)
+        return [lo + (hi - lo) * g for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: Floats = 0.0,
+                 warmup_max_lr: Optional[Floats] = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1):
+        if int(total_num_steps) < 1:
+            raise ValueError(f"total_num_steps must be >= 1, got {total_num_steps!r}")
+        self.total_num_steps = int(total_num_steps)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _gamma(self, i: int) -> float:
+        if i < self.warmup_num_steps:
+            return _warmup_gamma(i, self.warmup_num_steps, self.warmup_type)
+        return max(0.0, (self.total_num_steps - i) /
+                   max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(LRScheduler):
+    """A ratio of each group's own lr: warmup_min_ratio -> 1 over warmup_num_steps, then a
+    cosine down to cos_min_ratio at total_num_steps (and held there)."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
+                 warmup_type: str = "log", last_batch_iteration: int = -1):
+        if last_batch_iteration != -1:
+            raise ValueError("last_batch_iteration: resume through load_state_dict()")
+        if isinstance(warmup_num_steps, bool) or int(warmup_num_steps) <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, "
+                             f"got {warmup_num_steps!r}")
+        self.total_num_steps = int(total_num_steps)
+        self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
+        self.warmup_type = _check_warmup_type(warmup_type)
+        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        super().__init__(optimizer)
+
+    def ratio(self, i: int) -> float:
+        if i < 0:
+            return 0.0
+        if i < self.warmup_num_steps:
+            g = _warmup_gamma(i, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + g * (1.0 - self.warmup_min_ratio)
+        span = max(1, self.total_num_steps - self.warmup_num_steps)
+        done = (i - self.warmup_num_steps + 1) / span
+        cos = (1 + math.cos(math.pi * min(1.0, done))) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cos)
+
+    def get_lr(self) -> List[float]:
+        r = self.ratio(self.last_epoch - 1)
+        return [base * r for base in self.base_lrs]
+
+
+class OneCycle(LRScheduler):
+    """1cycle: lr cycle_min_lr -> cycle_max_lr over cycle_first_step_size, back over
+    cycle_second_step_size (optionally in stairs), then decay by decay_lr_rate every
+    decay_step_size; momentum (betas[0]) cycles the other way between cycle_max_mom and
+    cycle_min_mom when cycle_momentum (and beta2 becomes 0.99, as in DeepSpeed)."""
+
+    def __init__(self, optimizer, cycle_min_lr: Floats, cycle_max_lr: Floats,
+                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
+                 cycle_second_step_size: Optional[int] = None, cycle_first_stair_count: int = 0,
+                 cycle_second_stair_count: Optional[int] = None, decay_step_size: int = 0,
+                 cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
+                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
+                 last_batch_iteration: int = -1):
+        if last_batch_iteration != -1:
+            raise ValueError("last_batch_iteration: resume through load_state_dict()")
+        first = float(cycle_first_step_size)
+        second = first if cycle_second_step_size is None else float(cycle_second_step_size)
+        if first <= 0 or second < 0:
+            raise ValueError("cycle_first_step_size must be > 0 and cycle_second_step_size >= 0")
+        self.first, self.second, self.total = first, second, first + second
+        self.step_ratio = first / self.total
+        self.stairs = (int(cycle_first_stair_count),
+                       int(cycle_first_stair_count if cycle_second_stair_count is None
+                           else cycle_second_stair_count))
+        self.decay_step_size = float(decay_step_size)
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate, self.decay_mom_rate = float(decay_lr_rate), float(decay_mom_rate)
+        self.cycle_momentum = bool(cycle_momentum)
+        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        if self.cycle_momentum:
+            for g in optimizer.param_groups:
+                if "betas" not in g:
+                    raise ValueError("cycle_momentum needs an optimizer with betas")
+        super().__init__(optimizer)
+
+    def _scale(self, it: int) -> float:
+        """0 at the cycle's ends, 1 at its peak; `it` is the 1-based batch count."""
+        cycle = math.floor(1 + it / self.total)
+        x = 1.0 + it / self.total - cycle
+        s = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        up, down = self.stairs
+        pos = it % self.total
+        count = up if pos <= self.first else down
+        if count > 0:
+            stair = (pos * count / self.first if pos <= self.first
+                     else (self.total - pos) * count / self.second)
+            s = math.floor(stair) / count
+        return s
+
+    def _decay(self, i: int) -> float:
+        """Divisor after the cycle (1 when decay is off)."""
+        if self.decay_step_size == 0:
+            return None
+        return (i - self.total + 1) / self.decay_step_size
+
+    def get_lr(self) -> List[float]:
+        i = self.last_epoch - 1
+        if i < 0:
+            return list(self.min_lrs)
+        if i < self.total:
+            s = self._scale(i + 1)
+            return [lo + (hi - lo) * s for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        d = self._decay(i)
+        if d is None or self.decay_lr_rate == 0:
+            return list(self.min_lrs)
+        return [lo / (1 + self.decay_lr_rate * d) for lo in self.min_lrs]
+
+    def _mom(self, i: int) -> Optional[float]:
+        if i < 0:
+            return self.min_mom  # DeepSpeed starts the betas at cycle_min_mom
+        if i < self.total:
+            return self.max_mom - (self.max_mom - self.min_mom) * self._scale(i + 1)
+        d = self._decay(i)
+        if d is None or self.decay_mom_rate == 0:
+            return self.max_mom
+        return self.max_mom * (1 + self.decay_mom_rate * d)
+
+    def step(self, epoch=None) -> None:
+        super().step(epoch)
+        if self.cycle_momentum:
+            m = self._mom(self.last_epoch - 1)
+            for g in self.optimizer.param_groups:
+                # DeepSpeed's OneCycle sets beta2 to 0.99 whenever it cycles momentum; kept
+                # so that a DeepSpeed config trains the same.
+                g["betas"] = (m, 0.99)
+
+
+SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
+              "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle}
+
+
+def build_scheduler(sched_cfg: Dict[str, Any], optimizer) -> LRScheduler:
+    """Config `scheduler` {"type", "params"} -> the scheduler (ValueError naming the key)."""
+    import inspect
+
+    t = sched_cfg["type"]
+    if t not in SCHEDULERS:
+        raise ValueError(f"config key scheduler.type {t!r} is not supported; one of "
+                         f"{sorted(SCHEDULERS)}")
+    cls = SCHEDULERS[t]
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "optimizer"}
+    for k in sched_cfg.get("params", {}):
+        if k not in allowed:
+            raise ValueError(f"config key scheduler.params.{k} is not a {t} parameter "
+                             f"({sorted(allowed)})")
+    try:
+        return cls(optimizer, **sched_cfg.get("params", {}))
+    except TypeError as e:
+        raise ValueError(f"config key scheduler.params: {e}") from None
