@@ -235,8 +235,23 @@ class GradSync:
         return {}
 
 
-@torch.compiler.disable  # hooks run eagerly, never traced (see stage3/runtime.py's _weak)
 def _call(ref, name: str, *args):
+    return _call_eager()(ref, name, *args)
+
+
+_EAGER = []
+
+
+def _call_eager():
+    """The hook body, never traced by dynamo (see stage3/runtime.py's _weak). Wrapped at first
+    use: torch.compiler.disable imports torch._dynamo and with it triton, which must not
+    happen at `import zerokern` (triton reads TRITON_INTERPRET when it is first imported)."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_call_body))
+    return _EAGER[0]
+
+
+def _call_body(ref, name: str, *args):
     obj = ref()
     if obj is not None and not obj.detached:
         getattr(obj, name)(*args)
