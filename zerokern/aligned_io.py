@@ -1,0 +1,87 @@
+"""Aligned host buffers and whole-range positional file I/O for offload="nvme".
+
+O_DIRECT moves bytes between the disk and user memory with no page cache in between, but the
+buffer address, the file offset and the length must all be multiples of the device's logical
+block size. `ALIGN` = 4096 covers every block size Linux exposes (512 and 4096) and the page
+size, so one constant serves O_DIRECT, mmap views of the same files, and cudaHostRegister.
+
+`pread_full` / `pwrite_full` loop until the whole range moved (a regular file may return fewer
+bytes than asked, e.g. on a signal) and turn a read that reaches the end of the file early (a
+truncated state file) into an OSError naming the path. Both call os.preadv / os.pwritev, which
+release the GIL, so a thread pool of them overlaps I/O with the cpu kernel in the main thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+ALIGN = 4096
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes` whose address is a multiple of ALIGN; page-locked with
+    cudaHostRegister when pin (zerokern.pinned does the registering and its accounting)."""
+    if pin:
+        from . import pinned
+
+        return pinned.empty(nbytes, torch.uint8, align=ALIGN)
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return torch.from_numpy(raw[off:off + nbytes])  # the view keeps `raw` alive
+
+
+def open_state(path: str, direct: bool, create: bool) -> int:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    if direct:
+        flags |= os.O_DIRECT
+    return os.open(path, flags, 0o600)
+
+
+def _oserror(err: int, what: str, path: str, offset: int, n: int) -> OSError:
+    return OSError(err, f"zerokern offload='nvme': {what} of {n} bytes at offset {offset} of "
+                        f"{path} failed: {os.strerror(err)}", path)
+
+
+def pread_full(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Read len(buf) bytes at offset, or raise OSError naming the path (short read = EIO)."""
+    done, n = 0, len(buf)
+    while done < n:
+        try:
+            got = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError as e:
+            raise _oserror(e.errno or errno.EIO, "read", path, offset, n) from e
+        if got == 0:  # end of file inside the range: the file was truncated
+            raise OSError(errno.EIO, f"zerokern offload='nvme': short read of {path}: "
+                                     f"{done} of {n} bytes at offset {offset} (the state file "
+                                     f"is {os.fstat(fd).st_size} bytes: truncated?)", path)
+        done += got
+
+
+def pwrite_full(fd: int, buf: memoryview, offset: int, path: str,
+                fault: Optional[Callable[[str, int], None]] = None) -> None:
+    """Write all of buf at offset, or raise OSError naming the path. `fault(path, offset)` is a
+    test hook called first; it may raise (e.g. OSError(ENOSPC)) to inject a full disk."""
+    n = len(buf)
+    try:
+        if fault is not None:
+            fault(path, offset)
+        done = 0
+        while done < n:
+            done += os.pwritev(fd, [buf[done:]], offset + done)
+    except OSError as e:
+        raise _oserror(e.errno or errno.EIO, "write", path, offset, n) from e
+
+
+def drop_cache(fd: int) -> None:
+    """Write back and drop the file's cached pages (after an mmap/buffered access)."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
