@@ -146,6 +146,19 @@ def _cleanup(files: List[_Files], pool) -> None:
                 pass
 
 
+def _read(fd: int, buf, off: int, path: str, direct: bool) -> None:
+    aio.pread_full(fd, buf, off, path)
+    if not direct:  # buffered fallback: keep no cached copy of the state (Note: direct I/O)
+        os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)
+
+
+def _write(fd: int, buf, off: int, path: str, direct: bool, fault) -> None:
+    aio.pwrite_full(fd, buf, off, path, fault)
+    if not direct:  # dirty pages are not dropped: write them back first
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)
+
+
 class _Set:
     """One pooled buffer set and the chunk it holds."""
 
@@ -210,7 +223,10 @@ class NvmeOffloader:
         for p, src in zip(f.paths, init):
             fd = aio.open_state(p, False, create=True)
             f.fds.append(fd)
-            os.posix_fallocate(fd, 0, 2 * f.half)  # both halves now: no ENOSPC in a step
+            try:
+                os.posix_fallocate(fd, 0, 2 * f.half)  # both halves now: no ENOSPC in a step
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, p) from e
             m = torch.from_file(p, shared=True, size=2 * f.half // 4, dtype=_F32)
             if src is not None:
                 m[:f.n].copy_(src.to("cpu", _F32))
@@ -291,8 +307,8 @@ class NvmeOffloader:
         n = aio.align_up((hi - lo) * 4)
         half = (1 - self.cur) if write else self.cur
         off = half * f.half + lo * 4
-        fn = aio.pwrite_full if write else aio.pread_full
-        extra = (self.fault_hook,) if write else ()
+        fn = _write if write else _read
+        extra = (self.direct, self.fault_hook) if write else (self.direct,)
         s.futs = [self.io.submit(fn, fd, mv[:n], off, p, *extra)
                   for fd, mv, p in zip(f.fds, s.mv, f.paths)]
         self.bytes_moved += 3 * n
