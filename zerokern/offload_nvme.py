@@ -361,9 +361,19 @@ class NvmeOffloader:
             ev.synchronize()  # offload.py [Note: the one blocking wait]
             self.wait_s += time.perf_counter() - t0
 
-    def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
-                     beta2, eps, weight_decay, adamw, backend: str) -> None:
-        """Update bucket k's piece of group gi chunk by chunk; write its params back."""
+    def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, **hyper) -> None:
+        """Update bucket k's piece of group gi chunk by chunk; write its params back. Any
+        failure is recorded, not raised, so that every rank still issues the step's
+        collectives; finish() rolls back and raises (Note: all or nothing)."""
+        try:
+            self._update_piece(gi, k, grad, scalars_ev, **hyper)
+        except Exception as e:  # noqa: BLE001 - re-raised by finish() on this rank
+            if self.error is None:
+                self.error = e
+            self._drain()
+
+    def _update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
+                      beta2, eps, weight_decay, adamw, backend: str) -> None:
         if not self.decided:
             self.decided = True
             self._wait(scalars_ev)
@@ -382,7 +392,10 @@ class NvmeOffloader:
         self.dirty.append((gi, k))
         while plo < phi:
             if not self.loaded:
-                self._refill(need=True)
+                self._refill(need=True)  # (a failed write it waits for stops the reads)
+            if self.error is not None:
+                self._drain()
+                return
             s = self.loaded[0]
             self._settle(s)
             if self.error is not None:
@@ -435,6 +448,9 @@ class NvmeOffloader:
             return
         self._rollback()
         err = self.error
+        if err is not None and not isinstance(err, OSError):
+            raise RuntimeError(f"zerokern offload='nvme': the step failed ({err!r}); it was "
+                               "rolled back") from err
         if err is not None:
             raise OSError(err.errno, f"{err.strerror or err}; the step was rolled back "
                                      "(master/m/v, step counters, params and loss scale are "

@@ -103,9 +103,9 @@ def _resume(rank, ws, stage):
             zk.checkpoint.load(ck, model2, opt2)
             rec = M.train_zero(model2, opt2, rank, ws, STEPS - 2, start=2)
             out[f"ckpt_{off}"] = M.bitwise_equal(rec["params"][-1], full["params"][-1])
-        # a checkpoint of a run without offload, loaded into NVMe at another stage
+        # a checkpoint of a run without offload, loaded into NVMe
         model3 = M.make_model()
-        opt3 = M.zero_opt(model3, 2, prec)
+        opt3 = M.zero_opt(model3, stage, prec)
         M.train_zero(model3, opt3, rank, ws, 2)
         ck3 = ck + "-plain"
         zk.checkpoint.save(ck3, model3, opt3)
@@ -114,11 +114,11 @@ def _resume(rank, ws, stage):
         zk.checkpoint.load(ck3, model4, opt4)
         rec = M.train_zero(model4, opt4, rank, ws, STEPS - 2, start=2)
         out["ckpt_from_plain"] = M.bitwise_equal(rec["params"][-1], full["params"][-1])
+        ref = M.full_snapshot(model1, opt1)  # (collective at stage 3)
         if rank == 0:
             cons = zk.checkpoint.consolidate(ck)
-            ref = M.full_snapshot(model1, opt1)
             out["consolidate"] = all(torch.equal(cons[n].to(torch.bfloat16), ref[n])
-                                     for n in ref if n in cons)
+                                     for n in M.trainable_names(model1))
         # state_dict / load_state_dict of the same layout
         model5 = M.make_model()
         opt5 = _nvme_opt(model5, stage, prec, d)
