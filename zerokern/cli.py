@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     bench.add_argument("--kernels", action="store_true", help="kernel suite (default)")
     bench.add_argument("--step", action="store_true", help="optimizer-step suite")
-    bench.add_argument("--offload", action="store_true", help="offload='cpu' suite")
+    bench.add_argument("--offload", action="store_true", help="offload='cpu' and 'nvme' suite")
     from .checkpoint import cli as checkpoint_cli
 
     checkpoint_cli.add_arguments(sub.add_parser("consolidate", help=checkpoint_cli.HELP))
