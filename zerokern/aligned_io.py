@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import uuid
 from typing import Callable, Optional
 
 import numpy as np
@@ -85,3 +86,48 @@ def drop_cache(fd: int) -> None:
     """Write back and drop the file's cached pages (after an mmap/buffered access)."""
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def check_path(offload_path) -> str:
+    """Validate offload_path at construction: an existing, writable directory (a probe file is
+    created and removed, so read-only mounts and permissions are caught, also for root)."""
+    if offload_path is None:
+        raise ValueError("offload='nvme' needs offload_path=, a directory for the state files")
+    if not isinstance(offload_path, (str, os.PathLike)):
+        raise TypeError(f"offload_path must be a str or os.PathLike, got "
+                        f"{type(offload_path).__name__}")
+    path = os.path.abspath(os.fspath(offload_path))
+    if not os.path.isdir(path):
+        raise ValueError(f"offload_path {path!r} does not exist or is not a directory")
+    probe = os.path.join(path, f".zerokern-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"offload_path {path!r} is not writable: {e.strerror}") from e
+    return path
+
+
+def direct_supported(path: str) -> bool:
+    probe = os.path.join(path, f".zerokern-direct-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600))
+        return True
+    except OSError:  # EINVAL: the file system refuses O_DIRECT (tmpfs before Linux 6.6)
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+def read_chunk(fd: int, buf, off: int, path: str, direct: bool) -> None:
+    pread_full(fd, buf, off, path)
+    if not direct:  # buffered fallback: keep no cached copy (offload_nvme [Note: direct I/O])
+        os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)
+
+
+def write_chunk(fd: int, buf, off: int, path: str, direct: bool, fault) -> None:
+    pwrite_full(fd, buf, off, path, fault)
+    if not direct:  # dirty pages are not dropped: write them back first
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)

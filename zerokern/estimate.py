@@ -68,7 +68,6 @@ from torch import nn
 
 from .aligned_io import align_up
 from .memory import _pad_in_range, estimate_memory
-from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
 from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     _ONE_PARAM,
     ModelSpec,
@@ -81,6 +80,7 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     spec_from_numel,
     stage3_units,
 )
+from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).

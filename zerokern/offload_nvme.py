@@ -37,7 +37,7 @@ On this machine (ext4 on a virtio disk, 2 cores), 1 GiB sequential, a thread poo
                2.24, 1.05, 1.19 GB/s
 O_DIRECT wins or ties everywhere, needs no fdatasync to keep the state out of the page cache,
 and costs only aligned buffers, so it is the default; buffered I/O with fadvise(DONTNEED) is
-the fallback where O_DIRECT is refused (tmpfs). CHUNK_NUMEL = 2^22 elements is 16 MiB per file
+the fallback where O_DIRECT is refused (older tmpfs). CHUNK_NUMEL = 2^22 elements is 16 MiB per file
 per chunk (the large-request end of the table); QUEUE_DEPTH = 4 buffer sets (3 files each, 12
 requests in flight at most). `zerokern bench --offload --nvme` sweeps both
 (benchmarks/results/offload-nvme-*.md).
@@ -73,38 +73,6 @@ QUEUE_DEPTH = 4
 MAX_DEPTH = 16
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 _F32 = torch.float32
-
-
-def check_path(offload_path) -> str:
-    """Validate offload_path at construction: an existing, writable directory (a probe file is
-    created and removed, so read-only mounts and permissions are caught, also for root)."""
-    if offload_path is None:
-        raise ValueError("offload='nvme' needs offload_path=, a directory for the state files")
-    if not isinstance(offload_path, (str, os.PathLike)):
-        raise TypeError(f"offload_path must be a str or os.PathLike, got "
-                        f"{type(offload_path).__name__}")
-    path = os.path.abspath(os.fspath(offload_path))
-    if not os.path.isdir(path):
-        raise ValueError(f"offload_path {path!r} does not exist or is not a directory")
-    probe = os.path.join(path, f".zerokern-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"offload_path {path!r} is not writable: {e.strerror}") from e
-    return path
-
-
-def direct_supported(path: str) -> bool:
-    probe = os.path.join(path, f".zerokern-direct-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600))
-        return True
-    except OSError:  # EINVAL: the file system refuses O_DIRECT (tmpfs)
-        return False
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
 
 
 def pool_chunk(state_numels: List[int], chunk_numel: int) -> int:
@@ -146,19 +114,6 @@ def _cleanup(files: List[_Files], pool) -> None:
                 pass
 
 
-def _read(fd: int, buf, off: int, path: str, direct: bool) -> None:
-    aio.pread_full(fd, buf, off, path)
-    if not direct:  # buffered fallback: keep no cached copy of the state (Note: direct I/O)
-        os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)
-
-
-def _write(fd: int, buf, off: int, path: str, direct: bool, fault) -> None:
-    aio.pwrite_full(fd, buf, off, path, fault)
-    if not direct:  # dirty pages are not dropped: write them back first
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)
-
-
 class _Set:
     """One pooled buffer set and the chunk it holds."""
 
@@ -188,7 +143,7 @@ class NvmeOffloader:
         self.grad_dtype, self.dtype = grad_dtype, groups[0].dtype
         self.cuda = groups[0].device.type == "cuda"
         self.pin = self.cuda
-        self.direct = direct_supported(self.root)
+        self.direct = aio.direct_supported(self.root)
         self.fault_hook = None  # tests: fault(path, offset) in the writer, may raise OSError
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.files = [_Files(g, gi, comm.rank, self.root, tag)
@@ -307,7 +262,7 @@ class NvmeOffloader:
         n = aio.align_up((hi - lo) * 4)
         half = (1 - self.cur) if write else self.cur
         off = half * f.half + lo * 4
-        fn = _write if write else _read
+        fn = aio.write_chunk if write else aio.read_chunk
         extra = (self.direct, self.fault_hook) if write else (self.direct,)
         s.futs = [self.io.submit(fn, fd, mv[:n], off, p, *extra)
                   for fd, mv, p in zip(f.fds, s.mv, f.paths)]

@@ -169,7 +169,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         _check_hyper(lr, betas, eps, weight_decay)
         _check_distributed_env(process_group)
         if offload == "nvme":
-            from .offload_nvme import check_path
+            from .aligned_io import check_path
 
             offload_path = check_path(offload_path)  # missing / read-only: before any change
         dtype = PRECISIONS[precision]

@@ -412,7 +412,7 @@ def test_read_only_and_full_tmpfs(tmp_path, monkeypatch):
     big = tmp_path / "big"
     big.mkdir()
     _mount_tmpfs(big, "size=16m")
-    monkeypatch.setattr("zerokern.offload_nvme.direct_supported", lambda path: False)
+    monkeypatch.setattr("zerokern.aligned_io.direct_supported", lambda path: False)
     try:  # the buffered path, bitwise as the no-offload run
         runs = []
         for off in (None, "nvme"):

@@ -21,8 +21,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List
 
-import torch
-
 from .. import aligned_io as aio
 from .. import offload_nvme as nv
 from . import common
@@ -33,7 +31,7 @@ def disk_bandwidth(root: str, nbytes: int, chunk_bytes: int, depth: int) -> dict
     pattern) over a file of 2 x nbytes under root."""
     nbytes = aio.align_up(nbytes, chunk_bytes)
     path = os.path.join(root, f".zerokern-bench-{os.getpid()}.bin")
-    fd = aio.open_state(path, nv.direct_supported(root), create=True)
+    fd = aio.open_state(path, aio.direct_supported(root), create=True)
     ex = ThreadPoolExecutor(3 * depth)
     bufs = [memoryview(aio.aligned_empty(chunk_bytes, False).numpy()) for _ in range(depth)]
     try:
