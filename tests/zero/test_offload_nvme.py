@@ -426,3 +426,25 @@ def test_read_only_and_full_tmpfs(tmp_path, monkeypatch):
     finally:
         gc.collect()
         subprocess.run(["umount", str(big)], check=True)
+
+
+def test_estimate_cli_offload_nvme():
+    """`zerokern estimate --offload nvme`: disk rows (both halves) and the I/O pool on the host,
+    device optimizer rows 0; the JSON equals the Python API."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "zerokern", "estimate", "--params", "3000000",
+                        "--world-size", "2", "--offload", "nvme", "--json"],
+                       capture_output=True, text=True, check=True, timeout=120)
+    res = json.loads(r.stdout)["results"]
+    assert [x["stage"] for x in res] == [1, 2, 3]
+    for x in res:
+        est = E.estimate(E.spec_from_numel(3000000), 2, x["stage"], "bf16", offload="nvme")
+        assert x["disk"] == est["disk"] and x["host"] == est["host"]
+        assert x["bytes"]["master"] == x["bytes"]["exp_avg"] == 0
+        assert x["disk_total"] == x["formula"]["disk"]  # 1.5M-element shards: no padding here
+        assert x["host_pinned"] == x["host_total"] > 0 and x["host_pageable"] == 0  # nccl
+    table = subprocess.run([sys.executable, "-m", "zerokern", "estimate", "--params", "3000000",
+                            "--offload", "nvme"], capture_output=True, text=True, check=True,
+                           timeout=120).stdout
+    assert "disk: master (fp32, 2 halves)" in table and "total on disk" in table
