@@ -9,6 +9,26 @@ size, so one constant serves O_DIRECT, mmap views of the same files, and cudaHos
 bytes than asked, e.g. on a signal) and turn a read that reaches the end of the file early (a
 truncated state file) into an OSError naming the path. Both call os.preadv / os.pwritev, which
 release the GIL, so a thread pool of them overlaps I/O with the cpu kernel in the main thread.
+
+[Note: direct I/O, chunk and depth, measured]
+On this machine (ext4 on a virtio disk shared with other jobs, 2 cores), 1 GiB sequential
+through a thread pool with q requests in flight, GB/s at (1 MiB, q4), (4 MiB, q4), (16 MiB, q2),
+(16 MiB, q4):
+    O_DIRECT        read 1.24, 1.24, 2.46, 2.36    read+write 1.66, 1.82, 2.06, 3.09
+    buffered + fdatasync + fadvise(DONTNEED)
+                    read 0.60, 1.43, 1.04, 0.59    read+write 0.60, 2.24, 1.05, 1.19
+O_DIRECT wins or ties everywhere, needs no fdatasync to keep the state out of the page cache,
+and costs only aligned buffers, so it is the default; buffered I/O with fadvise(DONTNEED) is
+the fallback where O_DIRECT is refused (tmpfs before Linux 6.6, some network file systems).
+The step sweep (`zerokern bench --offload --nvme-only`, GPT 20m, stage 2, bf16, 0.56 GB read +
+written per step; benchmarks/results/offload-nvme-20m-s2-bf16.md), step ms by chunk (MiB per
+request) x buffer sets 2 / 4 / 8:  1 MiB: 843 / 598 / 1259;  4 MiB: 628 / 389 / 472;
+16 MiB: 236 / 308 / 229;  32 MiB: 256 / 281 / 285. Small requests lose (this disk wants >= 16
+MiB; the per-chunk Python and kernel calls add up too); from 16 MiB on, depth changes less than
+the run-to-run noise (the default depth-4 row measured 216 ms in the same run, 83% of the
+disk's read+write floor). So CHUNK_NUMEL = 2^22 elements (16 MiB per file per request) and
+QUEUE_DEPTH = 4 sets (3 requests each, 12 in flight at most; 4 x 64 MiB of host pool at bf16).
+Small buffers get a smaller chunk (`pool_chunk`), so a small model's pool stays small.
 """
 
 from __future__ import annotations
@@ -122,7 +142,7 @@ def direct_supported(path: str) -> bool:
 
 def read_chunk(fd: int, buf, off: int, path: str, direct: bool) -> None:
     pread_full(fd, buf, off, path)
-    if not direct:  # buffered fallback: keep no cached copy (offload_nvme [Note: direct I/O])
+    if not direct:  # buffered fallback: keep no cached copy ([Note: direct I/O...] above)
         os.posix_fadvise(fd, off, len(buf), os.POSIX_FADV_DONTNEED)
 
 

@@ -29,18 +29,8 @@ never outlive the process (removed at close, GC and exit), so there is no crash 
 durable state is zerokern.checkpoint's job. The state files are preallocated (both halves) at
 construction, so a disk that is full fails there, not in a step, on file systems that allocate.
 
-[Note: direct I/O, chunk and depth, measured]
-On this machine (ext4 on a virtio disk, 2 cores), 1 GiB sequential, a thread pool of depth q:
-    O_DIRECT   read: 1.24 GB/s (1 MiB, q4), 1.24 (4 MiB, q4), 2.46 (16 MiB, q2), 2.36 (16 MiB, q4)
-               read+write: 1.66, 1.82, 2.06, 3.09 GB/s (same order)
-    buffered + fdatasync + fadvise(DONTNEED): read 0.60, 1.43, 1.04, 0.59; read+write 0.60,
-               2.24, 1.05, 1.19 GB/s
-O_DIRECT wins or ties everywhere, needs no fdatasync to keep the state out of the page cache,
-and costs only aligned buffers, so it is the default; buffered I/O with fadvise(DONTNEED) is
-the fallback where O_DIRECT is refused (older tmpfs). CHUNK_NUMEL = 2^22 elements is 16 MiB per file
-per chunk (the large-request end of the table); QUEUE_DEPTH = 4 buffer sets (3 files each, 12
-requests in flight at most). `zerokern bench --offload --nvme` sweeps both
-(benchmarks/results/offload-nvme-*.md).
+[Note: direct I/O, chunk and depth, measured] is in aligned_io.py: O_DIRECT (buffered I/O,
+fadvise(DONTNEED), where it is refused), CHUNK_NUMEL and QUEUE_DEPTH, with the numbers.
 
 [Note: where the state is visible]
 The group's master / exp_avg / exp_avg_sq attributes are shared mmap views of the current half
@@ -230,6 +220,11 @@ class NvmeOffloader:
     # -- one step ------------------------------------------------------------------------------
     def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor):
         """Ship this step's scalars to the host; start reading ahead."""
+        if not self._finalizer.alive:
+            raise RuntimeError("zerokern offload='nvme': this optimizer was closed (its state "
+                               "files are removed); build a new one or load a checkpoint")
+        if self.plan is not None:  # a step that raised before finish(): let its I/O land
+            self._drain()
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
@@ -288,6 +283,8 @@ class NvmeOffloader:
             self.free.append(s)
         while self.free and self.next_read < len(self.plan) and self.error is None:
             s = self.free.pop()
+            self._wait(s.h2d)  # (GPU) its last param copy has left the buffer
+            s.h2d = None
             s.job = self.plan[self.next_read]
             self.next_read += 1
             self._submit(s, write=False)
