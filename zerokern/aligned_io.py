@@ -21,14 +21,18 @@ O_DIRECT wins or ties everywhere, needs no fdatasync to keep the state out of th
 and costs only aligned buffers, so it is the default; buffered I/O with fadvise(DONTNEED) is
 the fallback where O_DIRECT is refused (tmpfs before Linux 6.6, some network file systems).
 The step sweep (`zerokern bench --offload --nvme-only`, GPT 20m, stage 2, bf16, 0.56 GB read +
-written per step; benchmarks/results/offload-nvme-20m-s2-bf16.md), step ms by chunk (MiB per
-request) x buffer sets 2 / 4 / 8:  1 MiB: 843 / 598 / 1259;  4 MiB: 628 / 389 / 472;
-16 MiB: 236 / 308 / 229;  32 MiB: 256 / 281 / 285. Small requests lose (this disk wants >= 16
-MiB; the per-chunk Python and kernel calls add up too); from 16 MiB on, depth changes less than
-the run-to-run noise (the default depth-4 row measured 216 ms in the same run, 83% of the
-disk's read+write floor). So CHUNK_NUMEL = 2^22 elements (16 MiB per file per request) and
-QUEUE_DEPTH = 4 sets (3 requests each, 12 in flight at most; 4 x 64 MiB of host pool at bf16).
-Small buffers get a smaller chunk (`pool_chunk`), so a small model's pool stays small.
+written per step; benchmarks/results/offload-nvme-20m-s2-bf16.md, round-robin over the
+configurations), step ms by MiB per request x buffer sets 2 / 4 / 8:
+    1 MiB: 593 / 2151 / 1316;  4 MiB: 1631 / 689 / 346;  16 MiB: 345 / 201 / 246;
+    32 MiB: 245 / 152 / 223      (an earlier run: 16 MiB 236 / 308 / 229, 32 MiB 256 / 281 / 285)
+Small requests lose badly on this loaded VM (2 cores, 7-8 runnable jobs): each chunk is several
+thread hand-offs, and each costs a scheduler slice. From 16 MiB on, depth and size move the step
+less than the shared disk's run-to-run noise (32 MiB x 4 was fastest in the last run, 152 ms,
+and 281 ms in the one before; the 100m sweep, offload-nvme-100m-s2-bf16.md, ranked them
+differently again). 16 MiB x 4 took 201-308 ms (72-99% of the read+write floor) across runs
+at half the pool of 32 MiB x 4, so CHUNK_NUMEL = 2^22 elements (16 MiB per file per request)
+and QUEUE_DEPTH = 4 sets (3 requests each, 12 in flight at most; 4 x 64 MiB of host pool at
+bf16). Small buffers get a smaller chunk (`pool_chunk`): a small model's pool stays small.
 """
 
 from __future__ import annotations
