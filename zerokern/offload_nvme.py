@@ -87,8 +87,12 @@ class _Files:
         self.maps: List[torch.Tensor] = []
 
 
-def _cleanup(files: List[_Files], pool) -> None:
-    """Close and remove every state file (idempotent; runs at close, GC and exit)."""
+def _cleanup(files: List[_Files], pool, pid: int) -> None:
+    """Close and remove every state file (idempotent; runs at close, GC and exit). Only in the
+    process that created them: a forked child that exits (sys.exit runs atexit) must not remove
+    its parent's state."""
+    if os.getpid() != pid:
+        return
     pool.shutdown(wait=True)
     for f in files:
         for fd in f.fds:
@@ -140,7 +144,7 @@ class NvmeOffloader:
                       for gi, g in enumerate(groups)]
         # Threads start on demand, one per request in flight: at most 3 per buffer set.
         self.io = ThreadPoolExecutor(max_workers=3 * MAX_DEPTH, thread_name_prefix="zk-nvme")
-        self._finalizer = weakref.finalize(self, _cleanup, self.files, self.io)
+        self._finalizer = weakref.finalize(self, _cleanup, self.files, self.io, os.getpid())
         self.cur = 0
         self.plan = None
         try:
@@ -391,6 +395,8 @@ class NvmeOffloader:
                               device=self.groups[0].device)
         if self.comm.world_size > 1:
             self.comm.all_reduce_(failed)
+        # One host read per step (a device sync with NCCL): the step already waited for the
+        # host's update of every chunk, so it costs the all-reduce's latency only.
         self.plan = None
         if failed.item() == 0:
             if not self.skip:

@@ -350,9 +350,13 @@ def test_files_removed_at_gc(ws):
 
 
 def test_files_removed_at_exit(tmp_path):
+    # The process exits without close(); a forked child exiting first (sys.exit runs atexit)
+    # must leave the parent's files alone.
     code = ("import sys; sys.path.insert(0, sys.argv[2]); from tests.zero import models as M\n"
             "m = M.make_model(); o = M.zero_opt(m, 1, 'bf16', offload='nvme', "
-            "offload_path=sys.argv[1])\nimport os; assert len(os.listdir(sys.argv[1])) == 6\n")
+            "offload_path=sys.argv[1])\nimport os; assert len(os.listdir(sys.argv[1])) == 6\n"
+            "pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\n"
+            "assert len(os.listdir(sys.argv[1])) == 6, 'the child removed the files'\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code, str(tmp_path), root], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": root})
