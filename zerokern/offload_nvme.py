@@ -39,6 +39,9 @@ load writes them), model_sync and stage 3's write-back read and write the files 
 no RAM copy. The step never touches the mappings: it reads and writes with O_DIRECT, which
 writes back dirty mapped pages before it reads a range and invalidates cached pages of a range
 it writes, so the two paths stay coherent and the page cache holds no second copy of the state.
+Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
+RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
+cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
 """
 
 from __future__ import annotations
@@ -187,8 +190,13 @@ class NvmeOffloader:
         self._point(f)
         g.steps = g.steps.to("cpu")
 
-    def _point(self, f: _Files) -> None:
+    def _point(self, f: _Files, remap: bool = False) -> None:
         """The group's state attributes are views of the current half (Note: where...)."""
+        if remap:
+            f.maps = [torch.from_file(p, shared=True, size=2 * f.half // 4, dtype=_F32)
+                      for p in f.paths]
+            for fd in f.fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         off = self.cur * f.half // 4
         for nm, m in zip(NAMES, f.maps):
             setattr(f.g, nm, m[off:off + f.n])
@@ -402,7 +410,7 @@ class NvmeOffloader:
             if not self.skip:
                 self.cur = 1 - self.cur
                 for f in self.files:
-                    self._point(f)
+                    self._point(f, remap=True)
             return
         self._rollback()
         err = self.error
