@@ -453,3 +453,12 @@ def test_estimate_cli_offload_nvme():
                             "--offload", "nvme"], capture_output=True, text=True, check=True,
                            timeout=120).stdout
     assert "disk: master (fp32, 2 halves)" in table and "total on disk" in table
+
+
+def test_bench_disk_bandwidth(tmp_path):
+    """The bench's floor measurement: positive figures, and its scratch file removed."""
+    from zerokern.bench.offload_nvme import disk_bandwidth
+
+    d = disk_bandwidth(str(tmp_path), 3 << 20, 1 << 20, 2)
+    assert d["bytes"] == 3 << 20 and min(d["read_GBps"], d["write_GBps"], d["rw_GBps"]) > 0
+    assert os.listdir(tmp_path) == []
