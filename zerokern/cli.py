@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     bench.add_argument("--kernels", action="store_true", help="kernel suite (default)")
     bench.add_argument("--step", action="store_true", help="optimizer-step suite")
-    bench.add_argument("--offload", action="store_true", help="offload='cpu' suite")
+    bench.add_argument("--offload", action="store_true", help="offload='cpu' and 'nvme' suite")
     bench.add_argument("--engine", action="store_true",
                        help="zerokern.initialize vs deepspeed.initialize, same config")
     from .checkpoint import cli as checkpoint_cli

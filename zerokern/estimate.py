@@ -21,6 +21,11 @@ What is predicted, after a training step:
   master at every precision (at fp32 the device params are then only the working copy), and
   keeps host staging per buffer: a grad piece in the reduce dtype and a param piece in the
   model dtype (not at fp32), plus 2 fp32 scalars once. The device no longer holds master, m or v.
+- offload="nvme": `host` is the I/O pool only (master/m/v rows 0): QUEUE_DEPTH buffer sets of
+  `pool_chunk` elements (fp32 master|m|v, a grad chunk, a param chunk but at fp32) plus the 2
+  scalars, pinned with nccl (a GPU) and pageable with gloo (`host_pinned` / `host_pageable`);
+  `disk` is master, m and v per buffer, each two halves of align_up(4 S, 4096) bytes
+  (`memory_report()["disk_measured"]`; zerokern.offload_nvme).
 
 [Note: categories that depend on the run]
 Three buffers are not a function of the shapes alone; here is how each is modelled.
@@ -61,6 +66,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .aligned_io import align_up
 from .memory import _pad_in_range, estimate_memory
 from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     _ONE_PARAM,
@@ -74,6 +80,7 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     spec_from_numel,
     stage3_units,
 )
+from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
@@ -210,10 +217,11 @@ def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
     if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
         raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
     if offload and stage == 0:
-        raise ValueError("offload='cpu' needs stage 1, 2 or 3 (as ZeroAdamW: stage 0 keeps the "
+        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (as ZeroAdamW: stage 0 keeps "
+                         "the "
                          "full optimizer state on every rank)")
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, world_size), got {rank!r}")
@@ -263,6 +271,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     has_master = dtype != torch.float32
     b = dict.fromkeys(CATEGORIES, 0)
     host = dict.fromkeys(HOST_CATEGORIES, 0)
+    disk = dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), 0)
     live_bound = None
     notes = []
     if stage < 3:
@@ -311,7 +320,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         if stage >= 2:  # the grad shard, in the reduce dtype
             b["grads"] += (state - spad) * r
             b["padding"] += spad * r
-        if offload:  # HostState: all of it (padding too) in host memory, fp32 master always
+        if offload == "nvme":  # two halves per file, padding too, an fp32 master always
+            for cat in disk:
+                disk[cat] += 2 * align_up(state * 4)
+        elif offload:  # HostState: all of it (padding too) in host memory, fp32 master always
             for cat in ("master", "exp_avg", "exp_avg_sq"):
                 host[cat] += state * 4
             # grad staging, param staging
@@ -321,7 +333,15 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                 if cat != "master" or has_master:
                     b[cat] += (state - spad) * 4
                     b["padding"] += spad * 4
-    if offload:
+    if offload == "nvme":
+        chunk = pool_chunk([L.padded_numel if stage == 0 else L.shard_numel for L in layouts],
+                           CHUNK_NUMEL)
+        host["host_staging"] = QUEUE_DEPTH * set_bytes(chunk, r, 0 if not has_master else e) \
+            + 2 * 4
+        notes.append(f"offload='nvme': master (fp32), m and v on disk, two halves each; the "
+                     f"host holds an I/O pool of {QUEUE_DEPTH} sets of {chunk} elements and 2 "
+                     f"scalars, {'pinned' if comm == 'nccl' else 'pageable'} ({comm})")
+    elif offload:
         host["host_staging"] += 2 * 4  # the Offloader's [grad_scale, found_inf], once
         notes.append("offload='cpu': master (fp32 at every precision), m and v in host memory, "
                      "with pinned staging (grad piece, 16-bit param piece) per buffer and 2 "
@@ -340,6 +360,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         "rank": rank, "comm": comm, "exact": exact,
         "bytes": b, "device_total": sum(b.values()), "host": host,
         "host_total": sum(host.values()), "live_units_bound": live_bound,
+        "host_pinned": sum(host.values()) if offload == "nvme" and comm == "nccl" else 0,
+        "host_pageable": sum(host.values()) if offload == "nvme" and comm == "gloo" else 0,
+        "disk": disk, "disk_total": sum(disk.values()),
         "formula": formula, "deepspeed": deepspeed_formula(spec.num_params, world_size, stage,
                                                            offload),
         "grad_order": spec.order_source, "notes": notes,
@@ -378,7 +401,7 @@ def add_arguments(p) -> None:
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append",
                    help="stage(s) to show (repeatable; default all of 0-3)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
-    p.add_argument("--offload", choices=["none", "cpu"], default="none")
+    p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -405,6 +428,8 @@ _ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
          ("padding", "padding")]
 _HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
               ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
+_DISK_ROWS = [("master", "disk: master (fp32, 2 halves)"),
+              ("exp_avg", "disk: m (fp32, 2 halves)"), ("exp_avg_sq", "disk: v (fp32, 2 halves)")]
 
 
 def format_table(results: List[Dict[str, Any]]) -> str:
@@ -431,6 +456,12 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
         table.append(("DESIGN §4 formula (host)",
                       [human_bytes(r["formula"]["host"]) for r in results]))
+    if any(r["offload"] == "nvme" for r in results):
+        for key, label in _DISK_ROWS:
+            table.append((label, [human_bytes(r["disk"][key]) for r in results]))
+        table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))
+        table.append(("DESIGN §4 formula (disk, x2)",
+                      [human_bytes(r["formula"]["disk"]) for r in results]))
     table.append(("DESIGN §4 formula (device total)" if any(r["offload"] for r in results)
                   else "DESIGN §4 formula (total)",
                   [human_bytes(r["formula"]["total"]) for r in results]))
@@ -470,7 +501,7 @@ def main(args) -> int:
     if args.stage:
         stages = sorted(set(args.stage))
         if offload and 0 in stages:
-            raise ValueError("--offload cpu needs --stage 1, 2 or 3 (stage 0 keeps the full "
+            raise ValueError(f"--offload {offload} needs --stage 1, 2 or 3 (stage 0 keeps the full "
                              "optimizer state on every rank)")
     else:  # every stage that takes this --offload
         stages = [1, 2, 3] if offload else [0, 1, 2, 3]

@@ -24,7 +24,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
     Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
-    offload="cpu" the optimizer column is reported as host bytes and left out of `total`.
+    offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
+    offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
+    writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
     """
     if not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
@@ -34,8 +36,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
     if precision not in _ELEM:
         raise ValueError(f"precision must be one of {tuple(_ELEM)}, got {precision!r}")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
     psi, n, e = num_params, world_size, _ELEM[precision]
     g = reduce_bytes or e
     state = psi if stage == 0 else psi / n
@@ -51,7 +53,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     out["optimizer"] = out["master"] + out["exp_avg"] + out["exp_avg_sq"]
     out = {k: int(round(v)) for k, v in out.items()}
     out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
-    out["host"] = out["optimizer"] if offload else 0
+    out["host"] = out["optimizer"] if offload == "cpu" else 0
+    out["disk"] = 2 * out["optimizer"] if offload == "nvme" else 0
     return out
 
 
@@ -138,6 +141,14 @@ def memory_report(opt) -> Dict[str, Any]:
         out["host_measured"] = host
         out["host_measured_total"] = sum(host.values())
         out["host_formula_total"] = formula["host"]
+        disk = getattr(opt.offloader, "disk_bytes", None)
+        if disk is not None:  # offload="nvme": host pinned / pageable, and disk, apart
+            pinned = opt.offloader.pin
+            out["host_pinned_total"] = out["host_measured_total"] if pinned else 0
+            out["host_pageable_total"] = 0 if pinned else out["host_measured_total"]
+            out["disk_measured"] = disk()
+            out["disk_measured_total"] = sum(out["disk_measured"].values())
+            out["disk_formula_total"] = formula["disk"]
     if opt.stage == 3:
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())

@@ -176,6 +176,9 @@ class Offloader:
         if self.cuda:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
+    def finish(self) -> None:
+        """After every piece (offload_nvme commits here; the host state needs nothing)."""
+
     def host_bytes(self) -> dict:
         out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "host_staging": 0}
         for st in self.states:

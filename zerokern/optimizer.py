@@ -66,7 +66,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
         offload: None, or "cpu" (stages 1-3): master, exp_avg, exp_avg_sq and the update
-            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload).
+            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload);
+            or "nvme" (stages 1-3): master, exp_avg, exp_avg_sq live in files under
+            offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
+            half; see zerokern.offload_nvme). Stage-3 param offload does not exist yet.
+        offload_path: offload="nvme" only (keyword): an existing writable directory.
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
@@ -105,6 +109,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         *,
         param_groups: Optional[List[Dict[str, Any]]] = None,
         units=None,
+        offload_path=None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
@@ -115,13 +120,15 @@ class ZeroAdamW(torch.optim.Optimizer):
                                  "params: it partitions params per module unit")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        if offload_path is not None and offload != "nvme":
+            raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
         if offload is not None:
-            if offload != "cpu":
-                raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+            if offload not in ("cpu", "nvme"):
+                raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
             if stage == 0:
-                raise ValueError("offload='cpu' needs stage 1, 2 or 3 (stage 0 keeps the full "
-                                 "optimizer state on every rank; offloading it saves nothing "
-                                 "that stage 1 would not)")
+                raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (stage 0 keeps the "
+                                 "full optimizer state on every rank; offloading it saves "
+                                 "nothing that stage 1 would not)")
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
@@ -141,6 +148,10 @@ class ZeroAdamW(torch.optim.Optimizer):
                              "params pass the group dicts as params_or_model")
         check_hyper(lr, betas, eps, weight_decay)
         check_distributed_env(process_group)
+        if offload == "nvme":
+            from .aligned_io import check_path
+
+            offload_path = check_path(offload_path)  # missing / read-only: before any change
         dtype = PRECISIONS[precision]
         if isinstance(params_or_model, torch.nn.Module):
             for name, mod in params_or_model.named_modules():
@@ -219,6 +230,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             from .offload import Offloader
 
             self.offloader = Offloader(self.flat_groups, self.reduce_dtype)
+        elif offload == "nvme":
+            from .offload_nvme import NvmeOffloader
+
+            self.offloader = NvmeOffloader(self.flat_groups, self.reduce_dtype, offload_path,
+                                           comm, stage)
         self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
@@ -390,11 +406,20 @@ class ZeroAdamW(torch.optim.Optimizer):
         for h in gathers:
             if h is not None:
                 h.wait()
+        if off is not None:
+            off.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
         gs.after_step()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
         self._prepared = None  # the stats of a second step() are taken again
         return loss
+
+    def close(self) -> None:
+        """Release what outlives a step: offload="nvme" removes its state files now (they are
+        removed at garbage collection and at exit too). The optimizer cannot step afterwards."""
+        close = getattr(self.offloader, "close", None)
+        if close is not None:
+            close()
 
     def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
         b1, b2 = group["betas"]

@@ -41,17 +41,18 @@ def _unregister(ptr: int, nbytes: int) -> None:
             _stats["buffers"] -= 1
 
 
-def empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+def empty(n: int, dtype: torch.dtype, align: int = ALIGN) -> torch.Tensor:
     """An uninitialised page-locked host tensor of n elements and exactly n * itemsize bytes.
 
     Raises RuntimeError when the pages cannot be locked (e.g. RLIMIT_MEMLOCK in a container).
+    align: the address alignment (4096 for offload="nvme"'s O_DIRECT buffers).
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = n * itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % ALIGN
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
     buf = raw[off:off + nbytes]  # a view: keeps `raw` alive as long as the tensor's storage
     ptr = buf.ctypes.data
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))

@@ -212,7 +212,9 @@ def test_bad_offload_arguments():
     model = M.make_model()
     with pytest.raises(ValueError, match="needs stage 1, 2 or 3"):
         zk.ZeroAdamW(model, stage=0, offload="cpu")
-    with pytest.raises(ValueError, match="offload must be None or 'cpu'"):
+    with pytest.raises(ValueError, match="offload must be None, 'cpu' or 'nvme'"):
+        zk.ZeroAdamW(model, stage=2, offload="disk")
+    with pytest.raises(ValueError, match="needs offload_path"):  # (test_offload_nvme.py)
         zk.ZeroAdamW(model, stage=2, offload="nvme")
     with pytest.raises(ValueError, match="chunk_numel"):
         from zerokern.offload import Offloader

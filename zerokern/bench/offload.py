@@ -1,4 +1,4 @@
-"""Offload benchmark (`zerokern bench --offload`): what offload="cpu" costs and saves.
+"""Offload benchmark (`zerokern bench --offload`): what offload="cpu" and "nvme" cost and save.
 
 One process (world size 1) trains the GPT preset with ZeroAdamW at one stage, with and without
 offload, interleaved round-robin (common [Note: how a repetition is timed]); it reports the
@@ -6,6 +6,8 @@ iteration and step time of each, the device bytes offload saves (memory_report),
 kernel's share of the offloaded step, and a sweep of the pipeline's chunk size over the
 offloaded step alone. On a CPU-only machine "device" and host are the same memory, so the
 saving is the bytes that moved out of the working set, and the step pays two extra copies.
+The NVMe rows (offload="nvme" against the disk's bandwidth measured in the same run, and the
+chunk x queue-depth sweep) are in bench/offload_nvme.py; `--nvme-only` runs just those.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from typing import List
 
 import torch
 
-from . import common
+from . import common, offload_nvme
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def _setup(args, offload, chunk=None):
+def _setup(args, offload, chunk=None, **kw):
     import zerokern as zk
 
     from ..gpt import build_gpt
@@ -30,7 +32,7 @@ def _setup(args, offload, chunk=None):
     torch.manual_seed(0)
     m = build_gpt(args.model_size)
     opt = zk.ZeroAdamW(m, stage=args.stage, precision=args.precision, offload=offload,
-                       lr=1e-4, weight_decay=0.01)
+                       lr=1e-4, weight_decay=0.01, **kw)
     if offload and chunk:
         opt.offloader.chunk = chunk  # only the pipeline's loop reads it
     return m, opt
@@ -48,16 +50,38 @@ def main(argv: List[str]) -> int:
                                                              1 << 20, 1 << 22])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="tiny model, 2 reps (for tests)")
+    p.add_argument("--nvme-path", default=None,
+                   help="directory for offload='nvme' (default: the temp dir)")
+    p.add_argument("--nvme-chunks", type=int, nargs="*",
+                   default=[1 << 18, 1 << 20, 1 << 22, 1 << 23])
+    p.add_argument("--nvme-depths", type=int, nargs="*", default=[2, 4, 8])
+    p.add_argument("--no-nvme", action="store_true", help="skip the offload='nvme' rows")
+    p.add_argument("--nvme-only", action="store_true", help="only the offload='nvme' rows")
     args = p.parse_args(argv)
     if args.quick:
         args.model_size, args.reps, args.chunks = "tiny", 2, [1 << 14, 1 << 20]
+        args.nvme_chunks, args.nvme_depths = [1 << 12, 1 << 16], [2, 4]
     if args.reps < 1:
         p.error("--reps must be >= 1")
     torch.set_num_threads(common.usable_cpus())
-    runs = {"no offload": _setup(args, None), "offload cpu": _setup(args, "cpu")}
-    cfg = runs["no offload"][0].config
-    x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),
+    from ..gpt import PRESETS
+
+    x = torch.randint(0, PRESETS[args.model_size].vocab, (args.batch, args.seq + 1),
                       generator=torch.Generator().manual_seed(1))
+    nvme = None if args.no_nvme else offload_nvme.run(
+        args, x, lambda off, **kw: _setup(args, off, **kw))
+    if args.nvme_only:
+        md = offload_nvme.report(nvme)
+        env = common.environment(torch.device("cpu"))
+        env.update(model_size=args.model_size, stage=args.stage, precision=args.precision,
+                   batch=args.batch, seq=args.seq, params=nvme["memory_report"]["num_params"])
+        stem = f"offload-nvme-{args.model_size}-s{args.stage}-{args.precision}"
+        common.write_json(args.out / f"{stem}.json", {"env": env, "nvme": nvme})
+        common.write_text(args.out / f"{stem}.md", "\n".join(
+            [f"# offload='nvme' benchmark: GPT {args.model_size}", "",
+             common.markdown_env(env), "", *md]))
+        return 0
+    runs = {"no offload": _setup(args, None), "offload cpu": _setup(args, "cpu")}
     iters = {k: [] for k in runs}
     steps = {k: [] for k in runs}
     for rep in range(args.reps + 1):  # rep 0 warms up (JIT build, first-touch)
@@ -126,8 +150,10 @@ def main(argv: List[str]) -> int:
     stem = f"offload-{args.model_size}-s{args.stage}-{args.precision}"
     common.write_json(args.out / f"{stem}.json", {"env": env, "rows": rows, "sweep": sweep,
                                                   "saved_MiB": saved, "kernel_share_pct": share,
-                                                  "memory_reports": mem})
+                                                  "memory_reports": mem, "nvme": nvme})
     md = [f"# {title}", "", common.markdown_env(env), "", common.markdown_table(rows, cols), "",
           *lines, "", "## chunk size sweep", "", common.markdown_table(sweep, ccols), ""]
+    if nvme is not None:
+        md += offload_nvme.report(nvme)
     common.write_text(args.out / f"{stem}.md", "\n".join(md))
     return 0

@@ -1,0 +1,445 @@
+"""ZeRO-Infinity's optimizer half (`offload="nvme"`): master, exp_avg, exp_avg_sq on disk.
+
+Per rank and flat buffer (group) there are three files under `offload_path`, one per state
+tensor, each two halves of `align_up(S * 4)` bytes (S = the buffer's state elements). One step
+streams every buffer through a bounded pool of aligned host buffer sets, in chunks of
+`chunk_numel` elements over the buffer's whole state range (not per bucket piece, so every
+O_DIRECT offset is aligned; a chunk that straddles two bucket pieces is updated piece by piece
+and written once both are done):
+
+    read chunk c+1..c+depth-1 (current half)  ->  [pool]  ->  cpu kernel on chunk c
+        (grad D2H, master/m/v updated in the set, 16-bit params H2D)  ->  write chunk c
+        (the other half)  ->  the set is free for the next read
+
+Reads and writes run in a thread pool (os.preadv / os.pwritev release the GIL) while the main
+thread runs the same fused cpu kernel as offload="cpu". `finish()` (after the last piece)
+waits for the writes and commits.
+
+[Note: all or nothing]
+A step never writes the half it reads. The current half is `self.cur`, one index for every
+file of this rank; the step reads half `cur` and writes half `1 - cur`, and only once every
+write of every buffer has completed do all ranks agree (one all-reduce of a failure flag) and
+flip `cur`. On any failure (ENOSPC, EIO, a short read of a truncated file) on any rank, no rank
+flips: master/m/v are still the untouched current half, the step counters are restored from the
+copy taken in `begin()`, the params already written to the device are re-cast from the current
+master (and re-gathered at stages 1-2, collectively, so no rank hangs), the loss scale is not
+updated (step() raises before it), and each rank raises: the failing one an OSError naming the
+path, the others a RuntimeError. The flip lives in memory, not in an fsync'ed header: the files
+never outlive the process (removed at close, GC and exit), so there is no crash to recover from;
+durable state is zerokern.checkpoint's job. The state files are preallocated (both halves) at
+construction, so a disk that is full fails there, not in a step, on file systems that allocate.
+
+[Note: direct I/O, chunk and depth, measured] is in aligned_io.py: O_DIRECT (buffered I/O,
+fadvise(DONTNEED), where it is refused), CHUNK_NUMEL and QUEUE_DEPTH, with the numbers.
+
+[Note: where the state is visible]
+The group's master / exp_avg / exp_avg_sq attributes are shared mmap views of the current half
+of the files (re-pointed at each flip), so state_dict(), zerokern.checkpoint (save reads them,
+load writes them), model_sync and stage 3's write-back read and write the files themselves, with
+no RAM copy. The step never touches the mappings: it reads and writes with O_DIRECT, which
+writes back dirty mapped pages before it reads a range and invalidates cached pages of a range
+it writes, so the two paths stay coherent and the page cache holds no second copy of the state.
+Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
+RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
+cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
+
+import torch
+
+from . import aligned_io as aio
+from . import kernels
+from .offload import _host_empty
+
+CHUNK_NUMEL = 1 << 22
+QUEUE_DEPTH = 4
+MAX_DEPTH = 16
+NAMES = ("master", "exp_avg", "exp_avg_sq")
+_F32 = torch.float32
+
+
+def pool_chunk(state_numels: List[int], chunk_numel: int) -> int:
+    """The chunk actually used: never more than the largest buffer needs (small models)."""
+    return min(chunk_numel, aio.align_up(max(state_numels), aio.ALIGN // 4))
+
+
+def set_bytes(chunk: int, grad_e: int, param_e: int) -> int:
+    """Host bytes of one buffer set: master|m|v (fp32), a grad chunk, a param chunk (0 at fp32)."""
+    return 3 * chunk * 4 + chunk * grad_e + chunk * param_e
+
+
+class _Files:
+    """One flat group's three state files, their fds and the mmap views of the current half."""
+
+    def __init__(self, g, gi: int, rank: int, root: str, tag: str) -> None:
+        self.g, self.n = g, g.exp_avg.numel()
+        self.half = aio.align_up(self.n * 4)  # bytes; O_DIRECT offsets of half 1 stay aligned
+        self.paths = [os.path.join(root, f"zerokern-{tag}-rank{rank}-buf{gi}-{nm}.bin")
+                      for nm in NAMES]
+        self.fds: List[int] = []
+        self.maps: List[torch.Tensor] = []
+
+
+def _cleanup(files: List[_Files], pool, pid: int) -> None:
+    """Close and remove every state file (idempotent; runs at close, GC and exit). Only in the
+    process that created them: a forked child that exits (sys.exit runs atexit) must not remove
+    its parent's state."""
+    if os.getpid() != pid:
+        return
+    pool.shutdown(wait=True)
+    for f in files:
+        for fd in f.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        f.fds = []
+        for p in f.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+class _Set:
+    """One pooled buffer set and the chunk it holds."""
+
+    def __init__(self, chunk: int, grad_dtype, dtype, pin: bool) -> None:
+        self.raw = aio.aligned_empty(3 * chunk * 4, pin)  # 4096-aligned: O_DIRECT
+        f = self.raw.view(_F32)
+        self.state = [f[i * chunk:(i + 1) * chunk] for i in range(3)]  # master, m, v
+        mv = memoryview(self.raw.numpy())
+        self.mv = [mv[i * chunk * 4:(i + 1) * chunk * 4] for i in range(3)]
+        self.grad = _host_empty(chunk, grad_dtype, pin)
+        self.param = None if dtype == _F32 else _host_empty(chunk, dtype, pin)
+        self.job = None   # (gi, lo, hi): the chunk's state range in buffer gi
+        self.futs = []    # in-flight reads or writes
+        self.h2d = None   # CUDA event: the param copy out of self.param has landed
+
+    def tensors(self):
+        return [t for t in (self.raw, self.grad, self.param) if t is not None]
+
+
+class NvmeOffloader:
+    """The step's host update for every piece of every group, streamed from and to disk."""
+
+    def __init__(self, groups, grad_dtype: torch.dtype, offload_path: str, comm, stage: int,
+                 chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None) -> None:
+        self.groups, self.comm, self.stage = groups, comm, stage
+        self.root = offload_path
+        self.grad_dtype, self.dtype = grad_dtype, groups[0].dtype
+        self.cuda = groups[0].device.type == "cuda"
+        self.pin = self.cuda
+        self.direct = aio.direct_supported(self.root)
+        self.fault_hook = None  # tests: fault(path, offset) in the writer, may raise OSError
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.files = [_Files(g, gi, comm.rank, self.root, tag)
+                      for gi, g in enumerate(groups)]
+        # Threads start on demand, one per request in flight: at most 3 per buffer set.
+        self.io = ThreadPoolExecutor(max_workers=3 * MAX_DEPTH, thread_name_prefix="zk-nvme")
+        self._finalizer = weakref.finalize(self, _cleanup, self.files, self.io, os.getpid())
+        self.cur = 0
+        self.plan = None
+        try:
+            for f in self.files:
+                self._create(f)
+        except OSError as e:
+            self._finalizer()
+            raise ValueError(f"offload_path {self.root!r}: cannot create the state files "
+                             f"({e.strerror}: {e.filename})") from e
+        self.scalars = _host_empty(2, _F32, self.cuda)
+        self.scalars_np = self.scalars.numpy()
+        self.stream = torch.cuda.Stream(groups[0].device) if self.cuda else None
+        self.configure(chunk_numel, queue_depth)
+        self.wait_s = self.kernel_s = self.io_wait_s = 0.0  # host seconds (bench diagnostics)
+        self.bytes_moved = 0
+
+    # -- files ---------------------------------------------------------------------------------
+    def _create(self, f: _Files) -> None:
+        g = f.g
+        if g.master is not None:
+            master = g.master
+        else:  # fp32: the working params are the master; the file keeps its own copy
+            master = torch.cat([g.master_piece(k).reshape(-1) for k in range(g.layout.n_buckets)])
+        init = [master.detach().reshape(-1), None, None]  # m and v: fallocate's zeros
+        for p, src in zip(f.paths, init):
+            fd = aio.open_state(p, False, create=True)
+            f.fds.append(fd)
+            try:
+                os.posix_fallocate(fd, 0, 2 * f.half)  # both halves now: no ENOSPC in a step
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, p) from e
+            m = torch.from_file(p, shared=True, size=2 * f.half // 4, dtype=_F32)
+            if src is not None:
+                m[:f.n].copy_(src.to("cpu", _F32))
+            f.maps.append(m)
+            aio.drop_cache(fd)  # the initial write went through the page cache: drop it
+            if self.direct:
+                os.close(fd)
+                f.fds[-1] = aio.open_state(p, True, create=False)
+        self._point(f)
+        g.steps = g.steps.to("cpu")
+
+    def _point(self, f: _Files, remap: bool = False) -> None:
+        """The group's state attributes are views of the current half (Note: where...)."""
+        if remap:
+            f.maps = [torch.from_file(p, shared=True, size=2 * f.half // 4, dtype=_F32)
+                      for p in f.paths]
+            for fd in f.fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        off = self.cur * f.half // 4
+        for nm, m in zip(NAMES, f.maps):
+            setattr(f.g, nm, m[off:off + f.n])
+
+    def close(self) -> None:
+        """Remove the state files now (the optimizer cannot step afterwards)."""
+        for f in self.files:
+            f.maps = []
+            for nm in NAMES:
+                setattr(f.g, nm, torch.empty(0, dtype=_F32))
+        self._finalizer()
+
+    def paths(self) -> List[str]:
+        return [p for f in self.files for p in f.paths]
+
+    # -- the pool ------------------------------------------------------------------------------
+    def configure(self, chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None
+                  ) -> None:
+        """Set the chunk (a multiple of 1024 elements: 4096-byte O_DIRECT requests) and the
+        number of buffer sets; between steps."""
+        chunk = CHUNK_NUMEL if chunk_numel is None else chunk_numel
+        depth = QUEUE_DEPTH if queue_depth is None else queue_depth
+        if not (isinstance(chunk, int) and chunk >= 1024 and chunk % 1024 == 0):
+            raise ValueError(f"offload='nvme' chunk_numel must be a positive multiple of 1024, "
+                             f"got {chunk!r}")
+        if not (isinstance(depth, int) and 2 <= depth <= MAX_DEPTH):
+            raise ValueError(f"offload='nvme' queue_depth must be an int in [2, {MAX_DEPTH}], "
+                             f"got {depth!r}")
+        self.chunk = pool_chunk([f.n for f in self.files], chunk)
+        self.depth = depth
+        self.pool = [_Set(self.chunk, self.grad_dtype, self.dtype, self.pin) for _ in range(depth)]
+
+    # -- one step ------------------------------------------------------------------------------
+    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor):
+        """Ship this step's scalars to the host; start reading ahead."""
+        if not self._finalizer.alive:
+            raise RuntimeError("zerokern offload='nvme': this optimizer was closed (its state "
+                               "files are removed); build a new one or load a checkpoint")
+        if self.plan is not None:  # a step that raised before finish(): let its I/O land
+            self._drain()
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
+        ev = self._copy(self.scalars[1:2], found_inf.reshape(1).float())
+        self.error: Optional[BaseException] = None
+        self.decided = False  # found_inf read (first update_piece)
+        self.skip = False
+        self.dirty = []       # (gi, k) whose device params this step wrote
+        self.steps0 = [f.g.steps.clone() for f in self.files]
+        self.plan = [(gi, lo, min(lo + self.chunk, f.n)) for gi, f in enumerate(self.files)
+                     for lo in range(0, f.n, self.chunk)]
+        self.next_read = 0
+        self.free = list(self.pool)
+        self.loaded = collections.deque()
+        self.writing = collections.deque()
+        for f in self.files:  # a truncated file fails here, before anything changed
+            for fd, p in zip(f.fds, f.paths):
+                size = os.fstat(fd).st_size
+                if size < 2 * f.half and self.error is None:
+                    self.error = OSError(errno.EIO, f"zerokern offload='nvme': state file {p} "
+                                                    f"is {size} bytes, expected {2 * f.half} "
+                                                    "(truncated?)", p)
+        if self.error is None:
+            self._refill()
+        return ev
+
+    def _submit(self, s: _Set, write: bool) -> None:
+        gi, lo, hi = s.job
+        f = self.files[gi]
+        n = aio.align_up((hi - lo) * 4)
+        half = (1 - self.cur) if write else self.cur
+        off = half * f.half + lo * 4
+        fn = aio.write_chunk if write else aio.read_chunk
+        extra = (self.direct, self.fault_hook) if write else (self.direct,)
+        s.futs = [self.io.submit(fn, fd, mv[:n], off, p, *extra)
+                  for fd, mv, p in zip(f.fds, s.mv, f.paths)]
+        self.bytes_moved += 3 * n
+
+    def _settle(self, s: _Set) -> None:
+        """Wait for s's I/O; the first failure is recorded (the step then rolls back)."""
+        t0 = time.perf_counter()
+        for fu in s.futs:
+            try:
+                fu.result()
+            except OSError as e:
+                if self.error is None:
+                    self.error = e
+        s.futs = []
+        self.io_wait_s += time.perf_counter() - t0
+
+    def _refill(self, need: bool = False) -> None:
+        """Read ahead into every free set; with need, wait for a write to free one first."""
+        while self.writing and (self.writing[0].futs[0].done() or (need and not self.free)):
+            s = self.writing.popleft()
+            self._settle(s)
+            self.free.append(s)
+        while self.free and self.next_read < len(self.plan) and self.error is None:
+            s = self.free.pop()
+            self._wait(s.h2d)  # (GPU) its last param copy has left the buffer
+            s.h2d = None
+            s.job = self.plan[self.next_read]
+            self.next_read += 1
+            self._submit(s, write=False)
+            self.loaded.append(s)
+
+    def _drain(self) -> None:
+        for s in list(self.loaded) + list(self.writing):
+            self._settle(s)
+        self.loaded.clear()
+        self.writing.clear()
+        self.free = list(self.pool)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def _wait(self, ev) -> None:
+        if ev is not None:
+            t0 = time.perf_counter()
+            ev.synchronize()  # offload.py [Note: the one blocking wait]
+            self.wait_s += time.perf_counter() - t0
+
+    def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, **hyper) -> None:
+        """Update bucket k's piece of group gi chunk by chunk; write its params back. Any
+        failure is recorded, not raised, so that every rank still issues the step's
+        collectives; finish() rolls back and raises (Note: all or nothing)."""
+        try:
+            self._update_piece(gi, k, grad, scalars_ev, **hyper)
+        except Exception as e:  # noqa: BLE001 - re-raised by finish() on this rank
+            if self.error is None:
+                self.error = e
+            self._drain()
+
+    def _update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
+                      beta2, eps, weight_decay, adamw, backend: str) -> None:
+        if not self.decided:
+            self.decided = True
+            self._wait(scalars_ev)
+            if self.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no I/O
+                self.skip = True
+                self._drain()
+        if self.skip or self.error is not None:
+            return  # after a failure the rest of the step does nothing; finish() rolls back
+        g = self.groups[gi]
+        sl = g.state_slice(k)
+        plo, phi = sl.start, sl.stop
+        dev_out = g.param_out_piece(k)
+        step = g.steps[k]
+        new_step = step
+        scale, found = self.scalars[0], self.scalars[1]
+        self.dirty.append((gi, k))
+        while plo < phi:
+            if not self.loaded:
+                self._refill(need=True)  # (a failed write it waits for stops the reads)
+            if self.error is not None:
+                self._drain()
+                return
+            s = self.loaded[0]
+            self._settle(s)
+            if self.error is not None:
+                self._drain()
+                return
+            cg, lo, hi = s.job
+            assert cg == gi and lo <= plo < hi, (s.job, gi, plo)
+            a, b = plo, min(phi, hi)
+            grad_src = grad[a - sl.start:b - sl.start]
+            self._wait(self._copy(s.grad[a - lo:b - lo], grad_src))
+            self._wait(s.h2d)  # the set's param buffer is free again
+            st = step.clone()  # every chunk is the same step (the kernel advances its copy)
+            t0 = time.perf_counter()
+            kernels.adam_step_(s.state[0][a - lo:b - lo], s.state[1][a - lo:b - lo],
+                               s.state[2][a - lo:b - lo], s.grad[a - lo:b - lo],
+                               None if s.param is None else s.param[a - lo:b - lo], lr=lr,
+                               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                               adamw=adamw, step=st, grad_scale=scale, found_inf=found,
+                               backend="reference" if backend == "reference" else "cpu")
+            self.kernel_s += time.perf_counter() - t0
+            new_step = st
+            src = s.state[0] if s.param is None else s.param
+            s.h2d = self._copy(dev_out[a - sl.start:b - sl.start], src[a - lo:b - lo])
+            plo = b
+            if b == hi:  # the chunk is complete: write it behind, read further ahead
+                self.loaded.popleft()
+                self._submit(s, write=True)
+                self.writing.append(s)
+                self._refill()
+        step.copy_(new_step)
+        if self.cuda:  # bucket k's params are on the device before its all-gather
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def finish(self) -> None:
+        """Commit the step, or roll it back everywhere (Note: all or nothing)."""
+        if getattr(self, "plan", None) is None:
+            return
+        if not self.skip:
+            self._drain()
+        failed = torch.tensor([0.0 if self.error is None else 1.0],
+                              device=self.groups[0].device)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce_(failed)
+        # One host read per step (a device sync with NCCL): the step already waited for the
+        # host's update of every chunk, so it costs the all-reduce's latency only.
+        self.plan = None
+        if failed.item() == 0:
+            if not self.skip:
+                self.cur = 1 - self.cur
+                for f in self.files:
+                    self._point(f, remap=True)
+            return
+        self._rollback()
+        err = self.error
+        if err is not None and not isinstance(err, OSError):
+            raise RuntimeError(f"zerokern offload='nvme': the step failed ({err!r}); it was "
+                               "rolled back") from err
+        if err is not None:
+            raise OSError(err.errno, f"{err.strerror or err}; the step was rolled back "
+                                     "(master/m/v, step counters, params and loss scale are "
+                                     "as before it)", err.filename) from err
+        raise RuntimeError("zerokern offload='nvme': another rank's state I/O failed in this "
+                           "step; the step was rolled back on every rank")
+
+    def _rollback(self) -> None:
+        for f, s0 in zip(self.files, self.steps0):
+            f.g.steps.copy_(s0)
+        for gi, k in self.dirty:  # re-cast the params from the untouched current half
+            g = self.groups[gi]
+            g.param_out_piece(k).copy_(g.master[g.state_slice(k)])
+        if self.stage in (1, 2):  # every rank re-gathers every bucket (collective)
+            for g in self.groups:
+                for k in range(g.layout.n_buckets):
+                    self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k))
+
+    # -- reports -------------------------------------------------------------------------------
+    def host_bytes(self) -> dict:
+        pool = sum(t.untyped_storage().nbytes() for s in self.pool for t in s.tensors())
+        return {"master": 0, "exp_avg": 0, "exp_avg_sq": 0,
+                "host_staging": pool + self.scalars.untyped_storage().nbytes()}
+
+    def disk_bytes(self) -> dict:
+        return {nm: sum(2 * f.half for f in self.files) for nm in NAMES}
