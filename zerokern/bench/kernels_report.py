@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from . import common
-from .kernels import (
+from .kernel_cases import (
     HYPER,
     PROVIDERS,
     REFERENCE_MAX_LOG2,
