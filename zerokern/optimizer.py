@@ -46,12 +46,13 @@ from .optimizer_args import (
     frozen_params,
     groups_of_model,
 )
+from .optimizer_state import StateDictMixin
 from .sharded_grads import BucketedGrads
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ZeroAdamW(torch.optim.Optimizer):
+class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     """AdamW with ZeRO sharding: a drop-in replacement for `torch.optim.AdamW`.
 
     Args:
@@ -462,52 +463,3 @@ class ZeroAdamW(torch.optim.Optimizer):
             yield
         finally:
             self.grad_sync.release_all(write_back=modify)
-
-    # ---- state -----------------------------------------------------------------------------
-    def _meta(self) -> Dict[str, Any]:
-        return {"stage": self.stage, "precision": self.precision,
-                "world_size": self.comm.world_size, "rank": self.comm.rank,
-                "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
-                             [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
-
-    def state_dict(self) -> Dict[str, Any]:
-        """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
-        stage 3 the param shard, which the model's own state_dict cannot give)."""
-        groups = [{k: v for k, v in group.items() if k != "params"}
-                  for group in self.param_groups]
-        return {"zero": self._meta(),
-                "state": [{k: t.detach().clone() for k, t in g.state_tensors().items()}
-                          for g in self.flat_groups],
-                "param_groups": groups,
-                "loss_scaler": self.scaler.state_dict()}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a `state_dict()` of the same model, stage, precision, world size and rank."""
-        if not isinstance(state_dict, dict) or "zero" not in state_dict:
-            raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
-                             "use zerokern.checkpoint to reshard across layouts")
-        meta, mine = state_dict["zero"], self._meta()
-        for key in ("stage", "precision", "world_size", "rank", "layouts"):
-            if meta.get(key) != mine[key]:
-                raise ValueError(f"state_dict {key} {meta.get(key)!r} does not match this "
-                                 f"optimizer's {mine[key]!r}")
-        states, groups = state_dict["state"], state_dict["param_groups"]
-        for g, st in zip(self.flat_groups, states):
-            for k, t in g.state_tensors().items():
-                if k not in st or st[k].shape != t.shape or st[k].dtype != t.dtype:
-                    raise ValueError(f"state_dict entry {k!r} is missing or mis-shaped")
-        # The scaler checks its entry before writing anything; ours are checked above.
-        self.scaler.load_state_dict(state_dict["loss_scaler"])
-        for g, st in zip(self.flat_groups, states):
-            for k, t in g.state_tensors().items():
-                t.copy_(st[k])
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self.state_loaded()
-
-    def state_loaded(self) -> None:
-        """The masters were just loaded (state_dict, zerokern.checkpoint): they define the
-        state, so param writes made before the load are not taken into them again."""
-        if self.model_watch is not None:
-            self.model_watch.record_versions()
-        self.grad_sync.generation += 1
