@@ -85,25 +85,18 @@ class HostState:
         return [t for t in (self.grad, self.param) if t is not None]
 
 
-class Offloader:
-    """Runs the host update for every piece of every group, pipelined with the copies."""
+class CopyPipeline:
+    """What offload="cpu" and offload="nvme" share on the device side: the copy stream, this
+    step's [grad_scale, found_inf] on the host, and [Note: the one blocking wait]."""
 
-    def __init__(self, groups, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None
-                 ) -> None:
-        chunk_numel = CHUNK_NUMEL if chunk_numel is None else chunk_numel
-        if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
-            raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
-                             f"{chunk_numel!r}")
-        self.chunk = chunk_numel
-        self.states = [HostState(g, grad_dtype) for g in groups]
-        dev = groups[0].device
-        self.cuda = dev.type == "cuda"
+    def _init_copies(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
         # This step's [grad_scale, found_inf] on the host, once for every group; found_inf is
         # read through the numpy view once it has arrived (a host read of host memory, no
         # device sync), to skip an overflowed step's copies.
         self.scalars = _host_empty(2, torch.float32, self.cuda)
         self.scalars_np = self.scalars.numpy()
-        self.stream = torch.cuda.Stream(dev) if self.cuda else None
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
         # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
         # perf_counter reads the host clock, not a device value).
         self.wait_s = 0.0
@@ -126,12 +119,35 @@ class Offloader:
             ev.synchronize()  # [Note: the one blocking wait]
             self.wait_s += time.perf_counter() - t0
 
-    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> Optional[object]:
-        """Ship this step's scalars to the host (after the device computed them)."""
+    def _ship_scalars(self, grad_scale: torch.Tensor, found_inf: torch.Tensor):
+        """Copy this step's scalars to the host (after the device computed them)."""
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
         return self._copy(self.scalars[1:2], found_inf.reshape(1).float())
+
+    def end(self) -> None:
+        """The device may use the params once every H2D copy has landed (stream order)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+class Offloader(CopyPipeline):
+    """Runs the host update for every piece of every group, pipelined with the copies."""
+
+    def __init__(self, groups, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None
+                 ) -> None:
+        chunk_numel = CHUNK_NUMEL if chunk_numel is None else chunk_numel
+        if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
+            raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
+                             f"{chunk_numel!r}")
+        self.chunk = chunk_numel
+        self.states = [HostState(g, grad_dtype) for g in groups]
+        self._init_copies(groups[0].device)
+
+    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> Optional[object]:
+        """Ship this step's scalars to the host (after the device computed them)."""
+        return self._ship_scalars(grad_scale, found_inf)
 
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
                      beta2, eps, weight_decay, adamw, backend: str) -> None:
@@ -170,11 +186,6 @@ class Offloader:
             self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
         step.copy_(new_step)
         self.end()  # bucket k's params are on the device before its all-gather is issued
-
-    def end(self) -> None:
-        """The device may use the params once every H2D copy has landed (stream order)."""
-        if self.cuda:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def finish(self) -> None:
         """After every piece (offload_nvme commits here; the host state needs nothing)."""

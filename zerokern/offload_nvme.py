@@ -59,7 +59,7 @@ import torch
 
 from . import aligned_io as aio
 from . import kernels
-from .offload import _host_empty
+from .offload import CopyPipeline, _host_empty
 
 CHUNK_NUMEL = 1 << 22
 QUEUE_DEPTH = 4
@@ -130,7 +130,7 @@ class _Set:
         return [t for t in (self.raw, self.grad, self.param) if t is not None]
 
 
-class NvmeOffloader:
+class NvmeOffloader(CopyPipeline):
     """The step's host update for every piece of every group, streamed from and to disk."""
 
     def __init__(self, groups, grad_dtype: torch.dtype, offload_path: str, comm, stage: int,
@@ -138,7 +138,7 @@ class NvmeOffloader:
         self.groups, self.comm, self.stage = groups, comm, stage
         self.root = offload_path
         self.grad_dtype, self.dtype = grad_dtype, groups[0].dtype
-        self.cuda = groups[0].device.type == "cuda"
+        self._init_copies(groups[0].device)  # stream, host scalars (offload.py)
         self.pin = self.cuda
         self.direct = aio.direct_supported(self.root)
         self.fault_hook = None  # tests: fault(path, offset) in the writer, may raise OSError
@@ -157,11 +157,8 @@ class NvmeOffloader:
             self._finalizer()
             raise ValueError(f"offload_path {self.root!r}: cannot create the state files "
                              f"({e.strerror}: {e.filename})") from e
-        self.scalars = _host_empty(2, _F32, self.cuda)
-        self.scalars_np = self.scalars.numpy()
-        self.stream = torch.cuda.Stream(groups[0].device) if self.cuda else None
         self.configure(chunk_numel, queue_depth)
-        self.wait_s = self.kernel_s = self.io_wait_s = 0.0  # host seconds (bench diagnostics)
+        self.io_wait_s = 0.0  # host seconds waiting on the disk (bench diagnostics)
         self.bytes_moved = 0
 
     # -- files ---------------------------------------------------------------------------------
@@ -237,10 +234,7 @@ class NvmeOffloader:
                                "files are removed); build a new one or load a checkpoint")
         if self.plan is not None:  # a step that raised before finish(): let its I/O land
             self._drain()
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
-        ev = self._copy(self.scalars[1:2], found_inf.reshape(1).float())
+        ev = self._ship_scalars(grad_scale, found_inf)
         self.error: Optional[BaseException] = None
         self.decided = False  # found_inf read (first update_piece)
         self.skip = False
@@ -309,22 +303,6 @@ class NvmeOffloader:
         self.writing.clear()
         self.free = list(self.pool)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if not self.cuda:
-            dst.copy_(src)
-            return None
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
-
-    def _wait(self, ev) -> None:
-        if ev is not None:
-            t0 = time.perf_counter()
-            ev.synchronize()  # offload.py [Note: the one blocking wait]
-            self.wait_s += time.perf_counter() - t0
-
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, **hyper) -> None:
         """Update bucket k's piece of group gi chunk by chunk; write its params back. Any
         failure is recorded, not raised, so that every rank still issues the step's
@@ -390,8 +368,7 @@ class NvmeOffloader:
                 self.writing.append(s)
                 self._refill()
         step.copy_(new_step)
-        if self.cuda:  # bucket k's params are on the device before its all-gather
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self.end()  # bucket k's params are on the device before its all-gather
 
     def finish(self) -> None:
         """Commit the step, or roll it back everywhere (Note: all or nothing)."""
