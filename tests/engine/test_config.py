@@ -64,6 +64,8 @@ def test_batch_triple_inconsistent_raises(given):
     (lambda c: c["optimizer"]["params"].update(momentum=0.9), "optimizer.params.momentum"),
     (lambda c: c["optimizer"].update(type="SGD"), "optimizer.type"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "nvme"}),
+     "zero_optimization.offload_optimizer.nvme_path"),
+    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "disk"}),
      "zero_optimization.offload_optimizer.device"),
     (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"}),
      "zero_optimization.offload_param.device"),
@@ -331,3 +333,30 @@ def test_init_distributed_from_launcher_env(launcher):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-3:] == ["gloo", "0", "1"]
+
+
+def _losses(cfg, steps=3):
+    engine, opt, _, _ = _engine(cfg)
+    out = []
+    for s in range(steps):
+        for m in range(engine.gradient_accumulation_steps()):
+            x = C.tokens(s, m, 0)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            out.append(float(loss.detach()))
+    return out, opt
+
+
+def test_offload_optimizer_nvme_maps(tmp_path):
+    """offload_optimizer.device 'nvme' with nvme_path is ZeroAdamW(offload='nvme',
+    offload_path=nvme_path): the same losses as the 'cpu' device, bit for bit."""
+    cfg = _cfg()
+    cfg["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    ref, _ = _losses(cfg)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme",
+                                                     "nvme_path": str(tmp_path)}
+    got, opt = _losses(cfg)
+    assert opt.offload == "nvme" and any(tmp_path.iterdir())
+    assert got == ref
+    opt.close()

@@ -5,7 +5,7 @@ Every key is one of three kinds (the tables below):
   DeepSpeed and MiB in zerokern: converted with the element size of the reduce dtype);
 - no effect: accepted, and listed once in the start-up log with the reason (zerokern already
   behaves that way, e.g. gradients are always contiguous);
-- anything else, or a value zerokern cannot honour (NVMe offload, param offload): ValueError
+- anything else, or a value zerokern cannot honour (param offload): ValueError
   naming the key. Nothing is silently ignored.
 """
 
@@ -86,7 +86,8 @@ class EngineConfig:
     stage: int = 0
     reduce_bucket_elements: Optional[int] = None  # None: zerokern's default bucket
     reduce_dtype: Optional[torch.dtype] = None
-    offload: Optional[str] = None
+    offload: Optional[str] = None                 # "cpu" | "nvme"
+    offload_path: Optional[str] = None            # nvme_path (offload "nvme")
     gather_16bit_on_save: bool = False
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
     raw: Dict[str, Any] = field(default_factory=dict)
@@ -210,21 +211,22 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
             raise ValueError(f"config key {key} must be a dict, got {oo!r}")
         _unknown(oo, {"device", "nvme_path", *NO_EFFECT_OFFLOAD, "ratio"}, key + ".")
         dev = oo.get("device", "none")
-        if dev == "nvme":
-            raise ValueError(f"config key {key}.device='nvme': NVMe offload does not exist in "
-                             "zerokern yet; use 'cpu' or 'none'")
-        if dev not in ("cpu", "none", None):
-            raise ValueError(f"config key {key}.device must be 'cpu' or 'none', got {dev!r}")
+        if dev not in ("cpu", "nvme", "none", None):
+            raise ValueError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
+                             f"got {dev!r}")
         if "ratio" in oo and oo["ratio"] != 1.0:
             raise ValueError(f"config key {key}.ratio: partial offload is not supported (1.0 only)")
-        if "nvme_path" in oo:
-            raise ValueError(f"config key {key}.nvme_path: NVMe offload does not exist in "
-                             "zerokern yet")
-        if dev == "cpu":
+        if dev == "nvme" and not isinstance(oo.get("nvme_path"), str):
+            raise ValueError(f"config key {key}.nvme_path: device 'nvme' needs the directory "
+                             "for the state files (ZeroAdamW(offload_path=))")
+        if "nvme_path" in oo and dev != "nvme":
+            raise ValueError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
+        if dev in ("cpu", "nvme"):
             if out.stage == 0:
-                raise ValueError(f"config key {key}.device='cpu' needs "
+                raise ValueError(f"config key {key}.device={dev!r} needs "
                                  "zero_optimization.stage 1, 2 or 3")
-            out.offload = "cpu"
+            out.offload = dev
+            out.offload_path = oo.get("nvme_path")
             for k, why in NO_EFFECT_OFFLOAD.items():
                 if k in oo:
                     out.no_effect.append((f"{key}.{k}", why))

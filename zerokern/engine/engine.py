@@ -277,6 +277,8 @@ class ZeroEngine(nn.Module):
 def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroAdamW:
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype)
+    if cfg.offload == "nvme":
+        zero_kw["offload_path"] = cfg.offload_path
     if optimizer is not None and cfg.optimizer is not None:
         raise ValueError("optimizer is given both as optimizer= and as config key optimizer; "
                          "give one (as DeepSpeed)")
