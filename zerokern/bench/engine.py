@@ -19,16 +19,16 @@ import argparse
 import copy
 import gc
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ..spawn import RankFailure, spawn_ranks
 from . import common
-from .step import _free_port, _wait_result
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -70,11 +70,9 @@ def held_bytes() -> int:
     return total
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(max(1, common.usable_cpus() // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, args) -> dict:
+    """One rank (run by zerokern.spawn): both engines per (stage, precision), interleaved."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import torch.nn.functional as F
 
@@ -124,10 +122,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 del engines, eng, model
                 F.linear = torch_linear
                 gc.collect()
-        if rank == 0:
-            queue.put(out)
     finally:
-        dist.destroy_process_group()
+        F.linear = torch_linear
+    return out
 
 
 def _iteration(eng, model, args, linear, torch_linear, rank: int) -> None:
@@ -168,22 +165,12 @@ def main(argv: List[str]) -> int:
     if importlib.util.find_spec("deepspeed") is None:
         raise SystemExit("zerokern bench --engine compares against DeepSpeed: pip install "
                          "deepspeed (it runs on the CPU with DS_ACCELERATOR=cpu)")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue))
-             for r in range(args.nproc)]
-    for pr in procs:
-        pr.start()
     try:
-        res = _wait_result(queue, procs)
-    finally:
-        for pr in procs:
-            if pr.is_alive():
-                pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
-            pr.join()
+        res = spawn_ranks(_worker, args.nproc, args,
+                          threads=max(1, common.usable_cpus() // args.nproc))[0]
+    except RankFailure as e:  # a dead rank stops the others within seconds
+        print(e, file=sys.stderr)
+        raise SystemExit("a benchmark rank failed") from None
     return report(args, res)
 
 
