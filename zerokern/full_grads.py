@@ -23,15 +23,32 @@ class FullGrads(GradSync):
     def __init__(self, groups, comm, reduce_dtype, stage: int) -> None:
         self.stage = stage
         self.averaged = stage == 0
-        self.grads = [torch.zeros_like(g.flat) for g in groups]  # (E,) model dtype
-        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
-                       for g, buf in zip(groups, self.grads)]
+        self.grads: Optional[List[torch.Tensor]] = None  # (E,) model dtype; None: freed
+        self._views: List[List[torch.Tensor]] = []
+        self._alloc(groups)
         self._sched = Schedule(groups)
         self._handles: List[tuple] = []
         self._shard: List[Optional[torch.Tensor]] = [None] * len(groups)  # stage 1
         self._wide: List[Optional[torch.Tensor]] = [None] * len(groups)  # stage 0, see _launch
         self._reduced = False         # the buffer's contents are reduced (stage 0 in place)
         super().__init__(groups, comm, reduce_dtype)
+
+    # -- the buffer ------------------------------------------------------------------------------
+    def _alloc(self, groups=None, bufs=None) -> None:
+        groups = groups or self.groups
+        self.grads = bufs if bufs is not None else [torch.zeros_like(g.flat) for g in groups]
+        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
+                       for g, buf in zip(groups, self.grads)]
+
+    def _ensure(self) -> None:
+        if self.grads is None:  # freed by zero_grad (free_grads=True): zeros again
+            self._alloc()
+
+    def free(self) -> None:
+        self.grads, self._views = None, []
+        self._shard = [None] * len(self.groups)
+        self._wide = [None] * len(self.groups)
+        self._reduced = False
 
     # -- p.grad ----------------------------------------------------------------------------------
     def exposed_grad(self, gi, i):
@@ -40,32 +57,35 @@ class FullGrads(GradSync):
         return self._views[gi][i]
 
     def zeroed_grad(self, gi, i):
+        self._ensure()
         return self._views[gi][i]
 
     def to_(self, device) -> None:
-        self.grads = [b.to(device) for b in self.grads]
-        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
-                       for g, buf in zip(self.groups, self.grads)]
+        if self.grads is not None:
+            self._alloc(bufs=[b.to(device) for b in self.grads])
         self._shard = [None] * len(self.groups)
         self._reduced = False
 
     def clear_all(self) -> None:
-        for buf in self.grads:
+        for buf in self.grads or ():
             buf.zero_()
         self._reduced = False
 
     def clear_some(self, params) -> None:
-        for gi, i in params:
-            self._views[gi][i].zero_()
+        if self.grads is not None:
+            for gi, i in params:
+                self._views[gi][i].zero_()
         self._reduced = False
 
     def adopt_foreign(self, params) -> None:
+        self._ensure()
         for gi, i in params:
             self._views[gi][i].copy_(self.groups[gi].params[i].grad)
         self._reduced = False
 
     # -- backward ----------------------------------------------------------------------------------
     def begin_backward(self) -> None:
+        self._ensure()
         for g, views in zip(self.groups, self._views):
             for p, v in zip(g.params, views):
                 p.grad = v  # autograd accumulates in place
@@ -164,4 +184,4 @@ class FullGrads(GradSync):
             self._reduced = False
 
     def held(self):
-        return {"grads": list(self.grads)}
+        return {"grads": list(self.grads or ())}

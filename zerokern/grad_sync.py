@@ -75,6 +75,7 @@ class GradSync:
         self.unscaled_backward = False  # a backward since zero_grad skipped the loss scale
         self.before_backward = None   # callback (the optimizer follows the model there)
         self.detached = False         # another ZeroAdamW took these params over
+        self.free_on_zero = False     # zero_grad(set_to_none=True) frees the grad memory
         self._in_backward = False
         self._got: List[List[bool]] = [[False] * len(g.params) for g in groups]  # this backward
         self._exposed: List[List[Optional[torch.Tensor]]] = [[None] * len(g.params)
@@ -184,6 +185,11 @@ class GradSync:
             for i, p in enumerate(g.params):
                 p.grad = None if set_to_none else self.zeroed_grad(gi, i)
                 self._exposed[gi][i] = p.grad
+        if set_to_none and self.free_on_zero:
+            self.free()
+            ring = getattr(self.comm, "ring", None)
+            if ring is not None:
+                ring.free_scratch()
 
     def readopt(self) -> None:
         """The params were re-viewed (model_sync.py): show our grads on them again."""
@@ -198,6 +204,10 @@ class GradSync:
                 self._exposed[gi][i] = p.grad
 
     def to_(self, device) -> None: ...
+
+    def free(self) -> None:
+        """zero_grad(set_to_none=True) with free_grads: drop the grad buffers (p.grad is None
+        everywhere); the next backward allocates them again."""
 
     def released(self, gi: int, i: int) -> ReleasedGrad:
         return ReleasedGrad(self.groups[gi].params[i], self.stage)

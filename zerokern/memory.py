@@ -80,8 +80,9 @@ def _buffers(opt):
                        ("exp_avg_sq", g.exp_avg_sq)):
             if t is not None and opt.offloader is None:  # offloaded: host bytes, apart
                 yield cat, t, state_pad
-        grads = held["grads"][gi]
-        yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
+        if held["grads"]:  # (none between steps with free_grads=True)
+            grads = held["grads"][gi]
+            yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
     for f in getattr(opt.grad_sync, "frozen", ()):  # stage 3: frozen shards, gathered units
         L = f.layout
         yield "frozen", f.flat, _pad_in_range(*L.piece_range(0, opt.comm.rank), L.numel)

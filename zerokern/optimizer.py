@@ -72,6 +72,11 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
             half; see zerokern.offload_nvme). Stage-3 param offload does not exist yet.
         offload_path: offload="nvme" only (keyword): an existing writable directory.
+        free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
+            (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
+            scratch at stages 1-3) and the next backward allocates it again: DeepSpeed's
+            memory profile between steps (what `zerokern.initialize` uses), for one allocation
+            per step. False: kept and reused, as DDP keeps its buckets.
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
@@ -111,6 +116,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         param_groups: Optional[List[Dict[str, Any]]] = None,
         units=None,
         offload_path=None,
+        free_grads: bool = False,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
@@ -132,6 +138,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                                  "nothing that stage 1 would not)")
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+        if not isinstance(free_grads, bool):
+            raise TypeError(f"free_grads must be a bool, got {type(free_grads).__name__}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
                                               and 0 < max_grad_norm < math.inf):
             raise ValueError(f"max_grad_norm must be None or a finite number > 0, "
@@ -223,6 +231,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             self.grad_sync = (
                 BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
+        self.grad_sync.free_on_zero = free_grads
         for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
             p.data = p.data.to(dtype)
         self.offload = offload

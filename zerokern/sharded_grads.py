@@ -21,12 +21,28 @@ class ShardedGrads(GradSync):
     shard, later ones add to it. Subclasses decide what is staged when, and keep `_staging`."""
 
     def __init__(self, groups, comm, reduce_dtype) -> None:
-        self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
-                            for g in groups]  # (S,) reduce dtype
+        self._grad_shards: Optional[List[torch.Tensor]] = [
+            torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
+            for g in groups]  # (S,) reduce dtype; None: freed (free_grads=True)
         self._fresh = True            # first reduction since zero_grad: write the shard directly
         self._issued = False          # a reduce-scatter was issued since the last drain
         self._in_flight: List[tuple] = []
         super().__init__(groups, comm, reduce_dtype)
+
+    @property
+    def grad_shards(self) -> List[torch.Tensor]:
+        if self._grad_shards is None:  # freed at zero_grad: the next reduction writes it
+            self._grad_shards = [torch.zeros(g.layout.shard_numel, dtype=self.reduce_dtype,
+                                             device=g.device) for g in self.groups]
+        return self._grad_shards
+
+    def held_grads(self) -> List[torch.Tensor]:
+        return list(self._grad_shards or ())
+
+    def free(self) -> None:
+        """The grad shards and the staging pool (a list, or stage 3's dict of lists)."""
+        self._grad_shards = None
+        self._pool.clear()
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else torch.empty_like(shard)
@@ -56,7 +72,8 @@ class ShardedGrads(GradSync):
         return self.grad_shards[gi][self.groups[gi].state_slice(k)]
 
     def to_(self, device) -> None:
-        self.grad_shards = [t.to(device) for t in self.grad_shards]
+        if self._grad_shards is not None:
+            self._grad_shards = [t.to(device) for t in self._grad_shards]
 
     def begin_backward(self) -> None:
         for g in self.groups:  # our ReleasedGrad must not be accumulated into
@@ -68,7 +85,7 @@ class ShardedGrads(GradSync):
 
     def clear_some(self, params) -> None:
         """Zero the cleared params' part of this rank's grad shard (and local accumulator)."""
-        if self._fresh:
+        if self._fresh or self._grad_shards is None:
             return
         for gi, i in params:
             g = self.groups[gi]
@@ -200,7 +217,7 @@ class BucketedGrads(ShardedGrads):
                 self._local[gi][s.offset:s.offset + s.numel].zero_()
 
     def held(self):
-        out = {"grads": list(self.grad_shards), "buckets": list(self._pool)}
+        out = {"grads": self.held_grads(), "buckets": list(self._pool)}
         if self._local is not None:
             out["buckets"] += self._local
         return out

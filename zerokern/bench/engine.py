@@ -61,9 +61,9 @@ def held_bytes() -> int:
             if not isinstance(o, torch.Tensor) or o.device.type == "meta":
                 continue
             s = o.untyped_storage()
-        except Exception:  # noqa: BLE001 - odd tensor subclasses
+            key = s.data_ptr()
+        except Exception:  # noqa: BLE001 - odd tensor subclasses (ReleasedGrad: no storage)
             continue
-        key = s.data_ptr()
         if key and key not in seen:
             seen.add(key)
             total += s.nbytes()

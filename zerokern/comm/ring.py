@@ -37,6 +37,11 @@ class RingRunner:
         # fresh 92 MB allocation per step costs page faults comparable to the exchange itself.
         self._scratch = None
 
+    def free_scratch(self) -> None:
+        """Drop the work buffer (ZeroAdamW(free_grads=True) between steps); a collective
+        still running keeps its own reference."""
+        self._scratch = None
+
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)
 

@@ -302,7 +302,7 @@ class Stage3Sync(Stage3Backward):
 
     def held(self):
         local = [t for t in (self._local or []) if t is not None]  # no_sync() accumulators
-        return {"grads": list(self.grad_shards),
+        return {"grads": self.held_grads(),
                 "buckets": [b for bufs in self._pool.values() for b in bufs]
                 + list(self._staging.values()) + local}
 
