@@ -28,6 +28,9 @@ PRESETS = {
     "small": GPTConfig(vocab=512, seq=64, d_model=192, n_layers=4, n_heads=6),    # ~1.9M
     "20m": GPTConfig(vocab=8192, seq=128, d_model=512, n_layers=6, n_heads=8),    # ~23M
     "100m": GPTConfig(vocab=16384, seq=256, d_model=768, n_layers=14, n_heads=12),  # ~112M
+    # ZeRO-Infinity's headline (benchmarks/bench_infinity.py): fp32 master + m + v = 25.6 GB,
+    # more than the 24 GiB of RAM of the 2-core machines this project runs on.
+    "2b": GPTConfig(vocab=32768, seq=256, d_model=2560, n_layers=26, n_heads=20),  # ~2.13B
 }
 
 
