@@ -50,6 +50,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--disk-sample-gib", type=float, default=8.0,
+                   help="file size for the disk's bandwidth (O_DIRECT: no page cache)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     torch.set_num_threads(common.usable_cpus())
@@ -79,13 +81,13 @@ def main() -> int:
         opt.step()
         st = time.perf_counter() - t1
         opt.zero_grad()
-        rows.append({"step": step, "loss": float(loss), "fwd_bwd_s": fb, "step_s": st,
+        rows.append({"step": step, "loss": float(loss.detach()), "fwd_bwd_s": fb, "step_s": st,
                      "kernel_s": off.kernel_s - k0, "io_wait_s": off.io_wait_s - w0,
                      "GB_moved": (off.bytes_moved - b0) / 1e9,
                      "rss_GiB": _gib(_status_kib("VmRSS"))})
         print(rows[-1], flush=True)
     rep = opt.memory_report()
-    disk = disk_bandwidth(args.path, 2 * 2**30, 4 * 2**20 * 4, 4)  # a 2 GiB sample, O_DIRECT
+    disk = disk_bandwidth(args.path, int(args.disk_sample_gib * 2**30), off.chunk * 4, off.depth)
     opt.close()
     peak = _gib(_status_kib("VmHWM"))
     ram = _gib(_status_kib("MemTotal", "/proc/meminfo"))
