@@ -1,0 +1,415 @@
+"""Stage-3 param offload (`offload_params="cpu" | "nvme"`): ZeRO-Infinity's param half.
+
+Between uses a unit's param shard (S elements of the model dtype per (unit, group) buffer, and
+the frozen buffers too) lives at its *home*: a host tensor (pinned when the device is a GPU,
+pageable on a CPU-only machine, as offload="cpu"'s buffers) or a file under `offload_path`.
+The device holds only a working shard, fetched right before the unit's all-gather and released
+once the gather has landed; so between steps the device holds no param bytes at all, and in a
+step only the live units (their full buffers) and the shards being gathered.
+
+    home (host / file) --fetch--> device shard (S,) --all-gather--> full unit (E,) --> free
+
+`OffloadedShardedFlat` is a ShardedFlat whose `flat` attribute is the home: everything that
+reads or writes the shard between steps (state_dict, zerokern.checkpoint, model.load_state_dict,
+gathered_params(modify=True)) therefore reads and writes the host tensor or the file (an mmap
+view of its current half), never the device. `device_flat` is the device shard (0 bytes when
+released); memory_report counts that as the device's `params`.
+
+[Note: param offload choices]
+1. When to fetch. The shard is fetched when its all-gather is launched, so a prefetched gather
+   (Stage3Sync prefetches one unit ahead) fetches one unit ahead too: the H2D copy is queued on
+   the current stream before the all-gather, which waits for it in stream order, and the host
+   does not wait (pinned memory). Fetching earlier than the gather would hold a second unit's
+   shard on the device for nothing on a GPU (a shard is 1/N of a unit: 2·S bytes bf16 at
+   25 GB/s is 40 us per MiB, well under a block's compute); for "nvme" the read is synchronous
+   in the hook (one O_DIRECT read of align_up(2·S) bytes), which a read-ahead of the next unit
+   in the schedule could hide: not done yet (see the README).
+2. What moves. Only the model-dtype param shard. The fp32 master is optimizer state and stays
+   where `offload=` puts it (device, host or disk), as DeepSpeed splits offload_param and
+   offload_optimizer: the knobs stay orthogonal, and moving the master with the params would
+   make offload_params a second optimizer offload. At fp32 the param shard *is* the master
+   (K = 8), so with offload=None it moves with the params, and the step fetches it to the
+   device, updates it there and stores it home (one fetch and one store per unit per step).
+   With offload="cpu"/"nvme" the host update writes the new 16-bit params straight into the
+   home, so the step moves no param bytes to the device at all.
+3. Journal for "nvme". offload_params="nvme" needs offload="nvme" (a ValueError otherwise):
+   a param file has two halves like the state files, a step writes the new shard into the half
+   it does not read, and the half flips together with master/m/v when every write of every
+   rank has landed (offload_nvme.py [Note: all or nothing]); a failed step (ENOSPC, EIO, a
+   truncated file) flips nothing, so params, master, m and v are all as before it. With the
+   optimizer state in RAM or on the device (offload None/"cpu") a failed param write would
+   leave master/m/v stepped and the params not: all-or-nothing would need a copy of the
+   12·S bytes of state. And a model whose 2·S bytes of params per rank do not fit in host RAM
+   has 6x that of optimizer state, which then does not fit either: params on disk with the
+   state in RAM is not a configuration anyone needs.
+4. Host writes. With offload=None on a GPU the step's new shard goes home with a blocking D2H
+   copy per unit (the home must be complete before a host reader such as a checkpoint sees it,
+   and the device shard is released right after); pair offload_params with offload="cpu" to
+   keep the step free of that wait.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from typing import List, Optional
+
+import torch
+
+from .. import aligned_io as aio
+from .sharded_flat import ShardedFlat
+
+KINDS = ("cpu", "nvme")
+
+
+def check_args(offload_params, stage, offload, where: str = "offload_params") -> None:
+    """ZeroAdamW's and the estimate's checks, before anything changes (DESIGN §1 errors)."""
+    if offload_params is None:
+        return
+    if offload_params not in KINDS:
+        raise ValueError(f"{where} must be None, 'cpu' or 'nvme', got {offload_params!r}")
+    if stage != 3:
+        raise ValueError(f"{where}={offload_params!r} needs stage=3 (stages 0-2 keep the full "
+                         f"params on every rank; got stage={stage!r})")
+    if offload_params == "nvme" and offload != "nvme":
+        raise ValueError(f"{where}='nvme' needs offload='nvme' (with offload_path=): the param "
+                         "files are journaled with the optimizer state's files, so a failed "
+                         "step changes neither; and params that do not fit in host RAM come "
+                         f"with 6x that of optimizer state (got offload={offload!r})")
+
+
+def formula_(formula: dict, kind: str) -> None:
+    """DESIGN §4 with param offload: the 16-bit param (and frozen) shard leaves the device
+    total for the host ("cpu") or the disk ("nvme", two halves of the trainable shard)."""
+    p, fr = formula["params"], formula.get("frozen", 0)
+    formula["total"] -= p + fr
+    if kind == "cpu":
+        formula["host"] = formula.get("host", 0) + p + fr
+    else:
+        formula["disk"] = formula.get("disk", 0) + 2 * p + fr
+
+
+def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    from .. import pinned
+
+    return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
+
+
+class _ParamFile:
+    """One buffer's param file: `halves` regions of align_up(S·e) bytes (2 for a trainable
+    buffer, the journal; 1 for a frozen one, which no step writes). Named like _Files'."""
+
+    def __init__(self, path: str, half: int, halves: int) -> None:
+        self.paths = [path]
+        self.fds: List[int] = []
+        self.half, self.halves = half, halves
+        self.map: Optional[torch.Tensor] = None
+        self.cur = 0
+
+
+class OffloadedShardedFlat(ShardedFlat):
+    """A ShardedFlat whose shard lives at `homes` (host or file) between uses."""
+
+    def __init__(self, params, dtype, world_size, rank, group_index, unit_index,
+                 trainable=True, *, homes: ParamHomes) -> None:
+        self.homes = homes
+        self.dev = None  # (set below: ShardedFlat.__init__ calls free() first)
+        super().__init__(params, dtype, world_size, rank, group_index, unit_index, trainable)
+        S = self.layout.shard_numel
+        self._dev_bytes = S * self.flat.element_size()
+        self.dev = self.flat  # the device shard storage; released below, fetched per use
+        self.file: Optional[_ParamFile] = None
+        self.flat = homes.adopt(self, self.flat)  # the home: host tensor or file view
+        self._live = False    # dev holds the shard
+        self._working = False  # dev is this step's update target (offload=None)
+        self._staged = False   # "nvme": this step's new shard is in the staging buffer
+        self.params_journaled = homes.kind == "nvme" and trainable
+        self.dev.untyped_storage().resize_(0)
+
+    @property
+    def device_flat(self) -> torch.Tensor:
+        return self.dev
+
+    # -- device shard ------------------------------------------------------------------------
+    def _fetch(self) -> torch.Tensor:
+        if not self._live:
+            self.dev.untyped_storage().resize_(self._dev_bytes)
+            self.homes.load(self, self.dev)
+            self._live = True
+        return self.dev
+
+    def _release(self) -> None:
+        if self.dev is not None and self._live and not self._working:
+            self.dev.untyped_storage().resize_(0)
+            self._live = False
+
+    # -- gather / free -----------------------------------------------------------------------
+    def start_gather(self, comm, label=None) -> None:
+        if self.gathered or self.handle is not None:
+            return
+        src = self._fetch()  # [Note: param offload choices] 1: with the (pre)fetched gather
+        self.full.untyped_storage().resize_(self._full_bytes)
+        self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
+
+    def finish_gather(self) -> None:
+        landed = self.handle is not None
+        super().finish_gather()
+        if landed:
+            self._release()
+
+    def free(self) -> None:
+        super().free()  # (waits for a gather in flight first)
+        self._release()
+
+    def write_back_(self) -> None:
+        piece = self.full[slice(*self.layout.piece_range(0, self.rank))]
+        if self.master is not None:
+            changed = piece != self.flat.to(piece.device)
+            master = self.master.to(piece.device)
+            self.master.copy_(torch.where(changed, piece.float(), master))
+        self.flat.copy_(piece)
+
+    # -- the step ----------------------------------------------------------------------------
+    def _work(self) -> torch.Tensor:
+        """offload=None: the update runs on the device, on a fetched shard (Note: 2)."""
+        self._fetch()
+        self._working = True
+        return self.dev
+
+    def master_piece(self, k: int) -> torch.Tensor:
+        if self.master is not None:
+            return self.master
+        return self.flat if self.homes.host_update else self._work()
+
+    def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
+        if self.master is None:
+            return None
+        if self.params_journaled:  # into the staging buffer, written at publish (Note: 3)
+            self._staged = True
+            return self.homes.staging(self)
+        return self.flat if self.homes.host_update else self._work()
+
+    def publish_piece(self, comm, k: int):
+        """After the update of the shard: store it home (offload=None) or journal it."""
+        if self._working:
+            self.flat.copy_(self.dev)  # blocking on a GPU (Note: 4)
+            self._working = False
+            self._release()
+        if self._staged:
+            self._staged = False
+            self.homes.write_step(self)
+        return None
+
+
+class ParamHomes:
+    """Every offloaded buffer's home, for one optimizer: host tensors or param files, the
+    "nvme" I/O buffers (a fetch bounce buffer and a step staging buffer, one shard each), the
+    journal's commit, and the reports."""
+
+    def __init__(self, kind: str, device: torch.device, host_update: bool,
+                 root: Optional[str] = None, rank: int = 0) -> None:
+        self.kind, self.device, self.rank = kind, device, rank
+        self.pin = device.type == "cuda"
+        self.host_update = host_update  # offload="cpu"/"nvme": the host writes the params
+        self.flats: List[OffloadedShardedFlat] = []
+        self.files: List[_ParamFile] = []
+        self.root = root
+        self.offloader = None
+        self.bounce = self.stage_buf = None
+        if kind == "nvme":
+            self.direct = aio.direct_supported(root)
+            self.tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._finalizer = weakref.finalize(self, _cleanup, self.files, os.getpid())
+
+    def make(self, params, dtype, world_size, rank, group_index, unit_index,
+             trainable=True) -> OffloadedShardedFlat:
+        try:
+            f = OffloadedShardedFlat(params, dtype, world_size, rank, group_index, unit_index,
+                                     trainable, homes=self)
+        except OSError as e:
+            self.close()
+            raise ValueError(f"offload_path {self.root!r}: cannot create the param files "
+                             f"({e.strerror}: {e.filename})") from e
+        self.flats.append(f)
+        return f
+
+    def adopt(self, f: OffloadedShardedFlat, shard: torch.Tensor) -> torch.Tensor:
+        """The home of f's shard, holding its current values."""
+        if self.kind == "cpu":
+            home = _host_empty(shard.numel(), shard.dtype, self.pin)
+            home.copy_(shard)
+            return home
+        e = shard.element_size()
+        half = aio.align_up(shard.numel() * e)
+        which = f"g{f.group_index}" if f.trainable else "frozen"
+        path = os.path.join(self.root, f"zerokern-{self.tag}-rank{self.rank}-unit"
+                                       f"{f.unit_index}-{which}-params.bin")
+        pf = _ParamFile(path, half, 2 if f.trainable else 1)
+        self.files.append(pf)
+        fd = aio.open_state(path, False, create=True)
+        pf.fds.append(fd)
+        try:
+            os.posix_fallocate(fd, 0, pf.halves * half)  # now: no ENOSPC in a step (as state)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, path) from err
+        pf.map = torch.from_file(path, shared=True, size=pf.halves * half // e,
+                                 dtype=shard.dtype)
+        pf.map[:shard.numel()].copy_(shard.to("cpu"))
+        aio.drop_cache(fd)
+        if self.direct:
+            os.close(fd)
+            pf.fds[0] = aio.open_state(path, True, create=False)
+        f.file = pf
+        return self._view(pf, shard.numel())
+
+    @staticmethod
+    def _view(pf: _ParamFile, n: int) -> torch.Tensor:
+        off = pf.cur * pf.half // pf.map.element_size()
+        return pf.map[off:off + n]
+
+    def finalize(self) -> None:
+        """After every buffer exists: the "nvme" bounce and staging buffers (one shard each)."""
+        if self.kind != "nvme" or not self.flats:
+            return
+        self.bounce = aio.aligned_empty(max(f.file.half for f in self.flats), self.pin)
+        train = [f.file.half for f in self.flats if f.trainable]
+        self.stage_buf = aio.aligned_empty(max(train), self.pin) if train else None
+
+    def attach(self, offloader) -> None:
+        """"nvme": journal the trainable param files with the optimizer's state files."""
+        self.offloader = offloader
+        if self.kind == "nvme":
+            offloader.extra_files += [f.file for f in self.flats if f.trainable]
+            offloader.commit_hooks.append(self.commit)
+
+    # -- I/O ---------------------------------------------------------------------------------
+    def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
+        if self.kind == "cpu":
+            dev.copy_(f.flat, non_blocking=self.pin)  # stream-ordered before the all-gather
+            return
+        pf = f.file
+        mv = memoryview(self.bounce.numpy())[:pf.half]
+        aio.read_chunk(pf.fds[0], mv, pf.cur * pf.half, pf.paths[0], self.direct)
+        dev.copy_(self.bounce[:f._dev_bytes].view(dev.dtype))
+
+    def staging(self, f: OffloadedShardedFlat) -> torch.Tensor:
+        return self.stage_buf[:f._dev_bytes].view(f.dtype)
+
+    def write_step(self, f: OffloadedShardedFlat) -> None:
+        """Journal f's new shard into the half it does not read; a failure is recorded for
+        the offloader's finish(), which rolls back on every rank (offload_nvme.py)."""
+        off = self.offloader
+        if off.error is not None or off.skip:
+            return
+        pf = f.file
+        mv = memoryview(self.stage_buf.numpy())[:pf.half]
+        try:
+            aio.write_chunk(pf.fds[0], mv, (1 - pf.cur) * pf.half, pf.paths[0], self.direct,
+                            off.fault_hook)
+            off.bytes_moved += pf.half
+        except OSError as e:
+            off.error = e
+
+    def commit(self) -> None:
+        """Every write of every rank landed: the new halves are current (with master/m/v)."""
+        for f in self.flats:
+            if f.params_journaled:
+                pf = f.file
+                pf.cur = 1 - pf.cur
+                e = pf.map.element_size()
+                pf.map = torch.from_file(pf.paths[0], shared=True, size=2 * pf.half // e,
+                                         dtype=f.dtype)
+                os.posix_fadvise(pf.fds[0], 0, 0, os.POSIX_FADV_DONTNEED)
+                f.flat = self._view(pf, f.layout.shard_numel)
+
+    def close(self) -> None:
+        if self.kind == "nvme":
+            for f in self.flats:
+                f.flat = torch.empty(0, dtype=f.dtype)
+                f.file.map = None
+            self._finalizer()
+
+    def paths(self) -> List[str]:
+        return [p for pf in self.files for p in pf.paths]
+
+    # -- reports -----------------------------------------------------------------------------
+    def host_bytes(self) -> dict:
+        out = {"params": 0, "frozen": 0, "param_staging": 0}
+        if self.kind == "cpu":
+            for f in self.flats:
+                out["params" if f.trainable else "frozen"] += f.flat.untyped_storage().nbytes()
+        else:
+            out["param_staging"] = sum(t.untyped_storage().nbytes()
+                                       for t in (self.bounce, self.stage_buf) if t is not None)
+        return out
+
+    def disk_bytes(self) -> dict:
+        out = {"params": 0, "frozen": 0}
+        for f in self.flats:
+            if f.file is not None:
+                out["params" if f.trainable else "frozen"] += f.file.halves * f.file.half
+        return out
+
+    def report(self, out: dict, formula: dict) -> None:
+        """memory_report(): host (pinned / pageable) and disk bytes of the param homes, and
+        the formula with the param column moved off the device."""
+        host = out.get("host_measured") or {k: 0 for k in ("master", "exp_avg", "exp_avg_sq",
+                                                          "host_staging")}
+        host.update(self.host_bytes())
+        out["host_measured"] = host
+        out["host_measured_total"] = sum(host.values())
+        out["host_pinned_total"] = out["host_measured_total"] if self.pin else 0
+        out["host_pageable_total"] = 0 if self.pin else out["host_measured_total"]
+        formula_(formula, self.kind)
+        out["host_formula_total"] = formula.get("host", 0)
+        if self.kind == "nvme":
+            disk = out.get("disk_measured") or {}
+            disk.update(self.disk_bytes())
+            out["disk_measured"] = disk
+            out["disk_measured_total"] = sum(disk.values())
+            out["disk_formula_total"] = formula["disk"]
+
+
+def _cleanup(files: List[_ParamFile], pid: int) -> None:
+    """Close and remove the param files (close, GC and exit; only in the creating process)."""
+    if os.getpid() != pid:
+        return
+    for pf in files:
+        for fd in pf.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        pf.fds = []
+        for p in pf.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def estimate_(b: dict, host: dict, disk: dict, flats, frozen, rank: int, kind: str) -> None:
+    """zerokern estimate with offload_params: the same moves as memory_report() sees after a
+    step (device: no param or frozen shard, nor their padding; host or disk: the homes)."""
+    from ..memory import _pad_in_range
+
+    host.update(params=0, frozen=0, param_staging=0)
+    if kind == "nvme":
+        disk.update(params=0, frozen=0)
+    halves = []
+    for f in list(flats) + list(frozen):
+        L, e = f.layout, f.flat.element_size()
+        S = L.shard_numel
+        spad = _pad_in_range(*L.piece_range(0, rank), L.numel)
+        b["params" if f.trainable else "frozen"] -= (S - spad) * e
+        b["padding"] -= spad * e
+        half = aio.align_up(S * e)
+        halves.append((half, f.trainable))
+        if kind == "cpu":
+            host["params" if f.trainable else "frozen"] += S * e
+        else:
+            disk["params" if f.trainable else "frozen"] += (2 if f.trainable else 1) * half
+    if kind == "nvme" and halves:
+        train = [h for h, t in halves if t]
+        host["param_staging"] = max(h for h, _ in halves) + (max(train) if train else 0)
