@@ -39,8 +39,21 @@ COMBOS = [(None, "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")]
 # Which pairs run at which world size (N = 1 is cheap: all of them; 2 and 3 a spread that
 # still covers every pair and every precision).
 PLAN = {1: [(p, c) for p in PRECISIONS for c in COMBOS],
-        2: [(p, c) for p in PRECISIONS for c in COMBOS[1:]],
-        3: [("fp32", COMBOS[0]), ("bf16", COMBOS[3]), ("fp16", COMBOS[0]), ("fp16", COMBOS[3])]}
+        2: [("fp32", COMBOS[1]), ("fp32", COMBOS[3]), ("bf16", COMBOS[2]), ("bf16", COMBOS[3]),
+            ("fp16", COMBOS[1]), ("fp16", COMBOS[2])],
+        3: [("fp32", COMBOS[0]), ("bf16", COMBOS[3]), ("fp16", COMBOS[3])]}
+# memory_report vs the estimate (one param group, the default pools)
+MEMORY = {1: [("bf16", COMBOS[0]), ("fp32", COMBOS[1]), ("bf16", COMBOS[2]),
+              ("fp32", COMBOS[3]), ("bf16", COMBOS[3])],
+          2: [("bf16", COMBOS[0]), ("fp32", COMBOS[1]), ("bf16", COMBOS[2]),
+              ("fp32", COMBOS[3]), ("bf16", COMBOS[3])],
+          3: [("fp32", COMBOS[0]), ("bf16", COMBOS[3])]}
+FAULTS = {1: [], 2: ["enospc", "truncate"], 3: ["enospc"]}
+# Checkpoint round trips (saved with -> loaded with offload_params); N = 2 saves the
+# checkpoints of the 2 -> 3 reshard ("nvme" and None).
+RESUME = {1: [("nvme", None), ("cpu", None), (None, "nvme"), (None, "cpu"), ("nvme", "cpu")],
+          2: [("nvme", None), (None, "nvme"), ("cpu", "nvme")],
+          3: [("nvme", None), (None, "cpu")]}
 # Checkpoints the N = 2 run writes for the N = 3 reshard: made in the pytest process and
 # passed to the ranks (a module global would be another directory in each rank's import).
 ROOT = tempfile.mkdtemp(prefix="zk_poff_")
@@ -76,7 +89,7 @@ def _train(model, opt, rank, ws, steps, start=0, corrupt=None):
             with ctx:
                 loss = M.loss_fn(model, M.rank_tokens(s, rank, ws, micro=m)) / MICRO
                 opt.backward(loss)
-            total += float(loss)
+            total += float(loss.detach())
         if h is not None:
             h.remove()
         opt.step()
@@ -253,14 +266,13 @@ def _resume(rank, ws, root):
         ck = os.path.join(obj[0], "ck")
         model = M.make_model()
         full = M.train_zero(model, _opt(model, prec, None, None, d), rank, ws, STEPS)
-        for src, dst in (("nvme", None), ("cpu", None), (None, "nvme"), (None, "cpu"),
-                         ("nvme", "cpu")):
+        for src, dst in RESUME[ws]:
             model1 = M.make_model()
             opt1 = _opt(model1, prec, "nvme" if src == "nvme" else None, src, d)
             M.train_zero(model1, opt1, rank, ws, 2)
             path = f"{ck}-{src}-{dst}"
             zk.checkpoint.save(path, model1, opt1)
-            if ws == 2 and "cpu" not in (src, dst):  # for the N = 3 worker
+            if ws == 2 and src != "cpu":  # for the N = 3 worker
                 name = f"n2-{src}"
                 if rank == 0:
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -324,14 +336,11 @@ def _worker(rank, ws, root):
     with tempfile.TemporaryDirectory(prefix="zk_poff_") as d:
         for poff in ("cpu", "nvme"):
             cases[f"live_{poff}"] = functools.partial(_live_only, rank, ws, poff, d)
-        for prec, (off, poff) in [("bf16", COMBOS[0]), ("fp32", COMBOS[1]),
-                                  ("bf16", COMBOS[2]), ("fp32", COMBOS[3]),
-                                  ("bf16", COMBOS[3])]:
+        for prec, (off, poff) in MEMORY[ws]:
             cases[f"memory_{prec}_{off}_{poff}"] = functools.partial(_memory, rank, ws, prec,
                                                                      off, poff, d)
-        if ws > 1:
-            for kind in ("enospc", "truncate"):
-                cases[kind] = functools.partial(_fault, rank, ws, kind)
+        for kind in FAULTS[ws]:
+            cases[kind] = functools.partial(_fault, rank, ws, kind)
         return run_cases(cases)
 
 
@@ -375,7 +384,7 @@ def test_device_holds_only_live_units(ws, poff):
 @pytest.mark.parametrize("ws", [1, 2, 3])
 def test_memory_report_equals_the_estimate(ws):
     names = [k for k in _results(ws)[0] if k.startswith("memory_")]
-    assert len(names) == 5
+    assert len(names) == len(MEMORY[ws])
     for name in names:
         for r, res in enumerate(case(_results(ws), name)):
             for k, (measured, estimated) in res.items():
@@ -401,8 +410,7 @@ def test_checkpoint_reshards_from_2_to_3_ranks():
             assert v, f"rank {r}: {k}"
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-@pytest.mark.parametrize("kind", ["enospc", "truncate"])
+@pytest.mark.parametrize("ws, kind", [(ws, k) for ws, ks in FAULTS.items() for k in ks])
 def test_param_file_failure_leaves_the_state_unchanged(ws, kind):
     for r, res in enumerate(case(_results(ws), kind)):
         assert res["error"] is not None, f"rank {r}: the step must raise"
@@ -483,15 +491,19 @@ def test_short_read_in_a_gather_names_the_file(tmp_path):
 def test_estimate_cli_offload_params():
     import json
 
-    r = subprocess.run([sys.executable, "-m", "zerokern", "estimate", "--model", "tiny",
+    r = subprocess.run([sys.executable, "-m", "zerokern", "estimate", "--params", "300000",
                         "--world-size", "2", "--offload", "nvme", "--offload-params", "nvme",
                         "--json"], capture_output=True, text=True, check=True, timeout=120)
     (x,) = json.loads(r.stdout)["results"]
+    assert x == json.loads(json.dumps(E.estimate(E.spec_from_numel(300000), 2, 3,
+                                                 offload="nvme", offload_params="nvme")))
     assert x["stage"] == 3 and x["offload_params"] == "nvme"
     assert x["bytes"]["params"] == x["bytes"]["frozen"] == 0
-    assert x["disk"]["params"] > 0 and x["host"]["param_staging"] > 0
+    # the shard: 300,000 padded to 300,032 (N*128), /2 ranks, bf16; two halves of 4096-pages
+    assert x["disk"]["params"] == 2 * E.align_up(150016 * 2) == 2 * 74 * 4096
+    assert x["host"]["param_staging"] > 0
     assert x["host_pinned"] == x["host_total"] and x["host_pageable"] == 0  # nccl
-    table = subprocess.run([sys.executable, "-m", "zerokern", "estimate", "--model", "tiny",
-                            "--offload-params", "cpu"], capture_output=True, text=True,
-                           check=True, timeout=120).stdout
+    with torch.device("meta"):
+        spec = E.spec_from_model(M.make_model(), "tiny-lm")
+    table = E.format_table([E.estimate(spec, 2, 3, offload_params="cpu")])
     assert "offload_params cpu" in table and "host: param shards" in table
