@@ -276,7 +276,8 @@ class ZeroEngine(nn.Module):
 
 def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroAdamW:
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
-                   offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype)
+                   offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
+                   offload_params=cfg.offload_params)
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
     if optimizer is not None and cfg.optimizer is not None:
