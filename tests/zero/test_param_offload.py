@@ -455,15 +455,22 @@ def test_bad_arguments_raise_before_anything_changes(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_read_only_offload_path(tmp_path):
+def _mount_tmpfs(path, opts):
     if os.geteuid() != 0:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
+def test_read_only_and_full_offload_path(tmp_path):
+    """A read-only path is a ValueError before anything changes; a disk too small for the
+    param files (preallocated, both halves) is a ValueError naming the path at construction,
+    with no file left behind (the model is sharded by then, as with offload='nvme' state)."""
+    ro, small = tmp_path / "ro", tmp_path / "small"
+    _mount_tmpfs(ro, "ro,size=1m")
     try:
         model = M.make_model()
         with pytest.raises(ValueError, match=f"{ro}.*not writable"):
@@ -472,6 +479,14 @@ def test_read_only_offload_path(tmp_path):
         assert M.bitwise_equal(M.snapshot(model), M.snapshot(M.make_model()))
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+    _mount_tmpfs(small, "size=12k")
+    try:
+        with pytest.raises(ValueError, match=f"{small}.*param files.*No space left"):
+            zk.ZeroAdamW(M.make_model(), stage=3, offload="nvme", offload_path=str(small),
+                         offload_params="nvme")
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 @pytest.mark.usefixtures("one_thread")
