@@ -136,7 +136,7 @@ def test_seed_002_stage3_offload():
         assert z == z0, (z, z0)
         assert C.rel(z, ref) <= TOL["fp32"], (z, ref)
         assert C.rel(d, ref) < 1e-3, (d, ref)  # DeepSpeed vs DDP (measured <= 2.8e-4)
-        assert C.rel(z, d) < 1e-3, (z, d)
+        assert C.rel(z, d) < 1e-3, (z, d)  # measured 2.8e-4 (zerokern vs DDP: 9.9e-8)
 
 
 def test_negative_control():
