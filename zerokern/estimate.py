@@ -340,6 +340,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                     b["padding"] += spad * 4
     if offload_params:  # after a step the device holds no param shard (param_offload.py)
         PO.estimate_(b, host, disk, flats, frozen, rank, offload_params)
+        notes.append(PO.NOTES[offload_params])
     if offload == "nvme":
         chunk = pool_chunk([L.padded_numel if stage == 0 else L.shard_numel for L in layouts],
                            CHUNK_NUMEL)
@@ -498,7 +499,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     lines.append("Exact for zerokern's layout" + (" (stages without *)" if not
                                                   all(r["exact"] for r in results) else "")
                  + ": each device row equals opt.memory_report()['measured'] after a training "
-                 "step" + (", each host row its ['host_measured']" if r0["offload"] else "")
+                 "step" + (", each host row its ['host_measured']" if r0["offload"] or poff else "")
                  + (", live units its ['live_units_bound']" if any(r["stage"] == 3
                                                                   for r in results) else "")
                  + ".")

@@ -61,6 +61,13 @@ from .. import aligned_io as aio
 from .sharded_flat import ShardedFlat
 
 KINDS = ("cpu", "nvme")
+NOTES = {  # zerokern estimate's note per kind
+    "cpu": "offload_params='cpu': the 16-bit param and frozen shards live in host memory "
+           "between uses (pinned with nccl); the device holds none between steps",
+    "nvme": "offload_params='nvme': the 16-bit param shards in files, two halves each (a "
+            "step writes the half it does not read), frozen shards one; the host holds a "
+            "fetch buffer and a step buffer of the largest shard",
+}
 
 
 def check_args(offload_params, stage, offload, where: str = "offload_params") -> None:
