@@ -522,3 +522,32 @@ def test_estimate_cli_offload_params():
         spec = E.spec_from_model(M.make_model(), "tiny-lm")
     table = E.format_table([E.estimate(spec, 2, 3, offload_params="cpu")])
     assert "offload_params cpu" in table and "host: param shards" in table
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("poff", ["cpu", "nvme"])
+def test_gathered_params_modify_and_load_state_dict_write_the_home(tmp_path, poff):
+    """Changes made inside gathered_params(modify=True) and a model.load_state_dict outside
+    it land in the home (host tensor / file), bitwise as without param offload."""
+    off = "nvme" if poff == "nvme" else None
+    runs = []
+    for po in (None, poff):
+        model = M.make_model()
+        opt = _opt(model, "bf16", off, po, str(tmp_path))
+        M.train_zero(model, opt, 0, 1, 1)
+        before = M.full_snapshot(model, opt)["ln_f.bias"]
+        with opt.gathered_params(modify=True):
+            with torch.no_grad():
+                model.blocks[0].fc1.weight.mul_(0.5)
+                model.ln_f.bias.add_(1.0)
+        assert torch.equal(M.full_snapshot(model, opt)["ln_f.bias"], before + 1.0)  # kept
+        sd = {n: p.detach().clone() for n, p in M.make_model(seed=3).named_parameters()}
+        model.load_state_dict({"blocks.1.fc2.weight": sd["blocks.1.fc2.weight"]}, strict=False)
+        assert torch.equal(M.full_snapshot(model, opt)["blocks.1.fc2.weight"],
+                           sd["blocks.1.fc2.weight"].to(torch.bfloat16))
+        rec = M.train_zero(model, opt, 0, 1, 2, start=1)
+        runs.append((rec["params"], _state(opt, model, "bf16")))
+        opt.close()
+    (a, sa), (b, sb) = runs
+    assert all(M.bitwise_equal(x, y) for x, y in zip(a, b))
+    assert all(M.bitwise_equal(sa[k], sb[k]) for k in sa)
