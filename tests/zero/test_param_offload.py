@@ -551,3 +551,32 @@ def test_gathered_params_modify_and_load_state_dict_write_the_home(tmp_path, pof
     (a, sa), (b, sb) = runs
     assert all(M.bitwise_equal(x, y) for x, y in zip(a, b))
     assert all(M.bitwise_equal(sa[k], sb[k]) for k in sa)
+
+
+# ---- on a GPU (`python -m pytest -m gpu`; none was lent to this work: not run yet) ----------
+@pytest.mark.gpu
+@pytest.mark.parametrize("off, poff", COMBOS)
+def test_on_cuda_bitwise_and_pinned(cuda_backend, tmp_path, off, poff):
+    """On CUDA: the same bits as without param offload (copies are exact; the update runs the
+    same kernel), pinned homes ("cpu"), and no param bytes on the device between steps."""
+    runs = []
+    for po in (None, poff):
+        model = M.make_model().cuda()
+        kw = {"offload_path": str(tmp_path)} if off == "nvme" else {}
+        opt = M.zero_opt(model, 3, "bf16", offload=off, offload_params=po,
+                         backend=cuda_backend, **kw)
+        rec = {"params": []}
+        for s in range(3):
+            opt.backward(M.loss_fn(model, M.rank_tokens(s, 0, 1).cuda()))
+            opt.step()
+            opt.zero_grad()
+            rec["params"].append({k: v.cpu() for k, v in M.full_snapshot(model, opt).items()})
+        if po is not None:
+            rep = opt.memory_report()
+            assert rep["measured"]["params"] == rep["measured"]["frozen"] == 0
+            assert rep["host_pinned_total"] == rep["host_measured_total"] > 0
+            if po == "cpu":
+                assert all(f.flat.is_pinned() for f in opt.param_homes.flats)
+        runs.append(rec["params"])
+        opt.close()
+    assert all(M.bitwise_equal(a, b) for a, b in zip(*runs))
