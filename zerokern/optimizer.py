@@ -189,6 +189,11 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                         raise ValueError(f"all params must be on one device; found {dev} and "
                                          f"{p.device} (a frozen param of unit "
                                          f"{u.name or '<root>'!r})")
+            if offload == "nvme":  # a disk too small for the files: before any change
+                from .stage3.param_offload import check_space
+
+                check_space(offload_path, unit_list, trainable, dtype, comm.world_size,
+                            offload_params)
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------

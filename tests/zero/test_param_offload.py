@@ -466,9 +466,8 @@ def _mount_tmpfs(path, opts):
 
 
 def test_read_only_and_full_offload_path(tmp_path):
-    """A read-only path is a ValueError before anything changes; a disk too small for the
-    param files (preallocated, both halves) is a ValueError naming the path at construction,
-    with no file left behind (the model is sharded by then, as with offload='nvme' state)."""
+    """A read-only path, and a disk too small for the state and param files (both halves),
+    are ValueErrors naming the path, raised before anything changes (no file left)."""
     ro, small = tmp_path / "ro", tmp_path / "small"
     _mount_tmpfs(ro, "ro,size=1m")
     try:
@@ -481,10 +480,12 @@ def test_read_only_and_full_offload_path(tmp_path):
         subprocess.run(["umount", str(ro)], check=True)
     _mount_tmpfs(small, "size=12k")
     try:
-        with pytest.raises(ValueError, match=f"{small}.*param files.*No space left"):
-            zk.ZeroAdamW(M.make_model(), stage=3, offload="nvme", offload_path=str(small),
+        model = M.make_model()
+        with pytest.raises(ValueError, match=f"{small}.*No space left"):
+            zk.ZeroAdamW(model, stage=3, offload="nvme", offload_path=str(small),
                          offload_params="nvme")
         assert os.listdir(small) == []
+        assert M.bitwise_equal(M.snapshot(model), M.snapshot(M.make_model()))
     finally:
         subprocess.run(["umount", str(small)], check=True)
 

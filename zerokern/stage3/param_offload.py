@@ -86,6 +86,41 @@ def check_args(offload_params, stage, offload, where: str = "offload_params") ->
                          f"with 6x that of optimizer state (got offload={offload!r})")
 
 
+def _shard_bytes(numel: int, world_size: int, e: int) -> int:
+    """align_up(S·e): a stage-3 buffer's shard (ShardedFlat's padding) as a file region."""
+    from ..partition import round_up
+
+    unit = world_size * 128
+    return aio.align_up(max(round_up(max(numel, 1), unit), unit) // world_size * e)
+
+
+def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int,
+                offload_params) -> None:
+    """offload="nvme" at stage 3: the bytes this rank's files will take (state: 3 files x 2
+    halves of fp32 per trainable buffer; offload_params="nvme": 2 halves of the shard, one
+    for a frozen buffer) against the free space of `path`, before the model is touched. The
+    files are preallocated at construction all the same, which catches what this misses
+    (other writers, file systems that count blocks differently)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
+    need = 0
+    for u in units:
+        for gi in range(len(trainable)):
+            n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
+            if n:
+                need += 3 * 2 * _shard_bytes(n, world_size, 4)
+                if offload_params == "nvme":
+                    need += 2 * _shard_bytes(n, world_size, e)
+        if u.frozen and offload_params == "nvme":
+            need += _shard_bytes(sum(p.numel() for p in u.frozen), world_size, e)
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ValueError(f"offload_path {path!r}: No space left for the offload files: "
+                         f"they take {need} bytes on this rank, the file system has {free} "
+                         "free")
+
+
 def formula_(formula: dict, kind: str) -> None:
     """DESIGN §4 with param offload: the 16-bit param (and frozen) shard leaves the device
     total for the host ("cpu") or the disk ("nvme", two halves of the trainable shard)."""
