@@ -19,7 +19,6 @@ import functools
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -504,13 +503,14 @@ def test_short_read_in_a_gather_names_the_file(tmp_path):
     opt.close()
 
 
-def test_estimate_cli_offload_params():
+def test_estimate_cli_offload_params(capsys):
     import json
 
-    r = subprocess.run([sys.executable, "-m", "zerokern", "estimate", "--params", "300000",
-                        "--world-size", "2", "--offload", "nvme", "--offload-params", "nvme",
-                        "--json"], capture_output=True, text=True, check=True, timeout=120)
-    (x,) = json.loads(r.stdout)["results"]
+    from zerokern import cli
+
+    assert cli.main(["estimate", "--params", "300000", "--world-size", "2", "--offload", "nvme",
+                     "--offload-params", "nvme", "--json"]) == 0
+    (x,) = json.loads(capsys.readouterr().out)["results"]
     assert x == json.loads(json.dumps(E.estimate(E.spec_from_numel(300000), 2, 3,
                                                  offload="nvme", offload_params="nvme")))
     assert x["stage"] == 3 and x["offload_params"] == "nvme"
