@@ -127,9 +127,10 @@ def _parity(rank, ws, prec, off, poff):
                 rep = opt.memory_report()
                 device_params = rep["measured"]["params"] + rep["measured"]["frozen"]
                 n_files = len(os.listdir(d))
+                hits = opt.param_homes.read_ahead_hits
             opt.close()
         out = _compare(*runs[None], *runs[poff])
-        out.update(skipped=runs[poff][0]["skipped"], device_params=device_params,
+        out.update(skipped=runs[poff][0]["skipped"], device_params=device_params, hits=hits,
                    n_files=n_files, n_files_after_close=len(os.listdir(d)),
                    moved=M.rel_err(runs[poff][0]["params"][-1], M.snapshot(M.make_model())))
         return out
@@ -363,6 +364,8 @@ def test_bitwise_parity_with_the_run_without_param_offload(ws):
             assert res["device_params"] == 0, f"{what}: the device holds param shards"
             if poff == "nvme":
                 assert res["n_files"] > 6 and res["n_files_after_close"] == 0, what
+                # every forward and backward reads one unit ahead: 2 per micro-batch here
+                assert res["hits"] >= 2 * MICRO * STEPS, what
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])
@@ -581,3 +584,31 @@ def test_on_cuda_bitwise_and_pinned(cuda_backend, tmp_path, off, poff):
         runs.append(rec["params"])
         opt.close()
     assert all(M.bitwise_equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_read_ahead_never_outlives_its_pass(tmp_path):
+    """A forward that raises after the root read block 1's shard ahead, then
+    model.load_state_dict writes block 1's home (through the file's mapping): the next
+    forward must see the new values, not the read-ahead's."""
+    model = M.make_model()
+    opt = _opt(model, "bf16", "nvme", "nvme", str(tmp_path))
+    M.train_zero(model, opt, 0, 1, 1)
+
+    def boom(*a):
+        raise RuntimeError("boom")
+    h = model.emb.register_forward_pre_hook(boom)  # in the root, after its pre-hook
+    with pytest.raises(RuntimeError, match="boom"):
+        M.loss_fn(model, M.rank_tokens(1, 0, 1))
+    h.remove()
+    assert opt.param_homes.ahead, "the failed forward left a read-ahead in flight"
+    new = M.make_model(seed=11).blocks[1].fc2.weight.detach()
+    model.load_state_dict({"blocks.1.fc2.weight": new}, strict=False)
+    seen = []
+    h = model.blocks[1].register_forward_pre_hook(
+        lambda *a: seen.append(model.blocks[1].fc2.weight.detach().clone()))
+    with torch.no_grad():
+        M.loss_fn(model, M.rank_tokens(1, 0, 1))
+    h.remove()
+    assert torch.equal(seen[0], new.to(torch.bfloat16))
+    opt.close()

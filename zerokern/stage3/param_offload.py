@@ -21,9 +21,14 @@ released); memory_report counts that as the device's `params`.
    the current stream before the all-gather, which waits for it in stream order, and the host
    does not wait (pinned memory). Fetching earlier than the gather would hold a second unit's
    shard on the device for nothing on a GPU (a shard is 1/N of a unit: 2·S bytes bf16 at
-   25 GB/s is 40 us per MiB, well under a block's compute); for "nvme" the read is synchronous
-   in the hook (one O_DIRECT read of align_up(2·S) bytes), which a read-ahead of the next unit
-   in the schedule could hide: not done yet (see the README).
+   25 GB/s is 40 us per MiB, well under a block's compute). A disk read is slower and blocks
+   the host, so for "nvme" the read starts one unit earlier still: when unit k+1's gather is
+   prefetched, a background thread reads unit k+2's shard (O_DIRECT, into a buffer of its
+   own), and unit k+2's fetch takes it from there (`read_ahead_hits`; on the test model every
+   forward and backward hits). A read-ahead is used only within the pass (forward, backward,
+   gather_all, frozen_whole) that issued it and is dropped when the next one starts, and by
+   any write of a home the code sees (step commit, write-back): between passes user code may
+   write a home through its file mapping (checkpoint load, load_state_dict), unseen here.
 2. What moves. Only the model-dtype param shard. The fp32 master is optimizer state and stays
    where `offload=` puts it (device, host or disk), as DeepSpeed splits offload_param and
    offload_optimizer: the knobs stay orthogonal, and moving the master with the params would
@@ -53,7 +58,9 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
-from typing import List, Optional
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -142,6 +149,7 @@ class OffloadedShardedFlat(ShardedFlat):
         self._release()
 
     def write_back_(self) -> None:
+        self.homes.new_pass()  # (a read-ahead of this home would be stale)
         piece = self.full[slice(*self.layout.piece_range(0, self.rank))]
         if self.master is not None:
             changed = piece != self.flat.to(piece.device)
@@ -196,10 +204,19 @@ class ParamHomes:
         self.root = root
         self.offloader = None
         self.bounce = self.stage_buf = None
+        # "nvme" read-ahead ([Note: param offload choices] 1): id(flat) -> (read in flight,
+        # buffer index, pass); valid only within the pass that issued it (new_pass drops it).
+        self.ahead: Dict[int, Tuple[object, int, int]] = {}
+        self.ahead_bufs: List[torch.Tensor] = []
+        self.free_ahead: List[int] = []
+        self.pass_id = 0
+        self.read_ahead_hits = 0
         if kind == "nvme":
             self.direct = aio.direct_supported(root)
             self.tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self._finalizer = weakref.finalize(self, _cleanup, self.files, os.getpid())
+            self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zk-param-read")
+            self._finalizer = weakref.finalize(self, _cleanup, self.files, self.io,
+                                               os.getpid())
 
     def make(self, params, dtype, world_size, rank, group_index, unit_index,
              trainable=True) -> OffloadedShardedFlat:
@@ -254,6 +271,10 @@ class ParamHomes:
         self.bounce = aio.aligned_empty(max(f.file.half for f in self.flats), self.pin)
         train = [f.file.half for f in self.flats if f.trainable]
         self.stage_buf = aio.aligned_empty(max(train), self.pin) if train else None
+        # read-ahead: one buffer per buffer of the unit with the most (groups + frozen)
+        n = max(Counter(f.unit_index for f in self.flats).values())
+        self.ahead_bufs = [aio.aligned_empty(self.bounce.numel(), self.pin) for _ in range(n)]
+        self.free_ahead = list(range(n))
 
     def attach(self, offloader) -> None:
         """"nvme": journal the trainable param files with the optimizer's state files."""
@@ -268,9 +289,44 @@ class ParamHomes:
             dev.copy_(f.flat, non_blocking=self.pin)  # stream-ordered before the all-gather
             return
         pf = f.file
+        entry = self.ahead.pop(id(f), None)
+        if entry is not None:
+            fut, i, pid = entry
+            try:
+                fut.result()  # (a failed read raises here, as the read below would)
+            finally:
+                self.free_ahead.append(i)
+            if pid == self.pass_id:
+                self.read_ahead_hits += 1
+                dev.copy_(self.ahead_bufs[i][:f._dev_bytes].view(dev.dtype))
+                return
         mv = memoryview(self.bounce.numpy())[:pf.half]
         aio.read_chunk(pf.fds[0], mv, pf.cur * pf.half, pf.paths[0], self.direct)
         dev.copy_(self.bounce[:f._dev_bytes].view(dev.dtype))
+
+    def read_ahead(self, f: OffloadedShardedFlat) -> None:
+        """Start reading f's shard in the background (a unit the schedule gathers next)."""
+        if (self.kind != "nvme" or f.file is None or f._live or f.gathered
+                or f.handle is not None or id(f) in self.ahead or not self.free_ahead):
+            return
+        i = self.free_ahead.pop()
+        pf = f.file
+        mv = memoryview(self.ahead_bufs[i].numpy())[:pf.half]
+        fut = self.io.submit(aio.read_chunk, pf.fds[0], mv, pf.cur * pf.half, pf.paths[0],
+                             self.direct)
+        self.ahead[id(f)] = (fut, i, self.pass_id)
+
+    def new_pass(self) -> None:
+        """Drop every read-ahead: user code may have written a home since it was issued
+        (a checkpoint load writes the files through their mappings, unseen here)."""
+        self.pass_id += 1
+        for fut, i, _ in self.ahead.values():
+            try:
+                fut.result()
+            except OSError:
+                pass  # (the read that uses the shard will raise it)
+            self.free_ahead.append(i)
+        self.ahead.clear()
 
     def staging(self, f: OffloadedShardedFlat) -> torch.Tensor:
         return self.stage_buf[:f._dev_bytes].view(f.dtype)
@@ -292,6 +348,7 @@ class ParamHomes:
 
     def commit(self) -> None:
         """Every write of every rank landed: the new halves are current (with master/m/v)."""
+        self.new_pass()
         for f in self.flats:
             if f.params_journaled:
                 pf = f.file
@@ -304,6 +361,7 @@ class ParamHomes:
 
     def close(self) -> None:
         if self.kind == "nvme":
+            self.new_pass()
             for f in self.flats:
                 f.flat = torch.empty(0, dtype=f.dtype)
                 f.file.map = None
@@ -319,8 +377,9 @@ class ParamHomes:
             for f in self.flats:
                 out["params" if f.trainable else "frozen"] += f.flat.untyped_storage().nbytes()
         else:
-            out["param_staging"] = sum(t.untyped_storage().nbytes()
-                                       for t in (self.bounce, self.stage_buf) if t is not None)
+            out["param_staging"] = sum(t.untyped_storage().nbytes() for t in
+                                       [self.bounce, self.stage_buf] + self.ahead_bufs
+                                       if t is not None)
         return out
 
     def disk_bytes(self) -> dict:
@@ -350,10 +409,11 @@ class ParamHomes:
             out["disk_formula_total"] = formula["disk"]
 
 
-def _cleanup(files: List[_ParamFile], pid: int) -> None:
+def _cleanup(files: List[_ParamFile], io, pid: int) -> None:
     """Close and remove the param files (close, GC and exit; only in the creating process)."""
     if os.getpid() != pid:
         return
+    io.shutdown(wait=True)
     for pf in files:
         for fd in pf.fds:
             try:
@@ -366,3 +426,30 @@ def _cleanup(files: List[_ParamFile], pid: int) -> None:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+# -- Stage3Sync's calls (runtime.py, backward.py) ------------------------------------------------
+def _homes(sync) -> Optional[ParamHomes]:
+    bufs = list(sync.groups) + list(sync.frozen)
+    return getattr(bufs[0], "homes", None) if bufs else None
+
+
+def new_pass(sync) -> None:
+    """A forward, a backward, gather_all or frozen_whole starts: read-aheads issued before it
+    are dropped (only one issued and used within one pass is known to be current)."""
+    homes = _homes(sync)
+    if homes is not None and homes.ahead:
+        homes.new_pass()
+    elif homes is not None:
+        homes.pass_id += 1
+
+
+def read_ahead(sync, sched: List[int], pos: int) -> None:
+    """offload_params="nvme": while sched[pos - 1]'s gather is prefetched, start the disk read
+    of sched[pos]'s shards ([Note: param offload choices] 1)."""
+    homes = _homes(sync)
+    if homes is None or homes.kind != "nvme" or pos >= len(sched):
+        return
+    for ui in sync._need(sync.units[sched[pos]]):
+        for f in sync._bufs(ui):
+            homes.read_ahead(f)

@@ -5,6 +5,7 @@ The runtime is param_offload.py."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import torch
 
@@ -16,7 +17,7 @@ NOTES = {  # zerokern estimate's note per kind
            "between uses (pinned with nccl); the device holds none between steps",
     "nvme": "offload_params='nvme': the 16-bit param shards in files, two halves each (a "
             "step writes the half it does not read), frozen shards one; the host holds a "
-            "fetch buffer and a step buffer of the largest shard",
+            "fetch buffer, a step buffer and read-ahead buffers of the largest shard",
 }
 
 
@@ -103,6 +104,8 @@ def estimate_(b: dict, host: dict, disk: dict, flats, frozen, rank: int, kind: s
             host["params" if f.trainable else "frozen"] += S * e
         else:
             disk["params" if f.trainable else "frozen"] += (2 if f.trainable else 1) * half
-    if kind == "nvme" and halves:
+    if kind == "nvme" and halves:  # fetch buffer, step buffer, read-ahead buffers
         train = [h for h, t in halves if t]
-        host["param_staging"] = max(h for h, _ in halves) + (max(train) if train else 0)
+        per_unit = Counter(f.unit_index for f in list(flats) + list(frozen))
+        host["param_staging"] = (1 + max(per_unit.values())) * max(h for h, _ in halves) \
+            + (max(train) if train else 0)
