@@ -219,7 +219,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             self.units = unit_list
             make = ShardedFlat
             if offload_params is not None:  # the shards' homes: host or files
-                from .stage3.param_offload import ParamHomes
+                from .stage3.param_homes import ParamHomes
 
                 self.param_homes = ParamHomes(offload_params, trainable[0][0].device,
                                               offload is not None, offload_path, comm.rank)
