@@ -172,7 +172,7 @@ class OffloadedShardedFlat(ShardedFlat):
 
 # -- Stage3Sync's calls (runtime.py, backward.py) ------------------------------------------------
 def _homes(sync) -> Optional[ParamHomes]:
-    bufs = list(sync.groups) + list(sync.frozen)
+    bufs = sync.groups or sync.frozen  # (O(1): called at every prefetch)
     return getattr(bufs[0], "homes", None) if bufs else None
 
 
