@@ -27,7 +27,10 @@ tensors, param files, the "nvme" buffers and read-ahead, the journal's commit, t
    the host, so for "nvme" the read starts one unit earlier still: when unit k+1's gather is
    prefetched, a background thread reads unit k+2's shard (O_DIRECT, into a buffer of its
    own), and unit k+2's fetch takes it from there (`read_ahead_hits`; on the test model every
-   forward and backward hits). A read-ahead is used only within the pass (forward, backward,
+   forward and backward hits). Measured on the 23.2M-param GPT (`20m`, bf16, one process,
+   O_DIRECT on this VM's virtio disk, 2 loaded cores), a no_grad forward (its 7 fetches) with
+   and without the read-ahead, interleaved, medians of 10: 113.6 vs 137.5, 105.9 vs 109.8,
+   103.6 vs 133.0 ms (4-22% faster). A read-ahead is used only within the pass (forward, backward,
    gather_all, frozen_whole) that issued it and is dropped when the next one starts, and by
    any write of a home the code sees (step commit, write-back): between passes user code may
    write a home through its file mapping (checkpoint load, load_state_dict), unseen here.
