@@ -13,6 +13,7 @@ same comparison fail (the home is what the next gather reads, so the check can s
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
@@ -55,7 +56,15 @@ RESUME = {1: [("nvme", None), ("cpu", None), (None, "nvme"), (None, "cpu"), ("nv
           3: [("nvme", None), (None, "cpu")]}
 # Checkpoints the N = 2 run writes for the N = 3 reshard: made in the pytest process and
 # passed to the ranks (a module global would be another directory in each rank's import).
-ROOT = tempfile.mkdtemp(prefix="zk_poff_")
+_ROOT = []
+
+
+def _root() -> str:
+    """Made on first use in the pytest process (the ranks only receive it), removed at exit."""
+    if not _ROOT:
+        _ROOT.append(tempfile.mkdtemp(prefix="zk_poff_"))
+        atexit.register(shutil.rmtree, _ROOT[0], True)
+    return _ROOT[0]
 
 
 def _opt(model, prec, off, poff, path, **kw):
@@ -349,7 +358,7 @@ def _reshard_worker(rank, ws, root):
 
 
 def _results(ws):
-    return cached(_worker, ws, ROOT)
+    return cached(_worker, ws, _root())
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])
@@ -406,7 +415,7 @@ def test_checkpoint_to_and_from_runs_without_param_offload(ws):
 
 def test_checkpoint_reshards_from_2_to_3_ranks():
     case(_results(2), "resume")  # writes the N = 2 checkpoints
-    for r, res in enumerate(case(cached(_reshard_worker, 3, ROOT), "reshard")):
+    for r, res in enumerate(case(cached(_reshard_worker, 3, _root()), "reshard")):
         assert len(res) == 5
         for k, v in res.items():
             assert v, f"rank {r}: {k}"
