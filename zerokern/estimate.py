@@ -244,7 +244,7 @@ def deepspeed_formula(num_params: int, world_size: int, stage: int,
 
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
-             comm: str = "nccl") -> Dict[str, Any]:
+             comm: str = "nccl", offload_params: Optional[str] = None) -> Dict[str, Any]:
     """Bytes per rank per category for zerokern at `stage`, with both formulas beside them.
 
     Args:
@@ -255,6 +255,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             elements and `padding` is not (padding sits at the end of the last bucket, so rank
             0 holds the most real elements).
         comm: "nccl" or "gloo" (gloo's ring keeps a scratch bucket at stage 1, see the Note).
+        offload_params: stage 3: None, "cpu" or "nvme", as ZeroAdamW (the param and frozen
+            shards leave the device for the host or the disk; zerokern.stage3.param_offload).
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
     `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
@@ -265,6 +267,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
+    from .stage3 import param_offload as PO
+
+    PO.check_args(offload_params, stage, offload)
     dtype = PRECISIONS[precision]
     e = dtype.itemsize
     r = e  # reduce dtype: the precision's (ZeroAdamW's default)
@@ -333,6 +338,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                 if cat != "master" or has_master:
                     b[cat] += (state - spad) * 4
                     b["padding"] += spad * 4
+    if offload_params:  # after a step the device holds no param shard (param_offload.py)
+        PO.estimate_(b, host, disk, flats, frozen, rank, offload_params)
+        notes.append(PO.NOTES[offload_params])
     if offload == "nvme":
         chunk = pool_chunk([L.padded_numel if stage == 0 else L.shard_numel for L in layouts],
                            CHUNK_NUMEL)
@@ -354,14 +362,19 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     if stage == 3:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
         formula["frozen"] = int(round(spec.num_frozen * e / world_size))
         formula["total"] += formula["frozen"]
+    if offload_params:
+        PO.formula_(formula, offload_params)
+    pinned = (offload == "nvme" or offload_params) and comm == "nccl"
     return {
         "model": spec.name, "num_params": spec.num_params, "world_size": world_size,
         "stage": stage, "precision": precision, "bucket_mb": bucket_mb, "offload": offload,
+        "offload_params": offload_params,
         "rank": rank, "comm": comm, "exact": exact,
         "bytes": b, "device_total": sum(b.values()), "host": host,
         "host_total": sum(host.values()), "live_units_bound": live_bound,
-        "host_pinned": sum(host.values()) if offload == "nvme" and comm == "nccl" else 0,
-        "host_pageable": sum(host.values()) if offload == "nvme" and comm == "gloo" else 0,
+        "host_pinned": sum(host.values()) if pinned else 0,
+        "host_pageable": sum(host.values()) if (offload == "nvme" or offload_params)
+        and not pinned else 0,
         "disk": disk, "disk_total": sum(disk.values()),
         "formula": formula, "deepspeed": deepspeed_formula(spec.num_params, world_size, stage,
                                                            offload),
@@ -402,6 +415,9 @@ def add_arguments(p) -> None:
                    help="stage(s) to show (repeatable; default all of 0-3)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
+    p.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default="none",
+                   help="stage 3: where the param shards live between uses (nvme needs "
+                        "--offload nvme)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -428,6 +444,10 @@ _ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
          ("padding", "padding")]
 _HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
               ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
+_PARAM_HOST_ROWS = [("params", "host: param shards"), ("frozen", "host: frozen shards"),
+                    ("param_staging", "host: param I/O buffers")]
+_PARAM_DISK_ROWS = [("params", "disk: param shards (2 halves)"),
+                    ("frozen", "disk: frozen shards")]
 _DISK_ROWS = [("master", "disk: master (fp32, 2 halves)"),
               ("exp_avg", "disk: m (fp32, 2 halves)"), ("exp_avg_sq", "disk: v (fp32, 2 halves)")]
 
@@ -439,7 +459,9 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         f"{r0['model']} ({r0['num_params']:,} params)"
     head = (f"zerokern estimate: {what}, "
             f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
-            f"offload {r0['offload'] or 'none'}, comm {r0['comm']}; bytes on rank {r0['rank']}")
+            f"offload {r0['offload'] or 'none'}"
+            + (f", offload_params {r0['offload_params']}" if r0.get("offload_params") else "")
+            + f", comm {r0['comm']}; bytes on rank {r0['rank']}")
     cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
     table = []
     for key, label in _ROWS:
@@ -450,15 +472,16 @@ def format_table(results: List[Dict[str, Any]]) -> str:
             cells = [human_bytes(r["bytes"][key]) for r in results]
         table.append((label, cells))
     table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
-    if any(r["offload"] for r in results):
-        for key, label in _HOST_ROWS:
-            table.append((label, [human_bytes(r["host"][key]) for r in results]))
+    poff = any(r.get("offload_params") for r in results)
+    if any(r["offload"] for r in results) or poff:
+        for key, label in _HOST_ROWS + (_PARAM_HOST_ROWS if poff else []):
+            table.append((label, [human_bytes(r["host"].get(key, 0)) for r in results]))
         table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
         table.append(("DESIGN §4 formula (host)",
                       [human_bytes(r["formula"]["host"]) for r in results]))
     if any(r["offload"] == "nvme" for r in results):
-        for key, label in _DISK_ROWS:
-            table.append((label, [human_bytes(r["disk"][key]) for r in results]))
+        for key, label in _DISK_ROWS + (_PARAM_DISK_ROWS if poff else []):
+            table.append((label, [human_bytes(r["disk"].get(key, 0)) for r in results]))
         table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))
         table.append(("DESIGN §4 formula (disk, x2)",
                       [human_bytes(r["formula"]["disk"]) for r in results]))
@@ -476,7 +499,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     lines.append("Exact for zerokern's layout" + (" (stages without *)" if not
                                                   all(r["exact"] for r in results) else "")
                  + ": each device row equals opt.memory_report()['measured'] after a training "
-                 "step" + (", each host row its ['host_measured']" if r0["offload"] else "")
+                 "step" + (", each host row its ['host_measured']" if r0["offload"] or poff else "")
                  + (", live units its ['live_units_bound']" if any(r["stage"] == 3
                                                                   for r in results) else "")
                  + ".")
@@ -498,6 +521,9 @@ def main(args) -> int:
     if not 0 <= args.rank < args.world_size:
         raise ValueError(f"--rank must be in [0, --world-size), got {args.rank}")
     offload = None if args.offload == "none" else args.offload
+    offload_params = None if args.offload_params == "none" else args.offload_params
+    if offload_params and not args.stage:
+        args.stage = [3]  # param offload is stage 3's
     if args.stage:
         stages = sorted(set(args.stage))
         if offload and 0 in stages:
@@ -506,7 +532,7 @@ def main(args) -> int:
     else:  # every stage that takes this --offload
         stages = [1, 2, 3] if offload else [0, 1, 2, 3]
     results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
-                        args.rank, args.comm) for s in stages]
+                        args.rank, args.comm, offload_params) for s in stages]
     if args.json:
         print(json.dumps({"results": results}, indent=1))
     else:

@@ -72,7 +72,7 @@ def _buffers(opt):
                         for k in range(L.n_buckets)]
         state_pad = sum(_pad_in_range(lo, hi, L.numel) for lo, hi in state_ranges)
         if opt.stage == 3:  # the resident shard, and the full unit while it is gathered
-            yield "params", g.flat, state_pad
+            yield "params", getattr(g, "device_flat", g.flat), state_pad  # (param offload)
             yield "live_units", g.full, L.padding
         else:
             yield "params", g.flat, L.padding
@@ -85,7 +85,8 @@ def _buffers(opt):
             yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
     for f in getattr(opt.grad_sync, "frozen", ()):  # stage 3: frozen shards, gathered units
         L = f.layout
-        yield "frozen", f.flat, _pad_in_range(*L.piece_range(0, opt.comm.rank), L.numel)
+        yield ("frozen", getattr(f, "device_flat", f.flat),
+               _pad_in_range(*L.piece_range(0, opt.comm.rank), L.numel))
         yield "live_units", f.full, L.padding
     for t in held.get("buckets", []):
         yield "buckets", t, 0
@@ -150,6 +151,8 @@ def memory_report(opt) -> Dict[str, Any]:
             out["disk_measured"] = disk()
             out["disk_measured_total"] = sum(out["disk_measured"].values())
             out["disk_formula_total"] = formula["disk"]
+    if getattr(opt, "param_homes", None) is not None:  # host / disk homes of the shards
+        opt.param_homes.report(out, formula)
     if opt.stage == 3:
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())

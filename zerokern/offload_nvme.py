@@ -150,6 +150,10 @@ class NvmeOffloader(CopyPipeline):
         self._finalizer = weakref.finalize(self, _cleanup, self.files, self.io, os.getpid())
         self.cur = 0
         self.plan = None
+        # offload_params="nvme" (stage3/param_offload.py): its param files are checked with
+        # the state files, written in the step, and flipped by the same commit.
+        self.extra_files: list = []
+        self.commit_hooks: list = []
         try:
             for f in self.files:
                 self._create(f)
@@ -246,8 +250,8 @@ class NvmeOffloader(CopyPipeline):
         self.free = list(self.pool)
         self.loaded = collections.deque()
         self.writing = collections.deque()
-        for f in self.files:  # a truncated file fails here, before anything changed
-            for fd, p in zip(f.fds, f.paths):
+        for f in self.files + self.extra_files:  # a truncated file fails here, before
+            for fd, p in zip(f.fds, f.paths):   # anything changed
                 size = os.fstat(fd).st_size
                 if size < 2 * f.half and self.error is None:
                     self.error = OSError(errno.EIO, f"zerokern offload='nvme': state file {p} "
@@ -388,6 +392,8 @@ class NvmeOffloader(CopyPipeline):
                 self.cur = 1 - self.cur
                 for f in self.files:
                     self._point(f, remap=True)
+                for hook in self.commit_hooks:
+                    hook()
             return
         self._rollback()
         err = self.error
@@ -406,6 +412,8 @@ class NvmeOffloader(CopyPipeline):
             f.g.steps.copy_(s0)
         for gi, k in self.dirty:  # re-cast the params from the untouched current half
             g = self.groups[gi]
+            if getattr(g, "params_journaled", False):
+                continue  # its params file's current half was never written
             g.param_out_piece(k).copy_(g.master[g.state_slice(k)])
         if self.stage in (1, 2):  # every rank re-gathers every bucket (collective)
             for g in self.groups:

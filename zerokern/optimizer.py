@@ -70,13 +70,16 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload);
             or "nvme" (stages 1-3): master, exp_avg, exp_avg_sq live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
-            half; see zerokern.offload_nvme). Stage-3 param offload does not exist yet.
+            half; see zerokern.offload_nvme).
         offload_path: offload="nvme" only (keyword): an existing writable directory.
         free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
             (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
             scratch at stages 1-3) and the next backward allocates it again: DeepSpeed's
             memory profile between steps (what `zerokern.initialize` uses), for one allocation
             per step. False: kept and reused, as DDP keeps its buckets.
+        offload_params: stage 3 only (keyword): None, "cpu" or "nvme" (with offload="nvme"):
+            where each unit's param shard lives between uses; fetched to the device with
+            its all-gather (ZeRO-Infinity's param half; see zerokern.stage3.param_offload).
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
@@ -117,6 +120,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         units=None,
         offload_path=None,
         free_grads: bool = False,
+        offload_params: Optional[str] = None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
@@ -157,6 +161,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                              "params pass the group dicts as params_or_model")
         check_hyper(lr, betas, eps, weight_decay)
         check_distributed_env(process_group)
+        from .stage3.param_offload import check_args as check_offload_params
+
+        check_offload_params(offload_params, stage, offload)
         if offload == "nvme":
             from .aligned_io import check_path
 
@@ -190,9 +197,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                         raise ValueError(f"all params must be on one device; found {dev} and "
                                          f"{p.device} (a frozen param of unit "
                                          f"{u.name or '<root>'!r})")
+            if offload == "nvme":  # a disk too small for the files: before any change
+                from .stage3.param_offload import check_space
+
+                check_space(offload_path, unit_list, trainable, dtype, comm.world_size,
+                            offload_params)
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
+        self.param_homes = None  # offload_params (stage3/param_offload.py)
         self.stage, self.precision, self.dtype = stage, precision, dtype
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.backend = backend
@@ -212,14 +225,23 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
             group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
             self.units = unit_list
+            make = ShardedFlat
+            if offload_params is not None:  # the shards' homes: host or files
+                from .stage3.param_homes import ParamHomes
+
+                self.param_homes = ParamHomes(offload_params, trainable[0][0].device,
+                                              offload is not None, offload_path, comm.rank)
+                make = self.param_homes.make
             self.flat_groups = [
-                ShardedFlat(ps, dtype, comm.world_size, comm.rank, gi, u.index)
+                make(ps, dtype, comm.world_size, comm.rank, gi, u.index)
                 for u in unit_list for gi in range(len(trainable))
                 for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
             # Frozen params: sharded with their unit, cast to the precision, no grads and no
             # optimizer state (units.py); group_index -1: in no param group.
-            frozen = [ShardedFlat(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index,
+            frozen = [make(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index,
                                   trainable=False) for u in unit_list if u.frozen]
+            if self.param_homes is not None:
+                self.param_homes.finalize()
             self.grad_sync: GradSync = Stage3Sync(self.flat_groups, unit_list, comm,
                                                   self.reduce_dtype, params_or_model, frozen)
         else:
@@ -235,6 +257,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
             p.data = p.data.to(dtype)
         self.offload = offload
+        self.offload_params = offload_params
         self.offloader = None
         if offload == "cpu":
             from .offload import Offloader
@@ -245,6 +268,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
             self.offloader = NvmeOffloader(self.flat_groups, self.reduce_dtype, offload_path,
                                            comm, stage)
+        if self.param_homes is not None:
+            self.param_homes.attach(self.offloader)
         self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
@@ -430,6 +455,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         close = getattr(self.offloader, "close", None)
         if close is not None:
             close()
+        if self.param_homes is not None:
+            self.param_homes.close()
 
     def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
         b1, b2 = group["betas"]

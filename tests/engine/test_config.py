@@ -67,8 +67,23 @@ def test_batch_triple_inconsistent_raises(given):
      "zero_optimization.offload_optimizer.nvme_path"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "disk"}),
      "zero_optimization.offload_optimizer.device"),
-    (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"}),
+    (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"}),  # stage 2
      "zero_optimization.offload_param.device"),
+    (lambda c: c["zero_optimization"].update(stage=3, offload_param={"device": "ssd"}),
+     "zero_optimization.offload_param.device"),
+    (lambda c: c["zero_optimization"].update(stage=3, offload_param={"device": "nvme"}),
+     "zero_optimization.offload_param.nvme_path"),
+    (lambda c: c["zero_optimization"].update(
+        stage=3, offload_optimizer={"device": "cpu"},
+        offload_param={"device": "nvme", "nvme_path": "/tmp"}),
+     "zero_optimization.offload_param.device"),
+    (lambda c: c["zero_optimization"].update(
+        stage=3, offload_optimizer={"device": "nvme", "nvme_path": "/tmp"},
+        offload_param={"device": "nvme", "nvme_path": "/var/tmp"}),
+     "zero_optimization.offload_param.nvme_path"),
+    (lambda c: c["zero_optimization"].update(stage=3, offload_param={"device": "cpu",
+                                                                     "ratio": 0.5}),
+     "zero_optimization.offload_param.ratio"),
     (lambda c: c["zero_optimization"].update(stage=4), "zero_optimization.stage"),
     (lambda c: c.update(train_micro_batch_size_per_gpu="auto"), "train_micro_batch_size_per_gpu"),
     (lambda c: c.update(scheduler={"type": "WarmupLR", "params": {"warmup_steps": 3}}),
@@ -360,3 +375,40 @@ def test_offload_optimizer_nvme_maps(tmp_path):
     assert opt.offload == "nvme" and any(tmp_path.iterdir())
     assert got == ref
     opt.close()
+
+
+def test_offload_param_maps(tmp_path, caplog):
+    """offload_param.device 'cpu' is ZeroAdamW(offload_params='cpu'), 'nvme' with nvme_path
+    (the offload_optimizer's) offload_params='nvme': the same losses as without it, bit for
+    bit; pin_memory and the buffer sizes are accepted and logged as having no effect."""
+    base = C.base_config(3, "bf16")
+    losses = {}
+    for name, zero in [
+            ("none", {}),
+            ("cpu", {"offload_param": {"device": "cpu", "pin_memory": True}}),
+            ("nvme_opt", {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}),
+            ("nvme", {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                      "offload_param": {"device": "nvme", "nvme_path": str(tmp_path),
+                                        "buffer_count": 5, "buffer_size": 1e8,
+                                        "max_in_cpu": 1e9}})]:
+        cfg = dict(base, zero_optimization={"stage": 3, "reduce_bucket_size": 3000, **zero})
+        with caplog.at_level(logging.INFO, logger="zerokern.engine"):
+            engine, opt, _, _ = zk.initialize(model=C.gpt2(), config=cfg)
+        assert opt.offload_params == (name if name in ("cpu", "nvme") else None)
+        out = []
+        for s in range(3):
+            for m in range(2):
+                x = C.tokens(s, m, 0)
+                loss = engine(input_ids=x, labels=x).loss
+                engine.backward(loss)
+                engine.step()
+                out.append(float(loss.detach()))
+        losses[name] = out
+        if name == "nvme":
+            assert any(p.name.endswith("-params.bin") for p in tmp_path.iterdir())
+        opt.close()
+    assert losses["cpu"] == losses["none"] and losses["nvme"] == losses["nvme_opt"]
+    logged = " ".join(r.getMessage() for r in caplog.records if "no effect" in r.getMessage())
+    for k in ("offload_param.pin_memory", "offload_param.buffer_count",
+              "offload_param.max_in_cpu"):
+        assert k in logged

@@ -386,8 +386,8 @@ def test_bad_offload_path_and_arguments(tmp_path):
         M.zero_opt(model, 2, offload="cpu", offload_path=str(tmp_path))
     with pytest.raises(ValueError, match="needs stage 1, 2 or 3"):
         zk.ZeroAdamW(model, stage=0, offload="nvme", offload_path=str(tmp_path))
-    with pytest.raises(TypeError, match="offload_params"):  # stage-3 param offload: not yet
-        zk.ZeroAdamW(model, stage=3, offload="nvme", offload_path=str(tmp_path),
+    with pytest.raises(ValueError, match="offload_params='nvme' needs stage=3"):  # (issue 13)
+        zk.ZeroAdamW(model, stage=2, offload="nvme", offload_path=str(tmp_path),
                      offload_params="nvme")
     assert M.bitwise_equal(M.snapshot(model), M.snapshot(M.make_model()))
     assert os.listdir(tmp_path) == ["file"]

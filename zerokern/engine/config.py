@@ -5,8 +5,8 @@ Every key is one of three kinds (the tables below):
   DeepSpeed and MiB in zerokern: converted with the element size of the reduce dtype);
 - no effect: accepted, and listed once in the start-up log with the reason (zerokern already
   behaves that way, e.g. gradients are always contiguous);
-- anything else, or a value zerokern cannot honour (param offload): ValueError
-  naming the key. Nothing is silently ignored.
+- anything else, or a value zerokern cannot honour (e.g. offload_param on "nvme" with the
+  optimizer state elsewhere): ValueError naming the key. Nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ NO_EFFECT_OFFLOAD = {
     "buffer_count": "the pipeline uses its own chunking (offload.py)",
     "fast_init": "no effect for device 'cpu'",
 }
+NO_EFFECT_OFFLOAD_PARAM = {
+    "pin_memory": "the param shards' host homes are pinned on a GPU (none on a CPU-only machine)",
+    "buffer_count": "offload_params='nvme' keeps one fetch and one step buffer of a shard",
+    "buffer_size": "offload_params='nvme' sizes its buffers to the largest unit shard",
+    "max_in_cpu": "offload_params='nvme' keeps no param cache in host memory",
+}
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
                     "bias_correction", "amsgrad")
 FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
@@ -88,6 +94,7 @@ class EngineConfig:
     reduce_dtype: Optional[torch.dtype] = None
     offload: Optional[str] = None                 # "cpu" | "nvme"
     offload_path: Optional[str] = None            # nvme_path (offload "nvme")
+    offload_params: Optional[str] = None          # offload_param.device: "cpu" | "nvme"
     gather_16bit_on_save: bool = False
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
     raw: Dict[str, Any] = field(default_factory=dict)
@@ -235,12 +242,38 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
         key = "zero_optimization.offload_param"
         if not isinstance(op, dict):
             raise ValueError(f"config key {key} must be a dict, got {op!r}")
+        _unknown(op, {"device", "nvme_path", *NO_EFFECT_OFFLOAD_PARAM}, key + ".")
         dev = op.get("device", "none")
-        if dev not in ("none", None):
-            raise ValueError(f"config key {key}.device={dev!r}: parameter offload does not "
-                             "exist in zerokern yet (offload_optimizer with device 'cpu' "
-                             "does); remove offload_param or set its device to 'none'")
-        _unknown(op, {"device", *NO_EFFECT_OFFLOAD}, key + ".")
+        if dev not in ("cpu", "nvme", "none", None):
+            raise ValueError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
+                             f"got {dev!r}")
+        if "nvme_path" in op and dev != "nvme":
+            raise ValueError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
+        if dev in ("cpu", "nvme"):
+            if out.stage != 3:
+                raise ValueError(f"config key {key}.device={dev!r} needs "
+                                 f"zero_optimization.stage 3 (got {out.stage}): only stage 3 "
+                                 "shards the params")
+            if dev == "nvme":
+                # ZeroAdamW journals the param files with the optimizer state's files in one
+                # directory (zerokern.stage3.param_offload [Note: param offload choices] 3).
+                if not isinstance(op.get("nvme_path"), str):
+                    raise ValueError(f"config key {key}.nvme_path: device 'nvme' needs the "
+                                     "directory for the param files")
+                if out.offload != "nvme":
+                    raise ValueError(f"config key {key}.device='nvme' needs "
+                                     "zero_optimization.offload_optimizer.device 'nvme' too "
+                                     "(zerokern keeps params on disk only with the optimizer "
+                                     "state, so that a failed step changes neither)")
+                if os.path.abspath(op["nvme_path"]) != os.path.abspath(out.offload_path):
+                    raise ValueError(f"config key {key}.nvme_path {op['nvme_path']!r} must be "
+                                     "zero_optimization.offload_optimizer.nvme_path "
+                                     f"({out.offload_path!r}): zerokern keeps both in one "
+                                     "directory (ZeroAdamW(offload_path=))")
+            out.offload_params = dev
+            for k, why in NO_EFFECT_OFFLOAD_PARAM.items():
+                if k in op:
+                    out.no_effect.append((f"{key}.{k}", why))
 
 
 def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:

@@ -280,7 +280,7 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
     # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept).
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
-                   free_grads=True)
+                   free_grads=True, offload_params=cfg.offload_params)
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
     if optimizer is not None and cfg.optimizer is not None:

@@ -10,6 +10,7 @@ import torch
 
 from ..grad_sync import MAX_IN_FLIGHT
 from ..sharded_grads import ShardedGrads
+from . import param_offload
 from .units import Unit
 
 
@@ -21,6 +22,8 @@ class Stage3Backward(ShardedGrads):
     def _bwd_reach(self, u: Unit) -> None:
         """Move the backward cursor to u (rule 1): gather it, and first the units of the
         reversed schedule this rank skipped (their backward is over here: rule 3)."""
+        if not self.in_backward:  # a backward starts (param offload's read-ahead)
+            param_offload.new_pass(self)
         self._begin_backward()
         self.in_backward = True
         if u.is_root:
@@ -32,6 +35,7 @@ class Stage3Backward(ShardedGrads):
             self._gather(self._need(u))
         if self._bcur < len(self._bsched):  # prefetch the next unit of the reversed schedule
             self._gather(self._need(self.units[self._bsched[self._bcur]]), wait=False)
+            param_offload.read_ahead(self, self._bsched, self._bcur + 1)  # (nvme: its read)
 
     def _skip_backward(self, pos: int) -> None:
         """Move the backward cursor to pos. A unit passed over that the forward did not call

@@ -63,7 +63,7 @@ from typing import Dict, List
 import torch
 
 from ..grad_sync import MAX_IN_FLIGHT
-from . import guards
+from . import guards, param_offload
 from .backward import Stage3Backward
 from .sharded_flat import ShardedFlat
 from .units import Unit
@@ -226,6 +226,8 @@ class Stage3Sync(Stage3Backward):
             self._bwd_reach(u)
             self._gather(self._need(u))
             return
+        if u.is_root or not self._refs[0]:  # a forward starts (param offload's read-ahead)
+            param_offload.new_pass(self)
         if u.is_root:
             self.guard.check_forward()
             self._recording, self._fcur = [], 0
@@ -241,6 +243,7 @@ class Stage3Sync(Stage3Backward):
         self._gather(need)
         if self._fcur < len(self.schedule):  # prefetch the next unit of the schedule
             self._gather(self._need(self.units[self.schedule[self._fcur]]), wait=False)
+            param_offload.read_ahead(self, self.schedule, self._fcur + 1)  # (nvme: its read)
         if torch.is_grad_enabled() and not u.is_root:  # rule 3: post-backward on the inputs
             ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
             if ins:
@@ -318,6 +321,7 @@ class Stage3Sync(Stage3Backward):
                 self._local[gi][s.offset:s.offset + s.numel].zero_()
 
     def gather_all(self) -> None:
+        param_offload.new_pass(self)
         for u in self.active_units:
             self._refs[u.index] += 1
         self._gather([u.index for u in self.active_units])
@@ -334,6 +338,7 @@ class Stage3Sync(Stage3Backward):
     def frozen_whole(self, write_back: bool = False):
         """Between steps: the frozen params whole inside the block (collective), e.g. for a
         checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
+        param_offload.new_pass(self)
         for f in self.frozen:
             f.start_gather(self.comm, self._label(f))
         for f in self.frozen:

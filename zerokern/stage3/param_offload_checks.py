@@ -1,0 +1,111 @@
+"""offload_params: the argument and free-space checks (before the model is touched), the
+DESIGN §4 formula with the param column moved, and `zerokern estimate`'s param-offload bytes.
+The runtime is param_offload.py."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+
+from .. import aligned_io as aio
+
+KINDS = ("cpu", "nvme")
+NOTES = {  # zerokern estimate's note per kind
+    "cpu": "offload_params='cpu': the 16-bit param and frozen shards live in host memory "
+           "between uses (pinned with nccl); the device holds none between steps",
+    "nvme": "offload_params='nvme': the 16-bit param shards in files, two halves each (a "
+            "step writes the half it does not read), frozen shards one; the host holds a "
+            "fetch buffer, a step buffer and read-ahead buffers of the largest shard",
+}
+
+
+def check_args(offload_params, stage, offload, where: str = "offload_params") -> None:
+    """ZeroAdamW's and the estimate's checks, before anything changes (DESIGN §1 errors)."""
+    if offload_params is None:
+        return
+    if offload_params not in KINDS:
+        raise ValueError(f"{where} must be None, 'cpu' or 'nvme', got {offload_params!r}")
+    if stage != 3:
+        raise ValueError(f"{where}={offload_params!r} needs stage=3 (stages 0-2 keep the full "
+                         f"params on every rank; got stage={stage!r})")
+    if offload_params == "nvme" and offload != "nvme":
+        raise ValueError(f"{where}='nvme' needs offload='nvme' (with offload_path=): the param "
+                         "files are journaled with the optimizer state's files, so a failed "
+                         "step changes neither; and params that do not fit in host RAM come "
+                         f"with 6x that of optimizer state (got offload={offload!r})")
+
+
+def _shard_bytes(numel: int, world_size: int, e: int) -> int:
+    """align_up(S·e): a stage-3 buffer's shard (ShardedFlat's padding) as a file region."""
+    from ..partition import round_up
+
+    unit = world_size * 128
+    return aio.align_up(max(round_up(max(numel, 1), unit), unit) // world_size * e)
+
+
+def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int,
+                offload_params) -> None:
+    """offload="nvme" at stage 3: the bytes this rank's files will take (state: 3 files x 2
+    halves of fp32 per trainable buffer; offload_params="nvme": 2 halves of the shard, one
+    for a frozen buffer) against the free space of `path`, before the model is touched. The
+    files are preallocated at construction all the same, which catches what this misses
+    (other writers, file systems that count blocks differently)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
+    need = 0
+    for u in units:
+        for gi in range(len(trainable)):
+            n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
+            if n:
+                need += 3 * 2 * _shard_bytes(n, world_size, 4)
+                if offload_params == "nvme":
+                    need += 2 * _shard_bytes(n, world_size, e)
+        if u.frozen and offload_params == "nvme":
+            need += _shard_bytes(sum(p.numel() for p in u.frozen), world_size, e)
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ValueError(f"offload_path {path!r}: No space left for the offload files: "
+                         f"they take {need} bytes on this rank, the file system has {free} "
+                         "free")
+
+
+def formula_(formula: dict, kind: str) -> None:
+    """DESIGN §4 with param offload: the 16-bit param (and frozen) shard leaves the device
+    total for the host ("cpu") or the disk ("nvme", two halves of the trainable shard)."""
+    p, fr = formula["params"], formula.get("frozen", 0)
+    formula["total"] -= p + fr
+    if kind == "cpu":
+        formula["host"] = formula.get("host", 0) + p + fr
+    else:
+        formula["disk"] = formula.get("disk", 0) + 2 * p + fr
+
+
+def estimate_(b: dict, host: dict, disk: dict, flats, frozen, rank: int, kind: str) -> None:
+    """zerokern estimate with offload_params: the same moves as memory_report() sees after a
+    step (device: no param or frozen shard, nor their padding; host or disk: the homes)."""
+    from ..memory import _pad_in_range
+
+    host.update(params=0, frozen=0, param_staging=0)
+    if kind == "nvme":
+        disk.update(params=0, frozen=0)
+    halves = []
+    for f in list(flats) + list(frozen):
+        L, e = f.layout, f.flat.element_size()
+        S = L.shard_numel
+        spad = _pad_in_range(*L.piece_range(0, rank), L.numel)
+        b["params" if f.trainable else "frozen"] -= (S - spad) * e
+        b["padding"] -= spad * e
+        half = aio.align_up(S * e)
+        halves.append((half, f.trainable))
+        if kind == "cpu":
+            host["params" if f.trainable else "frozen"] += S * e
+        else:
+            disk["params" if f.trainable else "frozen"] += (2 if f.trainable else 1) * half
+    if kind == "nvme" and halves:  # fetch buffer, step buffer, read-ahead buffers
+        train = [h for h, t in halves if t]
+        per_unit = Counter(f.unit_index for f in list(flats) + list(frozen))
+        host["param_staging"] = (1 + max(per_unit.values())) * max(h for h, _ in halves) \
+            + (max(train) if train else 0)
