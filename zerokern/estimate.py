@@ -81,6 +81,7 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     stage3_units,
 )
 from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
+from .optimizer_args import PRECISIONS, check_offload, check_precision, check_stage
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
@@ -88,7 +89,6 @@ CATEGORIES = ("params", "frozen", "live_units", "grads", "buckets", "master", "e
               "exp_avg_sq", "padding")
 MEASURED = CATEGORIES
 HOST_CATEGORIES = ("master", "exp_avg", "exp_avg_sq", "host_staging")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMMS = ("nccl", "gloo")
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
 K_DEEPSPEED = 12
@@ -211,18 +211,11 @@ def _state_padding(layout, rank: int, stage: int) -> int:
 def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    check_stage(stage)
+    check_precision(precision)
     if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
         raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-    if offload not in (None, "cpu", "nvme"):
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    if offload and stage == 0:
-        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (as ZeroAdamW: stage 0 keeps "
-                         "the "
-                         "full optimizer state on every rank)")
+    check_offload(offload, stage)  # as ZeroAdamW
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, world_size), got {rank!r}")
     if comm not in COMMS:
@@ -265,7 +258,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
-    dtype = PRECISIONS[precision]
+    dtype = check_precision(precision)
     e = dtype.itemsize
     r = e  # reduce dtype: the precision's (ZeroAdamW's default)
     has_master = dtype != torch.float32

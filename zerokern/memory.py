@@ -11,7 +11,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+from .optimizer_args import OFFLOADS, check_stage, elem_size
+
 # frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
 # optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
 _CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
@@ -32,13 +33,11 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    if precision not in _ELEM:
-        raise ValueError(f"precision must be one of {tuple(_ELEM)}, got {precision!r}")
-    if offload not in (None, "cpu", "nvme"):
+    check_stage(stage)
+    e = elem_size(precision)
+    if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    psi, n, e = num_params, world_size, _ELEM[precision]
+    psi, n = num_params, world_size
     g = reduce_bytes or e
     state = psi if stage == 0 else psi / n
     out = {

@@ -40,16 +40,18 @@ from .memory import memory_report
 from .model_sync import ModelWatch
 from .optimizer_args import (
     FLOAT_DTYPES,
+    PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
     check_distributed_env,
     check_groups,
     check_hyper,
+    check_offload,
+    check_precision,
+    check_stage,
     frozen_params,
     groups_of_model,
 )
 from .optimizer_state import StateDictMixin
 from .sharded_grads import BucketedGrads
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
@@ -113,23 +115,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         offload_path=None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+        check_stage(stage)
         if stage == 3:
             if not isinstance(params_or_model, torch.nn.Module):
                 raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
                                  "params: it partitions params per module unit")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+        dtype = check_precision(precision)
         if offload_path is not None and offload != "nvme":
             raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
-        if offload is not None:
-            if offload not in ("cpu", "nvme"):
-                raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-            if stage == 0:
-                raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (stage 0 keeps the "
-                                 "full optimizer state on every rank; offloading it saves "
-                                 "nothing that stage 1 would not)")
+        check_offload(offload, stage)
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
@@ -153,7 +147,6 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             from .aligned_io import check_path
 
             offload_path = check_path(offload_path)  # missing / read-only: before any change
-        dtype = PRECISIONS[precision]
         if isinstance(params_or_model, torch.nn.Module):
             for name, mod in params_or_model.named_modules():
                 if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:

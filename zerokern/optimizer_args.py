@@ -10,7 +10,43 @@ from typing import Any, Dict, List
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# [Note: the one precision table]
+# `precision=` names the dtype of the model's params and grads (DESIGN §1); master, m and v are
+# fp32 at every precision. Every module that takes a precision name (the optimizer, the loss
+# scaler, the formula and the exact estimate, consolidate, the engine config, the CLIs) reads
+# this table and validates with `check_precision`, so a fourth precision is one line here.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLOAT_DTYPES = tuple(PRECISIONS.values())
+STAGES = (0, 1, 2, 3)
+OFFLOADS = (None, "cpu", "nvme")
+
+
+def check_precision(precision) -> torch.dtype:
+    """The dtype of `precision` ("fp32" | "bf16" | "fp16"); ValueError naming it otherwise."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
+
+
+def elem_size(precision: str) -> int:
+    """Bytes per element of the params and grads at `precision`."""
+    return check_precision(precision).itemsize
+
+
+def check_stage(stage) -> int:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    return stage
+
+
+def check_offload(offload, stage: int) -> None:
+    """offload is None, "cpu" or "nvme", and not at stage 0."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload is not None and stage == 0:
+        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (stage 0 keeps the full "
+                         "optimizer state on every rank; offloading it saves nothing that "
+                         "stage 1 would not)")
 
 
 def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
