@@ -1,8 +1,8 @@
 """Per-rank memory of zerokern's buffers, exactly, for a model or a parameter count.
 
-`estimate_memory` (memory.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + 12Ψ and its shards. This module
-predicts what `opt.memory_report()` will say, byte for byte, by building zerokern's own buffers
-over `meta` tensors, which allocate nothing: `FlatGroup` at stages 0-2 (so `make_layout`,
+`estimate_memory` (formula.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + 12Ψ and its shards. This
+module predicts what `opt.memory_report()` will say, byte for byte, by building zerokern's own
+buffers over `meta` tensors, which allocate nothing: `FlatGroup` at stages 0-2 (so `make_layout`,
 `bucket_numel_for` and `ALIGN` padding), and at stage 3 one `ShardedFlat` per unit that owns
 params, units from `zerokern.stage3.find_units` (the default policy, or the one given to
 `spec_from_model(units=...)`, as ZeroAdamW's `units=`). A model contributes its real param
@@ -60,14 +60,14 @@ and 3 hold no staging buffers yet.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .aligned_io import align_up
-from .memory import _pad_in_range, estimate_memory
+from .formula import deepspeed_formula, estimate_memory
+from .memory import _pad_in_range
 from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     _ONE_PARAM,
     ModelSpec,
@@ -81,7 +81,7 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     stage3_units,
 )
 from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
-from .optimizer_args import PRECISIONS, check_offload, check_precision, check_stage
+from .optimizer_args import check_offload, check_precision, check_stage
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
@@ -90,8 +90,6 @@ CATEGORIES = ("params", "frozen", "live_units", "grads", "buckets", "master", "e
 MEASURED = CATEGORIES
 HOST_CATEGORIES = ("master", "exp_avg", "exp_avg_sq", "host_staging")
 COMMS = ("nccl", "gloo")
-# ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
-K_DEEPSPEED = 12
 # ---------------------------------------------------------------------------- the estimate
 
 
@@ -222,19 +220,6 @@ def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
 
 
-def deepspeed_formula(num_params: int, world_size: int, stage: int,
-                      offload: Optional[str] = None) -> Dict[str, int]:
-    """The ZeRO paper / DeepSpeed figures: 16-bit params and grads, K = 12 bytes of optimizer
-    state per param, each term divided by N once its stage shards it."""
-    psi, n = num_params, world_size
-    out = {"params": 2 * psi / (n if stage >= 3 else 1),
-           "grads": 2 * psi / (n if stage >= 2 else 1),
-           "optimizer": K_DEEPSPEED * psi / (n if stage >= 1 else 1)}
-    out = {k: int(round(v)) for k, v in out.items()}
-    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
-    return out
-
-
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
              comm: str = "nccl") -> Dict[str, Any]:
@@ -360,148 +345,3 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                                                            offload),
         "grad_order": spec.order_source, "notes": notes,
     }
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def _count(text: str) -> int:
-    """--params: an integer count, also written as 7e9 or 1.3e9 (must be whole)."""
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of parameters, got {text!r}") \
-            from None
-    if not (v >= 1 and v == int(v)) or v > 2**62:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
-    return int(v)
-
-
-def add_arguments(p) -> None:
-    from .argtypes import int_at_least, positive_float
-
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=_count, metavar="N",
-                      help="parameter count (e.g. 7e9): one flat buffer of N elements")
-    what.add_argument("--model", metavar="SPEC",
-                      help="a zerokern.gpt preset (tiny, small, 20m, 100m), a factory "
-                           "module:function, or a Hugging Face config (JSON, config.json path, "
-                           "directory, or hub name); built on the meta device")
-    p.add_argument("--world-size", type=int_at_least(1), default=1, metavar="N",
-                   help="ranks (default 1)")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append",
-                   help="stage(s) to show (repeatable; default all of 0-3)")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
-    p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
-    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
-                   help="ZeroAdamW bucket_mb (default 25)")
-    p.add_argument("--rank", type=int, default=0,
-                   help="rank to report (totals are equal on all ranks; default 0)")
-    p.add_argument("--comm", choices=list(COMMS), default="nccl",
-                   help="collective backend: gloo's ring keeps a scratch bucket at stage 1 "
-                        "(default nccl)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-_ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
-         ("live_units", "live units (bound, in a step)"),
-         ("grads", "grads"), ("buckets", "buckets"), ("master", "optimizer: master (fp32)"),
-         ("exp_avg", "optimizer: m (fp32)"), ("exp_avg_sq", "optimizer: v (fp32)"),
-         ("padding", "padding")]
-_HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
-              ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
-_DISK_ROWS = [("master", "disk: master (fp32, 2 halves)"),
-              ("exp_avg", "disk: m (fp32, 2 halves)"), ("exp_avg_sq", "disk: v (fp32, 2 halves)")]
-
-
-def format_table(results: List[Dict[str, Any]]) -> str:
-    """The human-readable table: one column per stage."""
-    r0 = results[0]
-    what = f"{r0['num_params']:,} params" if r0["model"] == "--params" else \
-        f"{r0['model']} ({r0['num_params']:,} params)"
-    head = (f"zerokern estimate: {what}, "
-            f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
-            f"offload {r0['offload'] or 'none'}, comm {r0['comm']}; bytes on rank {r0['rank']}")
-    cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
-    table = []
-    for key, label in _ROWS:
-        if key == "live_units":  # the bound; the measured category is 0 between steps
-            cells = [human_bytes(r["live_units_bound"]) if r["stage"] == 3 else "-"
-                     for r in results]
-        else:
-            cells = [human_bytes(r["bytes"][key]) for r in results]
-        table.append((label, cells))
-    table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
-    if any(r["offload"] for r in results):
-        for key, label in _HOST_ROWS:
-            table.append((label, [human_bytes(r["host"][key]) for r in results]))
-        table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
-        table.append(("DESIGN §4 formula (host)",
-                      [human_bytes(r["formula"]["host"]) for r in results]))
-    if any(r["offload"] == "nvme" for r in results):
-        for key, label in _DISK_ROWS:
-            table.append((label, [human_bytes(r["disk"][key]) for r in results]))
-        table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))
-        table.append(("DESIGN §4 formula (disk, x2)",
-                      [human_bytes(r["formula"]["disk"]) for r in results]))
-    table.append(("DESIGN §4 formula (device total)" if any(r["offload"] for r in results)
-                  else "DESIGN §4 formula (total)",
-                  [human_bytes(r["formula"]["total"]) for r in results]))
-    table.append(("DeepSpeed / ZeRO paper, K = 12",
-                  [human_bytes(r["deepspeed"]["total"]) for r in results]))
-    w0 = max(len(label) for label, _ in table)
-    ws = [max(len(c), *(len(cells[i]) for _, cells in table)) for i, c in enumerate(cols)]
-    lines = [head, "", "  ".join([" " * w0] + [c.rjust(w) for c, w in zip(cols, ws)])]
-    for label, cells in table:
-        lines.append("  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, ws)]))
-    lines.append("")
-    lines.append("Exact for zerokern's layout" + (" (stages without *)" if not
-                                                  all(r["exact"] for r in results) else "")
-                 + ": each device row equals opt.memory_report()['measured'] after a training "
-                 "step" + (", each host row its ['host_measured']" if r0["offload"] else "")
-                 + (", live units its ['live_units_bound']" if any(r["stage"] == 3
-                                                                  for r in results) else "")
-                 + ".")
-    notes = []
-    for r in results:
-        for n in r["notes"]:
-            if n not in notes:
-                notes.append(n)
-    lines += [f"- {n}" for n in notes]
-    return "\n".join(lines)
-
-
-def main(args) -> int:
-    if args.params is not None:
-        spec = spec_from_numel(args.params)
-    else:
-        model, desc = load_model(args.model)
-        spec = spec_from_model(model, desc)
-    if not 0 <= args.rank < args.world_size:
-        raise ValueError(f"--rank must be in [0, --world-size), got {args.rank}")
-    offload = None if args.offload == "none" else args.offload
-    if args.stage:
-        stages = sorted(set(args.stage))
-        if offload and 0 in stages:
-            raise ValueError(f"--offload {offload} needs --stage 1, 2 or 3 (stage 0 keeps the full "
-                             "optimizer state on every rank)")
-    else:  # every stage that takes this --offload
-        stages = [1, 2, 3] if offload else [0, 1, 2, 3]
-    results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
-                        args.rank, args.comm) for s in stages]
-    if args.json:
-        print(json.dumps({"results": results}, indent=1))
-    else:
-        print(format_table(results))
-    return 0

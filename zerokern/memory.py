@@ -1,60 +1,21 @@
-"""Model-state memory per rank: measured from the buffers held, and the DESIGN §4 formula.
-
-`memory_report` sums the storages the optimizer really holds (so it is a measurement, not the
-formula restated); `estimate_memory` is the formula. They agree within the bucket and padding
-terms, which the report lists separately.
+"""Model-state memory per rank, measured: `memory_report` sums the storages the optimizer
+really holds (so it is a measurement, not the formula restated), beside DESIGN §4's formula
+(`formula.estimate_memory`, re-exported here as before). They agree within the bucket and
+padding terms, which the report lists separately.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
-from .optimizer_args import OFFLOADS, check_stage, elem_size
+from .formula import estimate_memory  # noqa: F401 (zerokern.memory.estimate_memory, as before)
 
 # frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
 # optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
 _CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
          "live_units", "padding")
-
-
-def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
-                    offload: Optional[str] = None, reduce_bytes: Optional[int] = None
-                    ) -> Dict[str, int]:
-    """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
-
-    Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
-    offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
-    offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
-    writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
-    """
-    if not isinstance(num_params, int) or num_params < 1:
-        raise ValueError(f"num_params must be a positive int, got {num_params!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    check_stage(stage)
-    e = elem_size(precision)
-    if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    psi, n = num_params, world_size
-    g = reduce_bytes or e
-    state = psi if stage == 0 else psi / n
-    out = {
-        "params": e * (psi / n if stage == 3 else psi),
-        "grads": g * psi if stage <= 1 else g * psi / n,
-        # offload keeps an fp32 master on the host at every precision (the device params
-        # are only the working copy); without offload fp32 params are the master
-        "master": 0 if precision == "fp32" and not offload else 4 * state,
-        "exp_avg": 4 * state,
-        "exp_avg_sq": 4 * state,
-    }
-    out["optimizer"] = out["master"] + out["exp_avg"] + out["exp_avg_sq"]
-    out = {k: int(round(v)) for k, v in out.items()}
-    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
-    out["host"] = out["optimizer"] if offload == "cpu" else 0
-    out["disk"] = 2 * out["optimizer"] if offload == "nvme" else 0
-    return out
 
 
 def _pad_in_range(lo: int, hi: int, numel: int) -> int:

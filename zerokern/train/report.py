@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
+from ..formula import estimate_memory
 from ..host import cpu_model
-from ..memory import estimate_memory
 from ..optimizer_args import elem_size
 from ..tables import print_table
 from .config import TrainConfig
