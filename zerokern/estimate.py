@@ -67,7 +67,6 @@ from torch import nn
 
 from .aligned_io import align_up
 from .formula import deepspeed_formula, estimate_memory
-from .memory import _pad_in_range
 from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     _ONE_PARAM,
     ModelSpec,
@@ -82,6 +81,7 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
 )
 from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
 from .optimizer_args import check_offload, check_precision, check_stage
+from .stages import pattern
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
@@ -119,12 +119,12 @@ class _InstantComm:
         pass
 
 
-def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, stage,
+def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pat,
                 bucket_bytes):
     from .flat_group import FlatGroup
 
     params = [nn.Parameter(torch.empty(spec.shapes[i], device="meta")) for i in idx]
-    return FlatGroup(params, dtype, world_size, rank, stage, bucket_bytes)
+    return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes)
 
 
 def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
@@ -200,12 +200,6 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
         sync.detach()
 
 
-def _state_padding(layout, rank: int, stage: int) -> int:
-    ranges = [layout.bucket_range(k) if stage == 0 else layout.piece_range(k, rank)
-              for k in range(layout.n_buckets)]
-    return sum(_pad_in_range(lo, hi, layout.numel) for lo, hi in ranges)
-
-
 def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -244,6 +238,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
     dtype = check_precision(precision)
+    P = pattern(stage)  # what the stage keeps (stages.py)
     e = dtype.itemsize
     r = e  # reduce dtype: the precision's (ZeroAdamW's default)
     has_master = dtype != torch.float32
@@ -252,28 +247,28 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     disk = dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), 0)
     live_bound = None
     notes = []
-    if stage < 3:
-        g = _meta_group(spec, range(len(spec.shapes)), dtype, world_size, rank, stage,
+    if not P.shards_params:
+        g = _meta_group(spec, range(len(spec.shapes)), dtype, world_size, rank, P,
                         bucket_mb * 2**20)
         L = g.layout
         layouts = [L]
         b["params"], b["padding"] = (L.padded_numel - L.padding) * e, L.padding * e
-        if stage <= 1:  # FullGrads: a full grad buffer in the model dtype
+        if not P.shards_grads:  # FullGrads: a full grad buffer in the model dtype
             b["grads"] = (L.padded_numel - L.padding) * e
             b["padding"] += L.padding * e
-        if stage == 2:  # BucketedGrads: staging buffers (the grad shard is counted below)
+        else:  # BucketedGrads: staging buffers (the grad shard is counted below)
             b["buckets"] = _staging_bytes(spec, g, dtype)
             if spec.order_source != _ONE_PARAM:  # a model: say where its grad order came from
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
-        if stage == 1 and comm == "gloo" and world_size > 1:
+        if not (P.replicated_state or P.shards_grads) and comm == "gloo" and world_size > 1:
             b["buckets"] = L.bucket_numel * r  # the ring's one scratch bucket (see the Note)
     else:
         flats, frozen, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank,
                                                                  dtype)
         layouts = [f.layout for f in flats]
         for f in frozen:  # frozen shards: this rank's piece, cast to the precision
-            spad = _state_padding(f.layout, rank, 3)
+            spad = P.state_padding(f.layout, rank)
             b["frozen"] += (f.layout.shard_numel - spad) * e
             b["padding"] += spad * e
         if spec.order_source == _ONE_PARAM:
@@ -290,12 +285,12 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                      "device total")
     for L in layouts:
         # Sharded per-rank state (stages 1-3; the whole buffer at stage 0): this rank's pieces.
-        state = L.padded_numel if stage == 0 else L.shard_numel
-        spad = _state_padding(L, rank, stage)
-        if stage == 3:  # the resident param shard
+        state = P.state_numel(L)
+        spad = P.state_padding(L, rank)
+        if P.shards_params:  # the resident param shard
             b["params"] += (state - spad) * e
             b["padding"] += spad * e
-        if stage >= 2:  # the grad shard, in the reduce dtype
+        if P.shards_grads:  # the grad shard, in the reduce dtype
             b["grads"] += (state - spad) * r
             b["padding"] += spad * r
         if offload == "nvme":  # two halves per file, padding too, an fp32 master always
@@ -312,8 +307,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                     b[cat] += (state - spad) * 4
                     b["padding"] += spad * 4
     if offload == "nvme":
-        chunk = pool_chunk([L.padded_numel if stage == 0 else L.shard_numel for L in layouts],
-                           CHUNK_NUMEL)
+        chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL)
         host["host_staging"] = QUEUE_DEPTH * set_bytes(chunk, r, 0 if not has_master else e) \
             + 2 * 4
         notes.append(f"offload='nvme': master (fp32), m and v on disk, two halves each; the "
@@ -324,12 +318,12 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         notes.append("offload='cpu': master (fp32 at every precision), m and v in host memory, "
                      "with pinned staging (grad piece, 16-bit param piece) per buffer and 2 "
                      "scalars; host figures include their padding")
-    exact = stage < 2 or spec.order_known
+    exact = not P.shards_grads or spec.order_known
     if not exact:
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
                      "not run on meta), so `buckets` may differ from a run")
     formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload)
-    if stage == 3:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
+    if P.shards_params:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
         formula["frozen"] = int(round(spec.num_frozen * e / world_size))
         formula["total"] += formula["frozen"]
     return {

@@ -18,34 +18,19 @@ _CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_s
          "live_units", "padding")
 
 
-def _pad_in_range(lo: int, hi: int, numel: int) -> int:
-    """Padding elements (index >= numel) inside flat range [lo, hi)."""
-    return max(0, hi - max(lo, numel))
-
-
 def _buffers(opt):
-    """(category, tensor, padding elements in it) for every buffer the optimizer holds."""
+    """(category, tensor, padding elements in it) for every buffer the optimizer holds on the
+    device. Each buffer says what it holds (ShardBuffer.device_buffers: its params, and
+    master/m/v where its placement keeps them on the device); the grads are grad_sync's."""
     held = opt.grad_sync.held()
     for gi, g in enumerate(opt.flat_groups):
-        L = g.layout
-        state_ranges = [L.bucket_range(k) if opt.stage == 0 else L.piece_range(k, opt.comm.rank)
-                        for k in range(L.n_buckets)]
-        state_pad = sum(_pad_in_range(lo, hi, L.numel) for lo, hi in state_ranges)
-        if opt.stage == 3:  # the resident shard, and the full unit while it is gathered
-            yield "params", g.flat, state_pad
-            yield "live_units", g.full, L.padding
-        else:
-            yield "params", g.flat, L.padding
-        for cat, t in (("master", g.master), ("exp_avg", g.exp_avg),
-                       ("exp_avg_sq", g.exp_avg_sq)):
-            if t is not None and opt.offloader is None:  # offloaded: host bytes, apart
-                yield cat, t, state_pad
+        yield from g.device_buffers()
         grads = held["grads"][gi]
-        yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
+        L = g.layout
+        yield "grads", grads, (L.padding if grads.numel() == L.padded_numel
+                               else g.state_padding)
     for f in getattr(opt.grad_sync, "frozen", ()):  # stage 3: frozen shards, gathered units
-        L = f.layout
-        yield "frozen", f.flat, _pad_in_range(*L.piece_range(0, opt.comm.rank), L.numel)
-        yield "live_units", f.full, L.padding
+        yield from f.device_buffers()
     for t in held.get("buckets", []):
         yield "buckets", t, 0
     ring = getattr(opt.comm, "ring", None)
@@ -71,9 +56,8 @@ def memory_report(opt) -> Dict[str, Any]:
     seen = set()
     pad_bound = 0
     for g in opt.flat_groups:
-        n_bufs = 4 + (g.master is not None)  # params, grads, exp_avg, exp_avg_sq (+ master)
-        if opt.offloader is not None:
-            n_bufs = 2  # master, exp_avg, exp_avg_sq are host bytes, not in this total
+        # params, grads, and master/m/v where the placement keeps them on the device
+        n_bufs = 2 + len(g.state.device_tensors())
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
     frozen = getattr(opt.grad_sync, "frozen", ())
     pad_bound += sum(f.layout.padding * 4 for f in frozen)
@@ -96,20 +80,21 @@ def memory_report(opt) -> Dict[str, Any]:
                                   .element_size() / opt.comm.world_size))
     formula["total"] += formula["frozen"]
     out = {}
-    if opt.offloader is not None:  # host memory, apart from the device's
-        host = opt.offloader.host_bytes()
+    place = opt.placement  # where master/m/v live: it says what it holds off the device
+    host = place.host_bytes()
+    if host is not None:  # host memory, apart from the device's
         out["host_measured"] = host
         out["host_measured_total"] = sum(host.values())
         out["host_formula_total"] = formula["host"]
-        disk = getattr(opt.offloader, "disk_bytes", None)
-        if disk is not None:  # offload="nvme": host pinned / pageable, and disk, apart
-            pinned = opt.offloader.pin
-            out["host_pinned_total"] = out["host_measured_total"] if pinned else 0
-            out["host_pageable_total"] = 0 if pinned else out["host_measured_total"]
-            out["disk_measured"] = disk()
-            out["disk_measured_total"] = sum(out["disk_measured"].values())
-            out["disk_formula_total"] = formula["disk"]
-    if opt.stage == 3:
+    disk = place.disk_bytes()
+    if disk is not None:  # offload="nvme": host pinned / pageable, and disk, apart
+        pinned = place.pin
+        out["host_pinned_total"] = out["host_measured_total"] if pinned else 0
+        out["host_pageable_total"] = 0 if pinned else out["host_measured_total"]
+        out["disk_measured"] = disk
+        out["disk_measured_total"] = sum(disk.values())
+        out["disk_formula_total"] = formula["disk"]
+    if opt.pattern.shards_params:  # stage 3: units gathered in a step
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,

@@ -51,7 +51,9 @@ from .optimizer_args import (
     groups_of_model,
 )
 from .optimizer_state import StateDictMixin
+from .placement import make_placement
 from .sharded_grads import BucketedGrads
+from .stages import pattern
 
 
 class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
@@ -192,13 +194,20 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                 old = ref() if ref is not None else None
                 if old is not None and not old.detached:
                     old.detach()  # (stage 3: gathers them whole again first)
+        # Where master/m/v live and the update that runs there (placement.py [Note: offload
+        # is a placement of the state]): made first, so the buffers allocate through it.
+        self.pattern = pattern(stage)
+        self.offload = offload
+        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm,
+                                        self.pattern)
         if stage == 3:
             from .stage3 import ShardedFlat, Stage3Sync
 
             group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
             self.units = unit_list
             self.flat_groups = [
-                ShardedFlat(ps, dtype, comm.world_size, comm.rank, gi, u.index)
+                ShardedFlat(ps, dtype, comm.world_size, comm.rank, gi, u.index,
+                            placement=self.placement)
                 for u in unit_list for gi in range(len(trainable))
                 for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
             # Frozen params: sharded with their unit, cast to the precision, no grads and no
@@ -209,26 +218,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                                                   self.reduce_dtype, params_or_model, frozen)
         else:
             self.flat_groups: List[FlatGroup] = [
-                FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
-                for ps in trainable]
-            for gi, g in enumerate(self.flat_groups):
-                g.group_index = gi
+                FlatGroup(ps, dtype, comm.world_size, comm.rank, self.pattern,
+                          bucket_mb * 2**20, placement=self.placement, group_index=gi)
+                for gi, ps in enumerate(trainable)]
             self.grad_sync = (
                 BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
         for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
             p.data = p.data.to(dtype)
-        self.offload = offload
-        self.offloader = None
-        if offload == "cpu":
-            from .offload import Offloader
-
-            self.offloader = Offloader(self.flat_groups, self.reduce_dtype)
-        elif offload == "nvme":
-            from .offload_nvme import NvmeOffloader
-
-            self.offloader = NvmeOffloader(self.flat_groups, self.reduce_dtype, offload_path,
-                                           comm, stage)
+        self.placement.attach(self.flat_groups)
         self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
@@ -383,25 +381,20 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         grad_scale = self._unscale if clip is None else self._unscale * clip
         self._clip_next = None
         gathers = []
-        off = self.offloader
-        scalars_ev = off.begin(grad_scale, found) if off is not None else None
+        place = self.placement  # one update path, wherever the state lives (placement.py)
+        place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             group = self.param_groups[g.group_index]
             b1, b2 = group["betas"]
+            hyper = dict(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], adamw=group["adamw"])
             for k in range(g.layout.n_buckets):
-                if off is not None:  # on the host, pipelined with the copies (offload.py)
-                    off.update_piece(gi, k, gs.grad_piece(gi, k), scalars_ev, lr=group["lr"],
-                                     beta1=b1, beta2=b2, eps=group["eps"],
-                                     weight_decay=group["weight_decay"], adamw=group["adamw"],
-                                     backend=self.backend)
-                else:
-                    self._device_update(g, group, k, gs.grad_piece(gi, k), grad_scale, found)
+                place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
                 gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
             if h is not None:
                 h.wait()
-        if off is not None:
-            off.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
+        place.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
         gs.after_step()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
@@ -411,19 +404,13 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     def close(self) -> None:
         """Release what outlives a step: offload="nvme" removes its state files now (they are
         removed at garbage collection and at exit too). The optimizer cannot step afterwards."""
-        close = getattr(self.offloader, "close", None)
-        if close is not None:
-            close()
+        self.placement.close()
 
-    def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
-        b1, b2 = group["betas"]
-        m, v = g.moments(k)
-        kernels.adam_step_(
-            g.master_piece(k), m, v, grad, g.param_out_piece(k),
-            lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=group["adamw"],
-            step=g.steps[k], grad_scale=grad_scale, found_inf=found,
-            backend=self.backend)
+    @property
+    def offloader(self):
+        """The offload placement (offload.Offloader / offload_nvme.NvmeOffloader), None
+        without offload: for benchmarks and tests that tune its chunking."""
+        return None if self.offload is None else self.placement
 
     # ---- introspection ---------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
