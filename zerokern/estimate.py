@@ -15,7 +15,7 @@ and Hugging Face configs) is in `model_spec.py`.
 What is predicted, after a training step:
 - `bytes`: `memory_report()["measured"]`, the device categories. `live_units` (stage-3 units
   gathered) is 0 between steps; `live_units_bound` is `memory_report()["live_units_bound"]`
-  (`Stage3Sync.live_bound()`: the root and its ties plus the two largest other units).
+  (`Stage3Runtime.live_bound()`: the root and its ties plus the two largest other units).
 - `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. `Offloader` moves
   master, exp_avg and exp_avg_sq of every buffer to the host, padding included, with an fp32
   master at every precision (at fp32 the device params are then only the working copy), and
@@ -39,13 +39,13 @@ Three buffers are not a function of the shapes alone; here is how each is modell
   in, the same on CPU as on meta (checked on zerokern.gpt). When the model cannot run on meta
   (an unknown input signature), the order is reverse registration order and the result says so
   (`exact: False`); `--params` is one param, so its order is trivial.
-- Stage-3 staging pool (`buckets`): Stage3Sync keeps, per padded unit size, as many full-unit
+- Stage-3 staging pool (`buckets`): Stage3Runtime keeps, per padded unit size, as many full-unit
   staging buffers as were ever in use at once: a unit takes one at its first grad and gives it
   back when its reduce-scatter is waited for, which happens only when MAX_IN_FLIGHT (2) are in
   flight or backward ends; reduce-scatters go in the reverse of the forward's unit order, the
   root last. So it depends on the grad order and on the forward's unit order. The same meta
-  forward records the units' calls (their forward pre-hooks, as Stage3Sync records them), and
-  the replay drives the real Stage3Sync over meta ShardedFlats: one forward through stand-in
+  forward records the units' calls (their forward pre-hooks, as Stage3Runtime records them), and
+  the replay drives the real Stage3Runtime over meta ShardedFlats: one forward through stand-in
   unit modules carrying its hooks (so it derives its reduce-scatter order itself), then
   `on_grad` in the recorded grad order and `end_backward`.
 - The gloo ring's scratch buffer (`buckets`, stage 1 over gloo, N > 1): zerokern runs gloo's
@@ -145,7 +145,7 @@ def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
 
 
 class _Stub(nn.Module):
-    """A unit's module in the stage-3 replay: calling it runs Stage3Sync's forward hooks. The
+    """A unit's module in the stage-3 replay: calling it runs Stage3Runtime's forward hooks. The
     root's stub calls the other units' stubs in the recorded forward order."""
 
     def __init__(self) -> None:
@@ -158,20 +158,20 @@ class _Stub(nn.Module):
 
 
 class _GradOf:
-    """All Stage3Sync.on_grad reads of a param: its `.grad` (which it sets to None)."""
+    """All Stage3Runtime.on_grad reads of a param: its `.grad` (which it sets to None)."""
 
     def __init__(self, grad: torch.Tensor) -> None:
         self.grad = grad
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype):
-    """Stage 3 through zerokern's own ShardedFlat and Stage3Sync on meta tensors.
+    """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
-    One forward (the recorded unit calls, so Stage3Sync derives its reduce-scatter order as in
+    One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
     a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
-    (the flats, bytes of the staging pool it holds after, Stage3Sync.live_bound()).
+    (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound()).
     """
-    from .stage3 import ShardedFlat, Stage3Sync, Unit
+    from .stage3 import ShardedFlat, Stage3Runtime, Unit
 
     params = [nn.Parameter(torch.empty(s, device="meta")) for s in spec.shapes]
     stubs = [_Stub() for _ in spec.units]
@@ -184,7 +184,7 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
               for i, us in enumerate(spec.units) if us.frozen]
     where = {j: (fi, slot) for fi, u in enumerate(u for u in spec.units if u.params)
              for slot, j in enumerate(u.params)}
-    sync = Stage3Sync(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0],
+    sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0],
                       frozen)
     try:
         stubs[0].calls = [stubs[i] for i in spec.fwd_units]
@@ -278,7 +278,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         else:
             notes.append(f"stage 3: {len(flats)} units with params ({spec.unit_policy} unit "
                          f"policy), one buffer each, padded to N*128 elements; the staging "
-                         f"pool replays Stage3Sync over the forward and grad order of "
+                         f"pool replays Stage3Runtime over the forward and grad order of "
                          f"{spec.order_source}")
         notes.append("live units (bound): full units gathered at once in a step (root and "
                      "its ties + the two largest other units); 0 between steps, so not in the "

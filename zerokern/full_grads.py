@@ -138,9 +138,9 @@ class FullGrads(GradSync):
         self._reduced = True
 
     # -- step ----------------------------------------------------------------------------------
-    def reduce(self):
+    def reduced_buckets(self):
         if self._reduced:
-            yield from GradSync.reduce(self)
+            yield from GradSync.reduced_buckets(self)
             return
         # Only no_sync() backward passes (or a step() after a cleared reduction): reduce now.
         self._sched.reset()

@@ -4,7 +4,7 @@ The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in 
 the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
 
 [Note: one optimizer step, without a host sync]
-1. `grad_sync.reduce()` yields each bucket as its reduction lands (stages 0-2: normally already
+1. `grad_sync.reduced_buckets()` yields each bucket as its reduction lands (normally already
    reduced during backward; what ran under no_sync() only is reduced here).
 2. `grad_stats_` over this rank's grads -> found_inf, sumsq, in one small fp32 tensor; one
    all-reduce (SUM) combines it across ranks (stages 1-3; at stage 0 every rank has all grads).
@@ -23,7 +23,6 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -39,16 +38,11 @@ from .loss_scale import make_loss_scaler
 from .memory import memory_report
 from .model_sync import ModelWatch
 from .optimizer_args import (
-    FLOAT_DTYPES,
     PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
-    check_distributed_env,
+    check_arguments,
+    check_clip,
     check_groups,
-    check_hyper,
-    check_offload,
-    check_precision,
-    check_stage,
     frozen_params,
-    groups_of_model,
 )
 from .optimizer_state import StateDictMixin
 from .placement import make_placement
@@ -117,47 +111,12 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         offload_path=None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
-        check_stage(stage)
-        if stage == 3:
-            if not isinstance(params_or_model, torch.nn.Module):
-                raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
-                                 "params: it partitions params per module unit")
-        dtype = check_precision(precision)
-        if offload_path is not None and offload != "nvme":
-            raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
-        check_offload(offload, stage)
-        if not isinstance(adamw, bool):
-            raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
-                                              and 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm must be None or a finite number > 0, "
-                             f"got {max_grad_norm!r}")
-        if not (isinstance(bucket_mb, numbers.Real) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        if reduce_dtype is not None and reduce_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
-                            f"got {reduce_dtype!r}")
-        kernels.validate.check_backend(backend)
-        if units is not None and stage != 3:
-            raise ValueError(f"units applies to stage=3 only (got stage={stage})")
-        if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
-            raise ValueError("param_groups is for a model (params_or_model=model); with bare "
-                             "params pass the group dicts as params_or_model")
-        check_hyper(lr, betas, eps, weight_decay)
-        check_distributed_env(process_group)
-        if offload == "nvme":
-            from .aligned_io import check_path
-
-            offload_path = check_path(offload_path)  # missing / read-only: before any change
-        if isinstance(params_or_model, torch.nn.Module):
-            for name, mod in params_or_model.named_modules():
-                if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
-                    raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
-                                     "sparse gradients are not supported, use sparse=False")
-            params = (params_or_model.parameters() if param_groups is None
-                      else groups_of_model(params_or_model, param_groups))
-        else:
-            params = params_or_model
+        dtype, offload_path, params = check_arguments(
+            params_or_model, stage=stage, precision=precision, adamw=adamw,
+            max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
+            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
+            param_groups=param_groups, lr=lr, betas=betas, eps=eps,
+            weight_decay=weight_decay, process_group=process_group)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
@@ -201,7 +160,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm,
                                         self.pattern)
         if stage == 3:
-            from .stage3 import ShardedFlat, Stage3Sync
+            from .stage3 import ShardedFlat, Stage3Runtime
 
             group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
             self.units = unit_list
@@ -214,7 +173,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             # optimizer state (units.py); group_index -1: in no param group.
             frozen = [ShardedFlat(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index,
                                   trainable=False) for u in unit_list if u.frozen]
-            self.grad_sync: GradSync = Stage3Sync(self.flat_groups, unit_list, comm,
+            self.grad_sync: GradSync = Stage3Runtime(self.flat_groups, unit_list, comm,
                                                   self.reduce_dtype, params_or_model, frozen)
         else:
             self.flat_groups: List[FlatGroup] = [
@@ -322,7 +281,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]
-        for gi, k in gs.reduce():  # stats of bucket k while later buckets are still reducing
+        for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         if not gs.averaged:  # each rank holds a shard (stages 1-3): combine the stats
             self.comm.all_reduce_(stats)
@@ -336,12 +295,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
         DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
         backward and before step(), as FSDP's clip_grad_norm_."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or \
-                not 0 < max_norm < math.inf:
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or \
-                not norm_type > 0:
-            raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+        check_clip(max_norm, norm_type)
         self._check_ready()
         self._prepare()
         norm = self.grad_norm if norm_type == 2 else self._other_norm(float(norm_type))

@@ -148,3 +148,65 @@ def check_groups(param_groups, dtype: torch.dtype) -> List[List[torch.nn.Paramet
         empty = [i for i, ps in enumerate(out) if not ps]
         raise ValueError(f"param groups {empty} have no trainable parameters")
     return out
+
+
+def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, offload,
+                    offload_path, bucket_mb, reduce_dtype, backend, units, param_groups, lr,
+                    betas, eps, weight_decay, process_group):
+    """ZeroAdamW's checks that come before its param groups exist (DESIGN §1: before the model
+    is touched). Returns (the precision's dtype, offload_path checked, the params or group
+    dicts to build the param groups from)."""
+    check_stage(stage)
+    if stage == 3:
+        if not isinstance(params_or_model, torch.nn.Module):
+            raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
+                             "params: it partitions params per module unit")
+    dtype = check_precision(precision)
+    if offload_path is not None and offload != "nvme":
+        raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
+    check_offload(offload, stage)
+    if not isinstance(adamw, bool):
+        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
+                                          and 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm must be None or a finite number > 0, "
+                         f"got {max_grad_norm!r}")
+    if not (isinstance(bucket_mb, numbers.Real) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+    if reduce_dtype is not None and reduce_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
+                        f"got {reduce_dtype!r}")
+    from .kernels import validate
+
+    validate.check_backend(backend)
+    if units is not None and stage != 3:
+        raise ValueError(f"units applies to stage=3 only (got stage={stage})")
+    if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
+        raise ValueError("param_groups is for a model (params_or_model=model); with bare "
+                         "params pass the group dicts as params_or_model")
+    check_hyper(lr, betas, eps, weight_decay)
+    check_distributed_env(process_group)
+    if offload == "nvme":
+        from .aligned_io import check_path
+
+        offload_path = check_path(offload_path)  # missing / read-only: before any change
+    if isinstance(params_or_model, torch.nn.Module):
+        for name, mod in params_or_model.named_modules():
+            if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
+                raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
+                                 "sparse gradients are not supported, use sparse=False")
+        params = (params_or_model.parameters() if param_groups is None
+                  else groups_of_model(params_or_model, param_groups))
+    else:
+        params = params_or_model
+    return dtype, offload_path, params
+
+
+def check_clip(max_norm, norm_type) -> None:
+    """clip_grad_norm_'s arguments, as torch.nn.utils.clip_grad_norm_ takes them."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or \
+            not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or \
+            not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")

@@ -24,6 +24,7 @@ saved views, and bound nothing.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import List
 
 import torch
@@ -31,6 +32,14 @@ import torch
 from ..partition import make_layout, one_bucket_numel
 from ..shard_buffer import ShardBuffer
 from ..stages import pattern
+
+
+class Residency(Enum):
+    """Where a unit's params are (three states, so not a pair of flags)."""
+
+    SHARD = "shard"          # only this rank's shard; the params are empty tensors
+    GATHERING = "gathering"  # an all-gather into `full` is in flight (`handle`)
+    GATHERED = "gathered"    # `full` holds the unit; the params view it
 
 
 class ShardedFlat(ShardBuffer):
@@ -58,9 +67,13 @@ class ShardedFlat(ShardBuffer):
         self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.gathered = True   # full is allocated (freed just below)
-        self.handle = None     # an all-gather in flight into full
+        self.residency = Residency.GATHERED  # full is allocated (freed just below)
+        self.handle = None  # the all-gather in flight into full (GATHERING)
         self.free()
+
+    @property
+    def gathered(self) -> bool:
+        return self.residency is Residency.GATHERED
 
     @property
     def flat(self) -> torch.Tensor:
@@ -79,22 +92,23 @@ class ShardedFlat(ShardBuffer):
 
     def start_gather(self, comm, label=None) -> None:
         """Allocate full and launch the all-gather of every rank's shard into it (async)."""
-        if self.gathered or self.handle is not None:
+        if self.residency is not Residency.SHARD:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
         self.handle = comm.all_gather_(self.full, self.param_shard, async_op=True,
                                         label=label)
+        self.residency = Residency.GATHERING
 
     def finish_gather(self) -> None:
-        if self.handle is not None:
+        if self.residency is Residency.GATHERING:
             self.handle.wait()
             self.handle = None
-            self.gathered = True
+            self.residency = Residency.GATHERED
             for p, v in zip(self.params, self.views):
                 p.data = v
 
     def free(self) -> None:
-        if self.handle is not None:  # a prefetch nobody used: let it land before freeing
+        if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
             self.handle.wait()
             self.handle = None
         for p in self.params:
@@ -106,7 +120,7 @@ class ShardedFlat(ShardBuffer):
             self.full = torch.empty(L.padded_numel, dtype=self.dtype, device=self.device)
             self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        self.residency = Residency.SHARD
 
     def write_back_(self) -> None:
         """After the user changed gathered params: take this rank's piece back into the shard.
@@ -148,6 +162,6 @@ class ShardedFlat(ShardBuffer):
         return {**super().layout_meta(), "unit": self.unit_index}
 
     def check_between_steps(self) -> None:
-        if self.gathered or self.handle is not None:
+        if self.residency is not Residency.SHARD:
             raise ValueError("opt has gathered stage-3 params (inside gathered_params() or "
                              "a forward): save or load between steps")
