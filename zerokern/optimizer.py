@@ -125,7 +125,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         comm = Comm(process_group)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
-        if stage == 3:
+        P = pattern(stage)  # what the stage keeps (stages.py)
+        if P.shards_params:
             from .stage3 import find_units
 
             unit_list = find_units(params_or_model, units)  # raises on a bad policy
@@ -155,11 +156,11 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                     old.detach()  # (stage 3: gathers them whole again first)
         # Where master/m/v live and the update that runs there (placement.py [Note: offload
         # is a placement of the state]): made first, so the buffers allocate through it.
-        self.pattern = pattern(stage)
+        self.pattern = P
         self.offload = offload
         self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm,
                                         self.pattern)
-        if stage == 3:
+        if P.shards_params:
             from .stage3 import ShardedFlat, Stage3Runtime
 
             group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
@@ -181,7 +182,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                           bucket_mb * 2**20, placement=self.placement, group_index=gi)
                 for gi, ps in enumerate(trainable)]
             self.grad_sync = (
-                BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
+                BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if P.shards_grads
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
         for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
             p.data = p.data.to(dtype)
@@ -198,7 +199,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             float(scaler.scale) != 1.0
         model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
         self.model_watch = None
-        if stage != 3:
+        if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
             ref = weakref.ref(self)
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
@@ -389,7 +390,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         modify=True: changes made to the params inside are kept (each rank takes its piece
         back into its shard and fp32 master); otherwise they are discarded at stage 3.
         """
-        if self.stage != 3:
+        if not self.pattern.shards_params:
             yield
             return
         self.grad_sync.gather_all()
