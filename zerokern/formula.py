@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .optimizer_args import OFFLOADS, check_stage, elem_size
+from .optimizer_args import OFFLOADS, elem_size
+from .stages import pattern
 
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
 K_DEEPSPEED = 12
@@ -30,16 +31,16 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    check_stage(stage)
+    P = pattern(stage)
     e = elem_size(precision)
     if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
     psi, n = num_params, world_size
     g = reduce_bytes or e
-    state = psi if stage == 0 else psi / n
+    state = psi if P.replicated_state else psi / n
     out = {
-        "params": e * (psi / n if stage == 3 else psi),
-        "grads": g * psi if stage <= 1 else g * psi / n,
+        "params": e * (psi / n if P.shards_params else psi),
+        "grads": g * psi / n if P.shards_grads else g * psi,
         # offload keeps an fp32 master on the host at every precision (the device params
         # are only the working copy); without offload fp32 params are the master
         "master": 0 if precision == "fp32" and not offload else 4 * state,

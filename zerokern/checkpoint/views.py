@@ -202,7 +202,9 @@ def whole_frozen_params(opt, write_back: bool = False):
     whole among the extras (extra.bin), so save and load see them gathered. Collective at
     stage 3; nothing at stages 0-2 or for a bad `opt` (the checks that follow report it)."""
     sync = getattr(opt, "grad_sync", None)
-    if getattr(opt, "stage", None) != 3 or not getattr(sync, "frozen", None) or sync.detached:
+    pat = getattr(opt, "pattern", None)
+    if pat is None or not pat.shards_params or not getattr(sync, "frozen", None) \
+            or sync.detached:
         yield
         return
     with sync.frozen_whole(write_back):
