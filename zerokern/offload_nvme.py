@@ -104,9 +104,9 @@ class NvmeOffloader(CopyPipeline):
     offload = "nvme"
     movable = False
 
-    def __init__(self, grad_dtype: torch.dtype, offload_path: str, comm, pattern,
+    def __init__(self, grad_dtype: torch.dtype, offload_path: str, comm,
                  chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None) -> None:
-        self.comm, self.pattern = comm, pattern
+        self.comm = comm
         self.root = offload_path
         self.grad_dtype = grad_dtype
         self.direct = aio.direct_supported(self.root)
@@ -344,10 +344,13 @@ class NvmeOffloader(CopyPipeline):
         for gi, k in self.dirty:  # re-cast the params from the untouched current half
             g = self.groups[gi]
             g.param_out_piece(k).copy_(g.master[g.state_slice(k)])
-        if self.pattern.publishes:  # every rank re-gathers every bucket (collective, 1-2)
-            for g in self.groups:
-                for k in range(g.layout.n_buckets):
-                    self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k))
+        # Every rank re-publishes every bucket (collective; stages 1-2 all-gather, the others
+        # publish nothing), as a step does.
+        for g in self.groups:
+            for k in range(g.layout.n_buckets):
+                h = g.publish_piece(self.comm, k)
+                if h is not None:
+                    h.wait()
 
     # -- reports -------------------------------------------------------------------------------
     def host_bytes(self) -> dict:

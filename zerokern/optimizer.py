@@ -158,8 +158,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         # is a placement of the state]): made first, so the buffers allocate through it.
         self.pattern = P
         self.offload = offload
-        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm,
-                                        self.pattern)
+        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm)
         if P.shards_params:
             from .stage3 import ShardedFlat, Stage3Runtime
 

@@ -92,7 +92,7 @@ class DevicePlacement:
 
 
 def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
-                   comm=None, pattern=None):
+                   comm=None):
     """The placement for ZeroAdamW's `offload=` (arguments validated by the optimizer)."""
     if offload is None:
         return DevicePlacement()
@@ -102,4 +102,4 @@ def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path
         return Offloader(grad_dtype)
     from .offload_nvme import NvmeOffloader
 
-    return NvmeOffloader(grad_dtype, offload_path, comm, pattern)
+    return NvmeOffloader(grad_dtype, offload_path, comm)
