@@ -54,6 +54,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from typing import List, Optional
 
 import torch
@@ -97,6 +98,15 @@ class _Set:
         return [t for t in (self.raw, self.grad, self.param) if t is not None]
 
 
+class StepPhase(Enum):
+    """Where NvmeOffloader is in a step (an I/O failure is recorded apart, in `error`)."""
+
+    IDLE = "idle"          # between steps: no I/O in flight, `plan` None
+    STARTED = "started"    # begin() ran: reads ahead; found_inf not read yet
+    UPDATING = "updating"  # found_inf read, no overflow: pieces are updated and written
+    SKIPPED = "skipped"    # found_inf read, overflow: no I/O, nothing changes, no flip
+
+
 class NvmeOffloader(CopyPipeline):
     """offload="nvme": the state in files (DiskState per buffer, nvme_state.py); the update
     streams every piece of every buffer from and to disk (placement.py)."""
@@ -118,6 +128,7 @@ class NvmeOffloader(CopyPipeline):
         self._finalizer = weakref.finalize(self, cleanup, self.files, self.io, os.getpid())
         self.cur = 0
         self.plan = None
+        self.phase = StepPhase.IDLE
         self._pool_args = (chunk_numel, queue_depth)
         self.io_wait_s = 0.0  # host seconds waiting on the disk (bench diagnostics)
         self.bytes_moved = 0
@@ -175,12 +186,11 @@ class NvmeOffloader(CopyPipeline):
         if not self._finalizer.alive:
             raise RuntimeError("zerokern offload='nvme': this optimizer was closed (its state "
                                "files are removed); build a new one or load a checkpoint")
-        if self.plan is not None:  # a step that raised before finish(): let its I/O land
-            self._drain()
+        if self.phase is not StepPhase.IDLE:  # a step that raised before finish(): let its
+            self._drain()                     # I/O land
         ev = self.scalars_ev = self._ship_scalars(grad_scale, found_inf)
         self.error: Optional[BaseException] = None
-        self.decided = False  # found_inf read (first update_piece)
-        self.skip = False
+        self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
         self.steps0 = [f.steps.clone() for f in self.files]
         self.plan = [(gi, lo, min(lo + self.chunk, f.n)) for gi, f in enumerate(self.files)
@@ -260,13 +270,13 @@ class NvmeOffloader(CopyPipeline):
 
     def _update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                       backend: str) -> None:
-        if not self.decided:
-            self.decided = True
+        if self.phase is StepPhase.STARTED:  # the first piece reads found_inf
             self._wait(self.scalars_ev)
+            self.phase = StepPhase.UPDATING
             if self.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no I/O
-                self.skip = True
+                self.phase = StepPhase.SKIPPED
                 self._drain()
-        if self.skip or self.error is not None:
+        if self.phase is StepPhase.SKIPPED or self.error is not None:
             return  # after a failure the rest of the step does nothing; finish() rolls back
         g = self.groups[gi]
         sl = g.state_slice(k)
@@ -309,9 +319,10 @@ class NvmeOffloader(CopyPipeline):
 
     def finish(self) -> None:
         """Commit the step, or roll it back everywhere (Note: all or nothing)."""
-        if getattr(self, "plan", None) is None:
+        if self.phase is StepPhase.IDLE:
             return
-        if not self.skip:
+        skipped = self.phase is StepPhase.SKIPPED
+        if not skipped:
             self._drain()
         failed = torch.tensor([0.0 if self.error is None else 1.0],
                               device=self.groups[0].device)
@@ -320,8 +331,9 @@ class NvmeOffloader(CopyPipeline):
         # One host read per step (a device sync with NCCL): the step already waited for the
         # host's update of every chunk, so it costs the all-reduce's latency only.
         self.plan = None
+        self.phase = StepPhase.IDLE
         if failed.item() == 0:
-            if not self.skip:
+            if not skipped:
                 self.cur = 1 - self.cur
                 for f in self.files:
                     f.point(self.cur, remap=True)
