@@ -16,11 +16,12 @@ What is predicted, after a training step:
 - `bytes`: `memory_report()["measured"]`, the device categories. `live_units` (stage-3 units
   gathered) is 0 between steps; `live_units_bound` is `memory_report()["live_units_bound"]`
   (`Stage3Runtime.live_bound()`: the root and its ties plus the two largest other units).
-- `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. `Offloader` moves
-  master, exp_avg and exp_avg_sq of every buffer to the host, padding included, with an fp32
-  master at every precision (at fp32 the device params are then only the working copy), and
-  keeps host staging per buffer: a grad piece in the reduce dtype and a param piece in the
-  model dtype (not at fp32), plus 2 fp32 scalars once. The device no longer holds master, m or v.
+- `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. The `Offloader`
+  placement keeps master, exp_avg and exp_avg_sq of every buffer on the host, padding
+  included, with an fp32 master at every precision (at fp32 the device params are then only
+  the working copy), and host staging per buffer: a grad piece in the reduce dtype and a param
+  piece in the model dtype (not at fp32), plus 2 fp32 scalars once. The device holds no
+  master, m or v.
 - offload="nvme": `host` is the I/O pool only (master/m/v rows 0): QUEUE_DEPTH buffer sets of
   `pool_chunk` elements (fp32 master|m|v, a grad chunk, a param chunk but at fp32) plus the 2
   scalars, pinned with nccl (a GPU) and pageable with gloo (`host_pinned` / `host_pageable`);
