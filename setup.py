@@ -35,7 +35,8 @@ def ext_modules():
     exts = [CppExtension("zerokern._ops_cpu", cpu_src,
                          extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
                          extra_link_args=["-fopenmp"])]
-    if CUDA_HOME is not None and (torch.cuda.is_available() or os.environ.get("TORCH_CUDA_ARCH_LIST")):
+    if CUDA_HOME is not None and (torch.cuda.is_available()
+                                  or os.environ.get("TORCH_CUDA_ARCH_LIST")):
         exts.append(CUDAExtension(
             "zerokern._ops_cuda", ["csrc/cuda/binding.cpp", "csrc/cuda/zk_kernels.cu"],
             extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-lineinfo"]}))

@@ -1,4 +1,5 @@
-"""Offload benchmark: `python benchmarks/bench_offload.py [--quick]` (= `zerokern bench --offload`)."""
+"""Offload benchmark: `python benchmarks/bench_offload.py [--quick]`
+(= `zerokern bench --offload`)."""
 
 import sys
 

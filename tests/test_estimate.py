@@ -43,6 +43,7 @@ from zero.harness import cached, case, one_thread, run_cases  # noqa: F401 (fixt
 import zerokern as zk
 from zerokern import cli
 from zerokern import estimate as E
+from zerokern import estimate_cli as EC
 from zerokern.gpt import GPT, PRESETS, build_gpt
 from zerokern.memory import estimate_memory
 from zerokern.partition import ALIGN
@@ -332,7 +333,7 @@ def test_cli_json_matches_api_and_table_has_every_row(capsys):
     assert all(r["live_units_bound"] is None for r in res[:3])
     rc, out, _ = _cli(capsys, "estimate", "--params", "7e9", "--world-size", "8")
     assert rc == 0
-    for _, label in E._ROWS:
+    for _, label in EC._ROWS:
         assert label in out
     assert "DeepSpeed" in out and "DESIGN §4" in out and "host" not in out
     assert "stage 3 *" not in out  # every column is exact
@@ -370,7 +371,7 @@ def test_cli_offload_shows_device_and_host_apart(capsys):
         assert r["bytes"]["master"] == r["bytes"]["exp_avg"] == 0
     rc, out, _ = _cli(capsys, "estimate", "--model", "tiny", "--offload", "cpu")
     assert rc == 0
-    for _, label in E._HOST_ROWS:
+    for _, label in EC._HOST_ROWS:
         assert label in out
     assert "total on the host" in out and "DESIGN §4 formula (host)" in out
     assert "['host_measured']" in out

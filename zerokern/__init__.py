@@ -2,7 +2,7 @@
 
 from . import checkpoint, kernels
 from .engine import init_distributed, initialize
-from .memory import estimate_memory
+from .formula import estimate_memory
 from .optimizer import ZeroAdamW
 
 __version__ = "0.1.0"

@@ -159,10 +159,10 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, t0: flo
 
 
 def cmd_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import estimate
+    from . import estimate_cli
 
     try:
-        return estimate.main(args)
+        return estimate_cli.main(args)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     return 2
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerokern", description=__doc__)
     sub = p.add_subparsers(dest="cmd", metavar="{train,bench,estimate,build,info,consolidate}")
     sub.required = True
-    from . import estimate
+    from . import estimate_cli
     from .train import config as train_config
 
     tr = sub.add_parser("train", help="train a small GPT with ZeroAdamW on the Python stdlib's "
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "buckets and padding for each stage: exact for zerokern's "
                                      "layout (equal to opt.memory_report()), beside DESIGN "
                                      "§4's formula and DeepSpeed's (K = 12).")
-    estimate.add_arguments(est)
+    estimate_cli.add_arguments(est)
     est.set_defaults(subparser=est)
     sub.add_parser("info", help="versions, CPU features and backend availability")
     b = sub.add_parser("build", help="prebuild the native ops into the cache")

@@ -1,8 +1,8 @@
 """Per-rank memory of zerokern's buffers, exactly, for a model or a parameter count.
 
-`estimate_memory` (memory.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + 12Ψ and its shards. This module
-predicts what `opt.memory_report()` will say, byte for byte, by building zerokern's own buffers
-over `meta` tensors, which allocate nothing: `FlatGroup` at stages 0-2 (so `make_layout`,
+`estimate_memory` (formula.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + 12Ψ and its shards. This
+module predicts what `opt.memory_report()` will say, byte for byte, by building zerokern's own
+buffers over `meta` tensors, which allocate nothing: `FlatGroup` at stages 0-2 (so `make_layout`,
 `bucket_numel_for` and `ALIGN` padding), and at stage 3 one `ShardedFlat` per unit that owns
 params, units from `zerokern.stage3.find_units` (the default policy, or the one given to
 `spec_from_model(units=...)`, as ZeroAdamW's `units=`). A model contributes its real param
@@ -15,12 +15,13 @@ and Hugging Face configs) is in `model_spec.py`.
 What is predicted, after a training step:
 - `bytes`: `memory_report()["measured"]`, the device categories. `live_units` (stage-3 units
   gathered) is 0 between steps; `live_units_bound` is `memory_report()["live_units_bound"]`
-  (`Stage3Sync.live_bound()`: the root and its ties plus the two largest other units).
-- `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. `Offloader` moves
-  master, exp_avg and exp_avg_sq of every buffer to the host, padding included, with an fp32
-  master at every precision (at fp32 the device params are then only the working copy), and
-  keeps host staging per buffer: a grad piece in the reduce dtype and a param piece in the
-  model dtype (not at fp32), plus 2 fp32 scalars once. The device no longer holds master, m or v.
+  (`Stage3Runtime.live_bound()`: the root and its ties plus the two largest other units).
+- `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. The `Offloader`
+  placement keeps master, exp_avg and exp_avg_sq of every buffer on the host, padding
+  included, with an fp32 master at every precision (at fp32 the device params are then only
+  the working copy), and host staging per buffer: a grad piece in the reduce dtype and a param
+  piece in the model dtype (not at fp32), plus 2 fp32 scalars once. The device holds no
+  master, m or v.
 - offload="nvme": `host` is the I/O pool only (master/m/v rows 0): QUEUE_DEPTH buffer sets of
   `pool_chunk` elements (fp32 master|m|v, a grad chunk, a param chunk but at fp32) plus the 2
   scalars, pinned with nccl (a GPU) and pageable with gloo (`host_pinned` / `host_pageable`);
@@ -39,13 +40,13 @@ Three buffers are not a function of the shapes alone; here is how each is modell
   in, the same on CPU as on meta (checked on zerokern.gpt). When the model cannot run on meta
   (an unknown input signature), the order is reverse registration order and the result says so
   (`exact: False`); `--params` is one param, so its order is trivial.
-- Stage-3 staging pool (`buckets`): Stage3Sync keeps, per padded unit size, as many full-unit
+- Stage-3 staging pool (`buckets`): Stage3Runtime keeps, per padded unit size, as many full-unit
   staging buffers as were ever in use at once: a unit takes one at its first grad and gives it
   back when its reduce-scatter is waited for, which happens only when MAX_IN_FLIGHT (2) are in
   flight or backward ends; reduce-scatters go in the reverse of the forward's unit order, the
   root last. So it depends on the grad order and on the forward's unit order. The same meta
-  forward records the units' calls (their forward pre-hooks, as Stage3Sync records them), and
-  the replay drives the real Stage3Sync over meta ShardedFlats: one forward through stand-in
+  forward records the units' calls (their forward pre-hooks, as Stage3Runtime records them), and
+  the replay drives the real Stage3Runtime over meta ShardedFlats: one forward through stand-in
   unit modules carrying its hooks (so it derives its reduce-scatter order itself), then
   `on_grad` in the recorded grad order and `end_backward`.
 - The gloo ring's scratch buffer (`buckets`, stage 1 over gloo, N > 1): zerokern runs gloo's
@@ -60,14 +61,13 @@ and 3 hold no staging buffers yet.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .aligned_io import align_up
-from .memory import _pad_in_range, estimate_memory
+from .formula import deepspeed_formula, estimate_memory
 from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     _ONE_PARAM,
     ModelSpec,
@@ -81,6 +81,8 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     stage3_units,
 )
 from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
+from .optimizer_args import check_offload, check_precision, check_stage
+from .stages import pattern
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
@@ -88,10 +90,7 @@ CATEGORIES = ("params", "frozen", "live_units", "grads", "buckets", "master", "e
               "exp_avg_sq", "padding")
 MEASURED = CATEGORIES
 HOST_CATEGORIES = ("master", "exp_avg", "exp_avg_sq", "host_staging")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMMS = ("nccl", "gloo")
-# ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
-K_DEEPSPEED = 12
 # ---------------------------------------------------------------------------- the estimate
 
 
@@ -121,12 +120,12 @@ class _InstantComm:
         pass
 
 
-def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, stage,
+def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pat,
                 bucket_bytes):
     from .flat_group import FlatGroup
 
     params = [nn.Parameter(torch.empty(spec.shapes[i], device="meta")) for i in idx]
-    return FlatGroup(params, dtype, world_size, rank, stage, bucket_bytes)
+    return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes)
 
 
 def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
@@ -147,7 +146,7 @@ def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
 
 
 class _Stub(nn.Module):
-    """A unit's module in the stage-3 replay: calling it runs Stage3Sync's forward hooks. The
+    """A unit's module in the stage-3 replay: calling it runs Stage3Runtime's forward hooks. The
     root's stub calls the other units' stubs in the recorded forward order."""
 
     def __init__(self) -> None:
@@ -160,20 +159,20 @@ class _Stub(nn.Module):
 
 
 class _GradOf:
-    """All Stage3Sync.on_grad reads of a param: its `.grad` (which it sets to None)."""
+    """All Stage3Runtime.on_grad reads of a param: its `.grad` (which it sets to None)."""
 
     def __init__(self, grad: torch.Tensor) -> None:
         self.grad = grad
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype):
-    """Stage 3 through zerokern's own ShardedFlat and Stage3Sync on meta tensors.
+    """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
-    One forward (the recorded unit calls, so Stage3Sync derives its reduce-scatter order as in
+    One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
     a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
-    (the flats, bytes of the staging pool it holds after, Stage3Sync.live_bound()).
+    (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound()).
     """
-    from .stage3 import ShardedFlat, Stage3Sync, Unit
+    from .stage3 import ShardedFlat, Stage3Runtime, Unit
 
     params = [nn.Parameter(torch.empty(s, device="meta")) for s in spec.shapes]
     stubs = [_Stub() for _ in spec.units]
@@ -186,7 +185,7 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
               for i, us in enumerate(spec.units) if us.frozen]
     where = {j: (fi, slot) for fi, u in enumerate(u for u in spec.units if u.params)
              for slot, j in enumerate(u.params)}
-    sync = Stage3Sync(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0],
+    sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0],
                       frozen)
     try:
         stubs[0].calls = [stubs[i] for i in spec.fwd_units]
@@ -202,44 +201,18 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
         sync.detach()
 
 
-def _state_padding(layout, rank: int, stage: int) -> int:
-    ranges = [layout.bucket_range(k) if stage == 0 else layout.piece_range(k, rank)
-              for k in range(layout.n_buckets)]
-    return sum(_pad_in_range(lo, hi, layout.numel) for lo, hi in ranges)
-
-
 def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    check_stage(stage)
+    check_precision(precision)
     if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
         raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-    if offload not in (None, "cpu", "nvme"):
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    if offload and stage == 0:
-        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (as ZeroAdamW: stage 0 keeps "
-                         "the "
-                         "full optimizer state on every rank)")
+    check_offload(offload, stage)  # as ZeroAdamW
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, world_size), got {rank!r}")
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-
-
-def deepspeed_formula(num_params: int, world_size: int, stage: int,
-                      offload: Optional[str] = None) -> Dict[str, int]:
-    """The ZeRO paper / DeepSpeed figures: 16-bit params and grads, K = 12 bytes of optimizer
-    state per param, each term divided by N once its stage shards it."""
-    psi, n = num_params, world_size
-    out = {"params": 2 * psi / (n if stage >= 3 else 1),
-           "grads": 2 * psi / (n if stage >= 2 else 1),
-           "optimizer": K_DEEPSPEED * psi / (n if stage >= 1 else 1)}
-    out = {k: int(round(v)) for k, v in out.items()}
-    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
-    return out
 
 
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
@@ -270,7 +243,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     from .stage3 import param_offload as PO
 
     PO.check_args(offload_params, stage, offload)
-    dtype = PRECISIONS[precision]
+    dtype = check_precision(precision)
+    P = pattern(stage)  # what the stage keeps (stages.py)
     e = dtype.itemsize
     r = e  # reduce dtype: the precision's (ZeroAdamW's default)
     has_master = dtype != torch.float32
@@ -279,28 +253,28 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     disk = dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), 0)
     live_bound = None
     notes = []
-    if stage < 3:
-        g = _meta_group(spec, range(len(spec.shapes)), dtype, world_size, rank, stage,
+    if not P.shards_params:
+        g = _meta_group(spec, range(len(spec.shapes)), dtype, world_size, rank, P,
                         bucket_mb * 2**20)
         L = g.layout
         layouts = [L]
         b["params"], b["padding"] = (L.padded_numel - L.padding) * e, L.padding * e
-        if stage <= 1:  # FullGrads: a full grad buffer in the model dtype
+        if not P.shards_grads:  # FullGrads: a full grad buffer in the model dtype
             b["grads"] = (L.padded_numel - L.padding) * e
             b["padding"] += L.padding * e
-        if stage == 2:  # BucketedGrads: staging buffers (the grad shard is counted below)
+        else:  # BucketedGrads: staging buffers (the grad shard is counted below)
             b["buckets"] = _staging_bytes(spec, g, dtype)
             if spec.order_source != _ONE_PARAM:  # a model: say where its grad order came from
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
-        if stage == 1 and comm == "gloo" and world_size > 1:
+        if not (P.replicated_state or P.shards_grads) and comm == "gloo" and world_size > 1:
             b["buckets"] = L.bucket_numel * r  # the ring's one scratch bucket (see the Note)
     else:
         flats, frozen, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank,
                                                                  dtype)
         layouts = [f.layout for f in flats]
         for f in frozen:  # frozen shards: this rank's piece, cast to the precision
-            spad = _state_padding(f.layout, rank, 3)
+            spad = P.state_padding(f.layout, rank)
             b["frozen"] += (f.layout.shard_numel - spad) * e
             b["padding"] += spad * e
         if spec.order_source == _ONE_PARAM:
@@ -310,19 +284,19 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         else:
             notes.append(f"stage 3: {len(flats)} units with params ({spec.unit_policy} unit "
                          f"policy), one buffer each, padded to N*128 elements; the staging "
-                         f"pool replays Stage3Sync over the forward and grad order of "
+                         f"pool replays Stage3Runtime over the forward and grad order of "
                          f"{spec.order_source}")
         notes.append("live units (bound): full units gathered at once in a step (root and "
                      "its ties + the two largest other units); 0 between steps, so not in the "
                      "device total")
     for L in layouts:
         # Sharded per-rank state (stages 1-3; the whole buffer at stage 0): this rank's pieces.
-        state = L.padded_numel if stage == 0 else L.shard_numel
-        spad = _state_padding(L, rank, stage)
-        if stage == 3:  # the resident param shard
+        state = P.state_numel(L)
+        spad = P.state_padding(L, rank)
+        if P.shards_params:  # the resident param shard
             b["params"] += (state - spad) * e
             b["padding"] += spad * e
-        if stage >= 2:  # the grad shard, in the reduce dtype
+        if P.shards_grads:  # the grad shard, in the reduce dtype
             b["grads"] += (state - spad) * r
             b["padding"] += spad * r
         if offload == "nvme":  # two halves per file, padding too, an fp32 master always
@@ -342,8 +316,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         PO.estimate_(b, host, disk, flats, frozen, rank, offload_params)
         notes.append(PO.NOTES[offload_params])
     if offload == "nvme":
-        chunk = pool_chunk([L.padded_numel if stage == 0 else L.shard_numel for L in layouts],
-                           CHUNK_NUMEL)
+        chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL)
         host["host_staging"] = QUEUE_DEPTH * set_bytes(chunk, r, 0 if not has_master else e) \
             + 2 * 4
         notes.append(f"offload='nvme': master (fp32), m and v on disk, two halves each; the "
@@ -354,12 +327,12 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         notes.append("offload='cpu': master (fp32 at every precision), m and v in host memory, "
                      "with pinned staging (grad piece, 16-bit param piece) per buffer and 2 "
                      "scalars; host figures include their padding")
-    exact = stage < 2 or spec.order_known
+    exact = not P.shards_grads or spec.order_known
     if not exact:
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
                      "not run on meta), so `buckets` may differ from a run")
     formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload)
-    if stage == 3:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
+    if P.shards_params:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
         formula["frozen"] = int(round(spec.num_frozen * e / world_size))
         formula["total"] += formula["frozen"]
     if offload_params:
@@ -380,161 +353,3 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                                                            offload),
         "grad_order": spec.order_source, "notes": notes,
     }
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def _count(text: str) -> int:
-    """--params: an integer count, also written as 7e9 or 1.3e9 (must be whole)."""
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of parameters, got {text!r}") \
-            from None
-    if not (v >= 1 and v == int(v)) or v > 2**62:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
-    return int(v)
-
-
-def add_arguments(p) -> None:
-    from .argtypes import int_at_least, positive_float
-
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=_count, metavar="N",
-                      help="parameter count (e.g. 7e9): one flat buffer of N elements")
-    what.add_argument("--model", metavar="SPEC",
-                      help="a zerokern.gpt preset (tiny, small, 20m, 100m), a factory "
-                           "module:function, or a Hugging Face config (JSON, config.json path, "
-                           "directory, or hub name); built on the meta device")
-    p.add_argument("--world-size", type=int_at_least(1), default=1, metavar="N",
-                   help="ranks (default 1)")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append",
-                   help="stage(s) to show (repeatable; default all of 0-3)")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
-    p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
-    p.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default="none",
-                   help="stage 3: where the param shards live between uses (nvme needs "
-                        "--offload nvme)")
-    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
-                   help="ZeroAdamW bucket_mb (default 25)")
-    p.add_argument("--rank", type=int, default=0,
-                   help="rank to report (totals are equal on all ranks; default 0)")
-    p.add_argument("--comm", choices=list(COMMS), default="nccl",
-                   help="collective backend: gloo's ring keeps a scratch bucket at stage 1 "
-                        "(default nccl)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-_ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
-         ("live_units", "live units (bound, in a step)"),
-         ("grads", "grads"), ("buckets", "buckets"), ("master", "optimizer: master (fp32)"),
-         ("exp_avg", "optimizer: m (fp32)"), ("exp_avg_sq", "optimizer: v (fp32)"),
-         ("padding", "padding")]
-_HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
-              ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
-_PARAM_HOST_ROWS = [("params", "host: param shards"), ("frozen", "host: frozen shards"),
-                    ("param_staging", "host: param I/O buffers")]
-_PARAM_DISK_ROWS = [("params", "disk: param shards (2 halves)"),
-                    ("frozen", "disk: frozen shards")]
-_DISK_ROWS = [("master", "disk: master (fp32, 2 halves)"),
-              ("exp_avg", "disk: m (fp32, 2 halves)"), ("exp_avg_sq", "disk: v (fp32, 2 halves)")]
-
-
-def format_table(results: List[Dict[str, Any]]) -> str:
-    """The human-readable table: one column per stage."""
-    r0 = results[0]
-    what = f"{r0['num_params']:,} params" if r0["model"] == "--params" else \
-        f"{r0['model']} ({r0['num_params']:,} params)"
-    head = (f"zerokern estimate: {what}, "
-            f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
-            f"offload {r0['offload'] or 'none'}"
-            + (f", offload_params {r0['offload_params']}" if r0.get("offload_params") else "")
-            + f", comm {r0['comm']}; bytes on rank {r0['rank']}")
-    cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
-    table = []
-    for key, label in _ROWS:
-        if key == "live_units":  # the bound; the measured category is 0 between steps
-            cells = [human_bytes(r["live_units_bound"]) if r["stage"] == 3 else "-"
-                     for r in results]
-        else:
-            cells = [human_bytes(r["bytes"][key]) for r in results]
-        table.append((label, cells))
-    table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
-    poff = any(r.get("offload_params") for r in results)
-    if any(r["offload"] for r in results) or poff:
-        for key, label in _HOST_ROWS + (_PARAM_HOST_ROWS if poff else []):
-            table.append((label, [human_bytes(r["host"].get(key, 0)) for r in results]))
-        table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
-        table.append(("DESIGN §4 formula (host)",
-                      [human_bytes(r["formula"]["host"]) for r in results]))
-    if any(r["offload"] == "nvme" for r in results):
-        for key, label in _DISK_ROWS + (_PARAM_DISK_ROWS if poff else []):
-            table.append((label, [human_bytes(r["disk"].get(key, 0)) for r in results]))
-        table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))
-        table.append(("DESIGN §4 formula (disk, x2)",
-                      [human_bytes(r["formula"]["disk"]) for r in results]))
-    table.append(("DESIGN §4 formula (device total)" if any(r["offload"] for r in results)
-                  else "DESIGN §4 formula (total)",
-                  [human_bytes(r["formula"]["total"]) for r in results]))
-    table.append(("DeepSpeed / ZeRO paper, K = 12",
-                  [human_bytes(r["deepspeed"]["total"]) for r in results]))
-    w0 = max(len(label) for label, _ in table)
-    ws = [max(len(c), *(len(cells[i]) for _, cells in table)) for i, c in enumerate(cols)]
-    lines = [head, "", "  ".join([" " * w0] + [c.rjust(w) for c, w in zip(cols, ws)])]
-    for label, cells in table:
-        lines.append("  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, ws)]))
-    lines.append("")
-    lines.append("Exact for zerokern's layout" + (" (stages without *)" if not
-                                                  all(r["exact"] for r in results) else "")
-                 + ": each device row equals opt.memory_report()['measured'] after a training "
-                 "step" + (", each host row its ['host_measured']" if r0["offload"] or poff else "")
-                 + (", live units its ['live_units_bound']" if any(r["stage"] == 3
-                                                                  for r in results) else "")
-                 + ".")
-    notes = []
-    for r in results:
-        for n in r["notes"]:
-            if n not in notes:
-                notes.append(n)
-    lines += [f"- {n}" for n in notes]
-    return "\n".join(lines)
-
-
-def main(args) -> int:
-    if args.params is not None:
-        spec = spec_from_numel(args.params)
-    else:
-        model, desc = load_model(args.model)
-        spec = spec_from_model(model, desc)
-    if not 0 <= args.rank < args.world_size:
-        raise ValueError(f"--rank must be in [0, --world-size), got {args.rank}")
-    offload = None if args.offload == "none" else args.offload
-    offload_params = None if args.offload_params == "none" else args.offload_params
-    if offload_params and not args.stage:
-        args.stage = [3]  # param offload is stage 3's
-    if args.stage:
-        stages = sorted(set(args.stage))
-        if offload and 0 in stages:
-            raise ValueError(f"--offload {offload} needs --stage 1, 2 or 3 (stage 0 keeps the full "
-                             "optimizer state on every rank)")
-    else:  # every stage that takes this --offload
-        stages = [1, 2, 3] if offload else [0, 1, 2, 3]
-    results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
-                        args.rank, args.comm, offload_params) for s in stages]
-    if args.json:
-        print(json.dumps({"results": results}, indent=1))
-    else:
-        print(format_table(results))
-    return 0

@@ -22,7 +22,10 @@ class FullGrads(GradSync):
 
     def __init__(self, groups, comm, reduce_dtype, stage: int) -> None:
         self.stage = stage
-        self.averaged = stage == 0
+        # Stage 0 all-reduces in place (every rank holds every bucket's state: its pattern
+        # replicates it); stage 1 reduce-scatters into this rank's grad shard.
+        self.all_reduce = groups[0].pattern.replicated_state
+        self.averaged = self.all_reduce
         self.grads: Optional[List[torch.Tensor]] = None  # (E,) model dtype; None: freed
         self._views: List[List[torch.Tensor]] = []
         self._alloc(groups)
@@ -52,7 +55,7 @@ class FullGrads(GradSync):
 
     # -- p.grad ----------------------------------------------------------------------------------
     def exposed_grad(self, gi, i):
-        if self.stage == 1 and self._reduced:
+        if not self.all_reduce and self._reduced:
             return self.released(gi, i)
         return self._views[gi][i]
 
@@ -111,7 +114,7 @@ class FullGrads(GradSync):
     def _launch(self, gi: int, k: int) -> None:
         g, buf = self.groups[gi], self.grads[gi]
         b = g.bucket(buf, k)
-        if self.stage == 0:
+        if self.all_reduce:
             src = b
             if b.dtype != self.reduce_dtype:
                 # Reduced in reduce_dtype into a buffer kept until the step, which updates
@@ -141,7 +144,7 @@ class FullGrads(GradSync):
         n = self.comm.world_size
         for gi, k, h, back, src in self._handles:
             h.wait()
-            if self.stage == 0 and n > 1:
+            if self.all_reduce and n > 1:
                 (src if src is not None else self.groups[gi].bucket(self.grads[gi], k)).div_(n)
             if back is not None:
                 back.copy_(src)
@@ -158,9 +161,9 @@ class FullGrads(GradSync):
         self._reduced = True
 
     # -- step ----------------------------------------------------------------------------------
-    def reduce(self):
+    def reduced_buckets(self):
         if self._reduced:
-            yield from GradSync.reduce(self)
+            yield from GradSync.reduced_buckets(self)
             return
         # Only no_sync() backward passes (or a step() after a cleared reduction): reduce now.
         self._sched.reset()
@@ -171,12 +174,12 @@ class FullGrads(GradSync):
 
     def grad_piece(self, gi, k) -> torch.Tensor:
         g = self.groups[gi]
-        if self.stage == 0:
+        if self.all_reduce:
             return g.bucket(self.grads[gi] if self._wide[gi] is None else self._wide[gi], k)
         return self._shard[gi][g.state_slice(k)]
 
     def after_step(self) -> None:
-        if self.stage == 1:  # the shard lives from the reducing backward to the step
+        if not self.all_reduce:  # the shard lives from the reducing backward to the step
             self._shard = [None] * len(self.groups)
             self._reduced = False
         elif any(w is not None for w in self._wide):  # a second step re-reduces p.grad

@@ -11,7 +11,8 @@ the fixed launch order); the stages are:
   reduce-scatter into a shard).
 - BucketedGrads (stage 2, sharded_grads.py): each grad copied into its bucket's staging buffer,
   a full bucket reduce-scattered at once into this rank's grad shard; p.grad released.
-- Stage3Sync (stage 3, stage3/runtime.py): the same shard accumulation (ShardedGrads), per unit.
+- Stage3Runtime (stage 3, stage3/runtime.py): the same shard accumulation (ShardedGrads), per
+  unit, inside the runtime that gathers, frees and prefetches the units' params.
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order or NCCL/gloo hang. Buckets are
@@ -229,9 +230,12 @@ class GradSync:
                            f"{gi} was replaced by another tensor; at this stage gradients are "
                            "sharded across ranks and cannot be assigned. Clear them with "
                            "opt.zero_grad() and let backward produce them")
-    def reduce(self):
+    def reduced_buckets(self):
         """Called at step(): yields (group, bucket) as each bucket's reduced grads are ready in
-        grad_piece(), so the caller can work on one while others are in flight."""
+        grad_piece(), so the caller can work on one while others are in flight. Stages 0-2
+        normally reduced everything during backward and only wait here; what ran under
+        no_sync() alone is reduced now (the name says what the caller gets, not that it
+        reduces: at stages 2-3 it usually does not)."""
         for gi, g in enumerate(self.groups):
             for k in range(g.layout.n_buckets):
                 yield gi, k

@@ -13,9 +13,10 @@ from typing import Any, Dict, Mapping
 
 import torch
 
+from .optimizer_args import check_precision
+
 __all__ = ["LossScaler", "DynamicLossScaler", "make_loss_scaler"]
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
 _DYNAMIC_KWARGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
                    "min_scale", "hysteresis")
 _INT32_MAX = 2**31 - 1
@@ -227,8 +228,7 @@ def make_loss_scaler(loss_scale: Any, precision: str,
     Raises:
         TypeError, ValueError: Naming ``loss_scale``/``precision`` (or the key) and what is allowed.
     """
-    if not isinstance(precision, str) or precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    check_precision(precision)
     if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "dynamic"):
         if precision == "fp16":
             return DynamicLossScaler(device)

@@ -1,93 +1,37 @@
-"""Model-state memory per rank: measured from the buffers held, and the DESIGN §4 formula.
-
-`memory_report` sums the storages the optimizer really holds (so it is a measurement, not the
-formula restated); `estimate_memory` is the formula. They agree within the bucket and padding
-terms, which the report lists separately.
+"""Model-state memory per rank, measured: `memory_report` sums the storages the optimizer
+really holds (so it is a measurement, not the formula restated), beside DESIGN §4's formula
+(`formula.estimate_memory`, re-exported here as before). They agree within the bucket and
+padding terms, which the report lists separately.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
-_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+from .formula import estimate_memory  # noqa: F401 (zerokern.memory.estimate_memory, as before)
+
 # frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
 # optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
 _CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
          "live_units", "padding")
 
 
-def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
-                    offload: Optional[str] = None, reduce_bytes: Optional[int] = None
-                    ) -> Dict[str, int]:
-    """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
-
-    Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
-    offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
-    offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
-    writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
-    """
-    if not isinstance(num_params, int) or num_params < 1:
-        raise ValueError(f"num_params must be a positive int, got {num_params!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    if precision not in _ELEM:
-        raise ValueError(f"precision must be one of {tuple(_ELEM)}, got {precision!r}")
-    if offload not in (None, "cpu", "nvme"):
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    psi, n, e = num_params, world_size, _ELEM[precision]
-    g = reduce_bytes or e
-    state = psi if stage == 0 else psi / n
-    out = {
-        "params": e * (psi / n if stage == 3 else psi),
-        "grads": g * psi if stage <= 1 else g * psi / n,
-        # offload keeps an fp32 master on the host at every precision (the device params
-        # are only the working copy); without offload fp32 params are the master
-        "master": 0 if precision == "fp32" and not offload else 4 * state,
-        "exp_avg": 4 * state,
-        "exp_avg_sq": 4 * state,
-    }
-    out["optimizer"] = out["master"] + out["exp_avg"] + out["exp_avg_sq"]
-    out = {k: int(round(v)) for k, v in out.items()}
-    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
-    out["host"] = out["optimizer"] if offload == "cpu" else 0
-    out["disk"] = 2 * out["optimizer"] if offload == "nvme" else 0
-    return out
-
-
-def _pad_in_range(lo: int, hi: int, numel: int) -> int:
-    """Padding elements (index >= numel) inside flat range [lo, hi)."""
-    return max(0, hi - max(lo, numel))
-
-
 def _buffers(opt):
-    """(category, tensor, padding elements in it) for every buffer the optimizer holds."""
+    """(category, tensor, padding elements in it) for every buffer the optimizer holds on the
+    device. Each buffer says what it holds (ShardBuffer.device_buffers: its params, and
+    master/m/v where its placement keeps them on the device); the grads are grad_sync's."""
     held = opt.grad_sync.held()
     for gi, g in enumerate(opt.flat_groups):
-        L = g.layout
-        state_ranges = [L.bucket_range(k) if opt.stage == 0 else L.piece_range(k, opt.comm.rank)
-                        for k in range(L.n_buckets)]
-        state_pad = sum(_pad_in_range(lo, hi, L.numel) for lo, hi in state_ranges)
-        if opt.stage == 3:  # the resident shard, and the full unit while it is gathered
-            yield "params", getattr(g, "device_flat", g.flat), state_pad  # (param offload)
-            yield "live_units", g.full, L.padding
-        else:
-            yield "params", g.flat, L.padding
-        for cat, t in (("master", g.master), ("exp_avg", g.exp_avg),
-                       ("exp_avg_sq", g.exp_avg_sq)):
-            if t is not None and opt.offloader is None:  # offloaded: host bytes, apart
-                yield cat, t, state_pad
+        yield from g.device_buffers()
         if held["grads"]:  # (none between steps with free_grads=True)
             grads = held["grads"][gi]
-            yield "grads", grads, (L.padding if grads.numel() == L.padded_numel else state_pad)
+            L = g.layout
+            yield "grads", grads, (L.padding if grads.numel() == L.padded_numel
+                                   else g.state_padding)
     for f in getattr(opt.grad_sync, "frozen", ()):  # stage 3: frozen shards, gathered units
-        L = f.layout
-        yield ("frozen", getattr(f, "device_flat", f.flat),
-               _pad_in_range(*L.piece_range(0, opt.comm.rank), L.numel))
-        yield "live_units", f.full, L.padding
+        yield from f.device_buffers()
     for t in held.get("buckets", []):
         yield "buckets", t, 0
     ring = getattr(opt.comm, "ring", None)
@@ -113,9 +57,8 @@ def memory_report(opt) -> Dict[str, Any]:
     seen = set()
     pad_bound = 0
     for g in opt.flat_groups:
-        n_bufs = 4 + (g.master is not None)  # params, grads, exp_avg, exp_avg_sq (+ master)
-        if opt.offloader is not None:
-            n_bufs = 2  # master, exp_avg, exp_avg_sq are host bytes, not in this total
+        # params, grads, and master/m/v where the placement keeps them on the device
+        n_bufs = 2 + len(g.state.device_tensors())
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
     frozen = getattr(opt.grad_sync, "frozen", ())
     pad_bound += sum(f.layout.padding * 4 for f in frozen)
@@ -138,22 +81,23 @@ def memory_report(opt) -> Dict[str, Any]:
                                   .element_size() / opt.comm.world_size))
     formula["total"] += formula["frozen"]
     out = {}
-    if opt.offloader is not None:  # host memory, apart from the device's
-        host = opt.offloader.host_bytes()
+    place = opt.placement  # where master/m/v live: it says what it holds off the device
+    host = place.host_bytes()
+    if host is not None:  # host memory, apart from the device's
         out["host_measured"] = host
         out["host_measured_total"] = sum(host.values())
         out["host_formula_total"] = formula["host"]
-        disk = getattr(opt.offloader, "disk_bytes", None)
-        if disk is not None:  # offload="nvme": host pinned / pageable, and disk, apart
-            pinned = opt.offloader.pin
-            out["host_pinned_total"] = out["host_measured_total"] if pinned else 0
-            out["host_pageable_total"] = 0 if pinned else out["host_measured_total"]
-            out["disk_measured"] = disk()
-            out["disk_measured_total"] = sum(out["disk_measured"].values())
-            out["disk_formula_total"] = formula["disk"]
+    disk = place.disk_bytes()
+    if disk is not None:  # offload="nvme": host pinned / pageable, and disk, apart
+        pinned = place.pin
+        out["host_pinned_total"] = out["host_measured_total"] if pinned else 0
+        out["host_pageable_total"] = 0 if pinned else out["host_measured_total"]
+        out["disk_measured"] = disk
+        out["disk_measured_total"] = sum(disk.values())
+        out["disk_formula_total"] = formula["disk"]
     if getattr(opt, "param_homes", None) is not None:  # host / disk homes of the shards
         opt.param_homes.report(out, formula)
-    if opt.stage == 3:
+    if opt.pattern.shards_params:  # stage 3: units gathered in a step
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())
     return {"measured": meas, "measured_total": sum(meas.values()), "formula": formula,

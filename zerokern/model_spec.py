@@ -49,7 +49,7 @@ class ModelSpec:
         a fallback guess (the model did not run on meta), which stage 2-3 staging depends on.
     units: stage-3 units (`find_units` with `unit_policy`); unit 0 is the root.
     fwd_units: indices into `units` (not the root) in the order the forward called them, as
-        Stage3Sync records it (repeats included); its reduce-scatter order follows from it.
+        Stage3Runtime records it (repeats included); its reduce-scatter order follows from it.
     """
 
     name: str

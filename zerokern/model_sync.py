@@ -138,10 +138,11 @@ class ModelWatch:
                 f"({sorted(str(d) for d in devices)}); ZeroAdamW needs them on one device")
         device = next(iter(devices))
         if device != opt.flat_groups[0].device:
-            if opt.offloader is not None:
+            if not opt.placement.movable:
                 raise RuntimeError(
-                    f"zerokern: the model moved to {device} after ZeroAdamW(offload='cpu') "
-                    "was built; move the model first, then build the optimizer")
+                    f"zerokern: the model moved to {device} after "
+                    f"ZeroAdamW(offload={opt.offload!r}) was built; move the model first, "
+                    "then build the optimizer")
             opt._move_to(device)
         for g in opt.flat_groups:
             g.adopt_params_()  # copy the params' current values in, view them again
@@ -152,7 +153,7 @@ class ModelWatch:
         """(master view, flat lo, flat hi) for param i's part of this rank's state."""
         s = g.layout.slots[i]
         for k in range(g.layout.n_buckets):
-            lo, hi = g._state_range(k)
+            lo, hi = g.state_range(k)
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < b:
                 yield g.master_piece(k)[a - lo:b - lo], a, b

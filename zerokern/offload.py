@@ -50,36 +50,27 @@ def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 class HostState:
-    """One flat group's optimizer state on the host, and its pinned staging buffers.
+    """One buffer's optimizer state on the host, and its pinned staging buffers (the
+    placement's per-buffer state, placement.py). The master is fp32 at every precision: at fp32
+    the device params are then only the working copy. Shapes (S = state_numel): master,
+    exp_avg, exp_avg_sq (S,) fp32; steps (n_buckets,) int64 on the host; grad (S,) the reduce
+    dtype and param (S,) the model dtype (None at fp32): staging, distinct buffers."""
 
-    Takes over the group's master / exp_avg / exp_avg_sq / steps: after construction those
-    attributes of the group *are* the host tensors, so state_dict, the checkpoint code and the
-    reports see them where they live. fp32 precision gets a host master too (the device flat
-    buffer is then only the working copy).
-    """
-
-    def __init__(self, g, grad_dtype: torch.dtype) -> None:
-        self.g = g
-        self.pin = g.device.type == "cuda"
-        n = g.exp_avg.numel()
+    def __init__(self, buf, grad_dtype: torch.dtype) -> None:
+        self.pin = buf.device.type == "cuda"
+        n = buf.state_numel
         fp32 = torch.float32
-        if g.master is not None:
-            master = g.master
-        else:  # fp32: the working params are the master; the host keeps its own copy
-            master = torch.cat([g.master_piece(k).reshape(-1)
-                                for k in range(g.layout.n_buckets)])
-        g.master = self._to_host(master, fp32)
-        g.exp_avg = self._to_host(g.exp_avg, fp32)
-        g.exp_avg_sq = self._to_host(g.exp_avg_sq, fp32)
-        g.steps = g.steps.to("cpu")
-        self.fp32 = g.dtype == fp32
-        self.grad = _host_empty(n, grad_dtype, self.pin)          # staging, distinct buffers
-        self.param = None if self.fp32 else _host_empty(n, g.dtype, self.pin)
+        self.master = _host_empty(n, fp32, self.pin).zero_()
+        buf.fill_master_(self.master)
+        self.exp_avg = _host_empty(n, fp32, self.pin).zero_()
+        self.exp_avg_sq = _host_empty(n, fp32, self.pin).zero_()
+        self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
+        self.fp32 = buf.dtype == fp32
+        self.grad = _host_empty(n, grad_dtype, self.pin)
+        self.param = None if self.fp32 else _host_empty(n, buf.dtype, self.pin)
 
-    def _to_host(self, t: torch.Tensor, dtype) -> torch.Tensor:
-        out = _host_empty(t.numel(), dtype, self.pin)
-        out.copy_(t.reshape(-1))
-        return out
+    def device_tensors(self) -> dict:
+        return {}  # all of it is host bytes (Offloader.host_bytes)
 
     def host_tensors(self) -> List[torch.Tensor]:
         return [t for t in (self.grad, self.param) if t is not None]
@@ -126,6 +117,19 @@ class CopyPipeline:
         self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
         return self._copy(self.scalars[1:2], found_inf.reshape(1).float())
 
+    def _host_update(self, master, m, v, grad, param_out, step: torch.Tensor, hyper: dict,
+                     backend: str) -> torch.Tensor:
+        """One chunk through the cpu kernel with this step's host scalars; returns the chunk's
+        advanced step counter (every chunk of a piece is the same step: the kernel advances a
+        copy, and the caller stores it once the piece is done)."""
+        s = step.clone()
+        t0 = time.perf_counter()
+        kernels.adam_step_(master, m, v, grad, param_out, step=s, grad_scale=self.scalars[0],
+                           found_inf=self.scalars[1],
+                           backend="reference" if backend == "reference" else "cpu", **hyper)
+        self.kernel_s += time.perf_counter() - t0
+        return s
+
     def end(self) -> None:
         """The device may use the params once every H2D copy has landed (stream order)."""
         if self.cuda:
@@ -133,39 +137,51 @@ class CopyPipeline:
 
 
 class Offloader(CopyPipeline):
-    """Runs the host update for every piece of every group, pipelined with the copies."""
+    """offload="cpu": the state in host memory (HostState per buffer); the update runs for
+    every piece of every buffer on the host, pipelined with the copies (placement.py)."""
 
-    def __init__(self, groups, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None
-                 ) -> None:
+    offload = "cpu"
+    movable = False  # the host state was built for the device the params were on
+
+    def __init__(self, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None) -> None:
         chunk_numel = CHUNK_NUMEL if chunk_numel is None else chunk_numel
         if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
             raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
                              f"{chunk_numel!r}")
         self.chunk = chunk_numel
-        self.states = [HostState(g, grad_dtype) for g in groups]
-        self._init_copies(groups[0].device)
+        self.grad_dtype = grad_dtype
+        self.states: List[HostState] = []
+
+    def allocate(self, buf) -> HostState:
+        st = HostState(buf, self.grad_dtype)
+        self.states.append(st)
+        return st
+
+    def attach(self, buffers) -> None:
+        self.buffers = buffers
+        self._init_copies(buffers[0].device)
 
     def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> Optional[object]:
         """Ship this step's scalars to the host (after the device computed them)."""
-        return self._ship_scalars(grad_scale, found_inf)
+        self.scalars_ev = self._ship_scalars(grad_scale, found_inf)
+        return self.scalars_ev
 
-    def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
-                     beta2, eps, weight_decay, adamw, backend: str) -> None:
-        """Update bucket k's piece of group gi on the host; write the params back."""
-        st = self.states[gi]
-        g = st.g
+    def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
+                     backend: str) -> None:
+        """Update bucket k's piece of buffer gi on the host; write the params back."""
+        g = self.buffers[gi]
+        st = g.state
         sl = g.state_slice(k)
-        master, m, v = g.master[sl], g.exp_avg[sl], g.exp_avg_sq[sl]
+        master, m, v = st.master[sl], st.exp_avg[sl], st.exp_avg_sq[sl]
         hgrad = st.grad[sl]
         hparam = None if st.fp32 else st.param[sl]
         dev_out = g.param_out_piece(k)  # the device params (fp32 too: master is on the host)
-        step = g.steps[k]
+        step = st.steps[k]
         n = master.numel()
-        scale, found = self.scalars[0], self.scalars[1]
         # D2H of every chunk is queued at once (the copy stream runs ahead of the CPU).
         evs = [self._copy(hgrad[lo:lo + self.chunk], grad[lo:lo + self.chunk])
                for lo in range(0, n, self.chunk)]
-        self._wait(scalars_ev)
+        self._wait(self.scalars_ev)
         if self.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no copies either
             self.end()  # the queued grad copies still read the device grads: order them
             return
@@ -173,15 +189,9 @@ class Offloader(CopyPipeline):
         for i, lo in enumerate(range(0, n, self.chunk)):
             hi = min(lo + self.chunk, n)
             self._wait(evs[i])
-            s = step.clone()  # every chunk is the same step (the kernel advances its copy)
-            t0 = time.perf_counter()
-            kernels.adam_step_(master[lo:hi], m[lo:hi], v[lo:hi], hgrad[lo:hi],
-                               None if hparam is None else hparam[lo:hi], lr=lr, beta1=beta1,
-                               beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                               step=s, grad_scale=scale, found_inf=found,
-                               backend="reference" if backend == "reference" else "cpu")
-            self.kernel_s += time.perf_counter() - t0
-            new_step = s
+            new_step = self._host_update(master[lo:hi], m[lo:hi], v[lo:hi], hgrad[lo:hi],
+                                         None if hparam is None else hparam[lo:hi], step,
+                                         hyper, backend)
             src = master[lo:hi] if hparam is None else hparam[lo:hi]
             self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
         step.copy_(new_step)
@@ -190,13 +200,18 @@ class Offloader(CopyPipeline):
     def finish(self) -> None:
         """After every piece (offload_nvme commits here; the host state needs nothing)."""
 
+    def close(self) -> None:
+        pass
+
+    def disk_bytes(self) -> Optional[dict]:
+        return None
+
     def host_bytes(self) -> dict:
         out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "host_staging": 0}
         for st in self.states:
-            g = st.g
-            out["master"] += g.master.untyped_storage().nbytes()
-            out["exp_avg"] += g.exp_avg.untyped_storage().nbytes()
-            out["exp_avg_sq"] += g.exp_avg_sq.untyped_storage().nbytes()
+            out["master"] += st.master.untyped_storage().nbytes()
+            out["exp_avg"] += st.exp_avg.untyped_storage().nbytes()
+            out["exp_avg_sq"] += st.exp_avg_sq.untyped_storage().nbytes()
             out["host_staging"] += sum(t.untyped_storage().nbytes() for t in st.host_tensors())
         out["host_staging"] += self.scalars.untyped_storage().nbytes()
         return out

@@ -33,12 +33,13 @@ construction, so a disk that is full fails there, not in a step, on file systems
 fadvise(DONTNEED), where it is refused), CHUNK_NUMEL and QUEUE_DEPTH, with the numbers.
 
 [Note: where the state is visible]
-The group's master / exp_avg / exp_avg_sq attributes are shared mmap views of the current half
-of the files (re-pointed at each flip), so state_dict(), zerokern.checkpoint (save reads them,
-load writes them), model_sync and stage 3's write-back read and write the files themselves, with
-no RAM copy. The step never touches the mappings: it reads and writes with O_DIRECT, which
-writes back dirty mapped pages before it reads a range and invalidates cached pages of a range
-it writes, so the two paths stay coherent and the page cache holds no second copy of the state.
+The buffer's master / exp_avg / exp_avg_sq (its DiskState's, nvme_state.py) are shared mmap
+views of the current half of the files (re-pointed at each flip), so state_dict(),
+zerokern.checkpoint (save reads them, load writes them), model_sync and stage 3's write-back
+read and write the files themselves, with no RAM copy. The step never touches the mappings:
+it reads and writes with O_DIRECT, which writes back dirty mapped pages before it reads a
+range and invalidates cached pages of a range it writes, so the two paths stay coherent and
+the page cache holds no second copy of the state.
 Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
 RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
 cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
@@ -53,18 +54,18 @@ import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from typing import List, Optional
 
 import torch
 
 from . import aligned_io as aio
-from . import kernels
+from .nvme_state import NAMES, DiskState, cleanup
 from .offload import CopyPipeline, _host_empty
 
 CHUNK_NUMEL = 1 << 22
 QUEUE_DEPTH = 4
 MAX_DEPTH = 16
-NAMES = ("master", "exp_avg", "exp_avg_sq")
 _F32 = torch.float32
 
 
@@ -76,39 +77,6 @@ def pool_chunk(state_numels: List[int], chunk_numel: int) -> int:
 def set_bytes(chunk: int, grad_e: int, param_e: int) -> int:
     """Host bytes of one buffer set: master|m|v (fp32), a grad chunk, a param chunk (0 at fp32)."""
     return 3 * chunk * 4 + chunk * grad_e + chunk * param_e
-
-
-class _Files:
-    """One flat group's three state files, their fds and the mmap views of the current half."""
-
-    def __init__(self, g, gi: int, rank: int, root: str, tag: str) -> None:
-        self.g, self.n = g, g.exp_avg.numel()
-        self.half = aio.align_up(self.n * 4)  # bytes; O_DIRECT offsets of half 1 stay aligned
-        self.paths = [os.path.join(root, f"zerokern-{tag}-rank{rank}-buf{gi}-{nm}.bin")
-                      for nm in NAMES]
-        self.fds: List[int] = []
-        self.maps: List[torch.Tensor] = []
-
-
-def _cleanup(files: List[_Files], pool, pid: int) -> None:
-    """Close and remove every state file (idempotent; runs at close, GC and exit). Only in the
-    process that created them: a forked child that exits (sys.exit runs atexit) must not remove
-    its parent's state."""
-    if os.getpid() != pid:
-        return
-    pool.shutdown(wait=True)
-    for f in files:
-        for fd in f.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        f.fds = []
-        for p in f.paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
 
 
 class _Set:
@@ -130,84 +98,70 @@ class _Set:
         return [t for t in (self.raw, self.grad, self.param) if t is not None]
 
 
-class NvmeOffloader(CopyPipeline):
-    """The step's host update for every piece of every group, streamed from and to disk."""
+class StepPhase(Enum):
+    """Where NvmeOffloader is in a step (an I/O failure is recorded apart, in `error`)."""
 
-    def __init__(self, groups, grad_dtype: torch.dtype, offload_path: str, comm, stage: int,
+    IDLE = "idle"          # between steps: no I/O in flight, `plan` None
+    STARTED = "started"    # begin() ran: reads ahead; found_inf not read yet
+    UPDATING = "updating"  # found_inf read, no overflow: pieces are updated and written
+    SKIPPED = "skipped"    # found_inf read, overflow: no I/O, nothing changes, no flip
+
+
+class NvmeOffloader(CopyPipeline):
+    """offload="nvme": the state in files (DiskState per buffer, nvme_state.py); the update
+    streams every piece of every buffer from and to disk (placement.py)."""
+
+    offload = "nvme"
+    movable = False
+
+    def __init__(self, grad_dtype: torch.dtype, offload_path: str, comm,
                  chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None) -> None:
-        self.groups, self.comm, self.stage = groups, comm, stage
+        self.comm = comm
         self.root = offload_path
-        self.grad_dtype, self.dtype = grad_dtype, groups[0].dtype
-        self._init_copies(groups[0].device)  # stream, host scalars (offload.py)
-        self.pin = self.cuda
+        self.grad_dtype = grad_dtype
         self.direct = aio.direct_supported(self.root)
         self.fault_hook = None  # tests: fault(path, offset) in the writer, may raise OSError
-        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.files = [_Files(g, gi, comm.rank, self.root, tag)
-                      for gi, g in enumerate(groups)]
+        self.tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.files: List[DiskState] = []
         # Threads start on demand, one per request in flight: at most 3 per buffer set.
         self.io = ThreadPoolExecutor(max_workers=3 * MAX_DEPTH, thread_name_prefix="zk-nvme")
-        self._finalizer = weakref.finalize(self, _cleanup, self.files, self.io, os.getpid())
+        self._finalizer = weakref.finalize(self, cleanup, self.files, self.io, os.getpid())
         self.cur = 0
         self.plan = None
         # offload_params="nvme" (stage3/param_offload.py): its param files are checked with
         # the state files, written in the step, and flipped by the same commit.
         self.extra_files: list = []
         self.commit_hooks: list = []
+        self.phase = StepPhase.IDLE
+        self._pool_args = (chunk_numel, queue_depth)
+        self.io_wait_s = 0.0  # host seconds waiting on the disk (bench diagnostics)
+        self.bytes_moved = 0
+
+    # -- files (nvme_state.py) -----------------------------------------------------------------
+    def allocate(self, buf) -> DiskState:
+        """The buffer's state files, the master streamed from its params (Note: lazy state)."""
+        f = DiskState(buf, len(self.files), self.comm.rank, self.root, self.tag)
+        self.files.append(f)
         try:
-            for f in self.files:
-                self._create(f)
+            f.create(buf, self.direct)
         except OSError as e:
             self._finalizer()
             raise ValueError(f"offload_path {self.root!r}: cannot create the state files "
                              f"({e.strerror}: {e.filename})") from e
-        self.configure(chunk_numel, queue_depth)
-        self.io_wait_s = 0.0  # host seconds waiting on the disk (bench diagnostics)
-        self.bytes_moved = 0
+        f.point(self.cur)
+        return f
 
-    # -- files ---------------------------------------------------------------------------------
-    def _create(self, f: _Files) -> None:
-        g = f.g
-        if g.master is not None:
-            master = g.master
-        else:  # fp32: the working params are the master; the file keeps its own copy
-            master = torch.cat([g.master_piece(k).reshape(-1) for k in range(g.layout.n_buckets)])
-        init = [master.detach().reshape(-1), None, None]  # m and v: fallocate's zeros
-        for p, src in zip(f.paths, init):
-            fd = aio.open_state(p, False, create=True)
-            f.fds.append(fd)
-            try:
-                os.posix_fallocate(fd, 0, 2 * f.half)  # both halves now: no ENOSPC in a step
-            except OSError as e:
-                raise OSError(e.errno, e.strerror, p) from e
-            m = torch.from_file(p, shared=True, size=2 * f.half // 4, dtype=_F32)
-            if src is not None:
-                m[:f.n].copy_(src.to("cpu", _F32))
-            f.maps.append(m)
-            aio.drop_cache(fd)  # the initial write went through the page cache: drop it
-            if self.direct:
-                os.close(fd)
-                f.fds[-1] = aio.open_state(p, True, create=False)
-        self._point(f)
-        g.steps = g.steps.to("cpu")
-
-    def _point(self, f: _Files, remap: bool = False) -> None:
-        """The group's state attributes are views of the current half (Note: where...)."""
-        if remap:
-            f.maps = [torch.from_file(p, shared=True, size=2 * f.half // 4, dtype=_F32)
-                      for p in f.paths]
-            for fd in f.fds:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        off = self.cur * f.half // 4
-        for nm, m in zip(NAMES, f.maps):
-            setattr(f.g, nm, m[off:off + f.n])
+    def attach(self, buffers) -> None:
+        self.groups = buffers
+        self.dtype = buffers[0].dtype
+        self._init_copies(buffers[0].device)  # stream, host scalars (offload.py)
+        self.pin = self.cuda
+        self.configure(*self._pool_args)
 
     def close(self) -> None:
         """Remove the state files now (the optimizer cannot step afterwards)."""
         for f in self.files:
-            f.maps = []
-            for nm in NAMES:
-                setattr(f.g, nm, torch.empty(0, dtype=_F32))
+            f.release()
         self._finalizer()
 
     def paths(self) -> List[str]:
@@ -236,14 +190,13 @@ class NvmeOffloader(CopyPipeline):
         if not self._finalizer.alive:
             raise RuntimeError("zerokern offload='nvme': this optimizer was closed (its state "
                                "files are removed); build a new one or load a checkpoint")
-        if self.plan is not None:  # a step that raised before finish(): let its I/O land
-            self._drain()
-        ev = self._ship_scalars(grad_scale, found_inf)
+        if self.phase is not StepPhase.IDLE:  # a step that raised before finish(): let its
+            self._drain()                     # I/O land
+        ev = self.scalars_ev = self._ship_scalars(grad_scale, found_inf)
         self.error: Optional[BaseException] = None
-        self.decided = False  # found_inf read (first update_piece)
-        self.skip = False
+        self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
-        self.steps0 = [f.g.steps.clone() for f in self.files]
+        self.steps0 = [f.steps.clone() for f in self.files]
         self.plan = [(gi, lo, min(lo + self.chunk, f.n)) for gi, f in enumerate(self.files)
                      for lo in range(0, f.n, self.chunk)]
         self.next_read = 0
@@ -307,26 +260,27 @@ class NvmeOffloader(CopyPipeline):
         self.writing.clear()
         self.free = list(self.pool)
 
-    def update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, **hyper) -> None:
+    def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
+                     backend: str) -> None:
         """Update bucket k's piece of group gi chunk by chunk; write its params back. Any
         failure is recorded, not raised, so that every rank still issues the step's
         collectives; finish() rolls back and raises (Note: all or nothing)."""
         try:
-            self._update_piece(gi, k, grad, scalars_ev, **hyper)
+            self._update_piece(gi, k, grad, hyper, backend)
         except Exception as e:  # noqa: BLE001 - re-raised by finish() on this rank
             if self.error is None:
                 self.error = e
             self._drain()
 
-    def _update_piece(self, gi: int, k: int, grad: torch.Tensor, scalars_ev, *, lr, beta1,
-                      beta2, eps, weight_decay, adamw, backend: str) -> None:
-        if not self.decided:
-            self.decided = True
-            self._wait(scalars_ev)
+    def _update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
+                      backend: str) -> None:
+        if self.phase is StepPhase.STARTED:  # the first piece reads found_inf
+            self._wait(self.scalars_ev)
+            self.phase = StepPhase.UPDATING
             if self.scalars_np[1] != 0:  # overflow: nothing changes (DESIGN §3), no I/O
-                self.skip = True
+                self.phase = StepPhase.SKIPPED
                 self._drain()
-        if self.skip or self.error is not None:
+        if self.phase is StepPhase.SKIPPED or self.error is not None:
             return  # after a failure the rest of the step does nothing; finish() rolls back
         g = self.groups[gi]
         sl = g.state_slice(k)
@@ -334,7 +288,6 @@ class NvmeOffloader(CopyPipeline):
         dev_out = g.param_out_piece(k)
         step = g.steps[k]
         new_step = step
-        scale, found = self.scalars[0], self.scalars[1]
         self.dirty.append((gi, k))
         while plo < phi:
             if not self.loaded:
@@ -353,16 +306,10 @@ class NvmeOffloader(CopyPipeline):
             grad_src = grad[a - sl.start:b - sl.start]
             self._wait(self._copy(s.grad[a - lo:b - lo], grad_src))
             self._wait(s.h2d)  # the set's param buffer is free again
-            st = step.clone()  # every chunk is the same step (the kernel advances its copy)
-            t0 = time.perf_counter()
-            kernels.adam_step_(s.state[0][a - lo:b - lo], s.state[1][a - lo:b - lo],
-                               s.state[2][a - lo:b - lo], s.grad[a - lo:b - lo],
-                               None if s.param is None else s.param[a - lo:b - lo], lr=lr,
-                               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                               adamw=adamw, step=st, grad_scale=scale, found_inf=found,
-                               backend="reference" if backend == "reference" else "cpu")
-            self.kernel_s += time.perf_counter() - t0
-            new_step = st
+            new_step = self._host_update(s.state[0][a - lo:b - lo], s.state[1][a - lo:b - lo],
+                                         s.state[2][a - lo:b - lo], s.grad[a - lo:b - lo],
+                                         None if s.param is None else s.param[a - lo:b - lo],
+                                         step, hyper, backend)
             src = s.state[0] if s.param is None else s.param
             s.h2d = self._copy(dev_out[a - sl.start:b - sl.start], src[a - lo:b - lo])
             plo = b
@@ -376,9 +323,10 @@ class NvmeOffloader(CopyPipeline):
 
     def finish(self) -> None:
         """Commit the step, or roll it back everywhere (Note: all or nothing)."""
-        if getattr(self, "plan", None) is None:
+        if self.phase is StepPhase.IDLE:
             return
-        if not self.skip:
+        skipped = self.phase is StepPhase.SKIPPED
+        if not skipped:
             self._drain()
         failed = torch.tensor([0.0 if self.error is None else 1.0],
                               device=self.groups[0].device)
@@ -387,11 +335,12 @@ class NvmeOffloader(CopyPipeline):
         # One host read per step (a device sync with NCCL): the step already waited for the
         # host's update of every chunk, so it costs the all-reduce's latency only.
         self.plan = None
+        self.phase = StepPhase.IDLE
         if failed.item() == 0:
-            if not self.skip:
+            if not skipped:
                 self.cur = 1 - self.cur
                 for f in self.files:
-                    self._point(f, remap=True)
+                    f.point(self.cur, remap=True)
                 for hook in self.commit_hooks:
                     hook()
             return
@@ -409,16 +358,19 @@ class NvmeOffloader(CopyPipeline):
 
     def _rollback(self) -> None:
         for f, s0 in zip(self.files, self.steps0):
-            f.g.steps.copy_(s0)
+            f.steps.copy_(s0)
         for gi, k in self.dirty:  # re-cast the params from the untouched current half
             g = self.groups[gi]
             if getattr(g, "params_journaled", False):
                 continue  # its params file's current half was never written
             g.param_out_piece(k).copy_(g.master[g.state_slice(k)])
-        if self.stage in (1, 2):  # every rank re-gathers every bucket (collective)
-            for g in self.groups:
-                for k in range(g.layout.n_buckets):
-                    self.comm.all_gather_(g.bucket(g.flat, k), g.piece(g.flat, k))
+        # Every rank re-publishes every bucket (collective; stages 1-2 all-gather, the others
+        # publish nothing), as a step does.
+        for g in self.groups:
+            for k in range(g.layout.n_buckets):
+                h = g.publish_piece(self.comm, k)
+                if h is not None:
+                    h.wait()
 
     # -- reports -------------------------------------------------------------------------------
     def host_bytes(self) -> dict:

@@ -4,7 +4,7 @@ The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in 
 the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
 
 [Note: one optimizer step, without a host sync]
-1. `grad_sync.reduce()` yields each bucket as its reduction lands (stages 0-2: normally already
+1. `grad_sync.reduced_buckets()` yields each bucket as its reduction lands (normally already
    reduced during backward; what ran under no_sync() only is reduced here).
 2. `grad_stats_` over this rank's grads -> found_inf, sumsq, in one small fp32 tensor; one
    all-reduce (SUM) combines it across ranks (stages 1-3; at stage 0 every rank has all grads).
@@ -23,7 +23,6 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -39,17 +38,16 @@ from .loss_scale import make_loss_scaler
 from .memory import memory_report
 from .model_sync import ModelWatch
 from .optimizer_args import (
-    FLOAT_DTYPES,
-    check_distributed_env,
+    PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
+    check_arguments,
+    check_clip,
     check_groups,
-    check_hyper,
     frozen_params,
-    groups_of_model,
 )
 from .optimizer_state import StateDictMixin
+from .placement import make_placement
 from .sharded_grads import BucketedGrads
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .stages import pattern
 
 
 class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
@@ -123,61 +121,13 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         offload_params: Optional[str] = None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-        if stage == 3:
-            if not isinstance(params_or_model, torch.nn.Module):
-                raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
-                                 "params: it partitions params per module unit")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-        if offload_path is not None and offload != "nvme":
-            raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
-        if offload is not None:
-            if offload not in ("cpu", "nvme"):
-                raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-            if stage == 0:
-                raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (stage 0 keeps the "
-                                 "full optimizer state on every rank; offloading it saves "
-                                 "nothing that stage 1 would not)")
-        if not isinstance(adamw, bool):
-            raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
-        if not isinstance(free_grads, bool):
-            raise TypeError(f"free_grads must be a bool, got {type(free_grads).__name__}")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
-                                              and 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm must be None or a finite number > 0, "
-                             f"got {max_grad_norm!r}")
-        if not (isinstance(bucket_mb, numbers.Real) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        if reduce_dtype is not None and reduce_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
-                            f"got {reduce_dtype!r}")
-        kernels.validate.check_backend(backend)
-        if units is not None and stage != 3:
-            raise ValueError(f"units applies to stage=3 only (got stage={stage})")
-        if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
-            raise ValueError("param_groups is for a model (params_or_model=model); with bare "
-                             "params pass the group dicts as params_or_model")
-        check_hyper(lr, betas, eps, weight_decay)
-        check_distributed_env(process_group)
-        from .stage3.param_offload import check_args as check_offload_params
-
-        check_offload_params(offload_params, stage, offload)
-        if offload == "nvme":
-            from .aligned_io import check_path
-
-            offload_path = check_path(offload_path)  # missing / read-only: before any change
-        dtype = PRECISIONS[precision]
-        if isinstance(params_or_model, torch.nn.Module):
-            for name, mod in params_or_model.named_modules():
-                if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
-                    raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
-                                     "sparse gradients are not supported, use sparse=False")
-            params = (params_or_model.parameters() if param_groups is None
-                      else groups_of_model(params_or_model, param_groups))
-        else:
-            params = params_or_model
+        dtype, offload_path, params = check_arguments(
+            params_or_model, stage=stage, precision=precision, adamw=adamw,
+            max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
+            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
+            param_groups=param_groups, lr=lr, betas=betas, eps=eps,
+            weight_decay=weight_decay, process_group=process_group, free_grads=free_grads,
+            offload_params=offload_params)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
@@ -186,7 +136,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         comm = Comm(process_group)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
-        if stage == 3:
+        P = pattern(stage)  # what the stage keeps (stages.py)
+        if P.shards_params:
             from .stage3 import find_units
 
             unit_list = find_units(params_or_model, units)  # raises on a bad policy
@@ -220,8 +171,13 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                 old = ref() if ref is not None else None
                 if old is not None and not old.detached:
                     old.detach()  # (stage 3: gathers them whole again first)
-        if stage == 3:
-            from .stage3 import ShardedFlat, Stage3Sync
+        # Where master/m/v live and the update that runs there (placement.py [Note: offload
+        # is a placement of the state]): made first, so the buffers allocate through it.
+        self.pattern = P
+        self.offload = offload
+        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm)
+        if P.shards_params:
+            from .stage3 import ShardedFlat, Stage3Runtime
 
             group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
             self.units = unit_list
@@ -233,7 +189,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                                               offload is not None, offload_path, comm.rank)
                 make = self.param_homes.make
             self.flat_groups = [
-                make(ps, dtype, comm.world_size, comm.rank, gi, u.index)
+                make(ps, dtype, comm.world_size, comm.rank, gi, u.index,
+                     placement=self.placement)
                 for u in unit_list for gi in range(len(trainable))
                 for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
             # Frozen params: sharded with their unit, cast to the precision, no grads and no
@@ -242,33 +199,22 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                                   trainable=False) for u in unit_list if u.frozen]
             if self.param_homes is not None:
                 self.param_homes.finalize()
-            self.grad_sync: GradSync = Stage3Sync(self.flat_groups, unit_list, comm,
+            self.grad_sync: GradSync = Stage3Runtime(self.flat_groups, unit_list, comm,
                                                   self.reduce_dtype, params_or_model, frozen)
         else:
             self.flat_groups: List[FlatGroup] = [
-                FlatGroup(ps, dtype, comm.world_size, comm.rank, stage, bucket_mb * 2**20)
-                for ps in trainable]
-            for gi, g in enumerate(self.flat_groups):
-                g.group_index = gi
+                FlatGroup(ps, dtype, comm.world_size, comm.rank, self.pattern,
+                          bucket_mb * 2**20, placement=self.placement, group_index=gi)
+                for gi, ps in enumerate(trainable)]
             self.grad_sync = (
-                BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if stage == 2
+                BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if P.shards_grads
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
         self.grad_sync.free_on_zero = free_grads
         for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
             p.data = p.data.to(dtype)
-        self.offload = offload
         self.offload_params = offload_params
-        self.offloader = None
-        if offload == "cpu":
-            from .offload import Offloader
-
-            self.offloader = Offloader(self.flat_groups, self.reduce_dtype)
-        elif offload == "nvme":
-            from .offload_nvme import NvmeOffloader
-
-            self.offloader = NvmeOffloader(self.flat_groups, self.reduce_dtype, offload_path,
-                                           comm, stage)
-        if self.param_homes is not None:
+        self.placement.attach(self.flat_groups)
+        if self.param_homes is not None:  # "nvme": journaled with the state files
             self.param_homes.attach(self.offloader)
         self._built = True
         dev = self.flat_groups[0].device
@@ -282,7 +228,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             float(scaler.scale) != 1.0
         model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
         self.model_watch = None
-        if stage != 3:
+        if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
             ref = weakref.ref(self)
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
@@ -365,7 +311,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]
-        for gi, k in gs.reduce():  # stats of bucket k while later buckets are still reducing
+        for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         if not gs.averaged:  # each rank holds a shard (stages 1-3): combine the stats
             self.comm.all_reduce_(stats)
@@ -379,12 +325,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
         DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
         backward and before step(), as FSDP's clip_grad_norm_."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or \
-                not 0 < max_norm < math.inf:
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or \
-                not norm_type > 0:
-            raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+        check_clip(max_norm, norm_type)
         self._check_ready()
         self._prepare()
         norm = self.grad_norm if norm_type == 2 else self._other_norm(float(norm_type))
@@ -424,25 +365,20 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         grad_scale = self._unscale if clip is None else self._unscale * clip
         self._clip_next = None
         gathers = []
-        off = self.offloader
-        scalars_ev = off.begin(grad_scale, found) if off is not None else None
+        place = self.placement  # one update path, wherever the state lives (placement.py)
+        place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             group = self.param_groups[g.group_index]
             b1, b2 = group["betas"]
+            hyper = dict(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], adamw=group["adamw"])
             for k in range(g.layout.n_buckets):
-                if off is not None:  # on the host, pipelined with the copies (offload.py)
-                    off.update_piece(gi, k, gs.grad_piece(gi, k), scalars_ev, lr=group["lr"],
-                                     beta1=b1, beta2=b2, eps=group["eps"],
-                                     weight_decay=group["weight_decay"], adamw=group["adamw"],
-                                     backend=self.backend)
-                else:
-                    self._device_update(g, group, k, gs.grad_piece(gi, k), grad_scale, found)
+                place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
                 gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
             if h is not None:
                 h.wait()
-        if off is not None:
-            off.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
+        place.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
         gs.after_step()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)
@@ -452,21 +388,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     def close(self) -> None:
         """Release what outlives a step: offload="nvme" removes its state files now (they are
         removed at garbage collection and at exit too). The optimizer cannot step afterwards."""
-        close = getattr(self.offloader, "close", None)
-        if close is not None:
-            close()
+        self.placement.close()
         if self.param_homes is not None:
             self.param_homes.close()
 
-    def _device_update(self, g, group, k: int, grad, grad_scale, found) -> None:
-        b1, b2 = group["betas"]
-        m, v = g.moments(k)
-        kernels.adam_step_(
-            g.master_piece(k), m, v, grad, g.param_out_piece(k),
-            lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=group["adamw"],
-            step=g.steps[k], grad_scale=grad_scale, found_inf=found,
-            backend=self.backend)
+    @property
+    def offloader(self):
+        """The offload placement (offload.Offloader / offload_nvme.NvmeOffloader), None
+        without offload: for benchmarks and tests that tune its chunking."""
+        return None if self.offload is None else self.placement
 
     # ---- introspection ---------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
@@ -491,7 +421,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         modify=True: changes made to the params inside are kept (each rank takes its piece
         back into its shard and fp32 master); otherwise they are discarded at stage 3.
         """
-        if self.stage != 3:
+        if not self.pattern.shards_params:
             yield
             return
         self.grad_sync.gather_all()

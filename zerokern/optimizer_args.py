@@ -10,7 +10,43 @@ from typing import Any, Dict, List
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# [Note: the one precision table]
+# `precision=` names the dtype of the model's params and grads (DESIGN §1); master, m and v are
+# fp32 at every precision. Every module that takes a precision name (the optimizer, the loss
+# scaler, the formula and the exact estimate, consolidate, the engine config, the CLIs) reads
+# this table and validates with `check_precision`, so a fourth precision is one line here.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLOAT_DTYPES = tuple(PRECISIONS.values())
+STAGES = (0, 1, 2, 3)
+OFFLOADS = (None, "cpu", "nvme")
+
+
+def check_precision(precision) -> torch.dtype:
+    """The dtype of `precision` ("fp32" | "bf16" | "fp16"); ValueError naming it otherwise."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
+
+
+def elem_size(precision: str) -> int:
+    """Bytes per element of the params and grads at `precision`."""
+    return check_precision(precision).itemsize
+
+
+def check_stage(stage) -> int:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    return stage
+
+
+def check_offload(offload, stage: int) -> None:
+    """offload is None, "cpu" or "nvme", and not at stage 0."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload is not None and stage == 0:
+        raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (stage 0 keeps the full "
+                         "optimizer state on every rank; offloading it saves nothing that "
+                         "stage 1 would not)")
 
 
 def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
@@ -112,3 +148,71 @@ def check_groups(param_groups, dtype: torch.dtype) -> List[List[torch.nn.Paramet
         empty = [i for i, ps in enumerate(out) if not ps]
         raise ValueError(f"param groups {empty} have no trainable parameters")
     return out
+
+
+def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, offload,
+                    offload_path, bucket_mb, reduce_dtype, backend, units, param_groups, lr,
+                    betas, eps, weight_decay, process_group, free_grads=False,
+                    offload_params=None):
+    """ZeroAdamW's checks that come before its param groups exist (DESIGN §1: before the model
+    is touched). Returns (the precision's dtype, offload_path checked, the params or group
+    dicts to build the param groups from)."""
+    check_stage(stage)
+    if stage == 3:
+        if not isinstance(params_or_model, torch.nn.Module):
+            raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "
+                             "params: it partitions params per module unit")
+    dtype = check_precision(precision)
+    if offload_path is not None and offload != "nvme":
+        raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
+    check_offload(offload, stage)
+    if not isinstance(adamw, bool):
+        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+    if not isinstance(free_grads, bool):
+        raise TypeError(f"free_grads must be a bool, got {type(free_grads).__name__}")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
+                                          and 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm must be None or a finite number > 0, "
+                         f"got {max_grad_norm!r}")
+    if not (isinstance(bucket_mb, numbers.Real) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+    if reduce_dtype is not None and reduce_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
+                        f"got {reduce_dtype!r}")
+    from .kernels import validate
+
+    validate.check_backend(backend)
+    if units is not None and stage != 3:
+        raise ValueError(f"units applies to stage=3 only (got stage={stage})")
+    if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
+        raise ValueError("param_groups is for a model (params_or_model=model); with bare "
+                         "params pass the group dicts as params_or_model")
+    check_hyper(lr, betas, eps, weight_decay)
+    check_distributed_env(process_group)
+    from .stage3.param_offload_checks import check_args as check_offload_params
+
+    check_offload_params(offload_params, stage, offload)
+    if offload == "nvme":
+        from .aligned_io import check_path
+
+        offload_path = check_path(offload_path)  # missing / read-only: before any change
+    if isinstance(params_or_model, torch.nn.Module):
+        for name, mod in params_or_model.named_modules():
+            if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
+                raise ValueError(f"params_or_model: {name or 'the model'} has sparse=True; "
+                                 "sparse gradients are not supported, use sparse=False")
+        params = (params_or_model.parameters() if param_groups is None
+                  else groups_of_model(params_or_model, param_groups))
+    else:
+        params = params_or_model
+    return dtype, offload_path, params
+
+
+def check_clip(max_norm, norm_type) -> None:
+    """clip_grad_norm_'s arguments, as torch.nn.utils.clip_grad_norm_ takes them."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or \
+            not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or \
+            not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")

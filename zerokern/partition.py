@@ -91,6 +91,28 @@ class FlatLayout:
                 out.append((i, a, b))
         return out
 
+    def pad_in(self, lo: int, hi: int) -> int:
+        """Padding elements (index >= numel) inside flat range [lo, hi)."""
+        return max(0, hi - max(lo, self.numel))
+
+    # -- the optimizer state a rank holds: `replicated` (stage 0) holds every bucket whole,
+    # -- otherwise rank r holds its piece of each bucket, contiguously (Note: bucket-major)
+    def state_range(self, k: int, rank: int, replicated: bool) -> Tuple[int, int]:
+        """Flat coordinates of the elements whose state `rank` holds for bucket k."""
+        return self.bucket_range(k) if replicated else self.piece_range(k, rank)
+
+    def state_offset(self, k: int, replicated: bool) -> int:
+        """Where bucket k's state starts in the state buffers (master, exp_avg, exp_avg_sq)."""
+        return self.bucket_range(k)[0] if replicated else self.shard_offset(k)
+
+    def state_numel(self, replicated: bool) -> int:
+        return self.padded_numel if replicated else self.shard_numel
+
+    def state_padding(self, rank: int, replicated: bool) -> int:
+        """Padding elements among the state `rank` holds."""
+        return sum(self.pad_in(*self.state_range(k, rank, replicated))
+                   for k in range(self.n_buckets))
+
     def buckets_of_slot(self, i: int) -> range:
         s = self.slots[i]
         if s.numel == 0:
@@ -102,6 +124,12 @@ def bucket_numel_for(bucket_bytes: float, elem_size: int, world_size: int) -> in
     """Largest multiple of world_size*ALIGN elements within bucket_bytes (at least one unit)."""
     unit = world_size * ALIGN
     return max(unit, int(bucket_bytes // elem_size) // unit * unit)
+
+
+def one_bucket_numel(numel: int, world_size: int) -> int:
+    """A bucket holding all `numel` elements (stage 3: one bucket per unit buffer)."""
+    unit = world_size * ALIGN
+    return max(round_up(max(numel, 1), unit), unit)
 
 
 def make_layout(shapes: Sequence[Tuple[int, ...]], world_size: int,

@@ -1,7 +1,7 @@
 """Stages 2 and 3: gradients reduce-scattered during backward into a grad shard.
 
 ShardedGrads holds the shard accumulators and the async reduce-scatter with its landing; stage 2's
-BucketedGrads (below) and stage 3's Stage3Sync stage the grads their own way. Inside
+BucketedGrads (below) and stage 3's Stage3Runtime stage the grads their own way. Inside
 `no_sync()` stage 2 accumulates into a full local buffer (Ψ elements of reduce_dtype, as FSDP2's
 `set_requires_gradient_sync(False)`), folded into the next synced backward or reduced at step().
 """
@@ -193,11 +193,11 @@ class BucketedGrads(ShardedGrads):
         else:
             self._sched.reset()
 
-    def reduce(self):
+    def reduced_buckets(self):
         if self._local is not None:  # backward passes under no_sync() only: reduce them now
             self._sched.reset()
             self._reduce_all()
-        yield from GradSync.reduce(self)
+        yield from GradSync.reduced_buckets(self)
 
     def clear_all(self) -> None:
         super().clear_all()

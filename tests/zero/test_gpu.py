@@ -138,7 +138,7 @@ def test_offload_on_cuda_matches_device_update(cuda_backend, stage, precision):
         _train(model, opt)
         runs.append((model, opt))
     (m0, o0), (m1, o1) = runs
-    assert all(st.g.exp_avg.is_pinned() for st in o1.offloader.states)
+    assert all(st.exp_avg.is_pinned() for st in o1.offloader.states)
     key = "master" if precision != "fp32" else "exp_avg"
     masters = [M.gather_state(o, m, key) for m, o in runs]
     assert M.rel_err(masters[1], masters[0]) <= TOL["offload_master"]

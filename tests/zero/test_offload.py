@@ -58,7 +58,7 @@ def _parity(rank, ws, stage, prec, chunk=None):
     # where the state lives: host tensors distinct from every working buffer
     work = [g.flat for g in o1.flat_groups] + o1.grad_sync.held()["grads"]
     host = [t for st in o1.offloader.states for t in
-            (st.g.master, st.g.exp_avg, st.g.exp_avg_sq, *st.host_tensors())]
+            (st.master, st.exp_avg, st.exp_avg_sq, *st.host_tensors())]
     spans = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in work]
     out["distinct"] = all(not (lo < hi2 and lo2 < hi) for t in host
                           for lo, hi in [(t.data_ptr(), t.data_ptr() + t.nbytes)]
@@ -95,7 +95,7 @@ def _resume(rank, ws, stage, prec):
             p.data.copy_(params[n])
     rec = M.train_zero(model2, opt2, rank, ws, STEPS - 2, start=2)
     return {"bitwise": M.bitwise_equal(rec["params"][-1], full["params"][-1]),
-            "host_state": all(st.g.exp_avg.device.type == "cpu" for st in opt2.offloader.states)}
+            "host_state": all(st.exp_avg.device.type == "cpu" for st in opt2.offloader.states)}
 
 
 def _no_host_sync(rank, ws, stage):
@@ -219,5 +219,5 @@ def test_bad_offload_arguments():
     with pytest.raises(ValueError, match="chunk_numel"):
         from zerokern.offload import Offloader
 
-        Offloader([], torch.bfloat16, chunk_numel=100)
+        Offloader(torch.bfloat16, chunk_numel=100)
     assert M.bitwise_equal(M.snapshot(model), M.snapshot(M.make_model()))

@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from ..optimizer_args import FLOAT_DTYPES, PRECISIONS
 from .format import (
     EXTRA,
     BlockVerifier,
@@ -37,7 +38,6 @@ from .format import (
 from .reader import SavedIndex
 from .writer import check_path
 
-_OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
               torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
               torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -45,10 +45,10 @@ FORMATS = ("pt", "safetensors")
 
 
 def _out_dtype(dtype) -> torch.dtype:
-    dt = _OUT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dt not in _OUT_DTYPES.values():
+    dt = PRECISIONS.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dt not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of torch.float32/bfloat16/float16 or "
-                         f"{tuple(_OUT_DTYPES)}, got {dtype!r}")
+                         f"{tuple(PRECISIONS)}, got {dtype!r}")
     return dt
 
 

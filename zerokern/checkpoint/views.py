@@ -3,13 +3,11 @@
 Everything else in zerokern.checkpoint sees only an `OptimizerView`: per unique trainable param
 its name, aliases, full shape and param group, and, per contiguous element range this rank
 holds, writable views into the fp32 master, exp_avg, exp_avg_sq and the model-dtype param.
-One builder per buffer structure:
-- `_flat_group_view`: stages 0-2, one FlatGroup per param group (flat buffer full on every rank);
-- `_sharded_flat_view`: stage 3, one ShardedFlat per (module unit, param group), `flat`
-  holding only this rank's shard.
-With offload="cpu" the same builders apply: the offloader replaces the group's master,
-exp_avg, exp_avg_sq and steps by host tensors of the same layout (a host master at fp32 too,
-the device `flat` then being a working copy), so the views point at the host state.
+One builder, `_buffer_view`, for every buffer (shard_buffer.ShardBuffer: FlatGroup at stages
+0-2, ShardedFlat at stage 3), asking the buffer which ranges it holds. Wherever the placement
+keeps the state (device, host with offload="cpu" (an fp32 master at every precision there),
+files mapped with "nvme"), `master` / `exp_avg` / `exp_avg_sq` have the same layout, so the
+views point at the state where it lives.
 
 Element ranges are in each param's own flattened coordinates, never in a flat buffer's, so a
 checkpoint does not depend on bucket sizes, padding, world size or stage.
@@ -124,14 +122,9 @@ def optimizer_view(model: nn.Module, opt: ZeroAdamW) -> OptimizerView:
         world_size=opt.comm.world_size, rank=opt.comm.rank, group=opt.comm.group,
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
         param_groups=opt.param_groups, scaler=opt.scaler)
-    for gi, g in enumerate(opt.flat_groups):
-        if opt.stage == 3:
-            if g.gathered or g.handle is not None:
-                raise ValueError("opt has gathered stage-3 params (inside gathered_params() or "
-                                 "a forward): save or load between steps")
-            _sharded_flat_view(view, keys, g)
-        else:
-            _flat_group_view(view, keys, getattr(g, "group_index", gi), g)
+    for g in opt.flat_groups:
+        g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
+        _buffer_view(view, keys, g)
     return view
 
 
@@ -149,62 +142,39 @@ def _specs(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g) -> int:
     return base
 
 
-def _flat_group_view(view: OptimizerView, keys: Dict[int, List[str]], gi: int, g) -> None:
-    """Stages 0-2: one FlatGroup per param group (partition.py [Note: bucket-major layout]).
+def _buffer_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
+    """One buffer (shard_buffer.py: a FlatGroup at stages 0-2, a ShardedFlat at stage 3; see
+    partition.py [Note: bucket-major layout]), whatever its stage and placement.
 
-    Flat buffer `flat` is full on every rank. State buffers (master, exp_avg, exp_avg_sq) are
-    full at stage 0 (indexed like `flat`); at stages 1-2 they hold this rank's piece of every
-    bucket, bucket k at `shard_offset(k)`. At precision fp32 `master` is None: `flat` is it.
+    Per bucket k the buffer holds the state of flat range `g.state_range(k)` (the whole bucket
+    at stage 0, this rank's piece otherwise) at `g.state_slice(k)` of master/m/v; this rank's
+    share for a save is always its piece `piece_range(k, rank)`. At precision fp32 without
+    offload `master` is None and the params (`g.param_values`) are the master. The values
+    held are `g.value_pieces()`: every param at stages 0-2, the shard's part at stage 3.
     """
-    L, rank, stage = g.layout, g.rank, g.stage
-    base = _specs(view, keys, gi, g)
-    for i, s in enumerate(L.slots):
-        view.values.append(ValuePiece(base + i, 0, s.numel,
-                                      g.flat[s.offset:s.offset + s.numel]))
+    L = g.layout
+    base = _specs(view, keys, g.group_index, g)
+    for i, a, b in g.value_pieces():
+        off = L.slots[i].offset
+        view.values.append(ValuePiece(base + i, a - off, b - off, g.param_values(a, b)))
 
     def pieces(k: int, lo: int, hi: int) -> List[StatePiece]:
         out = []
+        slo, st0 = g.state_range(k)[0], g.state_slice(k).start
         for i, a, b in L.overlaps(lo, hi):
-            off = L.slots[i].offset
-            st = a if stage == 0 else L.shard_offset(k) + a - L.piece_range(k, rank)[0]
-            n = b - a
-            master = g.flat[a:b] if g.master is None else g.master[st:st + n]
-            out.append(StatePiece(base + i, a - off, b - off, master,
-                                  g.exp_avg[st:st + n], g.exp_avg_sq[st:st + n]))
+            st, n = st0 + a - slo, b - a
+            master = g.param_values(a, b) if g.master is None else g.master[st:st + n]
+            out.append(StatePiece(base + i, a - L.slots[i].offset, b - L.slots[i].offset,
+                                  master, g.exp_avg[st:st + n], g.exp_avg_sq[st:st + n]))
         return out
 
     for k in range(L.n_buckets):
-        blo, bhi = L.bucket_range(k)
-        view.steps.append(StepCounter(g.steps[k], tuple(base + i for i, _, _ in
-                                                        L.overlaps(blo, bhi))))
-        mine = pieces(k, *L.piece_range(k, rank))  # the canonical share: r-th piece of bucket k
+        view.steps.append(StepCounter(g.steps[k], tuple(base + i for i in g.step_params(k))))
+        mine = pieces(k, *L.piece_range(k, g.rank))  # the canonical share: r-th piece of bucket k
         view.owned += mine
-        view.held += pieces(k, blo, bhi) if stage == 0 else mine
-    view.layout.append({"numel": L.numel, "padded_numel": L.padded_numel,
-                        "bucket_numel": L.bucket_numel, "world_size": L.world_size,
-                        "offsets": [s.offset for s in L.slots]})
-
-
-def _sharded_flat_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
-    """Stage 3: a ShardedFlat (stage3/sharded_flat.py) is one bucket, and rank r holds piece
-    r of it: `flat`, master, exp_avg, exp_avg_sq are all (S,) and indexed alike. At precision
-    fp32 master is None and `flat` is the master. One step counter per buffer."""
-    L = g.layout
-    base = _specs(view, keys, g.group_index, g)
-    lo, hi = L.piece_range(0, g.rank)
-    for i, a, b in L.overlaps(lo, hi):
-        off, st, n = L.slots[i].offset, a - lo, b - a
-        value = g.flat[st:st + n]
-        master = value if g.master is None else g.master[st:st + n]
-        piece = StatePiece(base + i, a - off, b - off, master, g.exp_avg[st:st + n],
-                           g.exp_avg_sq[st:st + n])
-        view.held.append(piece)
-        view.owned.append(piece)
-        view.values.append(ValuePiece(base + i, a - off, b - off, value))
-    view.steps.append(StepCounter(g.steps[0], tuple(range(base, base + len(g.params)))))
-    view.layout.append({"numel": L.numel, "padded_numel": L.padded_numel,
-                        "bucket_numel": L.bucket_numel, "world_size": L.world_size,
-                        "offsets": [s.offset for s in L.slots], "unit": g.unit_index})
+        held = g.state_range(k)
+        view.held += mine if held == L.piece_range(k, g.rank) else pieces(k, *held)
+    view.layout.append(g.layout_meta())
 
 
 def model_extras(model: nn.Module, view: OptimizerView) -> List[Tuple[str, Tuple[str, ...],
@@ -232,7 +202,9 @@ def whole_frozen_params(opt, write_back: bool = False):
     whole among the extras (extra.bin), so save and load see them gathered. Collective at
     stage 3; nothing at stages 0-2 or for a bad `opt` (the checks that follow report it)."""
     sync = getattr(opt, "grad_sync", None)
-    if getattr(opt, "stage", None) != 3 or not getattr(sync, "frozen", None) or sync.detached:
+    pat = getattr(opt, "pattern", None)
+    if pat is None or not pat.shards_params or not getattr(sync, "frozen", None) \
+            or sync.detached:
         yield
         return
     with sync.frozen_whole(write_back):

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..optimizer_args import PRECISIONS
+
 # key -> reason it has no effect in zerokern (accepted and logged once)
 NO_EFFECT_TOP = {
     "zero_allow_untested_optimizer": "zerokern builds ZeroAdamW itself",
@@ -66,7 +68,7 @@ HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
                 "zero_optimization", "communication_data_type")
-COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMM_DTYPES = PRECISIONS  # communication_data_type takes the precision names
 # Without reduce_bucket_size zerokern keeps its own 25 MiB buckets, not DeepSpeed's default of
 # 5e8 elements: zerokern's staging buckets live between steps, and at that size they are as
 # large as the model (at 23M params fp32: +88 MiB per rank at stages 1-2, measured by
@@ -104,8 +106,7 @@ class EngineConfig:
         """reduce_bucket_size (elements) in MiB of the reduce dtype (zerokern's unit)."""
         if self.reduce_bucket_elements is None:
             return ZK_BUCKET_MB_DEFAULT
-        dtype = self.reduce_dtype or {"fp32": torch.float32, "bf16": torch.bfloat16,
-                                      "fp16": torch.float16}[self.precision]
+        dtype = self.reduce_dtype or PRECISIONS[self.precision]
         return self.reduce_bucket_elements * dtype.itemsize / 2**20
 
 

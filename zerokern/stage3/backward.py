@@ -1,6 +1,6 @@
 """Stage 3's backward half: re-gather units as backward reaches them, reduce-scatter their
 grads (DESIGN §2). The rules and their reasons are in [Note: stage-3 collective order] in
-runtime.py; `Stage3Sync` (runtime.py) adds the forward half and the bookkeeping this uses
+runtime.py; `Stage3Runtime` (runtime.py) adds the forward half and the bookkeeping this uses
 (`_gather`, `_reach`, `_release`, `_free`, the schedules and counters).
 """
 

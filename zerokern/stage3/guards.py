@@ -142,6 +142,6 @@ class ModelGuard:
             if j != i:
                 continue
             src = flat_value[a - off:b - off].to(f.device)
-            f.flat[a - lo:b - lo].copy_(src)  # round to nearest even, as the cast-back
+            f.param_shard[a - lo:b - lo].copy_(src)  # round to nearest even, as the cast-back
             if f.master is not None:
                 f.master[a - lo:b - lo].copy_(src)  # the full fp32 value

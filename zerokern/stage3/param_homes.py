@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import aligned_io as aio
+from ..offload_nvme import StepPhase
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
 
@@ -66,10 +67,10 @@ class ParamHomes:
                                                os.getpid())
 
     def make(self, params, dtype, world_size, rank, group_index, unit_index,
-             trainable=True) -> OffloadedShardedFlat:
+             trainable=True, placement=None) -> OffloadedShardedFlat:
         try:
             f = OffloadedShardedFlat(params, dtype, world_size, rank, group_index, unit_index,
-                                     trainable, homes=self)
+                                     trainable, placement, homes=self)
         except OSError as e:
             self.close()
             raise ValueError(f"offload_path {self.root!r}: cannot create the param files "
@@ -182,7 +183,7 @@ class ParamHomes:
         """Journal f's new shard into the half it does not read; a failure is recorded for
         the offloader's finish(), which rolls back on every rank (offload_nvme.py)."""
         off = self.offloader
-        if off.error is not None or off.skip:
+        if off.error is not None or off.phase is StepPhase.SKIPPED:
             return
         pf = f.file
         mv = memoryview(self.stage_buf.numpy())[:pf.half]

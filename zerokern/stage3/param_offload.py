@@ -72,7 +72,7 @@ from .param_offload_checks import (  # noqa: F401 (re-exported)
     estimate_,
     formula_,
 )
-from .sharded_flat import ShardedFlat
+from .sharded_flat import Residency, ShardedFlat
 
 if TYPE_CHECKING:
     from .param_homes import ParamHomes, _ParamFile
@@ -82,10 +82,11 @@ class OffloadedShardedFlat(ShardedFlat):
     """A ShardedFlat whose shard lives at `homes` (host or file) between uses."""
 
     def __init__(self, params, dtype, world_size, rank, group_index, unit_index,
-                 trainable=True, *, homes: ParamHomes) -> None:
+                 trainable=True, placement=None, *, homes: ParamHomes) -> None:
         self.homes = homes
         self.dev = None  # (set below: ShardedFlat.__init__ calls free() first)
-        super().__init__(params, dtype, world_size, rank, group_index, unit_index, trainable)
+        super().__init__(params, dtype, world_size, rank, group_index, unit_index, trainable,
+                         placement)
         S = self.layout.shard_numel
         self._dev_bytes = S * self.flat.element_size()
         self.dev = self.flat  # the device shard storage; released below, fetched per use
@@ -100,6 +101,12 @@ class OffloadedShardedFlat(ShardedFlat):
     @property
     def device_flat(self) -> torch.Tensor:
         return self.dev
+
+    def param_buffers(self):
+        # On the device: the working shard (0 bytes between uses) and the gathered unit; the
+        # home (param_shard) is host or disk bytes, reported by ParamHomes.
+        yield ("params" if self.trainable else "frozen"), self.dev, self.state_padding
+        yield "live_units", self.full, self.layout.padding
 
     # -- device shard ------------------------------------------------------------------------
     def _fetch(self) -> torch.Tensor:
@@ -116,11 +123,12 @@ class OffloadedShardedFlat(ShardedFlat):
 
     # -- gather / free -----------------------------------------------------------------------
     def start_gather(self, comm, label=None) -> None:
-        if self.gathered or self.handle is not None:
+        if self.residency is not Residency.SHARD:
             return
         src = self._fetch()  # [Note: param offload choices] 1: with the (pre)fetched gather
         self.full.untyped_storage().resize_(self._full_bytes)
         self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
+        self.residency = Residency.GATHERING
 
     def finish_gather(self) -> None:
         landed = self.handle is not None

@@ -98,7 +98,10 @@ def _weak(self, name: str):
     return hook
 
 
-class Stage3Sync(Stage3Backward):
+class Stage3Runtime(Stage3Backward):
+    """Stage 3's runtime: gathers, frees and prefetches the units' params around forward and
+    backward, and reduce-scatters their grads into the shards (the GradSync of stage 3)."""
+
     stage = 3
 
     def __init__(self, flats: List[ShardedFlat], units: List[Unit], comm,
@@ -281,7 +284,7 @@ class Stage3Sync(Stage3Backward):
             self._free_unreferenced(keep)  # prefetches the forward did not use
 
     # ---- step / zero_grad / reports ----------------------------------------------------------
-    def reduce(self):
+    def reduced_buckets(self):
         self.guard.check_step()
         self._free_unreferenced()  # a root kept by a forward that had no backward
         if self._local is not None and any(t is not None for t in self._local):
@@ -373,3 +376,8 @@ class Stage3Sync(Stage3Backward):
     def detach(self) -> None:
         super().detach()
         self.gather_all()  # the params are left whole (views of full buffers) for the new owner
+
+
+# Its name before issue 15 ("sync" undersold it: most of it is the param runtime), kept for
+# code written against it.
+Stage3Sync = Stage3Runtime

@@ -2,14 +2,14 @@
 
 Shapes (E = layout.padded_numel, S = E / world_size; one bucket per buffer, so rank r's shard
 is the DESIGN layout `[r·S, (r+1)·S)` of the unit's flat buffer):
-    flat        (S,)  model dtype   the resident param shard (the master itself at fp32)
+    param_shard (S,)  model dtype   the resident param shard (the master itself at fp32)
     full        (E,)  model dtype   the gathered unit; its storage is resized to 0 when freed
     master      (S,)  fp32          None at fp32
     exp_avg     (S,)  fp32
     exp_avg_sq  (S,)  fp32
     steps       (1,)  int64
 A frozen buffer (trainable=False: the unit's requires_grad=False params, e.g. a LoRA base model)
-has only `flat` and `full`: it is gathered and freed with its unit and cast to the precision
+has only `param_shard` and `full`: it is gathered and freed with its unit and cast to the precision
 like the others, but holds no master, moments or step (None), and gets no grad shard.
 
 [Note: freeing by storage resize]
@@ -24,56 +24,66 @@ saved views, and bound nothing.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from enum import Enum
+from typing import List
 
 import torch
 
-from ..partition import FlatLayout, make_layout, round_up
+from ..partition import make_layout, one_bucket_numel
+from ..shard_buffer import ShardBuffer
+from ..stages import pattern
 
 
-class ShardedFlat:
+class Residency(Enum):
+    """Where a unit's params are (three states, so not a pair of flags)."""
+
+    SHARD = "shard"          # only this rank's shard; the params are empty tensors
+    GATHERING = "gathering"  # an all-gather into `full` is in flight (`handle`)
+    GATHERED = "gathered"    # `full` holds the unit; the params view it
+
+
+class ShardedFlat(ShardBuffer):
     def __init__(self, params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
-                 rank: int, group_index: int, unit_index: int, trainable: bool = True) -> None:
-        self.params = params
-        self.trainable = trainable
-        self.dtype = dtype
-        self.rank = rank
-        self.stage = 3
-        self.group_index = group_index
-        self.unit_index = unit_index
-        self.device = params[0].device
+                 rank: int, group_index: int, unit_index: int, trainable: bool = True,
+                 placement=None) -> None:
         numel = sum(p.numel() for p in params)
-        unit = world_size * 128
-        one_bucket = max(round_up(max(numel, 1), unit), unit)
-        self.layout: FlatLayout = make_layout([tuple(p.shape) for p in params], world_size,
-                                              one_bucket)
+        layout = make_layout([tuple(p.shape) for p in params], world_size,
+                             one_bucket_numel(numel, world_size))
+        self._init_buffer(params, dtype, rank, pattern(3), layout, group_index)
+        self.trainable = trainable
+        self.unit_index = unit_index
         L = self.layout
-        S = L.shard_numel
         lo, hi = L.piece_range(0, rank)
-        fp32 = torch.float32
-        self.master: Optional[torch.Tensor] = None
-        if dtype != fp32 and trainable:  # fp32 masters from the original values, before the cast
-            self.master = torch.zeros(S, dtype=fp32, device=self.device)
-            self._copy_params_(self.master, lo, hi)
-        self.flat = torch.zeros(S, dtype=dtype, device=self.device)
-        self._copy_params_(self.flat, lo, hi)
+        if trainable:  # fp32 masters from the original values, before the cast
+            if placement is None:
+                from ..placement import DevicePlacement
+
+                placement = DevicePlacement()
+            self.state = placement.allocate(self)
+        # (S,) the resident param shard, flat range [lo, hi) of the unit (the master at fp32)
+        self.param_shard = torch.zeros(L.shard_numel, dtype=dtype, device=self.device)
+        self.copy_params_(self.param_shard, lo, hi)
         self.full = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
         self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.exp_avg = self.exp_avg_sq = self.steps = None
-        if trainable:
-            self.exp_avg = torch.zeros(S, dtype=fp32, device=self.device)
-            self.exp_avg_sq = torch.zeros(S, dtype=fp32, device=self.device)
-            self.steps = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.gathered = True   # full is allocated (freed just below)
-        self.handle = None     # an all-gather in flight into full
+        self.residency = Residency.GATHERED  # full is allocated (freed just below)
+        self.handle = None  # the all-gather in flight into full (GATHERING)
         self.free()
 
-    def _copy_params_(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        for i, a, b in self.layout.overlaps(lo, hi):
-            s = self.layout.slots[i]
-            out[a - lo:b - lo].copy_(self.params[i].detach().reshape(-1)[a - s.offset:b - s.offset])
+    @property
+    def gathered(self) -> bool:
+        return self.residency is Residency.GATHERED
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The param shard under its name before issue 15 (on FlatGroup `flat` is the whole
+        buffer, so stage-3 code says `param_shard`); kept for code written against it."""
+        return self.param_shard
+
+    @flat.setter
+    def flat(self, t: torch.Tensor) -> None:
+        self.param_shard = t
 
     # -- gather / free -----------------------------------------------------------------------
     @property
@@ -82,21 +92,23 @@ class ShardedFlat:
 
     def start_gather(self, comm, label=None) -> None:
         """Allocate full and launch the all-gather of every rank's shard into it (async)."""
-        if self.gathered or self.handle is not None:
+        if self.residency is not Residency.SHARD:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, self.flat, async_op=True, label=label)
+        self.handle = comm.all_gather_(self.full, self.param_shard, async_op=True,
+                                        label=label)
+        self.residency = Residency.GATHERING
 
     def finish_gather(self) -> None:
-        if self.handle is not None:
+        if self.residency is Residency.GATHERING:
             self.handle.wait()
             self.handle = None
-            self.gathered = True
+            self.residency = Residency.GATHERED
             for p, v in zip(self.params, self.views):
                 p.data = v
 
     def free(self) -> None:
-        if self.handle is not None:  # a prefetch nobody used: let it land before freeing
+        if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
             self.handle.wait()
             self.handle = None
         for p in self.params:
@@ -108,7 +120,7 @@ class ShardedFlat:
             self.full = torch.empty(L.padded_numel, dtype=self.dtype, device=self.device)
             self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        self.residency = Residency.SHARD
 
     def write_back_(self) -> None:
         """After the user changed gathered params: take this rank's piece back into the shard.
@@ -116,32 +128,40 @@ class ShardedFlat:
         params left alone keep their full-precision masters."""
         piece = self.full[slice(*self.layout.piece_range(0, self.rank))]
         if self.master is not None:
-            changed = piece != self.flat
+            changed = piece != self.param_shard
             master = self.master.to(piece.device)
             self.master.copy_(torch.where(changed, piece.float(), master))
-        self.flat.copy_(piece)
+        self.param_shard.copy_(piece)
 
-    # -- the interface step() and the reports use (same names as FlatGroup) --------------------
-    def state_slice(self, k: int) -> slice:
-        return slice(0, self.layout.shard_numel)
-
-    def master_piece(self, k: int) -> torch.Tensor:
-        return self.master if self.master is not None else self.flat
-
-    def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
-        return None if self.master is None else self.flat
-
-    def moments(self, k: int):
-        return self.exp_avg, self.exp_avg_sq
+    # -- what ShardBuffer asks (the coordinates and the state are its own) --------------------
+    def param_values(self, lo: int, hi: int) -> torch.Tensor:
+        base = self.layout.piece_range(0, self.rank)[0]
+        return self.param_shard[lo - base:hi - base]
 
     def publish_piece(self, comm, k: int):
         """Stage 3 keeps only the shard: the next gather brings the update to every rank."""
         return None
 
-    def state_tensors(self) -> dict:
+    def _extra_state(self) -> dict:
         # The param shard too: at stage 3 the model's own state_dict has no values to give.
-        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps,
-               "params": self.flat}
-        if self.master is not None:
-            out["master"] = self.master
-        return out
+        return {"params": self.param_shard}
+
+    def param_buffers(self):
+        # the resident shard (frozen: the unit's requires_grad=False params), and the full
+        # unit while it is gathered
+        yield ("params" if self.trainable else "frozen"), self.param_shard, self.state_padding
+        yield "live_units", self.full, self.layout.padding
+
+    def value_pieces(self):
+        return self.layout.overlaps(*self.layout.piece_range(0, self.rank))
+
+    def step_params(self, k: int):
+        return tuple(range(len(self.params)))
+
+    def layout_meta(self) -> dict:
+        return {**super().layout_meta(), "unit": self.unit_index}
+
+    def check_between_steps(self) -> None:
+        if self.residency is not Residency.SHARD:
+            raise ValueError("opt has gathered stage-3 params (inside gathered_params() or "
+                             "a forward): save or load between steps")

@@ -14,8 +14,10 @@ from typing import Optional
 
 from ..argtypes import int_at_least, positive_float
 from ..gpt import PRESETS
+from ..optimizer_args import PRECISIONS as _PRECISIONS
 
-PRECISIONS = ("bf16", "fp32", "fp16")
+# The precision table's names, the default (bf16) first as --help lists them.
+PRECISIONS = ("bf16", *(p for p in _PRECISIONS if p != "bf16"))
 
 # Defaults, measured on this project's 2-core CPU VM (2 gloo ranks, 1 thread each), shared with
 # other jobs, so times vary ~2x with their load:

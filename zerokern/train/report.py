@@ -17,8 +17,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
+from ..formula import estimate_memory
 from ..host import cpu_model
-from ..memory import estimate_memory
+from ..optimizer_args import elem_size
 from ..tables import print_table
 from .config import TrainConfig
 from .loop import build_model
@@ -113,7 +114,7 @@ def memory_columns(rows: List[dict], stage: int, unit: str) -> List[tuple]:
 
 def comm_formula_bytes(psi: int, world: int, stage: int, precision: str) -> float:
     """DESIGN §5: about 2Ψ(N-1)/N elements per rank per step (3Ψ(N-1)/N at stage 3)."""
-    e = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
+    e = elem_size(precision)
     return (3 if stage == 3 else 2) * psi * (world - 1) / world * e
 
 

@@ -1,0 +1,170 @@
+"""`zerokern estimate`: the command line and the table over `zerokern.estimate.estimate`.
+
+The estimator itself (zerokern's buffers built on `meta`, byte for byte what
+`opt.memory_report()` will measure) is `estimate.py`; this module parses the arguments,
+loads the model spec and renders one column per stage, or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional
+
+from .estimate import COMMS, estimate
+from .model_spec import load_model, spec_from_model, spec_from_numel
+from .optimizer_args import PRECISIONS
+
+
+def _count(text: str) -> int:
+    """--params: an integer count, also written as 7e9 or 1.3e9 (must be whole)."""
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of parameters, got {text!r}") \
+            from None
+    if not (v >= 1 and v == int(v)) or v > 2**62:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return int(v)
+
+
+def add_arguments(p) -> None:
+    from .argtypes import int_at_least, positive_float
+
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_count, metavar="N",
+                      help="parameter count (e.g. 7e9): one flat buffer of N elements")
+    what.add_argument("--model", metavar="SPEC",
+                      help="a zerokern.gpt preset (tiny, small, 20m, 100m), a factory "
+                           "module:function, or a Hugging Face config (JSON, config.json path, "
+                           "directory, or hub name); built on the meta device")
+    p.add_argument("--world-size", type=int_at_least(1), default=1, metavar="N",
+                   help="ranks (default 1)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append",
+                   help="stage(s) to show (repeatable; default all of 0-3)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
+    p.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default="none",
+                   help="stage 3: where the param shards live between uses (nvme needs "
+                        "--offload nvme)")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
+                   help="ZeroAdamW bucket_mb (default 25)")
+    p.add_argument("--rank", type=int, default=0,
+                   help="rank to report (totals are equal on all ranks; default 0)")
+    p.add_argument("--comm", choices=list(COMMS), default="nccl",
+                   help="collective backend: gloo's ring keeps a scratch bucket at stage 1 "
+                        "(default nccl)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
+         ("live_units", "live units (bound, in a step)"),
+         ("grads", "grads"), ("buckets", "buckets"), ("master", "optimizer: master (fp32)"),
+         ("exp_avg", "optimizer: m (fp32)"), ("exp_avg_sq", "optimizer: v (fp32)"),
+         ("padding", "padding")]
+_HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
+              ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
+_PARAM_HOST_ROWS = [("params", "host: param shards"), ("frozen", "host: frozen shards"),
+                    ("param_staging", "host: param I/O buffers")]
+_PARAM_DISK_ROWS = [("params", "disk: param shards (2 halves)"),
+                    ("frozen", "disk: frozen shards")]
+_DISK_ROWS = [("master", "disk: master (fp32, 2 halves)"),
+              ("exp_avg", "disk: m (fp32, 2 halves)"), ("exp_avg_sq", "disk: v (fp32, 2 halves)")]
+
+
+def format_table(results: List[Dict[str, Any]]) -> str:
+    """The human-readable table: one column per stage."""
+    r0 = results[0]
+    what = f"{r0['num_params']:,} params" if r0["model"] == "--params" else \
+        f"{r0['model']} ({r0['num_params']:,} params)"
+    head = (f"zerokern estimate: {what}, "
+            f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
+            f"offload {r0['offload'] or 'none'}"
+            + (f", offload_params {r0['offload_params']}" if r0.get("offload_params") else "")
+            + f", comm {r0['comm']}; bytes on rank {r0['rank']}")
+    cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
+    table = []
+    for key, label in _ROWS:
+        if key == "live_units":  # the bound; the measured category is 0 between steps
+            cells = [human_bytes(r["live_units_bound"]) if r["stage"] == 3 else "-"
+                     for r in results]
+        else:
+            cells = [human_bytes(r["bytes"][key]) for r in results]
+        table.append((label, cells))
+    table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
+    poff = any(r.get("offload_params") for r in results)
+    if any(r["offload"] for r in results) or poff:
+        for key, label in _HOST_ROWS + (_PARAM_HOST_ROWS if poff else []):
+            table.append((label, [human_bytes(r["host"].get(key, 0)) for r in results]))
+        table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
+        table.append(("DESIGN §4 formula (host)",
+                      [human_bytes(r["formula"]["host"]) for r in results]))
+    if any(r["offload"] == "nvme" for r in results):
+        for key, label in _DISK_ROWS + (_PARAM_DISK_ROWS if poff else []):
+            table.append((label, [human_bytes(r["disk"].get(key, 0)) for r in results]))
+        table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))
+        table.append(("DESIGN §4 formula (disk, x2)",
+                      [human_bytes(r["formula"]["disk"]) for r in results]))
+    table.append(("DESIGN §4 formula (device total)" if any(r["offload"] for r in results)
+                  else "DESIGN §4 formula (total)",
+                  [human_bytes(r["formula"]["total"]) for r in results]))
+    table.append(("DeepSpeed / ZeRO paper, K = 12",
+                  [human_bytes(r["deepspeed"]["total"]) for r in results]))
+    w0 = max(len(label) for label, _ in table)
+    ws = [max(len(c), *(len(cells[i]) for _, cells in table)) for i, c in enumerate(cols)]
+    lines = [head, "", "  ".join([" " * w0] + [c.rjust(w) for c, w in zip(cols, ws)])]
+    for label, cells in table:
+        lines.append("  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, ws)]))
+    lines.append("")
+    lines.append("Exact for zerokern's layout" + (" (stages without *)" if not
+                                                  all(r["exact"] for r in results) else "")
+                 + ": each device row equals opt.memory_report()['measured'] after a training "
+                 "step" + (", each host row its ['host_measured']" if r0["offload"] or poff else "")
+                 + (", live units its ['live_units_bound']" if any(r["stage"] == 3
+                                                                  for r in results) else "")
+                 + ".")
+    notes = []
+    for r in results:
+        for n in r["notes"]:
+            if n not in notes:
+                notes.append(n)
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    if args.params is not None:
+        spec = spec_from_numel(args.params)
+    else:
+        model, desc = load_model(args.model)
+        spec = spec_from_model(model, desc)
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(f"--rank must be in [0, --world-size), got {args.rank}")
+    offload = None if args.offload == "none" else args.offload
+    offload_params = None if args.offload_params == "none" else args.offload_params
+    if offload_params and not args.stage:
+        args.stage = [3]  # param offload is stage 3's
+    if args.stage:
+        stages = sorted(set(args.stage))
+        if offload and 0 in stages:
+            raise ValueError(f"--offload {offload} needs --stage 1, 2 or 3 (stage 0 keeps the full "
+                             "optimizer state on every rank)")
+    else:  # every stage that takes this --offload
+        stages = [1, 2, 3] if offload else [0, 1, 2, 3]
+    results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
+                        args.rank, args.comm, offload_params) for s in stages]
+    if args.json:
+        print(json.dumps({"results": results}, indent=1))
+    else:
+        print(format_table(results))
+    return 0

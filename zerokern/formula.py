@@ -1,0 +1,68 @@
+"""The closed-form memory per rank: DESIGN §4's formula and the ZeRO paper's (DeepSpeed's).
+
+`estimate_memory` is the public `zerokern.estimate_memory`: 2Ψ + 2Ψ + 12Ψ and their shards,
+from a parameter count alone. It is a formula, not a measurement: `memory.memory_report`
+measures the buffers an optimizer holds, and `estimate.estimate` predicts that measurement
+exactly by building zerokern's own buffers on `meta`; both report this formula beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .optimizer_args import OFFLOADS, elem_size
+from .stages import pattern
+
+# ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
+K_DEEPSPEED = 12
+
+
+def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
+                    offload: Optional[str] = None, reduce_bytes: Optional[int] = None
+                    ) -> Dict[str, int]:
+    """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
+
+    Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
+    offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
+    offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
+    writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
+    """
+    if not isinstance(num_params, int) or num_params < 1:
+        raise ValueError(f"num_params must be a positive int, got {num_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    P = pattern(stage)
+    e = elem_size(precision)
+    if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    psi, n = num_params, world_size
+    g = reduce_bytes or e
+    state = psi if P.replicated_state else psi / n
+    out = {
+        "params": e * (psi / n if P.shards_params else psi),
+        "grads": g * psi / n if P.shards_grads else g * psi,
+        # offload keeps an fp32 master on the host at every precision (the device params
+        # are only the working copy); without offload fp32 params are the master
+        "master": 0 if precision == "fp32" and not offload else 4 * state,
+        "exp_avg": 4 * state,
+        "exp_avg_sq": 4 * state,
+    }
+    out["optimizer"] = out["master"] + out["exp_avg"] + out["exp_avg_sq"]
+    out = {k: int(round(v)) for k, v in out.items()}
+    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
+    out["host"] = out["optimizer"] if offload == "cpu" else 0
+    out["disk"] = 2 * out["optimizer"] if offload == "nvme" else 0
+    return out
+
+
+def deepspeed_formula(num_params: int, world_size: int, stage: int,
+                      offload: Optional[str] = None) -> Dict[str, int]:
+    """The ZeRO paper / DeepSpeed figures: 16-bit params and grads, K = 12 bytes of optimizer
+    state per param, each term divided by N once its stage shards it."""
+    psi, n = num_params, world_size
+    out = {"params": 2 * psi / (n if stage >= 3 else 1),
+           "grads": 2 * psi / (n if stage >= 2 else 1),
+           "optimizer": K_DEEPSPEED * psi / (n if stage >= 1 else 1)}
+    out = {k: int(round(v)) for k, v in out.items()}
+    out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
+    return out

@@ -1,0 +1,120 @@
+"""offload="nvme"'s per-buffer state: master, exp_avg, exp_avg_sq in three files (`DiskState`),
+made without ever holding them in memory. The step that streams them is offload_nvme.py.
+
+Each file has two halves of `align_up(S * 4)` bytes (S = the buffer's state elements; a step
+reads one half and writes the other, offload_nvme.py [Note: all or nothing]). The attributes
+`master`, `exp_avg`, `exp_avg_sq` are shared mmap views of the current half
+(offload_nvme.py [Note: where the state is visible]).
+
+[Note: lazy state under offload="nvme"]
+The state of a model larger than the host's memory (2B params: 24 GB of fp32 master, m and v)
+must never be whole in RAM, not even while the optimizer is built. So no buffer allocates it
+and hands it over: `DiskState.create` preallocates the files (fallocate: zeros, which is m
+and v's initial value, and both halves, so a full disk fails here and not in a step), then
+writes the master from the params' original values one chunk (CHUNK_NUMEL elements, 16 MiB)
+at a time through one bounded buffer, with O_DIRECT where the file system takes it (no page
+cache either), else buffered and dropped from the cache. Peak host memory while building is
+the params plus that one chunk, not 12 bytes per param (tests/zero/test_offload_nvme.py
+measures it in a fresh process).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import torch
+
+from . import aligned_io as aio
+
+NAMES = ("master", "exp_avg", "exp_avg_sq")
+WRITE_CHUNK = 1 << 22  # elements per master write at creation (16 MiB; aligned_io's Note)
+_F32 = torch.float32
+
+
+class DiskState:
+    """One buffer's master, exp_avg and exp_avg_sq in files; steps (n_buckets,) int64 on the
+    host. `n` state elements, `half` bytes per half."""
+
+    def __init__(self, buf, index: int, rank: int, root: str, tag: str) -> None:
+        self.n = buf.state_numel
+        self.half = aio.align_up(self.n * 4)  # bytes; O_DIRECT offsets of half 1 stay aligned
+        self.paths = [os.path.join(root, f"zerokern-{tag}-rank{rank}-buf{index}-{nm}.bin")
+                      for nm in NAMES]
+        self.fds: List[int] = []
+        self.maps: List[torch.Tensor] = []
+        self.master = self.exp_avg = self.exp_avg_sq = None
+        self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
+
+    def device_tensors(self) -> Dict[str, torch.Tensor]:
+        return {}  # on disk: offload_nvme's disk_bytes
+
+    def create(self, buf, direct: bool) -> None:
+        """Create and preallocate the three files and write the master (Note: lazy state).
+        Raises OSError naming the file."""
+        for i, p in enumerate(self.paths):
+            fd = aio.open_state(p, False, create=True)
+            self.fds.append(fd)
+            try:
+                os.posix_fallocate(fd, 0, 2 * self.half)  # zeros, both halves
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, p) from e
+            if direct:  # the master's writes bypass the page cache too
+                os.close(fd)
+                fd = self.fds[-1] = aio.open_state(p, True, create=False)
+            if i == 0:
+                self._write_master(buf, fd, p)
+            if not direct:
+                aio.drop_cache(fd)  # the buffered writes went through the page cache
+
+    def _write_master(self, buf, fd: int, path: str) -> None:
+        chunk = min(WRITE_CHUNK, aio.align_up(self.n, aio.ALIGN // 4))
+        raw = aio.aligned_empty(chunk * 4, pin=False)  # 4096-aligned: O_DIRECT
+        vals = raw.view(_F32)
+        mv = memoryview(raw.numpy())
+        for lo in range(0, self.n, chunk):
+            m = min(chunk, self.n - lo)
+            vals.zero_()  # padding (and the tail of the last request) stays 0, as in RAM
+            buf.fill_master_(vals[:m], lo)
+            aio.pwrite_full(fd, mv[:aio.align_up(m * 4)], lo * 4, path)
+
+    def point(self, cur: int, remap: bool = False) -> None:
+        """master / exp_avg / exp_avg_sq become views of half `cur`. remap: map the files
+        afresh and drop their clean cached pages (offload_nvme.py [Note: where the state is
+        visible])."""
+        if remap or not self.maps:
+            self.maps = [torch.from_file(p, shared=True, size=2 * self.half // 4, dtype=_F32)
+                         for p in self.paths]
+        if remap:
+            for fd in self.fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        off = cur * self.half // 4
+        for nm, m in zip(NAMES, self.maps):
+            setattr(self, nm, m[off:off + self.n])
+
+    def release(self) -> None:
+        """Drop the mappings (the files are removed by offload_nvme's cleanup)."""
+        self.maps = []
+        for nm in NAMES:
+            setattr(self, nm, torch.empty(0, dtype=_F32))
+
+
+def cleanup(files: List[DiskState], pool, pid: int) -> None:
+    """Close and remove every state file (idempotent; runs at close, GC and exit). Only in the
+    process that created them: a forked child that exits (sys.exit runs atexit) must not remove
+    its parent's state."""
+    if os.getpid() != pid:
+        return
+    pool.shutdown(wait=True)
+    for f in files:
+        for fd in f.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        f.fds = []
+        for p in f.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,161 @@
+"""What every flat buffer shares, stage 0 to 3: `ShardBuffer`, the base of `FlatGroup` (stages
+0-2, the whole flat buffer resident) and `stage3.ShardedFlat` (stage 3, only the shard).
+
+A buffer owns one param group's (at stage 3: one unit's) params laid out by `partition` and
+answers, through its `StagePattern`, which flat range its optimizer state covers for bucket k
+(`state_range`), where that lies in the state buffers (`state_slice`) and how much of it is
+padding. The state itself (fp32 master, exp_avg, exp_avg_sq and the step counters) is made by
+the optimizer's placement (`placement.py`: on the device, `offload.py`: host memory,
+`offload_nvme.py`: files) and read through `master` / `exp_avg` / `exp_avg_sq` / `steps`, so no
+caller knows where it lives. The masters are filled from the params' original values, before
+the cast to the model dtype (issue 3), by `fill_master_`, one state range at a time, so a
+placement on disk can stream them without holding the whole master in memory.
+
+What the reports and the checkpoint see is asked here too: `device_buffers` (memory_report),
+`value_pieces` / `step_params` / `layout_meta` (checkpoint/views.py).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+
+from .partition import FlatLayout
+from .stages import StagePattern
+
+
+class ShardBuffer:
+    params: List[torch.nn.Parameter]
+    dtype: torch.dtype
+    rank: int
+    pattern: StagePattern
+    layout: FlatLayout
+    group_index: int  # index into opt.param_groups; -1 for stage 3's frozen buffers
+    device: torch.device
+
+    def _init_buffer(self, params, dtype, rank: int, pattern: StagePattern, layout: FlatLayout,
+                     group_index: int) -> None:
+        self.params = params
+        self.dtype = dtype
+        self.rank = rank
+        self.pattern = pattern
+        self.stage = pattern.stage
+        self.layout = layout
+        self.group_index = group_index
+        self.device = params[0].device if params else torch.device("cpu")
+        self.state = None  # the placement's state object (none for stage 3's frozen buffers)
+
+    # -- coordinates (partition.py does the math; the pattern picks the ranges) ---------------
+    def state_range(self, k: int) -> Tuple[int, int]:
+        """Flat range whose optimizer state this rank holds for bucket k."""
+        return self.pattern.state_range(self.layout, self.rank, k)
+
+    def state_slice(self, k: int) -> slice:
+        """Bucket k's part of the state buffers (master, exp_avg, exp_avg_sq)."""
+        lo, hi = self.state_range(k)
+        off = self.pattern.state_offset(self.layout, k)
+        return slice(off, off + hi - lo)
+
+    @property
+    def state_numel(self) -> int:
+        return self.pattern.state_numel(self.layout)
+
+    @property
+    def state_padding(self) -> int:
+        """Padding elements among this rank's state."""
+        return self.pattern.state_padding(self.layout, self.rank)
+
+    def copy_params_(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Copy the params' values of flat range [lo, hi) into out (padding left as it is)."""
+        for i, a, b in self.layout.overlaps(lo, hi):
+            s = self.layout.slots[i]
+            out[a - lo:b - lo].copy_(self.params[i].detach().reshape(-1)[a - s.offset:b - s.offset])
+
+    def fill_master_(self, out: torch.Tensor, s_lo: int = 0) -> None:
+        """Write the params' values into out, which holds state elements [s_lo, s_lo + len):
+        any piece of the state, so a placement can fill it chunk by chunk (offload_nvme)."""
+        s_hi = s_lo + out.numel()
+        for k in range(self.layout.n_buckets):
+            sl = self.state_slice(k)
+            a, b = max(s_lo, sl.start), min(s_hi, sl.stop)
+            if a < b:
+                flo = self.state_range(k)[0] - sl.start  # flat index = state index + flo
+                self.copy_params_(out[a - s_lo:b - s_lo], a + flo, b + flo)
+
+    # -- the state, wherever the placement keeps it ---------------------------------------------
+    @property
+    def master(self) -> Optional[torch.Tensor]:
+        """(state_numel,) fp32; None at fp32 on the device (the params are the master)."""
+        return None if self.state is None else self.state.master
+
+    @property
+    def exp_avg(self) -> Optional[torch.Tensor]:
+        return None if self.state is None else self.state.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> Optional[torch.Tensor]:
+        return None if self.state is None else self.state.exp_avg_sq
+
+    @property
+    def steps(self) -> Optional[torch.Tensor]:
+        """(n_buckets,) int64: each bucket is its own adam_step_ call, and every call advances
+        the step it is given."""
+        return None if self.state is None else self.state.steps
+
+    # -- per-bucket views handed to the kernels -------------------------------------------------
+    def param_values(self, lo: int, hi: int) -> torch.Tensor:
+        """The resident model-dtype values of flat range [lo, hi) (a view)."""
+        raise NotImplementedError
+
+    def master_piece(self, k: int) -> torch.Tensor:
+        if self.master is not None:
+            return self.master[self.state_slice(k)]
+        return self.param_values(*self.state_range(k))  # fp32: the params are the master
+
+    def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
+        return None if self.master is None else self.param_values(*self.state_range(k))
+
+    def moments(self, k: int):
+        sl = self.state_slice(k)
+        return self.exp_avg[sl], self.exp_avg_sq[sl]
+
+    def state_tensors(self) -> dict:
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+        out.update(self._extra_state())
+        if self.master is not None:
+            out["master"] = self.master
+        return out
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    # -- what memory_report and the checkpoint views see ----------------------------------------
+    def param_buffers(self) -> Iterator[Tuple[str, torch.Tensor, int]]:
+        """(category, tensor, padding elements) of the param buffers held."""
+        raise NotImplementedError
+
+    def device_buffers(self) -> Iterator[Tuple[str, torch.Tensor, int]]:
+        """(category, tensor, padding elements) of every buffer this one holds on the device:
+        the params, and master/m/v where the placement keeps them there."""
+        yield from self.param_buffers()
+        if self.state is not None:
+            for cat, t in self.state.device_tensors().items():
+                yield cat, t, self.state_padding
+
+    def value_pieces(self) -> Iterator[Tuple[int, int, int]]:
+        """(slot, flat lo, flat hi) of the param values resident on this rank."""
+        raise NotImplementedError
+
+    def step_params(self, k: int) -> Tuple[int, ...]:
+        """Slots whose elements bucket k's step counter governs."""
+        return tuple(i for i, _, _ in self.layout.overlaps(*self.layout.bucket_range(k)))
+
+    def layout_meta(self) -> dict:
+        L = self.layout
+        return {"numel": L.numel, "padded_numel": L.padded_numel,
+                "bucket_numel": L.bucket_numel, "world_size": L.world_size,
+                "offsets": [s.offset for s in L.slots]}
+
+    def check_between_steps(self) -> None:
+        """Raise if the buffer is mid-use (stage 3: gathered); checkpoints read it between."""
