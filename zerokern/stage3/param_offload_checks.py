@@ -86,8 +86,6 @@ def formula_(formula: dict, kind: str) -> None:
 def estimate_(b: dict, host: dict, disk: dict, flats, frozen, rank: int, kind: str) -> None:
     """zerokern estimate with offload_params: the same moves as memory_report() sees after a
     step (device: no param or frozen shard, nor their padding; host or disk: the homes)."""
-    from ..memory import _pad_in_range
-
     host.update(params=0, frozen=0, param_staging=0)
     if kind == "nvme":
         disk.update(params=0, frozen=0)
@@ -95,7 +93,7 @@ def estimate_(b: dict, host: dict, disk: dict, flats, frozen, rank: int, kind: s
     for f in list(flats) + list(frozen):
         L, e = f.layout, f.flat.element_size()
         S = L.shard_numel
-        spad = _pad_in_range(*L.piece_range(0, rank), L.numel)
+        spad = L.state_padding(rank, replicated=False)  # this rank's shard's padding
         b["params" if f.trainable else "frozen"] -= (S - spad) * e
         b["padding"] -= spad * e
         half = aio.align_up(S * e)
