@@ -33,7 +33,6 @@ from . import kernels
 from .comm import Comm
 from .flat_group import FlatGroup
 from .full_grads import FullGrads
-from .grad_sync import GradSync
 from .loss_scale import make_loss_scaler
 from .memory import memory_report
 from .model_sync import ModelWatch
@@ -138,21 +137,10 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
         if P.shards_params:
-            from .stage3 import find_units
+            from .stage3.build import check_stage3
 
-            unit_list = find_units(params_or_model, units)  # raises on a bad policy
-            dev = trainable[0][0].device
-            for u in unit_list:
-                for p in u.frozen:
-                    if p.device != dev:
-                        raise ValueError(f"all params must be on one device; found {dev} and "
-                                         f"{p.device} (a frozen param of unit "
-                                         f"{u.name or '<root>'!r})")
-            if offload == "nvme":  # a disk too small for the files: before any change
-                from .stage3.param_offload import check_space
-
-                check_space(offload_path, unit_list, trainable, dtype, comm.world_size,
-                            offload_params)
+            unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
+                                     offload, offload_path, offload_params)
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -177,30 +165,12 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.offload = offload
         self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm)
         if P.shards_params:
-            from .stage3 import ShardedFlat, Stage3Runtime
+            from .stage3.build import build_stage3
 
-            group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
             self.units = unit_list
-            make = ShardedFlat
-            if offload_params is not None:  # the shards' homes: host or files
-                from .stage3.param_homes import ParamHomes
-
-                self.param_homes = ParamHomes(offload_params, trainable[0][0].device,
-                                              offload is not None, offload_path, comm.rank)
-                make = self.param_homes.make
-            self.flat_groups = [
-                make(ps, dtype, comm.world_size, comm.rank, gi, u.index,
-                     placement=self.placement)
-                for u in unit_list for gi in range(len(trainable))
-                for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
-            # Frozen params: sharded with their unit, cast to the precision, no grads and no
-            # optimizer state (units.py); group_index -1: in no param group.
-            frozen = [make(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index,
-                                  trainable=False) for u in unit_list if u.frozen]
-            if self.param_homes is not None:
-                self.param_homes.finalize()
-            self.grad_sync: GradSync = Stage3Runtime(self.flat_groups, unit_list, comm,
-                                                  self.reduce_dtype, params_or_model, frozen)
+            self.flat_groups, self.grad_sync, self.param_homes = build_stage3(
+                params_or_model, unit_list, trainable, dtype, comm, self.placement,
+                self.reduce_dtype, offload, offload_path, offload_params)
         else:
             self.flat_groups: List[FlatGroup] = [
                 FlatGroup(ps, dtype, comm.world_size, comm.rank, self.pattern,

@@ -189,8 +189,6 @@ def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, 
                          "params pass the group dicts as params_or_model")
     check_hyper(lr, betas, eps, weight_decay)
     check_distributed_env(process_group)
-    from .stage3.param_offload_checks import check_args as check_offload_params
-
     check_offload_params(offload_params, stage, offload)
     if offload == "nvme":
         from .aligned_io import check_path
@@ -216,3 +214,22 @@ def check_clip(max_norm, norm_type) -> None:
     if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or \
             not norm_type > 0:
         raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+
+
+OFFLOAD_PARAMS = ("cpu", "nvme")  # stage 3: where the param shards live between uses
+
+
+def check_offload_params(offload_params, stage, offload, where: str = "offload_params") -> None:
+    """ZeroAdamW's and the estimate's checks, before anything changes (DESIGN §1 errors)."""
+    if offload_params is None:
+        return
+    if offload_params not in OFFLOAD_PARAMS:
+        raise ValueError(f"{where} must be None, 'cpu' or 'nvme', got {offload_params!r}")
+    if stage != 3:
+        raise ValueError(f"{where}={offload_params!r} needs stage=3 (stages 0-2 keep the full "
+                         f"params on every rank; got stage={stage!r})")
+    if offload_params == "nvme" and offload != "nvme":
+        raise ValueError(f"{where}='nvme' needs offload='nvme' (with offload_path=): the param "
+                         "files are journaled with the optimizer state's files, so a failed "
+                         "step changes neither; and params that do not fit in host RAM come "
+                         f"with 6x that of optimizer state (got offload={offload!r})")

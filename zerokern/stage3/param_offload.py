@@ -60,7 +60,7 @@ tensors, param files, the "nvme" buffers and read-ahead, the journal's commit, t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -74,23 +74,20 @@ from .param_offload_checks import (  # noqa: F401 (re-exported)
 )
 from .sharded_flat import Residency, ShardedFlat
 
-if TYPE_CHECKING:
-    from .param_homes import ParamHomes, _ParamFile
-
 
 class OffloadedShardedFlat(ShardedFlat):
     """A ShardedFlat whose shard lives at `homes` (host or file) between uses."""
 
     def __init__(self, params, dtype, world_size, rank, group_index, unit_index,
-                 trainable=True, placement=None, *, homes: ParamHomes) -> None:
-        self.homes = homes
+                 trainable=True, placement=None, *, homes) -> None:
+        self.homes = homes  # param_homes.ParamHomes (not imported: it builds this class)
         self.dev = None  # (set below: ShardedFlat.__init__ calls free() first)
         super().__init__(params, dtype, world_size, rank, group_index, unit_index, trainable,
                          placement)
         S = self.layout.shard_numel
         self._dev_bytes = S * self.flat.element_size()
         self.dev = self.flat  # the device shard storage; released below, fetched per use
-        self.file: Optional[_ParamFile] = None  # "nvme"
+        self.file = None  # "nvme": its param_homes._ParamFile
         self.flat = homes.adopt(self, self.flat)  # the home: host tensor or file view
         self._live = False    # dev holds the shard
         self._working = False  # dev is this step's update target (offload=None)
@@ -182,7 +179,7 @@ class OffloadedShardedFlat(ShardedFlat):
 
 
 # -- Stage3Sync's calls (runtime.py, backward.py) ------------------------------------------------
-def _homes(sync) -> Optional[ParamHomes]:
+def _homes(sync):
     bufs = sync.groups or sync.frozen  # (O(1): called at every prefetch)
     return getattr(bufs[0], "homes", None) if bufs else None
 

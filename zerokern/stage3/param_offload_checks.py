@@ -10,8 +10,9 @@ from collections import Counter
 import torch
 
 from .. import aligned_io as aio
+from ..optimizer_args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
+from ..optimizer_args import check_offload_params as check_args  # noqa: F401
 
-KINDS = ("cpu", "nvme")
 NOTES = {  # zerokern estimate's note per kind
     "cpu": "offload_params='cpu': the 16-bit param and frozen shards live in host memory "
            "between uses (pinned with nccl); the device holds none between steps",
@@ -21,27 +22,11 @@ NOTES = {  # zerokern estimate's note per kind
 }
 
 
-def check_args(offload_params, stage, offload, where: str = "offload_params") -> None:
-    """ZeroAdamW's and the estimate's checks, before anything changes (DESIGN §1 errors)."""
-    if offload_params is None:
-        return
-    if offload_params not in KINDS:
-        raise ValueError(f"{where} must be None, 'cpu' or 'nvme', got {offload_params!r}")
-    if stage != 3:
-        raise ValueError(f"{where}={offload_params!r} needs stage=3 (stages 0-2 keep the full "
-                         f"params on every rank; got stage={stage!r})")
-    if offload_params == "nvme" and offload != "nvme":
-        raise ValueError(f"{where}='nvme' needs offload='nvme' (with offload_path=): the param "
-                         "files are journaled with the optimizer state's files, so a failed "
-                         "step changes neither; and params that do not fit in host RAM come "
-                         f"with 6x that of optimizer state (got offload={offload!r})")
-
-
 def _shard_bytes(numel: int, world_size: int, e: int) -> int:
     """align_up(S·e): a stage-3 buffer's shard (ShardedFlat's padding) as a file region."""
-    from ..partition import round_up
+    from ..partition import ALIGN, round_up
 
-    unit = world_size * 128
+    unit = world_size * ALIGN
     return aio.align_up(max(round_up(max(numel, 1), unit), unit) // world_size * e)
 
 
