@@ -48,7 +48,8 @@ def main() -> int:
     p.add_argument("--model", default="2b", choices=list(PRESETS))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: min(128, "
+                   "the preset's context))")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--disk-sample-gib", type=float, default=8.0,
                    help="file size for the disk's bandwidth (O_DIRECT: no page cache)")
@@ -68,6 +69,10 @@ def main() -> int:
     rss["optimizer built (state files written)"] = _gib(_status_kib("VmRSS"))
     off = opt.offloader
     moved = 2 * 3 * sum(f.half for f in off.files)  # bytes a step reads + writes
+    seq = args.seq or min(128, model.config.seq)
+    if not 1 <= seq <= model.config.seq:
+        raise SystemExit(f"--seq must be in [1, {model.config.seq}] for GPT {args.model}")
+    args.seq = seq
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), generator=g)
     rows = []
