@@ -21,14 +21,20 @@ from .stages import StagePattern, pattern
 
 
 class FlatGroup(ShardBuffer):
+    @staticmethod
+    def layout_of(params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
+                  bucket_bytes: float):
+        """The buffer's layout (also asked before it exists: the NVMe free-space check)."""
+        return make_layout([tuple(p.shape) for p in params], world_size,
+                           bucket_numel_for(bucket_bytes,
+                                            torch.empty((), dtype=dtype).element_size(),
+                                            world_size))
+
     def __init__(self, params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
                  rank: int, stage, bucket_bytes: float, placement=None,
                  group_index: int = 0) -> None:
         pat = stage if isinstance(stage, StagePattern) else pattern(stage)
-        layout = make_layout([tuple(p.shape) for p in params], world_size,
-                             bucket_numel_for(bucket_bytes,
-                                              torch.empty((), dtype=dtype).element_size(),
-                                              world_size))
+        layout = self.layout_of(params, dtype, world_size, bucket_bytes)
         self._init_buffer(params, dtype, rank, pat, layout, group_index)
         if placement is None:
             from .placement import DevicePlacement

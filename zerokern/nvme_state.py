@@ -118,3 +118,20 @@ def cleanup(files: List[DiskState], pool, pid: int) -> None:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def state_file_bytes(state_numel: int) -> int:
+    """Bytes of one buffer's three state files (master, exp_avg, exp_avg_sq; two halves each),
+    as DiskState preallocates them."""
+    return len(NAMES) * 2 * aio.align_up(state_numel * 4)
+
+
+def check_free_space(path: str, need: int) -> None:
+    """A ValueError naming `path` when its file system has less than `need` bytes free, before
+    the model is touched. The files are preallocated at construction all the same, which
+    catches what this misses (other writers, file systems that count blocks differently)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ValueError(f"offload_path {path!r}: No space left for the offload files: they "
+                         f"take {need} bytes on this rank, the file system has {free} free")

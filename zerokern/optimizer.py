@@ -141,6 +141,12 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
             unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
                                      offload, offload_path, offload_params)
+        elif offload == "nvme":  # a disk too small for the state files: before any change
+            from .nvme_state import check_free_space, state_file_bytes
+
+            check_free_space(offload_path, sum(
+                state_file_bytes(P.state_numel(FlatGroup.layout_of(
+                    ps, dtype, comm.world_size, bucket_mb * 2**20))) for ps in trainable))
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------

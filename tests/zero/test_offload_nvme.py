@@ -462,3 +462,25 @@ def test_bench_disk_bandwidth(tmp_path):
     d = disk_bandwidth(str(tmp_path), 3 << 20, 1 << 20, 2)
     assert d["bytes"] == 3 << 20 and min(d["read_GBps"], d["write_GBps"], d["rw_GBps"]) > 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_disk_too_small_is_refused_before_the_model_changes(tmp_path, stage):
+    """Stages 1-2: a disk without room for the state files (both halves) is a ValueError naming
+    the path, raised before any param is cast or moved and with no file left behind. (Before,
+    the second param group's files failed after the first group had cast and re-viewed its
+    params.)"""
+    from .test_param_offload import _mount_tmpfs
+
+    small = tmp_path / "small"
+    # The test model's first param group's files take 240 KiB, the second's 24 KiB: the first
+    # fits, the second does not.
+    _mount_tmpfs(small, "size=256k")
+    try:
+        model = M.make_model()
+        with pytest.raises(ValueError, match=f"{small}.*No space left"):
+            M.zero_opt(model, stage, "bf16", offload="nvme", offload_path=str(small))
+        assert os.listdir(small) == []
+        assert M.bitwise_equal(M.snapshot(model), M.snapshot(M.make_model()))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -4,12 +4,12 @@ The runtime is param_offload.py."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import torch
 
 from .. import aligned_io as aio
+from ..nvme_state import check_free_space, state_file_bytes
 from ..optimizer_args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
 from ..optimizer_args import check_offload_params as check_args  # noqa: F401
 
@@ -44,17 +44,12 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
         for gi in range(len(trainable)):
             n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
             if n:
-                need += 3 * 2 * _shard_bytes(n, world_size, 4)
+                need += state_file_bytes(_shard_bytes(n, world_size, 4) // 4)
                 if offload_params == "nvme":
                     need += 2 * _shard_bytes(n, world_size, e)
         if u.frozen and offload_params == "nvme":
             need += _shard_bytes(sum(p.numel() for p in u.frozen), world_size, e)
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
-    if need > free:
-        raise ValueError(f"offload_path {path!r}: No space left for the offload files: "
-                         f"they take {need} bytes on this rank, the file system has {free} "
-                         "free")
+    check_free_space(path, need)
 
 
 def formula_(formula: dict, kind: str) -> None:
