@@ -31,7 +31,8 @@ MAX_NORM = 0.05  # below the model's grad norms (~0.1-1): the clip is active
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+    dt = torch.int16 if t.element_size() == 2 else torch.int32
+    return t.detach().reshape(-1).view(dt).clone()
 
 
 def _perturbed_state(model) -> dict:
