@@ -64,8 +64,41 @@ def unpack_ties(ties: torch.Tensor) -> torch.Tensor:
     return (ties.unsqueeze(1) & _bits(ties.device)).ne(0).view(-1)
 
 
-def compact_(low: torch.Tensor, ties: torch.Tensor, master: torch.Tensor) -> None:
-    """Write master's (n,) fp32 low halves into low (n,) int16 and its tie carries into ties."""
+def _native(t: torch.Tensor):
+    """The CPU op module (csrc/cpu/compact_cpu.cpp: one pass each way), or None: on another
+    device, or if it cannot be built, the torch version below does the same, bit for bit."""
+    global _OPS
+    if t.device.type != "cpu":
+        return None
+    if _OPS is None:
+        try:
+            _OPS = kernels.load_op("cpu")
+        except Exception:  # noqa: BLE001 (a build failure: the torch path is exact too)
+            _OPS = False
+    return _OPS or None
+
+
+_OPS = None
+
+
+def compact_(low: torch.Tensor, ties: torch.Tensor, master: torch.Tensor,
+             nan: Optional[torch.Tensor] = None) -> None:
+    """Write master's (n,) fp32 low halves into low (n,) int16 and its tie carries into ties
+    (n/8,) uint8; nan (0-d bool), if given, |= any NaN in master."""
+    op = _native(master)
+    if op is not None:
+        op.compact_store(low, ties, master, nan if nan is not None else _scratch_flag(master))
+        return
+    compact_torch_(low, ties, master)
+    if nan is not None:
+        nan |= torch.isnan(master).any()
+
+
+def _scratch_flag(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.bool, device=t.device)
+
+
+def compact_torch_(low: torch.Tensor, ties: torch.Tensor, master: torch.Tensor) -> None:
     pair = master.view(torch.int16).view(-1, 2)
     low.copy_(pair[:, 0])
     tie = low.eq(TIE) & (pair[:, 1] & 1).bool()
@@ -76,6 +109,15 @@ def compact_(low: torch.Tensor, ties: torch.Tensor, master: torch.Tensor) -> Non
 def expand_(out: torch.Tensor, low: torch.Tensor, ties: torch.Tensor,
             param: torch.Tensor) -> torch.Tensor:
     """out (n,) fp32 = the master whose low half is low, tie bits ties and bf16 value param."""
+    op = _native(out)
+    if op is not None:
+        op.compact_expand(out, low, ties, param)
+        return out
+    return expand_torch_(out, low, ties, param)
+
+
+def expand_torch_(out: torch.Tensor, low: torch.Tensor, ties: torch.Tensor,
+                  param: torch.Tensor) -> torch.Tensor:
     carry = low.lt(0)
     carry ^= low.eq(TIE)          # l in (0x8000, 0xFFFF]
     carry |= unpack_ties(ties)    # l == 0x8000 and hi odd (set only there)
@@ -234,8 +276,7 @@ class CompactState:
             kernels.adam_step_(x, m[lo:hi], v[lo:hi], grad[lo:hi], param[lo:hi], step=s,
                                grad_scale=grad_scale, found_inf=found_inf, backend=backend,
                                **hyper)
-            compact_(low, ties, x)
-            self._nan |= torch.isnan(x).any()
+            compact_(low, ties, x, self._nan)
         step.copy_(s)
         self.compact_pieces += 1
 

@@ -92,6 +92,31 @@ def test_random_values_and_specials():
     assert torch.equal(_bits(_roundtrip(x)), _bits(x))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_op_and_torch_version_agree_bit_for_bit(native):
+    """compact_/expand_ use the CPU op (csrc/cpu/compact_cpu.cpp) on the CPU; the torch
+    version (other devices, or no build) must give the same bits, NaN flag included."""
+    x = torch.cat([_patterns(), torch.zeros(6)])
+    low, ties = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel() // 8,
+                                                                       dtype=torch.uint8)
+    nan = torch.zeros((), dtype=torch.bool)
+    if native:
+        assert C._native(x) is not None  # the op is built and used here
+        C.compact_(low, ties, x, nan)
+    else:
+        C.compact_torch_(low, ties, x)
+    low2, ties2 = torch.empty_like(low), torch.empty_like(ties)
+    C.compact_torch_(low2, ties2, x)
+    assert torch.equal(low, low2) and torch.equal(ties, ties2) and not bool(nan)
+    out = C.expand_(torch.empty_like(x), low, ties, x.to(torch.bfloat16)) if native else \
+        C.expand_torch_(torch.empty_like(x), low, ties, x.to(torch.bfloat16))
+    assert torch.equal(_bits(out), _bits(x))
+    y = x.clone()
+    y.view(torch.int32)[5] = 0x7F800001  # a NaN sets the flag
+    C.compact_(low, ties, y, nan)
+    assert bool(nan)
+
+
 def test_verify_refuses_nan_and_mismatch():
     x = torch.tensor([1.0, 2.5, -3.0, 0.0, 1e-40, float("inf"), -0.0, 7.0])
     b = x.to(torch.bfloat16)
