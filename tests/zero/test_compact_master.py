@@ -182,3 +182,28 @@ def test_single_process_bitwise_and_master_reads_expand_then_recompact():
     mb(x).float().square().mean().backward()
     ob.step()
     assert g.state.expanded
+
+
+def test_a_step_that_makes_a_nan_master_raises_instead_of_keeping_other_bits():
+    """The compact step proves exactness by construction except for NaN (its bits cannot be
+    rebuilt from the bf16 param): an inf master with lr * weight_decay == 1 becomes inf * 0 =
+    NaN in the kernel, and step() says so."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 8)
+    opt = zk.ZeroAdamW(m, stage=1, precision="bf16", master="compact", backend="reference")
+
+    def step():
+        m(torch.randn(4, 16).bfloat16()).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with torch.no_grad():
+        m.weight[0, 0] = float("inf")  # taken into the master (model_sync), then compacted
+    step()
+    st = opt.flat_groups[0].state
+    assert not st.expanded and st.compact_pieces == 0  # that step ran on the expanded master
+    step()
+    assert st.compact_pieces > 0 and torch.isinf(m.weight[0, 0])
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["weight_decay"] = 1.0
+    with pytest.raises(RuntimeError, match="NaN in the fp32 master"):
+        step()
