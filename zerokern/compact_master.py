@@ -32,16 +32,14 @@ Writes that bypass `p._version` (`p.data.copy_()`) are not seen (model_sync.py);
 master the next step overwrites them, here they move the master to their neighbourhood.
 
 [Note: chunk size and cost]
-CHUNK_NUMEL = 2^20: the scratch is 4 MiB, freed at finish() (never held between steps), and a
-chunk's expand / kernel / compact working set (~18 B per element) stays in the L3 cache. On the
-CPU expand and compact are one pass each (csrc/cpu/compact_cpu.cpp; the torch ops below take
-7x longer), the NaN check fused into the compaction: 0.35 + 0.36 ms per 2^20 elements, one
-thread, against 0.45 ms for the Adam kernel itself. Measured (benchmarks/compact_step_time.py,
-23.2M GPT, 2 gloo ranks, bf16, step() interleaved with an fp32-master twin, medians of ~20,
-this shared 2-core VM): stage 2 +5, +20, +9 ms per step over 37-40 ms in three runs, stage 1
-+13 ms; chunks of 2^17 +14 ms and 2^22 +21 ms in the same session. The verification of the
-other paths (`verify`: a cast and a compare per element, torch ops) runs only in the step after
-an outside access.
+CHUNK_NUMEL = 2^20: a 4 MiB scratch, freed at finish() (never held between steps), and a chunk's
+expand / kernel / compact working set (~18 B per element) stays in the L3 cache. On the CPU
+expand and compact are one pass each (csrc/cpu/compact_cpu.cpp, NaN check fused; the torch ops
+below take 7x longer): 0.35 + 0.36 ms per 2^20 elements on one thread, the Adam kernel 0.45 ms.
+benchmarks/compact_step_time.py (23.2M GPT, 2 gloo ranks, bf16, step() interleaved with an
+fp32-master twin, shared 2-core VM): stage 2 +5 / +20 / +9 ms over 37-40 ms in three runs,
+stage 1 +13 ms; chunks of 2^17 +14 ms, 2^22 +21 ms. `verify` (torch ops, a cast and a compare
+per element) runs only in the step after an outside access.
 """
 
 from __future__ import annotations
@@ -53,100 +51,23 @@ import torch
 
 from . import kernels
 
+# the bit operations (kernels/compact_bits.py), re-exported
+from .kernels.compact_bits import (
+    TIE,
+    _native,
+    compact_,
+    compact_torch_,
+    expand_,
+    expand_torch_,
+    tie_bytes,
+    unpack_ties,
+    verify,
+)
+
 CHUNK_NUMEL = 1 << 20
-TIE = -32768  # int16 view of the low half 0x8000
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
-
-def tie_bytes(n: int) -> int:
-    """Bytes of the tie bitmap for n state elements (n is a multiple of 8: 128-aligned)."""
-    return n // 8
-
-
-_BITS_ON = {}  # device -> _BITS there (copied once, not per chunk)
-
-
-def _bits(device) -> torch.Tensor:
-    if device.type == "cpu":
-        return _BITS
-    if device not in _BITS_ON:
-        _BITS_ON[device] = _BITS.to(device)
-    return _BITS_ON[device]
-
-
-def unpack_ties(ties: torch.Tensor) -> torch.Tensor:
-    """(n/8,) uint8 -> (n,) bool, bit j of byte i is element 8i + j."""
-    return (ties.unsqueeze(1) & _bits(ties.device)).ne(0).view(-1)
-
-
-def _native(t: torch.Tensor):
-    """The CPU op module (csrc/cpu/compact_cpu.cpp: one pass each way), or None: on another
-    device, or if it cannot be built, the torch version below does the same, bit for bit."""
-    global _OPS
-    if t.device.type != "cpu":
-        return None
-    if _OPS is None:
-        try:
-            _OPS = kernels.load_op("cpu")
-        except Exception:  # noqa: BLE001 (a build failure: the torch path is exact too)
-            _OPS = False
-    return _OPS or None
-
-
-_OPS = None
-
-
-def compact_(low: torch.Tensor, ties: torch.Tensor, master: torch.Tensor,
-             nan: Optional[torch.Tensor] = None) -> None:
-    """Write master's (n,) fp32 low halves into low (n,) int16 and its tie carries into ties
-    (n/8,) uint8; nan (0-d bool), if given, |= any NaN in master."""
-    op = _native(master)
-    if op is not None:
-        op.compact_store(low, ties, master, nan if nan is not None else _scratch_flag(master))
-        return
-    compact_torch_(low, ties, master)
-    if nan is not None:
-        nan |= torch.isnan(master).any()
-
-
-def _scratch_flag(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.bool, device=t.device)
-
-
-def compact_torch_(low: torch.Tensor, ties: torch.Tensor, master: torch.Tensor) -> None:
-    pair = master.view(torch.int16).view(-1, 2)
-    low.copy_(pair[:, 0])
-    tie = low.eq(TIE) & (pair[:, 1] & 1).bool()
-    torch.sum(tie.view(-1, 8).to(torch.uint8) * _bits(master.device), 1, dtype=torch.uint8,
-              out=ties)
-
-
-def expand_(out: torch.Tensor, low: torch.Tensor, ties: torch.Tensor,
-            param: torch.Tensor) -> torch.Tensor:
-    """out (n,) fp32 = the master whose low half is low, tie bits ties and bf16 value param."""
-    op = _native(out)
-    if op is not None:
-        op.compact_expand(out, low, ties, param)
-        return out
-    return expand_torch_(out, low, ties, param)
-
-
-def expand_torch_(out: torch.Tensor, low: torch.Tensor, ties: torch.Tensor,
-                  param: torch.Tensor) -> torch.Tensor:
-    carry = low.lt(0)
-    carry ^= low.eq(TIE)          # l in (0x8000, 0xFFFF]
-    carry |= unpack_ties(ties)    # l == 0x8000 and hi odd (set only there)
-    pair = out.view(torch.int16).view(-1, 2)
-    pair[:, 0].copy_(low)
-    torch.sub(param.view(torch.int16), carry.to(torch.int16), out=pair[:, 1])
-    return out
-
-
-def verify(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """0-d device bool: master (fp32) has no NaN and rounds to param (bf16) bit for bit, so its
-    compaction expands back to it exactly."""
-    ok = master.to(torch.bfloat16).view(torch.int16).eq(param.view(torch.int16)).all()
-    return ok & ~torch.isnan(master).any()
+__all__ = ["CHUNK_NUMEL", "TIE", "CompactState", "_native", "compact_", "compact_torch_",
+           "expand_", "expand_torch_", "tie_bytes", "unpack_ties", "verify"]
 
 
 class _HostFlag:

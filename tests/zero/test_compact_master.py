@@ -207,3 +207,34 @@ def test_a_step_that_makes_a_nan_master_raises_instead_of_keeping_other_bits():
     opt.param_groups[0]["lr"] = opt.param_groups[0]["weight_decay"] = 1.0
     with pytest.raises(RuntimeError, match="NaN in the fp32 master"):
         step()
+
+
+def test_state_dicts_are_interchangeable_between_fp32_and_compact_masters():
+    """opt.state_dict() holds a real fp32 master either way: a compact optimizer loads an
+    fp32-master one's state and both then train bit for bit alike."""
+    def build(master):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 3))
+        return m, zk.ZeroAdamW(m, stage=2, precision="bf16", master=master, bucket_mb=0.001,
+                               backend="reference")
+
+    def step(m, opt, s):
+        x = torch.randn(6, 24, generator=torch.Generator().manual_seed(s)).bfloat16()
+        m(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    ma, oa = build("fp32")
+    mb, ob = build("compact")
+    for s in range(2):
+        step(ma, oa, s)  # only the fp32 one trains; the compact one takes its state
+    mb.load_state_dict(ma.state_dict())
+    ob.load_state_dict(oa.state_dict())
+    for s in range(2, 5):
+        step(ma, oa, s)
+        step(mb, ob, s)
+    assert all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+               for p, q in zip(ma.parameters(), mb.parameters()))
+    assert ob.flat_groups[0].state.compact_pieces > 0 and not ob.flat_groups[0].state.expanded
+    a, b = oa.state_dict()["state"][0], ob.state_dict()["state"][0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
