@@ -99,7 +99,8 @@ def _spec(name: str) -> E.ModelSpec:
         return E.spec_from_model(MAKERS[name](), name, units=UNITS.get(name))
 
 
-def _train_and_report(name, stage, precision, bucket_mb, rank, world_size, offload=None):
+def _train_and_report(name, stage, precision, bucket_mb, rank, world_size, offload=None,
+                      master="fp32"):
     """What memory_report() says after 2 steps of a ZeroAdamW over the whole model: the device
     categories, the host ones (offload) and the live-unit bound (stage 3)."""
     torch.manual_seed(1234)
@@ -107,7 +108,7 @@ def _train_and_report(name, stage, precision, bucket_mb, rank, world_size, offlo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         opt = zk.ZeroAdamW(model, stage=stage, precision=precision, bucket_mb=bucket_mb,
-                           offload=offload, backend="reference",
+                           offload=offload, backend="reference", master=master,
                            units=UNITS.get(name) if stage == 3 else None)
     for step in range(2):
         tokens = M.rank_tokens(step, rank, world_size)
@@ -133,6 +134,9 @@ S3_CASES = [(n, 3, p, 25.0, None) for n in ("tinylm", "gpt-tiny", "gpt-deep")
             for p in PRECISIONS] + [(n, 3, "bf16", 25.0, None) for n in ("gpt-perm", "tinylm-tie")]
 OFFLOAD_CASES = [("tinylm", s, p, M.BUCKET_MB, "cpu") for s in (1, 2, 3) for p in PRECISIONS]
 ALL_CASES = CASES + S3_CASES + OFFLOAD_CASES
+# master="compact" (bf16, stages 0-2): low halves + tie bitmap, measured after two steps.
+COMPACT_CASES = [(n, s, "bf16", b) for n in ("tinylm", "gpt-tiny") for s in STAGES
+                 for b in BUCKETS[n][:1]]
 
 
 def _key(n, s, p, b, off=None) -> str:
@@ -171,6 +175,13 @@ def _multi_rank(rank, world_size):
                 if _key(n, s, p, b, off) in CONTROLS else {}
             return meas, _predicted(est), extra
         cases[_key(n, s, p, b, off)] = thunk
+    for n, s, p, b in COMPACT_CASES:
+        def thunk(n=n, s=s, p=p, b=b):
+            meas = _train_and_report(n, s, p, b, rank, world_size, master="compact")
+            est = E.estimate(specs[n], world_size, s, p, b, rank=rank, comm="gloo",
+                             master="compact")
+            return meas, _predicted(est)
+        cases[_key(n, s, p, b) + "-compact"] = thunk
     return run_cases(cases)
 
 
@@ -206,6 +217,28 @@ def test_estimate_equals_memory_report_every_rank(world_size, name, stage, preci
     for rank, (meas, est, _) in enumerate(case(results, _key(name, stage, precision,
                                                              bucket_mb, offload))):
         _assert_equal(meas, est, f"world size {world_size}, rank {rank}")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name,stage,precision,bucket_mb", COMPACT_CASES)
+def test_estimate_equals_memory_report_compact_master(name, stage, precision, bucket_mb):
+    meas = _train_and_report(name, stage, precision, bucket_mb, 0, 1, master="compact")
+    est = E.estimate(_spec(name), 1, stage, precision, bucket_mb, master="compact")
+    _assert_equal(meas, _predicted(est), "world size 1, master='compact'")
+    fp32 = E.estimate(_spec(name), 1, stage, precision, bucket_mb)
+    # negative control: the fp32-master estimate does not fit (4 bytes vs 2 + 1/8)
+    assert fp32["bytes"]["master"] != meas["measured"]["master"]
+    assert meas["measured"]["master"] < 0.54 * fp32["bytes"]["master"]  # 2.125 / 4 + ties
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("name,stage,precision,bucket_mb", COMPACT_CASES)
+def test_estimate_equals_memory_report_compact_master_every_rank(world_size, name, stage,
+                                                                 precision, bucket_mb):
+    results = cached(_multi_rank, world_size)
+    for rank, (meas, est) in enumerate(case(results, _key(name, stage, precision, bucket_mb)
+                                            + "-compact")):
+        _assert_equal(meas, est, f"world size {world_size}, rank {rank}, master='compact'")
 
 
 @pytest.mark.parametrize("world_size", [2])

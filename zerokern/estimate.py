@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from .aligned_io import align_up
+from .compact_master import tie_bytes
 from .formula import deepspeed_formula, estimate_memory
 from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     _ONE_PARAM,
@@ -81,7 +82,7 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     stage3_units,
 )
 from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
-from .optimizer_args import check_offload, check_precision, check_stage
+from .optimizer_args import check_master, check_offload, check_precision, check_stage
 from .stages import pattern
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
@@ -217,7 +218,8 @@ def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None
 
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
-             comm: str = "nccl", offload_params: Optional[str] = None) -> Dict[str, Any]:
+             comm: str = "nccl", offload_params: Optional[str] = None,
+             master: str = "fp32") -> Dict[str, Any]:
     """Bytes per rank per category for zerokern at `stage`, with both formulas beside them.
 
     Args:
@@ -230,6 +232,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         comm: "nccl" or "gloo" (gloo's ring keeps a scratch bucket at stage 1, see the Note).
         offload_params: stage 3: None, "cpu" or "nvme", as ZeroAdamW (the param and frozen
             shards leave the device for the host or the disk; zerokern.stage3.param_offload).
+        master: "fp32" or "compact", as ZeroAdamW (bf16, no offload, stages 0-2): the master
+            held is 2 bytes per state element (padding 2 bytes too) and a tie bitmap of
+            state/8 bytes (zerokern.compact_master).
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
     `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
@@ -243,6 +248,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     from .stage3 import param_offload as PO
 
     PO.check_args(offload_params, stage, offload)
+    check_master(master, precision, offload, stage)
     dtype = check_precision(precision)
     P = pattern(stage)  # what the stage keeps (stages.py)
     e = dtype.itemsize
@@ -309,7 +315,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             host["host_staging"] += state * r + (0 if dtype == torch.float32 else state * e)
         else:
             for cat in ("master", "exp_avg", "exp_avg_sq"):
-                if cat != "master" or has_master:
+                if cat == "master" and master == "compact":  # low halves + tie bitmap
+                    b[cat] += (state - spad) * 2 + tie_bytes(state)
+                    b["padding"] += spad * 2
+                elif cat != "master" or has_master:
                     b[cat] += (state - spad) * 4
                     b["padding"] += spad * 4
     if offload_params:  # after a step the device holds no param shard (param_offload.py)
@@ -331,7 +340,12 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     if not exact:
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
                      "not run on meta), so `buckets` may differ from a run")
-    formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload)
+    formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload,
+                              master=master)
+    if master == "compact":
+        notes.append("master='compact': the fp32 master held as its low 16 bits under the bf16 "
+                     "params plus a tie bit per element (2.125 bytes, zerokern.compact_master); "
+                     "reading it between steps expands it (4 bytes more) until the next step")
     if P.shards_params:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
         formula["frozen"] = int(round(spec.num_frozen * e / world_size))
         formula["total"] += formula["frozen"]
@@ -341,7 +355,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     return {
         "model": spec.name, "num_params": spec.num_params, "world_size": world_size,
         "stage": stage, "precision": precision, "bucket_mb": bucket_mb, "offload": offload,
-        "offload_params": offload_params,
+        "offload_params": offload_params, "master": master,
         "rank": rank, "comm": comm, "exact": exact,
         "bytes": b, "device_total": sum(b.values()), "host": host,
         "host_total": sum(host.values()), "live_units_bound": live_bound,

@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default="none",
                    help="stage 3: where the param shards live between uses (nvme needs "
                         "--offload nvme)")
+    p.add_argument("--master", choices=["fp32", "compact"], default="fp32",
+                   help="ZeroAdamW's master=: 'compact' holds the bf16 run's fp32 master in "
+                        "2.125 bytes per element (bf16, no offload, stages 0-2)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -95,6 +98,8 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
     table = []
     for key, label in _ROWS:
+        if key == "master" and r0.get("master") == "compact":
+            label = "optimizer: master (compact)"
         if key == "live_units":  # the bound; the measured category is 0 between steps
             cells = [human_bytes(r["live_units_bound"]) if r["stage"] == 3 else "-"
                      for r in results]
@@ -162,7 +167,7 @@ def main(args) -> int:
     else:  # every stage that takes this --offload
         stages = [1, 2, 3] if offload else [0, 1, 2, 3]
     results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
-                        args.rank, args.comm, offload_params) for s in stages]
+                        args.rank, args.comm, offload_params, args.master) for s in stages]
     if args.json:
         print(json.dumps({"results": results}, indent=1))
     else:

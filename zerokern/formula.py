@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .optimizer_args import OFFLOADS, elem_size
+from .optimizer_args import MASTERS, OFFLOADS, elem_size
 from .stages import pattern
 
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
@@ -18,14 +18,16 @@ K_DEEPSPEED = 12
 
 
 def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
-                    offload: Optional[str] = None, reduce_bytes: Optional[int] = None
-                    ) -> Dict[str, int]:
+                    offload: Optional[str] = None, reduce_bytes: Optional[int] = None,
+                    master: str = "fp32") -> Dict[str, int]:
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
     Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
     offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
     offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
     writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
+    master="compact" (bf16 on the device, zerokern.compact_master): the master is 2 bytes of
+    low half + 1/8 byte of tie bit per state element instead of 4.
     """
     if not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
@@ -35,6 +37,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     e = elem_size(precision)
     if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if master not in MASTERS:
+        raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
     psi, n = num_params, world_size
     g = reduce_bytes or e
     state = psi if P.replicated_state else psi / n
@@ -43,7 +47,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         "grads": g * psi / n if P.shards_grads else g * psi,
         # offload keeps an fp32 master on the host at every precision (the device params
         # are only the working copy); without offload fp32 params are the master
-        "master": 0 if precision == "fp32" and not offload else 4 * state,
+        "master": 0 if precision == "fp32" and not offload
+        else (2 + 1 / 8) * state if master == "compact" else 4 * state,
         "exp_avg": 4 * state,
         "exp_avg_sq": 4 * state,
     }

@@ -73,7 +73,8 @@ def memory_report(opt) -> Dict[str, Any]:
     psi = sum(g.layout.numel for g in opt.flat_groups)
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
-                              offload=opt.offload, reduce_bytes=reduce_bytes)
+                              offload=opt.offload, reduce_bytes=reduce_bytes,
+                              master=getattr(opt, "master", "fp32"))
     # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
     # 16-bit shard, Φ·e/N for Φ frozen elements.
     frozen_numel = sum(f.layout.numel for f in frozen)

@@ -83,6 +83,10 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
+        master: (keyword) "fp32" (default): the fp32 master is a 4-byte copy per state
+            element; "compact" (bf16, no offload, stages 0-2): the same fp32 master, bit for
+            bit, held as its low 16 bits under the bf16 param plus a tie bit (2.125 bytes per
+            element; see zerokern.compact_master). Training is bitwise the same.
         units: stage 3 only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
@@ -118,6 +122,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         offload_path=None,
         free_grads: bool = False,
         offload_params: Optional[str] = None,
+        master: str = "fp32",
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         dtype, offload_path, params = check_arguments(
@@ -126,7 +131,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
             param_groups=param_groups, lr=lr, betas=betas, eps=eps,
             weight_decay=weight_decay, process_group=process_group, free_grads=free_grads,
-            offload_params=offload_params)
+            offload_params=offload_params, master=master)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw=adamw)
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
@@ -169,7 +174,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         # is a placement of the state]): made first, so the buffers allocate through it.
         self.pattern = P
         self.offload = offload
-        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm)
+        self.master = master
+        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm, master)
         if P.shards_params:
             from .stage3.build import build_stage3
 

@@ -19,6 +19,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 FLOAT_DTYPES = tuple(PRECISIONS.values())
 STAGES = (0, 1, 2, 3)
 OFFLOADS = (None, "cpu", "nvme")
+MASTERS = ("fp32", "compact")
 
 
 def check_precision(precision) -> torch.dtype:
@@ -47,6 +48,26 @@ def check_offload(offload, stage: int) -> None:
         raise ValueError(f"offload={offload!r} needs stage 1, 2 or 3 (stage 0 keeps the full "
                          "optimizer state on every rank; offloading it saves nothing that "
                          "stage 1 would not)")
+
+
+def check_master(master, precision: str, offload, stage: int) -> None:
+    """master is "fp32" or "compact"; "compact" needs bf16 on the device at stages 0-2."""
+    if master not in MASTERS:
+        raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
+    if master != "compact":
+        return
+    if precision != "bf16":
+        raise ValueError(f"master='compact' needs precision='bf16' (got {precision!r}): it "
+                         "keeps the fp32 master as its low 16 bits under the bf16 param, "
+                         "which is the master's high half only for bf16 (fp32 has no separate "
+                         "master; fp16 is not the top half of an fp32)")
+    if offload is not None:
+        raise ValueError(f"master='compact' cannot be combined with offload={offload!r}: the "
+                         "offloaded master lives in host memory or files, away from the "
+                         "device params it would be rebuilt from; use master='fp32'")
+    if stage == 3:
+        raise ValueError("master='compact' supports stages 0-2 (stage 3's param shards come "
+                         "and go with their unit); use master='fp32' at stage 3")
 
 
 def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
@@ -153,7 +174,7 @@ def check_groups(param_groups, dtype: torch.dtype) -> List[List[torch.nn.Paramet
 def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, offload,
                     offload_path, bucket_mb, reduce_dtype, backend, units, param_groups, lr,
                     betas, eps, weight_decay, process_group, free_grads=False,
-                    offload_params=None):
+                    offload_params=None, master="fp32"):
     """ZeroAdamW's checks that come before its param groups exist (DESIGN §1: before the model
     is touched). Returns (the precision's dtype, offload_path checked, the params or group
     dicts to build the param groups from)."""
@@ -166,6 +187,7 @@ def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, 
     if offload_path is not None and offload != "nvme":
         raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
     check_offload(offload, stage)
+    check_master(master, precision, offload, stage)
     if not isinstance(adamw, bool):
         raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
     if not isinstance(free_grads, bool):

@@ -56,30 +56,72 @@ class DeviceState:
 
 
 class DevicePlacement:
-    """The state on the device, updated by the fused kernel in place (no offload)."""
+    """The state on the device, updated by the fused kernel in place (no offload).
+
+    master="compact" (bf16 buffers): the fp32 master is held as its low halves and tie bits,
+    with the bf16 params as the high halves (compact_master.py [Note: the compact master]); a
+    buffer whose master is expanded (read or written since the last step) takes the plain path.
+    """
 
     offload = None
     movable = True  # the state follows model.to(device) (model_sync.py)
 
-    def allocate(self, buf) -> DeviceState:
+    def __init__(self, master: str = "fp32") -> None:
+        self.master = master
+        self._scratch = None
+
+    def allocate(self, buf):
+        if self.master == "compact" and buf.dtype == torch.bfloat16:
+            from .compact_master import CompactState
+
+            return CompactState(buf)
         return DeviceState(buf)
+
+    def _compact_states(self):
+        from .compact_master import CompactState
+
+        return [g.state for g in self.buffers if isinstance(g.state, CompactState)]
 
     def attach(self, buffers) -> None:
         self.buffers = buffers
+        for st in self._compact_states():  # the original values: compacted once verified
+            st.compact_expanded()
+            st.settle(wait=True)
 
     def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         self.grad_scale, self.found_inf = grad_scale, found_inf
+        states = self._compact_states() if self.master == "compact" else []
+        for st in states:
+            st.settle()
+        live = [st.low.numel() for st in states if not st.expanded]
+        if live:  # freed at finish(): never held between steps (compact_master [Note: chunk])
+            from .compact_master import CHUNK_NUMEL
+
+            self._scratch = torch.empty(min(CHUNK_NUMEL, max(live)), dtype=torch.float32,
+                                        device=self.buffers[0].device)
 
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                      backend: str) -> None:
         g = self.buffers[gi]
         m, v = g.moments(k)
-        kernels.adam_step_(g.master_piece(k), m, v, grad, g.param_out_piece(k),
+        if hasattr(g.state, "expanded"):  # a compact master (compact_master.py)
+            st = g.state
+            if not st.expanded:
+                st.update_piece(g, k, grad, hyper, backend, self.grad_scale, self.found_inf,
+                                self._scratch)
+                return
+            master, out = st.expanded_piece(g, k), g.param_values(*g.state_range(k))
+        else:
+            master, out = g.master_piece(k), g.param_out_piece(k)
+        kernels.adam_step_(master, m, v, grad, out,
                            step=g.steps[k], grad_scale=self.grad_scale,
                            found_inf=self.found_inf, backend=backend, **hyper)
 
     def finish(self) -> None:
-        pass
+        self._scratch = None
+        if self.master == "compact":
+            for st in self._compact_states():
+                st.finish()
 
     def host_bytes(self) -> Optional[dict]:
         return None
@@ -92,10 +134,10 @@ class DevicePlacement:
 
 
 def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
-                   comm=None):
-    """The placement for ZeroAdamW's `offload=` (arguments validated by the optimizer)."""
+                   comm=None, master: str = "fp32"):
+    """The placement for ZeroAdamW's `offload=` and `master=` (validated by the optimizer)."""
     if offload is None:
-        return DevicePlacement()
+        return DevicePlacement(master)
     if offload == "cpu":
         from .offload import Offloader
 

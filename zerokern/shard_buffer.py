@@ -139,9 +139,14 @@ class ShardBuffer:
         """(category, tensor, padding elements) of every buffer this one holds on the device:
         the params, and master/m/v where the placement keeps them there."""
         yield from self.param_buffers()
-        if self.state is not None:
-            for cat, t in self.state.device_tensors().items():
-                yield cat, t, self.state_padding
+        if self.state is None:
+            return
+        own = getattr(self.state, "device_buffers", None)  # a compact master: several tensors
+        if own is not None:
+            yield from own(self.state_padding)
+            return
+        for cat, t in self.state.device_tensors().items():
+            yield cat, t, self.state_padding
 
     def value_pieces(self) -> Iterator[Tuple[int, int, int]]:
         """(slot, flat lo, flat hi) of the param values resident on this rank."""

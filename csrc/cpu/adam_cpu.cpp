@@ -267,6 +267,11 @@ void force_isa(const std::string& name) {
 
 }  // namespace zk_cpu
 
+namespace zk_cpu {  // compact_cpu.cpp (master="compact")
+void compact_expand(at::Tensor out, at::Tensor low, at::Tensor ties, at::Tensor param);
+void compact_store(at::Tensor low, at::Tensor ties, at::Tensor master, at::Tensor nan_flag);
+}  // namespace zk_cpu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   m.doc() = "zerokern CPU kernels (OpenMP + AVX-512/AVX2/F16C chosen at run time, scalar fallback)";
@@ -275,6 +280,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "beta2"_a, "eps"_a, "weight_decay"_a, "adamw"_a, "step"_a, "grad_scale"_a, "found_inf"_a);
   m.def("grad_stats", &zk_cpu::grad_stats, "found_inf |= any(!isfinite(grad)); sumsq += sum(grad^2)",
         "grad"_a, "found_inf"_a, "sumsq"_a);
+  m.def("compact_expand", &zk_cpu::compact_expand,
+        "master='compact': out = the fp32 master of (low halves, tie bits, bf16 params)",
+        "out"_a, "low"_a, "ties"_a, "param"_a);
+  m.def("compact_store", &zk_cpu::compact_store,
+        "master='compact': low halves and tie bits of an fp32 master; nan_flag |= any NaN",
+        "low"_a, "ties"_a, "master"_a, "nan_flag"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");
   m.def("selected_isa", &zk_cpu::selected_isa, "ISA in use: 'avx512' | 'avx2' | 'scalar'");
   m.def("force_isa", &zk_cpu::force_isa, "Select 'auto' | 'avx512' | 'avx2' | 'scalar'", "name"_a);

@@ -412,3 +412,25 @@ def test_offload_param_maps(tmp_path, caplog):
     for k in ("offload_param.pin_memory", "offload_param.buffer_count",
               "offload_param.max_in_cpu"):
         assert k in logged
+
+
+# ---- master="compact" (issue 12) --------------------------------------------------------------
+@pytest.mark.parametrize("stage,precision,offload,want", [
+    (1, "bf16", None, "compact"), (2, "bf16", None, "compact"), (0, "bf16", None, "compact"),
+    (3, "bf16", None, "fp32"), (2, "fp16", None, "fp32"), (2, "fp32", None, "fp32"),
+    (2, "bf16", "cpu", "fp32")])
+def test_initialize_uses_the_compact_master_for_bf16_on_the_device(stage, precision, offload,
+                                                                  want):
+    zero = {"offload_optimizer": {"device": offload}} if offload else {}
+    cfg = C.base_config(stage, precision, gas=1, **zero)
+    engine, opt, _, _ = _engine(cfg)
+    assert opt.master == want
+    x = C.tokens(0, 0, 0)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    if want == "compact":  # the chunked path ran and the master is held compact
+        assert all(g.state.compact_pieces > 0 and not g.state.expanded for g in opt.flat_groups)
+        rep = opt.memory_report()
+        held = sum(4 * g.state_numel for g in opt.flat_groups)  # an fp32 master's bytes
+        assert rep["measured"]["master"] <= 0.54 * held  # 2 + 1/8 of 4 bytes
+        assert abs(rep["measured"]["master"] - rep["formula"]["master"]) <= rep["allowed_slack"]

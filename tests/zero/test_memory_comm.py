@@ -1,12 +1,14 @@
 """memory_report() against the DESIGN §4 formula, and comm_stats() against the §5 volumes.
 
-Memory (N = 2, 3, 4; stages 0-2; fp32 and bf16), after two training steps:
+Memory (N = 2, 3, 4; stages 0-2; fp32, bf16 and bf16 with master="compact"), after two
+training steps:
 - measured - buckets - formula lies in [0, padding term], the padding term computed here from
   DESIGN §4 (< N*128 elements per buffer); and |measured - formula| is within the report's own
   allowed_slack (buckets + padding);
 - the measurement is a measurement: it equals the storage bytes of every tensor reachable from
   the optimizer (walked here independently of memory.py);
-- negative control: the stage-0 formula does not fit a stage-2 measurement (nor the reverse);
+- negative control: the stage-0 formula does not fit a stage-2 measurement (nor the reverse),
+  nor the fp32-master formula a compact-master one;
 - stage 2's staging buckets stay bounded, and stage 2 holds less than stage 1.
 
 Comm (N = 2, 3, 4): the bytes of one step equal, exactly, the ring volumes computed from the
@@ -33,6 +35,7 @@ from .harness import cached, case, run_cases
 WORLD_SIZES = [2, 3, 4]
 STAGES = [0, 1, 2]
 PRECISIONS = ["fp32", "bf16"]
+MEM_PRECISIONS = PRECISIONS + ["compact"]  # compact: bf16 with master="compact"
 ELEM = {"fp32": 4, "bf16": 2}
 STATS_BYTES = 2 * 4  # the [found_inf, sumsq] fp32 pair all-reduced at stages 1-2
 
@@ -66,7 +69,9 @@ def _walk_bytes(opt) -> int:
             continue  # what p.grad shows at stages 1-3: no storage
         if isinstance(obj, torch.Tensor):
             st = obj.untyped_storage()
-            if obj.numel() >= TOL["small_tensor_numel"] and st.data_ptr() not in seen:
+            # (uint8: a compact master's tie bitmap, S/8 bytes, small for this tiny model)
+            big = obj.numel() >= TOL["small_tensor_numel"] or obj.dtype == torch.uint8
+            if big and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
                 total += st.nbytes()
         elif isinstance(obj, dict):
@@ -83,17 +88,21 @@ def _padding_term(opt) -> int:
     n = opt.comm.world_size
     e = ELEM[opt.precision]
     g = torch.empty((), dtype=opt.reduce_dtype).element_size()
-    per_group = e + g + 12 - (4 if opt.precision == "fp32" else 0)  # params, grads, master+m+v
+    master = 0 if opt.precision == "fp32" else 2 + 1 / 8 if opt.master == "compact" else 4
+    per_group = e + g + 8 + master  # params, grads, m+v, master (compact: low halves)
     return len(opt.flat_groups) * n * ALIGN * per_group
 
 
 def _memory(rank, ws, prec, stage):
+    master = "fp32"
+    if prec == "compact":  # master="compact": a bf16 run with the compact master
+        prec, master = "bf16", "compact"
     model = M.make_model()
-    opt = M.zero_opt(model, stage, prec)
+    opt = M.zero_opt(model, stage, prec, master=master)
     M.train_zero(model, opt, rank, ws, 2)
     rep = opt.memory_report()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    other = zk.estimate_memory(psi, ws, 0 if stage == 2 else 2, prec)["total"]
+    other = zk.estimate_memory(psi, ws, 0 if stage == 2 else 2, prec, master=master)["total"]
     bucket_bytes = max(g.layout.bucket_numel for g in opt.flat_groups) * ELEM[prec]
     return {
         "measured": rep["measured_total"],
@@ -103,7 +112,8 @@ def _memory(rank, ws, prec, stage):
         "walked": _walk_bytes(opt),
         "psi": rep["num_params"],
         "unique_psi": psi,
-        "estimate": zk.estimate_memory(psi, ws, stage, prec)["total"],
+        "estimate": zk.estimate_memory(psi, ws, stage, prec, master=master)["total"],
+        "fp32_master_formula": zk.estimate_memory(psi, ws, stage, prec)["total"],
         "other_stage_formula": other,
         "buckets": rep["measured"]["buckets"],
         "bucket_bytes": bucket_bytes,
@@ -163,9 +173,11 @@ def _comm(rank, ws, prec, stage, micro=1, reduce_dtype=None):
 
 def _worker(rank, ws):
     cases = {}
-    for prec in PRECISIONS:
+    for prec in MEM_PRECISIONS:
         for stage in STAGES:
             cases[f"mem_{prec}_{stage}"] = functools.partial(_memory, rank, ws, prec, stage)
+    for prec in PRECISIONS:
+        for stage in STAGES:
             cases[f"comm_{prec}_{stage}"] = functools.partial(_comm, rank, ws, prec, stage)
     cases["comm_bf16_2_micro3"] = functools.partial(_comm, rank, ws, "bf16", 2, micro=3)
     cases["comm_bf16_1_micro3"] = functools.partial(_comm, rank, ws, "bf16", 1, micro=3)
@@ -181,7 +193,7 @@ def _results(ws):
 
 
 # ---- memory tests ------------------------------------------------------------------------------
-MEM_CASES = [(ws, p, s) for ws in WORLD_SIZES for p in PRECISIONS for s in STAGES]
+MEM_CASES = [(ws, p, s) for ws in WORLD_SIZES for p in MEM_PRECISIONS for s in STAGES]
 
 
 @pytest.mark.parametrize("ws,prec,stage", MEM_CASES)
@@ -221,6 +233,13 @@ def test_memory_negative_control_other_stage_formula_does_not_fit(ws, prec, stag
     for res in case(_results(ws), f"mem_{prec}_{stage}"):
         diff = res["measured"] - res["buckets"] - res["other_stage_formula"]
         assert not 0 <= diff <= res["padding_term"], "the wrong formula fits too"
+
+
+@pytest.mark.parametrize("ws,stage", [(ws, s) for ws in WORLD_SIZES for s in STAGES])
+def test_memory_negative_control_fp32_master_formula_does_not_fit_compact(ws, stage):
+    for res in case(_results(ws), f"mem_compact_{stage}"):
+        diff = res["measured"] - res["buckets"] - res["fp32_master_formula"]
+        assert not 0 <= diff <= res["padding_term"], "the fp32-master formula fits too"
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

@@ -281,6 +281,14 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
                    free_grads=True, offload_params=cfg.offload_params)
+    # master="compact" for bf16 on the device (stages 0-2): the same fp32 master, bit for bit,
+    # in 2.125 bytes per state element instead of 4 (zerokern/compact_master.py), for issue
+    # 12's target of <= 0.9x DeepSpeed's held memory at stages 1-2. Measured on the 23.2M GPT,
+    # 2 ranks, bf16 (benchmarks/results/engine-20m-n2-compact{,-run2}.md): held 156 MiB per
+    # rank vs DeepSpeed's 177 (0.88x) at stages 1 and 2 (2Ψ + 12Ψ/N = 177 with an fp32 master);
+    # the step costs about 5-20 ms more (compact_master.py [Note: chunk size and cost]).
+    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2:
+        zero_kw["master"] = "compact"
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
     if optimizer is not None and cfg.optimizer is not None:

@@ -1,0 +1,225 @@
+"""`master="compact"`: the bf16 run's fp32 master held exactly in 2 bytes (+1 bit) per element.
+
+[Note: the compact master]
+With bf16 params the param IS `bf16(master)`, round-to-nearest-even on the bit pattern m:
+`b = (m + 0x7FFF + ((m >> 16) & 1)) >> 16` (DESIGN §3: the kernel's cast-back is bitwise
+`.to(bf16)`). So the master is its low half `l = m & 0xFFFF` (int16 `low`) plus the bf16 param b
+the model already holds: `hi = b - carry`, carry = 1 iff l > 0x8000, or l == 0x8000 and hi is
+odd. That exact tie cannot be told from b and l (for an even b, 65537 masters round to it: one
+more than 16 bits can name), so its carry is one bit per element (`ties`, uint8, packed). A
+dense bitmap, not a sparse index list: its size is fixed (the estimate is exact) and making it
+needs no data-dependent allocation, so the step stays free of host syncs on a GPU (DESIGN §3).
+Master bytes per element: 2 + 1/8 instead of 4. Little-endian: fp32 viewed as int16 pairs is
+[low, high], so expanding writes `low` and `b - carry` into an (n, 2) int16 view of fp32 memory.
+
+Exactness. For every non-NaN m with b = RNE(m), expand(compact(m), b) == m bit for bit (the
+cases: l < 0x8000 no round-up, b = hi; l > 0x8000 b = hi + 1; l == 0x8000 b = hi + (hi & 1),
+the tie bit; never wrapping below NaN patterns). Unit tests check every one of the 2^16 low
+halves with several high halves (tests/zero/test_compact_master.py).
+- Step path (compact): bucket k's piece is expanded chunk by chunk into an fp32 scratch, the same
+  fused kernel runs on the chunk with param_out the chunk's params, and the chunk is compacted
+  back. Proved by construction: the kernel writes b = RNE(new master) (or, skipped, changes
+  neither), so only a NaN master can break it; a NaN check per chunk feeds a device flag, read
+  at finish() on the CPU and one step later from a pinned copy on a GPU (no sync), and a NaN
+  raises there (its bits are gone: never a silently different master).
+- Other paths (`master` read or written between steps: model_sync, checkpoint save/load,
+  state_dict): reading `master` materializes an expanded fp32 tensor that is the truth until a
+  step ends. That step runs the kernel on it whole; then finish() compacts it and VERIFIES every
+  element (`master.to(bf16)` equals the param bits, and no NaN); only a verified compaction with
+  no `master` access since drops the expanded tensor (at once on the CPU; on a GPU when the
+  flag's copy has landed, a step later). A mismatch or a NaN keeps it expanded.
+Writes that bypass `p._version` (`p.data.copy_()`) are not seen (model_sync.py); with the fp32
+master the next step overwrites them, here they move the master to their neighbourhood.
+
+[Note: chunk size and cost]
+CHUNK_NUMEL = 2^20: a 4 MiB scratch, freed at finish() (never held between steps), and a chunk's
+expand / kernel / compact working set (~18 B per element) stays in the L3 cache. On the CPU
+expand and compact are one pass each (csrc/cpu/compact_cpu.cpp, NaN check fused; the torch ops
+below take 7x longer): 0.35 + 0.36 ms per 2^20 elements on one thread, the Adam kernel 0.45 ms.
+benchmarks/compact_step_time.py (23.2M GPT, 2 gloo ranks, bf16, step() interleaved with an
+fp32-master twin, shared 2-core VM): stage 2 +5 / +20 / +9 ms over 37-40 ms in three runs,
+stage 1 +13 ms; chunks of 2^17 +14 ms, 2^22 +21 ms. `verify` (torch ops: a cast, a compare
+and a NaN test per element; 1.85 ms per 2^20 elements on one thread, ~21 ms for a rank's 11.6M
+here) runs only in the step after an outside access (a checkpoint, state_dict, a param write).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from . import kernels
+
+# the bit operations (kernels/compact_bits.py), re-exported
+from .kernels.compact_bits import (
+    TIE,
+    _native,
+    compact_,
+    compact_torch_,
+    expand_,
+    expand_torch_,
+    tie_bytes,
+    unpack_ties,
+    verify,
+)
+
+CHUNK_NUMEL = 1 << 20
+
+__all__ = ["CHUNK_NUMEL", "TIE", "CompactState", "_native", "compact_", "compact_torch_",
+           "expand_", "expand_torch_", "tie_bytes", "unpack_ties", "verify"]
+
+
+class _HostFlag:
+    """A device bool read on the host without a sync: at once on the CPU, from a pinned copy
+    once its event has completed on a GPU (None until then)."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.event = None
+        if flag.is_cuda:
+            self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+            self.host.copy_(flag.reshape(1), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flag.reshape(1).clone()
+
+    def read(self, wait: bool = False) -> Optional[bool]:
+        if self.event is not None and not self.event.query():
+            if not wait:
+                return None
+            self.event.synchronize()
+        return bool(self.host[0])
+
+
+class CompactState:
+    """One bf16 buffer's state on its device with a compact master (see the Note). Shapes
+    (S = state_numel): low (S,) int16; ties (S/8,) uint8; exp_avg, exp_avg_sq (S,) fp32; steps
+    (n_buckets,) int64; the expanded master (S,) fp32 only while it is the truth."""
+
+    def __init__(self, buf) -> None:
+        n, dev, fp32 = buf.state_numel, buf.device, torch.float32
+        assert n % 8 == 0, n
+        self._buf = weakref.ref(buf)
+        self.low = torch.zeros(n, dtype=torch.int16, device=dev)
+        self.ties = torch.zeros(tie_bytes(n), dtype=torch.uint8, device=dev)
+        self._expanded: Optional[torch.Tensor] = torch.zeros(n, dtype=fp32, device=dev)
+        buf.fill_master_(self._expanded)  # the original values; compacted at attach
+        self.exp_avg = torch.zeros(n, dtype=fp32, device=dev)
+        self.exp_avg_sq = torch.zeros(n, dtype=fp32, device=dev)
+        self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
+        self._gen = 0            # `master` accesses so far
+        self._pending = None     # (gen, _HostFlag): a compaction of the expanded, verified
+        self._nan = None         # device bool: a compact step produced a NaN master
+        self._nan_flag = None
+        self.compact_pieces = 0  # pieces updated through the scratch (tests, diagnostics)
+
+    # -- the master, for everyone outside the step ------------------------------------------
+    @property
+    def master(self) -> torch.Tensor:
+        """(S,) fp32, a real tensor that is the truth until the next step ends (it may be
+        written); the step compacts it again once verified."""
+        if self._expanded is None:
+            g = self._buf()
+            out = torch.empty(self.low.numel(), dtype=torch.float32, device=self.low.device)
+            for k in range(g.layout.n_buckets):
+                sl = g.state_slice(k)
+                expand_(out[sl], self.low[sl], self.ties[sl.start // 8:sl.stop // 8],
+                        g.param_values(*g.state_range(k)))
+            self._expanded = out
+        self._gen += 1
+        self._pending = None
+        return self._expanded
+
+    @property
+    def expanded(self) -> bool:
+        return self._expanded is not None
+
+    def expanded_piece(self, g, k: int) -> torch.Tensor:
+        """Bucket k's part of the expanded master, for the step (not an outside access)."""
+        return self._expanded[g.state_slice(k)]
+
+    def device_buffers(self, padding: int):
+        """(category, tensor, padding elements) held: memory_report's master is the bytes
+        really held (low halves + tie bits, and the expanded master while present)."""
+        yield "master", self.low, padding
+        yield "master", self.ties, 0
+        if self._expanded is not None:
+            yield "master", self._expanded, padding
+        yield "exp_avg", self.exp_avg, padding
+        yield "exp_avg_sq", self.exp_avg_sq, padding
+
+    def device_tensors(self) -> dict:
+        out = {"master": self.low, "master_ties": self.ties, "exp_avg": self.exp_avg,
+               "exp_avg_sq": self.exp_avg_sq}
+        if self._expanded is not None:
+            out["master_expanded"] = self._expanded
+        return out
+
+    def to_(self, device) -> None:
+        for name in ("low", "ties", "_expanded", "exp_avg", "exp_avg_sq", "steps", "_nan"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        self._pending = self._nan_flag = None
+
+    # -- the step (DevicePlacement calls these) ----------------------------------------------
+    def settle(self, wait: bool = False) -> None:
+        """Drop the expanded master if its verified compaction has come back clean and nobody
+        read `master` since; raise if a compact step made a NaN master."""
+        if self._nan_flag is not None and self._nan_flag.read(wait):
+            raise RuntimeError(
+                "zerokern: an optimizer step produced NaN in the fp32 master (a NaN lr or betas, "
+                "or an inf master with lr * weight_decay == 1); master='compact' keeps a master "
+                "through its bf16 param, which cannot hold a NaN's bits. Use master='fp32'")
+        if self._pending is not None:
+            gen, flag = self._pending
+            ok = flag.read(wait)
+            if ok is None:
+                return
+            self._pending = None
+            if ok and gen == self._gen:
+                self._expanded = None
+
+    def compact_expanded(self) -> None:
+        """After a step on the expanded master: write its compaction, verify it (device)."""
+        g = self._buf()
+        ok = torch.ones((), dtype=torch.bool, device=self.low.device)
+        for k in range(g.layout.n_buckets):
+            sl = g.state_slice(k)
+            m = self._expanded[sl]
+            compact_(self.low[sl], self.ties[sl.start // 8:sl.stop // 8], m)
+            ok &= verify(m, g.param_values(*g.state_range(k)))
+        self._pending = (self._gen, _HostFlag(ok))
+
+    def update_piece(self, g, k: int, grad, hyper: dict, backend: str, grad_scale, found_inf,
+                     scratch: torch.Tensor) -> None:
+        """Bucket k's piece: expand a chunk into scratch, the fused kernel, compact it back."""
+        sl = g.state_slice(k)
+        s0, n = sl.start, sl.stop - sl.start
+        param = g.param_values(*g.state_range(k))
+        m, v = self.exp_avg[sl], self.exp_avg_sq[sl]
+        step = self.steps[k]
+        s = step.clone()  # every chunk is the same step: advance a copy, store it once
+        if self._nan is None:
+            self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
+        for lo in range(0, n, scratch.numel()):
+            hi = min(n, lo + scratch.numel())
+            x = scratch[:hi - lo]
+            low, ties = self.low[s0 + lo:s0 + hi], self.ties[(s0 + lo) // 8:(s0 + hi) // 8]
+            expand_(x, low, ties, param[lo:hi])
+            s.copy_(step)
+            kernels.adam_step_(x, m[lo:hi], v[lo:hi], grad[lo:hi], param[lo:hi], step=s,
+                               grad_scale=grad_scale, found_inf=found_inf, backend=backend,
+                               **hyper)
+            compact_(low, ties, x, self._nan)
+        step.copy_(s)
+        self.compact_pieces += 1
+
+    def finish(self) -> None:
+        if self._nan is not None:
+            self._nan_flag = _HostFlag(self._nan)
+        if self._expanded is not None:
+            self.compact_expanded()
+        self.settle()
