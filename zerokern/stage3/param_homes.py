@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import aligned_io as aio
+from ..nvme_state import cleanup as _cleanup  # closes and removes files by .fds / .paths
 from ..offload_nvme import StepPhase
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
@@ -255,22 +256,3 @@ class ParamHomes:
             out["disk_measured"] = disk
             out["disk_measured_total"] = sum(disk.values())
             out["disk_formula_total"] = formula["disk"]
-
-
-def _cleanup(files: List[_ParamFile], io, pid: int) -> None:
-    """Close and remove the param files (close, GC and exit; only in the creating process)."""
-    if os.getpid() != pid:
-        return
-    io.shutdown(wait=True)
-    for pf in files:
-        for fd in pf.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        pf.fds = []
-        for p in pf.paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass

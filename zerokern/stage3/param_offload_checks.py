@@ -22,12 +22,16 @@ NOTES = {  # zerokern estimate's note per kind
 }
 
 
-def _shard_bytes(numel: int, world_size: int, e: int) -> int:
-    """align_up(S·e): a stage-3 buffer's shard (ShardedFlat's padding) as a file region."""
-    from ..partition import ALIGN, round_up
+def _shard_numel(numel: int, world_size: int) -> int:
+    """S of a stage-3 buffer of `numel` elements: ShardedFlat's own layout (partition.py)."""
+    from ..partition import make_layout, one_bucket_numel
 
-    unit = world_size * ALIGN
-    return aio.align_up(max(round_up(max(numel, 1), unit), unit) // world_size * e)
+    return make_layout([(numel,)], world_size, one_bucket_numel(numel, world_size)).shard_numel
+
+
+def _shard_bytes(numel: int, world_size: int, e: int) -> int:
+    """align_up(S·e): a stage-3 buffer's shard as a file region."""
+    return aio.align_up(_shard_numel(numel, world_size) * e)
 
 
 def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int,
@@ -44,7 +48,7 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
         for gi in range(len(trainable)):
             n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
             if n:
-                need += state_file_bytes(_shard_bytes(n, world_size, 4) // 4)
+                need += state_file_bytes(_shard_numel(n, world_size))
                 if offload_params == "nvme":
                     need += 2 * _shard_bytes(n, world_size, e)
         if u.frozen and offload_params == "nvme":
