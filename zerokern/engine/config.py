@@ -214,21 +214,12 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
             out.no_effect.append((f"zero_optimization.{k}", why))
     oo = z.get("offload_optimizer")
     if oo is not None:
-        key = "zero_optimization.offload_optimizer"
-        if not isinstance(oo, dict):
-            raise ValueError(f"config key {key} must be a dict, got {oo!r}")
-        _unknown(oo, {"device", "nvme_path", *NO_EFFECT_OFFLOAD, "ratio"}, key + ".")
-        dev = oo.get("device", "none")
-        if dev not in ("cpu", "nvme", "none", None):
-            raise ValueError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
-                             f"got {dev!r}")
+        key, dev = _offload_section(oo, "offload_optimizer", {*NO_EFFECT_OFFLOAD, "ratio"})
         if "ratio" in oo and oo["ratio"] != 1.0:
             raise ValueError(f"config key {key}.ratio: partial offload is not supported (1.0 only)")
         if dev == "nvme" and not isinstance(oo.get("nvme_path"), str):
             raise ValueError(f"config key {key}.nvme_path: device 'nvme' needs the directory "
                              "for the state files (ZeroAdamW(offload_path=))")
-        if "nvme_path" in oo and dev != "nvme":
-            raise ValueError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
         if dev in ("cpu", "nvme"):
             if out.stage == 0:
                 raise ValueError(f"config key {key}.device={dev!r} needs "
@@ -240,16 +231,7 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
                     out.no_effect.append((f"{key}.{k}", why))
     op = z.get("offload_param")
     if op is not None:
-        key = "zero_optimization.offload_param"
-        if not isinstance(op, dict):
-            raise ValueError(f"config key {key} must be a dict, got {op!r}")
-        _unknown(op, {"device", "nvme_path", *NO_EFFECT_OFFLOAD_PARAM}, key + ".")
-        dev = op.get("device", "none")
-        if dev not in ("cpu", "nvme", "none", None):
-            raise ValueError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
-                             f"got {dev!r}")
-        if "nvme_path" in op and dev != "nvme":
-            raise ValueError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
+        key, dev = _offload_section(op, "offload_param", set(NO_EFFECT_OFFLOAD_PARAM))
         if dev in ("cpu", "nvme"):
             if out.stage != 3:
                 raise ValueError(f"config key {key}.device={dev!r} needs "
@@ -275,6 +257,22 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
             for k, why in NO_EFFECT_OFFLOAD_PARAM.items():
                 if k in op:
                     out.no_effect.append((f"{key}.{k}", why))
+
+
+def _offload_section(sec, name: str, extra_keys) -> tuple:
+    """zero_optimization.offload_optimizer / offload_param: the checks both share. Returns
+    (the key's full name, its device: 'cpu', 'nvme', 'none' or None)."""
+    key = f"zero_optimization.{name}"
+    if not isinstance(sec, dict):
+        raise ValueError(f"config key {key} must be a dict, got {sec!r}")
+    _unknown(sec, {"device", "nvme_path", *extra_keys}, key + ".")
+    dev = sec.get("device", "none")
+    if dev not in ("cpu", "nvme", "none", None):
+        raise ValueError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
+                         f"got {dev!r}")
+    if "nvme_path" in sec and dev != "nvme":
+        raise ValueError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
+    return key, dev
 
 
 def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:
