@@ -49,12 +49,9 @@ Three buffers are not a function of the shapes alone; here is how each is modell
   the replay drives the real Stage3Runtime over meta ShardedFlats: one forward through stand-in
   unit modules carrying its hooks (so it derives its reduce-scatter order itself), then
   `on_grad` in the recorded grad order and `end_backward`.
-- The gloo ring's scratch buffer (`buckets`, stage 1 over gloo, N > 1): zerokern runs gloo's
-  reduce-scatter as a ring that needs a work copy of the bucket when the bucket itself must
-  survive (stage 1 reduces the `p.grad` buffer); it keeps one such buffer, sized to the largest
-  bucket. NCCL (GPUs), `ZEROKERN_GLOO_RING=0` and world size 1 have none. `comm="gloo"` counts
-  it; the default `comm="nccl"` does not. (Stages 2-3 hand the ring their staging buffer as its
-  work buffer: no scratch.)
+- No communication buffer at stage 1, over any backend: it reduce-scatters the grad buffer in
+  place (full_grads.py, [Note: stage 1 reduces in place]), with no grad shard and no gloo ring
+  scratch. (Stages 2-3 hand the ring their staging buffer as its work buffer.)
 The measurement is taken after at least one training step: before the first backward stages 2
 and 3 hold no staging buffers yet.
 """
@@ -105,7 +102,7 @@ class _InstantComm:
     def __init__(self, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
 
-    def reduce_scatter_(self, out, inp, async_op=False, inp_is_scratch=False, label=None):
+    def reduce_scatter_(self, out, inp, async_op=False, label=None):
         return self._Done()
 
     def all_gather_(self, out, inp, async_op=False, label=None):
@@ -229,7 +226,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         rank: the rank to report. Totals are the same on every rank; the split between real
             elements and `padding` is not (padding sits at the end of the last bucket, so rank
             0 holds the most real elements).
-        comm: "nccl" or "gloo" (gloo's ring keeps a scratch bucket at stage 1, see the Note).
+        comm: "nccl" or "gloo" (offload's host buffers are pinned for NCCL only).
         offload_params: stage 3: None, "cpu" or "nvme", as ZeroAdamW (the param and frozen
             shards leave the device for the host or the disk; zerokern.stage3.param_offload).
         master: "fp32" or "compact", as ZeroAdamW (bf16, no offload, stages 0-2): the master
@@ -273,8 +270,6 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             if spec.order_source != _ONE_PARAM:  # a model: say where its grad order came from
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
-        if not (P.replicated_state or P.shards_grads) and comm == "gloo" and world_size > 1:
-            b["buckets"] = L.bucket_numel * r  # the ring's one scratch bucket (see the Note)
     else:
         flats, frozen, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank,
                                                                  dtype)

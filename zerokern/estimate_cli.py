@@ -56,8 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rank", type=int, default=0,
                    help="rank to report (totals are equal on all ranks; default 0)")
     p.add_argument("--comm", choices=list(COMMS), default="nccl",
-                   help="collective backend: gloo's ring keeps a scratch bucket at stage 1 "
-                        "(default nccl)")
+                   help="collective backend: offload's host buffers are pinned for nccl "
+                        "only (default nccl)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 

@@ -188,9 +188,6 @@ class GradSync:
                 self._exposed[gi][i] = p.grad
         if set_to_none and self.free_on_zero:
             self.free()
-            ring = getattr(self.comm, "ring", None)
-            if ring is not None:
-                ring.free_scratch()
 
     def readopt(self) -> None:
         """The params were re-viewed (model_sync.py): show our grads on them again."""

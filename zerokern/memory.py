@@ -34,9 +34,6 @@ def _buffers(opt):
         yield from f.device_buffers()
     for t in held.get("buckets", []):
         yield "buckets", t, 0
-    ring = getattr(opt.comm, "ring", None)
-    if ring is not None and ring._scratch is not None:  # gloo ring work buffer (a bucket)
-        yield "buckets", ring._scratch, 0
 
 
 def memory_report(opt) -> Dict[str, Any]:

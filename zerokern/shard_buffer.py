@@ -57,6 +57,17 @@ class ShardBuffer:
         off = self.pattern.state_offset(self.layout, k)
         return slice(off, off + hi - lo)
 
+    def state_spans(self, i: int) -> Iterator[Tuple[int, int]]:
+        """Where param slot i's elements lie among this rank's state (and grad shard): one
+        [lo, hi) per bucket that holds some of them."""
+        s = self.layout.slots[i]
+        for k in self.layout.buckets_of_slot(i):
+            lo, hi = self.state_range(k)
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                off = self.state_slice(k).start
+                yield off + a - lo, off + b - lo
+
     @property
     def state_numel(self) -> int:
         return self.pattern.state_numel(self.layout)

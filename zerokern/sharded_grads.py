@@ -47,7 +47,7 @@ class ShardedGrads(GradSync):
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else torch.empty_like(shard)
         self._issued = True
-        h = self.comm.reduce_scatter_(out, staging, async_op=True, inp_is_scratch=True,
+        h = self.comm.reduce_scatter_(out, staging, async_op=True,
                                       label=f"group {key[0]} bucket {key[1]}")
         self._in_flight.append((h, key, out if out is not shard else None, shard))
 
@@ -88,14 +88,8 @@ class ShardedGrads(GradSync):
         if self._fresh or self._grad_shards is None:
             return
         for gi, i in params:
-            g = self.groups[gi]
-            L, s = g.layout, g.layout.slots[i]
-            for k in range(L.n_buckets):
-                lo, hi = L.piece_range(k, g.rank)
-                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if a < b:
-                    off = g.state_slice(k).start
-                    self.grad_shards[gi][off + a - lo:off + b - lo].zero_()
+            for lo, hi in self.groups[gi].state_spans(i):
+                self.grad_shards[gi][lo:hi].zero_()
 
 
 class BucketedGrads(ShardedGrads):

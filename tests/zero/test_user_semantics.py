@@ -32,8 +32,10 @@ NORM_TOL = 1e-5   # a norm vs torch's clip_grad_norm_ (fp32 sums in another orde
 def _ref(rank, ws, steps=STEPS, micro=1, clip=None, norm_type=2.0, schedule=None):
     """DDP + AdamW; loss / micro per micro-batch, no_sync on all but the last.
 
-    schedule: a list of "b" (backward of the next micro-batch), "s" (step), "z" (zero_grad)
-    instead of the usual loop. Returns (params, norms)."""
+    schedule: a list of "b" (backward of the next micro-batch), "s" (step), "z" (zero_grad),
+    "n" (a backward under no_sync() in zerokern; here reduced, the sum it must come to), "c"
+    (p.grad = None on one param), "a" (p.grad = a given tensor on it) instead of the usual
+    loop. Returns (params, norms)."""
     torch.manual_seed(0)
     model = M.make_model()
     net = model if ws == 1 else nn.parallel.DistributedDataParallel(model)
@@ -42,7 +44,9 @@ def _ref(rank, ws, steps=STEPS, micro=1, clip=None, norm_type=2.0, schedule=None
     for s, m, op in _ops(steps, micro, schedule):
         if op == "z":
             opt.zero_grad(set_to_none=True)
-        elif op == "b":
+        elif op in "ca":
+            _edit_grad(model, op)
+        elif op in "bn":
             last = schedule is not None or m == micro - 1
             ctx = net.no_sync() if (ws > 1 and not last) else contextlib.nullcontext()
             with ctx:
@@ -60,7 +64,7 @@ def _ops(steps, micro, schedule):
         s = 0
         for op in schedule:
             yield s, 0, op
-            if op == "b":
+            if op in "bn":
                 s += 1  # fresh data for every backward
         return
     for s in range(steps):
@@ -82,9 +86,11 @@ def _zero(rank, ws, stage, steps=STEPS, micro=1, clip=None, norm_type=2.0, sched
     for s, m, op in _ops(steps, micro, schedule):
         if op == "z":
             (opt.zero_grad() if zero == "opt" else model.zero_grad())
-        elif op == "b":
+        elif op in "ca":
+            _edit_grad(model, op)
+        elif op in "bn":
             last = schedule is not None or m == micro - 1
-            ctx = opt.no_sync() if (no_sync == "all" or (no_sync and not last)) \
+            ctx = opt.no_sync() if (no_sync == "all" or (no_sync and not last) or op == "n") \
                 else contextlib.nullcontext()
             with ctx:
                 opt.backward(M.loss_fn(model, M.rank_tokens(s, rank, ws, micro=m)) / micro)
@@ -93,6 +99,13 @@ def _zero(rank, ws, stage, steps=STEPS, micro=1, clip=None, norm_type=2.0, sched
                 norms.append(float(opt.clip_grad_norm_(clip, norm_type=norm_type)))
             opt.step()
     return model, opt, M.full_snapshot(model, opt), norms
+
+
+def _edit_grad(model, op):
+    """The user's hand on one param's p.grad (a weight in the middle of the model, so its
+    bucket holds other params too): "c" clears it, "a" assigns the same tensor on every rank."""
+    p = model.get_parameter("blocks.0.qkv.weight")
+    p.grad = None if op == "c" else torch.full_like(p, 0.01)
 
 
 def _rel(a, b):
@@ -336,6 +349,10 @@ def _rank_cases(rank, ws):
         cases[f"two_steps_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbsbszbs"))
         cases[f"model_zero_grad_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbszbbs"),
                                             zero="model")
+        # After a reduction, without zero_grad: a no_sync() backward, a cleared p.grad, a
+        # second step() with no backward (stage 1 reduces in place: full_grads.py's Note).
+        cases[f"after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbsnsbcbs"))
+        cases[f"step_twice_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbssbs"))
         cases[f"opt_clip_s{st}"] = p(_opt_clip, rank, ws, st, memo, 2.0)
         cases[f"opt_clip_inf_s{st}"] = p(_opt_clip, rank, ws, st, memo, math.inf)
         cases[f"torch_clip_s{st}"] = p(_torch_clip, rank, ws, st, memo)
@@ -343,6 +360,9 @@ def _rank_cases(rank, ws):
         cases[f"fp16_plain_s{st}"] = p(_fp16_plain, rank, ws, st)
         cases[f"gc_s{st}"] = p(_gc, rank, ws, st)
         cases[f"no_sync_comm_s{st}"] = p(_no_sync_comm, rank, ws, st)
+    for st in (0, 1):  # p.grad can be assigned where a full grad buffer exists
+        cases[f"assigned_after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo,
+                                                  list("zbsabsnabs"))
     for st in (0, 1, 2):
         cases[f"load_sd_s{st}"] = p(_load_sd, rank, ws, st, False)
         cases[f"load_sd_bare_s{st}"] = p(_load_sd, rank, ws, st, True)
@@ -390,6 +410,17 @@ def test_no_sync_reduces_nothing(ws, stage):
 def test_step_without_zero_grad_keeps_summing(ws, stage):
     for rel in case(_res(ws), f"two_steps_s{stage}"):
         assert rel <= TOL
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_grads_changed_after_a_reduction(ws, stage):
+    """Without zero_grad after a step: a no_sync() backward, p.grad = None on one param, a
+    second step() with no backward between, and (stages 0-1) p.grad assigned: as DDP."""
+    for key in ("after_reduce", "step_twice") + (("assigned_after_reduce",) if stage < 2
+                                                   else ()):
+        for rel in case(_res(ws), f"{key}_s{stage}"):
+            assert rel <= TOL, key
 
 
 @pytest.mark.parametrize("ws", WS)

@@ -29,6 +29,28 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+class _CopyOnWait:
+    """A handle whose wait() also copies the result to where the caller wanted it."""
+
+    def __init__(self, handle, tmp: torch.Tensor, out: torch.Tensor) -> None:
+        self._h, self._tmp, self._out = handle, tmp, out
+
+    def wait(self) -> bool:
+        if self._tmp is not None:
+            self._h.wait()
+            self._out.copy_(self._tmp)
+            self._tmp = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._tmp is None
+
+
 class _Done:
     """Handle of an op that already completed (world size 1)."""
 
@@ -86,7 +108,8 @@ class Comm:
         self.log = _parent.log if _parent is not None else None
         # gloo: reduce-scatter and all-gather as rings over send/recv ([Note: gloo collectives]).
         self.ring = None
-        if self.world_size > 1 and dist.get_backend(self.group) == "gloo" and \
+        self.backend = dist.get_backend(self.group) if self.world_size > 1 else None
+        if self.world_size > 1 and self.backend == "gloo" and \
                 os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
             self.ring = RingRunner(self.group, self.rank, self.world_size)
 
@@ -150,20 +173,26 @@ class Comm:
         return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
-                        inp_is_scratch: bool = False, label: Optional[str] = None):
+                        label: Optional[str] = None):
         """out (n) = sum over ranks of inp[rank*n:(rank+1)*n]; inp has world_size*n elements.
 
-        inp_is_scratch: the caller does not need inp afterwards, so the gloo ring may use it
-        as its work buffer (else it works on a copy). label: names the buffer in the
-        ZEROKERN_DEBUG_COLLECTIVES record.
+        inp is consumed: the gloo ring works in it, so afterwards it holds partial sums (every
+        caller reduces a buffer it no longer needs). out may be inp's own chunk,
+        inp[rank*n:(rank+1)*n]: the reduction in place (stage 1, full_grads.py). label: names
+        the buffer in the ZEROKERN_DEBUG_COLLECTIVES record.
         """
         if self.world_size == 1:
             return self._local(out, inp)
         self._record("reduce_scatter", inp, label)
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
         if self.ring is not None:
-            fn = self.ring.reduce_scatter if inp_is_scratch else self.ring.reduce_scatter_copy
-            return self._on_ring(async_op, fn, out, inp)
+            return self._on_ring(async_op, self.ring.reduce_scatter, out, inp)
+        if self.backend == "gloo" and _overlaps(out, inp):
+            # gloo's own reduce-scatter corrupts an output that aliases its input (NCCL's is in
+            # place by design): reduce into a temporary, copied to out when waited for.
+            tmp = torch.empty_like(out)
+            h = _reduce_scatter(tmp, inp, group=self.group, async_op=async_op)
+            return _CopyOnWait(h or _Done(), tmp, out)
         return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,

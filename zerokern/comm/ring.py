@@ -33,14 +33,6 @@ class RingRunner:
         self._prev = dist.get_global_rank(group, (rank - 1) % world_size) if group else \
             (rank - 1) % world_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
-        # One work buffer suffices: the thread runs one collective at a time. Reused because a
-        # fresh 92 MB allocation per step costs page faults comparable to the exchange itself.
-        self._scratch = None
-
-    def free_scratch(self) -> None:
-        """Drop the work buffer (ZeroAdamW(free_grads=True) between steps); a collective
-        still running keeps its own reference."""
-        self._scratch = None
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)
@@ -51,16 +43,6 @@ class RingRunner:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    def reduce_scatter_copy(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """As reduce_scatter, leaving inp untouched (works on the runner's scratch buffer)."""
-        s = self._scratch
-        if s is None or s.numel() < inp.numel() or s.dtype != inp.dtype or \
-                s.device != inp.device:
-            s = self._scratch = torch.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
-        work = s[:inp.numel()]
-        work.copy_(inp)
-        self.reduce_scatter(out, work)
-
     def reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
         """out = sum over ranks of chunk `rank` of work; `work` is used as scratch."""
         n, r = self.world_size, self.rank
@@ -70,7 +52,8 @@ class RingRunner:
             # Send our partial of chunk r-s-1; receive rank r-1's partial of chunk r-s-2.
             self._exchange(chunks[(r - s - 1) % n], recv)
             chunks[(r - s - 2) % n].add_(recv)
-        out.copy_(chunks[r])
+        if out.data_ptr() != chunks[r].data_ptr():  # else reduced in place (stage 1)
+            out.copy_(chunks[r])
 
     def all_gather(self, out: torch.Tensor) -> None:
         """Chunk `rank` of out is ours; fill the others from the ring, in place."""
