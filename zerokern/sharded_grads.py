@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import huge_pages
 from .grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
 
 
@@ -22,7 +23,7 @@ class ShardedGrads(GradSync):
 
     def __init__(self, groups, comm, reduce_dtype) -> None:
         self._grad_shards: Optional[List[torch.Tensor]] = [
-            torch.zeros(g.layout.shard_numel, dtype=reduce_dtype, device=g.device)
+            huge_pages.zeros(g.layout.shard_numel, reduce_dtype, g.device)
             for g in groups]  # (S,) reduce dtype; None: freed (free_grads=True)
         self._fresh = True            # first reduction since zero_grad: write the shard directly
         self._issued = False          # a reduce-scatter was issued since the last drain
@@ -32,8 +33,8 @@ class ShardedGrads(GradSync):
     @property
     def grad_shards(self) -> List[torch.Tensor]:
         if self._grad_shards is None:  # freed at zero_grad: the next reduction writes it
-            self._grad_shards = [torch.zeros(g.layout.shard_numel, dtype=self.reduce_dtype,
-                                             device=g.device) for g in self.groups]
+            self._grad_shards = [huge_pages.zeros(g.layout.shard_numel, self.reduce_dtype,
+                                                  g.device) for g in self.groups]
         return self._grad_shards
 
     def held_grads(self) -> List[torch.Tensor]:
@@ -45,7 +46,7 @@ class ShardedGrads(GradSync):
         self._pool.clear()
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
-        out = shard if self._fresh else torch.empty_like(shard)
+        out = shard if self._fresh else huge_pages.zeros_like(shard)
         self._issued = True
         h = self.comm.reduce_scatter_(out, staging, async_op=True,
                                       label=f"group {key[0]} bucket {key[1]}")
@@ -113,8 +114,8 @@ class BucketedGrads(ShardedGrads):
             if self._pool:
                 buf = self._pool.pop()
             else:
-                buf = torch.empty(self.bucket_numel, dtype=self.reduce_dtype,
-                                  device=self.groups[gi].device)
+                buf = huge_pages.zeros(self.bucket_numel, self.reduce_dtype,
+                                       self.groups[gi].device)
                 self.staging_allocated += 1
             L = self.groups[gi].layout
             lo, hi = L.bucket_range(k)
@@ -132,8 +133,8 @@ class BucketedGrads(ShardedGrads):
         p.grad = None
         if not self.sync:  # no_sync(): local accumulation, no communication
             if self._local is None:
-                self._local = [torch.zeros(h.layout.padded_numel, dtype=self.reduce_dtype,
-                                           device=h.device) for h in self.groups]
+                self._local = [huge_pages.zeros(h.layout.padded_numel, self.reduce_dtype,
+                                                h.device) for h in self.groups]
             self._local[gi][s.offset:s.offset + s.numel].add_(flat_grad)
             return
         if self._sched.arrived[gi][i]:

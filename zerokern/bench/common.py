@@ -108,6 +108,10 @@ def environment(device: torch.device) -> dict:
                    l2_bytes=getattr(props, "L2_cache_size", None))
     else:
         env["llc_bytes"] = cpu_llc_bytes()
+        # The vector ISA torch dispatches to (AVX2, AVX512, ...): without AVX512-BF16/AMX,
+        # bf16 matmuls are emulated and ~17x slower than fp32 (measured on an AVX2 EPYC), so
+        # a bf16 model's own compute dominates any engine comparison there.
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return env
 
 

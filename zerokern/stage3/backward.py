@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import huge_pages
 from ..grad_sync import MAX_IN_FLIGHT
 from ..sharded_grads import ShardedGrads
 from . import param_offload
@@ -84,8 +85,8 @@ class Stage3Backward(ShardedGrads):
             if pool:
                 buf = pool.pop()
             else:
-                buf = torch.empty(L.padded_numel, dtype=self.reduce_dtype,
-                                  device=self.groups[fi].device)
+                buf = huge_pages.zeros(L.padded_numel, self.reduce_dtype,
+                                       self.groups[fi].device)
                 self.staging_allocated += 1
             buf[L.numel:].zero_()  # padding; param regions are overwritten by their grads
             self._staging[fi] = buf
@@ -133,8 +134,8 @@ class Stage3Backward(ShardedGrads):
             self._local = [None] * len(self.groups)
         if self._local[fi] is None:
             L = self.groups[fi].layout
-            self._local[fi] = torch.zeros(L.padded_numel, dtype=self.reduce_dtype,
-                                          device=self.groups[fi].device)
+            self._local[fi] = huge_pages.zeros(L.padded_numel, self.reduce_dtype,
+                                               self.groups[fi].device)
         return self._local[fi]
 
     def _launch_ready(self, flush: bool) -> None:
@@ -167,7 +168,7 @@ class Stage3Backward(ShardedGrads):
             self._next += 1
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
-        out = shard if self._fresh else torch.empty_like(shard)
+        out = shard if self._fresh else huge_pages.zeros_like(shard)
         self._issued = True
         h = self.rs_comm.reduce_scatter_(out, staging, async_op=True,
                                          label=self._label(self.groups[key]))
