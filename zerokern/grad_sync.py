@@ -155,6 +155,18 @@ class GradSync:
             for gi, i in cleared:
                 self._exposed[gi][i] = None
 
+    def changed_since_backward(self) -> List[Tuple[int, int, str]]:
+        """(group, param, "cleared" / "replaced") for each p.grad the user set since the last
+        backward or zero_grad. In-place edits of a p.grad we showed are not changes (stage 0:
+        it views the reduced buffer)."""
+        out = []
+        for gi, g in enumerate(self.groups):
+            for i, p in enumerate(g.params):
+                cur = p.grad
+                if cur is not self._exposed[gi][i]:
+                    out.append((gi, i, "cleared" if cur is None else "replaced"))
+        return out
+
     def has_grads(self) -> bool:
         """False when every p.grad we showed was cleared by the user since the backward."""
         return any(self.groups[gi].params[i].grad is not None

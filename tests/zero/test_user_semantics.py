@@ -108,6 +108,31 @@ def _edit_grad(model, op):
     p.grad = None if op == "c" else torch.full_like(p, 0.01)
 
 
+def _changed_before_step(rank, ws, stage):
+    """p.grad cleared or replaced between the last backward and step(): torch would use the
+    change, zerokern has already reduced the old gradient; a clear error before anything is
+    stepped, then the loop goes on after zero_grad()."""
+    out = {}
+    for op in "ca":
+        torch.manual_seed(0)
+        model = M.make_model()
+        opt = M.zero_opt(model, stage)
+        opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws)))
+        before = M.full_snapshot(model, opt)
+        _edit_grad(model, op)
+        try:
+            opt.step()
+            out[op] = "stepped"
+        except RuntimeError as e:
+            out[op] = str(e)
+        out[op + "_unchanged"] = _rel(M.full_snapshot(model, opt), before) == 0
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(1, rank, ws)))
+        opt.step()  # goes on
+        out[op + "_moved"] = _rel(M.full_snapshot(model, opt), before) > 0
+    return out
+
+
 def _rel(a, b):
     return M.rel_err(a, b)
 
@@ -353,6 +378,7 @@ def _rank_cases(rank, ws):
         # second step() with no backward (stage 1 reduces in place: full_grads.py's Note).
         cases[f"after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbsnsbcbs"))
         cases[f"step_twice_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbssbs"))
+        cases[f"changed_before_step_s{st}"] = p(_changed_before_step, rank, ws, st)
         cases[f"opt_clip_s{st}"] = p(_opt_clip, rank, ws, st, memo, 2.0)
         cases[f"opt_clip_inf_s{st}"] = p(_opt_clip, rank, ws, st, memo, math.inf)
         cases[f"torch_clip_s{st}"] = p(_torch_clip, rank, ws, st, memo)
@@ -421,6 +447,18 @@ def test_grads_changed_after_a_reduction(ws, stage):
                                                    else ()):
         for rel in case(_res(ws), f"{key}_s{stage}"):
             assert rel <= TOL, key
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_p_grad_changed_between_backward_and_step_raises(ws, stage):
+    """Before the fix the change was silently ignored: the step used the reduced gradient."""
+    for out in case(_res(ws), f"changed_before_step_s{stage}"):
+        assert "cleared after the last backward" in out["c"], out["c"]
+        assert "replaced after the last backward" in out["a"], out["a"]
+        assert "param group" in out["c"] and "opt.zero_grad()" in out["a"]
+        for op in "ca":
+            assert out[op + "_unchanged"] and out[op + "_moved"], (op, out)
 
 
 @pytest.mark.parametrize("ws", WS)
