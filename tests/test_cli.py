@@ -116,3 +116,4 @@ def test_bench_engine_runs_both_engines_and_writes_results(tmp_path):
     (row,) = data["rows"]
     assert row["config"] == "s1-fp32" and row["zk_ms"] > 0 and row["ds_ms"] > 0
     assert row["zk_MiB"] > 0 and row["ds_MiB"] > 0
+    assert 0 < row["bare_ms"] < row["zk_ms"] and row["zk_over_ms"] == row["zk_ms"] - row["bare_ms"]

@@ -155,17 +155,24 @@ class GradSync:
             for gi, i in cleared:
                 self._exposed[gi][i] = None
 
-    def changed_since_backward(self) -> List[Tuple[int, int, str]]:
-        """(group, param, "cleared" / "replaced") for each p.grad the user set since the last
-        backward or zero_grad. In-place edits of a p.grad we showed are not changes (stage 0:
-        it views the reduced buffer)."""
-        out = []
-        for gi, g in enumerate(self.groups):
-            for i, p in enumerate(g.params):
-                cur = p.grad
-                if cur is not self._exposed[gi][i]:
-                    out.append((gi, i, "cleared" if cur is None else "replaced"))
-        return out
+    def check_unchanged_since_backward(self) -> None:
+        """Before a step: raise if the user cleared or replaced a p.grad since the last
+        backward (or zero_grad). torch would step with the change (or skip a cleared param);
+        here the gradients were reduced during backward, so the step would silently ignore
+        it. In-place edits of a p.grad we showed are not changes (stage 0: it views the
+        reduced buffer)."""
+        changed = [(gi, i, "cleared" if p.grad is None else "replaced")
+                   for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)
+                   if p.grad is not self._exposed[gi][i]]
+        if changed:
+            gi, i, how = changed[0]
+            raise RuntimeError(
+                f"ZeroAdamW: p.grad of param {i} in param group {gi} was {how} after the last "
+                f"backward ({len(changed)} param(s) in all). The gradients were already "
+                "reduced during backward (at stages 1-3 each rank holds only its shard), so "
+                "the step would ignore the change. Set or clear p.grad before backward (it "
+                "then sums as in torch), scale the loss, or clip with opt.clip_grad_norm_; "
+                "opt.zero_grad() starts over")
 
     def has_grads(self) -> bool:
         """False when every p.grad we showed was cleared by the user since the backward."""

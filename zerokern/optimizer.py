@@ -277,16 +277,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         if gs.micro_steps == 0 or not gs.has_grads():
             raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")
-        changed = gs.changed_since_backward()
-        if changed:  # torch would step with them (or skip the cleared ones): we cannot
-            gi, i, how = changed[0]
-            raise RuntimeError(
-                f"ZeroAdamW: p.grad of param {i} in param group {gi} was {how} after the last "
-                f"backward ({len(changed)} param(s) in all). The gradients were already "
-                "reduced during backward (at stages 1-3 each rank holds only its shard), so "
-                "the step would ignore the change. Set or clear p.grad before backward (it "
-                "then sums as in torch), scale the loss, or clip with opt.clip_grad_norm_; "
-                "opt.zero_grad() starts over")
+        gs.check_unchanged_since_backward()
         if gs.unscaled_backward:
             raise RuntimeError(
                 f"ZeroAdamW(precision={self.precision!r}): a backward since zero_grad() did "

@@ -11,6 +11,12 @@ before the engine was built: params, grads, optimizer state, and any buffers the
 between steps (staging buckets included), measured the same way for both.
 DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process; each engine runs
 with its own (DeepSpeed's while DeepSpeed runs, torch's otherwise).
+
+A third contestant, `bare`, is the same model in the same dtype with no engine: forward and
+loss.backward() only, timed in the same interleaving. `iter - bare` is what each engine adds
+(its backward hooks and reductions, its step); `overhead zk/DS` compares those. It matters
+where the model's own compute swamps both engines: on a CPU without AVX512-BF16/AMX torch
+emulates bf16 matmuls (~17x slower than fp32), so bf16 iterations are ~95% model compute.
 """
 
 from __future__ import annotations
@@ -86,6 +92,11 @@ def _worker(rank: int, world: int, args) -> dict:
             for stage in args.stages:
                 cfg = config(stage, precision, args.batch, args.reduce_bucket_size)
                 engines, mem, linear = {}, {}, {}
+                bare = build_gpt(args.model_size, seed=0)
+                if precision == "bf16":
+                    bare.to(torch.bfloat16)
+                engines["bare"] = (None, bare)
+                linear["bare"] = torch_linear
                 for name, init in (("zerokern", zerokern.initialize),
                                    ("deepspeed", deepspeed.initialize)):
                     before = held_bytes()
@@ -117,7 +128,7 @@ def _worker(rank: int, world: int, args) -> dict:
                     "held_bytes": {"zerokern": m[0].item(), "deepspeed": m[1].item()},
                     "params": sum(p.numel() for p in build_gpt(args.model_size).parameters())}
                 for eng, _ in engines.values():
-                    if hasattr(eng, "destroy"):
+                    if eng is not None and hasattr(eng, "destroy"):
                         eng.destroy()
                 del engines, eng, model
                 F.linear = torch_linear
@@ -134,8 +145,13 @@ def _iteration(eng, model, args, linear, torch_linear, rank: int) -> None:
     try:
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), generator=g)
-        logits = eng(x[:, :-1])
+        logits = (eng or model)(x[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        if eng is None:  # the bare model: its own forward and backward, nothing else
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+            return
         eng.backward(loss)
         eng.step()
     finally:
@@ -187,14 +203,18 @@ def report(args, res) -> int:
                reduce_bucket_size=args.reduce_bucket_size)
     rows = []
     for key, r in res.items():
-        z, d = (common.summarize(r["times"][n]) for n in ("zerokern", "deepspeed"))
+        z, d, b = (common.summarize(r["times"][n]) for n in ("zerokern", "deepspeed", "bare"))
         hz, hd = r["held_bytes"]["zerokern"], r["held_bytes"]["deepspeed"]
+        zo, do = z["median_ms"] - b["median_ms"], d["median_ms"] - b["median_ms"]
         rows.append({"config": key, "zk_ms": z["median_ms"], "ds_ms": d["median_ms"],
                      "time_ratio": z["median_ms"] / d["median_ms"],
+                     "bare_ms": b["median_ms"], "zk_over_ms": zo, "ds_over_ms": do,
+                     "over_ratio": zo / do if do > 0 else float("nan"), "bare": b,
                      "zk_MiB": hz / 2**20, "ds_MiB": hd / 2**20, "mem_ratio": hz / hd,
                      "zk": z, "ds": d})
     cols = [("config", "stage-precision"), ("zk_ms", "zerokern iter ms"),
             ("ds_ms", "DeepSpeed iter ms"), ("time_ratio", "time zk/DS"),
+            ("bare_ms", "bare model fwd+bwd ms"), ("over_ratio", "overhead zk/DS"),
             ("zk_MiB", "zerokern held MiB/rank"), ("ds_MiB", "DeepSpeed held MiB/rank"),
             ("mem_ratio", "memory zk/DS")]
     params = next(iter(res.values()))["params"]
@@ -208,7 +228,9 @@ def report(args, res) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / f"{stem}.json", {"env": env, "rows": rows})
     md = (f"# {title}\n\n{common.markdown_env(env)}\n\n{common.markdown_table(rows, cols)}\n\n"
-          "Targets (issue 12): time zk/DS <= 0.5 and memory zk/DS <= 0.9 at every row.\n")
+          "Targets (issue 12): time zk/DS <= 0.5 and memory zk/DS <= 0.9 at every row.\n"
+          "overhead zk/DS = (zerokern iter - bare) / (DeepSpeed iter - bare): what each engine "
+          "adds to the model's own forward and backward.\n")
     common.write_text(args.out / f"{stem}.md", md)
     print(f"wrote {args.out / stem}.json and .md")
     return 0
