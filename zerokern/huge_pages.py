@@ -33,7 +33,7 @@ _HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
 def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed 1-D tensor; on the CPU, large ones on their own huge-page mapping."""
     device = torch.device(device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _ANON is None:
         return torch.zeros(numel, dtype=dtype, device=device)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _ANON)
