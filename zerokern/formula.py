@@ -22,12 +22,27 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
                     master: str = "fp32") -> Dict[str, int]:
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
-    Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
-    offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
-    offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
-    writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
-    master="compact" (bf16 on the device, zerokern.compact_master): the master is 2 bytes of
-    low half + 1/8 byte of tie bit per state element instead of 4.
+    Args:
+        num_params: Ψ, a positive int (write `7_000_000_000`, not `7e9`).
+        world_size: N, the number of data-parallel ranks (a positive int).
+        stage: ZeRO stage, 0-3.
+        precision: "fp32" | "bf16" | "fp16": the dtype of params and grads.
+        offload: None, "cpu" or "nvme": where master, m and v live.
+        reduce_bytes: bytes per gradient element communicated and held; default the
+            precision's element size.
+        master: "fp32" or "compact" (bf16: the master in 2.125 bytes per element).
+
+    Raises:
+        ValueError: an argument out of range, naming it.
+
+    Returns:
+        A dict of bytes: params, grads, master, exp_avg, exp_avg_sq, optimizer (their
+        sum), total; with offload="cpu" the optimizer column is reported as host bytes and
+        left out of `total`; with offload="nvme" it is reported as `disk` bytes, twice
+        (offload_nvme's two halves: a step writes the half it does not read), and `host` is
+        0 (the bounded I/O pool is not a term). master="compact" (bf16 on the device,
+        zerokern.compact_master): the master is 2 bytes of low half + 1/8 byte of tie bit
+        per state element instead of 4.
     """
     if not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")

@@ -53,8 +53,12 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     """AdamW with ZeRO sharding: a drop-in replacement for `torch.optim.AdamW`.
 
     Args:
-        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module (any
+            stage; required for stage 3).
+        lr: learning rate, as torch.optim.AdamW; per group where a group gives it.
+        betas: (beta1, beta2), as torch.optim.AdamW; per group where given.
+        eps: added to the denominator, as torch.optim.AdamW; per group where given.
+        weight_decay: decoupled (adamw=True) or L2 (adamw=False) weight decay; per group.
         adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).
         stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads, 3 also
             params (per module unit; needs the model).
@@ -68,7 +72,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             or "nvme" (stages 1-3): master, exp_avg, exp_avg_sq live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
             half; see zerokern.offload_nvme).
-        offload_path: offload="nvme" only (keyword): an existing writable directory.
+        offload_path (str | os.PathLike | None): offload="nvme" only (keyword): an existing
+            writable directory for the state (and, with offload_params="nvme", param) files.
         free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
             (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
             scratch at stages 1-3) and the next backward allocates it again: DeepSpeed's
@@ -79,7 +84,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             its all-gather (ZeRO-Infinity's param half; see zerokern.stage3.param_offload).
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
-        process_group: torch.distributed group; default WORLD, or world size 1 without one.
+        process_group (ProcessGroup | None): torch.distributed group; default WORLD, or
+            world size 1 without one.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
@@ -87,7 +93,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             element; "compact" (bf16, no offload, stages 0-2): the same fp32 master, bit for
             bit, held as its low 16 bits under the bf16 param plus a tie bit (2.125 bytes per
             element; see zerokern.compact_master). Training is bitwise the same.
-        units: stage 3 only: which submodules are gathered together. None: each child of
+        units (None | type | tuple[type, ...] | Callable[[nn.Module], bool]): stage 3
+            only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
 
@@ -97,6 +104,13 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     but the last micro-batch under `opt.no_sync()`. `p.grad` after backward is DDP's gradient
     at stage 0; at stages 1-3 it is released (a placeholder whose use raises: the gradient is
     sharded) - clip with `opt.clip_grad_norm_()`.
+
+    Raises:
+        ValueError: a bad value (stage not in 0..3, an unknown precision, offload or backend,
+            stage 3 given bare params, offload_path missing or read-only, ...), naming the
+            argument, before the model is touched.
+        TypeError: an argument of the wrong type (params on different devices, sparse or
+            mixed dtypes precision cannot cover), naming it.
     """
 
     def __init__(
@@ -216,6 +230,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Only during construction (torch.optim.Optimizer calls it for each group).
+
+        Args:
+            param_group: a param-group dict, as torch's.
+
+        Raises:
+            NotImplementedError: after construction; the flat buffers are laid out once, so
+                pass every group to the constructor.
+        """
         if getattr(self, "_built", False):
             raise NotImplementedError("ZeroAdamW cannot add param groups after construction: "
                                       "the flat buffers are laid out once; pass all groups "
@@ -229,12 +252,25 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         return self.scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`."""
+        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`.
+
+        Args:
+            loss: the 0-d loss tensor.
+
+        Returns:
+            loss * loss_scale (the same graph), marked as scaled for `step()`.
+        """
         return self.grad_sync.mark_scaled_loss(loss * self.scaler.scale)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """Loss-scaled backward. With fp16 (or an explicit loss_scale) every backward must go
-        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise."""
+        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise.
+
+        Args:
+            loss: the 0-d loss tensor (divide it by the number of micro-batches when
+                accumulating, as with DDP).
+            **kwargs: passed to `torch.Tensor.backward` (e.g. retain_graph).
+        """
         self.scale_loss(loss).backward(**kwargs)
 
     @contextmanager
@@ -251,7 +287,12 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: p.grad becomes None (set_to_none=True) or zeros; the accumulated
-        gradient (and every shard of it) is cleared."""
+        gradient (and every shard of it) is cleared.
+
+        Args:
+            set_to_none: True (torch's default): `p.grad` becomes None; with
+                free_grads=True the gradient memory is freed too. False: zeros.
+        """
         self.grad_sync.zero_grad(set_to_none)
         self._clip_next = None
 
@@ -307,7 +348,20 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         """Global gradient norm over every rank's shard (a 0-d device tensor, no host sync);
         the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
         DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
-        backward and before step(), as FSDP's clip_grad_norm_."""
+        backward and before step(), as FSDP's clip_grad_norm_.
+
+        Args:
+            max_norm: the largest norm the step's gradient may have (> 0).
+            norm_type: 2.0 (default), any p > 0, or math.inf.
+
+        Returns:
+            The global norm of the (unclipped, unscaled) gradient: a 0-d fp32 tensor on the
+            param device, the same on every rank.
+
+        Raises:
+            ValueError: max_norm or norm_type out of range.
+            RuntimeError: no backward since the last step (nothing to clip).
+        """
         check_clip(max_norm, norm_type)
         self._check_ready()
         self._prepare()
@@ -331,6 +385,24 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step on this rank's shard, with no host-device synchronisation.
+
+        Reduces what is left to reduce, computes found_inf and the global norm, clips
+        (`max_grad_norm`, or a preceding `clip_grad_norm_`), runs the fused AdamW update and
+        all-gathers the new params (stages 1-2). With fp16 a step whose gradients hold inf or
+        NaN on any rank is skipped on every rank, bit for bit, and the loss scale halves
+        (`step_skipped`, `loss_scale`).
+
+        Args:
+            closure: optional, as torch's: re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: fp16 after a plain `loss.backward()` (the gradients were never
+                scaled), or `p.grad` changed between backward and step (names the param).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -383,17 +455,35 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
     # ---- introspection ---------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
-        """Bytes held per category on this rank, with the DESIGN §4 formula beside them."""
+        """Bytes held per category on this rank, with the DESIGN §4 formula beside them.
+
+        Returns:
+            A dict: `measured` (bytes per device category: params, grads, buckets, master,
+            exp_avg, exp_avg_sq, padding, and at stage 3 frozen and live_units),
+            `measured_total`, `formula`, `formula_total`, `allowed_slack`; with offload
+            `host_measured` / `disk_measured` and their totals, `host_pinned_total`,
+            `host_pageable_total`; at stage 3 `peak_live_units` and `live_units_bound`; and
+            num_params, world_size, stage, precision. Equal to `zerokern estimate`.
+        """
         return memory_report(self)
 
     def comm_stats(self, reset: bool = False) -> Dict[str, Any]:
-        """Bytes sent per collective type by this rank since the last reset."""
+        """Bytes sent per collective type by this rank since the last reset.
+
+        Args:
+            reset: also reset the counters after reading them.
+
+        Returns:
+            A dict per collective type (all_reduce, reduce_scatter, all_gather) with the bytes
+            sent and the number of calls.
+        """
         out = self.comm.stats.as_dict()
         if reset:
             self.comm.stats.reset()
         return out
 
     def reset_comm_stats(self) -> None:
+        """Zero the counters `comm_stats()` reads."""
         self.comm.stats.reset()
 
     @contextmanager
@@ -401,8 +491,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         """Full params inside the block (stage 3 gathers every unit, then re-shards; at
         stages 0-2 they are always resident and this does nothing). Collective at stage 3.
 
-        modify=True: changes made to the params inside are kept (each rank takes its piece
-        back into its shard and fp32 master); otherwise they are discarded at stage 3.
+        Args:
+            modify: True: changes made to the params inside are kept (each rank takes its
+                piece back into its shard and fp32 master); False: discarded at stage 3.
         """
         if not self.pattern.shards_params:
             yield

@@ -52,7 +52,19 @@ def init_distributed(dist_backend: Optional[str] = None, timeout=datetime.timede
     """Start the default process group from the launcher's environment, as
     `deepspeed.init_distributed`: torchrun and DeepSpeed's launcher (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or mpirun (OMPI_COMM_WORLD_*). NCCL when CUDA is
-    available, gloo otherwise. Does nothing if a group exists already."""
+    available, gloo otherwise. Does nothing if a group exists already.
+
+    Args:
+        dist_backend: "nccl", "gloo", ...; default NCCL with CUDA, gloo without.
+        timeout: the process group's collective timeout.
+        init_method: default "env://" (MASTER_ADDR / MASTER_PORT, default 127.0.0.1:29500).
+        rank: this process's rank; default from the environment.
+        world_size: the number of ranks; default from the environment.
+
+    Raises:
+        RuntimeError: no RANK / WORLD_SIZE in the environment (not launched by torchrun,
+            deepspeed or mpirun) and none given.
+    """
     if dist.is_initialized():
         return
     rank = rank if rank >= 0 else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -81,7 +93,19 @@ def _world() -> Tuple[int, int]:
 
 
 class ZeroEngine(nn.Module):
-    """DeepSpeed's engine surface over a model and its ZeroAdamW (build it with initialize)."""
+    """DeepSpeed's engine surface over a model and its ZeroAdamW (build it with initialize).
+
+    Attributes: `module`, `optimizer`, `lr_scheduler`, `training_dataloader`, `config` (the
+    EngineConfig), `global_rank`, `world_size`, `local_rank`, `micro_steps`, `global_steps`,
+    `global_samples`, `skipped_steps`.
+
+    Args:
+        model: the nn.Module (kept as `engine.module`).
+        optimizer: its ZeroAdamW.
+        cfg: the parsed config (`parse_config`).
+        lr_scheduler: the scheduler stepped at each accumulation boundary, or None.
+        training_dataloader: the loader `initialize` built, or None.
+    """
 
     def __init__(self, model: nn.Module, optimizer: ZeroAdamW, cfg: EngineConfig,
                  lr_scheduler=None, training_dataloader=None) -> None:
@@ -103,21 +127,27 @@ class ZeroEngine(nn.Module):
     # ---- DeepSpeed's accessors ----------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """The device the model's params live on."""
         return self.optimizer.flat_groups[0].device
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's gradient_accumulation_steps)."""
         return self.config.gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch per rank."""
         return self.config.micro_batch_size
 
     def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (micro x accumulation x world size)."""
         return self.config.train_batch_size
 
     def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
         return self.optimizer.stage
 
     def get_lr(self):
+        """The current learning rate of each param group (a list of floats)."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float:
@@ -126,19 +156,29 @@ class ZeroEngine(nn.Module):
 
     @property
     def loss_scale(self) -> float:
+        """The current loss scale (a host read; 1.0 unless fp16 or a static scale)."""
         return float(self.optimizer.loss_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the coming `step()` is an optimizer step."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def no_sync(self):
+        """The optimizer's `no_sync()`: backward passes inside do not communicate."""
         return self.optimizer.no_sync()
 
     def zero_grad(self) -> None:
+        """Clear the gradients (`step()` does it at each boundary)."""
         self.optimizer.zero_grad()
 
     # ---- the loop -----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """The model's forward (`engine(*args, **kwargs)`), timed for wall_clock_breakdown.
+
+        Args:
+            *args: passed to the model.
+            **kwargs: passed to the model.
+        """
         t0 = time.perf_counter()
         out = self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
@@ -147,7 +187,13 @@ class ZeroEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss x loss scale (x 1/gradient_accumulation_steps) backward, no_sync() off the
-        accumulation boundary. Returns the loss as given."""
+        accumulation boundary. Returns the loss as given.
+
+        Args:
+            loss: the micro-batch's 0-d loss.
+            retain_graph: as torch's backward.
+            scale_wrt_gas: divide by gradient_accumulation_steps (DeepSpeed's default).
+        """
         t0 = time.perf_counter()
         self._last_loss = loss.detach()
         gas = self.config.gradient_accumulation_steps
@@ -160,7 +206,11 @@ class ZeroEngine(nn.Module):
         return loss
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Count a micro-step; at the boundary: clip, step, schedule, zero the grads."""
+        """Count a micro-step; at the boundary: clip, step, schedule, zero the grads.
+
+        Args:
+            lr_kwargs: keyword arguments for the scheduler's step().
+        """
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             opt = self.optimizer
@@ -196,7 +246,17 @@ class ZeroEngine(nn.Module):
                         client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True) -> bool:
         """Collective. `save_dir/tag/` holds a zerokern checkpoint (any world size loads it)
-        and the engine's counters, scheduler state and client_state."""
+        and the engine's counters, scheduler state and client_state.
+
+        Args:
+            save_dir: the directory (the same on every rank).
+            tag: the sub-directory; default `global_step<N>`.
+            client_state: a picklable dict returned by `load_checkpoint`.
+            save_latest: write `save_dir/latest` with the tag.
+
+        Returns:
+            True.
+        """
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         path = os.path.join(save_dir, tag)
         if self.global_rank == 0:
@@ -224,7 +284,21 @@ class ZeroEngine(nn.Module):
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Collective. Returns (path, client_state), or (None, None) when there is no
-        `latest` and no tag (as DeepSpeed)."""
+        `latest` and no tag (as DeepSpeed).
+
+        Args:
+            load_dir: the directory `save_checkpoint` wrote (any world size or stage).
+            tag: the sub-directory; default the one named in `load_dir/latest`.
+            load_module_strict: must be True (zerokern loads strictly).
+            load_optimizer_states: must be True (the module and optimizer load together).
+            load_lr_scheduler_states: also restore the scheduler's state.
+            load_module_only: must be False.
+
+        Raises:
+            ValueError: load_module_strict / load_optimizer_states False or load_module_only
+                True (partial loads are not supported).
+            CheckpointError: as `zerokern.checkpoint.load`.
+        """
         if not (load_module_strict and load_optimizer_states) or load_module_only:
             raise ValueError("load_checkpoint: zerokern loads the module and the optimizer "
                              "together (load_module_strict/load_optimizer_states True, "
@@ -258,7 +332,15 @@ class ZeroEngine(nn.Module):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Collective. At stage 3 only with stage3_gather_16bit_weights_on_model_save (False
-        otherwise, as DeepSpeed); rank 0 writes `save_dir/save_filename`."""
+        otherwise, as DeepSpeed); rank 0 writes `save_dir/save_filename`.
+
+        Args:
+            save_dir: the directory to write into.
+            save_filename: the file name (torch.save of the 16-bit state dict).
+
+        Returns:
+            True when written.
+        """
         if self.optimizer.stage == 3 and not self.config.gather_16bit_on_save:
             log.warning("save_16bit_model: stage 3 needs zero_optimization."
                         "stage3_gather_16bit_weights_on_model_save=true; nothing saved")
@@ -333,6 +415,35 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     training_data: a Dataset; the loader then has a DistributedSampler and the micro-batch
     size. optimizer: a torch Adam/AdamW (converted), a ZeroAdamW, or a callable(params).
     lr_scheduler: a callable(optimizer) (or a scheduler already on the ZeroAdamW given).
+
+    Args:
+        args: an argparse namespace; its `deepspeed_config` is an alias of `config`.
+        model: the nn.Module to train (required).
+        optimizer: None (the config's `optimizer` section builds a ZeroAdamW), a torch
+            Adam/AdamW (converted to ZeroAdamW with the same groups and hyperparameters), a
+            ZeroAdamW, or a callable(params) returning one of those.
+        model_parameters: the params or param groups to optimize (default: the model's).
+        training_data: a Dataset; the returned loader has a DistributedSampler and the
+            micro-batch size.
+        lr_scheduler: a callable(optimizer) -> scheduler, or a scheduler already on the given
+            ZeroAdamW; otherwise the config's `scheduler` section, if any.
+        distributed_port: accepted for DeepSpeed compatibility (MASTER_PORT is used).
+        mpu: model parallelism: not supported (ValueError when given).
+        dist_init_required: False: never start a process group; default: start one from the
+            launcher's environment when WORLD_SIZE > 1 and none exists.
+        collate_fn: the loader's collate_fn.
+        config: a DeepSpeed config dict or a path to its JSON file.
+        mesh_param: model parallelism: not supported (ValueError when given).
+        config_params: an alias of `config` (DeepSpeed's older name).
+
+    Returns:
+        (engine, optimizer, loader, scheduler): a ZeroEngine, its ZeroAdamW, the loader (None
+        without training_data) and the scheduler (None without one).
+
+    Raises:
+        ValueError: no model or no config, different configs given twice, mpu/mesh_param, or
+            a config key zerokern cannot honour (naming the key), before the model is
+            touched.
     """
     if model is None:
         raise ValueError("initialize: model is required")
