@@ -119,8 +119,10 @@ def rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1) -> List[float]:
-    """The plain-torch reference: DDP + a torch optimizer, loss / gas, no_sync off-boundary."""
+def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1,
+              clip: Optional[float] = None) -> List[float]:
+    """The plain-torch reference: DDP + a torch optimizer, loss / gas, no_sync off-boundary,
+    clip_grad_norm_(clip) before each step when clip is given."""
     import torch.distributed as dist
 
     model = gpt2()
@@ -136,6 +138,8 @@ def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1) -> List[
                 loss = net(input_ids=x, labels=x).loss
                 (loss / gas).backward()
             total += float(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total / gas)
