@@ -159,9 +159,54 @@ def _worker(rank, ws, root):
     return run_cases(cases)
 
 
+def _worker3(rank, ws, root):
+    """3 ranks (the uneven world size): the clipping default at stages 1 and 3 against
+    DeepSpeed, and tags where two ranks agree and one does not."""
+    import zerokern as zk
+
+    def tags():
+        out = {}
+        for mode in ("Fail", "Warn"):
+            cfg = C.base_config(1, "fp32")
+            cfg["checkpoint"] = {"tag_validation": mode}
+            C.launcher_env(rank)
+            eng, *_ = zk.initialize(model=C.gpt2(), config=cfg)
+            d = os.path.join(root, mode)
+            try:
+                eng.save_checkpoint(d, tag="odd" if rank == 2 else "even")
+                out[mode] = sorted(os.listdir(d))
+            except ValueError as e:
+                out[mode] = ("ValueError", os.path.isdir(d), str(e))
+        return out
+
+    return run_cases({"clip-default-s1": lambda: _pair(rank, _no_clip_key(1)),
+                      "clip-default-s3": lambda: _pair(rank, _no_clip_key(3)),
+                      "tags": tags})
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return cached(_worker, 2, str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.fixture(scope="module")
+def results3(tmp_path_factory):
+    return cached(_worker3, 3, str(tmp_path_factory.mktemp("ckpt3")))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradient_clipping_default_is_deepspeeds_on_3_ranks(results3, stage):
+    for z, d, _, _ in case(results3, f"clip-default-s{stage}"):
+        assert C.rel(z, d) <= TOL["fp32"], (z, d)
+
+
+def test_tag_validation_on_3_ranks(results3):
+    """Tags 'even', 'even', 'odd': Fail raises on all three ranks (the two that agree too),
+    nothing written; Warn writes one checkpoint under rank 0's tag."""
+    for out in case(results3, "tags"):
+        err, made, msg = out["Fail"]
+        assert err == "ValueError" and not made and "odd" in msg
+        assert out["Warn"] == ["even", "latest"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
