@@ -358,6 +358,22 @@ def test_deprecated_deepscale_config(tmp_path):
         zk.initialize(args=both, model=Simple())
 
 
+def test_config_model_expectations(tmp_path):
+    """test_ds_config_model.py: train_batch_size alone is enough (micro = 64, gas = 1 on one
+    rank); a duplicate key in a file (with a trailing comma: hjson's reading) is a ValueError;
+    a non-finite fp16.loss_scale is rejected (before: inf was taken as a static scale)."""
+    c = parse_config({"train_batch_size": 64}, 1)
+    assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps) == (64, 64, 1)
+    (tmp_path / "dup.json").write_text('{"train_batch_size": 24, "train_batch_size": 24,}')
+    with pytest.raises(ValueError):
+        parse_config(str(tmp_path / "dup.json"), 1)
+    for bad in (float("inf"), float("-inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"fp16\.loss_scale"):
+            parse_config({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": bad}}, 1)
+    for ok in (0, 1.0, 128.0, 65536.0):
+        parse_config({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": ok}}, 1)
+
+
 def test_gradient_clipping_default_is_deepspeed_019():
     assert parse_config({"train_batch_size": 1}, 1).gradient_clipping == 1.0
     assert parse_config({"train_batch_size": 1, "gradient_clipping": 0}, 1).gradient_clipping \

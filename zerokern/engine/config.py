@@ -11,6 +11,7 @@ Every key is one of three kinds (the tables below):
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -136,8 +137,11 @@ def _int(key: str, v: Any, lo: int = 1) -> int:
 
 
 def _num(key: str, v: Any, lo: float = 0.0) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= lo:
-        raise ValueError(f"config key {key} must be a number >= {lo}, got {v!r}")
+    # finite only: an infinite fp16.loss_scale (DeepSpeed rejects it, its issue #7852) would
+    # overflow every step, an infinite lr or clip norm means nothing
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= lo or \
+            not math.isfinite(v):
+        raise ValueError(f"config key {key} must be a finite number >= {lo}, got {v!r}")
     return float(v)
 
 
