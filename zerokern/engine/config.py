@@ -5,8 +5,10 @@ Every key is one of three kinds (the tables below):
   DeepSpeed and MiB in zerokern: converted with the element size of the reduce dtype);
 - no effect: accepted, and listed once in the start-up log with the reason (zerokern already
   behaves that way, e.g. gradients are always contiguous);
+- ignored with a warning where DeepSpeed ignores it too (offload_param below stage 3);
 - anything else, or a value zerokern cannot honour (e.g. offload_param on "nvme" with the
   optimizer state elsewhere): ValueError naming the key. Nothing is silently ignored.
+Defaults are DeepSpeed 0.19's (gradient_clipping 1.0: [Note: gradient_clipping default]).
 """
 
 from __future__ import annotations
