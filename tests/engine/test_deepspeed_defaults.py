@@ -104,6 +104,11 @@ def _tags(rank, ws, root):
     d = os.path.join(root, "zk-empty-on-rank1")
     out["zk-empty-on-rank1"] = (raised(eng, "" if rank else d),
                                 os.path.isdir(d))
+    try:  # load_dir "" on rank 1 only: every rank raises too
+        eng.load_checkpoint("" if rank else d)
+        out["zk-load-empty-on-rank1"] = None
+    except ValueError as e:
+        out["zk-load-empty-on-rank1"] = str(e)
     for mode in ("Warn", "Ignore"):
         d = os.path.join(root, f"zk-{mode}")
         eng = engine("zk", mode)
@@ -266,6 +271,7 @@ def test_checkpoint_tag_validation_and_save_dir(results):
         # "" on rank 1 only: every rank raises, nothing written, no hang
         err, made = out["zk-empty-on-rank1"]
         assert err[0] == "ValueError" and "rank 1" in err[1] and not made
+        assert "load_dir" in out["zk-load-empty-on-rank1"]
         # Warn / Ignore: one checkpoint under rank 0's tag, loadable, warned only under Warn
         for mode, warns in (("Warn", True), ("Ignore", False)):
             files, warned, loaded, same = out[f"zk-{mode}"]

@@ -393,6 +393,10 @@ def test_save_checkpoint_needs_a_save_dir(tmp_path, monkeypatch):
         engine.save_checkpoint(3)
     assert os.listdir(tmp_path) == []
     assert engine.load_checkpoint(str(tmp_path)) == (None, None)  # test_missing_latest
+    (tmp_path / "latest").write_text("nothing-here")  # "" would have read this one
+    for bad in (None, ""):
+        with pytest.raises(ValueError, match="load_dir"):
+            engine.load_checkpoint(bad)
 
 
 @pytest.mark.parametrize("mode", ["FAIL", "Warn", "ignore"])

@@ -7,6 +7,7 @@ anything is written the ranks exchange (save_dir is valid, tag) once (`all_gathe
 few bytes), so that every rank takes the same decision:
 - a save_dir that is None or "" on any rank: ValueError on every rank (DeepSpeed 0.19 raises
   ValueError for it too; before, zerokern wrote into the current directory or raised TypeError);
+  load_checkpoint's load_dir the same (before: "" read the current directory's `latest`);
 - tags that differ: `checkpoint.tag_validation` decides as in DeepSpeed -- "Fail" raises on
   every rank; "Warn" (DeepSpeed's default) warns; "Ignore" says nothing. Under Warn and Ignore
   DeepSpeed writes each rank's files under that rank's tag, which leaves no loadable
@@ -30,32 +31,38 @@ _ENGINE_STATE = "engine_state.pt"
 _ZERO_DIR = "zero"
 
 
-def _save_dir_error(save_dir) -> Optional[Tuple[str, str]]:
-    """(exception name, message), or None for a usable save_dir."""
-    if save_dir is None or (isinstance(save_dir, str) and save_dir == ""):
-        return "ValueError", f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}"
-    if not isinstance(save_dir, (str, os.PathLike)):
-        return "TypeError", (f"save_checkpoint: save_dir must be a path (str), got "
-                             f"{type(save_dir).__name__}")
+def _dir_error(d, what: str = "save_checkpoint: save_dir") -> Optional[Tuple[str, str]]:
+    """(exception name, message), or None for a usable directory argument."""
+    if d is None or (isinstance(d, str) and d == ""):
+        return "ValueError", f"{what} must be a non-empty path, got {d!r}"
+    if not isinstance(d, (str, os.PathLike)):
+        return "TypeError", f"{what} must be a path (str), got {type(d).__name__}"
     return None
+
+
+def _raise_first(seen, errors_at: int = 0) -> None:
+    """Every rank raises the first rank's error (the same on all, so none waits)."""
+    errors = [(r, item[errors_at]) for r, item in enumerate(seen) if item[errors_at] is not None]
+    if errors:
+        r, (kind, e) = errors[0]
+        raise {"TypeError": TypeError, "ValueError": ValueError}[kind](
+            f"{e} (on rank {r}); nothing done")
 
 
 class CheckpointMixin:
     """save_checkpoint / load_checkpoint / save_16bit_model for ZeroEngine."""
 
+    def _gather(self, item) -> list:
+        if self.world_size == 1:
+            return [item]
+        seen = [None] * self.world_size
+        dist.all_gather_object(seen, item)
+        return seen
+
     def _agreed_tag(self, save_dir, tag: str) -> str:
         """[Note: checkpoint tags]: raises on every rank, or returns the tag every rank uses."""
-        mine = (_save_dir_error(save_dir), tag)
-        if self.world_size > 1:
-            seen = [None] * self.world_size
-            dist.all_gather_object(seen, mine)
-        else:
-            seen = [mine]
-        errors = [(r, e) for r, (e, _) in enumerate(seen) if e is not None]
-        if errors:
-            r, (kind, e) = errors[0]
-            raise {"TypeError": TypeError, "ValueError": ValueError}[kind](
-                f"{e} (on rank {r}); nothing written")
+        seen = self._gather((_dir_error(save_dir), tag))
+        _raise_first(seen)
         tags = [t for _, t in seen]
         if len(set(tags)) == 1:
             return tag
@@ -112,6 +119,8 @@ class CheckpointMixin:
         """Collective. Returns (path, client_state), or (None, None) when there is no
         `latest` and no tag (as DeepSpeed)."""
         self._need_optimizer("load_checkpoint")
+        # a bad load_dir on one rank raises on every rank ([Note: checkpoint tags])
+        _raise_first(self._gather((_dir_error(load_dir, "load_checkpoint: load_dir"),)))
         if not (load_module_strict and load_optimizer_states) or load_module_only:
             raise ValueError("load_checkpoint: zerokern loads the module and the optimizer "
                              "together (load_module_strict/load_optimizer_states True, "
