@@ -110,7 +110,13 @@ def _check(path: str, obj, problems: list) -> None:
         init = obj.members.get("__init__")
         if init is not None and init.is_function:
             _check_function(f"{path}.__init__", init, problems, doc_owner=obj)
-        for name, member in obj.members.items():
+        members = list(obj.members.items())
+        try:   # methods from zerokern mixins (e.g. the engine's checkpoint methods)
+            members += [(n, m.final_target) for n, m in obj.inherited_members.items()
+                        if m.final_target.path.startswith("zerokern.")]
+        except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+            pass
+        for name, member in members:
             if name.startswith("_") or member.is_alias:
                 continue
             if member.is_function:
