@@ -11,6 +11,13 @@ stands still: with --lr 0 (the negative control below) the losses of batches 0 a
 equal, and the check fails.
 These tests check that the scripts run and learn; the numbers (parity with DDP, DeepSpeed,
 Trainer) are checked by tests/zero, tests/engine and tests/integrations.
+
+[Note: examples are slow-marked]
+Each test starts fresh interpreters (torchrun, transformers, DeepSpeed imports), about 140 s of
+CPU for the 12 (measured per test, process tree included, on the shared 2-core VM: 5.5 s for
+seed 000's config up to 20 s for the Trainer runs). That is a minute or two of the 10-minute
+default run, so they carry the `slow` mark: `.ci/run` runs them (`pytest -m slow`) on every
+commit; `python -m pytest -q tests/examples -m slow` runs them alone.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import List
 
 import pytest
 
+pytestmark = pytest.mark.slow     # [Note: examples are slow-marked]
 REPO = Path(__file__).resolve().parents[2]
 EX = REPO / "examples"
 MIN_DROP = 0.02          # see [Note: what "the loss falls" means here]
