@@ -146,7 +146,7 @@ def test_optimizer_takes_the_fused_path(monkeypatch):
     twin.load_state_dict(model.state_dict())
     opts = [zk.ZeroAdamW(m, stage=1, precision="bf16", master=mm, backend="triton", lr=1e-2)
             for m, mm in ((model, "compact"), (twin, "fp32"))]
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 16, dtype=torch.bfloat16)
         for m, o in zip((model, twin), opts):
             o.backward(m(x).float().square().mean())
