@@ -122,18 +122,36 @@ class OffloadedShardedFlat(ShardedFlat):
     def start_gather(self, comm, label=None) -> None:
         if self.residency is not Residency.SHARD:
             return
-        src = self._fetch()  # [Note: param offload choices] 1: with the (pre)fetched gather
         self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
+        cs = self.homes.copy_stream(self.full.device)
+        if cs is None:  # CPU: [Note: param offload choices] 1, with the (pre)fetched gather
+            src = self._fetch()
+            self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
+        else:  # GPU: [Note: param offload copy stream] in copy_stream.py
+            cs.wait_compute()
+            with cs.context():
+                src = self._fetch()
+                self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
+            self._landed = (cs, cs.record())
         self.residency = Residency.GATHERING
+
+    def _compute_waits_copy(self) -> None:
+        landed = getattr(self, "_landed", None)
+        if landed is not None:
+            landed[0].compute_waits(landed[1])
+            if self._live:  # allocated on the copy stream, freed from the compute stream
+                landed[0].used_by_compute(self.dev)
+            self._landed = None
 
     def finish_gather(self) -> None:
         landed = self.handle is not None
+        self._compute_waits_copy()
         super().finish_gather()
         if landed:
             self._release()
 
     def free(self) -> None:
+        self._compute_waits_copy()
         super().free()  # (waits for a gather in flight first)
         self._release()
 
