@@ -127,5 +127,6 @@ def compact_adam_step_(low, ties, param, exp_avg, exp_avg_sq, grad, nan, *, lr, 
             _compact_adam_kernel[(triton.cdiv(n, block),)](
                 low, ties, param.view(torch.int16), exp_avg, exp_avg_sq, grad,
                 nan.view(torch.uint8), n, sc, ADAMW=adamw, BLOCK=block,
-                num_warps=1 if on_cpu else NUM_WARPS_GPU)
-        tk._advance_step_kernel[(1,)](step, found_inf, num_warps=1)
+                num_warps=1 if on_cpu else NUM_WARPS_GPU, enable_fp_fusion=tk.FP_FUSION)
+        tk._advance_step_kernel[(1,)](step, found_inf, num_warps=1,
+                                      enable_fp_fusion=tk.FP_FUSION)
