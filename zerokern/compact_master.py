@@ -78,10 +78,14 @@ class _HostFlag:
     def __init__(self, flag: torch.Tensor) -> None:
         self.event = None
         if flag.is_cuda:
-            self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
-            self.host.copy_(flag.reshape(1), non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            # (issue 24, item 8) On the flag's device: the copy runs on that device's current
+            # stream, and Event.record() records on the *current device's* stream, so with
+            # params on cuda:1 and cuda:0 current the event would complete without the copy.
+            with torch.cuda.device(flag.device):
+                self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+                self.host.copy_(flag.reshape(1), non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
         else:
             self.host = flag.reshape(1).clone()
 
