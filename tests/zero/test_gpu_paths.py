@@ -7,7 +7,7 @@
 * item 8: _HostFlag for a flag on cuda:1 with cuda:0 current (>= 2 GPUs) waits for its copy;
   the CUDA op's kernel-image probe answers "" on this GPU.
 The CPU-side twins are named in each module's issue-24 tests (test_compact_triton_step.py,
-test_param_offload_stream.py, test_gpu_order_mocks.py, tests/test_train.py).
+test_stage3_gather_stream.py, test_gpu_order_mocks.py, tests/test_train.py).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_compact_master_trains_as_fp32_master_on_cuda():
 
 
 def test_param_offload_copy_stream_matches_torch_adamw():
-    from zerokern.stage3 import copy_stream
+    from zerokern.stage3 import gather_stream
 
     ref = M.make_model().cuda()
     ref_opt = M.torch_adamw(ref)
@@ -115,7 +115,7 @@ def test_param_offload_copy_stream_matches_torch_adamw():
                 o.backward(loss)
                 o.step()
                 o.zero_grad()
-    assert torch.device("cuda", torch.cuda.current_device()) in copy_stream._STREAMS
+    assert torch.device("cuda", torch.cuda.current_device()) in gather_stream._STREAMS
     err = M.rel_err(M.full_snapshot(model, opt), M.snapshot(ref))
     assert err <= TOL["fp32"], err
 

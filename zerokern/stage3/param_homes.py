@@ -133,12 +133,12 @@ class ParamHomes:
             offloader.commit_hooks.append(self.commit)
 
     # -- I/O ---------------------------------------------------------------------------------
-    def copy_stream(self, device: torch.device):
+    def gather_stream(self, device: torch.device):
         """The stream the shard's fetch and all-gather are issued on (a GPU with pinned homes),
-        else None: [Note: param offload copy stream] in copy_stream.py."""
-        from . import copy_stream
+        else None: [Note: stage-3 gather stream] in gather_stream.py."""
+        from . import gather_stream
 
-        return copy_stream.for_device(device) if self.pin else None
+        return gather_stream.for_device(device) if self.pin else None
 
     def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
         if self.kind == "cpu":
