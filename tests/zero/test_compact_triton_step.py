@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerokern import compact_master as C
 from zerokern.kernels import compact_triton as CT
 from zerokern.kernels import triton_kernels as tk
+from zerokern.state import compact_master as C
 
 HYPER = dict(lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)  # exaggerated
 

@@ -20,8 +20,8 @@ import types
 
 import torch
 
-from zerokern import compact_master as CM
-from zerokern.offload_nvme import NvmeOffloader
+from zerokern.state import compact_master as CM
+from zerokern.state.offload_nvme import NvmeOffloader
 
 
 def test_host_flag_event_is_recorded_on_the_flags_device(monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern import compact_master as C
+from zerokern.state import compact_master as C
 
 from . import models as M
 

@@ -50,10 +50,10 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from zerokern import kernels
 
 # the bit operations (kernels/compact_bits.py), re-exported
-from .kernels.compact_bits import (
+from zerokern.kernels.compact_bits import (
     TIE,
     _native,
     compact_,
@@ -210,7 +210,7 @@ class CompactState:
             self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
         if kernels.resolve(backend, self.low.device) == "triton":
             # [Note: fused compact step] in kernels/compact_triton.py
-            from .kernels import compact_triton
+            from zerokern.kernels import compact_triton
 
             compact_triton.compact_adam_step_(
                 self.low[sl], self.ties[s0 // 8:sl.stop // 8], param, m, v, grad, self._nan,
