@@ -119,3 +119,14 @@ def test_prebuilt_cuda_op_is_checked_for_this_gpu(monkeypatch, tmp_path, caplog,
         assert "not using the prebuilt" in caplog.text and "compute capability 8.0" in caplog.text
     else:
         assert mod is prebuilt and "prebuilt" not in caplog.text
+
+
+def test_conftest_skips_when_a_prebuilt_op_needs_a_rebuild_without_nvcc(monkeypatch):
+    """A prebuilt op for another GPU counts as 'prebuilt' for the up-front check; its JIT
+    rebuild then meets no nvcc (ToolchainError): skip, not fail."""
+    monkeypatch.setattr(dispatch, "_prebuilt_or_cached", lambda name: True)
+    monkeypatch.setattr(zk, "load_op", lambda name: (_ for _ in ()).throw(
+        build.ToolchainError("cannot build zerokern cuda ops: nvcc not found")))
+    monkeypatch.setattr(conftest, "_BUILD_ERRORS", {})
+    with pytest.raises(pytest.skip.Exception, match="nvcc not found"):
+        conftest.require_backend("cuda")

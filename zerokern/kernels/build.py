@@ -42,6 +42,11 @@ class BuildError(RuntimeError):
     """A native op could not be built or loaded."""
 
 
+class ToolchainError(BuildError):
+    """The op needs a JIT build and this machine has no matching compiler (no nvcc, or nvcc's
+    CUDA major differs from torch's): [Note: CUDA toolchain checks] in cuda_toolchain.py."""
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """How to build one native op module."""
@@ -201,7 +206,7 @@ def load_op(spec_or_name) -> object:
     if not so.exists() and spec.cuda:
         why = cuda_toolchain.toolchain_problem()
         if why is not None:
-            raise BuildError(f"cannot build zerokern {spec.name} ops: {why}")
+            raise ToolchainError(f"cannot build zerokern {spec.name} ops: {why}")
     if not so.exists():
         with _build_lock(cache_root() / f"{spec.name}.lock"):
             if not so.exists():
