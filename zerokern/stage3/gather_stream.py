@@ -24,13 +24,14 @@ compute stream, so rank A's gather G could wait for its reduce-scatter R while r
 Gathers then depend only on earlier gathers (the same static sequence on every rank) and on
 the pass start; reduce-scatters depend on the compute stream and earlier reduce-scatters (one
 static order). No cycle is left through streams or waits, whatever the interleaving. What stays
-rank-dependent is only the interleaving of the two communicators' kernels on the GPU: NCCL
-asks for one order when a device-synchronising call (cudaFree when the caching allocator
-releases memory, cudaDeviceSynchronize) can block a rank's host while one of its kernels waits
-for a peer. zerokern makes no such call between the passes' first gather and the end of
-backward; a user's torch.cuda.empty_cache() or a near-OOM allocator retry there can. The
-remedy for those (one communicator with a rank-independent interleaving) needs the ranks to
-agree on each unit's readiness, which rule 3 decides per rank: not done (docs_drafts/gpu.md).
+rank-dependent is only the interleaving of the two communicators' kernels on the GPU. NCCL
+asks for one order because a CUDA call that synchronises the device (cudaFree, and possibly
+cudaMalloc) can block a rank's host while one of its kernels waits for a peer whose matching
+call is behind the other communicator. zerokern's own code makes no explicit one; the caching
+allocator calls cudaMalloc on a cache miss (mostly the first step, until the cache is warm) and
+cudaFree when it releases memory (torch.cuda.empty_cache(), an allocation retry near OOM). The
+remedy (one communicator with a rank-independent interleaving) needs the ranks to agree on each
+unit's readiness, which rule 3 decides per rank: not done (docs_drafts/gpu.md).
 On the CPU (gloo) there are no streams: nothing here runs.
 """
 
