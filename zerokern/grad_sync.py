@@ -61,9 +61,6 @@ class GradSync:
     """Base: hooks, backward bookkeeping and the p.grad state shared by all stages."""
 
     stage = -1
-    # The reduced grads are full, identical on every rank and already divided by N (stage 0);
-    # else each rank holds its shard of the sum (stages 1-3).
-    averaged = False
 
     def __init__(self, groups: List[FlatGroup], comm: Comm, reduce_dtype: torch.dtype) -> None:
         self.groups = groups
