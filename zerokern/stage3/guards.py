@@ -27,7 +27,7 @@ from typing import List
 
 import torch
 
-from ..weak_hook import weak_hook
+from zerokern.grads.weak_hook import weak_hook
 
 
 def _ddp_forward_active() -> bool:

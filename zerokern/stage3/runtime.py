@@ -61,8 +61,9 @@ from typing import Dict, List
 
 import torch
 
-from ..grad_sync import MAX_IN_FLIGHT
-from ..weak_hook import weak_hook
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.weak_hook import weak_hook
+
 from . import guards, param_offload
 from .backward import Stage3Backward
 from .sharded_flat import ShardedFlat

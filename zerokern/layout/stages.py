@@ -15,8 +15,8 @@ combined across ranks and divided by N: `grads_averaged`), the gradient path (Fu
 all-reduces or reduce-scatters by `grads_averaged`), the buffers (`ShardBuffer`: which flat
 range a bucket's state is, whether `publish_piece` all-gathers), `memory_report`, the exact
 estimate and the checkpoint views ask the pattern; no module outside this one tests the stage
-number for a decision on the gradient path. The coordinates themselves (bucket, piece, state offset, padding) are
-`partition.FlatLayout`'s; a pattern only says which of them apply.
+number for a decision on the gradient path. The coordinates themselves (bucket, piece, state
+offset, padding) are `partition.FlatLayout`'s; a pattern only says which of them apply.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-from .optimizer_args import check_stage
-from .partition import FlatLayout
+from zerokern.layout.partition import FlatLayout
+from zerokern.optimizer_args import check_stage
 
 
 @dataclass(frozen=True)
