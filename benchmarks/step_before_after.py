@@ -52,18 +52,30 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3, help="runs per side")
     p.add_argument("--tag", required=True, help="names the result files")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="keep each run's output under DIR/<side><i>/ (default: a temp dir)")
+    p.add_argument("--from-dir", type=Path, default=None,
+                   help="run nothing: summarize the runs kept in DIR (before*/, after*/)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER,
                    help="after --: flags for zerokern bench --step")
     a = p.parse_args(argv)
     bench_args = [x for x in a.bench_args if x != "--"]
     sides = {"before": a.before, "after": a.after}
     runs = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(a.runs):
-            for side, checkout in sides.items():
-                out = Path(tmp) / f"{side}{i}"
-                print(f"--- run {i + 1}/{a.runs}: {side} ({checkout})", flush=True)
-                runs[side].append(_run(checkout, bench_args, out))
+    if a.from_dir is not None:
+        for side in sides:
+            for d in sorted(a.from_dir.glob(f"{side}*")):
+                runs[side] += [json.loads(f.read_text()) for f in d.glob("step-*.json")]
+        bench_args = bench_args or runs["after"][0].get("bench_args", [])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            keep = a.keep or Path(tmp)
+            for i in range(a.runs):
+                for side, checkout in sides.items():
+                    out = keep / f"{side}{i}"
+                    print(f"--- run {i + 1}/{a.runs}: {side} ({checkout})", flush=True)
+                    runs[side].append(_run(checkout, bench_args, out))
+    n_runs = min(len(r) for r in runs.values())
     env = runs["after"][-1]["env"]
     env["other_cpu_load_during"] = None
     shas = {s: runs[s][0]["env"].get("git_sha") for s in sides}
@@ -98,7 +110,7 @@ def main(argv=None) -> int:
     md = [f"# `zerokern bench --step` before ({shas['before']}) and after ({shas['after']}), runs "
           f"alternated", "",
           f"{e['world_size']} {e['backend']} ranks, GPT {e['model_size']}, {e['precision']}, "
-          f"batch {e['batch']}x{e['seq']}, {a.runs} runs per side alternated (before, after, "
+          f"batch {e['batch']}x{e['seq']}, {n_runs} runs per side alternated (before, after, "
           f"...), flags `{' '.join(bench_args)}`; each run interleaves its providers per "
           "repetition and reports medians. Compare the x DDP columns (same run) more than "
           "the ms: the machine's load drifts between runs.", "",
