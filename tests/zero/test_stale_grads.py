@@ -25,9 +25,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from zerokern.grads.full_grads import FullGrads
 
 import zerokern as zk
+from zerokern.grads.full_grads import FullGrads
 
 from .harness import cached, case, run_cases
 
