@@ -297,9 +297,10 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         found, sumsq = stats[0], stats[1]
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
-        if not gs.averaged:  # each rank holds a shard (stages 1-3): combine the stats
+        averaged = self.pattern.grads_averaged
+        if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
             self.comm.all_reduce_(stats)
-        divisor = 1 if gs.averaged else self.comm.world_size
+        divisor = 1 if averaged else self.comm.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
@@ -326,7 +327,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         else:
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
             op = torch.distributed.ReduceOp.SUM
-        if not self.grad_sync.averaged:
+        if not self.pattern.grads_averaged:
             self.comm.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 

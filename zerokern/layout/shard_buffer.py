@@ -127,6 +127,23 @@ class ShardBuffer:
     def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
         return None if self.master is None else self.param_values(*self.state_range(k))
 
+    # -- after bucket k's update -----------------------------------------------------------------
+    def publish_piece(self, comm, k: int):
+        """Make bucket k's updated piece visible where the params are used. The pattern decides
+        (StagePattern.publishes): stages 1-2 all-gather it into every rank's full params
+        (async, in place: it overlaps bucket k+1's update; `gather_piece`); stage 0 updated the
+        whole bucket on every rank, stage 3 gathers at the next use. First the buffer stores
+        the piece where its shard lives (`store_piece`: stage-3 param offload). Returns the
+        all-gather's handle, or None."""
+        self.store_piece(k)
+        return self.gather_piece(comm, k) if self.pattern.publishes else None
+
+    def store_piece(self, k: int) -> None:
+        """After bucket k's update: write the shard back where it lives between uses."""
+
+    def gather_piece(self, comm, k: int):
+        raise NotImplementedError(f"{type(self).__name__} keeps no full params to publish into")
+
     def moments(self, k: int):
         sl = self.state_slice(k)
         return self.exp_avg[sl], self.exp_avg_sq[sl]

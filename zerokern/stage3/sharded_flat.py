@@ -165,10 +165,6 @@ class ShardedFlat(ShardBuffer):
         base = self.layout.piece_range(0, self.rank)[0]
         return self.param_shard[lo - base:hi - base]
 
-    def publish_piece(self, comm, k: int):
-        """Stage 3 keeps only the shard: the next gather brings the update to every rank."""
-        return None
-
     def _extra_state(self) -> dict:
         # The param shard too: at stage 3 the model's own state_dict has no values to give.
         return {"params": self.param_shard}
