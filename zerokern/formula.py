@@ -25,7 +25,7 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
     Returns params, grads, master, one entry per state of the rule (`optimizer`: "adamw",
-    "lion" or a zerokern.rule.Rule; AdamW: exp_avg, exp_avg_sq), optimizer (master + states),
+    "lion" or a zerokern.rule.Rule; named as the rule names them), optimizer (master + states),
     total; with
     offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
     offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step

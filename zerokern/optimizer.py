@@ -58,9 +58,9 @@ ENGINE_ARGS = """
         loss_scale: fp16: "dynamic", a float (static) or a dict of DynamicLossScaler options.
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
-        offload: None, or "cpu" (stages 1-3): master, exp_avg, exp_avg_sq and the update
+        offload: None, or "cpu" (stages 1-3): the master, the rule's state and the update
             live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload);
-            or "nvme" (stages 1-3): master, exp_avg, exp_avg_sq live in files under
+            or "nvme" (stages 1-3): the master and the rule's state live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
             half; see zerokern.offload_nvme).
         offload_path: offload="nvme" only (keyword): an existing writable directory.

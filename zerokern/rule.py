@@ -35,7 +35,7 @@ import torch
 class StateSpec:
     """One per-element state tensor of a rule."""
 
-    name: str                           # e.g. "exp_avg"; a checkpoint section, a report category
+    name: str                           # a checkpoint section and a report category
     dtype: torch.dtype = torch.float32
     bytes_per_elem: float = 4.0         # bytes per state element (the formula's K term)
     sharded: bool = True                # one element per param element, sharded like the param
@@ -94,8 +94,8 @@ def check_rule(rule) -> Rule:
 class RuleState:
     """One buffer's optimizer state, wherever a placement keeps it: `master` ((S,) fp32, or
     None where the params are the master), `states` (name -> (S,) tensor, in the rule's order)
-    and `steps` ((n_buckets,) int64). A rule's state is read by name: `st.states["exp_avg"]`,
-    or as an attribute (`st.exp_avg`) for the names the rule declares."""
+    and `steps` ((n_buckets,) int64). A rule's state is read by name: `st.states[name]`, or
+    as an attribute (`getattr(st, name)`) for the names the rule declares."""
 
     master: Optional[torch.Tensor]
     states: Dict[str, torch.Tensor]

@@ -108,7 +108,7 @@ class ShardBuffer:
         return {} if self.state is None else self.state.states
 
     def __getattr__(self, name: str):
-        # A rule's state by its name (`g.exp_avg` for AdamW): the names come from the rule.
+        # A rule's state by its name (`getattr(g, name)`): the names come from the rule.
         st = self.__dict__.get("state")
         if st is not None and name in st.states:
             return st.states[name]

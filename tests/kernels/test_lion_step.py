@@ -54,23 +54,23 @@ def lion_f64(master, exp_avg, grad, grad_scale, lr, beta1, beta2, weight_decay):
             ambiguous, p_other)
 
 
-def make(n, gdt, odt):
-    master = R.log_uniform(n, -3, 0)
-    exp_avg = R.log_uniform(n, -4, -1)
-    grad = R.log_uniform(n, -4, -1).to(gdt)
+def make(n, gdt, odt, device="cpu"):
+    master = R.log_uniform(n, -3, 0, device)
+    exp_avg = R.log_uniform(n, -4, -1, device)
+    grad = R.log_uniform(n, -4, -1, device).to(gdt)
     out = None if odt is None else master.to(odt)
     return master, exp_avg, grad, out
 
 
-def step_and_check(backend, n, gdt, odt, hp, steps=3, run_hp=None):
-    master, exp_avg, grad, out = make(n, gdt, odt)
-    step = torch.zeros((), dtype=torch.int64)
+def step_and_check(backend, n, gdt, odt, hp, steps=3, run_hp=None, device="cpu"):
+    master, exp_avg, grad, out = make(n, gdt, odt, device)
+    step = torch.zeros((), dtype=torch.int64, device=device)
     gs_val = R.default_grad_scale(gdt)
-    gs = torch.tensor(gs_val, dtype=torch.float32)
-    flag = torch.zeros((), dtype=torch.bool)
+    gs = torch.tensor(gs_val, dtype=torch.float32, device=device)
+    flag = torch.zeros((), dtype=torch.bool, device=device)
     for k in range(steps):
         if k:
-            grad = R.log_uniform(n, -4, -1).to(gdt)
+            grad = R.log_uniform(n, -4, -1, device).to(gdt)
         p, m, ps, ms, amb, p_other = lion_f64(master, exp_avg, grad, gs_val, **hp)
         lion_step_(master, exp_avg, grad, out, **(run_hp or hp), step=step, grad_scale=gs,
                    found_inf=flag, backend=backend)
@@ -96,6 +96,21 @@ def test_matches_f64(backend, n, dtypes):
 @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=IDS[:3])
 def test_exaggerated_hyperparameters(backend, dtypes):
     step_and_check(backend, 4097, *dtypes, HP_BIG)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", DTYPES, ids=IDS)
+@pytest.mark.parametrize("n", [1, 4097, 1 << 20])
+def test_matches_f64_on_gpu(cuda_backend, n, dtypes):
+    """The compiled Triton kernel and csrc/cuda/lion.cu on CUDA tensors (`-m gpu`)."""
+    step_and_check(cuda_backend, n, *dtypes, HP, device="cuda")
+
+
+@pytest.mark.gpu
+def test_negative_control_lr_on_gpu(cuda_backend):
+    with pytest.raises(AssertionError, match="master"):
+        step_and_check(cuda_backend, 4097, torch.float32, None, HP, steps=1, device="cuda",
+                       run_hp=dict(HP, lr=HP["lr"] * 1.01))
 
 
 def test_negative_control_lr(backend):
