@@ -43,6 +43,15 @@ TOL = {
     # the lr x 1.01 control must move the params by far more than "param".
     "control": 1e-4,
 }
+# [Note: Lion and gradients that are rounding noise]
+# The attention key bias (the k third of qkv.bias) has an analytically zero gradient (softmax is
+# invariant to a score added to every key), so its computed gradient is rounding noise (0 or
+# ~1e-11) whose sign depends on the reduction order, and Lion steps by lr * sign of it. The
+# order differs between world sizes (N=2 before the checkpoint, N=3 / N=1 after), so there the
+# continuation's qkv.bias may differ by up to 2 lr per step (measured: exactly 2 lr x 2 steps on
+# some of its elements, 0.15-0.3 relative to the param); every other param is compared at
+# TOL["param"] (and holds). The
+# parity tests (same N as DDP) hold every param, qkv.bias included, to TOL["param"].
 STEPS = 3
 MU = 0.9
 LION_BETAS = (0.9, 0.99)
@@ -242,8 +251,14 @@ def test_checkpoint_reshards(root, ws, kind):
             for key in ("master", "state"):
                 assert M.bitwise_equal(x["loaded"][key], saved["saved"][key]), \
                     f"{where}: loaded {key} differs from the saved one"
-            rel = M.rel_err(x["continued"], saved["continued"])
+            got, want = x["continued"], saved["continued"]
+            noisy = [n for n in want if kind == "lion" and n.endswith("qkv.bias")]
+            rel = M.rel_err({n: got[n] for n in want if n not in noisy},
+                            {n: want[n] for n in want if n not in noisy})
             assert rel <= TOL["param"], f"{where}: 2 steps after the load: rel {rel:.3g}"
+            for n in noisy:  # [Note: Lion and gradients that are rounding noise]
+                bound = 2 * 2 * M.NO_DECAY_LR * 1.0001  # 2 steps, each at most 2 lr (its group's)
+                assert float((got[n] - want[n]).abs().max()) <= bound, n
 
 
 @pytest.mark.parametrize("kind", KINDS)
