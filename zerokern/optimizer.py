@@ -1,5 +1,5 @@
 """The ZeRO engine (`ZeroOptimizer`): stages 0-3 over flat shard buffers with the fused kernels
-(DESIGN §1-§5), for any optimizer rule (zerokern.rule [Note: a rule and the engine]); and
+(DESIGN §1-§5), for any optimizer rule (zerokern.rules [Note: a rule and the engine]); and
 `ZeroAdamW`, the engine with the AdamW rule (its public class and arguments).
 
 The class does bookkeeping; the math lives in the rule's kernels (`zerokern.kernels`), the
@@ -30,10 +30,14 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
+from zerokern.grads.full_grads import FullGrads
+from zerokern.grads.sharded_grads import BucketedGrads
+from zerokern.layout.flat_group import FlatGroup
+from zerokern.layout.stages import pattern
+from zerokern.state.placement import make_placement
+
 from . import kernels
 from .comm import Comm
-from .flat_group import FlatGroup
-from .full_grads import FullGrads
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
 from .optimizer_api import OptimizerApiMixin
@@ -44,11 +48,8 @@ from .optimizer_args import (
     frozen_params,
 )
 from .optimizer_state import StateDictMixin
-from .placement import make_placement
-from .rule import Rule, check_rule
-from .rule_adamw import ADAMW
-from .sharded_grads import BucketedGrads
-from .stages import pattern
+from .rules import Rule, check_rule
+from .rules.adamw import ADAMW
 
 ENGINE_ARGS = """
         stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads, 3 also
@@ -59,10 +60,10 @@ ENGINE_ARGS = """
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
         offload: None, or "cpu" (stages 1-3): the master, the rule's state and the update
-            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload);
+            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.state.offload);
             or "nvme" (stages 1-3): the master and the rule's state live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
-            half; see zerokern.offload_nvme).
+            half; see zerokern.state.offload_nvme).
         offload_path: offload="nvme" only (keyword): an existing writable directory.
         free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
             (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
@@ -81,7 +82,7 @@ ENGINE_ARGS = """
         master: (keyword) "fp32" (default): the fp32 master is a 4-byte copy per state
             element; "compact" (bf16, no offload, stages 0-2): the same fp32 master, bit for
             bit, held as its low 16 bits under the bf16 param plus a tie bit (2.125 bytes per
-            element; see zerokern.compact_master). Training is bitwise the same.
+            element; see zerokern.state.compact_master). Training is bitwise the same.
         units: stage 3 only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
@@ -89,12 +90,12 @@ ENGINE_ARGS = """
 
 
 class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
-    __doc__ = """The ZeRO engine with an optimizer rule (zerokern.rule): `ZeroAdamW`, `ZeroLion`,
+    __doc__ = """The ZeRO engine with an optimizer rule (zerokern.rules): `ZeroAdamW`, `ZeroLion`,
     or a rule of your own (`ZeroOptimizer(model, rule=MyRule(), defaults={...}, stage=2, ...)`).
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        rule: a `zerokern.rule.Rule` (its states and its fused update).
+        rule: a `zerokern.rules.Rule` (its states and its fused update).
         defaults: the rule's hyperparameters (checked by `rule.check_group`), per group where
             given in a group.""" + ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics: they SUM over the backward passes since
@@ -149,8 +150,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
                                      offload, offload_path, offload_params, rule)
         elif offload == "nvme":  # a disk too small for the state files: before any change
-            from .nvme_state import check_free_space
-            from .offload_nvme import NvmeOffloader
+            from zerokern.state.nvme_state import check_free_space
+            from zerokern.state.offload_nvme import NvmeOffloader
 
             check_free_space(offload_path, NvmeOffloader.disk_need(rule, [
                 P.state_numel(FlatGroup.layout_of(ps, dtype, comm.world_size,
@@ -326,7 +327,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
 class ZeroAdamW(ZeroOptimizer):
     __doc__ = """AdamW with ZeRO sharding: a drop-in replacement for `torch.optim.AdamW` (the
-    engine, ZeroOptimizer, with the AdamW rule, zerokern.rule_adamw).
+    engine, ZeroOptimizer, with the AdamW rule, zerokern.rules.adamw).
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.

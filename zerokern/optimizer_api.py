@@ -10,7 +10,8 @@ from typing import Any, Dict
 
 import torch
 
-from .memory import memory_report
+from zerokern.accounting.memory import memory_report
+
 from .optimizer_args import check_clip
 
 

@@ -70,18 +70,8 @@ def check_master(master, precision: str, offload, stage: int) -> None:
                          "and go with their unit); use master='fp32' at stage 3")
 
 
-def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
-    sfx = f" (in {where})" if where else ""
-    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)) \
-            or (not isinstance(lr, torch.Tensor) and not (0.0 <= lr < math.inf)):
-        raise ValueError(f"lr must be a finite number >= 0{sfx}, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"betas must be a pair of numbers in [0, 1){sfx}, got {betas!r}")
-    if not (isinstance(eps, numbers.Real) and 0.0 < eps < math.inf):
-        raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
-    if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
-        raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
+# The AdamW rule's hyperparameter check lives with the rule (zerokern.rules.adamw); re-exported.
+from zerokern.rules.adamw import check_hyper  # noqa: E402,F401
 
 
 def check_distributed_env(process_group) -> None:
@@ -214,7 +204,7 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
     check_distributed_env(process_group)
     check_offload_params(offload_params, stage, offload)
     if offload == "nvme":
-        from .aligned_io import check_path
+        from zerokern.state.aligned_io import check_path
 
         offload_path = check_path(offload_path)  # missing / read-only: before any change
     if isinstance(params_or_model, torch.nn.Module):

@@ -1,5 +1,5 @@
-"""ZeroLion: the ZeRO engine (optimizer.ZeroOptimizer) with the Lion rule (rule_lion.py), equal
-to lion-pytorch's `Lion(params, lr, betas, weight_decay)` at every stage, precision and
+"""ZeroLion: the ZeRO engine (optimizer.ZeroOptimizer) with the Lion rule (zerokern.rules.lion),
+equal to lion-pytorch's `Lion(params, lr, betas, weight_decay)` at every stage, precision and
 placement, with one fp32 state tensor (K = 8 bytes/param with the master)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from .optimizer import ENGINE_ARGS, ZeroOptimizer
-from .rule_lion import LION
+from .rules.lion import LION
 
 
 class ZeroLion(ZeroOptimizer):

@@ -1,6 +1,6 @@
 """A test optimizer rule, SGD with momentum (torch.optim.SGD(momentum=mu, weight_decay=wd),
 dampening 0, no Nesterov): one state tensor, written only against the public rule interface
-(zerokern.rule), to prove the seam: it runs through every placement, stage, a resharding
+(zerokern.rules), to prove the seam: it runs through every placement, stage, a resharding
 checkpoint, memory_report and estimate with no line of zerokern naming it.
 
 It lives in tests, not in zerokern: it is not an optimizer zerokern offers (it has no fused
@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from zerokern.rule import Rule, StateSpec
+from zerokern.rules import Rule, StateSpec
 
 
 class SGDMomentum(Rule):

@@ -1,4 +1,4 @@
-"""Optimizer rules on the ZeRO engine (zerokern.rule), on gloo ranks:
+"""Optimizer rules on the ZeRO engine (zerokern.rules), on gloo ranks:
 
 - the test rule SGDMomentum (tests/zero/sgd_rule.py: one state, written outside zerokern)
   and ZeroLion, each against DDP + its torch reference (torch.optim.SGD(momentum) /
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 import zerokern as zk
-from zerokern import estimate as E
+from zerokern.accounting import estimate as E
 from zerokern.checkpoint import CheckpointError
 from zerokern.optimizer import ZeroOptimizer
 

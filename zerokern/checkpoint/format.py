@@ -9,7 +9,7 @@ A checkpoint is a directory:
     extra.bin          model tensors the optimizer does not hold (buffers, frozen params)
 
 A rank file has one section per state tensor, `master` then the optimizer rule's states in its
-order (zerokern.rule; the on-disk names are the rule's: see `sections(rule)` and SECTIONS),
+order (zerokern.rules; the on-disk names are the rule's: see `sections(rule)` and SECTIONS),
 named in the metadata with the rule (`"rule"`, `"sections"`), each the concatenation of
 the same segments in the same order. A segment is one contiguous element range [lo, hi) of one
 flattened param, listed in the metadata as `[param, lo, hi, elem_off]` (elem_off: where it

@@ -2,7 +2,7 @@
 
 Everything else in zerokern.checkpoint sees only an `OptimizerView`: per unique trainable param
 its name, aliases, full shape and param group, and, per contiguous element range this rank
-holds, writable views into the fp32 master, the optimizer rule's states (zerokern.rule, by
+holds, writable views into the fp32 master, the optimizer rule's states (zerokern.rules, by
 name) and the model-dtype param.
 One builder, `_buffer_view`, for every buffer (shard_buffer.ShardBuffer: FlatGroup at stages
 0-2, ShardedFlat at stage 3), asking the buffer which ranges it holds. Wherever the placement
@@ -58,6 +58,13 @@ class StatePiece:
         """Section name -> view, in file order (format.sections)."""
         return {"master": self.master, **self.states}
 
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # a rule state by its name (`piece.exp_avg` for AdamW)
+        states = self.__dict__.get("states")
+        if states is not None and name in states:
+            return states[name]
+        raise AttributeError(f"StatePiece has no attribute {name!r}")
+
 
 @dataclass
 class ValuePiece:
@@ -93,7 +100,7 @@ class OptimizerView:
     steps: List[StepCounter]
     param_groups: List[Dict[str, Any]]  # opt.param_groups, live (hyperparameters)
     scaler: Any  # zerokern.loss_scale.LossScaler
-    rule: str  # the optimizer rule's name (zerokern.rule), e.g. "adamw"
+    rule: str  # the optimizer rule's name (zerokern.rules), e.g. "adamw"
     sections: Tuple[str, ...]  # the rank file's sections, in order (format.sections)
     layout: List[Dict[str, Any]] = field(default_factory=list)  # informational, for metadata
 

@@ -8,8 +8,9 @@ from collections import Counter
 
 import torch
 
-from .. import aligned_io as aio
-from ..nvme_state import check_free_space
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import check_free_space
+
 from ..optimizer_args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
 from ..optimizer_args import check_offload_params as check_args  # noqa: F401
 
@@ -24,7 +25,7 @@ NOTES = {  # zerokern estimate's note per kind
 
 def _shard_numel(numel: int, world_size: int) -> int:
     """S of a stage-3 buffer of `numel` elements: ShardedFlat's own layout (partition.py)."""
-    from ..partition import make_layout, one_bucket_numel
+    from zerokern.layout.partition import make_layout, one_bucket_numel
 
     return make_layout([(numel,)], world_size, one_bucket_numel(numel, world_size)).shard_numel
 
@@ -42,8 +43,8 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
     for a frozen buffer) against the free space of `path`, before the model is touched. The
     files are preallocated at construction all the same, which catches what this misses
     (other writers, file systems that count blocks differently)."""
-    from ..offload_nvme import NvmeOffloader
-    from ..rule import adamw_rule
+    from zerokern.rules import adamw_rule
+    from zerokern.state.offload_nvme import NvmeOffloader
 
     rule = adamw_rule() if rule is None else rule
     e = torch.empty((), dtype=dtype).element_size()

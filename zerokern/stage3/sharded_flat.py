@@ -5,7 +5,7 @@ is the DESIGN layout `[r·S, (r+1)·S)` of the unit's flat buffer):
     param_shard (S,)  model dtype   the resident param shard (the master itself at fp32)
     full        (E,)  model dtype   the gathered unit; its storage is resized to 0 when freed
     master      (S,)  fp32          None at fp32
-    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rule), by name
+    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (1,)  int64
 A frozen buffer (trainable=False: the unit's requires_grad=False params, e.g. a LoRA base model)
 has only `param_shard` and `full`: it is gathered and freed with its unit and cast to the precision
@@ -28,9 +28,9 @@ from typing import List
 
 import torch
 
-from ..partition import make_layout, one_bucket_numel
-from ..shard_buffer import ShardBuffer
-from ..stages import pattern
+from zerokern.layout.partition import make_layout, one_bucket_numel
+from zerokern.layout.shard_buffer import ShardBuffer
+from zerokern.layout.stages import pattern
 
 
 class Residency(Enum):
@@ -55,7 +55,7 @@ class ShardedFlat(ShardBuffer):
         lo, hi = L.piece_range(0, rank)
         if trainable:  # fp32 masters from the original values, before the cast
             if placement is None:
-                from ..placement import DevicePlacement
+                from zerokern.state.placement import DevicePlacement
 
                 placement = DevicePlacement()
             self.state = placement.allocate(self)

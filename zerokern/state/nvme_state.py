@@ -1,5 +1,5 @@
 """offload="nvme"'s per-buffer state: the master and each of the rule's states in a file of its
-own (`DiskState`; `names(rule)`: "master" then the rule's state names, zerokern.rule), made
+own (`DiskState`; `names(rule)`: "master" then the rule's state names, zerokern.rules), made
 without ever holding them in memory. The step that streams them is offload_nvme.py.
 
 Each file has two halves of `align_up(S * 4)` bytes (S = the buffer's state elements; a step
@@ -26,8 +26,8 @@ from typing import List, Tuple
 
 import torch
 
-from . import aligned_io as aio
-from .rule import Rule, RuleState
+from zerokern.rules import Rule, RuleState
+from zerokern.state import aligned_io as aio
 
 WRITE_CHUNK = 1 << 22  # elements per master write at creation (16 MiB; aligned_io's Note)
 _F32 = torch.float32

@@ -10,11 +10,11 @@ from typing import Any, Dict
 
 import torch
 
-from .formula import estimate_memory  # noqa: F401 (zerokern.memory.estimate_memory, as before)
+from zerokern.accounting.formula import estimate_memory
 
 
 def categories(rule) -> tuple:
-    """memory_report()["measured"]'s keys for an optimizer with `rule` (zerokern.rule): the
+    """memory_report()["measured"]'s keys for an optimizer with `rule` (zerokern.rules): the
     master and the rule's states by name between the buffers and the transient ones.
     frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
     optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors."""

@@ -17,7 +17,7 @@ What is predicted, after a training step:
   gathered) is 0 between steps; `live_units_bound` is `memory_report()["live_units_bound"]`
   (`Stage3Runtime.live_bound()`: the root and its ties plus the two largest other units).
 - The optimizer state (the master and the rule's states, `optimizer=`: "adamw", "lion" or a
-  zerokern.rule.Rule) is what the placement class says it holds for each layout
+  zerokern.rules.Rule) is what the placement class says it holds for each layout
   (placement.py [Note: each placement reports its own bytes]: `layout_bytes` per buffer,
   `fixed_bytes` once): on the device without offload; with offload="cpu" in `host`
   (`memory_report()["host_measured"]`: an fp32 master at every precision, the rule's states
@@ -59,8 +59,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .formula import deepspeed_formula, estimate_memory
-from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
+from zerokern.accounting.formula import deepspeed_formula, estimate_memory
+from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model side, its API)
     _ONE_PARAM,
     ModelSpec,
     UnitSpec,
@@ -72,11 +72,11 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     spec_from_numel,
     stage3_units,
 )
-from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
-from .optimizer_args import check_master, check_offload, check_precision, check_stage
-from .placement import placement_class
-from .rule import adamw_rule, rule_by_name
-from .stages import pattern
+from zerokern.layout.stages import pattern
+from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
+from zerokern.rules import adamw_rule, rule_by_name
+from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
+from zerokern.state.placement import placement_class
 
 
 def categories(rule) -> tuple:
@@ -127,7 +127,7 @@ class _InstantComm:
 
 def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pat,
                 bucket_bytes):
-    from .flat_group import FlatGroup
+    from zerokern.layout.flat_group import FlatGroup
 
     params = [nn.Parameter(torch.empty(spec.shapes[i], device="meta")) for i in idx]
     return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes)
@@ -135,7 +135,7 @@ def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pa
 
 def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
     """Stage-2 staging buffers after one backward in spec.grad_order, via BucketedGrads."""
-    from .sharded_grads import BucketedGrads
+    from zerokern.grads.sharded_grads import BucketedGrads
 
     comm = _InstantComm(group.layout.world_size, group.rank)
     gs = BucketedGrads([group], comm, reduce_dtype)
@@ -177,7 +177,7 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
     a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
     (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound()).
     """
-    from .stage3 import ShardedFlat, Stage3Runtime, Unit
+    from zerokern.stage3 import ShardedFlat, Stage3Runtime, Unit
 
     params = [nn.Parameter(torch.empty(s, device="meta")) for s in spec.shapes]
     stubs = [_Stub() for _ in spec.units]
@@ -246,7 +246,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         master: "fp32" or "compact", as ZeroAdamW (bf16, no offload, stages 0-2): the master
             held is 2 bytes per state element (padding 2 bytes too) and a tie bitmap of
             state/8 bytes (zerokern.compact_master).
-        optimizer: "adamw" (ZeroAdamW), "lion" (ZeroLion) or a zerokern.rule.Rule: its state
+        optimizer: "adamw" (ZeroAdamW), "lion" (ZeroLion) or a zerokern.rules.Rule: its state
             list gives the optimizer categories (K = 12 and 8 bytes/param with the master).
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
@@ -258,7 +258,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
-    from .stage3 import param_offload as PO
+    from zerokern.stage3 import param_offload as PO
 
     PO.check_args(offload_params, stage, offload)
     check_master(master, precision, offload, stage)
@@ -343,7 +343,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                               master=master, optimizer=rule)
     if master == "compact":
         notes.append("master='compact': the fp32 master held as its low 16 bits under the bf16 "
-                     "params plus a tie bit per element (2.125 bytes, zerokern.compact_master); "
+                     "params plus a tie bit per element (2.125 bytes, "
+                     "zerokern.state.compact_master); "
                      "reading it between steps expands it (4 bytes more) until the next step")
     if P.shards_params:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
         formula["frozen"] = int(round(spec.num_frozen * e / world_size))

@@ -77,7 +77,7 @@ class Rule:
 def check_rule(rule) -> Rule:
     """The rule an engine is built with: a Rule whose states the placements can hold."""
     if not isinstance(rule, Rule):
-        raise TypeError(f"rule must be a zerokern.rule.Rule, got {type(rule).__name__}")
+        raise TypeError(f"rule must be a zerokern.rules.Rule, got {type(rule).__name__}")
     names = rule.state_names
     if not names or len(set(names)) != len(names) or "master" in names or "steps" in names \
             or "params" in names:
@@ -87,7 +87,7 @@ def check_rule(rule) -> Rule:
         if not s.sharded or s.dtype != torch.float32 or s.bytes_per_elem != 4:
             raise ValueError(f"rule {rule.name!r}: state {s.name!r} must be fp32 and shard like "
                              "the param (4 bytes per element): the placements, NVMe files and "
-                             "checkpoint sections hold only those (zerokern.rule Note)")
+                             "checkpoint sections hold only those (zerokern.rules Note)")
     return rule
 
 
@@ -121,20 +121,20 @@ class RuleState:
 
 def adamw_rule():
     """The default rule (ZeroAdamW's), for callers that build buffers without an optimizer."""
-    from .rule_adamw import ADAMW
+    from zerokern.rules.adamw import ADAMW
 
     return ADAMW
 
 
 def rule_by_name(name: str) -> Rule:
     """The built-in rules by name ("adamw", "lion"): estimate's and the CLI's `optimizer=`."""
-    from .rule_adamw import ADAMW
-    from .rule_lion import LION
+    from zerokern.rules.adamw import ADAMW
+    from zerokern.rules.lion import LION
 
     rules = {"adamw": ADAMW, "lion": LION}
     if isinstance(name, Rule):
         return check_rule(name)
     if name not in rules:
-        raise ValueError(f"optimizer must be one of {tuple(rules)} (or a zerokern.rule.Rule), "
+        raise ValueError(f"optimizer must be one of {tuple(rules)} (or a zerokern.rules.Rule), "
                          f"got {name!r}")
     return rules[name]

@@ -7,8 +7,8 @@ from typing import List
 
 import torch
 
-from . import aligned_io as aio
-from .offload import _host_empty
+from zerokern.state import aligned_io as aio
+from zerokern.state.offload import _host_empty
 
 _F32 = torch.float32
 

@@ -1,7 +1,7 @@
 """The Lion rule (issue 23): one fp32 state, `exp_avg` (lion-pytorch's name for its momentum),
 and the fused `kernels.lion.lion_step_` (reference / cpu / triton / cuda). K = 8 bytes per
 param with the fp32 master (4 + 4), against AdamW's 12. ZeroLion is the engine plus this rule
-(zerokern.rule [Note: a rule and the engine])."""
+(zerokern.rules [Note: a rule and the engine])."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 import torch
 
-from .rule import Rule, StateSpec
+from zerokern.rules import Rule, StateSpec
 
 
 class LionRule(Rule):
@@ -39,7 +39,7 @@ class LionRule(Rule):
 
     def step_(self, master, states, grad, param_out, *, step, grad_scale, found_inf, backend,
               **hyper) -> None:
-        from .kernels.lion import lion_step_
+        from zerokern.kernels.lion import lion_step_
 
         (exp_avg,) = states
         lion_step_(master, exp_avg, grad, param_out, step=step, grad_scale=grad_scale,

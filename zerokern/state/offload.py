@@ -38,8 +38,8 @@ from typing import List, Optional
 
 import torch
 
-from . import pinned
-from .rule import Rule, RuleState, adamw_rule, check_rule
+from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
+from zerokern.state import pinned
 
 CHUNK_NUMEL = 1 << 22
 

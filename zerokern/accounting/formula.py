@@ -2,7 +2,7 @@
 
 `estimate_memory` is the public `zerokern.estimate_memory`: 2Ψ + 2Ψ + KΨ and their shards,
 from a parameter count alone, with K = 4 (the fp32 master) + the optimizer rule's state bytes
-per element (zerokern.rule): 12 for AdamW (m, v), 8 for Lion (one momentum). It is a formula, not a
+per element (zerokern.rules): 12 for AdamW (m, v), 8 for Lion (one momentum). It is a formula, not a
 measurement: `memory.memory_report` measures the buffers an optimizer holds, and
 `estimate.estimate` predicts that measurement exactly by building zerokern's own buffers on `meta`;
 both report this formula beside them.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .optimizer_args import MASTERS, OFFLOADS, elem_size
-from .stages import pattern
+from zerokern.layout.stages import pattern
+from zerokern.optimizer_args import MASTERS, OFFLOADS, elem_size
 
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
 K_DEEPSPEED = 12
@@ -25,19 +25,19 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
     Returns params, grads, master, one entry per state of the rule (`optimizer`: "adamw",
-    "lion" or a zerokern.rule.Rule; named as the rule names them), optimizer (master + states),
+    "lion" or a zerokern.rules.Rule; named as the rule names them), optimizer (master + states),
     total; with
     offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
     offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
     writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
-    master="compact" (bf16 on the device, zerokern.compact_master): the master is 2 bytes of
+    master="compact" (bf16 on the device, zerokern.state.compact_master): the master is 2 bytes of
     low half + 1/8 byte of tie bit per state element instead of 4.
     """
     if not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    from .rule import rule_by_name
+    from zerokern.rules import rule_by_name
 
     rule = rule_by_name(optimizer)
     P = pattern(stage)

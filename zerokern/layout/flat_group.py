@@ -4,7 +4,7 @@
 Shapes (E = layout.padded_numel, S = state_numel: E at stage 0, else the shard):
     flat        (E,)  model dtype   params are views into it (the full buffer, every rank)
     master      (S,)  fp32          None at fp32 on the device (flat is the master)
-    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rule), by name
+    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (B,)  int64         one counter per bucket
 """
 
@@ -14,9 +14,9 @@ from typing import List
 
 import torch
 
-from .partition import bucket_numel_for, make_layout
-from .shard_buffer import ShardBuffer
-from .stages import StagePattern, pattern
+from zerokern.layout.partition import bucket_numel_for, make_layout
+from zerokern.layout.shard_buffer import ShardBuffer
+from zerokern.layout.stages import StagePattern, pattern
 
 
 class FlatGroup(ShardBuffer):
@@ -36,7 +36,7 @@ class FlatGroup(ShardBuffer):
         layout = self.layout_of(params, dtype, world_size, bucket_bytes)
         self._init_buffer(params, dtype, rank, pat, layout, group_index)
         if placement is None:
-            from .placement import DevicePlacement
+            from zerokern.state.placement import DevicePlacement
 
             placement = DevicePlacement()
         # fp32 masters are taken from the original values, before the cast (issue 3).

@@ -22,8 +22,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .partition import FlatLayout
-from .stages import StagePattern
+from zerokern.layout.partition import FlatLayout
+from zerokern.layout.stages import StagePattern
 
 
 class ShardBuffer:

@@ -1,14 +1,31 @@
 """The AdamW rule (DESIGN §3): two fp32 moments, `exp_avg` (m) and `exp_avg_sq` (v), and the
 fused `kernels.adam_step_` (reference / cpu / triton / cuda). ZeroAdamW is the engine plus this
-rule (zerokern.rule [Note: a rule and the engine])."""
+rule (zerokern.rules [Note: a rule and the engine])."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Dict
 
-from . import kernels
-from .optimizer_args import check_hyper
-from .rule import Rule, StateSpec
+import torch
+
+from zerokern import kernels
+from zerokern.rules import Rule, StateSpec
+
+
+def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
+    sfx = f" (in {where})" if where else ""
+    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)) \
+            or (not isinstance(lr, torch.Tensor) and not (0.0 <= lr < math.inf)):
+        raise ValueError(f"lr must be a finite number >= 0{sfx}, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be a pair of numbers in [0, 1){sfx}, got {betas!r}")
+    if not (isinstance(eps, numbers.Real) and 0.0 < eps < math.inf):
+        raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
+    if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
+        raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
 
 
 class AdamWRule(Rule):

@@ -7,7 +7,7 @@
     NvmeOffloader    (offload_nvme.py) files; streamed through a bounded host pool
 Each buffer asks it for its state at construction (`allocate(buffer)`, while the params still
 hold their original values, from which the masters are filled), and reads the state through
-`buffer.master` / `buffer.rule_states` (the rule's state tensors by name, zerokern.rule) /
+`buffer.master` / `buffer.rule_states` (the rule's state tensors by name, zerokern.rules) /
 `steps`: nobody outside the placement overwrites those, and a placement on disk never holds
 them whole in memory. Every state object is a `rule.RuleState`. The optimizer's `step()`
 calls the update one way, whatever the placement and the rule:
@@ -35,7 +35,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .rule import Rule, RuleState, adamw_rule, check_rule
+from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
 
 
 def _cats(rule: Rule) -> Dict[str, int]:
@@ -47,7 +47,8 @@ class DeviceState(RuleState):
     master (S,) fp32, None at fp32 (the params are the master); each of the rule's states
     (S,) fp32; steps (n_buckets,) int64."""
 
-    def __init__(self, buf, rule: Rule) -> None:
+    def __init__(self, buf, rule: Optional[Rule] = None) -> None:
+        rule = adamw_rule() if rule is None else rule
         n, dev, fp32 = buf.state_numel, buf.device, torch.float32
         self.master: Optional[torch.Tensor] = None
         if buf.dtype != fp32:
@@ -81,7 +82,7 @@ class DevicePlacement:
 
     def allocate(self, buf):
         if self.master == "compact" and buf.dtype == torch.bfloat16:
-            from .compact_master import CompactState
+            from zerokern.state.compact_master import CompactState
 
             return CompactState(buf, self.rule)
         return DeviceState(buf, self.rule)
@@ -92,7 +93,7 @@ class DevicePlacement:
         """Bytes one buffer's state takes on the device ([Note: each placement reports its
         own bytes]): "device" per category (padding apart, under "padding"). master="compact":
         2 bytes per element (padding too) and a tie bitmap (compact_master.py)."""
-        from .compact_master import tie_bytes
+        from zerokern.state.compact_master import tie_bytes
 
         S, pad = state_numel, state_padding
         dev = _cats(rule)
@@ -114,7 +115,7 @@ class DevicePlacement:
         return {"device": {}, "host": None, "disk": None}
 
     def _compact_states(self):
-        from .compact_master import CompactState
+        from zerokern.state.compact_master import CompactState
 
         return [g.state for g in self.buffers if isinstance(g.state, CompactState)]
 
@@ -131,14 +132,14 @@ class DevicePlacement:
             st.settle()
         live = [st.low.numel() for st in states if not st.expanded]
         if live:  # freed at finish(): never held between steps (compact_master [Note: chunk])
-            from .compact_master import CHUNK_NUMEL
+            from zerokern.state.compact_master import CHUNK_NUMEL
 
             self._scratch = torch.empty(min(CHUNK_NUMEL, max(live)), dtype=torch.float32,
                                         device=self.buffers[0].device)
 
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                      backend: str) -> None:
-        from .compact_master import CompactState
+        from zerokern.state.compact_master import CompactState
 
         g = self.buffers[gi]
         st = g.state
@@ -176,10 +177,10 @@ def placement_class(offload: Optional[str]):
     if offload is None:
         return DevicePlacement
     if offload == "cpu":
-        from .offload import Offloader
+        from zerokern.state.offload import Offloader
 
         return Offloader
-    from .offload_nvme import NvmeOffloader
+    from zerokern.state.offload_nvme import NvmeOffloader
 
     return NvmeOffloader
 
@@ -187,14 +188,14 @@ def placement_class(offload: Optional[str]):
 def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
                    comm=None, master: str = "fp32", rule: Optional[Rule] = None):
     """The placement for the optimizer's `offload=` and `master=` (validated by it), holding
-    `rule`'s state (zerokern.rule; ZeroAdamW's AdamW rule by default)."""
+    `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default)."""
     rule = adamw_rule() if rule is None else rule
     if offload is None:
         return DevicePlacement(master, rule)
     if offload == "cpu":
-        from .offload import Offloader
+        from zerokern.state.offload import Offloader
 
         return Offloader(grad_dtype, rule=rule)
-    from .offload_nvme import NvmeOffloader
+    from zerokern.state.offload_nvme import NvmeOffloader
 
     return NvmeOffloader(grad_dtype, offload_path, comm, rule=rule)

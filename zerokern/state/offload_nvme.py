@@ -61,11 +61,11 @@ from typing import List, Optional
 
 import torch
 
-from . import aligned_io as aio
-from .nvme_pool import _Set, pool_chunk, set_bytes
-from .nvme_state import DiskState, cleanup, file_bytes, names
-from .offload import CopyPipeline
-from .rule import Rule, adamw_rule, check_rule
+from zerokern.rules import Rule, adamw_rule, check_rule
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_pool import _Set, pool_chunk, set_bytes
+from zerokern.state.nvme_state import DiskState, cleanup, file_bytes, names
+from zerokern.state.offload import CopyPipeline
 
 CHUNK_NUMEL = 1 << 22
 QUEUE_DEPTH = 4

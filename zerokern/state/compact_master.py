@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 # the bit operations (kernels/compact_bits.py), re-exported
-from .kernels.compact_bits import (
+from zerokern.kernels.compact_bits import (
     TIE,
     _native,
     compact_,
@@ -62,7 +62,7 @@ from .kernels.compact_bits import (
     unpack_ties,
     verify,
 )
-from .rule import Rule, RuleState
+from zerokern.rules import Rule, RuleState
 
 CHUNK_NUMEL = 1 << 20
 
