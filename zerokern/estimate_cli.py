@@ -86,6 +86,15 @@ def _rows(r0):
     return [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
             ("live_units", "live units (bound, in a step)"), ("grads", "grads"),
             ("buckets", "buckets"), *_state_rows(r0, "optimizer: "), ("padding", "padding")]
+
+
+def _host_rows(r0):
+    return _state_rows(r0, "host: ") + [("host_staging", "host: staging")]
+
+
+# ZeroAdamW's rows (the default --optimizer)
+_ROWS = _rows({})
+_HOST_ROWS = _host_rows({})
 _PARAM_HOST_ROWS = [("params", "host: param shards"), ("frozen", "host: frozen shards"),
                     ("param_staging", "host: param I/O buffers")]
 _PARAM_DISK_ROWS = [("params", "disk: param shards (2 halves)"),
@@ -117,8 +126,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
     poff = any(r.get("offload_params") for r in results)
     if any(r["offload"] for r in results) or poff:
-        host_rows = _state_rows(r0, "host: ") + [("host_staging", "host: staging")]
-        for key, label in host_rows + (_PARAM_HOST_ROWS if poff else []):
+        for key, label in _host_rows(r0) + (_PARAM_HOST_ROWS if poff else []):
             table.append((label, [human_bytes(r["host"].get(key, 0)) for r in results]))
         table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
         table.append(("DESIGN §4 formula (host)",
