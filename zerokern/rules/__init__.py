@@ -16,6 +16,10 @@ accounting. A rule owns the rest:
 - `defaults` and `check_group`: the hyperparameters of a param group and their checks, and
   `hyper(group)`: the keyword arguments `step_` takes from a group.
 A rule is stateless (a plain object); several optimizers may share one.
+The indirection costs one Python call per bucket: AdamW through `ADAMW.step_(...,
+**ADAMW.hyper(group))` against `kernels.adam_step_` called directly, n = 128, cpu backend,
+interleaved 7 x 2000 calls on the shared 2-core VM (load ~20): medians 349 vs 338 us per
+call, minima 174 vs 206 us, i.e. within the noise of the kernel call's own argument checks.
 
 Only states that shard like the param (one element per param element) are supported by the
 placements today: a rule declaring another kind raises at construction (placement checks
