@@ -123,6 +123,22 @@ def _parity(kind, rank, ws, stage, offload, path):
     return out
 
 
+def _bf16_placements(kind, rank, ws, path):
+    """bf16 at stage 2: the device, host and NVMe placements run the same cpu kernel on the same
+    elements, so params (and the fp32 master) must agree bit for bit after 3 steps."""
+    out = {}
+    for off in (None, "cpu", "nvme"):
+        model = M.make_model()
+        opt = build(kind, model, 2, off, path, precision="bf16")
+        rec = M.train_zero(model, opt, rank, ws, STEPS)
+        out[off] = (rec["params"][-1], M.gather_state(opt, model, STATE[kind]))
+        opt.close()
+    base = out[None]
+    return {"bitwise": {str(o): M.bitwise_equal(p, base[0]) and M.bitwise_equal(s, base[1])
+                        for o, (p, s) in out.items()},
+            "moved": M.rel_err(base[0], M.snapshot(M.make_model().to(torch.bfloat16)))}
+
+
 def _gathered(opt, model, kind):
     return {"master": M.gather_state(opt, model, "master"),
             "state": M.gather_state(opt, model, STATE[kind])}
@@ -201,6 +217,7 @@ def _worker(rank, ws, root):
                 lambda k=kind, s=stage, o=off: _parity(k, rank, ws, s, o, path)
         if ws == 2:
             cases[f"save-{kind}"] = lambda k=kind: _save_and_continue(k, rank, ws, root)
+            cases[f"bf16-{kind}"] = lambda k=kind: _bf16_placements(k, rank, ws, path)
             for stage, off in [(0, None), (1, None), (2, "cpu"), (3, "nvme")]:
                 cases[f"memory-{kind}-{stage}-{off}"] = \
                     lambda k=kind, s=stage, o=off: _memory(k, rank, ws, s, o, path)
@@ -237,6 +254,13 @@ def test_parity_every_placement(root, ws, kind):
             assert x["state"] <= TOL["state"], f"{where}: state rel {x['state']:.3g}"
             if "control" in x:
                 assert x["control"] > TOL["control"], f"{where}: lr x 1.01 not caught"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_every_placement_bitwise(root, kind):
+    for r, x in enumerate(case(cached(_worker, 2, root), f"bf16-{kind}")):
+        assert all(x["bitwise"].values()), f"{kind} bf16 rank {r}: {x['bitwise']}"
+        assert x["moved"] > 1e-3, f"{kind} bf16 rank {r}: the params did not move"
 
 
 @pytest.mark.parametrize("ws", [1, 3])
