@@ -59,7 +59,7 @@ class StatePiece:
         return {"master": self.master, **self.states}
 
     def __getattr__(self, name: str) -> torch.Tensor:
-        # a rule state by its name (`piece.exp_avg` for AdamW)
+        # a rule state by its name (`getattr(piece, name)`)
         states = self.__dict__.get("states")
         if states is not None and name in states:
             return states[name]
