@@ -18,6 +18,7 @@ import triton.language as tl
 from .triton_kernels import (
     ALIGN,
     BLOCK_EDGE,
+    FP_FUSION,
     SC_LEN,
     _advance_step_kernel,
     _block,
@@ -108,7 +109,8 @@ def lion_step_(master, exp_avg, grad, param_out, *, lr, beta1, beta2, weight_dec
                 split = [h for x in hyper for h in _hi_lo(float(x))]
             sc = torch.empty(SC_LEN, dtype=torch.float32, device=dev)
             _lion_scalars_kernel[(1,)](sc, *split, hp, grad_scale, found_inf,
-                                       HP_FROM_PTR=hp_from_ptr, num_warps=1)
+                                       HP_FROM_PTR=hp_from_ptr, num_warps=1,
+                                       enable_fp_fusion=FP_FUSION)
             explicit = on_cpu  # the interpreter truncates fp32->bf16: round in the kernel
             out = master if param_out is None else (param_out.view(torch.int16) if explicit
                                                     else param_out)
@@ -120,6 +122,7 @@ def lion_step_(master, exp_avg, grad, param_out, *, lr, beta1, beta2, weight_dec
                 a = arrays if length == n else [t[start:start + length] for t in arrays]
                 block = _block(length, on_cpu) if vector or length >= ALIGN else BLOCK_EDGE
                 warps = _num_warps(on_cpu) if block > BLOCK_EDGE else 1
-                _lion_step_kernel[(triton.cdiv(length, block),)](*a, length, sc, BLOCK=block,
-                                                                 num_warps=warps, **const)
-        _advance_step_kernel[(1,)](step, found_inf, num_warps=1)
+                _lion_step_kernel[(triton.cdiv(length, block),)](  # [Note: fp fusion pinned]
+                    *a, length, sc, BLOCK=block, num_warps=warps, enable_fp_fusion=FP_FUSION,
+                    **const)
+        _advance_step_kernel[(1,)](step, found_inf, num_warps=1, enable_fp_fusion=FP_FUSION)
