@@ -4,8 +4,7 @@
 Shapes (E = layout.padded_numel, S = state_numel: E at stage 0, else the shard):
     flat        (E,)  model dtype   params are views into it (the full buffer, every rank)
     master      (S,)  fp32          None at fp32 on the device (flat is the master)
-    exp_avg     (S,)  fp32
-    exp_avg_sq  (S,)  fp32
+    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (B,)  int64         one counter per bucket
 """
 
