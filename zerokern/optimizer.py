@@ -32,6 +32,7 @@ import torch
 from . import kernels
 from .comm import Comm
 from .flat_group import FlatGroup
+from .frozen_slots import FrozenSkip, check_unfrozen, frozen_refs, param_names
 from .full_grads import FullGrads
 from .loss_scale import make_loss_scaler
 from .memory import memory_report
@@ -162,6 +163,11 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.comm = comm
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
+        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        # [Note: a param frozen at construction] (frozen_slots.py): refused if unfrozen
+        self._frozen_given = frozen_refs(model.parameters() if model is not None else
+                                         [p for g in self.param_groups for p in g["params"]])
+        self._frozen_skip = FrozenSkip()
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
@@ -208,7 +214,12 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         gs = self.grad_sync
         gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
             float(scaler.scale) != 1.0
-        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        self._model_ref = None if model is None else weakref.ref(model)
+        if model is not None and self._frozen_given:
+            ref = weakref.ref(self)
+            self._unfreeze_hook = model.register_forward_pre_hook(
+                lambda m, a, ref=ref: ref() is not None and ref()._check_unfrozen("forward"),
+                prepend=True)  # before stage 3's gather: nothing has changed when it raises
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
@@ -255,7 +266,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.grad_sync.zero_grad(set_to_none)
         self._clip_next = None
 
-    def _follow_model(self) -> None:
+    def _names(self):
+        return param_names(None if self._model_ref is None else self._model_ref())
+
+    def _check_unfrozen(self, where: str) -> None:
+        if self._frozen_given:
+            check_unfrozen(self._frozen_given, self._names(), where)
+
+    def _follow_model(self, where: str = "backward") -> None:
+        self._check_unfrozen(where)
         if self.model_watch is not None:
             self.model_watch.check()
 
@@ -273,7 +292,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         if gs.detached:
             raise RuntimeError("this ZeroAdamW no longer owns its params: a newer ZeroAdamW was "
                                "created on the same model and took them over")
-        self._follow_model()
+        self._follow_model("step()")
+        self._frozen_skip.check(self, self._names)
         if gs.micro_steps == 0 or not gs.has_grads():
             raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")
@@ -349,6 +369,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
+        self._frozen_skip.begin(self)  # params frozen since: left as they are (frozen_slots)
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             group = self.param_groups[g.group_index]
@@ -357,6 +378,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                          weight_decay=group["weight_decay"], adamw=group["adamw"])
             for k in range(g.layout.n_buckets):
                 place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
+                self._frozen_skip.restore_(gi, k)
                 gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
             if h is not None:
