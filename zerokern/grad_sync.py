@@ -114,7 +114,11 @@ class GradSync:
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._end_backward)
         self.generation += 1
-        self._adopt_user_grads()
+        try:
+            self._adopt_user_grads()
+        except RuntimeError as e:  # a p.grad assigned on this rank only, maybe (comm/abort.py)
+            self.comm.signal_failure(e)
+            raise
         self._got = [[False] * len(g.params) for g in self.groups]
         self.begin_backward()
 

@@ -294,6 +294,13 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                                "created on the same model and took them over")
         self._follow_model("step()")
         self._frozen_skip.check(self, self._names)
+        try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
+            self._check_grads_ready(gs)
+        except RuntimeError as e:
+            self.comm.signal_failure(e)
+            raise
+
+    def _check_grads_ready(self, gs) -> None:
         if gs.micro_steps == 0 or not gs.has_grads():
             raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")

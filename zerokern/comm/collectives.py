@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .abort import AbortChannel, sleep_poll
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .ring import FutureWork, RingRunner
@@ -49,6 +50,21 @@ class _CopyOnWait:
 
     def is_completed(self) -> bool:
         return self._tmp is None
+
+
+class _Polled:
+    """A gloo Work waited for with the peers' failures watched ([Note: an error only some
+    ranks see] in abort.py)."""
+
+    def __init__(self, work, abort: AbortChannel, index: int) -> None:
+        self._w, self._abort, self._index = work, abort, index
+
+    def wait(self) -> bool:
+        self._abort.wait(sleep_poll(self._w.is_completed), self._index)
+        return self._w.wait()
+
+    def is_completed(self) -> bool:
+        return self._w.is_completed()
 
 
 class _Done:
@@ -101,6 +117,9 @@ class Comm:
         else:
             self.group, self.world_size, self.rank = None, 1, 0
         self.stats = CommStats() if _parent is None else _parent.stats
+        # One failure channel per optimizer's groups, counting the collectives of both (abort.py)
+        self.abort = _parent.abort if _parent is not None else \
+            AbortChannel(self.group, self.rank) if self.world_size > 1 else None
         self.tag = "main" if _parent is None else "reduce-scatter"
         # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one,
         # started by the optimizer that checks it at every step() (enable_debug_log), so a
@@ -148,11 +167,28 @@ class Comm:
 
     def _on_ring(self, async_op: bool, fn, *args):
         """Run fn on the ring thread (one order for every collective); a handle if async."""
-        fut = self.ring.submit(fn, *args)
+        h = FutureWork(self.ring.submit(fn, *args), self.abort, self.abort.next_index())
         if async_op:
-            return FutureWork(fut)
-        fut.result()
+            return h
+        h.wait()
         return _Done()
+
+    def _issue(self, async_op: bool, fn, *args, **kw):
+        """A torch.distributed collective; on gloo waited for with the peers' failures
+        watched (abort.py), on NCCL as it is (the wait is the stream's)."""
+        index = self.abort.next_index()
+        if self.backend != "gloo":
+            return fn(*args, async_op=async_op, **kw) or _Done()
+        h = _Polled(fn(*args, async_op=True, **kw), self.abort, index)
+        if async_op:
+            return h
+        h.wait()
+        return _Done()
+
+    def signal_failure(self, error: BaseException) -> None:
+        """This rank raises `error`, which its peers may not see: post it for them first."""
+        if self.abort is not None:
+            self.abort.signal(error)
 
     @staticmethod
     def _local(out: torch.Tensor, inp: torch.Tensor):
@@ -170,7 +206,7 @@ class Comm:
         op = op or dist.ReduceOp.SUM
         if self.ring is not None:
             return self._on_ring(async_op, dist.all_reduce, t, op, self.group)
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
+        return self._issue(async_op, dist.all_reduce, t, op=op, group=self.group)
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                         label: Optional[str] = None):
@@ -191,9 +227,12 @@ class Comm:
             # gloo's own reduce-scatter corrupts an output that aliases its input (NCCL's is in
             # place by design): reduce into a temporary, copied to out when waited for.
             tmp = torch.empty_like(out)
-            h = _reduce_scatter(tmp, inp, group=self.group, async_op=async_op)
-            return _CopyOnWait(h or _Done(), tmp, out)
-        return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
+            h = self._issue(True, _reduce_scatter, tmp, inp, group=self.group)
+            h = _CopyOnWait(h, tmp, out)
+            if not async_op:
+                h.wait()
+            return h
+        return self._issue(async_op, _reduce_scatter, out, inp, group=self.group)
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                     label: Optional[str] = None):
@@ -206,4 +245,4 @@ class Comm:
             n = inp.numel()
             self._local(out[self.rank * n:(self.rank + 1) * n], inp)
             return self._on_ring(async_op, self.ring.all_gather, out)
-        return _all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
+        return self._issue(async_op, _all_gather, out, inp, group=self.group)
