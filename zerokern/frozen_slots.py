@@ -20,11 +20,15 @@ every rank of a data-parallel model (a param frozen on one rank only would make 
 diverge). A frozen param with a grad left (`zero_grad(set_to_none=False)`, or frozen between
 backward and step) is updated with it, as torch does.
 
-Unfreezing again after skipped steps raises (before anything changes): torch keeps one step
-count per param, so its bias correction for this param would lag the others by the steps
-skipped, while ours keeps one counter per bucket. Likewise a frozen param with its state
-elsewhere (offload="cpu"/"nvme", master="compact"), where the update does not run in place
-on the device: a clear error instead of a wrong step.
+Unfrozen again (peft's `enable_adapter_layers()`), it trains as torch's does: torch keeps one
+step count per param, so the bias correction of a param that skipped L steps uses t - L, while
+ours keeps one counter per bucket. So a param that skipped steps keeps its own lag (a device
+counter: steps that really ran, an inf/NaN step skips nothing), and every step after, its
+region is updated again from its saved state with step t - L (the kernel on copies; about the
+cost of its own update, only for such params). The lag is not in optimizer checkpoints
+(state_dict, zerokern.checkpoint): `state_dict()` refuses to save while a lag exists.
+A frozen param with its state elsewhere (offload="cpu"/"nvme", master="compact"), where the
+update does not run in place on the device: a clear error instead of a wrong step.
 
 [Note: a param frozen at construction]
 Params frozen when ZeroAdamW was built are not in its buffers (DESIGN §2). torch's AdamW,
@@ -43,16 +47,38 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 
-def param_names(model: Optional[torch.nn.Module]) -> Dict[int, str]:
-    if model is None:
-        return {}
-    return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+class UnfreezeWatch:
+    """Params frozen when ZeroAdamW was built (the model's, or those given): refused once they
+    require grad ([Note: a param frozen at construction]), at the model's forward (a pre-hook
+    that runs first: at stage 3 before any gather), backward and step()."""
 
+    def __init__(self, model: Optional[torch.nn.Module], param_groups) -> None:
+        params = model.parameters() if model is not None else \
+            [p for g in param_groups for p in g["params"]]
+        seen, self.frozen = set(), []
+        for p in params:
+            if isinstance(p, torch.Tensor) and not p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.frozen.append(weakref.ref(p))
+        self._model = None if model is None else weakref.ref(model)
+        self._hook = None
+        if model is not None and self.frozen:
+            ref = weakref.ref(self)
+            self._hook = model.register_forward_pre_hook(
+                lambda m, a, ref=ref: ref() is not None and ref().check("forward"),
+                prepend=True)
 
-def check_unfrozen(frozen, names: Dict[int, str], where: str) -> None:
-    """Raise if a param that was frozen when ZeroAdamW was built now requires grad."""
-    back = [p for p in (r() for r in frozen) if p is not None and p.requires_grad]
-    if back:
+    def names(self) -> Dict[int, str]:
+        model = None if self._model is None else self._model()
+        if model is None:
+            return {}
+        return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def check(self, where: str) -> None:
+        back = [p for p in (r() for r in self.frozen) if p is not None and p.requires_grad]
+        if not back:
+            return
+        names = self.names()
         shown = [names.get(id(p), f"a param of shape {tuple(p.shape)}") for p in back]
         raise RuntimeError(
             f"zerokern ({where}): {shown[:5]} {'was' if len(back) == 1 else 'were'} frozen "
@@ -64,49 +90,44 @@ def check_unfrozen(frozen, names: Dict[int, str], where: str) -> None:
             "it), or build a new ZeroAdamW after unfreezing")
 
 
-def frozen_refs(params) -> List[weakref.ref]:
-    seen, out = set(), []
-    for p in params:
-        if isinstance(p, torch.Tensor) and not p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(weakref.ref(p))
-    return out
-
-
 class FrozenSkip:
-    """Per step: the params to leave untouched ([Note: a param frozen mid-training])."""
+    """Per step: the params to leave untouched, and those to update with their own step count
+    ([Note: a param frozen mid-training])."""
 
     def __init__(self) -> None:
-        self.skipped: Dict[Tuple[int, int], int] = {}   # (group, slot) -> steps skipped
+        self._lag: Dict[Tuple[int, int], torch.Tensor] = {}  # (group, slot) -> 0-d int64
         self._saved: Dict[Tuple[int, int], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._redo: Dict[Tuple[int, int], List[Tuple[int, int, torch.Tensor]]] = {}
+        self._steps: Dict[Tuple[int, int], torch.Tensor] = {}
 
-    def check(self, opt, names) -> None:
-        """Before a step: refuse a param unfrozen after it skipped steps."""
-        back = [(gi, i) for (gi, i), n in self.skipped.items()
-                if n and opt.flat_groups[gi].params[i].requires_grad]
-        if back:
-            gi, i = back[0]
-            p = opt.flat_groups[gi].params[i]
-            name = names().get(id(p), f"param {i} of param group {gi}")
+    def lagging(self) -> bool:
+        """Some param skipped steps (its own step count lags its bucket's)."""
+        return bool(self._lag)
+
+    def check_savable(self, where: str) -> None:
+        """The lags are not in optimizer checkpoints: refuse to save one that would resume
+        those params with the bucket's step count (a silently different bias correction)."""
+        if self._lag:
             raise RuntimeError(
-                f"zerokern: {name!r} was frozen for {self.skipped[(gi, i)]} step(s) and now "
-                "requires grad again. torch's AdamW keeps one step count per param (its bias "
-                "correction would lag the others' by the steps skipped); ZeroAdamW keeps one "
-                "per bucket, so it cannot continue this param as torch would. Keep it frozen, "
-                "or save with zerokern.checkpoint and build a new ZeroAdamW")
+                f"zerokern: {where} cannot save this optimizer: {len(self._lag)} param(s) "
+                "were frozen for some steps after it was built, so their own step count lags "
+                "their bucket's (frozen_slots.py), which the checkpoint format does not hold. "
+                "Save before freezing params mid-training")
 
-    def begin(self, opt) -> None:
-        """Host: which params to skip this step; save their state (before any update)."""
-        self._saved = {}
+    def begin(self, opt, found: torch.Tensor) -> None:
+        """Host: which params to skip this step, which to redo with their own step count;
+        save their state (before any update). found: the step's found_inf (device)."""
+        self._saved, self._redo, self._steps = {}, {}, {}
         skip = [(gi, i) for gi, g in enumerate(opt.flat_groups) for i, p in enumerate(g.params)
                 if not p.requires_grad and p.grad is None]
-        if not skip:
+        redo = [(gi, i) for (gi, i) in self._lag if (gi, i) not in skip]
+        if not skip and not redo:
             return
         from .placement import DevicePlacement
 
         place = opt.placement
-        if not isinstance(place, DevicePlacement) or place.master != "fp32" or \
-                getattr(opt, "param_homes", None) is not None:
+        if skip and (not isinstance(place, DevicePlacement) or place.master != "fp32" or
+                     getattr(opt, "param_homes", None) is not None):
             gi, i = skip[0]
             raise RuntimeError(
                 f"zerokern: param {i} of param group {gi} was frozen (requires_grad=False) "
@@ -115,7 +136,7 @@ class FrozenSkip:
                 f"master='fp32' (this optimizer: offload={opt.offload!r}, "
                 f"master={getattr(opt, 'master', 'fp32')!r}). Freeze params before building "
                 "ZeroAdamW, or save with zerokern.checkpoint and build a new one")
-        for gi, i in skip:
+        for gi, i in skip + redo:
             g = opt.flat_groups[gi]
             s = g.layout.slots[i]
             for k in g.layout.buckets_of_slot(i):
@@ -129,9 +150,39 @@ class FrozenSkip:
                 if out is not None:
                     views.append(out[a - lo:b - lo])
                 self._saved.setdefault((gi, k), []).extend((v, v.clone()) for v in views)
-            self.skipped[(gi, i)] = self.skipped.get((gi, i), 0) + 1
+                if (gi, i) in redo:
+                    self._redo.setdefault((gi, k), []).append((a - lo, b - lo,
+                                                                self._lag[(gi, i)]))
+                    self._steps[(gi, k)] = g.steps[k].clone()
+        for key in skip:  # a step that really runs (no inf/NaN) is one this param misses
+            lag = self._lag.get(key)
+            if lag is None:
+                lag = self._lag[key] = torch.zeros((), dtype=torch.int64, device=found.device)
+            lag.add_((found == 0).to(torch.int64))
 
-    def restore_(self, gi: int, k: int) -> None:
-        """Right after bucket k's update (before it is published): the saved values back."""
+    def after_update_(self, opt, gi: int, k: int, grad: torch.Tensor, hyper: dict,
+                      grad_scale: torch.Tensor, found: torch.Tensor) -> None:
+        """Right after bucket k's update (before it is published): the skipped params' state
+        back; a param whose step count lags updated again from its saved state with its own
+        count (the kernel on copies: a region of a bucket need not be aligned for it)."""
         for view, old in self._saved.pop((gi, k), ()):
             view.copy_(old)
+        redo = self._redo.pop((gi, k), ())
+        if not redo:
+            return
+        from . import kernels
+
+        g = opt.flat_groups[gi]
+        m_all, v_all = g.moments(k)
+        out_all = g.param_out_piece(k)
+        for a, b, lag in redo:
+            views = [g.master_piece(k)[a:b], m_all[a:b], v_all[a:b]]
+            if out_all is not None:
+                views.append(out_all[a:b])
+            work = [t.clone() for t in views]
+            kernels.adam_step_(work[0], work[1], work[2], grad[a:b].clone(),
+                               work[3] if out_all is not None else None,
+                               step=self._steps[(gi, k)] - lag, grad_scale=grad_scale,
+                               found_inf=found, backend=opt.backend, **hyper)
+            for t, w in zip(views, work):
+                t.copy_(w)

@@ -32,7 +32,7 @@ import torch
 from . import kernels
 from .comm import Comm
 from .flat_group import FlatGroup
-from .frozen_slots import FrozenSkip, check_unfrozen, frozen_refs, param_names
+from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .full_grads import FullGrads
 from .loss_scale import make_loss_scaler
 from .memory import memory_report
@@ -164,10 +164,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
         model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
-        # [Note: a param frozen at construction] (frozen_slots.py): refused if unfrozen
-        self._frozen_given = frozen_refs(model.parameters() if model is not None else
-                                         [p for g in self.param_groups for p in g["params"]])
-        self._frozen_skip = FrozenSkip()
+        self._unfrozen = UnfreezeWatch(model, self.param_groups)  # before frozen ones leave
+        self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
@@ -214,12 +212,6 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         gs = self.grad_sync
         gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
             float(scaler.scale) != 1.0
-        self._model_ref = None if model is None else weakref.ref(model)
-        if model is not None and self._frozen_given:
-            ref = weakref.ref(self)
-            self._unfreeze_hook = model.register_forward_pre_hook(
-                lambda m, a, ref=ref: ref() is not None and ref()._check_unfrozen("forward"),
-                prepend=True)  # before stage 3's gather: nothing has changed when it raises
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
@@ -266,15 +258,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.grad_sync.zero_grad(set_to_none)
         self._clip_next = None
 
-    def _names(self):
-        return param_names(None if self._model_ref is None else self._model_ref())
-
-    def _check_unfrozen(self, where: str) -> None:
-        if self._frozen_given:
-            check_unfrozen(self._frozen_given, self._names(), where)
-
     def _follow_model(self, where: str = "backward") -> None:
-        self._check_unfrozen(where)
+        self._unfrozen.check(where)
         if self.model_watch is not None:
             self.model_watch.check()
 
@@ -293,7 +278,6 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             raise RuntimeError("this ZeroAdamW no longer owns its params: a newer ZeroAdamW was "
                                "created on the same model and took them over")
         self._follow_model("step()")
-        self._frozen_skip.check(self, self._names)
         try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
             self._check_grads_ready(gs)
         except RuntimeError as e:
@@ -376,7 +360,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
-        self._frozen_skip.begin(self)  # params frozen since: left as they are (frozen_slots)
+        self._frozen_skip.begin(self, found)  # params frozen since: left as they are
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             group = self.param_groups[g.group_index]
@@ -384,8 +368,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             hyper = dict(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                          weight_decay=group["weight_decay"], adamw=group["adamw"])
             for k in range(g.layout.n_buckets):
-                place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
-                self._frozen_skip.restore_(gi, k)
+                grad = gs.grad_piece(gi, k)
+                place.update_piece(gi, k, grad, hyper, self.backend)
+                self._frozen_skip.after_update_(self, gi, k, grad, hyper, grad_scale, found)
                 gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
             if h is not None:

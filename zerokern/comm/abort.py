@@ -25,14 +25,16 @@ POLL_S while waiting (about 0.1 ms on a local TCPStore). The store is the defaul
 (torch.distributed's private `_get_default_store`); without it (or at world size 1) there is
 nothing to post and waits are plain waits.
 
-Host waits only: on NCCL a wait makes the stream wait and the host goes on, so a peer's post
-is not seen there (NCCL's watchdog still aborts at its timeout). That needs a watchdog thread
-that aborts the communicator, not written here (no GPU to test it on).
+Ring waits only: gloo's default path (comm/ring.py) runs every collective on a thread of ours,
+whose futures can be polled; with ZEROKERN_GLOO_RING=0 a gloo Work's is_completed() was seen
+never to turn True for its reduce-scatter, so those waits are torch's, unwatched. On NCCL a
+wait makes the stream wait and the host goes on, so a peer's post is not seen there (NCCL's
+watchdog still aborts at its timeout): that needs a watchdog thread that aborts the
+communicator, not written here (no GPU to test it on).
 """
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
@@ -122,20 +124,6 @@ def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):
             fut_wait(timeout)
         except FutureTimeout:
             return is_done()
-        return True
-
-    return done
-
-
-def sleep_poll(is_done: Callable[[], bool]):
-    """done(timeout) for a handle that can only be asked (a torch.distributed Work)."""
-
-    def done(timeout: Optional[float]) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not is_done():
-            if end is not None and time.monotonic() >= end:
-                return False
-            time.sleep(0.0005)
         return True
 
     return done

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .abort import AbortChannel, sleep_poll
+from .abort import AbortChannel
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .ring import FutureWork, RingRunner
@@ -50,21 +50,6 @@ class _CopyOnWait:
 
     def is_completed(self) -> bool:
         return self._tmp is None
-
-
-class _Polled:
-    """A gloo Work waited for with the peers' failures watched ([Note: an error only some
-    ranks see] in abort.py)."""
-
-    def __init__(self, work, abort: AbortChannel, index: int) -> None:
-        self._w, self._abort, self._index = work, abort, index
-
-    def wait(self) -> bool:
-        self._abort.wait(sleep_poll(self._w.is_completed), self._index)
-        return self._w.wait()
-
-    def is_completed(self) -> bool:
-        return self._w.is_completed()
 
 
 class _Done:
@@ -174,16 +159,11 @@ class Comm:
         return _Done()
 
     def _issue(self, async_op: bool, fn, *args, **kw):
-        """A torch.distributed collective; on gloo waited for with the peers' failures
-        watched (abort.py), on NCCL as it is (the wait is the stream's)."""
-        index = self.abort.next_index()
-        if self.backend != "gloo":
-            return fn(*args, async_op=async_op, **kw) or _Done()
-        h = _Polled(fn(*args, async_op=True, **kw), self.abort, index)
-        if async_op:
-            return h
-        h.wait()
-        return _Done()
+        """A torch.distributed collective, counted for abort.py. Its wait is torch's: a gloo
+        Work's is_completed() was seen never to turn True for the reduce-scatter (a hang when
+        polled), so only the ring path (gloo's default) watches for the peers' failures."""
+        self.abort.next_index()
+        return fn(*args, async_op=async_op, **kw) or _Done()
 
     def signal_failure(self, error: BaseException) -> None:
         """This rank raises `error`, which its peers may not see: post it for them first."""
@@ -227,11 +207,8 @@ class Comm:
             # gloo's own reduce-scatter corrupts an output that aliases its input (NCCL's is in
             # place by design): reduce into a temporary, copied to out when waited for.
             tmp = torch.empty_like(out)
-            h = self._issue(True, _reduce_scatter, tmp, inp, group=self.group)
-            h = _CopyOnWait(h, tmp, out)
-            if not async_op:
-                h.wait()
-            return h
+            h = self._issue(async_op, _reduce_scatter, tmp, inp, group=self.group)
+            return _CopyOnWait(h, tmp, out)
         return self._issue(async_op, _reduce_scatter, out, inp, group=self.group)
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
