@@ -222,6 +222,52 @@ def _peft(rank, ws, stage):
     return {"rel": M.rel_err(run(True), run(False))}
 
 
+class _Branchy(nn.Module):
+    """A data-dependent branch: `side` runs only for inputs whose first feature is positive,
+    so some ranks use it in a step and others do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(16, 19)
+        self.side = nn.Linear(19, 19)
+        self.b = nn.Linear(19, 7)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if bool(x[0, 0] > 0):
+            h = h + self.side(h)
+        return self.b(h)
+
+
+def _branch(rank, ws, stage):
+    """A branch taken on some ranks only in each step: its grad is the average with zeros
+    from the ranks that skipped it, as DDP(find_unused_parameters=True) gives."""
+    def data(s):
+        g = torch.Generator().manual_seed(100 + s)
+        x = torch.randn(ws, 5, 16, generator=g)
+        x[:, 0, 0] = torch.tensor([1.0 if (r + s) % 2 == 0 else -1.0 for r in range(ws)])
+        return x[rank]
+
+    def run(zero):
+        model = _Branchy()
+        hyper = dict(lr=M.LR, betas=M.BETAS, eps=M.EPS, weight_decay=M.WD)
+        if zero:
+            opt = zk.ZeroAdamW(model, stage=stage, precision="fp32", bucket_mb=M.BUCKET_MB,
+                               backend=M.BACKEND, **hyper)
+            net = model
+        else:
+            opt = torch.optim.AdamW(model.parameters(), foreach=False, **hyper)
+            net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        for s in range(4):
+            opt.zero_grad()
+            net(data(s)).pow(2).mean().backward()
+            opt.step()
+        return M.full_snapshot(model, opt) if zero else M.snapshot(model)
+
+    return {"rel": M.rel_err(run(True), run(False))}
+
+
 def _masters(opt):
     return [g.master.clone() for g in opt.flat_groups if g.master is not None]
 
@@ -260,6 +306,8 @@ def _worker(rank, ws):
             cases[f"move_bf16_s{st}"] = p(_move_bf16, rank, ws, st, "fp32")
             cases[f"move_live_s{st}"] = p(_move_live, rank, ws, st)
         cases[f"peft_s{st}"] = p(_peft, rank, ws, st)
+        if ws > 1:  # at N = 1 a branch not taken is unused on every rank (see the docs)
+            cases[f"branch_s{st}"] = p(_branch, rank, ws, st)
     cases["move_bf16_compact_s2"] = p(_move_bf16, rank, ws, 2, "compact")
     return run_cases(cases)
 
@@ -331,4 +379,11 @@ def test_move_between_backward_and_step_keeps_the_grads(ws, stage):
 @pytest.mark.parametrize("stage", STAGES)
 def test_peft_adapters_disabled_and_enabled_as_torch(ws, stage):
     for r in case(_res(ws), f"peft_s{stage}"):
+        assert r["rel"] <= TOL, r
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_branch_taken_on_some_ranks_only_as_ddp(ws, stage):
+    for r in case(_res(ws), f"branch_s{stage}"):
         assert r["rel"] <= TOL, r

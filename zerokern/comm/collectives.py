@@ -24,6 +24,7 @@ from .ring import FutureWork, RingRunner
 # order] in stage3/runtime.py), made once and shared by every optimizer on that group: groups
 # are never destroyed, so one per optimizer would leak connections.
 _SPLIT_GROUPS: dict = {}
+_CHANNELS: dict = {}  # process group -> AbortChannel (abort.py)
 
 # torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -102,9 +103,15 @@ class Comm:
         else:
             self.group, self.world_size, self.rank = None, 1, 0
         self.stats = CommStats() if _parent is None else _parent.stats
-        # One failure channel per optimizer's groups, counting the collectives of both (abort.py)
-        self.abort = _parent.abort if _parent is not None else \
-            AbortChannel(self.group, self.rank) if self.world_size > 1 else None
+        # One failure channel per process group, shared by every optimizer on it and its split
+        # group: its count of collectives is in program order, the same on every rank (abort.py)
+        self.abort = None
+        if _parent is not None:
+            self.abort = _parent.abort
+        elif self.world_size > 1:
+            if self.group not in _CHANNELS:
+                _CHANNELS[self.group] = AbortChannel(self.group, self.rank)
+            self.abort = _CHANNELS[self.group]
         self.tag = "main" if _parent is None else "reduce-scatter"
         # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one,
         # started by the optimizer that checks it at every step() (enable_debug_log), so a
