@@ -123,7 +123,7 @@ class FrozenSkip:
         redo = [(gi, i) for (gi, i) in self._lag if (gi, i) not in skip]
         if not skip and not redo:
             return
-        from .placement import DevicePlacement
+        from zerokern.state.placement import DevicePlacement
 
         place = opt.placement
         if skip and (not isinstance(place, DevicePlacement) or place.master != "fp32" or
