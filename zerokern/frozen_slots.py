@@ -41,6 +41,7 @@ is not torch's optimizer's: its grads accumulate in p.grad as torch's and nothin
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -52,7 +53,8 @@ class UnfreezeWatch:
     require grad ([Note: a param frozen at construction]), at the model's forward (a pre-hook
     that runs first: at stage 3 before any gather), backward and step()."""
 
-    def __init__(self, model: Optional[torch.nn.Module], param_groups) -> None:
+    def __init__(self, opt, model: Optional[torch.nn.Module], param_groups) -> None:
+        self._opt = weakref.ref(opt)  # a newer ZeroAdamW that took the params over: not ours
         params = model.parameters() if model is not None else \
             [p for g in param_groups for p in g["params"]]
         seen, self.frozen = set(), []
@@ -63,10 +65,8 @@ class UnfreezeWatch:
         self._model = None if model is None else weakref.ref(model)
         self._hook = None
         if model is not None and self.frozen:
-            ref = weakref.ref(self)
             self._hook = model.register_forward_pre_hook(
-                lambda m, a, ref=ref: ref() is not None and ref().check("forward"),
-                prepend=True)
+                functools.partial(_check_before_forward, weakref.ref(self)), prepend=True)
 
     def names(self) -> Dict[int, str]:
         model = None if self._model is None else self._model()
@@ -78,6 +78,9 @@ class UnfreezeWatch:
         back = [p for p in (r() for r in self.frozen) if p is not None and p.requires_grad]
         if not back:
             return
+        opt = self._opt()
+        if opt is None or getattr(getattr(opt, "grad_sync", None), "detached", False):
+            return  # replaced by an optimizer built after the unfreeze: its params now
         names = self.names()
         shown = [names.get(id(p), f"a param of shape {tuple(p.shape)}") for p in back]
         raise RuntimeError(
@@ -88,6 +91,13 @@ class UnfreezeWatch:
             "for training before building ZeroAdamW (a param frozen at first and unfrozen "
             "later: build it trainable and freeze it after; it is then skipped as torch skips "
             "it), or build a new ZeroAdamW after unfreezing")
+
+
+def _check_before_forward(ref, module, args) -> None:
+    """The model's forward pre-hook (returns None: anything else would replace the input)."""
+    watch = ref()
+    if watch is not None:
+        watch.check("forward")
 
 
 class FrozenSkip:

@@ -7,7 +7,9 @@ is followed or refused here, at the next backward or step, before anything is co
 - `model.to(device)` / `.cuda()` (Accelerate and Trainer do it): `Module._apply` gives every
   param new storage on the new device, so the params stop viewing the flat buffer and a step
   would change nothing. The buffers, state and grads move along and the params are re-viewed,
-  as a torch optimizer keeps working after `model.to()`.
+  as a torch optimizer keeps working after `model.to()`; the fp32 master of a param whose
+  16-bit values did not change stays bit for bit ([Note: a move keeps the master]), and a
+  p.grad cleared before the move stays cleared (grad_sync's readopt).
 - New storage on the same device (`p.data = t`, `module._apply(fn)`): the values are taken in.
 - A dtype other than `precision`, or a new shape: a clear error (torch would silently keep
   training the old Parameter; we cannot).

@@ -165,7 +165,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
         model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
-        self._unfrozen = UnfreezeWatch(model, self.param_groups)  # before frozen ones leave
+        self._unfrozen = UnfreezeWatch(self, model, self.param_groups)  # before frozen ones leave
         self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone

@@ -20,7 +20,7 @@ import torch.nn as nn
 import zerokern as zk
 
 from . import models as M
-from .harness import cached, case, run_cases
+from .harness import cached, case, one_thread, run_cases  # noqa: F401 (fixture)
 
 TOL = 1e-6  # fp32 params vs DDP + AdamW (test_parity's bound)
 # Params frozen mid-training: one in a block unit, one in the root unit (stage 3), and a whole
@@ -387,3 +387,30 @@ def test_peft_adapters_disabled_and_enabled_as_torch(ws, stage):
 def test_branch_taken_on_some_ranks_only_as_ddp(ws, stage):
     for r in case(_res(ws), f"branch_s{stage}"):
         assert r["rel"] <= TOL, r
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("stage", STAGES)
+def test_new_optimizer_after_unfreezing_trains_the_param(stage):
+    """The way out the error names: unfreeze, then build a new ZeroAdamW on the model. The
+    old optimizer's watch must not refuse the forward (it no longer owns the params), and the
+    unfrozen param trains as with torch's AdamW built at that point (one step, N = 1)."""
+    def build(model, zero):
+        hyper = dict(lr=M.LR, betas=M.BETAS, eps=M.EPS, weight_decay=M.WD)
+        if zero:
+            return zk.ZeroAdamW(model, stage=stage, precision="fp32", bucket_mb=M.BUCKET_MB,
+                                backend=M.BACKEND, **hyper)
+        return torch.optim.AdamW(model.parameters(), foreach=False, **hyper)
+
+    snaps = []
+    for zero in (True, False):
+        model = M.make_model()
+        opt = build(model, zero)  # the first optimizer, with `pos` frozen
+        model.pos.requires_grad_(True)
+        opt = build(model, zero)  # (the first is alive while the second takes over)
+        opt.zero_grad()
+        M.loss_fn(model, M.rank_tokens(0, 0, 1)).backward()
+        opt.step()
+        snaps.append(M.full_snapshot(model, opt) if zero else M.snapshot(model))
+    assert not torch.equal(snaps[1]["pos"], M.make_model().pos)  # the reference moved it
+    assert M.rel_err(*snaps) <= TOL
