@@ -38,6 +38,7 @@ from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm import Comm
+from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
 from .optimizer_api import OptimizerApiMixin
@@ -166,6 +167,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.comm = comm
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
+        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        self._unfrozen = UnfreezeWatch(self, model, self.param_groups)  # before frozen ones leave
+        self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
@@ -214,7 +218,6 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         gs = self.grad_sync
         gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
             float(scaler.scale) != 1.0
-        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
@@ -230,7 +233,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ---- the step --------------------------------------------------------------------------
-    def _follow_model(self) -> None:
+    def _follow_model(self, where: str = "backward") -> None:
+        self._unfrozen.check(where)
         if self.model_watch is not None:
             self.model_watch.check()
 
@@ -249,7 +253,14 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             raise RuntimeError(f"this {type(self).__name__} no longer owns its params: a newer "
                                "zerokern optimizer (ZeroAdamW) was created on the same model "
                                "and took them over")
-        self._follow_model()
+        self._follow_model("step()")
+        try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
+            self._check_grads_ready(gs)
+        except RuntimeError as e:
+            self.comm.signal_failure(e)
+            raise
+
+    def _check_grads_ready(self, gs) -> None:
         if gs.micro_steps == 0 or not gs.has_grads():
             raise RuntimeError(f"{type(self).__name__}.step() called with no backward since "
                                "zero_grad(): "
@@ -302,11 +313,14 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
+        self._frozen_skip.begin(self, found)  # params frozen since: left as they are
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             hyper = self.rule.hyper(self.param_groups[g.group_index])
             for k in range(g.layout.n_buckets):
-                place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
+                grad = gs.grad_piece(gi, k)
+                place.update_piece(gi, k, grad, hyper, self.backend)
+                self._frozen_skip.after_update_(self, gi, k, grad, hyper, grad_scale, found)
                 gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
             if h is not None:

@@ -19,6 +19,7 @@ class StateDictMixin:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
         stage 3 the param shard, which the model's own state_dict cannot give)."""
+        self._frozen_skip.check_savable("state_dict()")
         groups = [{k: v for k, v in group.items() if k != "params"}
                   for group in self.param_groups]
         return {"zero": self._meta(),

@@ -167,7 +167,11 @@ class Stage3Runtime(Stage3Backward):
             for f in self._bufs(ui):
                 if not f.gathered and f.handle is None:
                     launched.add(id(f))
-                    f.start_gather(self.comm, self._label(f))
+                    try:
+                        f.start_gather(self.comm, self._label(f))
+                    except Exception as e:  # a param file read on this rank (comm/abort.py)
+                        self.comm.signal_failure(e)
+                        raise
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
