@@ -21,6 +21,7 @@ through mkdocstrings: under --strict each of those fails the build as well.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from pathlib import Path
@@ -101,7 +102,24 @@ def _check_function(path: str, fn, problems: list, doc_owner=None) -> None:
                         "Args section")
 
 
+def _runtime_docstring(obj) -> None:
+    """A class whose docstring is assembled at import (`__doc__ = "..." + ENGINE_ARGS`, the
+    optimizer rules share their argument list so) has none for static analysis: take the
+    imported object's `__doc__`, as mkdocstrings does with `force_inspection` on its page."""
+    if obj.docstring is not None or not obj.is_class:
+        return
+    import importlib
+
+    try:
+        value = getattr(importlib.import_module(obj.module.path), obj.name)
+    except Exception:  # noqa: BLE001 - reported as "no docstring" below
+        return
+    if getattr(value, "__doc__", None):
+        obj.docstring = griffe.Docstring(inspect.cleandoc(value.__doc__), parent=obj)
+
+
 def _check(path: str, obj, problems: list) -> None:
+    _runtime_docstring(obj)
     if obj.is_function:
         _check_function(path, obj, problems)
     elif obj.is_class:
@@ -131,6 +149,14 @@ def _check(path: str, obj, problems: list) -> None:
 
 def on_pre_build(config, **kwargs) -> None:
     root_dir = Path(config["config_file_path"]).parent
+    # imports (here and mkdocstrings' force_inspection) must see this checkout's zerokern, not
+    # an installed one
+    import sys
+
+    if str(root_dir) not in sys.path[:1]:
+        sys.path.insert(0, str(root_dir))
+    for name in [m for m in sys.modules if m == "zerokern" or m.startswith("zerokern.")]:
+        del sys.modules[name]
     docs_dir = Path(config["docs_dir"])
     loader = griffe.GriffeLoader(search_paths=[str(root_dir)],
                                  docstring_parser=griffe.Parser.google)
