@@ -16,7 +16,8 @@ Trainer) are checked by tests/zero, tests/engine and tests/integrations.
 Each test starts fresh interpreters (torchrun, transformers, DeepSpeed imports), about 140 s of
 CPU for the 12 (measured per test, process tree included, on the shared 2-core VM: 5.5 s for
 seed 000's config up to 20 s for the Trainer runs; 75.7 s wall for all 12 once the VM was
-quiet). That is more than a minute of the 10-minute default run, so they carry the `slow` mark: `.ci/run` runs them (`pytest -m slow`) on every
+quiet). That is more than a minute of the 10-minute default run, so they carry the `slow`
+mark: `.ci/run` runs them (`pytest -m slow`) on every
 commit; `python -m pytest -q tests/examples -m slow` runs them alone.
 """
 
