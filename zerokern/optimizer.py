@@ -65,7 +65,8 @@ ENGINE_ARGS = """
             or "nvme" (stages 1-3): the master and the rule's state live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
             half; see zerokern.state.offload_nvme).
-        offload_path: offload="nvme" only (keyword): an existing writable directory.
+        offload_path (str | os.PathLike | None): offload="nvme" only (keyword): an existing
+            writable directory for the state (and, with offload_params="nvme", param) files.
         free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
             (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
             scratch at stages 1-3) and the next backward allocates it again: DeepSpeed's
@@ -76,7 +77,8 @@ ENGINE_ARGS = """
             its all-gather (ZeRO-Infinity's param half; see zerokern.stage3.param_offload).
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
-        process_group: torch.distributed group; default WORLD, or world size 1 without one.
+        process_group (ProcessGroup | None): torch.distributed group; default WORLD, or
+            world size 1 without one.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
@@ -84,7 +86,8 @@ ENGINE_ARGS = """
             element; "compact" (bf16, no offload, stages 0-2): the same fp32 master, bit for
             bit, held as its low 16 bits under the bf16 param plus a tie bit (2.125 bytes per
             element; see zerokern.state.compact_master). Training is bitwise the same.
-        units: stage 3 only: which submodules are gathered together. None: each child of
+        units (None | type | tuple[type, ...] | Callable[[nn.Module], bool]): stage 3
+            only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
 """
@@ -225,6 +228,15 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Only during construction (torch.optim.Optimizer calls it for each group).
+
+        Args:
+            param_group: a param-group dict, as torch's.
+
+        Raises:
+            NotImplementedError: after construction; the flat buffers are laid out once, so
+                pass every group to the constructor.
+        """
         if getattr(self, "_built", False):
             raise NotImplementedError(f"{type(self).__name__} cannot add param groups after "
                                       "construction: "
@@ -295,6 +307,24 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step on this rank's shard, with no host-device synchronisation.
+
+        Reduces what is left to reduce, computes found_inf and the global norm, clips
+        (`max_grad_norm`, or a preceding `clip_grad_norm_`), runs the fused AdamW update and
+        all-gathers the new params (stages 1-2). With fp16 a step whose gradients hold inf or
+        NaN on any rank is skipped on every rank, bit for bit, and the loss scale halves
+        (`step_skipped`, `loss_scale`).
+
+        Args:
+            closure: optional, as torch's: re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: fp16 after a plain `loss.backward()` (the gradients were never
+                scaled), or `p.grad` changed between backward and step (names the param).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -345,8 +375,12 @@ class ZeroAdamW(ZeroOptimizer):
     engine, ZeroOptimizer, with the AdamW rule, zerokern.rules.adamw).
 
     Args:
-        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module (any
+            stage; required for stage 3).
+        lr: learning rate, as torch.optim.AdamW; per group where a group gives it.
+        betas: (beta1, beta2), as torch.optim.AdamW; per group where given.
+        eps: added to the denominator, as torch.optim.AdamW; per group where given.
+        weight_decay: decoupled (adamw=True) or L2 (adamw=False) weight decay; per group.
         adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).""" + \
         ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics (see ZeroOptimizer).

@@ -29,7 +29,16 @@ class StateDictMixin:
                 "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a `state_dict()` of the same model, stage, precision, world size and rank."""
+        """Load a `state_dict()` of the same model, stage, precision, world size and rank.
+
+        Args:
+            state_dict: what `state_dict()` returned on this rank (use zerokern.checkpoint to
+                change world size, stage or precision).
+
+        Raises:
+            ValueError: not a ZeroAdamW state dict, or one of another stage, precision, world
+                size, rank or layout (naming which).
+        """
         if not isinstance(state_dict, dict) or "zero" not in state_dict:
             raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
                              "use zerokern.checkpoint to reshard across layouts")
