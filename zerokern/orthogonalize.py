@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .partition import FlatLayout
+from zerokern.layout.partition import FlatLayout
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients), kept identical so results match.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zerokern.layout.partition import ALIGN, make_layout
 from zerokern.muon_pieces import apply_, momentum_
 from zerokern.orthogonalize import ShardedOrthogonalizer
-from zerokern.partition import ALIGN, make_layout
 
 SHAPES = [(40, 24), (96, 33), (130, 8), (12, 70)]
 

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+from zerokern.layout.partition import ALIGN, make_layout
 from zerokern.orthogonalize import (
     ShardedOrthogonalizer,
     adjusted_lr,
     assign_owners,
     newton_schulz,
 )
-from zerokern.partition import ALIGN, make_layout
 
 from .harness import cached, case, run_cases
 
