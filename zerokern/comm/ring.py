@@ -20,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from .abort import polled
+
 
 class RingRunner:
     """Runs ring collectives for one process group on a single background thread."""
@@ -33,11 +35,26 @@ class RingRunner:
         self._prev = dist.get_global_rank(group, (rank - 1) % world_size) if group else \
             (rank - 1) % world_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
+        self._last: Future = None  # the latest submitted job (the queue runs in order)
 
     def submit(self, fn, *args) -> Future:
-        return self._pool.submit(fn, *args)
+        self._last = self._pool.submit(fn, *args)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (errors surface at their handle)."""
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.result()
+            except Exception:  # noqa: BLE001 - reported by the handle that owns the job
+                pass
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        if send.device.type != "cpu" or recv.device.type != "cpu":
+            # gloo's send/recv would read a device address as a host pointer ([Note: the ring
+            # is for CPU tensors] in collectives.py): refuse rather than crash.
+            raise ValueError("zerokern's gloo ring takes CPU tensors only, got "
+                             f"{send.device} and {recv.device}")
         ops = [dist.P2POp(dist.isend, send, self._next, self.group),
                dist.P2POp(dist.irecv, recv, self._prev, self.group)]
         for w in dist.batch_isend_irecv(ops):
@@ -64,12 +81,15 @@ class RingRunner:
 
 
 class FutureWork:
-    """A torch.distributed-like handle over a Future."""
+    """A torch.distributed-like handle over a Future; its wait watches for the peers'
+    failures (abort.py [Note: an error only some ranks see])."""
 
-    def __init__(self, fut: Future) -> None:
-        self._fut = fut
+    def __init__(self, fut: Future, abort=None, index: int = 0) -> None:
+        self._fut, self._abort, self._index = fut, abort, index
 
     def wait(self) -> bool:
+        if self._abort is not None and not self._fut.done():
+            self._abort.wait(polled(self._fut.result, self._fut.done), self._index)
         self._fut.result()
         return True
 

@@ -134,6 +134,13 @@ class ParamHomes:
             offloader.commit_hooks.append(self.commit)
 
     # -- I/O ---------------------------------------------------------------------------------
+    def gather_stream(self, device: torch.device):
+        """The stream the shard's fetch and all-gather are issued on (a GPU with pinned homes),
+        else None: [Note: stage-3 gather stream] in gather_stream.py."""
+        from . import gather_stream
+
+        return gather_stream.for_device(device) if self.pin else None
+
     def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
         if self.kind == "cpu":
             dev.copy_(f.flat, non_blocking=self.pin)  # stream-ordered before the all-gather
@@ -242,8 +249,7 @@ class ParamHomes:
     def report(self, out: dict, formula: dict) -> None:
         """memory_report(): host (pinned / pageable) and disk bytes of the param homes, and
         the formula with the param column moved off the device."""
-        host = out.get("host_measured") or {k: 0 for k in ("master", "exp_avg", "exp_avg_sq",
-                                                          "host_staging")}
+        host = out.get("host_measured") or {}
         host.update(self.host_bytes())
         out["host_measured"] = host
         out["host_measured_total"] = sum(host.values())

@@ -5,8 +5,7 @@ is the DESIGN layout `[r·S, (r+1)·S)` of the unit's flat buffer):
     param_shard (S,)  model dtype   the resident param shard (the master itself at fp32)
     full        (E,)  model dtype   the gathered unit; its storage is resized to 0 when freed
     master      (S,)  fp32          None at fp32
-    exp_avg     (S,)  fp32
-    exp_avg_sq  (S,)  fp32
+    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (1,)  int64
 A frozen buffer (trainable=False: the unit's requires_grad=False params, e.g. a LoRA base model)
 has only `param_shard` and `full`: it is gathered and freed with its unit and cast to the precision
@@ -32,6 +31,7 @@ import torch
 from zerokern.layout.partition import make_layout, one_bucket_numel
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import pattern
+from zerokern.stage3 import gather_stream
 
 
 class Residency(Enum):
@@ -91,16 +91,38 @@ class ShardedFlat(ShardBuffer):
         return self._full_bytes
 
     def start_gather(self, comm, label=None) -> None:
-        """Allocate full and launch the all-gather of every rank's shard into it (async)."""
+        """Allocate full and launch the all-gather of every rank's shard into it (async); on a
+        GPU on the gather stream ([Note: stage-3 gather stream])."""
         if self.residency is not Residency.SHARD:
             return
-        self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, self.param_shard, async_op=True,
-                                        label=label)
+        gs = self._gather_stream()
+        if gs is None:
+            self.full.untyped_storage().resize_(self._full_bytes)
+            self.handle = comm.all_gather_(self.full, self._gather_source(), async_op=True,
+                                            label=label)
+        else:
+            with gs.context():
+                self.full.untyped_storage().resize_(self._full_bytes)
+                self.handle = comm.all_gather_(self.full, self._gather_source(),
+                                                async_op=True, label=label)
+            self._landed = (gs, gs.record())
         self.residency = Residency.GATHERING
+
+    def _gather_stream(self):
+        return gather_stream.for_device(self.full.device)
+
+    def _gather_source(self) -> torch.Tensor:
+        return self.param_shard
+
+    def _compute_waits_gather(self) -> None:
+        landed = getattr(self, "_landed", None)
+        if landed is not None:
+            landed[0].compute_waits(landed[1])
+            self._landed = None
 
     def finish_gather(self) -> None:
         if self.residency is Residency.GATHERING:
+            self._compute_waits_gather()
             self.handle.wait()
             self.handle = None
             self.residency = Residency.GATHERED
@@ -109,8 +131,12 @@ class ShardedFlat(ShardBuffer):
 
     def free(self) -> None:
         if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
+            self._compute_waits_gather()
             self.handle.wait()
             self.handle = None
+        gs = self._gather_stream()
+        if gs is not None and self.full.untyped_storage().nbytes():
+            gs.used_by_compute(self.full)
         for p in self.params:
             p.data = self._empty
         if not self.full.untyped_storage().resizable():
@@ -137,10 +163,6 @@ class ShardedFlat(ShardBuffer):
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
         base = self.layout.piece_range(0, self.rank)[0]
         return self.param_shard[lo - base:hi - base]
-
-    def publish_piece(self, comm, k: int):
-        """Stage 3 keeps only the shard: the next gather brings the update to every rank."""
-        return None
 
     def _extra_state(self) -> dict:
         # The param shard too: at stage 3 the model's own state_dict has no values to give.
