@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from zerokern.layout.partition import ALIGN, make_layout
-from zerokern.muon_pieces import apply_, momentum_
-from zerokern.orthogonalize import ShardedOrthogonalizer
+from zerokern.rules.muon_orthogonalize import ShardedOrthogonalizer
+from zerokern.rules.muon_pieces import apply_, momentum_
 
 SHAPES = [(40, 24), (96, 33), (130, 8), (12, 70)]
 

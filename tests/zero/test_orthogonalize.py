@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from zerokern.layout.partition import ALIGN, make_layout
-from zerokern.orthogonalize import (
+from zerokern.rules.muon_orthogonalize import (
     ShardedOrthogonalizer,
     adjusted_lr,
     assign_owners,

@@ -3,7 +3,7 @@
 A Muon step over a flat buffer is three phases; only the middle one needs whole matrices:
 1. `momentum_`: buf <- lerp(buf, g, 1 - momentum); the update is lerp(g, buf, momentum)
    (Nesterov) or buf, element by element on this rank's pieces;
-2. orthogonalize the update, one owner per matrix (orthogonalize.ShardedOrthogonalizer);
+2. orthogonalize the update, one owner per matrix (muon_orthogonalize.ShardedOrthogonalizer);
 3. `apply_`: p <- p·(1 - lr·wd) - adjusted_lr(shape)·O, per param segment of the pieces
    (the lr scale depends on the matrix's shape, so it is applied segment by segment).
 The same ops as torch.optim.Muon in the same order, so a piece's result is torch's bit for bit
@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .orthogonalize import adjusted_lr
+from zerokern.rules.muon_orthogonalize import adjusted_lr
 
 
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, *, momentum: float, nesterov: bool,
