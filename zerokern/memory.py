@@ -69,14 +69,14 @@ def memory_report(opt) -> Dict[str, Any]:
         meas["padding"] += pad_bytes
     psi = sum(g.layout.numel for g in opt.flat_groups)
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
-    formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
+    formula = estimate_memory(psi, opt.comm.shard.world_size, opt.stage, opt.precision,
                               offload=opt.offload, reduce_bytes=reduce_bytes,
                               master=getattr(opt, "master", "fp32"))
     # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
     # 16-bit shard, Φ·e/N for Φ frozen elements.
     frozen_numel = sum(f.layout.numel for f in frozen)
     formula["frozen"] = int(round(frozen_numel * torch.empty((), dtype=opt.dtype)
-                                  .element_size() / opt.comm.world_size))
+                                  .element_size() / opt.comm.shard.world_size))
     formula["total"] += formula["frozen"]
     out = {}
     place = opt.placement  # where master/m/v live: it says what it holds off the device
@@ -102,5 +102,6 @@ def memory_report(opt) -> Dict[str, Any]:
             "formula_total": formula["total"],
             "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,
             "num_params": psi, "num_frozen": frozen_numel,
-            "world_size": opt.comm.world_size, "stage": opt.stage,
+            # the sharding factor is the shard group's size; replicas hold the same bytes
+            "world_size": opt.comm.shard.world_size, "mesh": opt.comm.dims, "stage": opt.stage,
             "precision": opt.precision}

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from . import kernels
-from .comm import Comm
+from .comm.mesh import check_mesh, make_comm
 from .flat_group import FlatGroup
 from .full_grads import FullGrads
 from .loss_scale import make_loss_scaler
@@ -80,6 +80,11 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group: torch.distributed group; default WORLD, or world size 1 without one.
+        mesh: (keyword) the data-parallel torch DeviceMesh, FSDP2's convention (for a
+            tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D is (replicate,
+            shard), HSDP: shard over dim 1, replicate over dim 0 (each shard all-reduced
+            across its replicas after the reduce-scatter; see zerokern.comm.groups). With
+            process_group too, the group must have exactly the mesh's ranks.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
@@ -123,6 +128,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         free_grads: bool = False,
         offload_params: Optional[str] = None,
         master: str = "fp32",
+        mesh=None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         dtype, offload_path, params = check_arguments(
@@ -137,21 +143,24 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
         trainable = check_groups(self.param_groups, dtype)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
-        comm = Comm(process_group)
+        check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError naming mesh
+        comm = make_comm(process_group, mesh)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
         if P.shards_params:
             from .stage3.build import check_stage3
 
-            unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
+            unit_list = check_stage3(params_or_model, units, trainable, dtype,
+                                     comm.shard.world_size,
                                      offload, offload_path, offload_params)
         elif offload == "nvme":  # a disk too small for the state files: before any change
             from .nvme_state import check_free_space, state_file_bytes
 
             check_free_space(offload_path, sum(
                 state_file_bytes(P.state_numel(FlatGroup.layout_of(
-                    ps, dtype, comm.world_size, bucket_mb * 2**20))) for ps in trainable))
+                    ps, dtype, comm.shard.world_size, bucket_mb * 2**20)))
+                for ps in trainable))
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -185,7 +194,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                 self.reduce_dtype, offload, offload_path, offload_params)
         else:
             self.flat_groups: List[FlatGroup] = [
-                FlatGroup(ps, dtype, comm.world_size, comm.rank, self.pattern,
+                FlatGroup(ps, dtype, comm.shard.world_size, comm.shard.rank, self.pattern,
                           bucket_mb * 2**20, placement=self.placement, group_index=gi)
                 for gi, ps in enumerate(trainable)]
             self.grad_sync = (
@@ -297,8 +306,10 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         if not gs.averaged:  # each rank holds a shard (stages 1-3): combine the stats
-            self.comm.all_reduce_(stats)
-        divisor = 1 if gs.averaged else self.comm.world_size
+            self.comm.count_once_(sumsq)  # HSDP: replicas hold the same shard
+            self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+        # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
+        divisor = 1 if gs.averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
@@ -326,7 +337,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
             op = torch.distributed.ReduceOp.SUM
         if not self.grad_sync.averaged:
-            self.comm.all_reduce_(acc, op=op)
+            if p != math.inf:
+                self.comm.count_once_(acc)
+            self.comm.world.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
     @torch.no_grad()
@@ -357,7 +370,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                          weight_decay=group["weight_decay"], adamw=group["adamw"])
             for k in range(g.layout.n_buckets):
                 place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
-                gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
+                gathers.append(g.publish_piece(self.comm.shard, k))  # stages 1-2: gather
         for h in gathers:
             if h is not None:
                 h.wait()

@@ -48,7 +48,7 @@ class ShardedGrads(GradSync):
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else huge_pages.zeros_like(shard)
         self._issued = True
-        h = self.comm.reduce_scatter_(out, staging, async_op=True,
+        h = self.comm.reduce_grads_(out, staging, async_op=True,
                                       label=f"group {key[0]} bucket {key[1]}")
         self._in_flight.append((h, key, out if out is not shard else None, shard))
 

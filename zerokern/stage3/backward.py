@@ -170,7 +170,7 @@ class Stage3Backward(ShardedGrads):
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         out = shard if self._fresh else huge_pages.zeros_like(shard)
         self._issued = True
-        h = self.rs_comm.reduce_scatter_(out, staging, async_op=True,
+        h = self.rs_comm.reduce_grads_(out, staging, async_op=True,
                                          label=self._label(self.groups[key]))
         self._in_flight.append((h, key, out if out is not shard else None, shard))
 

@@ -179,7 +179,7 @@ class Stage3Runtime(Stage3Backward):
             for f in self._bufs(ui):
                 if not f.gathered and f.handle is None:
                     launched.add(id(f))
-                    f.start_gather(self.comm, self._label(f))
+                    f.start_gather(self.comm.shard, self._label(f))
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
@@ -343,7 +343,7 @@ class Stage3Runtime(Stage3Backward):
         checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
         param_offload.new_pass(self)
         for f in self.frozen:
-            f.start_gather(self.comm, self._label(f))
+            f.start_gather(self.comm.shard, self._label(f))
         for f in self.frozen:
             f.finish_gather()
         ok = False
