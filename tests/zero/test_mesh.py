@@ -9,6 +9,8 @@ comm_stats per dim, memory_report, the bad-mesh errors.
 from __future__ import annotations
 
 import functools
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -84,6 +86,20 @@ def _no_replicate_reduce(rank, stage, memo):
         opt.grad_sync.rs_comm.replicate = None
     rec = M.train_zero(model, opt, rank, WS, STEPS)
     return M.rel_err(rec["params"][-1], memo["ref"]["params"][-1])
+
+
+def _variant(rank, stage, memo, env):
+    """Parity with the native gloo collectives (no ring thread: the replicate all-reduce is
+    issued when the handle is waited for) or with ZEROKERN_DEBUG_COLLECTIVES=1 (the log
+    spans the three groups and is checked over the world)."""
+    with mock.patch.dict(os.environ, env):
+        model, opt, rec = _zero(rank, stage, memo["mesh"])
+    log = opt.comm.log
+    return {"rel": M.rel_err(rec["params"][-1], memo["ref"]["params"][-1]),
+            "ring": opt.comm.shard.ring is not None,
+            "checks": None if log is None else log.checks,
+            "shared_log": log is not None and all(
+                g.log is log for g in (opt.comm.shard, opt.comm.replicate, opt.comm.world))}
 
 
 def _one_d(rank):
@@ -171,6 +187,11 @@ def _worker(rank, ws):
         cases[f"accum{stage}"] = functools.partial(_accum, rank, stage, memo)
     for stage in (2, 3):
         cases[f"negative{stage}"] = functools.partial(_no_replicate_reduce, rank, stage, memo)
+    for stage in (1, 2, 3):
+        cases[f"native{stage}"] = functools.partial(_variant, rank, stage, memo,
+                                                    {"ZEROKERN_GLOO_RING": "0"})
+    cases["debug3"] = functools.partial(_variant, rank, 3, memo,
+                                        {"ZEROKERN_DEBUG_COLLECTIVES": "1"})
     cases["one_d"] = functools.partial(_one_d, rank)
     cases["stats"] = functools.partial(_stats, rank, memo)
     cases["bad"] = functools.partial(_bad_meshes, rank, memo)
@@ -208,6 +229,18 @@ def test_hsdp_no_sync_accumulation(stage):
 def test_negative_control_without_replicate_all_reduce(stage):
     for r, rel in enumerate(case(_results(), f"negative{stage}")):
         assert rel > TOL["negative_factor"] * TOL["param"], (r, rel)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hsdp_native_gloo_collectives(stage):
+    for r, v in enumerate(case(_results(), f"native{stage}")):
+        assert not v["ring"] and v["rel"] <= TOL["param"], (r, v)
+
+
+def test_hsdp_debug_collectives_checks_over_the_world():
+    for r, v in enumerate(case(_results(), "debug3")):
+        assert v["rel"] <= TOL["param"], (r, v)
+        assert v["shared_log"] and v["checks"] >= STEPS, (r, v)
 
 
 def test_one_d_mesh_is_process_group():

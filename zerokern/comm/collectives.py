@@ -132,8 +132,9 @@ class GroupComm:
         """A Comm over a second process group with the same ranks (the same group object for
         every optimizer on this group), sharing this one's stats and debug log. World size 1:
         a Comm that only copies."""
-        if self.world_size == 1:
-            return GroupComm(None, _parent=self, dim=self.dim)
+        if self.world_size == 1:  # this very group (not None: that means WORLD when
+            # torch.distributed is initialized, a 1-rank process group in a bigger job)
+            return GroupComm(self.group, _parent=self, dim=self.dim)
         key = self.group
         if key not in _SPLIT_GROUPS:
             ranks = dist.get_process_group_ranks(self.group)
