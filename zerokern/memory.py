@@ -15,7 +15,7 @@ from .formula import estimate_memory  # noqa: F401 (zerokern.memory.estimate_mem
 # frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
 # optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
 _CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
-         "live_units", "padding")
+         "live_units", "hpz_secondary", "padding")
 
 
 def _buffers(opt):
@@ -34,6 +34,8 @@ def _buffers(opt):
         yield from f.device_buffers()
     for t in held.get("buckets", []):
         yield "buckets", t, 0
+    for t in held.get("hpz", []):  # stage3/hpz.py: padding included (E/n per buffer)
+        yield "hpz_secondary", t, 0
 
 
 def memory_report(opt) -> Dict[str, Any]:
@@ -78,6 +80,10 @@ def memory_report(opt) -> Dict[str, Any]:
     formula["frozen"] = int(round(frozen_numel * torch.empty((), dtype=opt.dtype)
                                   .element_size() / opt.comm.shard.world_size))
     formula["total"] += formula["frozen"]
+    if opt.comm.hpz is not None:  # hpZ's secondary: (Ψ + Φ)·e/n, n the node group's size
+        formula["hpz_secondary"] = int(round((psi + frozen_numel) * torch.empty(
+            (), dtype=opt.dtype).element_size() / opt.comm.hpz.world_size))
+        formula["total"] += formula["hpz_secondary"]
     out = {}
     place = opt.placement  # where master/m/v live: it says what it holds off the device
     host = place.host_bytes()

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from . import kernels
-from .comm.mesh import check_mesh, make_comm
+from .comm.mesh import check_hpz, check_mesh, make_comm
 from .flat_group import FlatGroup
 from .full_grads import FullGrads
 from .loss_scale import make_loss_scaler
@@ -85,6 +85,10 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             shard), HSDP: shard over dim 1, replicate over dim 0 (each shard all-reduced
             across its replicas after the reduce-scatter; see zerokern.comm.groups). With
             process_group too, the group must have exactly the mesh's ranks.
+        hpz: (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every rank
+            of the mesh plus a secondary copy sharded over dim 1 (the node), so the backward
+            re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
+            plain stage 3's over the same ranks.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
@@ -129,6 +133,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         offload_params: Optional[str] = None,
         master: str = "fp32",
         mesh=None,
+        hpz: bool = False,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         dtype, offload_path, params = check_arguments(
@@ -143,8 +148,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
         trainable = check_groups(self.param_groups, dtype)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
-        check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError naming mesh
-        comm = make_comm(process_group, mesh)
+        shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
+        check_hpz(hpz, shape, stage, offload_params)
+        comm = make_comm(process_group, mesh, hpz)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)

@@ -63,13 +63,23 @@ class Comm:
     HSDP."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
-                 _groups: Optional[tuple] = None) -> None:
+                 _groups: Optional[tuple] = None, hpz: Optional[GroupComm] = None) -> None:
+        # hpZ (stage3/hpz.py): the node group the secondary param copies are sharded over;
+        # the shard group is then the whole world.
+        self.hpz = hpz
         if _groups is None:
             self.shard = GroupComm(process_group, dim="shard")
             self.world = self.shard
             self.replicate: Optional[GroupComm] = None
         else:
             self.shard, self.replicate, self.world = _groups
+
+    @classmethod
+    def hpz_mesh(cls, world_pg, node_pg) -> Comm:
+        """hpZ: shard over world_pg (every rank of the mesh), the secondary over node_pg."""
+        shard = GroupComm(world_pg, dim="shard")
+        node = GroupComm(node_pg, dim="hpz", stats=shard.stats, tag="hpz")
+        return cls(_groups=(shard, None, shard), hpz=node)
 
     @classmethod
     def mesh(cls, shard_pg, replicate_pg, world_pg) -> Comm:
@@ -99,14 +109,18 @@ class Comm:
 
     @property
     def dims(self) -> dict:
-        """Group sizes by role: {"shard": n, "replicate": m, "world": n*m}."""
-        return {"shard": self.shard.world_size,
-                "replicate": 1 if self.replicate is None else self.replicate.world_size,
-                "world": self.world.world_size}
+        """Group sizes by role: {"shard": n, "replicate": m, "world": n*m} (and "hpz": the
+        node group's size with hpZ)."""
+        out = {"shard": self.shard.world_size,
+               "replicate": 1 if self.replicate is None else self.replicate.world_size,
+               "world": self.world.world_size}
+        if self.hpz is not None:
+            out["hpz"] = self.hpz.world_size
+        return out
 
     def _groups(self):
         seen = []
-        for g in (self.shard, self.replicate, self.world):
+        for g in (self.shard, self.replicate, self.world, self.hpz):
             if g is not None and all(g is not s for s in seen):
                 seen.append(g)
         return seen
@@ -154,7 +168,7 @@ class Comm:
         """Stage 3's reduce-scatters on a shard group of their own ([Note: stage-3 collective
         order]); the replicate all-reduce after each stays on the one replicate group (only
         reduce_grads_ uses it) and the agreement on the world."""
-        return Comm(_groups=(self.shard.split(), self.replicate, self.world))
+        return Comm(_groups=(self.shard.split(), self.replicate, self.world), hpz=self.hpz)
 
     # -- debug log ([Note: collective fingerprints], comm/debug.py) --------------------------
     def enable_debug_log(self) -> None:

@@ -6,6 +6,8 @@ the *data-parallel* one (for a tensor-parallel model the dp sub-mesh, `world_mes
 - 2-D: (replicate, shard), HSDP: shard over dim 1 (inside a node), replicate over dim 0
   (across nodes); the reduce-scatter stays in the shard group and the shard is all-reduced
   across the replicate group.
+- 2-D with `hpz=True` (stage 3): ZeRO++'s hpZ, shard over every rank of the mesh, plus a
+  secondary copy of the params sharded over dim 1 for the backward gathers (stage3/hpz.py).
 
 Everything here is checked before the optimizer changes anything, and raises ValueError (or
 TypeError for a non-mesh) naming `mesh`. The checks are local (the mesh's own shape and ranks),
@@ -81,9 +83,28 @@ def check_mesh(mesh: Any, process_group: Any = None, device_type: Optional[str] 
     return shape
 
 
-def comm_from_mesh(mesh, process_group=None) -> Comm:
+def check_hpz(hpz: Any, shape: Optional[Tuple[int, ...]], stage: int,
+              offload_params: Optional[str]) -> None:
+    """hpz=True needs stage 3 and a 2-D (replicate, shard) mesh, without offload_params."""
+    if not isinstance(hpz, bool):
+        raise TypeError(f"hpz must be True or False, got {type(hpz).__name__}")
+    if not hpz:
+        return
+    if stage != 3:
+        raise ValueError(f"hpz=True is for stage 3 (its params are sharded), got stage={stage}")
+    if shape is None or len(shape) != 2:
+        raise ValueError("hpz=True needs a 2-D mesh (replicate, shard): params shard over all "
+                         "its ranks, the secondary copy over dim 1 (the node); got "
+                         f"{'no mesh' if shape is None else f'a mesh of shape {shape}'}")
+    if offload_params is not None:
+        raise ValueError("hpz=True does not support offload_params (the secondary copy would "
+                         f"live on the device); got offload_params={offload_params!r}")
+
+
+def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
     """The Comm of a checked mesh (check_mesh first): 1-D shards over it; 2-D (replicate,
-    shard) shards over dim 1 and replicates over dim 0, agreeing over all its ranks."""
+    shard) shards over dim 1 and replicates over dim 0, agreeing over all its ranks; 2-D with
+    hpz shards over all its ranks with the secondary over dim 1."""
     if mesh.mesh.ndim == 1:
         return Comm(process_group if process_group is not None else mesh.get_group(0))
     ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
@@ -96,11 +117,13 @@ def comm_from_mesh(mesh, process_group=None) -> Comm:
         if key not in _WORLD_GROUPS:
             _WORLD_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
         world = _WORLD_GROUPS[key]
+    if hpz:
+        return Comm.hpz_mesh(world, mesh.get_group(1))
     return Comm.mesh(mesh.get_group(1), mesh.get_group(0), world)
 
 
-def make_comm(process_group=None, mesh=None) -> Comm:
-    """ZeroAdamW's Comm from its `process_group=` and `mesh=` (both checked already)."""
+def make_comm(process_group=None, mesh=None, hpz: bool = False) -> Comm:
+    """ZeroAdamW's Comm from its `process_group=`, `mesh=` and `hpz=` (checked already)."""
     if mesh is None:
         return Comm(process_group)
-    return comm_from_mesh(mesh, process_group)
+    return comm_from_mesh(mesh, process_group, hpz)

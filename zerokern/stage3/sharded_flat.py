@@ -90,13 +90,14 @@ class ShardedFlat(ShardBuffer):
     def full_bytes(self) -> int:
         return self._full_bytes
 
-    def start_gather(self, comm, label=None) -> None:
-        """Allocate full and launch the all-gather of every rank's shard into it (async)."""
+    def start_gather(self, comm, label=None, src=None) -> None:
+        """Allocate full and launch the all-gather of every rank's shard into it (async).
+        src: hpZ's secondary piece, gathered over the node group (stage3/hpz.py)."""
         if self.residency is not Residency.SHARD:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, self.param_shard, async_op=True,
-                                        label=label)
+        self.handle = comm.all_gather_(self.full, self.param_shard if src is None else src,
+                                        async_op=True, label=label)
         self.residency = Residency.GATHERING
 
     def finish_gather(self) -> None:
