@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import models as M
@@ -100,6 +103,27 @@ def _variant(rank, stage, memo, env):
             "checks": None if log is None else log.checks,
             "shared_log": log is not None and all(
                 g.log is log for g in (opt.comm.shard, opt.comm.replicate, opt.comm.world))}
+
+
+def _offload(rank, stage, memo, **kw):
+    """HSDP with the state (and at stage 3 the param shards) off the device. NVMe: one
+    directory for all 4 ranks, so replicas (the same shard rank) must not share a file."""
+    box = [tempfile.mkdtemp(prefix="zk_mesh_") if rank == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    try:
+        if kw.get("offload") == "nvme":
+            kw["offload_path"] = box[0]
+        _, opt, rec = _zero(rank, stage, memo["mesh"], **kw)
+        dist.barrier()  # every rank's files exist...
+        files = len(os.listdir(box[0]))
+        dist.barrier()  # ...until every rank has counted them
+        opt.close()
+        return {"rel": M.rel_err(rec["params"][-1], memo["ref"]["params"][-1]), "files": files,
+                "bufs": len(opt.flat_groups)}
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def _one_d(rank):
@@ -192,6 +216,10 @@ def _worker(rank, ws):
                                                     {"ZEROKERN_GLOO_RING": "0"})
     cases["debug3"] = functools.partial(_variant, rank, 3, memo,
                                         {"ZEROKERN_DEBUG_COLLECTIVES": "1"})
+    cases["cpu2"] = functools.partial(_offload, rank, 2, memo, offload="cpu")
+    cases["nvme2"] = functools.partial(_offload, rank, 2, memo, offload="nvme")
+    cases["params_cpu3"] = functools.partial(_offload, rank, 3, memo, offload="cpu",
+                                             offload_params="cpu")
     cases["one_d"] = functools.partial(_one_d, rank)
     cases["stats"] = functools.partial(_stats, rank, memo)
     cases["bad"] = functools.partial(_bad_meshes, rank, memo)
@@ -241,6 +269,15 @@ def test_hsdp_debug_collectives_checks_over_the_world():
     for r, v in enumerate(case(_results(), "debug3")):
         assert v["rel"] <= TOL["param"], (r, v)
         assert v["shared_log"] and v["checks"] >= STEPS, (r, v)
+
+
+@pytest.mark.parametrize("name", ["cpu2", "nvme2", "params_cpu3"])
+def test_hsdp_with_offload(name):
+    for r, v in enumerate(case(_results(), name)):
+        assert v["rel"] <= TOL["param"], (r, v)
+    if name == "nvme2":  # 3 state files per rank and buffer, none shared by replicas
+        v = case(_results(), name)[0]
+        assert v["files"] == 3 * WS * v["bufs"], v
 
 
 def test_one_d_mesh_is_process_group():

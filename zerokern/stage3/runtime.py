@@ -182,8 +182,10 @@ class Stage3Runtime(Stage3Backward):
                 if not f.gathered and f.handle is None:
                     launched.add(id(f))  # hpZ: from the node's secondary while valid
                     route = None if self.hpz is None else self.hpz.route(f)
-                    comm, src = route if route is not None else (self.comm.shard, None)
-                    f.start_gather(comm, self._label(f), src)
+                    if route is None:
+                        f.start_gather(self.comm.shard, self._label(f))
+                    else:  # (param_offload's buffers take no src: hpZ excludes them)
+                        f.start_gather(route[0], self._label(f), route[1])
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
