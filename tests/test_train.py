@@ -2,11 +2,13 @@
 
 - 2 gloo ranks (subprocess, the real command) with --compare in fp32: metrics.json has its fields,
   the loss is finite and falls, the stage-0 run saw the same data (its per-step losses match to
-  fp32 round-off; different data would differ by ~0.1), memory per rank equals zerokern.estimate,
+  fp32 round-off; different data would differ by ~0.1), memory per rank equals
+  zerokern.accounting.estimate,
   comm per step is the §5 ring volume within padding, loss.png is a PNG.
 - 1 rank (in process, no process group), default bf16; 2 ranks started by torchrun.
 - Stage 3 on 2 spawned ranks and --offload cpu in process (stages 2 and 3) train, and rank 0's
-  memory equals zerokern.estimate in every device category, every host one (offload) and the
+  memory equals zerokern.accounting.estimate in every device category, every host one
+  (offload) and the
   live-unit bound (stage 3); --offload with --compare runs its stage-0 baseline without
   offload (ZeroAdamW takes none at stage 0).
 - A rank that dies makes the command fail with its traceback; a rank left running is killed.
@@ -69,7 +71,7 @@ def test_train_two_ranks_compare_end_to_end(tmp_path):
     _check_metrics(m, 5, 2)
     assert m["comm_backend"] == "gloo" and m["device"] == "cpu"
     assert m["loss"]["loss_final"] < m["loss_curve"][0]  # 5 steps at lr 1e-2 already learn
-    # Memory: every rank's measured categories; rank 0 equals zerokern.estimate exactly.
+    # Memory: every rank's measured categories; rank 0 equals zerokern.accounting.estimate exactly.
     assert m["memory"]["estimate_matches_rank0"] is True
     est = m["memory"]["estimate"]["bytes"]
     assert {k: m["memory"]["per_rank"][0]["measured"][k] for k in est if k != "live_units"} == \
@@ -125,7 +127,7 @@ def test_train_under_torchrun_uses_its_ranks(tmp_path):
 
 
 def _check_estimate_matches(m: dict, stdout: str, stage: int, offload) -> None:
-    """Rank 0's memory_report equals zerokern.estimate: device, host and live-unit bound."""
+    """Rank 0's memory_report equals zerokern.accounting.estimate: device, host, live units."""
     assert m["memory"]["estimate_matches_rank0"] is True
     assert "equal in every category" in stdout
     est, rank0 = m["memory"]["estimate"], m["memory"]["per_rank"][0]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import zerokern as zk
-from zerokern import pinned
+from zerokern.state import pinned
 
 from . import harness as H
 from . import models as M

@@ -13,15 +13,16 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import aligned_io as aio
-from ..nvme_state import cleanup as _cleanup  # closes and removes files by .fds / .paths
-from ..offload_nvme import StepPhase
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import cleanup as _cleanup
+from zerokern.state.offload_nvme import StepPhase
+
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
 
 
 def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    from .. import pinned
+    from zerokern.state import pinned
 
     return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
 

@@ -62,7 +62,8 @@ from typing import Dict, List
 
 import torch
 
-from ..grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+
 from . import guards, param_offload
 from .backward import Stage3Backward
 from .hpz import HpzSecondary

@@ -29,9 +29,9 @@ from typing import List
 
 import torch
 
-from ..partition import make_layout, one_bucket_numel
-from ..shard_buffer import ShardBuffer
-from ..stages import pattern
+from zerokern.layout.partition import make_layout, one_bucket_numel
+from zerokern.layout.shard_buffer import ShardBuffer
+from zerokern.layout.stages import pattern
 
 
 class Residency(Enum):
@@ -56,7 +56,7 @@ class ShardedFlat(ShardBuffer):
         lo, hi = L.piece_range(0, rank)
         if trainable:  # fp32 masters from the original values, before the cast
             if placement is None:
-                from ..placement import DevicePlacement
+                from zerokern.state.placement import DevicePlacement
 
                 placement = DevicePlacement()
             self.state = placement.allocate(self)

@@ -15,9 +15,9 @@ from typing import List
 
 import torch
 
-from .partition import bucket_numel_for, make_layout
-from .shard_buffer import ShardBuffer
-from .stages import StagePattern, pattern
+from zerokern.layout.partition import bucket_numel_for, make_layout
+from zerokern.layout.shard_buffer import ShardBuffer
+from zerokern.layout.stages import StagePattern, pattern
 
 
 class FlatGroup(ShardBuffer):
@@ -37,7 +37,7 @@ class FlatGroup(ShardBuffer):
         layout = self.layout_of(params, dtype, world_size, bucket_bytes)
         self._init_buffer(params, dtype, rank, pat, layout, group_index)
         if placement is None:
-            from .placement import DevicePlacement
+            from zerokern.state.placement import DevicePlacement
 
             placement = DevicePlacement()
         # fp32 masters are taken from the original values, before the cast (issue 3).

@@ -50,10 +50,10 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from zerokern import kernels
 
 # the bit operations (kernels/compact_bits.py), re-exported
-from .kernels.compact_bits import (
+from zerokern.kernels.compact_bits import (
     TIE,
     _native,
     compact_,

@@ -59,9 +59,9 @@ from typing import List, Optional
 
 import torch
 
-from . import aligned_io as aio
-from .nvme_state import NAMES, DiskState, cleanup
-from .offload import CopyPipeline, _host_empty
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import NAMES, DiskState, cleanup
+from zerokern.state.offload import CopyPipeline, _host_empty
 
 CHUNK_NUMEL = 1 << 22
 QUEUE_DEPTH = 4
