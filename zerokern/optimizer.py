@@ -407,7 +407,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         return memory_report(self)
 
     def comm_stats(self, reset: bool = False) -> Dict[str, Any]:
-        """Bytes sent per collective type by this rank since the last reset."""
+        """Bytes sent per collective type by this rank since the last reset; "dims": the
+        same per group role ("shard", "replicate", "world", "hpz"; zerokern.comm.groups)."""
         out = self.comm.stats.as_dict()
         if reset:
             self.comm.stats.reset()

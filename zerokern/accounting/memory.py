@@ -15,7 +15,7 @@ from zerokern.accounting.formula import estimate_memory
 # frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
 # optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
 _CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
-         "live_units", "hpz_secondary", "padding")
+         "live_units", "padding")
 
 
 def _buffers(opt):
@@ -53,6 +53,8 @@ def memory_report(opt) -> Dict[str, Any]:
     hold less of it hold more real elements than Ψ/N, by up to the buffer's padding / N.
     """
     meas = dict.fromkeys(_CATS, 0)
+    if opt.comm.hpz is not None:  # hpZ's secondary param copies (stage3/hpz.py)
+        meas["hpz_secondary"] = 0
     seen = set()
     pad_bound = 0
     for g in opt.flat_groups:
