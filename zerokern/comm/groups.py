@@ -103,11 +103,6 @@ class Comm:
         return self.world.log
 
     @property
-    def hybrid(self) -> bool:
-        """Replicas of the shards (HSDP): a replicate group with more than one rank."""
-        return self.replicate is not None
-
-    @property
     def dims(self) -> dict:
         """Group sizes by role: {"shard": n, "replicate": m, "world": n*m} (and "hpz": the
         node group's size with hpZ)."""
