@@ -36,7 +36,10 @@ from zerokern.train import data, launch
 from zerokern.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--steps", "5"]
+# --device cpu: these runs check the gloo/CPU path and its numbers on any machine (issue 24,
+# item 7: without it a GPU box picks NCCL, 1 GPU cannot host 2 ranks, and the gloo assertions
+# fail); the CUDA path is tests/zero/test_gpu.py::test_train_command_on_cuda (-m gpu).
+TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--steps", "5", "--device", "cpu"]
 # Per-step loss of the --compare stage-0 run vs stage 2, fp32, 2 ranks: both sum the same two
 # gradients (a + b), so they agree to round-off in the logits; different batches differ ~0.1.
 COMPARE_TOL = 1e-4
@@ -177,6 +180,19 @@ def test_offload_in_process_works_and_matches_the_estimate(tmp_path, capsys, sta
         assert c["stage"] == 0 and len(c["loss_curve"]) == 3
         assert c["loss_curve"][0] == m["loss_curve"][0]  # same init, same first batch
         assert "host_measured" not in c["memory_per_rank"][0]
+
+
+def test_torchrun_with_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """A torchrun rank whose LOCAL_RANK has no GPU names the fix before touching CUDA (old
+    code: torch.cuda.set_device(1) on a 1-GPU box, a CUDA error from inside torch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: pytest.fail("set_device called for a missing GPU"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="LOCAL_RANK 1.*1 GPU.*--device cpu"):
+        launch.run_torchrun(TrainConfig())
 
 
 def _rank1_dies_rank0_hangs(cfg, device):

@@ -134,6 +134,13 @@ class ParamHomes:
             offloader.commit_hooks.append(self.commit)
 
     # -- I/O ---------------------------------------------------------------------------------
+    def gather_stream(self, device: torch.device):
+        """The stream the shard's fetch and all-gather are issued on (a GPU with pinned homes),
+        else None: [Note: stage-3 gather stream] in gather_stream.py."""
+        from . import gather_stream
+
+        return gather_stream.for_device(device) if self.pin else None
+
     def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
         if self.kind == "cpu":
             dev.copy_(f.flat, non_blocking=self.pin)  # stream-ordered before the all-gather

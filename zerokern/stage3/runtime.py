@@ -35,7 +35,10 @@ make the order independent of which params a rank used:
    group of their own (Comm.split). A rank that waits for a reduce-scatter (bounded staging,
    MAX_IN_FLIGHT) then never blocks a gather its peers wait on: on one group, gathers and
    reduce-scatters in different interleavings would pair a gather with a reduce-scatter of
-   the same size (gloo's ring: silently wrong) or hang (NCCL).
+   the same size (gloo's ring: silently wrong) or hang (NCCL). On a GPU the gathers are
+   issued from a stream of their own, so no gather waits (through the compute stream) for a
+   reduce-scatter whatever the two orders' interleaving ([Note: stage-3 gather stream] in
+   gather_stream.py, which also says what that leaves open).
 3. A unit is reduced once its backward is done on this rank: all its params have grads, or
    the grad of its inputs has been computed (FSDP2's post-backward: autograd runs a param's
    AccumulateGrad, which has the highest priority, as soon as it is ready, so a param without
@@ -183,10 +186,8 @@ class Stage3Runtime(Stage3Backward):
                 if not f.gathered and f.handle is None:
                     launched.add(id(f))  # hpZ: from the node's secondary while valid
                     route = None if self.hpz is None else self.hpz.route(f)
-                    if route is None:
-                        f.start_gather(self.comm.shard, self._label(f))
-                    else:  # (param_offload's buffers take no src: hpZ excludes them)
-                        f.start_gather(route[0], self._label(f), route[1])
+                    comm, src = route if route is not None else (self.comm.shard, None)
+                    f.start_gather(comm, self._label(f), src)
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
