@@ -97,17 +97,16 @@ class ShardedFlat(ShardBuffer):
         gathered over the node group (stage3/hpz.py)."""
         if self.residency is not Residency.SHARD:
             return
-        src = self._gather_source() if src is None else src
         gs = self._gather_stream()
         if gs is None:
             self.full.untyped_storage().resize_(self._full_bytes)
-            self.handle = comm.all_gather_(self.full, src, async_op=True,
-                                            label=label)
-        else:
+            self.handle = comm.all_gather_(self.full, self._gather_source() if src is None
+                                            else src, async_op=True, label=label)
+        else:  # (the source is fetched on the gather stream: offload_params' H2D copy)
             with gs.context():
                 self.full.untyped_storage().resize_(self._full_bytes)
-                self.handle = comm.all_gather_(self.full, src,
-                                                async_op=True, label=label)
+                self.handle = comm.all_gather_(self.full, self._gather_source() if src is None
+                                                else src, async_op=True, label=label)
             self._landed = (gs, gs.record())
         self.residency = Residency.GATHERING
 
