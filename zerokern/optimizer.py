@@ -38,6 +38,7 @@ from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm.mesh import check_hpz, check_mesh, make_comm
+from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
 from .optimizer_api import OptimizerApiMixin
@@ -64,7 +65,8 @@ ENGINE_ARGS = """
             or "nvme" (stages 1-3): the master and the rule's state live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
             half; see zerokern.state.offload_nvme).
-        offload_path: offload="nvme" only (keyword): an existing writable directory.
+        offload_path (str | os.PathLike | None): offload="nvme" only (keyword): an existing
+            writable directory for the state (and, with offload_params="nvme", param) files.
         free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
             (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
             scratch at stages 1-3) and the next backward allocates it again: DeepSpeed's
@@ -75,15 +77,16 @@ ENGINE_ARGS = """
             its all-gather (ZeRO-Infinity's param half; see zerokern.stage3.param_offload).
         bucket_mb: communication bucket size in MiB.
         reduce_dtype: gradient communication dtype; default the precision dtype.
-        process_group: torch.distributed group; default WORLD, or world size 1 without one.
-        mesh: (keyword) the data-parallel torch DeviceMesh, FSDP2's convention (for a
-            tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D is (replicate,
-            shard), HSDP: shard over dim 1, replicate over dim 0 (each shard all-reduced
-            across its replicas after the reduce-scatter; see zerokern.comm.groups). With
-            process_group too, the group must have exactly the mesh's ranks.
-        hpz: (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every rank
-            of the mesh plus a secondary copy sharded over dim 1 (the node), so the backward
-            re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
+        process_group (ProcessGroup | None): torch.distributed group; default WORLD, or
+            world size 1 without one.
+        mesh (DeviceMesh | None): (keyword) the data-parallel torch DeviceMesh, FSDP2's
+            convention (for a tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D
+            is (replicate, shard), HSDP: shard over dim 1, replicate over dim 0 (each shard
+            all-reduced across its replicas after the reduce-scatter; see zerokern.comm.groups).
+            With process_group too, the group must have exactly the mesh's ranks.
+        hpz (bool): (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every
+            rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
+            backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
             plain stage 3's over the same ranks.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
@@ -92,7 +95,8 @@ ENGINE_ARGS = """
             element; "compact" (bf16, no offload, stages 0-2): the same fp32 master, bit for
             bit, held as its low 16 bits under the bf16 param plus a tie bit (2.125 bytes per
             element; see zerokern.state.compact_master). Training is bitwise the same.
-        units: stage 3 only: which submodules are gathered together. None: each child of
+        units (None | type | tuple[type, ...] | Callable[[nn.Module], bool]): stage 3
+            only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
 """
@@ -180,6 +184,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.comm = comm
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
+        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        self._unfrozen = UnfreezeWatch(self, model, self.param_groups)  # before frozen ones leave
+        self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
@@ -228,7 +235,6 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         gs = self.grad_sync
         gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
             float(scaler.scale) != 1.0
-        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
@@ -236,6 +242,15 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Only during construction (torch.optim.Optimizer calls it for each group).
+
+        Args:
+            param_group: a param-group dict, as torch's.
+
+        Raises:
+            NotImplementedError: after construction; the flat buffers are laid out once, so
+                pass every group to the constructor.
+        """
         if getattr(self, "_built", False):
             raise NotImplementedError(f"{type(self).__name__} cannot add param groups after "
                                       "construction: "
@@ -244,7 +259,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ---- the step --------------------------------------------------------------------------
-    def _follow_model(self) -> None:
+    def _follow_model(self, where: str = "backward") -> None:
+        self._unfrozen.check(where)
         if self.model_watch is not None:
             self.model_watch.check()
 
@@ -263,7 +279,14 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             raise RuntimeError(f"this {type(self).__name__} no longer owns its params: a newer "
                                "zerokern optimizer (ZeroAdamW) was created on the same model "
                                "and took them over")
-        self._follow_model()
+        self._follow_model("step()")
+        try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
+            self._check_grads_ready(gs)
+        except RuntimeError as e:
+            self.comm.signal_failure(e)
+            raise
+
+    def _check_grads_ready(self, gs) -> None:
         if gs.micro_steps == 0 or not gs.has_grads():
             raise RuntimeError(f"{type(self).__name__}.step() called with no backward since "
                                "zero_grad(): "
@@ -300,6 +323,24 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step on this rank's shard, with no host-device synchronisation.
+
+        Reduces what is left to reduce, computes found_inf and the global norm, clips
+        (`max_grad_norm`, or a preceding `clip_grad_norm_`), runs the fused AdamW update and
+        all-gathers the new params (stages 1-2). With fp16 a step whose gradients hold inf or
+        NaN on any rank is skipped on every rank, bit for bit, and the loss scale halves
+        (`step_skipped`, `loss_scale`).
+
+        Args:
+            closure: optional, as torch's: re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: fp16 after a plain `loss.backward()` (the gradients were never
+                scaled), or `p.grad` changed between backward and step (names the param).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -318,11 +359,14 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
+        self._frozen_skip.begin(self, found)  # params frozen since: left as they are
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             hyper = self.rule.hyper(self.param_groups[g.group_index])
             for k in range(g.layout.n_buckets):
-                place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
+                grad = gs.grad_piece(gi, k)
+                place.update_piece(gi, k, grad, hyper, self.backend)
+                self._frozen_skip.after_update_(self, gi, k, grad, hyper, grad_scale, found)
                 gathers.append(g.publish_piece(self.comm.shard, k))  # stages 1-2: gather
         for h in gathers:
             if h is not None:
@@ -347,8 +391,12 @@ class ZeroAdamW(ZeroOptimizer):
     engine, ZeroOptimizer, with the AdamW rule, zerokern.rules.adamw).
 
     Args:
-        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module (any
+            stage; required for stage 3).
+        lr: learning rate, as torch.optim.AdamW; per group where a group gives it.
+        betas: (beta1, beta2), as torch.optim.AdamW; per group where given.
+        eps: added to the denominator, as torch.optim.AdamW; per group where given.
+        weight_decay: decoupled (adamw=True) or L2 (adamw=False) weight decay; per group.
         adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).""" + \
         ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics (see ZeroOptimizer).

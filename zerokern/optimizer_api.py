@@ -24,12 +24,25 @@ class OptimizerApiMixin:
         return self.scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`."""
+        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`.
+
+        Args:
+            loss: the 0-d loss tensor.
+
+        Returns:
+            loss * loss_scale (the same graph), marked as scaled for `step()`.
+        """
         return self.grad_sync.mark_scaled_loss(loss * self.scaler.scale)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """Loss-scaled backward. With fp16 (or an explicit loss_scale) every backward must go
-        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise."""
+        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise.
+
+        Args:
+            loss: the 0-d loss tensor (divide it by the number of micro-batches when
+                accumulating, as with DDP).
+            **kwargs: passed to `torch.Tensor.backward` (e.g. retain_graph).
+        """
         self.scale_loss(loss).backward(**kwargs)
 
     @contextmanager
@@ -46,7 +59,12 @@ class OptimizerApiMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: p.grad becomes None (set_to_none=True) or zeros; the accumulated
-        gradient (and every shard of it) is cleared."""
+        gradient (and every shard of it) is cleared.
+
+        Args:
+            set_to_none: True (torch's default): `p.grad` becomes None; with
+                free_grads=True the gradient memory is freed too. False: zeros.
+        """
         self.grad_sync.zero_grad(set_to_none)
         self._clip_next = None
 
@@ -54,7 +72,20 @@ class OptimizerApiMixin:
         """Global gradient norm over every rank's shard (a 0-d device tensor, no host sync);
         the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
         DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
-        backward and before step(), as FSDP's clip_grad_norm_."""
+        backward and before step(), as FSDP's clip_grad_norm_.
+
+        Args:
+            max_norm: the largest norm the step's gradient may have (> 0).
+            norm_type: 2.0 (default), any p > 0, or math.inf.
+
+        Returns:
+            The global norm of the (unclipped, unscaled) gradient: a 0-d fp32 tensor on the
+            param device, the same on every rank.
+
+        Raises:
+            ValueError: max_norm or norm_type out of range.
+            RuntimeError: no backward since the last step (nothing to clip).
+        """
         check_clip(max_norm, norm_type)
         self._check_ready()
         self._prepare()
@@ -87,17 +118,35 @@ class OptimizerApiMixin:
     # ---- introspection ---------------------------------------------------------------------
 
     def memory_report(self) -> Dict[str, Any]:
-        """Bytes held per category on this rank, with the DESIGN §4 formula beside them."""
+        """Bytes held per category on this rank, with the DESIGN §4 formula beside them.
+
+        Returns:
+            A dict: `measured` (bytes per device category: params, grads, buckets, master,
+            exp_avg, exp_avg_sq, padding, and at stage 3 frozen and live_units),
+            `measured_total`, `formula`, `formula_total`, `allowed_slack`; with offload
+            `host_measured` / `disk_measured` and their totals, `host_pinned_total`,
+            `host_pageable_total`; at stage 3 `peak_live_units` and `live_units_bound`; and
+            num_params, world_size, stage, precision. Equal to `zerokern estimate`.
+        """
         return memory_report(self)
 
     def comm_stats(self, reset: bool = False) -> Dict[str, Any]:
-        """Bytes sent per collective type by this rank since the last reset."""
+        """Bytes sent per collective type by this rank since the last reset.
+
+        Args:
+            reset: also reset the counters after reading them.
+
+        Returns:
+            A dict per collective type (all_reduce, reduce_scatter, all_gather) with the bytes
+            sent and the number of calls.
+        """
         out = self.comm.stats.as_dict()
         if reset:
             self.comm.stats.reset()
         return out
 
     def reset_comm_stats(self) -> None:
+        """Zero the counters `comm_stats()` reads."""
         self.comm.stats.reset()
 
     @contextmanager
@@ -105,8 +154,9 @@ class OptimizerApiMixin:
         """Full params inside the block (stage 3 gathers every unit, then re-shards; at
         stages 0-2 they are always resident and this does nothing). Collective at stage 3.
 
-        modify=True: changes made to the params inside are kept (each rank takes its piece
-        back into its shard and fp32 master); otherwise they are discarded at stage 3.
+        Args:
+            modify: True: changes made to the params inside are kept (each rank takes its
+                piece back into its shard and fp32 master); False: discarded at stage 3.
         """
         if not self.pattern.shards_params:
             yield

@@ -19,8 +19,9 @@ class ZeroLion(ZeroOptimizer):
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        lr, betas, weight_decay: as lion_pytorch.Lion (defaults 1e-4, (0.9, 0.99), 0.0); per
-            group where given in a group.""" + ENGINE_ARGS
+        lr: as lion_pytorch.Lion (default 1e-4); per group where given in a group.
+        betas: (beta1, beta2) as lion_pytorch.Lion (default (0.9, 0.99)); per group.
+        weight_decay: decoupled, as lion_pytorch.Lion (default 0.0); per group.""" + ENGINE_ARGS
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ class StateDictMixin:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
         stage 3 the param shard, which the model's own state_dict cannot give)."""
+        self._frozen_skip.check_savable("state_dict()")
         groups = [{k: v for k, v in group.items() if k != "params"}
                   for group in self.param_groups]
         return {"zero": self._meta(),
@@ -28,7 +29,16 @@ class StateDictMixin:
                 "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a `state_dict()` of the same model, stage, precision, world size and rank."""
+        """Load a `state_dict()` of the same model, stage, precision, world size and rank.
+
+        Args:
+            state_dict: what `state_dict()` returned on this rank (use zerokern.checkpoint to
+                change world size, stage or precision).
+
+        Raises:
+            ValueError: not a ZeroAdamW state dict, or one of another stage, precision, world
+                size, rank or layout (naming which).
+        """
         if not isinstance(state_dict, dict) or "zero" not in state_dict:
             raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
                              "use zerokern.checkpoint to reshard across layouts")

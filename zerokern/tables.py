@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import List, Sequence, Tuple
 
 Column = Tuple[str, str]  # (row key, header)
@@ -26,14 +27,19 @@ def format_rows(rows: Sequence[dict], columns: Sequence[Column]) -> List[List[st
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[Column], title: str = "") -> None:
-    """A console table: rich if it is installed, else aligned plain text."""
+    """A console table: rich on a terminal wide enough for it, else aligned plain text.
+
+    [Note: tables in logs] Piped to a file or a CI log, rich lays the table out for 80 columns
+    and cuts headers to "zero…" / "prov…" (issue 25), so a log would not say what a column is.
+    Off a terminal, and on a terminal narrower than the table, the plain layout prints every
+    header and cell in full (a long line is better than a lost header).
+    """
     cells = format_rows(rows, columns)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-                  for i, (_, h) in enumerate(columns)]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, (_, h) in enumerate(columns)]
+    table_width = sum(widths) + 3 * len(widths) + 1   # rich's borders and padding
+    console = _rich_console(table_width)
+    if console is None:
         if title:
             print(title)
         print("  ".join(h.rjust(w) for (_, h), w in zip(columns, widths)))
@@ -41,12 +47,26 @@ def print_table(rows: Sequence[dict], columns: Sequence[Column], title: str = ""
         for c in cells:
             print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
         return
+    from rich.table import Table
+
     table = Table(title=title or None)
     for _, h in columns:
-        table.add_column(h, justify="right")
+        table.add_column(h, justify="right", no_wrap=True)
     for c in cells:
         table.add_row(*c)
-    Console().print(table)
+    console.print(table)
+
+
+def _rich_console(table_width: int):
+    """A rich Console when stdout is a terminal at least `table_width` wide, else None."""
+    if not sys.stdout.isatty():
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    console = Console()
+    return console if console.width >= table_width else None
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:

@@ -130,6 +130,9 @@ class _InstantComm:
     def check_collectives(self, where: str = "") -> None:
         pass
 
+    def signal_failure(self, error: BaseException) -> None:
+        pass
+
 
 def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pat,
                 bucket_bytes):

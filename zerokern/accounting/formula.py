@@ -24,6 +24,20 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
                     master: str = "fp32", optimizer="adamw") -> Dict[str, int]:
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
+    Args:
+        num_params: Ψ, a positive int (write `7_000_000_000`, not `7e9`).
+        world_size: N, the number of data-parallel ranks (a positive int).
+        stage: ZeRO stage, 0-3.
+        precision: "fp32" | "bf16" | "fp16": the dtype of params and grads.
+        offload: None, "cpu" or "nvme": where the master and the rule's state live.
+        reduce_bytes: bytes per gradient element communicated and held; default the
+            precision's element size.
+        master: "fp32" or "compact" (bf16: the master in 2.125 bytes per element).
+        optimizer: "adamw", "lion" or a zerokern.rules.Rule: which states there are.
+
+    Raises:
+        ValueError: an argument out of range, naming it.
+
     Returns params, grads, master, one entry per state of the rule (`optimizer`: "adamw",
     "lion" or a zerokern.rules.Rule; named as the rule names them), optimizer (master + states),
     total; with

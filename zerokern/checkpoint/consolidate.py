@@ -134,7 +134,9 @@ def consolidate(path, out=None, *, dtype=torch.float32,
         The state dict {key: tensor (CPU)}, keys as `model.state_dict()`, or the path written.
 
     Raises:
-        CheckpointError and kinds (ChecksumError, MissingFileError, VersionError).
+        CheckpointError: the checkpoint cannot be read; its kinds ChecksumError (names the
+            file), MissingFileError and VersionError.
+        ValueError: an unknown fmt or dtype.
     """
     dt = _out_dtype(dtype)
     if out is not None:
@@ -184,6 +186,13 @@ def _write_safetensors(fn: str, src: _Source, dtype: torch.dtype) -> None:
 
 def verify(path) -> Dict[str, Any]:
     """Check every block of every file of a checkpoint against its crc (reads all of it).
+
+    Args:
+        path: checkpoint directory written by `zerokern.checkpoint.save`.
+
+    Raises:
+        ChecksumError: a block does not match its crc (names the file).
+        MissingFileError: a rank file is missing.
 
     Returns:
         {"path", "files", "bytes"} of the checkpoint.

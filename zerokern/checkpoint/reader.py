@@ -120,14 +120,20 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
     Works at any world size, stage and precision. Each rank memory-maps and reads only the
     byte ranges it holds; nothing is converted offline.
 
+    Args:
+        path: checkpoint directory written by `zerokern.checkpoint.save`, the same on every
+            rank.
+        model: the nn.Module `opt` was built on (same names and shapes as the saved one).
+        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload.
+
     Returns:
         {"path", "world_size", "stage", "precision", "step"} of the checkpoint read.
 
     Raises:
-        TypeError, ValueError: bad arguments.
-        CheckpointError (a ValueError) and its kinds, on every rank, with nothing modified:
-        ChecksumError (names the file), MissingFileError, VersionError, ModelMismatchError
-        (names the param).
+        TypeError: bad argument types. ValueError: bad argument values.
+        CheckpointError: (a ValueError) on every rank, with nothing modified; its kinds
+            ChecksumError (names the file), MissingFileError, VersionError and
+            ModelMismatchError (names the param).
     """
     with whole_frozen_params(opt, write_back=True):  # stage 3 (collective)
         return _load(path, model, opt)

@@ -103,6 +103,9 @@ def save(path, model: nn.Module, opt) -> str:
 
 
 def _save(path, model: nn.Module, opt) -> str:
+    skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
+    if skip is not None:
+        skip.check_savable("zerokern.checkpoint.save")
     path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)

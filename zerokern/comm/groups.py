@@ -127,6 +127,12 @@ class Comm:
             t.zero_()
         return t
 
+    def signal_failure(self, error: BaseException) -> None:
+        """This rank raises `error`: post it on every group's failure channel (comm/abort.py),
+        so peers waiting in a collective on any of them raise too."""
+        for g in self._groups():
+            g.signal_failure(error)
+
     # -- grads ---------------------------------------------------------------------------------
     def reduce_grads_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                       label: Optional[str] = None):

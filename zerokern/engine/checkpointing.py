@@ -83,6 +83,15 @@ class CheckpointMixin:
         """Collective. `save_dir/tag/` holds a zerokern checkpoint (any world size loads it)
         and the engine's counters, scheduler state and client_state.
 
+        Args:
+            save_dir: the directory (the same on every rank).
+            tag: the sub-directory; default `global_step<N>`.
+            client_state: a picklable dict, returned by `load_checkpoint`.
+            save_latest: write `save_dir/latest` with the tag.
+
+        Returns:
+            True.
+
         Raises:
             ValueError: save_dir None or "" on any rank, or (tag_validation "Fail") tags that
                 differ across ranks: on every rank, before anything is written.
@@ -117,7 +126,21 @@ class CheckpointMixin:
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Collective. Returns (path, client_state), or (None, None) when there is no
-        `latest` and no tag (as DeepSpeed)."""
+        `latest` and no tag (as DeepSpeed).
+
+        Args:
+            load_dir: the directory `save_checkpoint` wrote (any world size or stage).
+            tag: the sub-directory; default the one named in `load_dir/latest`.
+            load_module_strict: must be True (zerokern loads strictly).
+            load_optimizer_states: must be True (the module and optimizer load together).
+            load_lr_scheduler_states: also restore the scheduler's state.
+            load_module_only: must be False.
+
+        Raises:
+            ValueError: load_dir None or "" on any rank, load_module_strict /
+                load_optimizer_states False or load_module_only True; on every rank.
+            CheckpointError: as `zerokern.checkpoint.load`.
+        """
         self._need_optimizer("load_checkpoint")
         # a bad load_dir on one rank raises on every rank ([Note: checkpoint tags])
         _raise_first(self._gather((_dir_error(load_dir, "load_checkpoint: load_dir"),)))
@@ -157,7 +180,15 @@ class CheckpointMixin:
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Collective. At stage 3 only with stage3_gather_16bit_weights_on_model_save (False
-        otherwise, as DeepSpeed); rank 0 writes `save_dir/save_filename`."""
+        otherwise, as DeepSpeed); rank 0 writes `save_dir/save_filename`.
+
+        Args:
+            save_dir: the directory to write into.
+            save_filename: the file name (torch.save of the 16-bit state dict).
+
+        Returns:
+            True when written.
+        """
         if self.zero_optimization_stage() == 3 and not self.config.gather_16bit_on_save:
             log.warning("save_16bit_model: stage 3 needs zero_optimization."
                         "stage3_gather_16bit_weights_on_model_save=true; nothing saved")
@@ -171,4 +202,10 @@ class CheckpointMixin:
         return True
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`.
+
+        Args:
+            save_dir: as `save_16bit_model`.
+            save_filename: as `save_16bit_model`.
+        """
         return self.save_16bit_model(save_dir, save_filename)

@@ -89,7 +89,32 @@ ZK_BUCKET_MB_DEFAULT = 25.0
 
 @dataclass
 class EngineConfig:
-    """The parsed config. Sizes: batch sizes in samples, bucket_mb in MiB."""
+    """The parsed config. Sizes: batch sizes in samples, bucket_mb in MiB.
+
+    Attributes:
+        train_batch_size: samples per optimizer step over all ranks.
+        micro_batch_size: samples per micro-batch per rank.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        world_size: ranks the config was parsed for.
+        gradient_clipping: global L2 clipping norm (0: off).
+        steps_per_print: log every this many optimizer steps.
+        wall_clock_breakdown: add forward/backward/step times to the log.
+        optimizer: the config's {"type", "params"} optimizer section, or None.
+        scheduler: the config's {"type", "params"} scheduler section, or None.
+        precision: "fp32", "bf16" or "fp16".
+        loss_scale: ZeroAdamW's loss_scale= (fp16: "dynamic", a float or a dict).
+        stage: the ZeRO stage, 0-3.
+        reduce_bucket_elements: reduce_bucket_size in elements; None: zerokern's default.
+        reduce_dtype: communication_data_type, or None.
+        offload: offload_optimizer.device: None, "cpu" or "nvme".
+        offload_path: nvme_path for offload "nvme".
+        offload_params: offload_param.device: None, "cpu" or "nvme".
+        gather_16bit_on_save: stage3_gather_16bit_weights_on_model_save.
+        tag_validation: checkpoint.tag_validation: "IGNORE", "WARN" (default) or "FAIL".
+        ignored: (key, why) of the keys ignored with a warning, as DeepSpeed ignores them.
+        no_effect: (key, why) of the accepted keys with no effect in zerokern.
+        raw: the config as given.
+    """
 
     train_batch_size: int
     micro_batch_size: int
@@ -332,6 +357,13 @@ def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:
 def parse_config(config: Any, world_size: int) -> EngineConfig:
     """Parse and validate a DeepSpeed config (a dict, a JSON/hjson path or base64 JSON:
     config_file.py) for `world_size` ranks.
+
+    Args:
+        config: a DeepSpeed config dict, or a path to its JSON file.
+        world_size: the number of data-parallel ranks (for the batch-size triple).
+
+    Returns:
+        The EngineConfig.
 
     Raises:
         ValueError: naming the key, for unknown keys, 'auto' values, inconsistent batch

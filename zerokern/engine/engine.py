@@ -56,7 +56,19 @@ def init_distributed(dist_backend: Optional[str] = None, timeout=datetime.timede
     """Start the default process group from the launcher's environment, as
     `deepspeed.init_distributed`: torchrun and DeepSpeed's launcher (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or mpirun (OMPI_COMM_WORLD_*). NCCL when CUDA is
-    available, gloo otherwise. Does nothing if a group exists already."""
+    available, gloo otherwise. Does nothing if a group exists already.
+
+    Args:
+        dist_backend: "nccl", "gloo", ...; default NCCL with CUDA, gloo without.
+        timeout: the process group's collective timeout.
+        init_method: default "env://" (MASTER_ADDR / MASTER_PORT, default 127.0.0.1:29500).
+        rank: this process's rank; default from the environment.
+        world_size: the number of ranks; default from the environment.
+
+    Raises:
+        RuntimeError: no RANK / WORLD_SIZE in the environment (not launched by torchrun,
+            deepspeed or mpirun) and none given.
+    """
     if dist.is_initialized():
         return
     rank = rank if rank >= 0 else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -87,13 +99,25 @@ def _world() -> Tuple[int, int]:
 class ZeroEngine(CheckpointMixin, nn.Module):
     """DeepSpeed's engine surface over a model and its ZeroAdamW (build it with initialize).
 
+    Attributes: `module`, `optimizer`, `lr_scheduler`, `training_dataloader`, `config` (the
+    EngineConfig), `global_rank`, `world_size`, `local_rank`, `micro_steps`, `global_steps`,
+    `global_samples`, `skipped_steps`.
+
     [Note: forward-only engine] With no optimizer (none given, no config key `optimizer`),
     DeepSpeed builds an engine for forward passes: the model in the config's precision on the
     device, and backward/step raise. zerokern does the same (`optimizer` is None;
     backward, step, checkpoints raise NoOptimizerError). At stage 3 DeepSpeed also partitions
     the params; zerokern shards only through ZeroAdamW, so its forward-only engine keeps the
     whole model on every rank at every stage (a warning says so at stage 3): the outputs are
-    the same, the memory is not sharded."""
+    the same, the memory is not sharded.
+
+    Args:
+        model: the nn.Module (kept as `engine.module`).
+        optimizer: its ZeroAdamW, or None for a forward-only engine.
+        cfg: the parsed config (`parse_config`).
+        lr_scheduler: the scheduler stepped at each accumulation boundary, or None.
+        training_dataloader: the loader `initialize` built, or None.
+    """
 
     def __init__(self, model: nn.Module, optimizer: Optional[ZeroAdamW], cfg: EngineConfig,
                  lr_scheduler=None, training_dataloader=None) -> None:
@@ -120,24 +144,30 @@ class ZeroEngine(CheckpointMixin, nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """The device the model's params live on."""
         if self.optimizer is not None:
             return self.optimizer.flat_groups[0].device
         p = next(self.module.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's gradient_accumulation_steps)."""
         return self.config.gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch per rank."""
         return self.config.micro_batch_size
 
     def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (micro x accumulation x world size)."""
         return self.config.train_batch_size
 
     def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
         return self.optimizer.stage if self.optimizer is not None else self.config.stage
 
     def get_lr(self):
+        """The current learning rate of each param group (a list of floats)."""
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float:
@@ -147,16 +177,20 @@ class ZeroEngine(CheckpointMixin, nn.Module):
 
     @property
     def loss_scale(self) -> float:
+        """The current loss scale (a host read; 1.0 unless fp16 or a static scale)."""
         return 1.0 if self.optimizer is None else float(self.optimizer.loss_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the coming `step()` is an optimizer step."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def no_sync(self):
+        """The optimizer's `no_sync()`: backward passes inside do not communicate."""
         self._need_optimizer("no_sync")
         return self.optimizer.no_sync()
 
     def zero_grad(self) -> None:
+        """Clear the gradients (`step()` does it at each boundary)."""
         if self.optimizer is None:
             self.module.zero_grad()
         else:
@@ -164,6 +198,12 @@ class ZeroEngine(CheckpointMixin, nn.Module):
 
     # ---- the loop -----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """The model's forward (`engine(*args, **kwargs)`), timed for wall_clock_breakdown.
+
+        Args:
+            *args: passed to the model.
+            **kwargs: passed to the model.
+        """
         t0 = time.perf_counter()
         out = self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
@@ -172,7 +212,13 @@ class ZeroEngine(CheckpointMixin, nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss x loss scale (x 1/gradient_accumulation_steps) backward, no_sync() off the
-        accumulation boundary. Returns the loss as given."""
+        accumulation boundary. Returns the loss as given.
+
+        Args:
+            loss: the micro-batch's 0-d loss.
+            retain_graph: as torch's backward.
+            scale_wrt_gas: divide by gradient_accumulation_steps (DeepSpeed's default).
+        """
         self._need_optimizer("backward")
         t0 = time.perf_counter()
         self._last_loss = loss.detach()
@@ -186,7 +232,11 @@ class ZeroEngine(CheckpointMixin, nn.Module):
         return loss
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Count a micro-step; at the boundary: clip, step, schedule, zero the grads."""
+        """Count a micro-step; at the boundary: clip, step, schedule, zero the grads.
+
+        Args:
+            lr_kwargs: keyword arguments for the scheduler's step().
+        """
         self._need_optimizer("step")
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
@@ -307,6 +357,35 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     torch optimizer given (rebound to the ZeroAdamW). A client optimizer or lr_scheduler is
     used even when the config names one, as in DeepSpeed ([Note: client objects win]).
     With no optimizer at all the engine is forward-only ([Note: forward-only engine]).
+
+    Args:
+        args: an argparse namespace; its `deepspeed_config` is an alias of `config`.
+        model: the nn.Module to train (required).
+        optimizer: None (the config's `optimizer` section builds a ZeroAdamW), a torch
+            Adam/AdamW (converted to ZeroAdamW with the same groups and hyperparameters), a
+            ZeroAdamW, or a callable(params) returning one of those.
+        model_parameters: the params or param groups to optimize (default: the model's).
+        training_data: a Dataset; the returned loader has a DistributedSampler and the
+            micro-batch size.
+        lr_scheduler: a callable(optimizer) -> scheduler, or a scheduler already on the given
+            ZeroAdamW; otherwise the config's `scheduler` section, if any.
+        distributed_port: accepted for DeepSpeed compatibility (MASTER_PORT is used).
+        mpu: model parallelism: not supported (ValueError when given).
+        dist_init_required: False: never start a process group; default: start one from the
+            launcher's environment when WORLD_SIZE > 1 and none exists.
+        collate_fn: the loader's collate_fn.
+        config: a DeepSpeed config dict or a path to its JSON file.
+        mesh_param: model parallelism: not supported (ValueError when given).
+        config_params: an alias of `config` (DeepSpeed's older name).
+
+    Returns:
+        (engine, optimizer, loader, scheduler): a ZeroEngine, its ZeroAdamW, the loader (None
+        without training_data) and the scheduler (None without one).
+
+    Raises:
+        ValueError: no model or no config, different configs given twice, mpu/mesh_param, or
+            a config key zerokern cannot honour (naming the key), before the model is
+            touched.
     """
     if model is None:
         raise ValueError("initialize: model is required")

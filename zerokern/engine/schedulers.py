@@ -41,7 +41,11 @@ class _DeepSpeedIndex:
         return self.last_epoch - 1
 
     def step(self, batch_iteration: Optional[int] = None) -> None:
-        """One step, or (DeepSpeed's `step(n)`) jump to DeepSpeed index n."""
+        """One step, or (DeepSpeed's `step(n)`) jump to DeepSpeed index n.
+
+        Args:
+            batch_iteration: None for the next step, or the DeepSpeed index to jump to.
+        """
         if batch_iteration is not None:
             self.last_epoch = int(batch_iteration)  # LRScheduler.step adds the 1
         super().step()
@@ -64,7 +68,21 @@ def _check_warmup_type(t: str) -> str:
 
 class WarmupLR(_DeepSpeedIndex, LRScheduler):
     """From warmup_min_lr to warmup_max_lr (default: the optimizer's lr) over warmup_num_steps
-    (log or linear), then constant."""
+    (log or linear), then constant.
+
+    Args:
+        optimizer: the ZeroAdamW (or any torch optimizer).
+        warmup_min_lr: the starting lr: a float or one per param group.
+        warmup_max_lr: the lr after warm-up: a float, one per group, or None (each group's
+            own lr).
+        warmup_num_steps: steps of the warm-up (at least 2, as DeepSpeed).
+        warmup_type: "log" (DeepSpeed's default) or "linear".
+        last_batch_iteration: must be -1; resume through `load_state_dict()`.
+
+    Raises:
+        ValueError: last_batch_iteration other than -1, an unknown warmup_type, or a per-group
+            list of the wrong length, naming the argument.
+    """
 
     def __init__(self, optimizer, warmup_min_lr: Floats = 0.0,
                  warmup_max_lr: Optional[Floats] = None, warmup_num_steps: int = 1000,
@@ -82,6 +100,7 @@ class WarmupLR(_DeepSpeedIndex, LRScheduler):
         return _warmup_gamma(i, self.warmup_num_steps, self.warmup_type)
 
     def get_lr(self) -> List[float]:
+        """Each group's lr at the current step (torch's LRScheduler protocol)."""
         i = self.last_epoch - 1  # [Note: iteration index]
         if i < 0:
             return list(self.min_lrs)
@@ -91,7 +110,18 @@ class WarmupLR(_DeepSpeedIndex, LRScheduler):
 
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps. warmup_max_lr defaults to 0.001,
-    not to the optimizer's lr (WarmupLR's default): DeepSpeed 0.19's defaults differ so."""
+    not to the optimizer's lr (WarmupLR's default): DeepSpeed 0.19's defaults differ so.
+
+    Args:
+        optimizer: the ZeroAdamW (or any torch optimizer).
+        total_num_steps: the step at which the lr reaches 0.
+        warmup_min_lr: the starting lr: a float or one per param group.
+        warmup_max_lr: the lr after warm-up: a float or one per group (default 0.001, as
+            DeepSpeed 0.19).
+        warmup_num_steps: steps of the warm-up (at least 2, as DeepSpeed).
+        warmup_type: "log" (DeepSpeed's default) or "linear".
+        last_batch_iteration: must be -1; resume through `load_state_dict()`.
+    """
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: Floats = 0.0,
                  warmup_max_lr: Optional[Floats] = 0.001, warmup_num_steps: int = 1000,
@@ -111,7 +141,21 @@ class WarmupDecayLR(WarmupLR):
 
 class WarmupCosineLR(_DeepSpeedIndex, LRScheduler):
     """A ratio of each group's own lr: warmup_min_ratio -> 1 over warmup_num_steps, then a
-    cosine down to cos_min_ratio at total_num_steps (and held there)."""
+    cosine down to cos_min_ratio at total_num_steps (and held there).
+
+    Args:
+        optimizer: the ZeroAdamW (or any torch optimizer).
+        total_num_steps: the step at which the cosine reaches cos_min_ratio.
+        warmup_min_ratio: the starting ratio of each group's lr.
+        warmup_num_steps: steps of the warm-up (at least 2, as DeepSpeed).
+        warmup_type: "log" (DeepSpeed's default) or "linear".
+        last_batch_iteration: must be -1; resume through `load_state_dict()`.
+        cos_min_ratio: the final ratio.
+
+    Raises:
+        ValueError: warmup_num_steps not positive, last_batch_iteration other than -1, or an
+            unknown warmup_type, naming the argument.
+    """
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
@@ -128,6 +172,11 @@ class WarmupCosineLR(_DeepSpeedIndex, LRScheduler):
         super().__init__(optimizer)
 
     def ratio(self, i: int) -> float:
+        """The factor on each group's lr after `i + 1` steps (0 before the first).
+
+        Args:
+            i: the step index (0-based).
+        """
         if i < 0:
             return 0.0
         if i < self.warmup_num_steps:
@@ -139,6 +188,7 @@ class WarmupCosineLR(_DeepSpeedIndex, LRScheduler):
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cos)
 
     def get_lr(self) -> List[float]:
+        """Each group's lr at the current step (torch's LRScheduler protocol)."""
         r = self.ratio(self.last_epoch - 1)
         return [base * r for base in self.base_lrs]
 
@@ -147,7 +197,27 @@ class OneCycle(_DeepSpeedIndex, LRScheduler):
     """1cycle: lr cycle_min_lr -> cycle_max_lr over cycle_first_step_size, back over
     cycle_second_step_size (optionally in stairs), then decay by decay_lr_rate every
     decay_step_size; momentum (betas[0]) cycles the other way between cycle_max_mom and
-    cycle_min_mom when cycle_momentum (and beta2 becomes 0.99, as in DeepSpeed)."""
+    cycle_min_mom when cycle_momentum (and beta2 becomes 0.99, as in DeepSpeed).
+
+    Args:
+        optimizer: the ZeroAdamW (or any torch optimizer).
+        cycle_min_lr: the lr at the start and end of the cycle (float or one per group).
+        cycle_max_lr: the lr at the top of the cycle (float or one per group).
+        decay_lr_rate: after the cycle, lr = cycle_min_lr / (1 + rate * decay intervals).
+        cycle_first_step_size: steps from cycle_min_lr up to cycle_max_lr.
+        cycle_second_step_size: steps back down; default cycle_first_step_size.
+        cycle_first_stair_count: stairs on the way up (0: continuous).
+        cycle_second_stair_count: stairs on the way down; default cycle_first_stair_count.
+        decay_step_size: steps per decay interval after the cycle (0: no decay).
+        cycle_momentum: cycle betas[0] inversely to the lr (and set beta2 to 0.99).
+        cycle_min_mom: the lowest beta1 (at the top of the lr cycle).
+        cycle_max_mom: the highest beta1.
+        decay_mom_rate: after the cycle, beta1 = cycle_max_mom * (1 + rate * intervals).
+        last_batch_iteration: must be -1; resume through `load_state_dict()`.
+
+    Raises:
+        ValueError: a bad argument, naming it.
+    """
 
     def __init__(self, optimizer, cycle_min_lr: Floats, cycle_max_lr: Floats,
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
@@ -201,6 +271,7 @@ class OneCycle(_DeepSpeedIndex, LRScheduler):
         return (i - self.total + 1) / self.decay_step_size
 
     def get_lr(self) -> List[float]:
+        """Each group's lr at the current step (torch's LRScheduler protocol)."""
         i = self.last_epoch - 1
         if i < 0:
             return list(self.min_lrs)
@@ -234,6 +305,11 @@ class OneCycle(_DeepSpeedIndex, LRScheduler):
         return [(m, 0.99) for m in self._moms(self.last_epoch - 1, start=False)]
 
     def step(self, batch_iteration: Optional[int] = None) -> None:
+        """Advance one step: the lr, and with cycle_momentum each group's betas.
+
+        Args:
+            batch_iteration: as DeepSpeed's: the iteration to move to (None: the next).
+        """
         super().step(batch_iteration)
         if self.cycle_momentum:
             moms = self._moms(self.last_epoch - 1, start=batch_iteration is None)
@@ -246,7 +322,20 @@ class OneCycle(_DeepSpeedIndex, LRScheduler):
 class LRRangeTest(_DeepSpeedIndex, LRScheduler):
     """The LR range test: lr = lr_range_test_min_lr x (1 + lr_range_test_step_rate x k),
     k = (index + 1) / lr_range_test_step_size (floored with lr_range_test_staircase), so
-    the lr grows every step from the minimum (used to find a cycle's bounds)."""
+    the lr grows every step from the minimum (used to find a cycle's bounds).
+
+    Args:
+        optimizer: the ZeroAdamW (or any torch optimizer).
+        lr_range_test_min_lr: the starting lr: a float or one per param group.
+        lr_range_test_step_size: steps per unit of k (a positive int).
+        lr_range_test_step_rate: the lr's growth per unit of k.
+        lr_range_test_staircase: floor k (the lr grows in stairs).
+        last_batch_iteration: must be -1; resume through `load_state_dict()`.
+
+    Raises:
+        ValueError: lr_range_test_step_size not a positive int, or last_batch_iteration
+            other than -1.
+    """
 
     def __init__(self, optimizer, lr_range_test_min_lr: Floats = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
@@ -264,6 +353,7 @@ class LRRangeTest(_DeepSpeedIndex, LRScheduler):
         super().__init__(optimizer)
 
     def get_lr(self) -> List[float]:
+        """Each group's lr at the current step (torch's LRScheduler protocol)."""
         k = self.last_epoch / self.step_size  # (DeepSpeed index + 1): [Note: iteration index]
         if self.staircase:
             k = math.floor(k)

@@ -165,6 +165,16 @@ class FullGrads(GradSync):
             self._stale[gi][i] = False
         return self._views[gi][i]
 
+    def renew_views(self) -> None:
+        """Module._apply re-points a moved param's grad in place (`p.grad.data = moved`): the
+        p.grad views we handed out then hold a copy, and backward would accumulate into it,
+        not into the buffer (stage 0 moved the params by a stale gradient). New views over the
+        same buffer (its values are the grads' values) are shown instead."""
+        if self.grads is not None:
+            blank = self._blank
+            self._alloc(bufs=self.grads)
+            self._blank = blank
+
     def to_(self, device) -> None:
         if self.grads is not None:
             self._alloc(bufs=[b.to(device) for b in self.grads])

@@ -113,7 +113,11 @@ class GradSync:
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._end_backward)
         self.generation += 1
-        self._adopt_user_grads()
+        try:
+            self._adopt_user_grads()
+        except RuntimeError as e:  # a p.grad assigned on this rank only, maybe (comm/abort.py)
+            self.comm.signal_failure(e)
+            raise
         self._got = [[False] * len(g.params) for g in self.groups]
         self.begin_backward()
 
@@ -148,6 +152,10 @@ class GradSync:
                     foreign.append((gi, i))
         if foreign:
             self.adopt_foreign(foreign)
+        self._clear_user_cleared(cleared)
+
+    def _clear_user_cleared(self, cleared: List[Tuple[int, int]]) -> None:
+        """The user set these p.grad to None: clear what we accumulated for them."""
         if cleared:
             if len(cleared) == sum(e is not None for row in self._exposed for e in row):
                 self.clear_all()  # model.zero_grad(): every grad we showed was cleared
@@ -210,7 +218,16 @@ class GradSync:
             self.free()
 
     def readopt(self) -> None:
-        """The params were re-viewed (model_sync.py): show our grads on them again."""
+        """The params were re-viewed (model_sync.py): show our grads on them again.
+
+        A move carries p.grad along (Module._apply moves it too), so a p.grad that is None
+        now while we had shown one was cleared by the user before the move (`model.zero_grad()`
+        then `model.to(...)`, what a second `ZeroAccelerator.prepare` does): that clear is
+        taken first, or the next backward would add the old gradient (issue 21, item 3)."""
+        self._clear_user_cleared([(gi, i) for gi, g in enumerate(self.groups)
+                                  for i, p in enumerate(g.params)
+                                  if p.grad is None and self._exposed[gi][i] is not None])
+        self.renew_views()
         for gi, g in enumerate(self.groups):
             for i, p in enumerate(g.params):
                 mine = self._exposed[gi][i]
@@ -222,6 +239,9 @@ class GradSync:
                 self._exposed[gi][i] = p.grad
 
     def to_(self, device) -> None: ...
+
+    def renew_views(self) -> None:
+        """After a move: grad views the user saw may have been re-pointed (see FullGrads)."""
 
     def free(self) -> None:
         """zero_grad(set_to_none=True) with free_grads: drop the grad buffers (p.grad is None

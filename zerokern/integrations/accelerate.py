@@ -44,7 +44,13 @@ class ZeroAccelerator(Accelerator):
     Args:
         zero_stage: ZeRO stage of the ZeroAdamW that replaces the prepared optimizer.
         zero_options: further ZeroAdamW keyword arguments (bucket_mb, offload, units, ...).
-        *args, **kwargs: as `accelerate.Accelerator`.
+        *args: as `accelerate.Accelerator`.
+        **kwargs: as `accelerate.Accelerator` (mixed_precision "bf16"/"fp16" becomes
+            ZeroAdamW's precision; gradient_accumulation_steps runs the other micro-batches
+            under `no_sync()`).
+
+    Raises:
+        ValueError: zero_stage not in 0-3, or DeepSpeed / FSDP enabled as well.
     """
 
     def __init__(self, *args, zero_stage: int = 2, zero_options: Optional[Dict[str, Any]] = None,
@@ -68,7 +74,16 @@ class ZeroAccelerator(Accelerator):
     def adopt(cls, accelerator: Accelerator, zero_stage: int = 2,
               zero_options: Optional[Dict[str, Any]] = None) -> ZeroAccelerator:
         """Turn an Accelerator another library built (e.g. Trainer's) into a ZeroAccelerator,
-        keeping all of its state (same process group, plugins, gradient state)."""
+        keeping all of its state (same process group, plugins, gradient state).
+
+        Args:
+            accelerator: the accelerate.Accelerator to convert (in place).
+            zero_stage: the ZeRO stage, 0-3.
+            zero_options: further ZeroAdamW keyword arguments.
+
+        Returns:
+            The same object, now a ZeroAccelerator.
+        """
         accelerator.__class__ = cls
         accelerator._zero_init(zero_stage, zero_options)
         return accelerator
@@ -88,6 +103,17 @@ class ZeroAccelerator(Accelerator):
         return zero_from_torch(optimizer, self._zero_model, **opts)
 
     def prepare(self, *args, device_placement=None):
+        """As accelerate's, but a torch Adam/AdamW becomes a ZeroAdamW (same groups and
+        hyperparameters; a scheduler in the same call follows it) and the model is not
+        wrapped in DDP (ZeroAdamW reduces the gradients itself).
+
+        Args:
+            *args: the model, optimizer, loaders and schedulers, as accelerate's.
+            device_placement: as accelerate's.
+
+        Raises:
+            ValueError: more than one model, or an optimizer without its model.
+        """
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if len(models) > 1 or (models and self._zero_model is not None
                                and models[0] is not self._zero_model):
@@ -111,24 +137,51 @@ class ZeroAccelerator(Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement=None,
                       evaluation_mode: bool = False):
+        """Autocast and compile as accelerate's, never the DDP wrapper.
+
+        Args:
+            model: the model.
+            device_placement: ignored (`prepare` placed the model).
+            evaluation_mode: ignored (always prepared as for evaluation: no DDP).
+        """
         # evaluation_mode=True: autocast and compile only, no DDP wrapper (ZeroAdamW reduces)
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     # ---- the loop ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss / gradient_accumulation_steps, through ZeroAdamW's loss scale.
+
+        Args:
+            loss: the micro-batch's 0-d loss.
+            **kwargs: passed to `torch.Tensor.backward`.
+        """
         if self.zero_optimizer is None:
             return super().backward(loss, **kwargs)
         kwargs.pop("learning_rate", None)
         self.zero_optimizer.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
     def no_sync(self, model=None):
+        """ZeroAdamW's `no_sync()`: backward passes inside do not communicate.
+
+        Args:
+            model: accepted as accelerate's (ZeroAdamW covers its one model).
+        """
         if self.zero_optimizer is None:
             return super().no_sync(model) if model is not None else contextlib.nullcontext()
         return self.zero_optimizer.no_sync()
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The global norm (before clipping) over every rank's shard, as accelerate's; clips
-        the coming step. `parameters` must be the model's (ZeroAdamW clips all it holds)."""
+        the coming step. `parameters` must be the model's (ZeroAdamW clips all it holds).
+
+        Args:
+            parameters: the model's parameters.
+            max_norm: the largest norm (inf: return the norm, clip nothing).
+            norm_type: 2 (default), any p > 0, or inf.
+
+        Returns:
+            The global norm, a 0-d device tensor.
+        """
         if self.zero_optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if max_norm == float("inf"):  # Trainer asks for the norm only
@@ -138,19 +191,33 @@ class ZeroAccelerator(Accelerator):
         return self.zero_optimizer.clip_grad_norm_(float(max_norm), norm_type)
 
     def unscale_gradients(self, optimizer=None):
+        """Nothing to do: ZeroAdamW unscales inside its step.
+
+        Args:
+            optimizer: accepted as accelerate's.
+        """
         if self.zero_optimizer is None:
             return super().unscale_gradients(optimizer)
         # nothing to do: ZeroAdamW unscales inside its step
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
+        """True when the last fp16 step was skipped for an inf/NaN gradient (a host read)."""
         z = self.zero_optimizer
         if z is None:
             return super().optimizer_step_was_skipped
         return z.precision == "fp16" and bool(z.step_skipped)
 
     def get_state_dict(self, model, unwrap: bool = True):
-        """Full state dict (collective at stage 3: every rank must call)."""
+        """Full state dict (collective at stage 3: every rank must call).
+
+        Args:
+            model: the prepared model.
+            unwrap: as accelerate's.
+
+        Returns:
+            {name: tensor}, full (gathered at stage 3), on every rank.
+        """
         z = self.zero_optimizer
         if z is None or z.stage != 3:
             return super().get_state_dict(model, unwrap=unwrap)

@@ -43,7 +43,13 @@ class ZeroTrainer(Trainer):
     Args:
         zero_stage: the ZeRO stage.
         zero_options: further ZeroAdamW keyword arguments (bucket_mb, offload, units, ...).
-        *args, **kwargs: as `transformers.Trainer`.
+        *args: as `transformers.Trainer`.
+        **kwargs: as `transformers.Trainer` (TrainingArguments' bf16/fp16 become ZeroAdamW's
+            precision, max_grad_norm its global clipping).
+
+    Raises:
+        ValueError: --deepspeed / --fsdp enabled too, or TrainingArguments.optim other than
+            AdamW (adamw_torch, adamw_torch_fused).
     """
 
     def __init__(self, *args, zero_stage: int = 2, zero_options: Optional[Dict[str, Any]] = None,
@@ -59,15 +65,24 @@ class ZeroTrainer(Trainer):
                              "is not AdamW (use adamw_torch)")
 
     def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's hook: its Accelerator becomes a ZeroAccelerator."""
         super().create_accelerator_and_postprocess()
         ZeroAccelerator.adopt(self.accelerator, self.zero_stage, self.zero_options)
 
     @property
     def zero_optimizer(self):
+        """The ZeroAdamW, once training has built it (None before)."""
         return self.accelerator.zero_optimizer
 
     # ---- saving ---------------------------------------------------------------------------
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """As Trainer's; at stage 3 collective (every rank gathers the full params), so
+        `from_pretrained(output_dir)` loads them.
+
+        Args:
+            output_dir: default TrainingArguments.output_dir.
+            _internal_call: Trainer's.
+        """
         z = self.zero_optimizer
         if z is None or z.stage != 3:
             return super().save_model(output_dir, _internal_call)

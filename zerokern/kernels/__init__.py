@@ -49,12 +49,18 @@ def adam_step_(
     """One fused AdamW (or Adam + L2) step over a flat shard, in place (DESIGN §3).
 
     Args:
-        master, exp_avg, exp_avg_sq: fp32, contiguous, n elements each; updated in place.
+        master: fp32, contiguous, n elements (any shape; treated as flat); updated in place.
+        exp_avg: fp32, contiguous, n elements: Adam's m; updated in place.
+        exp_avg_sq: fp32, contiguous, n elements: Adam's v; updated in place.
         grad: fp32, fp16 or bf16, n elements; multiplied by `grad_scale` before use.
         param_out: None, or fp16/bf16 with n elements: receives the updated master rounded to
             nearest even (bitwise equal to `master.to(dtype)`).
-        lr, beta1, beta2, eps, weight_decay: floats or 0-d tensors (changing them never
-            recompiles anything).
+        lr: float or 0-d tensor (changing it never recompiles anything); the same holds
+            for beta1, beta2, eps and weight_decay.
+        beta1: Adam's beta1, float or 0-d tensor.
+        beta2: Adam's beta2, float or 0-d tensor (bias corrections in float64).
+        eps: added to sqrt(v_hat), float or 0-d tensor.
+        weight_decay: float or 0-d tensor; decoupled (adamw=True) or L2 (adamw=False).
         adamw: True for decoupled weight decay, False for Adam with L2 (grad += wd * p).
         step: 0-d int64/int32/float32/float64 device tensor: steps taken so far; incremented.
         grad_scale: 0-d fp32 device tensor, e.g. 1 / (loss_scale * world_size) * clip_coef.
@@ -63,8 +69,11 @@ def adam_step_(
         backend: "auto" | "triton" | "cuda" | "cpu" | "reference".
 
     Raises:
-        TypeError / ValueError naming the argument, before anything is written.
-        BuildError if a native backend cannot be built.
+        TypeError: a tensor of the wrong dtype, device or layout, naming the argument, before
+            anything is written.
+        ValueError: mismatched sizes, an unknown backend, or a backend that cannot run on
+            these tensors, naming the argument, before anything is written.
+        BuildError: a native backend (cpu, cuda) cannot be built.
     """
     check_backend(backend)
     check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, lr=lr, beta1=beta1,
@@ -93,6 +102,11 @@ def grad_stats_(grad: torch.Tensor, found_inf: torch.Tensor, sumsq: torch.Tensor
         sumsq: 0-d fp32 or fp64 tensor on grad's device; accumulated into. The reduction is
             deterministic (per-block partials, then one ordered sum; no contended atomics).
         backend: as for `adam_step_`.
+
+    Raises:
+        TypeError: a tensor of the wrong dtype, device or layout, naming the argument.
+        ValueError: an unknown backend, naming it.
+        BuildError: a native backend cannot be built.
     """
     check_backend(backend)
     check_grad_stats_args(grad, found_inf, sumsq)

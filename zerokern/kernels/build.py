@@ -188,7 +188,18 @@ _LOADED: Dict[str, object] = {}
 
 
 def load_op(spec_or_name) -> object:
-    """Import a native op module, building it on first use. Raises BuildError on failure."""
+    """Import a native op module, building it on first use (cached; one log line).
+
+    Args:
+        spec_or_name: "cpu" or "cuda", or an OpSpec.
+
+    Returns:
+        The extension module.
+
+    Raises:
+        BuildError: the build failed; the message names the command and the build directory
+            (`ninja -v` there shows the compiler's output) and suggests backend="reference".
+    """
     spec = OPS[spec_or_name] if isinstance(spec_or_name, str) else spec_or_name
     if spec.name in _LOADED:
         return _LOADED[spec.name]

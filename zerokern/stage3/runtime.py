@@ -171,7 +171,11 @@ class Stage3Runtime(Stage3Backward):
                     launched.add(id(f))  # hpZ: from the node's secondary while valid
                     route = None if self.hpz is None else self.hpz.route(f)
                     comm, src = route if route is not None else (self.comm.shard, None)
-                    f.start_gather(comm, self._label(f), src)
+                    try:
+                        f.start_gather(comm, self._label(f), src)
+                    except Exception as e:  # a param file read on this rank (comm/abort.py)
+                        self.comm.signal_failure(e)
+                        raise
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:

@@ -1,0 +1,254 @@
+"""Muon's orthogonalization over ZeRO's flat shards: every matrix on exactly one rank.
+
+Muon (torch.optim.Muon) replaces each 2-D update by an approximately orthogonal matrix with a
+quintic Newton-Schulz iteration. That needs the whole matrix, while ZeRO holds flat pieces of
+every param, cut at bucket and rank boundaries with no regard for shapes. This module is the
+distributed half of the rule; the element-wise half (momentum, Nesterov, weight decay, the
+scaled update) runs on the pieces as any other rule does.
+
+[Note: one owner per matrix]
+Each matrix gets one owner rank, chosen by balancing Newton-Schulz FLOPs (`assign_owners`: the
+largest first to the least-loaded rank, ties by index, so every rank computes the same plan).
+A step then
+1. sends every piece of matrix i to its owner (one all-to-all; a piece the owner holds itself
+   is not sent),
+2. the owner runs Newton-Schulz on the whole matrix (exactly torch's ops: bf16, transposed when
+   tall, so the result is bitwise torch's),
+3. sends each piece of the result back to every rank that holds it (a second all-to-all).
+No matrix is orthogonalized twice and no rank holds more than its own matrices whole: the peak
+extra memory on a rank is its owned matrices plus its pieces in flight, not the model. Bytes per
+rank per step: what it holds of other ranks' matrices, out and back (about 2Ψ(N-1)/N² fp32
+elements when sharded; at stage 0, where every rank holds everything, only step 3 sends, about
+Ψ(N-1)/N: the results to every holder).
+DeepSpeed's Muon gathers whole params in its ZeRO-3 path too; its stage-0 path never ran
+Newton-Schulz (issue 23): here stage 0 is the same code with `replicated=True`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from zerokern.layout.partition import FlatLayout
+
+# torch.optim.Muon's defaults (Keller Jordan's coefficients), kept identical so results match.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+EPS = 1e-7
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(update: torch.Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS,
+                  steps: int = NS_STEPS, eps: float = EPS) -> torch.Tensor:
+    """Quintic Newton-Schulz orthogonalization of a 2-D matrix, as torch.optim.Muon runs it.
+
+    Args:
+        update: (A, B) matrix, any float dtype.
+        coefficients: (a, b, c) of the quintic.
+        steps: iterations (torch refuses >= 100).
+        eps: floor of the Frobenius norm the input is divided by.
+
+    Returns:
+        (A, B) bf16 matrix. bf16 throughout, as torch does: the result is bitwise torch's.
+
+    Raises:
+        ValueError: update not 2-D, steps out of range, or not three coefficients.
+    """
+    if update.ndim != 2:
+        raise ValueError(f"update must be a 2-D matrix, got shape {tuple(update.shape)}")
+    if not 0 <= steps < 100:
+        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
+    if len(coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coefficients}")
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+    """torch.optim.Muon's shape-dependent learning rate.
+
+    "original" (None): lr·sqrt(max(1, A/B)) (Keller Jordan);
+    "match_rms_adamw": lr·0.2·sqrt(max(A, B))
+    (Moonlight: the update's RMS matches AdamW's, so AdamW's lr and weight decay carry over).
+    """
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
+    """Multiply-adds of Newton-Schulz on an (A, B) matrix: per step m²n (gram) + m³ (its square)
+    + m²n (the update), m = min(A, B), n = max(A, B)."""
+    m, n = sorted((int(shape[0]), int(shape[1])))
+    return steps * (2 * m * m * n + m ** 3)
+
+
+def assign_owners(shapes: Sequence[Sequence[int]], world_size: int,
+                  steps: int = NS_STEPS) -> List[int]:
+    """Owner rank of each matrix: largest FLOPs first onto the least-loaded rank (ties: the
+    lower index, then the lower rank), so every rank derives the same plan without talking."""
+    load = [0] * world_size
+    owners = [0] * len(shapes)
+    order = sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i))
+    for i in order:
+        r = min(range(world_size), key=lambda q: (load[q], q))
+        owners[i] = r
+        load[r] += ns_flops(shapes[i], steps)
+    return owners
+
+
+@dataclass(frozen=True)
+class _Piece:
+    slot: int          # index into layout.slots
+    lo: int            # flat coordinates [lo, hi)
+    hi: int
+    state_at: int      # where [lo, hi) starts in the holder's state buffer
+
+
+def held_pieces(layout: FlatLayout, rank: int, replicated: bool,
+                slots: Sequence[int]) -> List[_Piece]:
+    """The pieces of the given slots whose state `rank` holds, in flat order."""
+    out = []
+    for k in range(layout.n_buckets):
+        lo, hi = layout.state_range(k, rank, replicated)
+        base = layout.state_offset(k, replicated)
+        for i, a, b in layout.overlaps(lo, hi):
+            if i in slots:
+                out.append(_Piece(i, a, b, base + (a - lo)))
+    return out
+
+
+def _view(state: torch.Tensor, p: _Piece) -> torch.Tensor:
+    """Piece p's elements in the holder's state buffer."""
+    return state[p.state_at:p.state_at + p.hi - p.lo]
+
+
+class ShardedOrthogonalizer:
+    """Orthogonalize the matrices of one flat buffer in place in each rank's state pieces.
+
+    Args:
+        layout: the buffer's FlatLayout.
+        rank, world_size: this rank in `group` (world_size == layout.world_size).
+        replicated: True at stage 0 (every rank holds every element's state).
+        matrix_slots: indices of the layout's slots that are Muon matrices; each slot's shape
+            must be 2-D, or N-D reshaped to (shape[0], prod(rest)) as torch users do for convs.
+        group: the process group the buffer is sharded over (None: world size 1).
+    """
+
+    def __init__(self, layout: FlatLayout, rank: int, world_size: int, replicated: bool,
+                 matrix_slots: Sequence[int], group=None,
+                 coefficients: Sequence[float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
+                 eps: float = EPS) -> None:
+        if world_size != layout.world_size:
+            raise ValueError(f"world_size {world_size} != layout.world_size {layout.world_size}")
+        self.layout, self.rank, self.world_size = layout, rank, world_size
+        self.replicated, self.group = replicated, group
+        self.coefficients, self.steps, self.eps = tuple(coefficients), steps, eps
+        self.slots = list(matrix_slots)
+        for i in self.slots:
+            if len(layout.slots[i].shape) < 2:
+                raise ValueError(f"slot {i} of shape {layout.slots[i].shape} is not a matrix: "
+                                 "Muon needs >= 2-D params (1-D ones go to AdamW)")
+        self.shapes = {i: self.matrix_shape(i) for i in self.slots}
+        owners = assign_owners([self.shapes[i] for i in self.slots], world_size, steps)
+        self.owner: Dict[int, int] = dict(zip(self.slots, owners))
+        slot_set = set(self.slots)
+        # Every rank's pieces: the plan is a pure function of the layout, the same everywhere.
+        self.pieces = [held_pieces(layout, r, replicated, slot_set) for r in range(world_size)]
+        self.bytes_sent = 0
+
+    def matrix_shape(self, i: int) -> Tuple[int, int]:
+        shape = self.layout.slots[i].shape
+        return shape[0], int(math.prod(shape[1:]))
+
+    # -- who sends what: a piece goes to the owner unless the owner holds it too (replicated)
+    def _sources(self) -> List[List[_Piece]]:
+        """Per rank, the pieces it must send to owners (step 1)."""
+        if self.replicated:
+            return [[] for _ in range(self.world_size)]
+        return [[p for p in ps if self.owner[p.slot] != r] for r, ps in enumerate(self.pieces)]
+
+    def orthogonalize_(self, state: torch.Tensor) -> None:
+        """Replace each matrix's update held in `state` (this rank's fp32 state buffer, laid out
+        as the layout's state_range pieces) by its orthogonalization, in place, on every rank."""
+        r, n = self.rank, self.world_size
+        sources = self._sources()
+        # 1. pieces of other ranks' matrices -> their owners
+        send = [[p for p in sources[r] if self.owner[p.slot] == q] for q in range(n)]
+        recv = [[p for p in sources[q] if self.owner[p.slot] == r] for q in range(n)]
+        got = self._exchange(state, send, recv, any(sources))
+        # 2. whole matrices this rank owns, from its own pieces and what it received
+        results: Dict[int, torch.Tensor] = {}
+        for i in (i for i in self.slots if self.owner[i] == r):
+            full = state.new_empty(self.layout.slots[i].numel)
+            for p in self.pieces[r]:
+                if p.slot == i:
+                    full[self._in_matrix(p)] = _view(state, p)
+            for q in range(n):
+                for p, vals in zip(recv[q], got[q]):
+                    if p.slot == i:
+                        full[self._in_matrix(p)] = vals
+            out = newton_schulz(full.view(self.shapes[i]), self.coefficients, self.steps, self.eps)
+            results[i] = out.reshape(-1).to(state.dtype)
+        # 3. results -> every holder of each piece; the owner writes its own pieces directly
+        for p in self.pieces[r]:
+            if self.owner[p.slot] == r:
+                _view(state, p).copy_(results[p.slot][self._in_matrix(p)])
+        back_send = [[p for p in self.pieces[q] if self.owner[p.slot] == r] if q != r else []
+                     for q in range(n)]
+        back_recv = [[p for p in self.pieces[r] if self.owner[p.slot] == q] if q != r else []
+                     for q in range(n)]
+        payload = [[results[p.slot][self._in_matrix(p)] for p in ps] for ps in back_send]
+        anyone = any(self.owner[p.slot] != q for q, ps in enumerate(self.pieces) for p in ps)
+        got = self._exchange(state, back_send, back_recv, anyone, payload)
+        for q in range(n):
+            for p, vals in zip(back_recv[q], got[q]):
+                _view(state, p).copy_(vals)
+
+    def _in_matrix(self, p: _Piece) -> slice:
+        """Where piece p sits inside its matrix, flattened."""
+        off = self.layout.slots[p.slot].offset
+        return slice(p.lo - off, p.hi - off)
+
+    def _exchange(self, state: torch.Tensor, send, recv, anyone: bool,
+                  payload=None) -> List[List[torch.Tensor]]:
+        """One all_to_all_single: send[q] pieces to rank q (values from `state`, or from
+        `payload[q][j]`), receive recv[q] pieces from rank q; returns the received values.
+        `anyone` (does any rank send anything) comes from the plan, the same on every rank, so
+        the collective is skipped by all ranks together or by none."""
+        n = self.world_size
+        if n == 1 or not anyone:
+            return [[] for _ in range(n)]
+        in_sizes = [sum(p.hi - p.lo for p in send[q]) for q in range(n)]
+        out_sizes = [sum(p.hi - p.lo for p in recv[q]) for q in range(n)]
+        parts = [_view(state, p) if payload is None else payload[q][j]
+                 for q in range(n) for j, p in enumerate(send[q])]
+        inp = (torch.cat(parts) if parts
+               else torch.empty(0, dtype=state.dtype, device=state.device))
+        out = torch.empty(sum(out_sizes), dtype=state.dtype, device=state.device)
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.group)
+        self.bytes_sent += inp.numel() * inp.element_size()
+        got, at = [], 0
+        for q in range(n):
+            vals = []
+            for p in recv[q]:
+                vals.append(out[at:at + p.hi - p.lo])
+                at += p.hi - p.lo
+            got.append(vals)
+        return got
