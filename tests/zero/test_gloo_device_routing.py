@@ -40,9 +40,10 @@ class _RecordingRing:
     all_gather = reduce_scatter
 
 
-def _comm(monkeypatch, calls) -> C.Comm:
-    comm = C.Comm.__new__(C.Comm)
+def _comm(monkeypatch, calls) -> C.GroupComm:
+    comm = C.GroupComm.__new__(C.GroupComm)
     comm.group, comm.world_size, comm.rank, comm.backend = object(), 2, 0, "gloo"
+    comm.dim = "shard"
     comm.stats, comm.tag, comm.log = C.CommStats(), "main", None
     comm.ring = _RecordingRing(calls)
 
@@ -77,7 +78,7 @@ def test_non_cpu_tensors_skip_the_ring(monkeypatch):
     calls.clear()
     _run_all(comm, "cpu")
     assert [c[0] for c in calls] == ["ring"] * 3
-    assert comm.stats.calls["reduce_scatter"] == 2  # counted on both paths
+    assert comm.stats.as_dict()["calls"]["reduce_scatter"] == 2  # counted on both paths
 
 
 def test_ring_refuses_device_tensors():

@@ -109,8 +109,13 @@ class _InstantComm:
 
     def __init__(self, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
+        self.shard = self.world = self  # the roles of zerokern.comm.Comm, one group
+        self.replicate = self.hpz = None
 
     def reduce_scatter_(self, out, inp, async_op=False, label=None):
+        return self._Done()
+
+    def reduce_grads_(self, out, inp, async_op=False, label=None):
         return self._Done()
 
     def all_gather_(self, out, inp, async_op=False, label=None):
