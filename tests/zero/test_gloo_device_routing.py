@@ -40,12 +40,24 @@ class _RecordingRing:
     all_gather = reduce_scatter
 
 
+class _CountingChannel:
+    """Stands in for abort.AbortChannel: the collective counter torch's path advances."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next_index(self) -> int:
+        self.n += 1
+        return self.n
+
+
 def _comm(monkeypatch, calls) -> C.GroupComm:
     comm = C.GroupComm.__new__(C.GroupComm)
     comm.group, comm.world_size, comm.rank, comm.backend = object(), 2, 0, "gloo"
     comm.dim = "shard"
     comm.stats, comm.tag, comm.log = C.CommStats(), "main", None
     comm.ring = _RecordingRing(calls)
+    comm.abort = _CountingChannel()  # abort.py's failure channel: counts collectives only
 
     def torch_op(name):
         def op(*args, **kw):
