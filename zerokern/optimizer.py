@@ -43,7 +43,6 @@ from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
 from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
-    PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
     check_arguments,
     check_groups,
     frozen_params,

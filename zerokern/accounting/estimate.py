@@ -75,7 +75,6 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
 from zerokern.layout.stages import pattern
 from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
 from zerokern.rules import adamw_rule, rule_by_name
-from zerokern.state.aligned_io import align_up  # noqa: F401 (zerokern.accounting.estimate.align_up, as before)
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
 from zerokern.state.placement import placement_class
 

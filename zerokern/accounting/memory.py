@@ -1,6 +1,6 @@
 """Model-state memory per rank, measured: `memory_report` sums the storages the optimizer
 really holds (so it is a measurement, not the formula restated), beside DESIGN §4's formula
-(`formula.estimate_memory`, re-exported here as before). They agree within the bucket and
+(`formula.estimate_memory`). They agree within the bucket and
 padding terms, which the report lists separately.
 """
 

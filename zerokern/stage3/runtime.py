@@ -382,8 +382,3 @@ class Stage3Runtime(Stage3Backward):
     def detach(self) -> None:
         super().detach()
         self.gather_all()  # the params are left whole (views of full buffers) for the new owner
-
-
-# Its name before issue 15 ("sync" undersold it: most of it is the param runtime), kept for
-# code written against it.
-Stage3Sync = Stage3Runtime
