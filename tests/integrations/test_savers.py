@@ -180,13 +180,41 @@ def _same(saved, values, keys=None):
         assert torch.equal(saved[k], values[k]), k
 
 
-def _reference_keys():
-    """What safetensors.save_model / accelerate write for the same model without zerokern."""
-    from safetensors.torch import _remove_duplicate_names
+_REF_KEYS = {}
 
-    sd = C.gpt2().state_dict()
-    drop = {n for names in _remove_duplicate_names(sd).values() for n in names}
-    return set(sd) - drop
+
+def _reference_keys(saver):
+    """The keys the same saver writes for the same model without zerokern (parent process):
+    the tied lm_head / wte pair is one tensor, and each saver keeps its own choice of name."""
+    if saver not in _REF_KEYS:
+        import safetensors.torch as st
+
+        d = tempfile.mkdtemp(dir=_TMP)
+        model = C.gpt2()
+        if saver == "safetensors":
+            st.save_model(model, f"{d}/m.safetensors")
+        else:
+            _plain_accelerator().save_model(model, d)
+        _REF_KEYS[saver] = set(_load_st(f"{d}/{'m' if saver == 'safetensors' else 'model'}"
+                                        ".safetensors"))
+    return _REF_KEYS[saver]
+
+
+def _plain_accelerator():
+    """accelerate.Accelerator in this (pytest) process: one process, no process group."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(k, None)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True)
+
+
+def _tied(values):
+    """Model values under every state-dict name (the tied head under both of its names)."""
+    return {**values, "lm_head.weight": values["transformer.wte.weight"]}
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])
@@ -194,11 +222,11 @@ def _reference_keys():
 def test_safetensors_torch_transformers_savers(stage, ws):
     runs = [(f"savers-s{stage}-fp32")] + ([f"savers-s{stage}-bf16"]
                                           if ws == 2 and stage in (2, 3) else [])
-    ref_keys = _reference_keys()
+    ref_keys = _reference_keys("safetensors")
     for name in runs:
         values, out = case(_runs(ws), name)[0]
         sd_keys = set(values) | {"lm_head.weight"}  # the tied head: in state_dict, not params
-        values = {**values, "lm_head.weight": values["transformer.wte.weight"]}
+        values = _tied(values)
         _same(out["save_model"], values, ref_keys)
         _same(out["save_file"], values, sd_keys - {"lm_head.weight"})
         _same(out["torch"], values, sd_keys)
@@ -208,8 +236,10 @@ def test_safetensors_torch_transformers_savers(stage, ws):
         assert out["one_pt_bytes"] < values["transformer.wte.weight"].numel() * 4 + 4096
         # load_model into the zerokern model took every value (bf16: rounded once)
         dt = torch.bfloat16 if name.endswith("bf16") else torch.float32
+        other = _tied(out["other"]) if "transformer.wte.weight" in out["other"] else \
+            {**out["other"], "transformer.wte.weight": out["other"]["lm_head.weight"]}
         for k, v in out["loaded_into_zk"].items():
-            want = out["other"].get(k, out["other"].get("transformer.wte.weight"))
+            want = other[k]
             assert torch.equal(v, want.to(dt).float()), k
 
 
@@ -217,7 +247,7 @@ def test_safetensors_torch_transformers_savers(stage, ws):
 @pytest.mark.parametrize("stage", STAGES)
 def test_accelerate_save_model_holds_every_param(stage, ws):
     values, saved = case(_runs(ws), f"accelerate-s{stage}")[0]
-    _same(saved, values, _reference_keys())
+    _same(saved, _tied(values), _reference_keys("accelerate"))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -229,18 +259,12 @@ def test_peft_save_pretrained(stage):
         assert torch.equal(values[k], loaded[k]), k
 
 
-def test_negative_control_views_of_one_buffer(tmp_path, monkeypatch):
+def test_negative_control_views_of_one_buffer(tmp_path):
     """Params as plain views of one flat buffer (the old layout): accelerate's save_model
     drops params and safetensors.save_model refuses, and the checks above see it."""
     import safetensors.torch as st
-    from accelerate import Accelerator
 
-    from accelerate.state import AcceleratorState, GradientState
-
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)  # one process, no process group
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    keys = _reference_keys("accelerate")
     model = C.gpt2()
     ps = list(model.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in ps])
@@ -248,9 +272,9 @@ def test_negative_control_views_of_one_buffer(tmp_path, monkeypatch):
     for p in ps:
         p.data = flat[o:o + p.numel()].view(p.shape)
         o += p.numel()
-    values = {**_values(model), "lm_head.weight": model.lm_head.weight.detach().clone()}
-    Accelerator(cpu=True).save_model(model, str(tmp_path))
+    values = _tied(_values(model))
+    _plain_accelerator().save_model(model, str(tmp_path))
     with pytest.raises(AssertionError, match="missing"):
-        _same(_load_st(f"{tmp_path}/model.safetensors"), values, _reference_keys())
+        _same(_load_st(f"{tmp_path}/model.safetensors"), values, keys)
     with pytest.raises(RuntimeError, match="covering the entire storage"):
         st.save_model(model, str(tmp_path / "x.safetensors"))

@@ -65,6 +65,7 @@ import torch
 from ..grad_sync import MAX_IN_FLIGHT
 from . import guards, param_offload
 from .backward import Stage3Backward
+from .generate_sync import sync_generate
 from .sharded_flat import ShardedFlat
 from .units import Unit
 
@@ -150,6 +151,8 @@ class Stage3Runtime(Stage3Backward):
                 _weak(self, "_pre_forward_hook"), with_kwargs=True))
             self._hooks.append(u.module.register_forward_hook(_weak(self, "_post_forward_hook")))
         self._hooks += self.guard.hooks
+        # generate() with synced_gpus on at world_size > 1 ([Note] in generate_sync.py)
+        self._hooks += sync_generate(model, comm.world_size)
         self._reset_backward()
 
     # ---- bookkeeping -------------------------------------------------------------------------
