@@ -15,8 +15,13 @@ that has transformers' `generate` gets an instance attribute that calls the clas
 with `synced_gpus=True` when world_size > 1. The outputs are the same tokens (a finished rank's
 extra forwards are discarded); the cost is those extra forwards and one all-reduce of a scalar
 per token. An explicit `synced_gpus=False` cannot work at stage 3 (it would hang): it is turned
-on too, with a warning. PEFT's generate reaches the base model's, which is wrapped.
-The attribute is removed with the optimizer's other hooks.
+on too, with a warning. The attribute is removed with the optimizer's other hooks.
+
+A generate below the optimizer's root module (PEFT: `PeftModel.generate` calls the base
+model's) never enters the root module's forward, whose hook gathers the root unit (embeddings,
+final norm): it failed on every rank with "'weight' must be 2-D". There the wrapper runs
+generate with every unit gathered (what `opt.gathered_params()` does): correct, at the memory
+of the full params (2 bytes/param at bf16) for the length of the generate call.
 """
 
 from __future__ import annotations
@@ -45,11 +50,14 @@ def _generation_mixin():
     return None if mod is None else getattr(mod, "GenerationMixin", None)
 
 
-def sync_generate(model: torch.nn.Module, world_size: int) -> List[_Handle]:
-    """Make `generate()` of every transformers model inside `model` synced across ranks."""
+def sync_generate(model: torch.nn.Module, world_size: int, sync) -> List[_Handle]:
+    """Make `generate()` of every transformers model inside `model` synced across ranks
+    (and gathered, below the root; `sync` is the stage-3 runtime)."""
     mixin = _generation_mixin()
-    if world_size <= 1 or mixin is None:
+    if mixin is None or (world_size <= 1 and all(m is model for m in model.modules()
+                                                 if isinstance(m, mixin))):
         return []
+    sync_ref = weakref.ref(sync)
     handles = []
     for m in model.modules():
         if not isinstance(m, mixin) or "generate" in m.__dict__:
@@ -58,14 +66,24 @@ def sync_generate(model: torch.nn.Module, world_size: int) -> List[_Handle]:
         cls_generate = type(m).generate
 
         @functools.wraps(cls_generate)
-        def generate(*args, ref=ref, cls_generate=cls_generate, **kwargs):
-            if kwargs.get("synced_gpus", None) is False:
-                warnings.warn(
-                    "zerokern stage 3: generate(synced_gpus=False) would hang when ranks stop "
-                    "at different lengths (every forward all-gathers the sharded params); "
-                    "running with synced_gpus=True (the same outputs)", stacklevel=2)
-            kwargs["synced_gpus"] = True
-            return cls_generate(ref(), *args, **kwargs)
+        def generate(*args, ref=ref, cls_generate=cls_generate, below=m is not model,
+                     **kwargs):
+            if world_size > 1:
+                if kwargs.get("synced_gpus", None) is False:
+                    warnings.warn(
+                        "zerokern stage 3: generate(synced_gpus=False) would hang when ranks "
+                        "stop at different lengths (every forward all-gathers the sharded "
+                        "params); running with synced_gpus=True (the same outputs)",
+                        stacklevel=2)
+                kwargs["synced_gpus"] = True
+            s = sync_ref()
+            if not below or s is None:
+                return cls_generate(ref(), *args, **kwargs)
+            s.gather_all()  # collective; every rank calls generate
+            try:
+                return cls_generate(ref(), *args, **kwargs)
+            finally:
+                s.release_all(write_back=False)
 
         generate._zerokern_synced = True
         m.__dict__["generate"] = generate

@@ -8,7 +8,9 @@ otherwise act on those empty tensors without a word. `ModelGuard` hooks the mode
   values are not on this rank, and gathering them would be a collective that hangs when only
   rank 0 saves (the usual `if rank == 0: torch.save(model.state_dict())`). keep_vars=True is
   let through: it returns the Parameter objects themselves (what checkpoint code uses to
-  name them), never copies of empty values.
+  name them), never copies of empty values. Inside gathered_params() the state dict holds
+  copies of the gathered values, one per tied param ([Note: stage-3 state dicts own their
+  values]), so savers see independent tensors and the dict outlives the block.
 - `model.load_state_dict(full_sd)` loads anywhere, with no collective: each rank copies its
   own piece of every param from the full tensors into its shard (cast to the precision) and,
   for trainable params, the fp32 master (the full fp32 values, not the 16-bit rounding).
