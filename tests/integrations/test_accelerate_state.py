@@ -111,25 +111,28 @@ def _loaded_at(rank, stage, d):
 
 
 def _worker(rank, ws, tmp, part):
-    """Two spawns per world size (each within the harness's 180 s on 2 shared cores)."""
+    """One spawn per stage and world size (stage 3 on 2 shared cores needs most of the
+    harness's 180 s), the DDP reference in its own."""
     d = f"{tmp}/n{ws}"
-    cases = {"ddp": lambda: _uninterrupted(rank, None)} if part == 0 else {}
-    for s in ((0, 1) if part == 0 else (2, 3)):
-        cases[f"full-s{s}"] = lambda s=s: _uninterrupted(rank, s)
-        cases[f"resumed-s{s}"] = lambda s=s: _resumed(rank, s, f"{d}/s{s}")
-    if ws == 2 and part == 1:
+    if part == "ddp":
+        return run_cases({"ddp": lambda: _uninterrupted(rank, None)})
+    s = part
+    cases = {f"full-s{s}": lambda: _uninterrupted(rank, s),
+             f"resumed-s{s}": lambda: _resumed(rank, s, f"{d}/s{s}")}
+    if ws == 2 and s == 2:
         cases["negative-s2"] = lambda: _resumed(rank, 2, f"{d}/neg", weights_only=True)
-    elif ws != 2 and part == 1:
-        cases["reshard"] = lambda: _loaded_at(rank, 3 if ws == 1 else 1, f"{tmp}/n2/s2")
     return run_cases(cases)
 
 
-def _runs(ws):
-    """Per-rank dicts of every case at this world size."""
-    if ws != 2:
-        _runs(2)  # writes the N = 2 checkpoint the others load
-    parts = [cached(_worker, ws, _TMP, part) for part in (0, 1)]
-    return [{**a, **b} for a, b in zip(*parts)]
+def _reshard_worker(rank, ws, tmp):
+    return run_cases({"reshard": lambda: _loaded_at(rank, 3 if ws == 1 else 1,
+                                                    f"{tmp}/n2/s2")})
+
+
+def _runs(ws, stage):
+    """Per-rank dicts: the DDP reference and this stage's cases at this world size."""
+    ref = cached(_worker, ws, _TMP, "ddp")
+    return [{**a, **b} for a, b in zip(ref, cached(_worker, ws, _TMP, stage))]
 
 
 def _rel(a, b):
@@ -140,7 +143,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("ws", [1, 2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_save_load_state_equals_uninterrupted(stage, ws):
-    res = _runs(ws)
+    res = _runs(ws, stage)
     for ddp, full, res_ in zip(case(res, "ddp"), case(res, f"full-s{stage}"),
                                case(res, f"resumed-s{stage}")):
         assert _rel(full["losses"], ddp["losses"]) <= TOL_DDP
@@ -150,7 +153,7 @@ def test_save_load_state_equals_uninterrupted(stage, ws):
 
 
 def test_negative_control_weights_only_resume_differs():
-    res = _runs(2)
+    res = _runs(2, 2)
     for full, neg in zip(case(res, "full-s2"), case(res, "negative-s2")):
         assert _rel(neg["losses"], full["losses"][SAVE_AT * GAS:]) > 1e-4
 
@@ -160,8 +163,8 @@ def test_state_saved_at_n2_loads_at_other_world_size_and_stage(ws):
     from zerokern.checkpoint import consolidate
 
     saved = consolidate(f"{_TMP}/n2/s2/zerokern")
-    lr_saved = case(_runs(2), "resumed-s2")[0]["lr_saved"]
-    for r in case(_runs(ws), "reshard"):
+    lr_saved = case(_runs(2, 2), "resumed-s2")[0]["lr_saved"]  # writes the checkpoint
+    for r in case(cached(_reshard_worker, ws, _TMP), "reshard"):
         for n, p in r["params"].items():
             assert torch.equal(p, saved[n].float()), n  # the masters of step 3, resharded
         assert r["lr"] == lr_saved  # accelerate's part: the scheduler
