@@ -26,6 +26,7 @@ if str(REPO) not in sys.path:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
 from zerokern import kernels as zk  # noqa: E402
+from zerokern.kernels.build import ToolchainError  # noqa: E402
 
 # Backends that run on CPU tensors in this process ("triton" = the Triton interpreter).
 HOST_BACKENDS = ["reference", "cpu", "triton"]
@@ -82,15 +83,43 @@ CPU_ISAS = ["avx512", "avx2", "scalar"]
 _BUILD_ERRORS: dict = {}
 
 
+def cuda_toolchain_skip() -> None:
+    """Skip (with the reason) when the cuda backend cannot be built on this machine: no nvcc,
+    or nvcc's CUDA major differs from torch's (issue 24, item 6: a pip-only GPU box). A
+    usable prebuilt or cached op needs no toolchain. Any other build failure still fails."""
+    from zerokern.kernels import cuda_toolchain
+    from zerokern.kernels.dispatch import _prebuilt_or_cached
+
+    if not _prebuilt_or_cached("cuda"):
+        why = cuda_toolchain.toolchain_problem()
+        if why is not None:
+            pytest.skip(f"cuda backend not buildable here: {why}")
+
+
+def _skip_if_toolchain(err: str) -> None:
+    """A prebuilt op unusable here (another GPU) whose JIT rebuild has no toolchain: skip."""
+    if err and err.startswith(_TOOLCHAIN_MARK):
+        pytest.skip(f"cuda backend not buildable here: {err}")
+
+
+_TOOLCHAIN_MARK = "[toolchain] "
+
+
 def require_backend(name: str, on_cpu: bool = False) -> None:
-    """Fail (not skip) when a backend that should run here cannot: a broken build is a bug."""
+    """Fail (not skip) when a backend that should run here cannot: a broken build is a bug
+    (a missing or mismatched nvcc skips the cuda backend instead: cuda_toolchain_skip)."""
+    if name == "cuda":
+        cuda_toolchain_skip()
     if name in ("cpu", "cuda"):
         if name not in _BUILD_ERRORS:
             try:
                 zk.load_op(name)
                 _BUILD_ERRORS[name] = None
+            except ToolchainError as e:
+                _BUILD_ERRORS[name] = _TOOLCHAIN_MARK + str(e)
             except zk.BuildError as e:
                 _BUILD_ERRORS[name] = str(e)
+        _skip_if_toolchain(_BUILD_ERRORS[name])
         if _BUILD_ERRORS[name]:
             pytest.fail(f"the {name} backend failed to build:\n{_BUILD_ERRORS[name]}")
     if name == "triton" and on_cpu and COMPILED["on"]:

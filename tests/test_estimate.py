@@ -1,4 +1,5 @@
-"""`zerokern.estimate` / `zerokern estimate`: exact against memory_report, within padding of §4.
+"""`zerokern.accounting.estimate` / `zerokern estimate`: exact against memory_report, within
+padding of §4.
 
 - Exactness: every device category of `opt.memory_report()["measured"]` after two training
   steps equals the estimate, byte for byte, and so do the host categories (`host_measured`,
@@ -42,11 +43,11 @@ from zero.harness import cached, case, one_thread, run_cases  # noqa: F401 (fixt
 
 import zerokern as zk
 from zerokern import cli
-from zerokern import estimate as E
 from zerokern import estimate_cli as EC
+from zerokern.accounting import estimate as E
+from zerokern.accounting.memory import estimate_memory
 from zerokern.gpt import GPT, PRESETS, build_gpt
-from zerokern.memory import estimate_memory
-from zerokern.partition import ALIGN
+from zerokern.layout.partition import ALIGN
 
 ELEM = {"fp32": 4, "bf16": 2}
 STAGES = [0, 1, 2]

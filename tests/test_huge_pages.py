@@ -1,4 +1,4 @@
-"""zerokern.huge_pages: large CPU buffers on their own zeroed mapping, freed with their last
+"""zerokern.state.huge_pages: large CPU buffers on their own zeroed mapping, freed with their last
 view; everything else is torch.zeros."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from zerokern import huge_pages
+from zerokern.state import huge_pages
 
 
 def _rss_mib() -> float:

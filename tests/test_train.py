@@ -2,11 +2,13 @@
 
 - 2 gloo ranks (subprocess, the real command) with --compare in fp32: metrics.json has its fields,
   the loss is finite and falls, the stage-0 run saw the same data (its per-step losses match to
-  fp32 round-off; different data would differ by ~0.1), memory per rank equals zerokern.estimate,
+  fp32 round-off; different data would differ by ~0.1), memory per rank equals
+  zerokern.accounting.estimate,
   comm per step is the §5 ring volume within padding, loss.png is a PNG.
 - 1 rank (in process, no process group), default bf16; 2 ranks started by torchrun.
 - Stage 3 on 2 spawned ranks and --offload cpu in process (stages 2 and 3) train, and rank 0's
-  memory equals zerokern.estimate in every device category, every host one (offload) and the
+  memory equals zerokern.accounting.estimate in every device category, every host one
+  (offload) and the
   live-unit bound (stage 3); --offload with --compare runs its stage-0 baseline without
   offload (ZeroAdamW takes none at stage 0).
 - A rank that dies makes the command fail with its traceback; a rank left running is killed.
@@ -34,7 +36,10 @@ from zerokern.train import data, launch
 from zerokern.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--steps", "5"]
+# --device cpu: these runs check the gloo/CPU path and its numbers on any machine (issue 24,
+# item 7: without it a GPU box picks NCCL, 1 GPU cannot host 2 ranks, and the gloo assertions
+# fail); the CUDA path is tests/zero/test_gpu.py::test_train_command_on_cuda (-m gpu).
+TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--steps", "5", "--device", "cpu"]
 # Per-step loss of the --compare stage-0 run vs stage 2, fp32, 2 ranks: both sum the same two
 # gradients (a + b), so they agree to round-off in the logits; different batches differ ~0.1.
 COMPARE_TOL = 1e-4
@@ -69,7 +74,7 @@ def test_train_two_ranks_compare_end_to_end(tmp_path):
     _check_metrics(m, 5, 2)
     assert m["comm_backend"] == "gloo" and m["device"] == "cpu"
     assert m["loss"]["loss_final"] < m["loss_curve"][0]  # 5 steps at lr 1e-2 already learn
-    # Memory: every rank's measured categories; rank 0 equals zerokern.estimate exactly.
+    # Memory: every rank's measured categories; rank 0 equals zerokern.accounting.estimate exactly.
     assert m["memory"]["estimate_matches_rank0"] is True
     est = m["memory"]["estimate"]["bytes"]
     assert {k: m["memory"]["per_rank"][0]["measured"][k] for k in est if k != "live_units"} == \
@@ -125,7 +130,7 @@ def test_train_under_torchrun_uses_its_ranks(tmp_path):
 
 
 def _check_estimate_matches(m: dict, stdout: str, stage: int, offload) -> None:
-    """Rank 0's memory_report equals zerokern.estimate: device, host and live-unit bound."""
+    """Rank 0's memory_report equals zerokern.accounting.estimate: device, host, live units."""
     assert m["memory"]["estimate_matches_rank0"] is True
     assert "equal in every category" in stdout
     est, rank0 = m["memory"]["estimate"], m["memory"]["per_rank"][0]
@@ -175,6 +180,19 @@ def test_offload_in_process_works_and_matches_the_estimate(tmp_path, capsys, sta
         assert c["stage"] == 0 and len(c["loss_curve"]) == 3
         assert c["loss_curve"][0] == m["loss_curve"][0]  # same init, same first batch
         assert "host_measured" not in c["memory_per_rank"][0]
+
+
+def test_torchrun_with_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """A torchrun rank whose LOCAL_RANK has no GPU names the fix before touching CUDA (old
+    code: torch.cuda.set_device(1) on a 1-GPU box, a CUDA error from inside torch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: pytest.fail("set_device called for a missing GPU"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="LOCAL_RANK 1.*1 GPU.*--device cpu"):
+        launch.run_torchrun(TrainConfig())
 
 
 def _rank1_dies_rank0_hangs(cfg, device):

@@ -1,10 +1,11 @@
 """zerokern: ZeRO sharded data parallelism for PyTorch with fused optimizer kernels."""
 
+from zerokern.accounting.formula import estimate_memory
+
 from . import checkpoint, kernels
 from .engine import init_distributed, initialize
-from .formula import estimate_memory
 from .optimizer import ZeroAdamW
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["ZeroAdamW", "checkpoint", "estimate_memory", "init_distributed", "initialize",
            "kernels", "__version__"]

@@ -64,9 +64,9 @@ def _nvcc_version() -> str:
 def cmd_info(_: argparse.Namespace) -> int:
     import torch
 
-    from . import __version__
     from .kernels import backend_status
     from .kernels.build import cache_root
+    from .version import __version__
 
     try:
         import triton

@@ -1,4 +1,4 @@
-"""`zerokern estimate`: the command line and the table over `zerokern.estimate.estimate`.
+"""`zerokern estimate`: the command line and the table over `zerokern.accounting.estimate.estimate`.
 
 The estimator itself (zerokern's buffers built on `meta`, byte for byte what
 `opt.memory_report()` will measure) is `estimate.py`; this module parses the arguments,
@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from .estimate import COMMS, estimate
-from .model_spec import load_model, spec_from_model, spec_from_numel
+from zerokern.accounting.estimate import COMMS, estimate
+from zerokern.accounting.model_spec import load_model, spec_from_model, spec_from_numel
+
 from .optimizer_args import PRECISIONS
 
 

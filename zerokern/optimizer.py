@@ -29,12 +29,16 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
+from zerokern.accounting.memory import memory_report
+from zerokern.grads.full_grads import FullGrads
+from zerokern.grads.sharded_grads import BucketedGrads
+from zerokern.layout.flat_group import FlatGroup
+from zerokern.layout.stages import pattern
+from zerokern.state.placement import make_placement
+
 from . import kernels
 from .comm import Comm
-from .flat_group import FlatGroup
-from .full_grads import FullGrads
 from .loss_scale import make_loss_scaler
-from .memory import memory_report
 from .model_sync import ModelWatch
 from .optimizer_args import (
     PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
@@ -44,9 +48,6 @@ from .optimizer_args import (
     frozen_params,
 )
 from .optimizer_state import StateDictMixin
-from .placement import make_placement
-from .sharded_grads import BucketedGrads
-from .stages import pattern
 
 
 class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
@@ -64,10 +65,10 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
         offload: None, or "cpu" (stages 1-3): master, exp_avg, exp_avg_sq and the update
-            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.offload);
+            live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.state.offload);
             or "nvme" (stages 1-3): master, exp_avg, exp_avg_sq live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
-            half; see zerokern.offload_nvme).
+            half; see zerokern.state.offload_nvme).
         offload_path: offload="nvme" only (keyword): an existing writable directory.
         free_grads: (keyword) True: `zero_grad(set_to_none=True)` frees the gradient memory
             (the full grad buffer at stages 0-1, the grad shard, staging buckets and ring
@@ -86,7 +87,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         master: (keyword) "fp32" (default): the fp32 master is a 4-byte copy per state
             element; "compact" (bf16, no offload, stages 0-2): the same fp32 master, bit for
             bit, held as its low 16 bits under the bf16 param plus a tie bit (2.125 bytes per
-            element; see zerokern.compact_master). Training is bitwise the same.
+            element; see zerokern.state.compact_master). Training is bitwise the same.
         units: stage 3 only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
@@ -147,7 +148,7 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
                                      offload, offload_path, offload_params)
         elif offload == "nvme":  # a disk too small for the state files: before any change
-            from .nvme_state import check_free_space, state_file_bytes
+            from zerokern.state.nvme_state import check_free_space, state_file_bytes
 
             check_free_space(offload_path, sum(
                 state_file_bytes(P.state_numel(FlatGroup.layout_of(

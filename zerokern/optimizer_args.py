@@ -213,7 +213,7 @@ def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, 
     check_distributed_env(process_group)
     check_offload_params(offload_params, stage, offload)
     if offload == "nvme":
-        from .aligned_io import check_path
+        from zerokern.state.aligned_io import check_path
 
         offload_path = check_path(offload_path)  # missing / read-only: before any change
     if isinstance(params_or_model, torch.nn.Module):

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "zk_kernels.cuh"
 
@@ -152,6 +153,14 @@ void grad_stats(const at::Tensor& grad, const at::Tensor& found_inf, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// "" if this build has a kernel image the given device can run, else CUDA's error text (a
+// prebuilt op compiled for other GPUs: zerokern.kernels.build checks before first use).
+std::string kernel_image_error(int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaError_t e = zk_probe_kernel_image();
+  return e == cudaSuccess ? std::string() : std::string(cudaGetErrorString(e));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -167,4 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_stats", &grad_stats,
         "found_inf |= any(!isfinite(grad)); sumsq += sum(float(grad)^2), deterministic.",
         py::arg("grad"), py::arg("found_inf"), py::arg("sumsq"));
+  m.def("kernel_image_error", &kernel_image_error,
+        "'' if this build runs on the given CUDA device, else why not (no kernel image).",
+        py::arg("device"));
 }

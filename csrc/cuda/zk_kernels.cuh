@@ -32,7 +32,9 @@ typedef enum zk_dtype {
 //   found_inf                   : device scalar, found_inf_dtype in {BOOL, F32}; nonzero = skip
 //   hp                          : NULL, or device fp64[5] = {lr, beta1, beta2, eps, weight_decay}
 //                                 replacing the double arguments (read on the device, no sync)
-// Any pointer not 16-byte aligned selects the scalar path. Never synchronizes.
+// Vector path per element range (issue 24): a head of h < 8 elements runs scalar when that makes
+// every pointer 16-byte aligned (zk_adam_aligned_head); only arrays with no common h run scalar
+// throughout. Never synchronizes.
 cudaError_t zk_adam_step_launch(float* master, float* exp_avg, float* exp_avg_sq,
                                 const void* grad, zk_dtype_t grad_dtype, void* param_out,
                                 zk_dtype_t param_out_dtype, int64_t n, double lr, double beta1,
@@ -55,6 +57,18 @@ size_t zk_grad_stats_workspace_bytes(int64_t n);
 cudaError_t zk_grad_stats_launch(const void* grad, zk_dtype_t grad_dtype, int64_t n,
                                  void* found_inf, zk_dtype_t found_inf_dtype, void* sumsq,
                                  zk_dtype_t sumsq_dtype, void* workspace, cudaStream_t stream);
+
+// The scalar head, 0..7 elements, after which master, exp_avg, exp_avg_sq (fp32), grad and
+// param_out (element sizes grad_size, out_size; out may be NULL) are all 16-byte aligned; -1 if
+// no such head exists (the whole array then takes the scalar path). Host only, pure arithmetic.
+int64_t zk_adam_aligned_head(const void* master, const void* exp_avg, const void* exp_avg_sq,
+                             const void* grad, int grad_size, const void* out, int out_size,
+                             int64_t n);
+
+// cudaSuccess if this build holds a kernel image (SASS or PTX) the current device can run, else
+// the error cudaFuncGetAttributes gives (cudaErrorNoKernelImageForDevice): a prebuilt op's
+// architecture check before first use (issue 24). Does not synchronize.
+cudaError_t zk_probe_kernel_image(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -67,9 +67,13 @@ def restore_linear():
 
 
 def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
-          model=None, client_optimizer=None) -> List[float]:
+          model=None, client_optimizer=None, client_scheduler=None,
+          lrs: Optional[List[List[float]]] = None) -> List[float]:
     """Per-step losses (the mean over this rank's micro-batches of one step) of `steps`
-    optimizer steps through `which` in {"zerokern", "deepspeed"}."""
+    optimizer steps through `which` in {"zerokern", "deepspeed"}.
+
+    client_optimizer(model) -> optimizer= ; client_scheduler(client optimizer or None) ->
+    lr_scheduler= (a scheduler or a callable); lrs: gets engine.get_lr() after each step."""
     launcher_env(rank)
     model = gpt2() if model is None else model
     cfg = copy.deepcopy(config)
@@ -90,8 +94,9 @@ def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
         init = zerokern.initialize
     with ctx:
         opt = None if client_optimizer is None else client_optimizer(model)
+        sched = None if client_scheduler is None else client_scheduler(opt)
         engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=cfg,
-                               optimizer=opt)
+                               optimizer=opt, lr_scheduler=sched)
         gas = engine.gradient_accumulation_steps()
         losses = []
         for s in range(steps):
@@ -103,6 +108,8 @@ def train(which: str, rank: int, config: Dict[str, Any], steps: int = 10,
                 engine.step()
                 total += float(loss.detach())
             losses.append(total / gas)
+            if lrs is not None:
+                lrs.append([float(x) for x in engine.get_lr()])
         if which == "deepspeed":
             engine.destroy() if hasattr(engine, "destroy") else None
     return losses
@@ -112,8 +119,10 @@ def rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1) -> List[float]:
-    """The plain-torch reference: DDP + a torch optimizer, loss / gas, no_sync off-boundary."""
+def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1,
+              clip: Optional[float] = None) -> List[float]:
+    """The plain-torch reference: DDP + a torch optimizer, loss / gas, no_sync off-boundary,
+    clip_grad_norm_(clip) before each step when clip is given."""
     import torch.distributed as dist
 
     model = gpt2()
@@ -129,6 +138,8 @@ def train_ddp(rank: int, make_optimizer, steps: int = 10, gas: int = 1) -> List[
                 loss = net(input_ids=x, labels=x).loss
                 (loss / gas).backward()
             total += float(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total / gas)

@@ -67,8 +67,10 @@ def test_batch_triple_inconsistent_raises(given):
      "zero_optimization.offload_optimizer.nvme_path"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "disk"}),
      "zero_optimization.offload_optimizer.device"),
-    (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"}),  # stage 2
-     "zero_optimization.offload_param.device"),
+    # (offload_param at stage 0-2 is ignored with a warning, as DeepSpeed:
+    # test_deepspeed_expectations.py::test_offload_param_below_stage_3_is_ignored_with_a_warning)
+    (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu", "ratio": 0.5}),
+     "zero_optimization.offload_param.ratio"),  # still validated at stage 2
     (lambda c: c["zero_optimization"].update(stage=3, offload_param={"device": "ssd"}),
      "zero_optimization.offload_param.device"),
     (lambda c: c["zero_optimization"].update(stage=3, offload_param={"device": "nvme"}),

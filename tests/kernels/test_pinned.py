@@ -2,7 +2,8 @@
 
 The caching host allocator behind `torch.empty(pin_memory=True)` rounds each buffer up to a
 power of two, so offload could lock up to 2x the host RAM that `memory_report()` showed. The
-offload buffers now come from `zerokern.pinned.empty`: ordinary host memory, page-locked in place.
+offload buffers now come from `zerokern.state.pinned.empty`: ordinary host memory,
+page-locked in place.
 Checked here on the CPU with a stand-in for the CUDA runtime that records what is registered;
 tests/zero/test_gpu.py checks the same with the real runtime and the optimizer's report.
 """
@@ -14,7 +15,7 @@ import gc
 import pytest
 import torch
 
-from zerokern import offload, pinned
+from zerokern.state import offload, pinned
 
 
 class FakeCudart:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern import compact_master as C
+from zerokern.state import compact_master as C
 
 # High halves (the bf16 pattern of hi << 16): +0, -0, smallest subnormals, 1.0 (0x3F80, even),
 # 0x3F81 (odd), negatives of both parities, the largest finite (0x7F7F, 0xFF7F), the ones just

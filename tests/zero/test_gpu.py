@@ -4,7 +4,8 @@ Every test here is marked `gpu`: conftest runs them only in a process that did n
 Triton interpreter on (CUDA present and `-m gpu` selected), so backend="triton" is the compiled
 kernel and backend="cuda" the extension. Covered, for both backends:
 * no host sync in backward + step, stages 0-3, with and without offload="cpu", under
-  torch.cuda.set_sync_debug_mode("error");
+  torch.cuda.set_sync_debug_mode("error"), and no Event/Stream.synchronize either (which that
+  mode does not see) except offload's one blocking wait per chunk (issue 24);
 * fp32 parity with torch AdamW, and offload against the on-device update;
 * NCCL at world size 1 and gloo over CUDA tensors on 2 ranks, against torch AdamW;
 * a CUDA graph capture of step() with a CUDA-tensor lr, replayed, equal to eager steps;
@@ -13,12 +14,16 @@ kernel and backend="cuda" the extension. Covered, for both backends:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import zerokern as zk
-from zerokern import pinned
+from zerokern.state import pinned
 
 from . import harness as H
 from . import models as M
@@ -49,17 +54,49 @@ def _tokens(s, rank=0, ws=1):
     return M.rank_tokens(s, rank, ws).cuda()
 
 
+@contextlib.contextmanager
+def _counting_host_waits():
+    """(issue 24) torch's sync-debug mode does not see Event.synchronize / Stream.synchronize:
+    count them, with the function that called each."""
+    calls = []
+    saved = {}
+    for cls in (torch.cuda.Event, torch.cuda.Stream):
+        real = cls.synchronize
+        saved[cls] = real
+
+        def wait(self, _real=real, _cls=cls.__name__):
+            f = sys._getframe(1)
+            calls.append((_cls, os.path.basename(f.f_code.co_filename), f.f_code.co_name))
+            return _real(self)
+        cls.synchronize = wait
+    try:
+        yield calls
+    finally:
+        for cls, real in saved.items():
+            cls.synchronize = real
+
+
+# The only host waits allowed on the step path: offload's copy of a chunk's grad and scalars
+# (offload.py [Note: the one blocking wait]).
+ALLOWED_WAITS = {("Event", "offload.py", "_wait")}
+
+
 def _sync_free_steps(model, opt, steps=3):
     for s in range(steps):
         loss = M.loss_fn(model, _tokens(s))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
+            with _counting_host_waits() as waits:
+                opt.backward(loss)
+                opt.step()
+                opt.zero_grad()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        bad = [w for w in waits if w not in ALLOWED_WAITS]
+        assert not bad, f"host waits on the step path: {bad}"
+        if opt.offload is None:
+            assert not waits, waits
 
 
 STAGE_OFFLOAD = [(s, None) for s in range(4)] + [(s, "cpu") for s in (1, 2, 3)]

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern.grad_sync import MAX_IN_FLIGHT
-from zerokern.partition import ALIGN
-from zerokern.released_grad import ReleasedGrad
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.released_grad import ReleasedGrad
+from zerokern.layout.partition import ALIGN
 
 from . import models as M
 from .harness import cached, case, run_cases

@@ -217,7 +217,7 @@ def test_bad_offload_arguments():
     with pytest.raises(ValueError, match="needs offload_path"):  # (test_offload_nvme.py)
         zk.ZeroAdamW(model, stage=2, offload="nvme")
     with pytest.raises(ValueError, match="chunk_numel"):
-        from zerokern.offload import Offloader
+        from zerokern.state.offload import Offloader
 
         Offloader(torch.bfloat16, chunk_numel=100)
     assert M.bitwise_equal(M.snapshot(model), M.snapshot(M.make_model()))

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern import estimate as E
+from zerokern.accounting import estimate as E
 
 from . import models as M
 from . import test_overflow as OV
@@ -416,7 +416,7 @@ def test_read_only_and_full_tmpfs(tmp_path, monkeypatch):
     big = tmp_path / "big"
     big.mkdir()
     _mount_tmpfs(big, "size=16m")
-    monkeypatch.setattr("zerokern.aligned_io.direct_supported", lambda path: False)
+    monkeypatch.setattr("zerokern.state.aligned_io.direct_supported", lambda path: False)
     try:  # the buffered path, bitwise as the no-offload run
         runs = []
         for off in (None, "nvme"):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern import estimate as E
+from zerokern.accounting import estimate as E
 
 from . import models as M
 from .harness import cached, case, one_thread, run_cases  # noqa: F401 - one_thread: the fixture

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerokern.flat_group import FlatGroup
-from zerokern.partition import ALIGN
-from zerokern.placement import DeviceState
+from zerokern.layout.flat_group import FlatGroup
+from zerokern.layout.partition import ALIGN
+from zerokern.layout.stages import pattern
 from zerokern.stage3 import ShardedFlat
-from zerokern.stages import pattern
+from zerokern.state.placement import DeviceState
 
 SHAPES = [(1,), (127,), (4097,), (33, 5)]
 

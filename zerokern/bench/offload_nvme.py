@@ -21,8 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List
 
-from .. import aligned_io as aio
-from .. import offload_nvme as nv
+from zerokern.state import aligned_io as aio
+from zerokern.state import offload_nvme as nv
+
 from . import common
 
 

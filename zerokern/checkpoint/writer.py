@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from zerokern.version import __version__
+
 from .collective import Collective
 from .format import (
     BLOCK_BYTES,
@@ -210,11 +212,9 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
                if k != "params"} for gi, g in enumerate(view.param_groups)]
     scaler = {k: (v.item() if isinstance(v, torch.Tensor) else v)
               for k, v in view.scaler.state_dict().items()}
-    import zerokern
-
     return {
         "format": FORMAT, "version": VERSION, "block_bytes": BLOCK_BYTES,
-        "zerokern_version": zerokern.__version__, "torch_version": torch.__version__,
+        "zerokern_version": __version__, "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
         "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",

@@ -106,7 +106,8 @@ class Comm:
         # started by the optimizer that checks it at every step() (enable_debug_log), so a
         # log nobody checks never grows.
         self.log = _parent.log if _parent is not None else None
-        # gloo: reduce-scatter and all-gather as rings over send/recv ([Note: gloo collectives]).
+        # gloo: reduce-scatter and all-gather as rings over send/recv ([Note: gloo collectives]),
+        # for CPU tensors only ([Note: the ring is for CPU tensors], _ring_for).
         self.ring = None
         self.backend = dist.get_backend(self.group) if self.world_size > 1 else None
         if self.world_size > 1 and self.backend == "gloo" and \
@@ -146,6 +147,23 @@ class Comm:
     def _frac(self) -> float:
         return (self.world_size - 1) / self.world_size
 
+    def _ring_for(self, t: torch.Tensor):
+        """The ring for a CPU tensor, else None after the ring's queue drained.
+
+        [Note: the ring is for CPU tensors] (issue 24, item 1) The ring sends with
+        batch_isend_irecv, and gloo's TCP transport reads a CUDA tensor's address as a host
+        pointer (a crash), while gloo's own collectives copy CUDA tensors through the host
+        correctly. So CUDA tensors on a gloo group take torch's collective, on the caller's
+        thread and stream. Before one does, whatever the ring thread still runs is waited for,
+        so this rank's collectives keep one order (a no-op unless CPU and CUDA tensors mix on
+        one group: a CUDA-tensor optimizer never queues anything on the ring)."""
+        if self.ring is None:
+            return None
+        if t.device.type == "cpu":
+            return self.ring
+        self.ring.drain()
+        return None
+
     def _on_ring(self, async_op: bool, fn, *args):
         """Run fn on the ring thread (one order for every collective); a handle if async."""
         fut = self.ring.submit(fn, *args)
@@ -168,7 +186,7 @@ class Comm:
         self._record("all_reduce", t, label)
         self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()))
         op = op or dist.ReduceOp.SUM
-        if self.ring is not None:
+        if self._ring_for(t) is not None:
             return self._on_ring(async_op, dist.all_reduce, t, op, self.group)
         return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
 
@@ -185,7 +203,7 @@ class Comm:
             return self._local(out, inp)
         self._record("reduce_scatter", inp, label)
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
-        if self.ring is not None:
+        if self._ring_for(inp) is not None:
             return self._on_ring(async_op, self.ring.reduce_scatter, out, inp)
         if self.backend == "gloo" and _overlaps(out, inp):
             # gloo's own reduce-scatter corrupts an output that aliases its input (NCCL's is in
@@ -202,7 +220,7 @@ class Comm:
             return self._local(out, inp)
         self._record("all_gather", out, label)
         self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()))
-        if self.ring is not None:
+        if self._ring_for(out) is not None:
             n = inp.numel()
             self._local(out[self.rank * n:(self.rank + 1) * n], inp)
             return self._on_ring(async_op, self.ring.all_gather, out)

@@ -6,13 +6,14 @@ collectives with equal byte counts exchange each other's data (the gloo ring, an
 sizes match) and training goes on, wrong. In debug mode every Comm records, per collective,
 (kind, dtype, shape, label), where the label names the buffer (e.g. "unit 3 group 0"), so a
 reorder of two same-shaped units shows too. Records are compared per process group: stage 3
-reduce-scatters on a group of its own, and ranks may interleave the two groups differently
-without harm (only the order within a group must agree). `check()`, called at every stage-3
-step(), exchanges a 64-bit hash and the count of each rank's records since the last check
-over the main process group, with plain torch.distributed collectives that are not recorded
-themselves. On a mismatch it gathers the records (all_gather_object) and raises on every rank,
-naming the first position where two ranks differ. The mode costs a host sync and an
-all-gather per check, so it is off by default.
+reduce-scatters on a group of its own, and ranks may interleave the two groups differently (only
+the order within a group must agree; on a GPU no gather waits for a reduce-scatter, [Note:
+stage-3 gather stream] in stage3/gather_stream.py, which names the NCCL caveat left). `check()`,
+called at every stage-3 step(), exchanges a 64-bit hash and the count of each rank's records
+since the last check over the main process group, with plain torch.distributed collectives that
+are not recorded themselves. On a mismatch it gathers the records (all_gather_object) and raises
+on every rank, naming the first position where two ranks differ. The mode costs a host sync and
+an all-gather per check, so it is off by default.
 """
 
 from __future__ import annotations

@@ -33,11 +33,26 @@ class RingRunner:
         self._prev = dist.get_global_rank(group, (rank - 1) % world_size) if group else \
             (rank - 1) % world_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
+        self._last: Future = None  # the latest submitted job (the queue runs in order)
 
     def submit(self, fn, *args) -> Future:
-        return self._pool.submit(fn, *args)
+        self._last = self._pool.submit(fn, *args)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (errors surface at their handle)."""
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.result()
+            except Exception:  # noqa: BLE001 - reported by the handle that owns the job
+                pass
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        if send.device.type != "cpu" or recv.device.type != "cpu":
+            # gloo's send/recv would read a device address as a host pointer ([Note: the ring
+            # is for CPU tensors] in collectives.py): refuse rather than crash.
+            raise ValueError("zerokern's gloo ring takes CPU tensors only, got "
+                             f"{send.device} and {recv.device}")
         ops = [dist.P2POp(dist.isend, send, self._next, self.group),
                dist.P2POp(dist.irecv, recv, self._prev, self.group)]
         for w in dist.batch_isend_irecv(ops):

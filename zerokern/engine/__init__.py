@@ -1,8 +1,9 @@
 """DeepSpeed's shape for zerokern: `initialize`, `init_distributed`, the config and schedules."""
 
 from .config import EngineConfig, parse_config
-from .engine import ZeroEngine, init_distributed, initialize
-from .schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from .engine import NoOptimizerError, ZeroEngine, init_distributed, initialize
+from .schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["initialize", "init_distributed", "ZeroEngine", "EngineConfig", "parse_config",
-           "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+           "NoOptimizerError", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+           "LRRangeTest"]

@@ -5,13 +5,15 @@ Every key is one of three kinds (the tables below):
   DeepSpeed and MiB in zerokern: converted with the element size of the reduce dtype);
 - no effect: accepted, and listed once in the start-up log with the reason (zerokern already
   behaves that way, e.g. gradients are always contiguous);
+- ignored with a warning where DeepSpeed ignores it too (offload_param below stage 3);
 - anything else, or a value zerokern cannot honour (e.g. offload_param on "nvme" with the
   optimizer state elsewhere): ValueError naming the key. Nothing is silently ignored.
+Defaults are DeepSpeed 0.19's (gradient_clipping 1.0: [Note: gradient_clipping default]).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..optimizer_args import PRECISIONS
+from .config_file import load_config
 
 # key -> reason it has no effect in zerokern (accepted and logged once)
 NO_EFFECT_TOP = {
@@ -67,7 +70,15 @@ HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_pa
 HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
-                "zero_optimization", "communication_data_type")
+                "zero_optimization", "communication_data_type", "checkpoint")
+# [Note: gradient_clipping default] DeepSpeed 0.19 clips at 1.0 when the key is absent
+# (deepspeed/runtime/constants.py GRADIENT_CLIPPING_DEFAULT = 1.0, since its PR #8068; 0.0
+# before). zerokern follows the DeepSpeed this config format targets (0.19.8, the installed
+# reference): without the key a DeepSpeed user's run trained differently (loss 8e-4 apart after
+# 10 steps on a tiny GPT, issue 21 item 8). "gradient_clipping": 0 turns clipping off.
+GRADIENT_CLIPPING_DEFAULT = 1.0
+# checkpoint.tag_validation (DeepSpeed's modes, case-insensitive; its default "Warn").
+TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
 COMM_DTYPES = PRECISIONS  # communication_data_type takes the precision names
 # Without reduce_bucket_size zerokern keeps its own 25 MiB buckets, not DeepSpeed's default of
 # 5e8 elements: zerokern's staging buckets live between steps, and at that size they are as
@@ -84,7 +95,7 @@ class EngineConfig:
     micro_batch_size: int
     gradient_accumulation_steps: int
     world_size: int
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     optimizer: Optional[Dict[str, Any]] = None    # {"type", "params"} as given
@@ -98,7 +109,9 @@ class EngineConfig:
     offload_path: Optional[str] = None            # nvme_path (offload "nvme")
     offload_params: Optional[str] = None          # offload_param.device: "cpu" | "nvme"
     gather_16bit_on_save: bool = False
+    tag_validation: str = "WARN"                  # checkpoint.tag_validation
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
+    ignored: List[Tuple[str, str]] = field(default_factory=list)    # (key, why): a warning
     raw: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -108,17 +121,6 @@ class EngineConfig:
             return ZK_BUCKET_MB_DEFAULT
         dtype = self.reduce_dtype or PRECISIONS[self.precision]
         return self.reduce_bucket_elements * dtype.itemsize / 2**20
-
-
-def load_config(config: Any) -> Dict[str, Any]:
-    """A dict, or a path to a JSON file (DeepSpeed's `config=` / `config_params=`)."""
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            config = json.load(f)
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict or a path to a JSON file, got "
-                         f"{type(config).__name__}")
-    return config
 
 
 def _check_auto(d: Dict[str, Any], prefix: str = "") -> None:
@@ -137,8 +139,11 @@ def _int(key: str, v: Any, lo: int = 1) -> int:
 
 
 def _num(key: str, v: Any, lo: float = 0.0) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= lo:
-        raise ValueError(f"config key {key} must be a number >= {lo}, got {v!r}")
+    # finite only: an infinite fp16.loss_scale (DeepSpeed rejects it, its issue #7852) would
+    # overflow every step, an infinite lr or clip norm means nothing
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= lo or \
+            not math.isfinite(v):
+        raise ValueError(f"config key {key} must be a finite number >= {lo}, got {v!r}")
     return float(v)
 
 
@@ -232,11 +237,13 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     op = z.get("offload_param")
     if op is not None:
         key, dev = _offload_section(op, "offload_param", set(NO_EFFECT_OFFLOAD_PARAM))
-        if dev in ("cpu", "nvme"):
-            if out.stage != 3:
-                raise ValueError(f"config key {key}.device={dev!r} needs "
-                                 f"zero_optimization.stage 3 (got {out.stage}): only stage 3 "
-                                 "shards the params")
+        if dev in ("cpu", "nvme") and out.stage != 3:
+            # DeepSpeed 0.19 ignores offload_param below stage 3 (only stage 3 partitions
+            # params; its stage 0-2 engines never read the section): so does zerokern, with
+            # a warning at initialize instead of an error (issue 21 item 11).
+            out.ignored.append((f"{key}.device={dev!r}", f"only stage 3 offloads params; "
+                                f"ignored at stage {out.stage}, as DeepSpeed does"))
+        elif dev in ("cpu", "nvme"):
             if dev == "nvme":
                 # ZeroAdamW journals the param files with the optimizer state's files in one
                 # directory (zerokern.stage3.param_offload [Note: param offload choices] 3).
@@ -257,6 +264,19 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
             for k, why in NO_EFFECT_OFFLOAD_PARAM.items():
                 if k in op:
                     out.no_effect.append((f"{key}.{k}", why))
+
+
+def _checkpoint(sec: Any) -> str:
+    """The `checkpoint` section: tag_validation only (the other DeepSpeed keys, e.g.
+    load_universal or use_node_local_storage, raise as unknown)."""
+    if not isinstance(sec, dict):
+        raise ValueError(f"config key checkpoint must be a dict, got {sec!r}")
+    _unknown(sec, {"tag_validation"}, "checkpoint.")
+    mode = sec.get("tag_validation", "Warn")
+    if not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION_MODES:
+        raise ValueError(f"config key checkpoint.tag_validation must be one of Warn, Ignore, "
+                         f"Fail (any case), got {mode!r}")
+    return mode.upper()
 
 
 def _offload_section(sec, name: str, extra_keys) -> tuple:
@@ -310,7 +330,8 @@ def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:
 
 
 def parse_config(config: Any, world_size: int) -> EngineConfig:
-    """Parse and validate a DeepSpeed config (dict or JSON path) for `world_size` ranks.
+    """Parse and validate a DeepSpeed config (a dict, a JSON/hjson path or base64 JSON:
+    config_file.py) for `world_size` ranks.
 
     Raises:
         ValueError: naming the key, for unknown keys, 'auto' values, inconsistent batch
@@ -324,7 +345,9 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
     _zero(cfg.get("zero_optimization", {}), probe)
     tb, mb, gas = batch_sizes(cfg, world_size)
     out = EngineConfig(tb, mb, gas, world_size, raw=cfg)
-    out.gradient_clipping = _num("gradient_clipping", cfg.get("gradient_clipping", 0.0))
+    out.gradient_clipping = _num("gradient_clipping",
+                                 cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+    out.tag_validation = _checkpoint(cfg.get("checkpoint", {}))
     out.steps_per_print = _int("steps_per_print", cfg.get("steps_per_print", 10))
     out.wall_clock_breakdown = _bool("wall_clock_breakdown", cfg.get("wall_clock_breakdown", False))
     for k, why in NO_EFFECT_TOP.items():

@@ -27,15 +27,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import checkpoint as zk_checkpoint
 from ..optimizer import ZeroAdamW
+from ..optimizer_args import PRECISIONS
+from .checkpointing import CheckpointMixin
 from .config import EngineConfig, optimizer_settings, parse_config
-from .convert import groups_for_model, zero_from_torch
+from .convert import groups_for_model, rebind_scheduler, zero_from_torch
 from .schedulers import build_scheduler
 
 log = logging.getLogger("zerokern.engine")
-_ENGINE_STATE = "engine_state.pt"
-_ZERO_DIR = "zero"
+
+
+class NoOptimizerError(RuntimeError, AssertionError):
+    """A training call on a forward-only engine (built with no optimizer). An AssertionError
+    too, because that is what DeepSpeed raises there (its tests catch it)."""
 
 
 def _env_int(*names: str) -> Optional[int]:
@@ -80,10 +84,18 @@ def _world() -> Tuple[int, int]:
     return 0, 1
 
 
-class ZeroEngine(nn.Module):
-    """DeepSpeed's engine surface over a model and its ZeroAdamW (build it with initialize)."""
+class ZeroEngine(CheckpointMixin, nn.Module):
+    """DeepSpeed's engine surface over a model and its ZeroAdamW (build it with initialize).
 
-    def __init__(self, model: nn.Module, optimizer: ZeroAdamW, cfg: EngineConfig,
+    [Note: forward-only engine] With no optimizer (none given, no config key `optimizer`),
+    DeepSpeed builds an engine for forward passes: the model in the config's precision on the
+    device, and backward/step raise. zerokern does the same (`optimizer` is None;
+    backward, step, checkpoints raise NoOptimizerError). At stage 3 DeepSpeed also partitions
+    the params; zerokern shards only through ZeroAdamW, so its forward-only engine keeps the
+    whole model on every rank at every stage (a warning says so at stage 3): the outputs are
+    the same, the memory is not sharded."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[ZeroAdamW], cfg: EngineConfig,
                  lr_scheduler=None, training_dataloader=None) -> None:
         super().__init__()
         self.module = model
@@ -101,9 +113,17 @@ class ZeroEngine(nn.Module):
         self._last_loss = None
 
     # ---- DeepSpeed's accessors ----------------------------------------------------------------
+    def _need_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise NoOptimizerError(f"{what}: this engine has no optimizer (forward only: "
+                                   "give config key optimizer or optimizer= to train)")
+
     @property
     def device(self) -> torch.device:
-        return self.optimizer.flat_groups[0].device
+        if self.optimizer is not None:
+            return self.optimizer.flat_groups[0].device
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -115,27 +135,32 @@ class ZeroEngine(nn.Module):
         return self.config.train_batch_size
 
     def zero_optimization_stage(self) -> int:
-        return self.optimizer.stage
+        return self.optimizer.stage if self.optimizer is not None else self.config.stage
 
     def get_lr(self):
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float:
         """The last step's global gradient norm (a host read)."""
+        self._need_optimizer("get_global_grad_norm")
         return float(self.optimizer.grad_norm)
 
     @property
     def loss_scale(self) -> float:
-        return float(self.optimizer.loss_scale)
+        return 1.0 if self.optimizer is None else float(self.optimizer.loss_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def no_sync(self):
+        self._need_optimizer("no_sync")
         return self.optimizer.no_sync()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
+        if self.optimizer is None:
+            self.module.zero_grad()
+        else:
+            self.optimizer.zero_grad()
 
     # ---- the loop -----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -148,6 +173,7 @@ class ZeroEngine(nn.Module):
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss x loss scale (x 1/gradient_accumulation_steps) backward, no_sync() off the
         accumulation boundary. Returns the loss as given."""
+        self._need_optimizer("backward")
         t0 = time.perf_counter()
         self._last_loss = loss.detach()
         gas = self.config.gradient_accumulation_steps
@@ -161,6 +187,7 @@ class ZeroEngine(nn.Module):
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Count a micro-step; at the boundary: clip, step, schedule, zero the grads."""
+        self._need_optimizer("step")
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             opt = self.optimizer
@@ -191,88 +218,6 @@ class ZeroEngine(nn.Module):
         for k in self._times:
             self._times[k] = 0.0
 
-    # ---- checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[Dict[str, Any]] = None,
-                        save_latest: bool = True) -> bool:
-        """Collective. `save_dir/tag/` holds a zerokern checkpoint (any world size loads it)
-        and the engine's counters, scheduler state and client_state."""
-        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        path = os.path.join(save_dir, tag)
-        if self.global_rank == 0:
-            os.makedirs(path, exist_ok=True)
-        if self.world_size > 1:
-            dist.barrier()
-        zk_checkpoint.save(os.path.join(path, _ZERO_DIR), self.module, self.optimizer)
-        if self.global_rank == 0:
-            state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                     "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
-                     "lr_scheduler": (self.lr_scheduler.state_dict()
-                                      if self.lr_scheduler is not None else None),
-                     "client_state": dict(client_state or {})}
-            torch.save(state, os.path.join(path, _ENGINE_STATE) + ".tmp")
-            os.replace(os.path.join(path, _ENGINE_STATE) + ".tmp",
-                       os.path.join(path, _ENGINE_STATE))
-            if save_latest:
-                with open(os.path.join(save_dir, "latest"), "w") as f:
-                    f.write(tag)
-        if self.world_size > 1:
-            dist.barrier()
-        return True
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Collective. Returns (path, client_state), or (None, None) when there is no
-        `latest` and no tag (as DeepSpeed)."""
-        if not (load_module_strict and load_optimizer_states) or load_module_only:
-            raise ValueError("load_checkpoint: zerokern loads the module and the optimizer "
-                             "together (load_module_strict/load_optimizer_states True, "
-                             "load_module_only False); for weights only use "
-                             "zerokern.checkpoint.consolidate")
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                log.warning("load_checkpoint: no %s and no tag; nothing loaded", latest)
-                return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
-        path = os.path.join(load_dir, str(tag))
-        zk_checkpoint.load(os.path.join(path, _ZERO_DIR), self.module, self.optimizer)
-        state = torch.load(os.path.join(path, _ENGINE_STATE), weights_only=False)
-        self.global_steps = state["global_steps"]
-        self.micro_steps = state["micro_steps"]
-        self.global_samples = state["global_samples"]
-        self.skipped_steps = state["skipped_steps"]
-        if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"]:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        return path, state["client_state"]
-
-    def consolidated_16bit_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The full model state dict in the training dtype (collective at stage 3; DeepSpeed's
-        `_zero3_consolidated_16bit_state_dict`). Every rank gets it."""
-        with self.optimizer.gathered_params():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Collective. At stage 3 only with stage3_gather_16bit_weights_on_model_save (False
-        otherwise, as DeepSpeed); rank 0 writes `save_dir/save_filename`."""
-        if self.optimizer.stage == 3 and not self.config.gather_16bit_on_save:
-            log.warning("save_16bit_model: stage 3 needs zero_optimization."
-                        "stage3_gather_16bit_weights_on_model_save=true; nothing saved")
-            return False
-        sd = self.consolidated_16bit_state_dict()
-        if self.global_rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(sd, os.path.join(save_dir, save_filename))
-        if self.world_size > 1:
-            dist.barrier()
-        return True
-
-    save_fp16_model = save_16bit_model
-
 
 def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroAdamW:
     # free_grads: the grads (and staging) are freed at the engine's zero_grad after each step,
@@ -291,10 +236,13 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
         zero_kw["master"] = "compact"
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ValueError("optimizer is given both as optimizer= and as config key optimizer; "
-                         "give one (as DeepSpeed)")
     if optimizer is not None:
+        if cfg.optimizer is not None and _world()[0] == 0:
+            # [Note: client objects win] DeepSpeed 0.19.8 uses the client's optimizer and
+            # lr_scheduler when the config names one too (engine.py _configure_optimizer,
+            # _configure_lr_scheduler); so does zerokern (issue 21 item 10), and says so.
+            log.warning("optimizer= is given: config key optimizer (%s) is not used, as in "
+                        "DeepSpeed", cfg.optimizer["type"])
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             params = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(params)
@@ -302,23 +250,45 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
             return optimizer
         return zero_from_torch(optimizer, model, **zero_kw)
     if cfg.optimizer is None:
-        raise ValueError("no optimizer: give config key optimizer (Adam/AdamW) or optimizer=")
+        return None  # [Note: forward-only engine]
     hyper = optimizer_settings(cfg.optimizer)
     groups = groups_for_model(model, model_parameters, hyper)
     return ZeroAdamW(model, **hyper, **zero_kw, param_groups=groups)
 
 
-def _build_scheduler(cfg: EngineConfig, opt, lr_scheduler):
-    if cfg.scheduler is not None:
-        return build_scheduler(cfg.scheduler, opt)  # the config wins, as in DeepSpeed
+def _forward_only(model: nn.Module, cfg: EngineConfig) -> None:
+    """[Note: forward-only engine]: the model in the config's precision, as DeepSpeed."""
+    if cfg.stage == 3 and _world()[0] == 0:
+        log.warning("zerokern.initialize with no optimizer: stage 3 does not shard the model "
+                    "here (zerokern shards through ZeroAdamW); every rank holds all of it")
+    if cfg.precision != "fp32":
+        model.to(PRECISIONS[cfg.precision])
+
+
+def _build_scheduler(cfg: EngineConfig, opt, lr_scheduler, client_opt):
+    """The client's lr_scheduler if given, else the config's ([Note: client objects win]).
+    A scheduler object must drive `opt`: one built on the client's torch optimizer (which
+    zerokern replaced by a ZeroAdamW) is rebound to it, group for group."""
     if lr_scheduler is None:
-        return None
+        return build_scheduler(cfg.scheduler, opt) if cfg.scheduler is not None else None
+    if cfg.scheduler is not None and _world()[0] == 0:
+        log.warning("lr_scheduler= is given: config key scheduler (%s) is not used, as in "
+                    "DeepSpeed", cfg.scheduler["type"])
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         return lr_scheduler(opt)
-    if getattr(lr_scheduler, "optimizer", None) is not opt:
-        raise ValueError("lr_scheduler is bound to another optimizer; pass a callable "
-                         "(optimizer -> scheduler) so it drives zerokern's ZeroAdamW")
-    return lr_scheduler
+    bound = getattr(lr_scheduler, "optimizer", None)
+    if bound is opt:
+        return lr_scheduler
+    if bound is not None and bound is client_opt:
+        if len(bound.param_groups) != len(opt.param_groups):
+            raise ValueError(f"lr_scheduler is bound to the client optimizer's "
+                             f"{len(bound.param_groups)} param groups, the ZeroAdamW has "
+                             f"{len(opt.param_groups)} (groups without trainable params are "
+                             "dropped); pass a callable (optimizer -> scheduler)")
+        rebind_scheduler(lr_scheduler, bound, opt)
+        return lr_scheduler
+    raise ValueError("lr_scheduler is bound to another optimizer than optimizer=; pass a "
+                     "callable (optimizer -> scheduler) so it drives zerokern's ZeroAdamW")
 
 
 def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
@@ -327,21 +297,34 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None):
     """DeepSpeed's `initialize` over ZeroAdamW: returns (engine, optimizer, loader, scheduler).
 
-    config (or config_params, or args.deepspeed_config): a DeepSpeed config dict or JSON path;
+    config (or config_params, or args.deepspeed_config / deepscale_config): a DeepSpeed
+    config dict, JSON/hjson path or base64 JSON;
     see zerokern/engine/config.py for the keys. The process group is started from the
     launcher's environment when there is none (dist_init_required=False: never).
     training_data: a Dataset; the loader then has a DistributedSampler and the micro-batch
     size. optimizer: a torch Adam/AdamW (converted), a ZeroAdamW, or a callable(params).
-    lr_scheduler: a callable(optimizer) (or a scheduler already on the ZeroAdamW given).
+    lr_scheduler: a callable(optimizer), or a scheduler on the ZeroAdamW given or on the
+    torch optimizer given (rebound to the ZeroAdamW). A client optimizer or lr_scheduler is
+    used even when the config names one, as in DeepSpeed ([Note: client objects win]).
+    With no optimizer at all the engine is forward-only ([Note: forward-only engine]).
     """
     if model is None:
         raise ValueError("initialize: model is required")
     if mpu is not None or mesh_param is not None:
         raise ValueError("initialize: mpu / mesh_param (model parallelism) are not supported")
-    sources = [c for c in (config, config_params, getattr(args, "deepspeed_config", None))
-               if c is not None]
+    args_config = getattr(args, "deepspeed_config", None)
+    deepscale = getattr(args, "deepscale_config", None)  # DeepSpeed's deprecated spelling
+    if deepscale is not None:
+        log.warning("args.deepscale_config is deprecated, use args.deepspeed_config (read as "
+                    "DeepSpeed does)")
+        if args_config is not None:
+            raise ValueError("initialize: args has both deepscale_config and deepspeed_config; "
+                             "give one")
+        args_config = deepscale
+    sources = [c for c in (config, config_params, args_config) if c is not None]
     if not sources:
-        raise ValueError("initialize: give config= (or config_params=, or args.deepspeed_config)")
+        raise ValueError("initialize: give config= (or config_params=, or "
+                         "args.deepspeed_config)")
     if len(sources) > 1 and any(s is not sources[0] and s != sources[0] for s in sources):
         raise ValueError("initialize: config, config_params and args.deepspeed_config differ; "
                          "give one")
@@ -350,10 +333,18 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         init_distributed()
     rank, world_size = _world()
     cfg = parse_config(sources[0], world_size)  # raises before the model is touched
+    if deepscale is not None:  # what DeepSpeed leaves in args
+        args.deepspeed_config, args.deepscale_config = deepscale, None
     if dist.is_initialized() and dist.get_backend() == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
     opt = _build_optimizer(model, cfg, optimizer, model_parameters)
-    sched = _build_scheduler(cfg, opt, lr_scheduler)
+    if opt is None:
+        if lr_scheduler is not None or cfg.scheduler is not None:
+            raise ValueError("initialize: a scheduler (lr_scheduler= or config key scheduler) "
+                             "needs an optimizer (config key optimizer or optimizer=)")
+        _forward_only(model, cfg)
+    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    sched = None if opt is None else _build_scheduler(cfg, opt, lr_scheduler, client_opt)
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.distributed.DistributedSampler(
@@ -369,4 +360,6 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         if cfg.no_effect:
             log.info("config keys with no effect in zerokern: %s",
                      "; ".join(f"{k} ({why})" for k, why in cfg.no_effect))
+        for k, why in cfg.ignored:
+            log.warning("config key %s is ignored: %s", k, why)
     return engine, opt, loader, sched

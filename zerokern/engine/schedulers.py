@@ -1,20 +1,23 @@
 """DeepSpeed's learning-rate schedules as torch LR schedulers (no deepspeed import).
 
-WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle take DeepSpeed's parameter names and
-follow its documented formulas. They subclass `torch.optim.lr_scheduler.LRScheduler`, so
-`state_dict()`, `get_last_lr()` and Trainer/Accelerate's handling work unchanged.
+WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest take DeepSpeed's parameter
+names and follow its formulas (tests/engine compare them with DeepSpeed 0.19.8's, step by
+step). They subclass `torch.optim.lr_scheduler.LRScheduler`, so `state_dict()`,
+`get_last_lr()` and Trainer/Accelerate's handling work unchanged; DeepSpeed's own classes are
+plain objects, so zerokern returns these instead of DeepSpeed's (same names, same values).
 
 [Note: iteration index] DeepSpeed's schedules count `last_batch_iteration` from -1 (before the
 first step) and are stepped once per optimizer step. torch's `last_epoch` is 0 after
 construction, so the DeepSpeed index is `last_epoch - 1`: the lr of the first optimizer step is
 the schedule at index -1 (the minimum for the warm-ups), of the second at index 0, and so on,
-as in DeepSpeed.
+as in DeepSpeed. `step(batch_iteration)` and `last_batch_iteration` use DeepSpeed's index
+(torch's `step(epoch)` would be one behind it), through `_DeepSpeedIndex`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -28,6 +31,20 @@ def _per_group(opt, value: Floats, name: str) -> List[float]:
             raise ValueError(f"{name}: {len(value)} values for {n} param groups")
         return [float(v) for v in value]
     return [float(value)] * n
+
+
+class _DeepSpeedIndex:
+    """DeepSpeed's iteration index on a torch LRScheduler ([Note: iteration index])."""
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self.last_epoch - 1
+
+    def step(self, batch_iteration: Optional[int] = None) -> None:
+        """One step, or (DeepSpeed's `step(n)`) jump to DeepSpeed index n."""
+        if batch_iteration is not None:
+            self.last_epoch = int(batch_iteration)  # LRScheduler.step adds the 1
+        super().step()
 
 
 def _warmup_gamma(i: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -45,7 +62,7 @@ def _check_warmup_type(t: str) -> str:
     return t
 
 
-class WarmupLR(LRScheduler):
+class WarmupLR(_DeepSpeedIndex, LRScheduler):
     """From warmup_min_lr to warmup_max_lr (default: the optimizer's lr) over warmup_num_steps
     (log or linear), then constant."""
 
@@ -73,10 +90,11 @@ class WarmupLR(LRScheduler):
 
 
 class WarmupDecayLR(WarmupLR):
-    """WarmupLR, then linear decay to 0 at total_num_steps."""
+    """WarmupLR, then linear decay to 0 at total_num_steps. warmup_max_lr defaults to 0.001,
+    not to the optimizer's lr (WarmupLR's default): DeepSpeed 0.19's defaults differ so."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: Floats = 0.0,
-                 warmup_max_lr: Optional[Floats] = None, warmup_num_steps: int = 1000,
+                 warmup_max_lr: Optional[Floats] = 0.001, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_batch_iteration: int = -1):
         if int(total_num_steps) < 1:
             raise ValueError(f"total_num_steps must be >= 1, got {total_num_steps!r}")
@@ -91,7 +109,7 @@ class WarmupDecayLR(WarmupLR):
                    max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_DeepSpeedIndex, LRScheduler):
     """A ratio of each group's own lr: warmup_min_ratio -> 1 over warmup_num_steps, then a
     cosine down to cos_min_ratio at total_num_steps (and held there)."""
 
@@ -125,7 +143,7 @@ class WarmupCosineLR(LRScheduler):
         return [base * r for base in self.base_lrs]
 
 
-class OneCycle(LRScheduler):
+class OneCycle(_DeepSpeedIndex, LRScheduler):
     """1cycle: lr cycle_min_lr -> cycle_max_lr over cycle_first_step_size, back over
     cycle_second_step_size (optionally in stairs), then decay by decay_lr_rate every
     decay_step_size; momentum (betas[0]) cycles the other way between cycle_max_mom and
@@ -154,7 +172,8 @@ class OneCycle(LRScheduler):
         self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
         self.decay_lr_rate, self.decay_mom_rate = float(decay_lr_rate), float(decay_mom_rate)
         self.cycle_momentum = bool(cycle_momentum)
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+        self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
         if self.cycle_momentum:
             for g in optimizer.param_groups:
                 if "betas" not in g:
@@ -193,28 +212,67 @@ class OneCycle(LRScheduler):
             return list(self.min_lrs)
         return [lo / (1 + self.decay_lr_rate * d) for lo in self.min_lrs]
 
-    def _mom(self, i: int) -> Optional[float]:
-        if i < 0:
-            return self.min_mom  # DeepSpeed starts the betas at cycle_min_mom
+    def _moms(self, i: int, start: bool) -> List[float]:
+        """beta1 per group at DeepSpeed index i. start: the value DeepSpeed's constructor
+        writes into the groups (cycle_min_mom), where its get_mom() reports the cycle's
+        start (cycle_max_mom) -- both kept, so that the betas and get_mom() match it."""
+        if i < 0 and start:
+            return list(self.min_moms)
         if i < self.total:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._scale(i + 1)
+            s = self._scale(i + 1)
+            return [hi - (hi - lo) * s for lo, hi in zip(self.min_moms, self.max_moms)]
         d = self._decay(i)
         if d is None or self.decay_mom_rate == 0:
-            return self.max_mom
-        return self.max_mom * (1 + self.decay_mom_rate * d)
+            return list(self.max_moms)
+        return [hi * (1 + self.decay_mom_rate * d) for hi in self.max_moms]
 
-    def step(self, epoch=None) -> None:
-        super().step(epoch)
+    def get_mom(self) -> Optional[List[Tuple[float, float]]]:
+        """DeepSpeed's OneCycle.get_mom(): (beta1, beta2) per group at the current index, or
+        None when cycle_momentum is off."""
+        if not self.cycle_momentum:
+            return None
+        return [(m, 0.99) for m in self._moms(self.last_epoch - 1, start=False)]
+
+    def step(self, batch_iteration: Optional[int] = None) -> None:
+        super().step(batch_iteration)
         if self.cycle_momentum:
-            m = self._mom(self.last_epoch - 1)
-            for g in self.optimizer.param_groups:
+            moms = self._moms(self.last_epoch - 1, start=batch_iteration is None)
+            for g, m in zip(self.optimizer.param_groups, moms):
                 # DeepSpeed's OneCycle sets beta2 to 0.99 whenever it cycles momentum; kept
                 # so that a DeepSpeed config trains the same.
                 g["betas"] = (m, 0.99)
 
 
+class LRRangeTest(_DeepSpeedIndex, LRScheduler):
+    """The LR range test: lr = lr_range_test_min_lr x (1 + lr_range_test_step_rate x k),
+    k = (index + 1) / lr_range_test_step_size (floored with lr_range_test_staircase), so
+    the lr grows every step from the minimum (used to find a cycle's bounds)."""
+
+    def __init__(self, optimizer, lr_range_test_min_lr: Floats = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
+        if last_batch_iteration != -1:
+            raise ValueError("last_batch_iteration: resume through load_state_dict()")
+        if isinstance(lr_range_test_step_size, bool) or \
+                not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, "
+                             f"got {lr_range_test_step_size!r}")
+        self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = float(lr_range_test_step_rate)
+        self.staircase = bool(lr_range_test_staircase)
+        super().__init__(optimizer)
+
+    def get_lr(self) -> List[float]:
+        k = self.last_epoch / self.step_size  # (DeepSpeed index + 1): [Note: iteration index]
+        if self.staircase:
+            k = math.floor(k)
+        return [lo * (1 + self.step_rate * k) for lo in self.min_lrs]
+
+
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
-              "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle}
+              "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle,
+              "LRRangeTest": LRRangeTest}
 
 
 def build_scheduler(sched_cfg: Dict[str, Any], optimizer) -> LRScheduler:

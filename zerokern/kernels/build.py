@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
 
+from . import cuda_toolchain
+
 log = logging.getLogger("zerokern")
 
 _PKG_DIR = Path(__file__).resolve().parent.parent
@@ -38,6 +40,11 @@ _PKG_DIR = Path(__file__).resolve().parent.parent
 
 class BuildError(RuntimeError):
     """A native op could not be built or loaded."""
+
+
+class ToolchainError(BuildError):
+    """The op needs a JIT build and this machine has no matching compiler (no nvcc, or nvcc's
+    CUDA major differs from torch's): [Note: CUDA toolchain checks] in cuda_toolchain.py."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +194,19 @@ def load_op(spec_or_name) -> object:
     if not spec.root:  # AOT build from `ZEROKERN_BUILD_OPS=1 pip install`
         with contextlib.suppress(ImportError):
             mod = importlib.import_module(f"zerokern._ops_{spec.name}")
-            _LOADED[spec.name] = mod
-            return mod
+            why = cuda_toolchain.prebuilt_problem(mod) if spec.cuda else None
+            if why is None:
+                _LOADED[spec.name] = mod
+                return mod
+            # [Note: CUDA toolchain checks]: build for the GPUs present instead
+            log.warning("zerokern: not using the prebuilt zerokern._ops_%s: %s; JIT-building",
+                        spec.name, why)
     name, bdir = module_name(spec), build_dir(spec)
     so = bdir / f"{name}.so"
+    if not so.exists() and spec.cuda:
+        why = cuda_toolchain.toolchain_problem()
+        if why is not None:
+            raise ToolchainError(f"cannot build zerokern {spec.name} ops: {why}")
     if not so.exists():
         with _build_lock(cache_root() / f"{spec.name}.lock"):
             if not so.exists():

@@ -52,8 +52,11 @@ def backend_status() -> Dict[str, Tuple[bool, str]]:
     else:
         from torch.utils.cpp_extension import CUDA_HOME
 
-        if CUDA_HOME is None:
-            st["cuda"] = (False, "nvcc / CUDA_HOME not found, needed to JIT-build csrc/cuda")
+        from .cuda_toolchain import toolchain_problem
+
+        why = toolchain_problem()
+        if why is not None:
+            st["cuda"] = (False, why)
         else:
             st["cuda"] = (True, f"JIT-builds on first use with {CUDA_HOME}/bin/nvcc")
     if _prebuilt_or_cached("cpu"):

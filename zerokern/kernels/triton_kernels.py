@@ -28,7 +28,9 @@ switches: adamw, whether there is a param_out, where hyperparameters come from, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import struct
 from typing import List, Tuple
 
 import torch
@@ -44,6 +46,11 @@ NUM_WARPS_GPU = 8
 # The interpreter runs programs one after another in numpy: large blocks make it fast on the
 # small test sizes (a 278011-element step drops from minutes to about a second).
 BLOCK_INTERP_MAX = 1 << 16
+# [Note: fp fusion pinned] (issue 24, item 8) Every launch passes enable_fp_fusion: FMA
+# contraction on (a*b+c rounded once), the setting the fp32 bounds and the sm_90 static checks
+# were measured with. Left to TRITON_DEFAULT_FP_FUSION, Triton 3.9 warns once per rank and 3.10
+# changes the default; the kernels' numerics must not move with the Triton release.
+FP_FUSION = True
 # grad_stats_ stage 1 never uses more programs than this, so stage 2 is a single block.
 MAX_PARTIALS = 1024
 # (7) Vector granularity: Triton's divisibility specialisation is 16 (bytes for pointers,
@@ -216,8 +223,24 @@ def _grad_stats_final_kernel(partial_ptr, flag_ptr, nparts, found_inf_ptr, sumsq
 
 def _hi_lo(x: float):
     """Split a double into float32 hi + lo so the kernel can rebuild ~48 bits of it."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+    return (hi := _f32(x)), _f32(x - hi)
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (to nearest; +-inf past float32's range, as torch's cast)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return float(torch.tensor(x, dtype=torch.float32))
+
+
+@functools.lru_cache(maxsize=256)
+def _split_args(hyper: tuple) -> tuple:
+    """[Note: launch arguments cached] (issue 24, item 8) The 10 float32 halves of the five
+    float hyperparameters. They were two CPU tensors each per call (10 tensors, ~31 us per
+    adam_step_ measured); now plain float packing, cached on the values (a buffer's hypers
+    rarely change between steps; a scheduler's new lr is one more entry)."""
+    return tuple(h for x in hyper for h in _hi_lo(float(x)))
 
 
 def _block(n: int, on_cpu: bool) -> int:
@@ -270,24 +293,35 @@ def adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, beta2
     n = master.numel()
     dev = master.device
     on_cpu = dev.type == "cpu"
-    hyper = [_hyper(x, dev) for x in (lr, beta1, beta2, eps, weight_decay)]
-    hp_from_ptr = any(isinstance(x, torch.Tensor) for x in hyper)
     with _on_device(dev):
         if n:
-            if hp_from_ptr:
-                # Device tensors are read on the device; floats are filled there, not copied.
-                hp = torch.stack([x.to(dev, torch.float64) if isinstance(x, torch.Tensor)
-                                  else torch.full((), x, dtype=torch.float64, device=dev)
-                                  for x in hyper])
-                split = [0.0] * 10
-            else:
-                hp = step  # unused pointer placeholder
-                split = [h for x in hyper for h in _hi_lo(float(x))]
-            sc = torch.empty(SC_LEN, dtype=torch.float32, device=dev)
-            _adam_scalars_kernel[(1,)](sc, *split, hp, step, grad_scale, found_inf,
-                                       HP_FROM_PTR=hp_from_ptr, num_warps=1)
+            sc = adam_scalars(dev, (lr, beta1, beta2, eps, weight_decay), step, grad_scale,
+                              found_inf)
             _adam_launches(master, exp_avg, exp_avg_sq, grad, param_out, n, sc, adamw, on_cpu)
-        _advance_step_kernel[(1,)](step, found_inf, num_warps=1)
+        _advance_step_kernel[(1,)](step, found_inf, num_warps=1, enable_fp_fusion=FP_FUSION)
+
+
+def adam_scalars(dev: torch.device, hyper, step, grad_scale, found_inf) -> torch.Tensor:
+    """(3) The (SC_LEN,) fp32 scalar buffer of one launch, written by the prologue kernel on
+    dev's current stream (also the fused compact step's, compact_triton.py)."""
+    hyper = [_hyper(x, dev) for x in hyper]
+    hp_from_ptr = any(isinstance(x, torch.Tensor) for x in hyper)
+    if hp_from_ptr:
+        # Device tensors are read on the device; floats are filled there, not copied.
+        hp = torch.stack([x.to(dev, torch.float64) if isinstance(x, torch.Tensor)
+                          else torch.full((), x, dtype=torch.float64, device=dev)
+                          for x in hyper])
+        split = _ZEROS10
+    else:
+        hp = step  # unused pointer placeholder
+        split = _split_args(tuple(float(x) for x in hyper))
+    sc = torch.empty(SC_LEN, dtype=torch.float32, device=dev)
+    _adam_scalars_kernel[(1,)](sc, *split, hp, step, grad_scale, found_inf,
+                               HP_FROM_PTR=hp_from_ptr, num_warps=1, enable_fp_fusion=FP_FUSION)
+    return sc
+
+
+_ZEROS10 = (0.0,) * 10
 
 
 def _adam_launches(master, exp_avg, exp_avg_sq, grad, param_out, n, sc, adamw, on_cpu):
@@ -303,7 +337,8 @@ def _adam_launches(master, exp_avg, exp_avg_sq, grad, param_out, n, sc, adamw, o
         block = _block(length, on_cpu) if vector or length >= ALIGN else BLOCK_EDGE
         warps = _num_warps(on_cpu) if block > BLOCK_EDGE else 1
         _adam_step_kernel[(triton.cdiv(length, block),)](*a, length, sc, BLOCK=block,
-                                                         num_warps=warps, **const)
+                                                         num_warps=warps,
+                                                         enable_fp_fusion=FP_FUSION, **const)
 
 
 def grad_stats_(grad, found_inf, sumsq) -> None:
@@ -328,8 +363,10 @@ def grad_stats_(grad, found_inf, sumsq) -> None:
             g = grad if length == n else grad[start:start + length]
             warps = _num_warps(on_cpu) if block > BLOCK_EDGE else 1
             _grad_stats_partial_kernel[(nprog,)](g, partial[slot:], flags[slot:], length, iters,
-                                                 BLOCK=block, num_warps=warps)
+                                                 BLOCK=block, num_warps=warps,
+                                                 enable_fp_fusion=FP_FUSION)
             slot += nprog
         _grad_stats_final_kernel[(1,)](partial, flags, total, found_inf, sumsq,
                                        PBLOCK=max(triton.next_power_of_2(total), 16),
-                                       num_warps=_num_warps(on_cpu))
+                                       num_warps=_num_warps(on_cpu),
+                                       enable_fp_fusion=FP_FUSION)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import huge_pages
-from ..grad_sync import MAX_IN_FLIGHT
-from ..sharded_grads import ShardedGrads
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.sharded_grads import ShardedGrads
+from zerokern.state import huge_pages
+
 from . import param_offload
 from .units import Unit
 

@@ -118,7 +118,7 @@ class ModelGuard:
         storage and drops the rest; safetensors.save_model refuses) and (b) hold no values
         once the block exits, where the usual `with opt.gathered_params(): sd =
         model.state_dict()` then `torch.save(sd)` uses it. Stage 0-2's zero-copy alias
-        (param_alias.py) cannot follow the resize, so the values are cloned: the state dict
+        (layout/param_alias.py) cannot follow the resize, so the values are cloned: the state dict
         costs one more copy of the params in the model dtype (2 bytes/param at bf16) for as
         long as the caller keeps it, as `ZeroAccelerator.get_state_dict` always did.
         keep_vars=True (the Parameters themselves) is left alone. Done once, by the module

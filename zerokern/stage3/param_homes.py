@@ -13,15 +13,16 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import aligned_io as aio
-from ..nvme_state import cleanup as _cleanup  # closes and removes files by .fds / .paths
-from ..offload_nvme import StepPhase
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import cleanup as _cleanup
+from zerokern.state.offload_nvme import StepPhase
+
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
 
 
 def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    from .. import pinned
+    from zerokern.state import pinned
 
     return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
 
@@ -133,6 +134,13 @@ class ParamHomes:
             offloader.commit_hooks.append(self.commit)
 
     # -- I/O ---------------------------------------------------------------------------------
+    def gather_stream(self, device: torch.device):
+        """The stream the shard's fetch and all-gather are issued on (a GPU with pinned homes),
+        else None: [Note: stage-3 gather stream] in gather_stream.py."""
+        from . import gather_stream
+
+        return gather_stream.for_device(device) if self.pin else None
+
     def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
         if self.kind == "cpu":
             dev.copy_(f.flat, non_blocking=self.pin)  # stream-ordered before the all-gather

@@ -64,6 +64,7 @@ from typing import List, Optional
 
 import torch
 
+from . import gather_stream
 from .param_offload_checks import (  # noqa: F401 (re-exported)
     KINDS,
     NOTES,
@@ -72,7 +73,7 @@ from .param_offload_checks import (  # noqa: F401 (re-exported)
     estimate_,
     formula_,
 )
-from .sharded_flat import Residency, ShardedFlat
+from .sharded_flat import ShardedFlat
 
 
 class OffloadedShardedFlat(ShardedFlat):
@@ -113,29 +114,33 @@ class OffloadedShardedFlat(ShardedFlat):
             self._live = True
         return self.dev
 
-    def _release(self) -> None:
+    def _release(self, after_gather: bool = False) -> None:
         if self.dev is not None and self._live and not self._working:
+            gs = self._gather_stream() if after_gather else None
+            if gs is not None:  # fetched on the gather stream, freed from the compute stream
+                gs.used_by_compute(self.dev)
             self.dev.untyped_storage().resize_(0)
             self._live = False
 
     # -- gather / free -----------------------------------------------------------------------
-    def start_gather(self, comm, label=None) -> None:
-        if self.residency is not Residency.SHARD:
-            return
-        src = self._fetch()  # [Note: param offload choices] 1: with the (pre)fetched gather
-        self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
-        self.residency = Residency.GATHERING
+    def _gather_source(self) -> torch.Tensor:
+        # [Note: param offload choices] 1: fetched with its (pre)fetched gather; on a GPU the
+        # H2D copy runs on the gather stream ([Note: stage-3 gather stream], gather_stream.py)
+        return self._fetch()
+
+    def _gather_stream(self):
+        return self.homes.gather_stream(self.full.device)
 
     def finish_gather(self) -> None:
         landed = self.handle is not None
         super().finish_gather()
         if landed:
-            self._release()
+            self._release(after_gather=True)
 
     def free(self) -> None:
+        gathering = self.handle is not None
         super().free()  # (waits for a gather in flight first)
-        self._release()
+        self._release(after_gather=gathering)
 
     def write_back_(self) -> None:
         self.homes.new_pass()  # (a read-ahead of this home would be stale)
@@ -186,7 +191,12 @@ def _homes(sync):
 
 def new_pass(sync) -> None:
     """A forward, a backward, gather_all or frozen_whole starts: read-aheads issued before it
-    are dropped (only one issued and used within one pass is known to be current)."""
+    are dropped (only one issued and used within one pass is known to be current), and on a
+    GPU the gather stream waits for the compute stream ([Note: stage-3 gather stream], 2)."""
+    bufs = sync.groups or sync.frozen
+    gs = gather_stream.for_device(bufs[0].device) if bufs else None
+    if gs is not None:
+        gs.new_epoch()
     homes = _homes(sync)
     if homes is not None and homes.ahead:
         homes.new_pass()

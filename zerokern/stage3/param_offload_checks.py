@@ -8,8 +8,9 @@ from collections import Counter
 
 import torch
 
-from .. import aligned_io as aio
-from ..nvme_state import check_free_space, state_file_bytes
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import check_free_space, state_file_bytes
+
 from ..optimizer_args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
 from ..optimizer_args import check_offload_params as check_args  # noqa: F401
 
@@ -24,7 +25,7 @@ NOTES = {  # zerokern estimate's note per kind
 
 def _shard_numel(numel: int, world_size: int) -> int:
     """S of a stage-3 buffer of `numel` elements: ShardedFlat's own layout (partition.py)."""
-    from ..partition import make_layout, one_bucket_numel
+    from zerokern.layout.partition import make_layout, one_bucket_numel
 
     return make_layout([(numel,)], world_size, one_bucket_numel(numel, world_size)).shard_numel
 

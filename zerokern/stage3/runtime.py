@@ -35,7 +35,10 @@ make the order independent of which params a rank used:
    group of their own (Comm.split). A rank that waits for a reduce-scatter (bounded staging,
    MAX_IN_FLIGHT) then never blocks a gather its peers wait on: on one group, gathers and
    reduce-scatters in different interleavings would pair a gather with a reduce-scatter of
-   the same size (gloo's ring: silently wrong) or hang (NCCL).
+   the same size (gloo's ring: silently wrong) or hang (NCCL). On a GPU the gathers are
+   issued from a stream of their own, so no gather waits (through the compute stream) for a
+   reduce-scatter whatever the two orders' interleaving ([Note: stage-3 gather stream] in
+   gather_stream.py, which also says what that leaves open).
 3. A unit is reduced once its backward is done on this rank: all its params have grads, or
    the grad of its inputs has been computed (FSDP2's post-backward: autograd runs a param's
    AccumulateGrad, which has the highest priority, as soon as it is ready, so a param without
@@ -62,7 +65,8 @@ from typing import Dict, List
 
 import torch
 
-from ..grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+
 from . import guards, param_offload
 from .backward import Stage3Backward
 from .generate_sync import sync_generate

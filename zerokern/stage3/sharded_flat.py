@@ -29,9 +29,10 @@ from typing import List
 
 import torch
 
-from ..partition import make_layout, one_bucket_numel
-from ..shard_buffer import ShardBuffer
-from ..stages import pattern
+from zerokern.layout.partition import make_layout, one_bucket_numel
+from zerokern.layout.shard_buffer import ShardBuffer
+from zerokern.layout.stages import pattern
+from zerokern.stage3 import gather_stream
 
 
 class Residency(Enum):
@@ -56,7 +57,7 @@ class ShardedFlat(ShardBuffer):
         lo, hi = L.piece_range(0, rank)
         if trainable:  # fp32 masters from the original values, before the cast
             if placement is None:
-                from ..placement import DevicePlacement
+                from zerokern.state.placement import DevicePlacement
 
                 placement = DevicePlacement()
             self.state = placement.allocate(self)
@@ -91,16 +92,38 @@ class ShardedFlat(ShardBuffer):
         return self._full_bytes
 
     def start_gather(self, comm, label=None) -> None:
-        """Allocate full and launch the all-gather of every rank's shard into it (async)."""
+        """Allocate full and launch the all-gather of every rank's shard into it (async); on a
+        GPU on the gather stream ([Note: stage-3 gather stream])."""
         if self.residency is not Residency.SHARD:
             return
-        self.full.untyped_storage().resize_(self._full_bytes)
-        self.handle = comm.all_gather_(self.full, self.param_shard, async_op=True,
-                                        label=label)
+        gs = self._gather_stream()
+        if gs is None:
+            self.full.untyped_storage().resize_(self._full_bytes)
+            self.handle = comm.all_gather_(self.full, self._gather_source(), async_op=True,
+                                            label=label)
+        else:
+            with gs.context():
+                self.full.untyped_storage().resize_(self._full_bytes)
+                self.handle = comm.all_gather_(self.full, self._gather_source(),
+                                                async_op=True, label=label)
+            self._landed = (gs, gs.record())
         self.residency = Residency.GATHERING
+
+    def _gather_stream(self):
+        return gather_stream.for_device(self.full.device)
+
+    def _gather_source(self) -> torch.Tensor:
+        return self.param_shard
+
+    def _compute_waits_gather(self) -> None:
+        landed = getattr(self, "_landed", None)
+        if landed is not None:
+            landed[0].compute_waits(landed[1])
+            self._landed = None
 
     def finish_gather(self) -> None:
         if self.residency is Residency.GATHERING:
+            self._compute_waits_gather()
             self.handle.wait()
             self.handle = None
             self.residency = Residency.GATHERED
@@ -109,8 +132,12 @@ class ShardedFlat(ShardBuffer):
 
     def free(self) -> None:
         if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
+            self._compute_waits_gather()
             self.handle.wait()
             self.handle = None
+        gs = self._gather_stream()
+        if gs is not None and self.full.untyped_storage().nbytes():
+            gs.used_by_compute(self.full)
         for p in self.params:
             p.data = self._empty
         if not self.full.untyped_storage().resizable():

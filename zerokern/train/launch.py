@@ -92,6 +92,11 @@ def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     """This process is one rank of a torchrun job. Returns the results on rank 0, else None."""
     dev_type = resolve_device(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev_type == "cuda" and local_rank >= torch.cuda.device_count():
+        # one rank per GPU: say so before set_device fails inside CUDA (issue 24, item 7)
+        raise ValueError(f"torchrun started LOCAL_RANK {local_rank} but this machine has "
+                         f"{torch.cuda.device_count()} GPU(s) (one rank per GPU): lower "
+                         "--nproc_per_node, or pass --device cpu for gloo ranks on the CPU")
     torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     device = _device(dev_type, local_rank)
     dist.init_process_group("nccl" if dev_type == "cuda" else "gloo",

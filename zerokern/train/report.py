@@ -1,7 +1,8 @@
 """The end of `zerokern train`: the summary printed, `metrics.json` and `loss.png` written.
 
 Memory per rank is what `opt.memory_report()` measured on each rank, beside zerokern's exact
-estimate for the same model (`zerokern.estimate`, which must agree to the byte), the DESIGN §4
+estimate for the same model (`zerokern.accounting.estimate`, which must agree to the byte),
+the DESIGN §4
 formula at this stage and at stage 0 (`estimate_memory(..., stage=0)`), and, with --compare,
 what stage 0 really held. Communication is bytes sent per rank per step (`opt.comm_stats()`)
 against DESIGN §5's ring volume.
@@ -16,8 +17,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
-from ..formula import estimate_memory
+from zerokern.accounting.estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
+from zerokern.accounting.formula import estimate_memory
+
 from ..host import cpu_model
 from ..optimizer_args import elem_size
 from ..tables import print_table
@@ -36,7 +38,7 @@ def _unit(nbytes: float) -> tuple:
 
 
 def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str, Any]]:
-    """zerokern.estimate for this run's model (built on meta), at its stage and offload."""
+    """zerokern.accounting.estimate for this run's model (on meta), at its stage and offload."""
     with torch.device("meta"):
         model = build_model(cfg, torch.device("meta"))
     return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
@@ -185,7 +187,8 @@ def print_summary(cfg: TrainConfig, res: Dict[str, Any], m: Dict[str, Any]) -> N
     if est is not None:
         ok = m["memory"]["estimate_matches_rank0"]
         verdict = "equal in every category" if ok else "DIFFERENT (a bug: please report it)"
-        print(f"zerokern.estimate (this model on the meta device) vs rank 0 measured: {verdict}")
+        print("zerokern.accounting.estimate (this model on the meta device) vs rank 0 "
+              f"measured: {verdict}")
     cps = m["comm_per_step"]
     crow = [{"kind": k, "bytes": int(cps[k]), "calls": m["comm_calls_per_step"].get(k)}
             for k in ("all_reduce", "reduce_scatter", "all_gather", "total")]

@@ -15,10 +15,10 @@ from typing import List
 
 import torch
 
-from .param_alias import own_storage_view
-from .partition import bucket_numel_for, make_layout
-from .shard_buffer import ShardBuffer
-from .stages import StagePattern, pattern
+from zerokern.layout.param_alias import own_storage_view
+from zerokern.layout.partition import bucket_numel_for, make_layout
+from zerokern.layout.shard_buffer import ShardBuffer
+from zerokern.layout.stages import StagePattern, pattern
 
 
 class FlatGroup(ShardBuffer):
@@ -38,7 +38,7 @@ class FlatGroup(ShardBuffer):
         layout = self.layout_of(params, dtype, world_size, bucket_bytes)
         self._init_buffer(params, dtype, rank, pat, layout, group_index)
         if placement is None:
-            from .placement import DevicePlacement
+            from zerokern.state.placement import DevicePlacement
 
             placement = DevicePlacement()
         # fp32 masters are taken from the original values, before the cast (issue 3).
@@ -47,7 +47,7 @@ class FlatGroup(ShardBuffer):
         self.flat = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
         for p, s in zip(params, L.slots):
             self.flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
-        for p, s in zip(params, L.slots):  # [Note: one storage per param] in param_alias.py
+        for p, s in zip(params, L.slots):  # [Note: one storage per param] in layout/param_alias.py
             p.data = own_storage_view(self.flat, s.offset, s.numel, s.shape)
 
     def param_values(self, lo: int, hi: int) -> torch.Tensor:

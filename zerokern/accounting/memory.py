@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-from .formula import estimate_memory  # noqa: F401 (zerokern.memory.estimate_memory, as before)
+from zerokern.accounting.formula import estimate_memory
 
 # frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
 # optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.

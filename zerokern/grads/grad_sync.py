@@ -41,9 +41,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd import Variable
 
-from .comm import Comm
-from .flat_group import FlatGroup
-from .released_grad import ReleasedGrad
+from zerokern.comm import Comm
+from zerokern.grads.released_grad import ReleasedGrad
+from zerokern.layout.flat_group import FlatGroup
 
 # At most this many stage-2 reduce-scatters in flight before the oldest is waited for: two
 # overlap communication with the next bucket's backward; more only hold staging memory.

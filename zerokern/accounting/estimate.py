@@ -26,7 +26,7 @@ What is predicted, after a training step:
   `pool_chunk` elements (fp32 master|m|v, a grad chunk, a param chunk but at fp32) plus the 2
   scalars, pinned with nccl (a GPU) and pageable with gloo (`host_pinned` / `host_pageable`);
   `disk` is master, m and v per buffer, each two halves of align_up(4 S, 4096) bytes
-  (`memory_report()["disk_measured"]`; zerokern.offload_nvme).
+  (`memory_report()["disk_measured"]`; zerokern.state.offload_nvme).
 
 [Note: categories that depend on the run]
 Three buffers are not a function of the shapes alone; here is how each is modelled.
@@ -63,10 +63,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .aligned_io import align_up
-from .compact_master import tie_bytes
-from .formula import deepspeed_formula, estimate_memory
-from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
+from zerokern.accounting.formula import deepspeed_formula, estimate_memory
+from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model side, its API)
     _ONE_PARAM,
     ModelSpec,
     UnitSpec,
@@ -78,9 +76,11 @@ from .model_spec import (  # noqa: F401 (re-exported: the estimate's model side)
     spec_from_numel,
     stage3_units,
 )
-from .offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
-from .optimizer_args import check_master, check_offload, check_precision, check_stage
-from .stages import pattern
+from zerokern.layout.stages import pattern
+from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
+from zerokern.state.aligned_io import align_up
+from zerokern.state.compact_master import tie_bytes
+from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
 
 # Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
 # between steps) and host ones, as memory_report()["host_measured"] (offload).
@@ -120,7 +120,7 @@ class _InstantComm:
 
 def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pat,
                 bucket_bytes):
-    from .flat_group import FlatGroup
+    from zerokern.layout.flat_group import FlatGroup
 
     params = [nn.Parameter(torch.empty(spec.shapes[i], device="meta")) for i in idx]
     return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes)
@@ -128,7 +128,7 @@ def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pa
 
 def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
     """Stage-2 staging buffers after one backward in spec.grad_order, via BucketedGrads."""
-    from .sharded_grads import BucketedGrads
+    from zerokern.grads.sharded_grads import BucketedGrads
 
     comm = _InstantComm(group.layout.world_size, group.rank)
     gs = BucketedGrads([group], comm, reduce_dtype)
@@ -170,7 +170,7 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
     a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
     (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound()).
     """
-    from .stage3 import ShardedFlat, Stage3Runtime, Unit
+    from zerokern.stage3 import ShardedFlat, Stage3Runtime, Unit
 
     params = [nn.Parameter(torch.empty(s, device="meta")) for s in spec.shapes]
     stubs = [_Stub() for _ in spec.units]
@@ -231,7 +231,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             shards leave the device for the host or the disk; zerokern.stage3.param_offload).
         master: "fp32" or "compact", as ZeroAdamW (bf16, no offload, stages 0-2): the master
             held is 2 bytes per state element (padding 2 bytes too) and a tie bitmap of
-            state/8 bytes (zerokern.compact_master).
+            state/8 bytes (zerokern.state.compact_master).
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
     `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
@@ -242,7 +242,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
-    from .stage3 import param_offload as PO
+    from zerokern.stage3 import param_offload as PO
 
     PO.check_args(offload_params, stage, offload)
     check_master(master, precision, offload, stage)
@@ -339,7 +339,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                               master=master)
     if master == "compact":
         notes.append("master='compact': the fp32 master held as its low 16 bits under the bf16 "
-                     "params plus a tie bit per element (2.125 bytes, zerokern.compact_master); "
+                     "params plus a tie bit per element (2.125 bytes, "
+                     "zerokern.state.compact_master); "
                      "reading it between steps expands it (4 bytes more) until the next step")
     if P.shards_params:  # as memory_report(): frozen params' 16-bit shard, Φ·e/N
         formula["frozen"] = int(round(spec.num_frozen * e / world_size))

@@ -59,9 +59,9 @@ from typing import List, Optional
 
 import torch
 
-from . import aligned_io as aio
-from .nvme_state import NAMES, DiskState, cleanup
-from .offload import CopyPipeline, _host_empty
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import NAMES, DiskState, cleanup
+from zerokern.state.offload import CopyPipeline, _host_empty
 
 CHUNK_NUMEL = 1 << 22
 QUEUE_DEPTH = 4
@@ -357,6 +357,10 @@ class NvmeOffloader(CopyPipeline):
                            "step; the step was rolled back on every rank")
 
     def _rollback(self) -> None:
+        # (issue 24, item 8) A failed step returns from update_piece without end(): its last
+        # H2D param copies may still be queued on the copy stream, and would land on top of the
+        # re-cast below. The compute stream waits for them first (stream order, no host wait).
+        self.end()
         for f, s0 in zip(self.files, self.steps0):
             f.steps.copy_(s0)
         for gi, k in self.dirty:  # re-cast the params from the untouched current half

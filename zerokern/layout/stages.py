@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-from .optimizer_args import check_stage
-from .partition import FlatLayout
+from zerokern.layout.partition import FlatLayout
+from zerokern.optimizer_args import check_stage
 
 
 @dataclass(frozen=True)

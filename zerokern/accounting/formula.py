@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .optimizer_args import MASTERS, OFFLOADS, elem_size
-from .stages import pattern
+from zerokern.layout.stages import pattern
+from zerokern.optimizer_args import MASTERS, OFFLOADS, elem_size
 
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
 K_DEEPSPEED = 12
@@ -26,7 +26,7 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
     offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
     writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
-    master="compact" (bf16 on the device, zerokern.compact_master): the master is 2 bytes of
+    master="compact" (bf16 on the device, zerokern.state.compact_master): the master is 2 bytes of
     low half + 1/8 byte of tie bit per state element instead of 4.
     """
     if not isinstance(num_params, int) or num_params < 1:

@@ -38,7 +38,8 @@ from typing import List, Optional
 
 import torch
 
-from . import kernels, pinned
+from zerokern import kernels
+from zerokern.state import pinned
 
 CHUNK_NUMEL = 1 << 22
 

@@ -26,7 +26,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import kernels
+from zerokern import kernels
 
 
 class DeviceState:
@@ -72,13 +72,13 @@ class DevicePlacement:
 
     def allocate(self, buf):
         if self.master == "compact" and buf.dtype == torch.bfloat16:
-            from .compact_master import CompactState
+            from zerokern.state.compact_master import CompactState
 
             return CompactState(buf)
         return DeviceState(buf)
 
     def _compact_states(self):
-        from .compact_master import CompactState
+        from zerokern.state.compact_master import CompactState
 
         return [g.state for g in self.buffers if isinstance(g.state, CompactState)]
 
@@ -95,7 +95,7 @@ class DevicePlacement:
             st.settle()
         live = [st.low.numel() for st in states if not st.expanded]
         if live:  # freed at finish(): never held between steps (compact_master [Note: chunk])
-            from .compact_master import CHUNK_NUMEL
+            from zerokern.state.compact_master import CHUNK_NUMEL
 
             self._scratch = torch.empty(min(CHUNK_NUMEL, max(live)), dtype=torch.float32,
                                         device=self.buffers[0].device)
@@ -139,9 +139,9 @@ def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path
     if offload is None:
         return DevicePlacement(master)
     if offload == "cpu":
-        from .offload import Offloader
+        from zerokern.state.offload import Offloader
 
         return Offloader(grad_dtype)
-    from .offload_nvme import NvmeOffloader
+    from zerokern.state.offload_nvme import NvmeOffloader
 
     return NvmeOffloader(grad_dtype, offload_path, comm)

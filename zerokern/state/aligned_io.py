@@ -54,9 +54,9 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """A uint8 host tensor of `nbytes` whose address is a multiple of ALIGN; page-locked with
-    cudaHostRegister when pin (zerokern.pinned does the registering and its accounting)."""
+    cudaHostRegister when pin (zerokern.state.pinned does the registering and its accounting)."""
     if pin:
-        from . import pinned
+        from zerokern.state import pinned
 
         return pinned.empty(nbytes, torch.uint8, align=ALIGN)
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)

@@ -21,8 +21,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from .partition import FlatLayout
-from .stages import StagePattern
+from zerokern.layout.partition import FlatLayout
+from zerokern.layout.stages import StagePattern
 
 
 class ShardBuffer:

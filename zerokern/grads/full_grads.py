@@ -29,8 +29,8 @@ from typing import List, Optional
 
 import torch
 
-from . import huge_pages
-from .grad_sync import GradSync, Schedule
+from zerokern.grads.grad_sync import GradSync, Schedule
+from zerokern.state import huge_pages
 
 
 class FullGrads(GradSync):

@@ -99,7 +99,7 @@ def stage3_units(model: nn.Module, params: Sequence[nn.Parameter], policy=None
                  ) -> Tuple[Tuple[UnitSpec, ...], list]:
     """Stage-3 units of `model` by zerokern's own `find_units(model, policy)` (None: each child
     of every nn.ModuleList, plus the root), as UnitSpecs over `params`; also the Units."""
-    from .stage3 import find_units
+    from zerokern.stage3 import find_units
 
     index = {id(p): i for i, p in enumerate(params)}
     units = find_units(model, policy)
@@ -242,7 +242,7 @@ def load_model(spec: str) -> Tuple[nn.Module, str]:
     config.json path, a directory holding one, or a hub name (needs the network or the cache).
     Returns (model, description).
     """
-    from .gpt import PRESETS, build_gpt
+    from zerokern.gpt import PRESETS, build_gpt
 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--model must be a non-empty string, got {spec!r}")

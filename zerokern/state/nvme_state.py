@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import torch
 
-from . import aligned_io as aio
+from zerokern.state import aligned_io as aio
 
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 WRITE_CHUNK = 1 << 22  # elements per master write at creation (16 MiB; aligned_io's Note)

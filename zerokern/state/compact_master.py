@@ -50,10 +50,10 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from zerokern import kernels
 
 # the bit operations (kernels/compact_bits.py), re-exported
-from .kernels.compact_bits import (
+from zerokern.kernels.compact_bits import (
     TIE,
     _native,
     compact_,
@@ -78,10 +78,14 @@ class _HostFlag:
     def __init__(self, flag: torch.Tensor) -> None:
         self.event = None
         if flag.is_cuda:
-            self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
-            self.host.copy_(flag.reshape(1), non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            # (issue 24, item 8) On the flag's device: the copy runs on that device's current
+            # stream, and Event.record() records on the *current device's* stream, so with
+            # params on cuda:1 and cuda:0 current the event would complete without the copy.
+            with torch.cuda.device(flag.device):
+                self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+                self.host.copy_(flag.reshape(1), non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
         else:
             self.host = flag.reshape(1).clone()
 
@@ -195,15 +199,25 @@ class CompactState:
 
     def update_piece(self, g, k: int, grad, hyper: dict, backend: str, grad_scale, found_inf,
                      scratch: torch.Tensor) -> None:
-        """Bucket k's piece: expand a chunk into scratch, the fused kernel, compact it back."""
+        """Bucket k's piece: expand a chunk into scratch, the fused kernel, compact it back
+        (on the triton backend one fused kernel does all three: kernels/compact_triton.py)."""
         sl = g.state_slice(k)
         s0, n = sl.start, sl.stop - sl.start
         param = g.param_values(*g.state_range(k))
         m, v = self.exp_avg[sl], self.exp_avg_sq[sl]
         step = self.steps[k]
-        s = step.clone()  # every chunk is the same step: advance a copy, store it once
         if self._nan is None:
             self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
+        if kernels.resolve(backend, self.low.device) == "triton":
+            # [Note: fused compact step] in kernels/compact_triton.py
+            from zerokern.kernels import compact_triton
+
+            compact_triton.compact_adam_step_(
+                self.low[sl], self.ties[s0 // 8:sl.stop // 8], param, m, v, grad, self._nan,
+                step=step, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+            self.compact_pieces += 1
+            return
+        s = step.clone()  # every chunk is the same step: advance a copy, store it once
         for lo in range(0, n, scratch.numel()):
             hi = min(n, lo + scratch.numel())
             x = scratch[:hi - lo]

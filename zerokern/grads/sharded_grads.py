@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import huge_pages
-from .grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
+from zerokern.state import huge_pages
 
 
 class ShardedGrads(GradSync):

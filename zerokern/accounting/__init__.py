@@ -1,0 +1,1 @@
+"""accounting: see the README code map."""

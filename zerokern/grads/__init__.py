@@ -1,0 +1,1 @@
+"""grads: see the README code map."""

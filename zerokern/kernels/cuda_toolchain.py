@@ -1,0 +1,84 @@
+"""Can this machine build or run the CUDA op? nvcc against torch's CUDA, a prebuilt op's GPUs.
+
+[Note: CUDA toolchain checks] (issue 24, items 6 and 8)
+* A JIT build of csrc/cuda needs nvcc whose CUDA *major* version equals torch's
+  (torch.utils.cpp_extension refuses a major mismatch; a minor one only warns). A pip-only GPU
+  box often has no nvcc at all. `toolchain_problem()` says which, before ninja runs, so the
+  error names the cause, and the test suite skips the cuda-backend tests with that reason
+  instead of failing them (the triton backend still runs there).
+* A prebuilt `zerokern._ops_cuda` (ZEROKERN_BUILD_OPS=1 pip install) was compiled for the GPUs
+  of the build machine or TORCH_CUDA_ARCH_LIST. Imported on another GPU model it loads fine
+  and fails at the first launch ("no kernel image is available"). `prebuilt_problem(mod)` asks
+  the module itself (cudaFuncGetAttributes on one of its kernels, per visible device) and the
+  loader then JIT-builds for the GPUs present instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+from typing import Optional, Tuple
+
+
+@functools.cache
+def nvcc_version(nvcc: str) -> Optional[Tuple[int, int]]:
+    """(major, minor) from `nvcc --version`, or None if it does not run."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _torch_cuda() -> Optional[str]:
+    import torch
+
+    return torch.version.cuda
+
+
+def _cuda_home() -> Optional[str]:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME
+
+
+def toolchain_problem() -> Optional[str]:
+    """None if csrc/cuda can be JIT-built here, else why not (one line)."""
+    torch_cuda = _torch_cuda()
+    if torch_cuda is None:
+        return "this torch build has no CUDA (torch.version.cuda is None)"
+    home = _cuda_home()
+    if home is None:
+        return ("nvcc not found (no CUDA_HOME / CUDA_PATH and no nvcc on PATH): the cuda "
+                "backend is JIT-built with nvcc; install the CUDA toolkit matching torch's "
+                f"CUDA {torch_cuda}, or use backend='triton'")
+    nvcc = os.path.join(home, "bin", "nvcc")
+    ver = nvcc_version(nvcc)
+    if ver is None:
+        return f"{nvcc} --version did not run or printed no release"
+    want = int(torch_cuda.split(".")[0])
+    if ver[0] != want:
+        return (f"nvcc {ver[0]}.{ver[1]} ({nvcc}) does not match torch's CUDA {torch_cuda}: "
+                "torch.utils.cpp_extension refuses a different CUDA major version; install "
+                f"CUDA {want}.x or a torch built for CUDA {ver[0]}, or use backend='triton'")
+    return None
+
+
+def prebuilt_problem(mod) -> Optional[str]:
+    """None if the prebuilt CUDA op runs on every visible GPU, else why not."""
+    import torch
+
+    probe = getattr(mod, "kernel_image_error", None)
+    if probe is None:
+        return ("it has no kernel-image check (built by an older zerokern); rebuild it with "
+                "`zerokern build` or ZEROKERN_BUILD_OPS=1 pip install")
+    for dev in range(torch.cuda.device_count()):
+        err = probe(dev)
+        if err:
+            cap = torch.cuda.get_device_capability(dev)
+            return (f"it has no kernel image for cuda:{dev} (compute capability "
+                    f"{cap[0]}.{cap[1]}): {err}")
+    return None

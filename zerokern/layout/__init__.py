@@ -1,0 +1,1 @@
+"""layout: see the README code map."""

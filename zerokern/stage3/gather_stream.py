@@ -1,0 +1,84 @@
+"""Stage 3's gather stream: all-gathers (and param offload's H2D fetch) off the compute stream.
+
+[Note: stage-3 gather stream] (issue 24, items 3 and 5)
+Stage 3 issues its all-gathers on one process group and its reduce-scatters on another
+([Note: stage-3 collective order], rule 2), each in a static order; how the two interleave on a
+rank depends on when that rank's units finish their backward (rule 3), which differs between
+ranks under data-dependent control flow. What must not happen is a wait that makes a gather
+depend on a reduce-scatter: the compute stream waits for reduce-scatters (bounded staging,
+MAX_IN_FLIGHT), and a gather issued from the compute stream makes NCCL's stream wait for the
+compute stream, so rank A's gather G could wait for its reduce-scatter R while rank B's R waits
+(through B's compute stream) for B's G: a cycle across ranks, a hang. So on a GPU:
+1. every all-gather is issued with this stream current: NCCL's stream waits for the gather
+   stream, never for the compute stream; its output (`full`) and, for param offload, the
+   device shard are allocated on this stream, and the H2D fetch of the shard runs on it too
+   (it overlaps the running unit's kernels: item 5);
+2. the gather stream waits for the compute stream once per pass (a forward, a backward,
+   gather_all, frozen_whole starts: `new_epoch`), before any reduce-scatter of that pass was
+   issued: that orders the gathers after the step that wrote the shards, and after the last
+   pass's reduce-scatters, which every rank issues in full by the end of its backward;
+3. an event recorded on this stream after each gather call; the compute stream waits for it
+   before the params are used (finish_gather) or the buffer is dropped (free), then the
+   buffers are marked as used by the compute stream (record_stream) so the allocator hands
+   their blocks back to this stream only after the compute stream is done with them.
+Gathers then depend only on earlier gathers (the same static sequence on every rank) and on
+the pass start; reduce-scatters depend on the compute stream and earlier reduce-scatters (one
+static order). No cycle is left through streams or waits, whatever the interleaving. What stays
+rank-dependent is only the interleaving of the two communicators' kernels on the GPU. NCCL
+asks for one order because a CUDA call that synchronises the device (cudaFree, and possibly
+cudaMalloc) can block a rank's host while one of its kernels waits for a peer whose matching
+call is behind the other communicator. zerokern's own code makes no explicit one; the caching
+allocator calls cudaMalloc on a cache miss (mostly the first step, until the cache is warm) and
+cudaFree when it releases memory (torch.cuda.empty_cache(), an allocation retry near OOM). The
+remedy (one communicator with a rank-independent interleaving) needs the ranks to agree on each
+unit's readiness, which rule 3 decides per rank: not done (docs_drafts/gpu.md).
+On the CPU (gloo) there are no streams: nothing here runs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+class GatherStream:
+    """One device's gather stream and the stream operations of the Note."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # overlaps the compute stream
+
+    def new_epoch(self) -> None:
+        """2: the gather stream waits for everything queued on the compute stream so far."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def context(self):
+        return torch.cuda.stream(self.stream)
+
+    def record(self):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def compute_waits(self, event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def used_by_compute(self, t: torch.Tensor) -> None:
+        """t, allocated on this stream, is about to be freed from the compute stream, which has
+        used it (or waited for its gather): its block is reused here only after that."""
+        t.record_stream(torch.cuda.current_stream(self.device))
+
+
+_STREAMS: Dict[torch.device, GatherStream] = {}
+
+
+def for_device(device: torch.device):
+    """The gather stream of a CUDA device (made once), or None on the CPU."""
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _STREAMS:
+        _STREAMS[device] = GatherStream(device)
+    return _STREAMS[device]

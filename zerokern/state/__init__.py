@@ -1,0 +1,1 @@
+"""state: see the README code map."""
