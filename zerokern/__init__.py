@@ -4,8 +4,10 @@ from zerokern.accounting.formula import estimate_memory
 
 from . import checkpoint, kernels
 from .engine import init_distributed, initialize
-from .optimizer import ZeroAdamW
+from .optimizer import ZeroAdamW, ZeroOptimizer
+from .optimizer_lion import ZeroLion
 from .version import __version__
 
-__all__ = ["ZeroAdamW", "checkpoint", "estimate_memory", "init_distributed", "initialize",
+__all__ = ["ZeroAdamW", "ZeroLion", "ZeroOptimizer", "checkpoint", "estimate_memory",
+           "init_distributed", "initialize",
            "kernels", "__version__"]

@@ -52,6 +52,9 @@ def add_arguments(p) -> None:
     p.add_argument("--master", choices=["fp32", "compact"], default="fp32",
                    help="ZeroAdamW's master=: 'compact' holds the bf16 run's fp32 master in "
                         "2.125 bytes per element (bf16, no offload, stages 0-2)")
+    p.add_argument("--optimizer", choices=["adamw", "lion"], default="adamw",
+                   help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12) or lion "
+                        "(ZeroLion: master, one momentum; K = 8)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -71,19 +74,31 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-_ROWS = [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
-         ("live_units", "live units (bound, in a step)"),
-         ("grads", "grads"), ("buckets", "buckets"), ("master", "optimizer: master (fp32)"),
-         ("exp_avg", "optimizer: m (fp32)"), ("exp_avg_sq", "optimizer: v (fp32)"),
-         ("padding", "padding")]
-_HOST_ROWS = [("master", "host: master (fp32)"), ("exp_avg", "host: m (fp32)"),
-              ("exp_avg_sq", "host: v (fp32)"), ("host_staging", "host: staging")]
+def _state_rows(r0, prefix: str, suffix: str = ""):
+    """One row per optimizer state of the estimate's rule (zerokern.rules), master first."""
+    from zerokern.rules import rule_by_name
+
+    names = ("master", *rule_by_name(r0.get("optimizer", "adamw")).state_names)
+    return [(n, f"{prefix}{n} (fp32{suffix})") for n in names]
+
+
+def _rows(r0):
+    return [("params", "params"), ("frozen", "frozen params (stage 3 shard)"),
+            ("live_units", "live units (bound, in a step)"), ("grads", "grads"),
+            ("buckets", "buckets"), *_state_rows(r0, "optimizer: "), ("padding", "padding")]
+
+
+def _host_rows(r0):
+    return _state_rows(r0, "host: ") + [("host_staging", "host: staging")]
+
+
+# ZeroAdamW's rows (the default --optimizer)
+_ROWS = _rows({})
+_HOST_ROWS = _host_rows({})
 _PARAM_HOST_ROWS = [("params", "host: param shards"), ("frozen", "host: frozen shards"),
                     ("param_staging", "host: param I/O buffers")]
 _PARAM_DISK_ROWS = [("params", "disk: param shards (2 halves)"),
                     ("frozen", "disk: frozen shards")]
-_DISK_ROWS = [("master", "disk: master (fp32, 2 halves)"),
-              ("exp_avg", "disk: m (fp32, 2 halves)"), ("exp_avg_sq", "disk: v (fp32, 2 halves)")]
 
 
 def format_table(results: List[Dict[str, Any]]) -> str:
@@ -95,10 +110,11 @@ def format_table(results: List[Dict[str, Any]]) -> str:
             f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
             f"offload {r0['offload'] or 'none'}"
             + (f", offload_params {r0['offload_params']}" if r0.get("offload_params") else "")
+            + f", optimizer {r0.get('optimizer', 'adamw')}"
             + f", comm {r0['comm']}; bytes on rank {r0['rank']}")
     cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
     table = []
-    for key, label in _ROWS:
+    for key, label in _rows(r0):
         if key == "master" and r0.get("master") == "compact":
             label = "optimizer: master (compact)"
         if key == "live_units":  # the bound; the measured category is 0 between steps
@@ -110,13 +126,14 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
     poff = any(r.get("offload_params") for r in results)
     if any(r["offload"] for r in results) or poff:
-        for key, label in _HOST_ROWS + (_PARAM_HOST_ROWS if poff else []):
+        for key, label in _host_rows(r0) + (_PARAM_HOST_ROWS if poff else []):
             table.append((label, [human_bytes(r["host"].get(key, 0)) for r in results]))
         table.append(("total on the host", [human_bytes(r["host_total"]) for r in results]))
         table.append(("DESIGN §4 formula (host)",
                       [human_bytes(r["formula"]["host"]) for r in results]))
     if any(r["offload"] == "nvme" for r in results):
-        for key, label in _DISK_ROWS + (_PARAM_DISK_ROWS if poff else []):
+        for key, label in _state_rows(r0, "disk: ", ", 2 halves") + \
+                (_PARAM_DISK_ROWS if poff else []):
             table.append((label, [human_bytes(r["disk"].get(key, 0)) for r in results]))
         table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))
         table.append(("DESIGN §4 formula (disk, x2)",
@@ -168,7 +185,8 @@ def main(args) -> int:
     else:  # every stage that takes this --offload
         stages = [1, 2, 3] if offload else [0, 1, 2, 3]
     results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
-                        args.rank, args.comm, offload_params, args.master) for s in stages]
+                        args.rank, args.comm, offload_params, args.master,
+                        optimizer=args.optimizer) for s in stages]
     if args.json:
         print(json.dumps({"results": results}, indent=1))
     else:

@@ -7,7 +7,9 @@ is followed or refused here, at the next backward or step, before anything is co
 - `model.to(device)` / `.cuda()` (Accelerate and Trainer do it): `Module._apply` gives every
   param new storage on the new device, so the params stop viewing the flat buffer and a step
   would change nothing. The buffers, state and grads move along and the params are re-viewed,
-  as a torch optimizer keeps working after `model.to()`.
+  as a torch optimizer keeps working after `model.to()`; the fp32 master of a param whose
+  16-bit values did not change stays bit for bit ([Note: a move keeps the master]), and a
+  p.grad cleared before the move stays cleared (grad_sync's readopt).
 - New storage on the same device (`p.data = t`, `module._apply(fn)`): the values are taken in.
 - A dtype other than `precision`, or a new shape: a clear error (torch would silently keep
   training the old Parameter; we cannot).
@@ -98,11 +100,10 @@ class ModelWatch:
                     moved.append((gi, i))
                 elif p._version != self._versions[gi][i]:
                     changed.append((gi, i))
-        if moved:
-            self._readopt(opt, moved)
+        same = self._readopt(opt, moved) if moved else {}
         if changed or moved or self._loaded:
             for gi, i in changed + moved:
-                self._sync_master(opt.flat_groups[gi], i)
+                self._sync_master(opt.flat_groups[gi], i, keep=same.get((gi, i)))
             for gi, g in enumerate(opt.flat_groups):  # loaded via a hook, unchanged versions
                 for i, p in enumerate(g.params):
                     if id(p) in self._loaded and (gi, i) not in changed + moved:
@@ -144,9 +145,16 @@ class ModelWatch:
                     f"ZeroAdamW(offload={opt.offload!r}) was built; move the model first, "
                     "then build the optimizer")
             opt._move_to(device)
+        same = {}
+        for gi, i in moved:  # [Note: a move keeps the master]
+            g = opt.flat_groups[gi]
+            s = g.layout.slots[i]
+            same[(gi, i)] = _bitwise_equal(g.params[i].detach().reshape(-1),
+                                           g.flat[s.offset:s.offset + s.numel])
         for g in opt.flat_groups:
             g.adopt_params_()  # copy the params' current values in, view them again
         opt.grad_sync.readopt()
+        return same
 
     @staticmethod
     def _state_regions(g, i):
@@ -158,19 +166,42 @@ class ModelWatch:
             if a < b:
                 yield g.master_piece(k)[a - lo:b - lo], a, b
 
-    def _sync_master(self, g, i: int) -> None:
+    def _sync_master(self, g, i: int, keep: Optional[torch.Tensor] = None) -> None:
+        """Param i's master takes its 16-bit value; keep (a 0-d device bool: the values are
+        unchanged bit for bit) keeps the master as it is instead, with no host read."""
         if g.master is None:
             return  # fp32 without offload: the flat buffer is the master
         p, s = g.params[i], g.layout.slots[i]
         exact = self._loaded.get(id(p))
         for m, a, b in self._state_regions(g, i):
             new = g.flat[a:b].to(m.device)
+            if keep is not None and exact is None:
+                m.copy_(torch.where(keep.to(m.device), m, new.to(m.dtype)))
+                continue
             if exact is not None:
                 src = exact.detach().reshape(-1)[a - s.offset:b - s.offset].to(m.device)
                 if torch.equal(src.to(new.dtype), new):  # this rank's params hold it
                     m.copy_(src)
                     continue
             m.copy_(new)  # the param was written as a whole: its 16-bit value is the value
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """0-d device bool: a and b (same dtype and numel) hold the same bits (NaN payloads and
+    the sign of zero included, which `==` would not tell apart), with no host read.
+
+    [Note: a move keeps the master]
+    `model.to(device)` (or `.to(device, dtype)` with the dtype it has, `ZeroAccelerator.prepare`)
+    gives every param new storage holding the same 16-bit values; the fp32 master of such a
+    param must stay as it is, bit for bit (issue 21, item 4: re-seeding it from the bf16 values
+    moved the params rel 2.8e-3 from the unmoved run in 3 steps). A param whose new storage
+    holds other values (`p.data = t`) was written as a whole and its master takes the value.
+    The comparison runs on the device (one pass over the moved params, once per move)."""
+    if a.dtype.itemsize == 2:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    elif a.dtype.itemsize == 4:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return (a == b.to(a.device)).all()
 
 
 def _refuse_ddp(opt_ref, module) -> None:

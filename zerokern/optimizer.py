@@ -1,7 +1,10 @@
-"""ZeroAdamW: ZeRO stages 0-3 over flat shard buffers with the fused kernels (DESIGN §1-§5).
+"""The ZeRO engine (`ZeroOptimizer`): stages 0-3 over flat shard buffers with the fused kernels
+(DESIGN §1-§5), for any optimizer rule (zerokern.rules [Note: a rule and the engine]); and
+`ZeroAdamW`, the engine with the AdamW rule (its public class and arguments).
 
-The class does bookkeeping; the math lives in `zerokern.kernels`, the layout in `partition`,
-the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives in `comm`.
+The class does bookkeeping; the math lives in the rule's kernels (`zerokern.kernels`), the
+layout in `partition`, the buffers in `flat_group`, the gradient paths in `grad_sync`, the
+collectives in `comm`, the user-facing extras (clipping, no_sync, reports) in `optimizer_api`.
 
 [Note: one optimizer step, without a host sync]
 1. `grad_sync.reduced_buckets()` yields each bucket as its reduction lands (normally already
@@ -13,8 +16,8 @@ the buffers in `flat_group`, the gradient paths in `grad_sync`, the collectives 
    grad_scale = unscale * clip. Grads sum over backward passes, as torch's: no division by the
    number of micro-batches (divide the loss, as with DDP). Steps 1-3 run once per set of grads
    (`_prepare`), so `clip_grad_norm_()` before `step()` costs nothing extra.
-4. `adam_step_` per bucket: master, moments and the 16-bit cast-back in one pass; skipped
-   bitwise when found_inf.
+4. The rule's fused step per bucket (`adam_step_` for AdamW): master, the rule's states and
+   the 16-bit cast-back in one pass; skipped bitwise when found_inf.
 5. All-gather each updated piece in place as soon as it is written (stages 1-2), then
    update the loss scale.
 Nothing reads a device value on the host: every branch is on host state (stage, micro-steps).
@@ -22,14 +25,11 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 
 from __future__ import annotations
 
-import math
 import weakref
-from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from zerokern.accounting.memory import memory_report
 from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
 from zerokern.layout.flat_group import FlatGroup
@@ -38,25 +38,21 @@ from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm import Comm
+from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
+from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
     PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
     check_arguments,
-    check_clip,
     check_groups,
     frozen_params,
 )
 from .optimizer_state import StateDictMixin
+from .rules import Rule, check_rule
+from .rules.adamw import ADAMW
 
-
-class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
-    """AdamW with ZeRO sharding: a drop-in replacement for `torch.optim.AdamW`.
-
-    Args:
-        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
-        adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).
+ENGINE_ARGS = """
         stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads, 3 also
             params (per module unit; needs the model).
         precision: "fp32" | "bf16" | "fp16", the dtype of params and grads. The model's params
@@ -64,9 +60,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         loss_scale: fp16: "dynamic", a float (static) or a dict of DynamicLossScaler options.
             bf16/fp32: 1.0 unless a float is given.
         max_grad_norm: global L2 clipping over all shards (clip_grad_norm_ semantics).
-        offload: None, or "cpu" (stages 1-3): master, exp_avg, exp_avg_sq and the update
+        offload: None, or "cpu" (stages 1-3): the master, the rule's state and the update
             live on the host and use the cpu kernel (ZeRO-Offload; see zerokern.state.offload);
-            or "nvme" (stages 1-3): master, exp_avg, exp_avg_sq live in files under
+            or "nvme" (stages 1-3): the master and the rule's state live in files under
             offload_path and stream through host memory each step (ZeRO-Infinity's optimizer
             half; see zerokern.state.offload_nvme).
         offload_path: offload="nvme" only (keyword): an existing writable directory.
@@ -91,7 +87,18 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         units: stage 3 only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
+"""
 
+
+class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
+    __doc__ = """The ZeRO engine with an optimizer rule (zerokern.rules): `ZeroAdamW`, `ZeroLion`,
+    or a rule of your own (`ZeroOptimizer(model, rule=MyRule(), defaults={...}, stage=2, ...)`).
+
+    Args:
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
+        rule: a `zerokern.rules.Rule` (its states and its fused update).
+        defaults: the rule's hyperparameters (checked by `rule.check_group`), per group where
+            given in a group.""" + ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics: they SUM over the backward passes since
     `zero_grad()` (also across a `step()` without `zero_grad()`) and are AVERAGED over ranks.
     With accumulation divide the loss by the number of micro-batches, as with DDP, and run all
@@ -103,11 +110,8 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     def __init__(
         self,
         params_or_model: Union[torch.nn.Module, Iterable],
-        lr: float = 1e-3,
-        betas=(0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        adamw: bool = True,
+        rule: Rule,
+        defaults: Dict[str, Any],
         stage: int = 2,
         precision: str = "bf16",
         loss_scale: Any = "dynamic",
@@ -126,17 +130,16 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         master: str = "fp32",
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
+        rule = check_rule(rule)
         dtype, offload_path, params = check_arguments(
-            params_or_model, stage=stage, precision=precision, adamw=adamw,
+            params_or_model, stage=stage, precision=precision, rule=rule, defaults=defaults,
             max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
-            param_groups=param_groups, lr=lr, betas=betas, eps=eps,
-            weight_decay=weight_decay, process_group=process_group, free_grads=free_grads,
+            param_groups=param_groups, process_group=process_group, free_grads=free_grads,
             offload_params=offload_params, master=master)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        adamw=adamw)
-        super().__init__(params, defaults)  # builds self.param_groups (raises if empty)
-        trainable = check_groups(self.param_groups, dtype)
+        self.rule = rule
+        super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
+        trainable = check_groups(self.param_groups, dtype, rule)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         comm = Comm(process_group)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
@@ -146,13 +149,14 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
             from .stage3.build import check_stage3
 
             unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
-                                     offload, offload_path, offload_params)
+                                     offload, offload_path, offload_params, rule)
         elif offload == "nvme":  # a disk too small for the state files: before any change
-            from zerokern.state.nvme_state import check_free_space, state_file_bytes
+            from zerokern.state.nvme_state import check_free_space
+            from zerokern.state.offload_nvme import NvmeOffloader
 
-            check_free_space(offload_path, sum(
-                state_file_bytes(P.state_numel(FlatGroup.layout_of(
-                    ps, dtype, comm.world_size, bucket_mb * 2**20))) for ps in trainable))
+            check_free_space(offload_path, NvmeOffloader.disk_need(rule, [
+                P.state_numel(FlatGroup.layout_of(ps, dtype, comm.world_size,
+                                                  bucket_mb * 2**20)) for ps in trainable]))
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -163,6 +167,9 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self.comm = comm
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
+        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        self._unfrozen = UnfreezeWatch(self, model, self.param_groups)  # before frozen ones leave
+        self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         for ps in trainable:  # re-creating an optimizer on a model takes its params over
@@ -171,12 +178,14 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
                 old = ref() if ref is not None else None
                 if old is not None and not old.detached:
                     old.detach()  # (stage 3: gathers them whole again first)
-        # Where master/m/v live and the update that runs there (placement.py [Note: offload
-        # is a placement of the state]): made first, so the buffers allocate through it.
+        # Where the master and the rule's state live and the update that runs there
+        # (placement.py [Note: offload is a placement of the state]): made first, so the
+        # buffers allocate through it.
         self.pattern = P
         self.offload = offload
         self.master = master
-        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm, master)
+        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm, master,
+                                        rule)
         if P.shards_params:
             from .stage3.build import build_stage3
 
@@ -209,7 +218,6 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         gs = self.grad_sync
         gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
             float(scaler.scale) != 1.0
-        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
@@ -218,45 +226,15 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_built", False):
-            raise NotImplementedError("ZeroAdamW cannot add param groups after construction: "
+            raise NotImplementedError(f"{type(self).__name__} cannot add param groups after "
+                                      "construction: "
                                       "the flat buffers are laid out once; pass all groups "
                                       "to the constructor")
         super().add_param_group(param_group)
 
-    # ---- training loop API -----------------------------------------------------------------
-    @property
-    def loss_scale(self) -> torch.Tensor:
-        """0-d device tensor: the loss scale used by the last/next backward."""
-        return self.scaler.scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`."""
-        return self.grad_sync.mark_scaled_loss(loss * self.scaler.scale)
-
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """Loss-scaled backward. With fp16 (or an explicit loss_scale) every backward must go
-        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise."""
-        self.scale_loss(loss).backward(**kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """As DDP's no_sync(): backward passes inside accumulate locally, with no
-        communication; the first backward outside reduces everything (or step() does). Stage 2
-        holds a full local grad accumulator meanwhile (Ψ elements of reduce_dtype)."""
-        gs = self.grad_sync
-        old, gs.sync = gs.sync, False
-        try:
-            yield
-        finally:
-            gs.sync = old
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: p.grad becomes None (set_to_none=True) or zeros; the accumulated
-        gradient (and every shard of it) is cleared."""
-        self.grad_sync.zero_grad(set_to_none)
-        self._clip_next = None
-
-    def _follow_model(self) -> None:
+    # ---- the step --------------------------------------------------------------------------
+    def _follow_model(self, where: str = "backward") -> None:
+        self._unfrozen.check(where)
         if self.model_watch is not None:
             self.model_watch.check()
 
@@ -272,16 +250,26 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
     def _check_ready(self) -> None:
         gs = self.grad_sync
         if gs.detached:
-            raise RuntimeError("this ZeroAdamW no longer owns its params: a newer ZeroAdamW was "
-                               "created on the same model and took them over")
-        self._follow_model()
+            raise RuntimeError(f"this {type(self).__name__} no longer owns its params: a newer "
+                               "zerokern optimizer (ZeroAdamW) was created on the same model "
+                               "and took them over")
+        self._follow_model("step()")
+        try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
+            self._check_grads_ready(gs)
+        except RuntimeError as e:
+            self.comm.signal_failure(e)
+            raise
+
+    def _check_grads_ready(self, gs) -> None:
         if gs.micro_steps == 0 or not gs.has_grads():
-            raise RuntimeError("ZeroAdamW.step() called with no backward since zero_grad(): "
+            raise RuntimeError(f"{type(self).__name__}.step() called with no backward since "
+                               "zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")
         gs.check_unchanged_since_backward()
         if gs.unscaled_backward:
             raise RuntimeError(
-                f"ZeroAdamW(precision={self.precision!r}): a backward since zero_grad() did "
+                f"{type(self).__name__}(precision={self.precision!r}): a backward since "
+                "zero_grad() did "
                 "not go through the loss scale, so its gradients would be divided by a scale "
                 "that was never applied. Use opt.backward(loss) or "
                 "opt.scale_loss(loss).backward() for every backward (then opt.zero_grad())")
@@ -297,38 +285,13 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         found, sumsq = stats[0], stats[1]
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
-        if not gs.averaged:  # each rank holds a shard (stages 1-3): combine the stats
+        averaged = self.pattern.grads_averaged
+        if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
             self.comm.all_reduce_(stats)
-        divisor = 1 if gs.averaged else self.comm.world_size
+        divisor = 1 if averaged else self.comm.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm over every rank's shard (a 0-d device tensor, no host sync);
-        the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
-        DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
-        backward and before step(), as FSDP's clip_grad_norm_."""
-        check_clip(max_norm, norm_type)
-        self._check_ready()
-        self._prepare()
-        norm = self.grad_norm if norm_type == 2 else self._other_norm(float(norm_type))
-        self._clip_next = (float(max_norm), norm)
-        return norm.clone()
-
-    def _other_norm(self, p: float) -> torch.Tensor:
-        gs = self.grad_sync
-        parts = [gs.grad_piece(gi, k).float() for gi, g in enumerate(self.flat_groups)
-                 for k in range(g.layout.n_buckets)]
-        if p == math.inf:
-            acc = torch.stack([t.abs().max() for t in parts if t.numel()]).max()
-            op = torch.distributed.ReduceOp.MAX
-        else:
-            acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
-            op = torch.distributed.ReduceOp.SUM
-        if not self.grad_sync.averaged:
-            self.comm.all_reduce_(acc, op=op)
-        return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -350,14 +313,14 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
+        self._frozen_skip.begin(self, found)  # params frozen since: left as they are
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
-            group = self.param_groups[g.group_index]
-            b1, b2 = group["betas"]
-            hyper = dict(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], adamw=group["adamw"])
+            hyper = self.rule.hyper(self.param_groups[g.group_index])
             for k in range(g.layout.n_buckets):
-                place.update_piece(gi, k, gs.grad_piece(gi, k), hyper, self.backend)
+                grad = gs.grad_piece(gi, k)
+                place.update_piece(gi, k, grad, hyper, self.backend)
+                self._frozen_skip.after_update_(self, gi, k, grad, hyper, grad_scale, found)
                 gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
         for h in gathers:
             if h is not None:
@@ -376,40 +339,52 @@ class ZeroAdamW(StateDictMixin, torch.optim.Optimizer):
         if self.param_homes is not None:
             self.param_homes.close()
 
-    @property
-    def offloader(self):
-        """The offload placement (offload.Offloader / offload_nvme.NvmeOffloader), None
-        without offload: for benchmarks and tests that tune its chunking."""
-        return None if self.offload is None else self.placement
 
-    # ---- introspection ---------------------------------------------------------------------
-    def memory_report(self) -> Dict[str, Any]:
-        """Bytes held per category on this rank, with the DESIGN §4 formula beside them."""
-        return memory_report(self)
+class ZeroAdamW(ZeroOptimizer):
+    __doc__ = """AdamW with ZeRO sharding: a drop-in replacement for `torch.optim.AdamW` (the
+    engine, ZeroOptimizer, with the AdamW rule, zerokern.rules.adamw).
 
-    def comm_stats(self, reset: bool = False) -> Dict[str, Any]:
-        """Bytes sent per collective type by this rank since the last reset."""
-        out = self.comm.stats.as_dict()
-        if reset:
-            self.comm.stats.reset()
-        return out
+    Args:
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group where given in a group.
+        adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).""" + \
+        ENGINE_ARGS + """
+    Gradients have torch's and DDP's semantics (see ZeroOptimizer).
+    """
 
-    def reset_comm_stats(self) -> None:
-        self.comm.stats.reset()
-
-    @contextmanager
-    def gathered_params(self, modify: bool = False):
-        """Full params inside the block (stage 3 gathers every unit, then re-shards; at
-        stages 0-2 they are always resident and this does nothing). Collective at stage 3.
-
-        modify=True: changes made to the params inside are kept (each rank takes its piece
-        back into its shard and fp32 master); otherwise they are discarded at stage 3.
-        """
-        if not self.pattern.shards_params:
-            yield
-            return
-        self.grad_sync.gather_all()
-        try:
-            yield
-        finally:
-            self.grad_sync.release_all(write_back=modify)
+    def __init__(
+        self,
+        params_or_model: Union[torch.nn.Module, Iterable],
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        adamw: bool = True,
+        stage: int = 2,
+        precision: str = "bf16",
+        loss_scale: Any = "dynamic",
+        max_grad_norm: Optional[float] = None,
+        offload: Optional[str] = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: Optional[torch.dtype] = None,
+        process_group=None,
+        backend: str = "auto",
+        *,
+        param_groups: Optional[List[Dict[str, Any]]] = None,
+        units=None,
+        offload_path=None,
+        free_grads: bool = False,
+        offload_params: Optional[str] = None,
+        master: str = "fp32",
+    ) -> None:
+        if not isinstance(adamw, bool):
+            raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+        if not isinstance(betas, (tuple, list)):
+            raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
+        super().__init__(params_or_model, ADAMW,
+                         dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                              adamw=adamw),
+                         stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
+                         reduce_dtype, process_group, backend, param_groups=param_groups,
+                         units=units, offload_path=offload_path, free_grads=free_grads,
+                         offload_params=offload_params, master=master)

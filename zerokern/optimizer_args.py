@@ -70,18 +70,8 @@ def check_master(master, precision: str, offload, stage: int) -> None:
                          "and go with their unit); use master='fp32' at stage 3")
 
 
-def check_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
-    sfx = f" (in {where})" if where else ""
-    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)) \
-            or (not isinstance(lr, torch.Tensor) and not (0.0 <= lr < math.inf)):
-        raise ValueError(f"lr must be a finite number >= 0{sfx}, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"betas must be a pair of numbers in [0, 1){sfx}, got {betas!r}")
-    if not (isinstance(eps, numbers.Real) and 0.0 < eps < math.inf):
-        raise ValueError(f"eps must be a finite number > 0{sfx}, got {eps!r}")
-    if not (isinstance(weight_decay, numbers.Real) and 0.0 <= weight_decay < math.inf):
-        raise ValueError(f"weight_decay must be a finite number >= 0{sfx}, got {weight_decay!r}")
+# The AdamW rule's hyperparameter check lives with the rule (zerokern.rules.adamw); re-exported.
+from zerokern.rules.adamw import check_hyper  # noqa: E402,F401
 
 
 def check_distributed_env(process_group) -> None:
@@ -136,11 +126,10 @@ def frozen_params(param_groups, params_or_model, dtype: torch.dtype, stage: int)
             out.append(p)
     return out
 
-def check_groups(param_groups, dtype: torch.dtype) -> List[List[torch.nn.Parameter]]:
+def check_groups(param_groups, dtype: torch.dtype, rule) -> List[List[torch.nn.Parameter]]:
     seen, out, device = set(), [], None
     for gi, group in enumerate(param_groups):
-        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                     where=f"param group {gi}")
+        rule.check_group(group, where=f"param group {gi}")
         ps = []
         for p in group["params"]:
             if not p.requires_grad or id(p) in seen:
@@ -171,13 +160,14 @@ def check_groups(param_groups, dtype: torch.dtype) -> List[List[torch.nn.Paramet
     return out
 
 
-def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, offload,
-                    offload_path, bucket_mb, reduce_dtype, backend, units, param_groups, lr,
-                    betas, eps, weight_decay, process_group, free_grads=False,
-                    offload_params=None, master="fp32"):
-    """ZeroAdamW's checks that come before its param groups exist (DESIGN §1: before the model
-    is touched). Returns (the precision's dtype, offload_path checked, the params or group
-    dicts to build the param groups from)."""
+def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_grad_norm,
+                    offload, offload_path, bucket_mb, reduce_dtype, backend, units,
+                    param_groups, process_group, free_grads=False, offload_params=None,
+                    master="fp32"):
+    """The engine's checks that come before its param groups exist (DESIGN §1: before the
+    model is touched); `rule.check_group(defaults)` checks the rule's hyperparameters.
+    Returns (the precision's dtype, offload_path checked, the params or group dicts to build
+    the param groups from)."""
     check_stage(stage)
     if stage == 3:
         if not isinstance(params_or_model, torch.nn.Module):
@@ -188,8 +178,6 @@ def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, 
         raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
     check_offload(offload, stage)
     check_master(master, precision, offload, stage)
-    if not isinstance(adamw, bool):
-        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
     if not isinstance(free_grads, bool):
         raise TypeError(f"free_grads must be a bool, got {type(free_grads).__name__}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
@@ -209,7 +197,10 @@ def check_arguments(params_or_model, *, stage, precision, adamw, max_grad_norm, 
     if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
         raise ValueError("param_groups is for a model (params_or_model=model); with bare "
                          "params pass the group dicts as params_or_model")
-    check_hyper(lr, betas, eps, weight_decay)
+    if not isinstance(defaults, dict):
+        raise TypeError(f"defaults must be a dict of the rule's hyperparameters, got "
+                        f"{type(defaults).__name__}")
+    rule.check_group(defaults)
     check_distributed_env(process_group)
     check_offload_params(offload_params, stage, offload)
     if offload == "nvme":

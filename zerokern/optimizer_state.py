@@ -11,7 +11,7 @@ class StateDictMixin:
     comm, stage, precision, model_watch and grad_sync)."""
 
     def _meta(self) -> Dict[str, Any]:
-        return {"stage": self.stage, "precision": self.precision,
+        return {"rule": self.rule.name, "stage": self.stage, "precision": self.precision,
                 "world_size": self.comm.world_size, "rank": self.comm.rank,
                 "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
                              [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
@@ -19,6 +19,7 @@ class StateDictMixin:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
         stage 3 the param shard, which the model's own state_dict cannot give)."""
+        self._frozen_skip.check_savable("state_dict()")
         groups = [{k: v for k, v in group.items() if k != "params"}
                   for group in self.param_groups]
         return {"zero": self._meta(),
@@ -33,8 +34,9 @@ class StateDictMixin:
             raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
                              "use zerokern.checkpoint to reshard across layouts")
         meta, mine = state_dict["zero"], self._meta()
-        for key in ("stage", "precision", "world_size", "rank", "layouts"):
-            if meta.get(key) != mine[key]:
+        for key in ("rule", "stage", "precision", "world_size", "rank", "layouts"):
+            # a state dict saved before rules existed is ZeroAdamW's
+            if meta.get(key, "adamw" if key == "rule" else None) != mine[key]:
                 raise ValueError(f"state_dict {key} {meta.get(key)!r} does not match this "
                                  f"optimizer's {mine[key]!r}")
         states, groups = state_dict["state"], state_dict["param_groups"]

@@ -272,6 +272,12 @@ void compact_expand(at::Tensor out, at::Tensor low, at::Tensor ties, at::Tensor 
 void compact_store(at::Tensor low, at::Tensor ties, at::Tensor master, at::Tensor nan_flag);
 }  // namespace zk_cpu
 
+namespace zk_cpu {  // lion_cpu.cpp (ZeroLion)
+void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
+               std::optional<at::Tensor> param_out, double lr, double beta1, double beta2,
+               double weight_decay, at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf);
+}  // namespace zk_cpu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   m.doc() = "zerokern CPU kernels (OpenMP + AVX-512/AVX2/F16C chosen at run time, scalar fallback)";
@@ -286,6 +292,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact_store", &zk_cpu::compact_store,
         "master='compact': low halves and tie bits of an fp32 master; nan_flag |= any NaN",
         "low"_a, "ties"_a, "master"_a, "nan_flag"_a);
+  m.def("lion_step", &zk_cpu::lion_step, "Fused Lion step with cast-back (kernels/lion.py)",
+        "master"_a, "exp_avg"_a, "grad"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a,
+        "weight_decay"_a, "step"_a, "grad_scale"_a, "found_inf"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");
   m.def("selected_isa", &zk_cpu::selected_isa, "ISA in use: 'avx512' | 'avx2' | 'scalar'");
   m.def("force_isa", &zk_cpu::force_isa, "Select 'auto' | 'avx512' | 'avx2' | 'scalar'", "name"_a);

@@ -163,6 +163,13 @@ std::string kernel_image_error(int64_t device) {
 
 }  // namespace
 
+// lion_binding.cpp (ZeroLion)
+void zk_lion_step(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& grad,
+                  const std::optional<at::Tensor>& param_out, double lr, double beta1,
+                  double beta2, double weight_decay, const at::Tensor& step,
+                  const at::Tensor& grad_scale, const at::Tensor& found_inf,
+                  const std::optional<at::Tensor>& hp);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zerokern CUDA kernels (fused Adam/AdamW step, gradient statistics)";
   m.def("adam_step", &adam_step,
@@ -176,6 +183,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_stats", &grad_stats,
         "found_inf |= any(!isfinite(grad)); sumsq += sum(float(grad)^2), deterministic.",
         py::arg("grad"), py::arg("found_inf"), py::arg("sumsq"));
+  m.def("lion_step", &zk_lion_step,
+        "Fused Lion step on flat fp32 shards (kernels/lion.py); writes nothing when found_inf "
+        "is set; then step += 1 unless found_inf. hp (float64[5] on device: lr, beta1, beta2, "
+        "weight_decay, unused) replaces the float arguments when given.",
+        py::arg("master"), py::arg("exp_avg"), py::arg("grad"), py::arg("param_out"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"),
+        py::arg("step"), py::arg("grad_scale"), py::arg("found_inf"), py::arg("hp") = py::none());
   m.def("kernel_image_error", &kernel_image_error,
         "'' if this build runs on the given CUDA device, else why not (no kernel image).",
         py::arg("device"));

@@ -1,6 +1,6 @@
 """Per-rank memory of zerokern's buffers, exactly, for a model or a parameter count.
 
-`estimate_memory` (formula.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + 12Ψ and its shards. This
+`estimate_memory` (formula.py) is the DESIGN §4 formula: 2Ψ + 2Ψ + KΨ and its shards. This
 module predicts what `opt.memory_report()` will say, byte for byte, by building zerokern's own
 buffers over `meta` tensors, which allocate nothing: `FlatGroup` at stages 0-2 (so `make_layout`,
 `bucket_numel_for` and `ALIGN` padding), and at stage 3 one `ShardedFlat` per unit that owns
@@ -16,17 +16,13 @@ What is predicted, after a training step:
 - `bytes`: `memory_report()["measured"]`, the device categories. `live_units` (stage-3 units
   gathered) is 0 between steps; `live_units_bound` is `memory_report()["live_units_bound"]`
   (`Stage3Runtime.live_bound()`: the root and its ties plus the two largest other units).
-- `host` (offload="cpu", stages 1-3): `memory_report()["host_measured"]`. The `Offloader`
-  placement keeps master, exp_avg and exp_avg_sq of every buffer on the host, padding
-  included, with an fp32 master at every precision (at fp32 the device params are then only
-  the working copy), and host staging per buffer: a grad piece in the reduce dtype and a param
-  piece in the model dtype (not at fp32), plus 2 fp32 scalars once. The device holds no
-  master, m or v.
-- offload="nvme": `host` is the I/O pool only (master/m/v rows 0): QUEUE_DEPTH buffer sets of
-  `pool_chunk` elements (fp32 master|m|v, a grad chunk, a param chunk but at fp32) plus the 2
-  scalars, pinned with nccl (a GPU) and pageable with gloo (`host_pinned` / `host_pageable`);
-  `disk` is master, m and v per buffer, each two halves of align_up(4 S, 4096) bytes
-  (`memory_report()["disk_measured"]`; zerokern.state.offload_nvme).
+- The optimizer state (the master and the rule's states, `optimizer=`: "adamw", "lion" or a
+  zerokern.rules.Rule) is what the placement class says it holds for each layout
+  (placement.py [Note: each placement reports its own bytes]: `layout_bytes` per buffer,
+  `fixed_bytes` once): on the device without offload; with offload="cpu" in `host`
+  (`memory_report()["host_measured"]`: an fp32 master at every precision, the rule's states
+  and staging); with offload="nvme" `host` is the I/O pool (pinned with nccl, pageable with
+  gloo) and `disk` the state files (`memory_report()["disk_measured"]`).
 
 [Note: categories that depend on the run]
 Three buffers are not a function of the shapes alone; here is how each is modelled.
@@ -78,16 +74,28 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
 )
 from zerokern.layout.stages import pattern
 from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
-from zerokern.state.aligned_io import align_up
-from zerokern.state.compact_master import tie_bytes
-from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, set_bytes
+from zerokern.rules import adamw_rule, rule_by_name
+from zerokern.state.aligned_io import align_up  # noqa: F401 (zerokern.accounting.estimate.align_up, as before)
+from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
+from zerokern.state.placement import placement_class
 
-# Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units, 0
-# between steps) and host ones, as memory_report()["host_measured"] (offload).
-CATEGORIES = ("params", "frozen", "live_units", "grads", "buckets", "master", "exp_avg",
-              "exp_avg_sq", "padding")
+
+def categories(rule) -> tuple:
+    """Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units,
+    0 between steps), for an optimizer with `rule`."""
+    return ("params", "frozen", "live_units", "grads", "buckets", "master", *rule.state_names,
+            "padding")
+
+
+def host_categories(rule) -> tuple:
+    """Host categories, as memory_report()["host_measured"] (offload)."""
+    return ("master", *rule.state_names, "host_staging")
+
+
+# ZeroAdamW's (the default optimizer's) categories.
+CATEGORIES = categories(adamw_rule())
 MEASURED = CATEGORIES
-HOST_CATEGORIES = ("master", "exp_avg", "exp_avg_sq", "host_staging")
+HOST_CATEGORIES = host_categories(adamw_rule())
 COMMS = ("nccl", "gloo")
 # ---------------------------------------------------------------------------- the estimate
 
@@ -115,6 +123,9 @@ class _InstantComm:
         pass
 
     def check_collectives(self, where: str = "") -> None:
+        pass
+
+    def signal_failure(self, error: BaseException) -> None:
         pass
 
 
@@ -199,6 +210,13 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
         sync.detach()
 
 
+def _add(b: dict, host: dict, disk: dict, part: dict) -> None:
+    """Add a placement's layout_bytes / fixed_bytes (device, host, disk) into the totals."""
+    for into, key in ((b, "device"), (host, "host"), (disk, "disk")):
+        for cat, n in (part[key] or {}).items():
+            into[cat] = into.get(cat, 0) + n
+
+
 def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -216,7 +234,7 @@ def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
              comm: str = "nccl", offload_params: Optional[str] = None,
-             master: str = "fp32") -> Dict[str, Any]:
+             master: str = "fp32", optimizer="adamw") -> Dict[str, Any]:
     """Bytes per rank per category for zerokern at `stage`, with both formulas beside them.
 
     Args:
@@ -231,7 +249,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             shards leave the device for the host or the disk; zerokern.stage3.param_offload).
         master: "fp32" or "compact", as ZeroAdamW (bf16, no offload, stages 0-2): the master
             held is 2 bytes per state element (padding 2 bytes too) and a tie bitmap of
-            state/8 bytes (zerokern.state.compact_master).
+            state/8 bytes (zerokern.compact_master).
+        optimizer: "adamw" (ZeroAdamW), "lion" (ZeroLion) or a zerokern.rules.Rule: its state
+            list gives the optimizer categories (K = 12 and 8 bytes/param with the master).
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
     `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
@@ -246,14 +266,16 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
 
     PO.check_args(offload_params, stage, offload)
     check_master(master, precision, offload, stage)
+    rule = rule_by_name(optimizer)
     dtype = check_precision(precision)
     P = pattern(stage)  # what the stage keeps (stages.py)
     e = dtype.itemsize
     r = e  # reduce dtype: the precision's (ZeroAdamW's default)
-    has_master = dtype != torch.float32
-    b = dict.fromkeys(CATEGORIES, 0)
-    host = dict.fromkeys(HOST_CATEGORIES, 0)
-    disk = dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), 0)
+    b = dict.fromkeys(categories(rule), 0)
+    host = dict.fromkeys(host_categories(rule), 0)
+    disk = dict.fromkeys(("master", *rule.state_names), 0)
+    place = placement_class(offload)
+    rdt = dtype  # the reduce dtype: the precision's (ZeroAdamW's default)
     live_bound = None
     notes = []
     if not P.shards_params:
@@ -300,34 +322,20 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         if P.shards_grads:  # the grad shard, in the reduce dtype
             b["grads"] += (state - spad) * r
             b["padding"] += spad * r
-        if offload == "nvme":  # two halves per file, padding too, an fp32 master always
-            for cat in disk:
-                disk[cat] += 2 * align_up(state * 4)
-        elif offload:  # HostState: all of it (padding too) in host memory, fp32 master always
-            for cat in ("master", "exp_avg", "exp_avg_sq"):
-                host[cat] += state * 4
-            # grad staging, param staging
-            host["host_staging"] += state * r + (0 if dtype == torch.float32 else state * e)
-        else:
-            for cat in ("master", "exp_avg", "exp_avg_sq"):
-                if cat == "master" and master == "compact":  # low halves + tie bitmap
-                    b[cat] += (state - spad) * 2 + tie_bytes(state)
-                    b["padding"] += spad * 2
-                elif cat != "master" or has_master:
-                    b[cat] += (state - spad) * 4
-                    b["padding"] += spad * 4
+        # the optimizer state: what the placement says it holds for this layout
+        _add(b, host, disk, place.layout_bytes(rule, state, spad, dtype, rdt, master))
     if offload_params:  # after a step the device holds no param shard (param_offload.py)
         PO.estimate_(b, host, disk, flats, frozen, rank, offload_params)
         notes.append(PO.NOTES[offload_params])
+    _add(b, host, disk, place.fixed_bytes(rule, [P.state_numel(L) for L in layouts], dtype,
+                                          rdt))
     if offload == "nvme":
         chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL)
-        host["host_staging"] = QUEUE_DEPTH * set_bytes(chunk, r, 0 if not has_master else e) \
-            + 2 * 4
-        notes.append(f"offload='nvme': master (fp32), m and v on disk, two halves each; the "
+        notes.append(f"offload='nvme': master (fp32) and the {rule.name} states on disk, two "
+                     "halves each; the "
                      f"host holds an I/O pool of {QUEUE_DEPTH} sets of {chunk} elements and 2 "
                      f"scalars, {'pinned' if comm == 'nccl' else 'pageable'} ({comm})")
     elif offload:
-        host["host_staging"] += 2 * 4  # the Offloader's [grad_scale, found_inf], once
         notes.append("offload='cpu': master (fp32 at every precision), m and v in host memory, "
                      "with pinned staging (grad piece, 16-bit param piece) per buffer and 2 "
                      "scalars; host figures include their padding")
@@ -336,7 +344,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
                      "not run on meta), so `buckets` may differ from a run")
     formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload,
-                              master=master)
+                              master=master, optimizer=rule)
     if master == "compact":
         notes.append("master='compact': the fp32 master held as its low 16 bits under the bf16 "
                      "params plus a tie bit per element (2.125 bytes, "
@@ -351,7 +359,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     return {
         "model": spec.name, "num_params": spec.num_params, "world_size": world_size,
         "stage": stage, "precision": precision, "bucket_mb": bucket_mb, "offload": offload,
-        "offload_params": offload_params, "master": master,
+        "offload_params": offload_params, "master": master, "optimizer": rule.name,
         "rank": rank, "comm": comm, "exact": exact,
         "bytes": b, "device_total": sum(b.values()), "host": host,
         "host_total": sum(host.values()), "live_units_bound": live_bound,

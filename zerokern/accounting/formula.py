@@ -1,9 +1,11 @@
 """The closed-form memory per rank: DESIGN §4's formula and the ZeRO paper's (DeepSpeed's).
 
-`estimate_memory` is the public `zerokern.estimate_memory`: 2Ψ + 2Ψ + 12Ψ and their shards,
-from a parameter count alone. It is a formula, not a measurement: `memory.memory_report`
-measures the buffers an optimizer holds, and `estimate.estimate` predicts that measurement
-exactly by building zerokern's own buffers on `meta`; both report this formula beside them.
+`estimate_memory` is the public `zerokern.estimate_memory`: 2Ψ + 2Ψ + KΨ and their shards,
+from a parameter count alone, with K = 4 (the fp32 master) + the optimizer rule's state bytes
+per element (zerokern.rules): 12 for AdamW (m, v), 8 for Lion (one momentum). It is a formula, not a
+measurement: `memory.memory_report` measures the buffers an optimizer holds, and
+`estimate.estimate` predicts that measurement exactly by building zerokern's own buffers on `meta`;
+both report this formula beside them.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ K_DEEPSPEED = 12
 
 def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
                     offload: Optional[str] = None, reduce_bytes: Optional[int] = None,
-                    master: str = "fp32") -> Dict[str, int]:
+                    master: str = "fp32", optimizer="adamw") -> Dict[str, int]:
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
-    Returns params, grads, master, exp_avg, exp_avg_sq, optimizer (their sum), total; with
+    Returns params, grads, master, one entry per state of the rule (`optimizer`: "adamw",
+    "lion" or a zerokern.rules.Rule; named as the rule names them), optimizer (master + states),
+    total; with
     offload="cpu" the optimizer column is reported as host bytes and left out of `total`; with
     offload="nvme" it is reported as `disk` bytes, twice (offload_nvme's two halves: a step
     writes the half it does not read), and `host` is 0 (the bounded I/O pool is not a term).
@@ -33,6 +37,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    from zerokern.rules import rule_by_name
+
+    rule = rule_by_name(optimizer)
     P = pattern(stage)
     e = elem_size(precision)
     if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
@@ -49,10 +56,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         # are only the working copy); without offload fp32 params are the master
         "master": 0 if precision == "fp32" and not offload
         else (2 + 1 / 8) * state if master == "compact" else 4 * state,
-        "exp_avg": 4 * state,
-        "exp_avg_sq": 4 * state,
+        **{s.name: s.bytes_per_elem * state for s in rule.states},
     }
-    out["optimizer"] = out["master"] + out["exp_avg"] + out["exp_avg_sq"]
+    out["optimizer"] = out["master"] + sum(out[s.name] for s in rule.states)
     out = {k: int(round(v)) for k, v in out.items()}
     out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
     out["host"] = out["optimizer"] if offload == "cpu" else 0

@@ -12,16 +12,21 @@ import torch
 
 from zerokern.accounting.formula import estimate_memory
 
-# frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
-# optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors.
-_CATS = ("params", "frozen", "grads", "buckets", "master", "exp_avg", "exp_avg_sq",
-         "live_units", "padding")
+
+def categories(rule) -> tuple:
+    """memory_report()["measured"]'s keys for an optimizer with `rule` (zerokern.rules): the
+    master and the rule's states by name between the buffers and the transient ones.
+    frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
+    optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors."""
+    return ("params", "frozen", "grads", "buckets", "master", *rule.state_names,
+            "live_units", "padding")
 
 
 def _buffers(opt):
     """(category, tensor, padding elements in it) for every buffer the optimizer holds on the
-    device. Each buffer says what it holds (ShardBuffer.device_buffers: its params, and
-    master/m/v where its placement keeps them on the device); the grads are grad_sync's."""
+    device. Each buffer says what it holds (ShardBuffer.device_buffers: its params, and the
+    master and rule states where its placement keeps them on the device); the grads are
+    grad_sync's."""
     held = opt.grad_sync.held()
     for gi, g in enumerate(opt.flat_groups):
         yield from g.device_buffers()
@@ -37,7 +42,7 @@ def _buffers(opt):
 
 
 def memory_report(opt) -> Dict[str, Any]:
-    """Measured bytes per category for a ZeroAdamW, the formula, and the allowed slack.
+    """Measured bytes per category for a zerokern optimizer, the formula, and the allowed slack.
 
     Each category counts the storage bytes of the buffers really held, less their padding,
     which is reported on its own line; measured_total is the sum of all of them.
@@ -50,11 +55,11 @@ def memory_report(opt) -> Dict[str, Any]:
     The whole padding, not this rank's share: padding sits in the last bucket, so the ranks that
     hold less of it hold more real elements than Ψ/N, by up to the buffer's padding / N.
     """
-    meas = dict.fromkeys(_CATS, 0)
+    meas = dict.fromkeys(categories(opt.rule), 0)
     seen = set()
     pad_bound = 0
     for g in opt.flat_groups:
-        # params, grads, and master/m/v where the placement keeps them on the device
+        # params, grads, and the master and states where the placement keeps them on the device
         n_bufs = 2 + len(g.state.device_tensors())
         pad_bound += g.layout.padding * 4 * n_bufs  # 4 B: the widest element
     frozen = getattr(opt.grad_sync, "frozen", ())
@@ -71,7 +76,7 @@ def memory_report(opt) -> Dict[str, Any]:
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
                               offload=opt.offload, reduce_bytes=reduce_bytes,
-                              master=getattr(opt, "master", "fp32"))
+                              master=getattr(opt, "master", "fp32"), optimizer=opt.rule)
     # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
     # 16-bit shard, Φ·e/N for Φ frozen elements.
     frozen_numel = sum(f.layout.numel for f in frozen)
@@ -79,7 +84,7 @@ def memory_report(opt) -> Dict[str, Any]:
                                   .element_size() / opt.comm.world_size))
     formula["total"] += formula["frozen"]
     out = {}
-    place = opt.placement  # where master/m/v live: it says what it holds off the device
+    place = opt.placement  # where the state lives: it says what it holds off the device
     host = place.host_bytes()
     if host is not None:  # host memory, apart from the device's
         out["host_measured"] = host
@@ -94,6 +99,8 @@ def memory_report(opt) -> Dict[str, Any]:
         out["disk_measured_total"] = sum(disk.values())
         out["disk_formula_total"] = formula["disk"]
     if getattr(opt, "param_homes", None) is not None:  # host / disk homes of the shards
+        out.setdefault("host_measured", dict.fromkeys(("master", *opt.rule.state_names,
+                                                       "host_staging"), 0))
         opt.param_homes.report(out, formula)
     if opt.pattern.shards_params:  # stage 3: units gathered in a step
         sync = opt.grad_sync

@@ -8,7 +8,9 @@ A checkpoint is a directory:
     rank00001.bin      ...one file per rank of the saving job
     extra.bin          model tensors the optimizer does not hold (buffers, frozen params)
 
-A rank file has three sections, `master | exp_avg | exp_avg_sq`, each the concatenation of
+A rank file has one section per state tensor, `master` then the optimizer rule's states in its
+order (zerokern.rules; the on-disk names are the rule's: see `sections(rule)` and SECTIONS),
+named in the metadata with the rule (`"rule"`, `"sections"`), each the concatenation of
 the same segments in the same order. A segment is one contiguous element range [lo, hi) of one
 flattened param, listed in the metadata as `[param, lo, hi, elem_off]` (elem_off: where it
 starts inside each section). The segments of all rank files cover every param exactly once,
@@ -38,7 +40,15 @@ FORMAT = "zerokern-checkpoint"
 VERSION = 1
 META = "meta.json"
 EXTRA = "extra.bin"
-SECTIONS = ("master", "exp_avg", "exp_avg_sq")  # fp32 state, in file order
+# ZeroAdamW's sections, in file order: what a checkpoint without a "rule" entry (written before
+# rules existed) holds. Every other checkpoint names its rule and sections (`sections(rule)`).
+SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+LEGACY_RULE = "adamw"
+
+
+def sections(rule) -> tuple:
+    """A rule's sections in file order: the fp32 master, then its states (all fp32)."""
+    return ("master", *rule.state_names)
 # 1 MiB: a load touches at most 2 MiB more than it needs per contiguous range, and a 1.3 GB
 # state needs 1300 crcs (10 kB of JSON).
 BLOCK_BYTES = 1 << 20

@@ -10,7 +10,9 @@ Then all ranks agree (`Collective.agree`): if any rank failed, every rank raises
 was written anywhere. Phase 2 copies from the same, verified, bytes.
 
 Values loaded:
-- fp32 master, exp_avg, exp_avg_sq: bitwise the saved ones (fp32 in every precision);
+- fp32 master and the rule's states: bitwise the saved ones (fp32 in every precision); a
+  checkpoint of another optimizer rule (e.g. ZeroAdamW's loaded into a ZeroLion) is a
+  CheckpointError naming both, before anything is written;
 - model-dtype params: `master.to(dtype)` (round to nearest even), what the optimizer keeps
   after every step; at precision fp32 the param buffer is the master;
 - step counters, hyperparameters of each param group (lr, betas, eps, weight_decay, adamw and
@@ -37,7 +39,9 @@ import torch.nn as nn
 from .collective import Collective
 from .format import (
     EXTRA,
+    LEGACY_RULE,
     META,
+    SECTIONS,
     BlockVerifier,
     CheckpointError,
     ModelMismatchError,
@@ -160,6 +164,7 @@ class _Plan:
         self.view = view
         self.dir, self.warning = find_checkpoint(path)
         self.meta = meta = read_meta(self.dir)
+        self._check_rule()
         self.index = index = SavedIndex(meta)
         self.files = BlockVerifier(self.dir, meta["files"], meta["block_bytes"])
         self.match = self._match_params()
@@ -203,6 +208,19 @@ class _Plan:
             self.files.check_present(fname)
         for fname in sorted(ranges):
             self.files.verify(fname, ranges[fname])
+
+    def _check_rule(self) -> None:
+        """The saved state is this optimizer rule's (a checkpoint written before rules
+        existed holds ZeroAdamW's sections)."""
+        fn = os.path.join(self.dir, META)
+        saved = self.meta.get("rule", LEGACY_RULE)
+        secs = tuple(self.meta.get("sections", SECTIONS))
+        if saved != self.view.rule or secs != tuple(self.view.sections):
+            raise CheckpointError(
+                f"{fn}: the checkpoint holds the optimizer state of rule {saved!r} (sections "
+                f"{list(secs)}); this optimizer's rule is {self.view.rule!r} (sections "
+                f"{list(self.view.sections)}): load it into the optimizer it was saved from, "
+                "or load the model weights alone with zerokern.checkpoint.consolidate")
 
     def _match_params(self) -> List[int]:
         view, idx, fn = self.view, self.index, os.path.join(self.dir, META)

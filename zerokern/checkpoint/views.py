@@ -2,12 +2,13 @@
 
 Everything else in zerokern.checkpoint sees only an `OptimizerView`: per unique trainable param
 its name, aliases, full shape and param group, and, per contiguous element range this rank
-holds, writable views into the fp32 master, exp_avg, exp_avg_sq and the model-dtype param.
+holds, writable views into the fp32 master, the optimizer rule's states (zerokern.rules, by
+name) and the model-dtype param.
 One builder, `_buffer_view`, for every buffer (shard_buffer.ShardBuffer: FlatGroup at stages
 0-2, ShardedFlat at stage 3), asking the buffer which ranges it holds. Wherever the placement
 keeps the state (device, host with offload="cpu" (an fp32 master at every precision there),
-files mapped with "nvme"), `master` / `exp_avg` / `exp_avg_sq` have the same layout, so the
-views point at the state where it lives.
+files mapped with "nvme"), the master and the states have the same layout, so the views point
+at the state where it lives.
 
 Element ranges are in each param's own flattened coordinates, never in a flat buffer's, so a
 checkpoint does not depend on bucket sizes, padding, world size or stage.
@@ -22,7 +23,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from ..optimizer import ZeroAdamW
+from ..optimizer import ZeroOptimizer
+from .format import sections
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,18 @@ class StatePiece:
     lo: int
     hi: int
     master: torch.Tensor  # fp32; at precision fp32 a view of the param buffer itself
-    exp_avg: torch.Tensor  # fp32
-    exp_avg_sq: torch.Tensor  # fp32
+    states: Dict[str, torch.Tensor]  # the rule's states by name, fp32, in the rule's order
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        """Section name -> view, in file order (format.sections)."""
+        return {"master": self.master, **self.states}
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # a rule state by its name (`getattr(piece, name)`)
+        states = self.__dict__.get("states")
+        if states is not None and name in states:
+            return states[name]
+        raise AttributeError(f"StatePiece has no attribute {name!r}")
 
 
 @dataclass
@@ -91,6 +100,8 @@ class OptimizerView:
     steps: List[StepCounter]
     param_groups: List[Dict[str, Any]]  # opt.param_groups, live (hyperparameters)
     scaler: Any  # zerokern.loss_scale.LossScaler
+    rule: str  # the optimizer rule's name (zerokern.rules), e.g. "adamw"
+    sections: Tuple[str, ...]  # the rank file's sections, in order (format.sections)
     layout: List[Dict[str, Any]] = field(default_factory=list)  # informational, for metadata
 
 
@@ -102,17 +113,18 @@ def state_dict_keys(model: nn.Module) -> Dict[int, List[str]]:
     return out
 
 
-def optimizer_view(model: nn.Module, opt: ZeroAdamW) -> OptimizerView:
+def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
     """Describe what `opt` holds on this rank, named after `model`'s state_dict keys.
 
     Raises:
-        TypeError: model is not an nn.Module or opt not a ZeroAdamW.
+        TypeError: model is not an nn.Module or opt not a zerokern optimizer.
         ValueError: opt optimizes a param that `model` does not have.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(opt, ZeroAdamW):
-        raise TypeError(f"opt must be a zerokern.ZeroAdamW, got {type(opt).__name__}")
+    if not isinstance(opt, ZeroOptimizer):
+        raise TypeError(f"opt must be a zerokern.ZeroAdamW (or another zerokern optimizer), "
+                        f"got {type(opt).__name__}")
     if opt.grad_sync.detached:
         raise ValueError("opt no longer owns its params: a newer ZeroAdamW was created on the "
                          "same model; checkpoint that one")
@@ -121,7 +133,8 @@ def optimizer_view(model: nn.Module, opt: ZeroAdamW) -> OptimizerView:
         stage=opt.stage, precision=opt.precision, dtype=opt.dtype,
         world_size=opt.comm.world_size, rank=opt.comm.rank, group=opt.comm.group,
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
-        param_groups=opt.param_groups, scaler=opt.scaler)
+        param_groups=opt.param_groups, scaler=opt.scaler, rule=opt.rule.name,
+        sections=sections(opt.rule))
     for g in opt.flat_groups:
         g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
         _buffer_view(view, keys, g)
@@ -165,7 +178,7 @@ def _buffer_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
             st, n = st0 + a - slo, b - a
             master = g.param_values(a, b) if g.master is None else g.master[st:st + n]
             out.append(StatePiece(base + i, a - L.slots[i].offset, b - L.slots[i].offset,
-                                  master, g.exp_avg[st:st + n], g.exp_avg_sq[st:st + n]))
+                                  master, {k: t[st:st + n] for k, t in g.rule_states.items()}))
         return out
 
     for k in range(L.n_buckets):

@@ -44,7 +44,6 @@ from .format import (
     EXTRA_ALIGN,
     FORMAT,
     META,
-    SECTIONS,
     VERSION,
     CheckpointError,
     DataFile,
@@ -101,6 +100,9 @@ def save(path, model: nn.Module, opt) -> str:
 
 
 def _save(path, model: nn.Module, opt) -> str:
+    skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
+    if skip is not None:
+        skip.check_savable("zerokern.checkpoint.save")
     path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)
@@ -158,17 +160,18 @@ def _preflight(path: str) -> None:
 
 
 def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
-    """This rank's file: master | exp_avg | exp_avg_sq, each the `owned` pieces in order."""
+    """This rank's file: one section per state tensor (view.sections: the master, then the
+    rule's states), each the `owned` pieces in order."""
     f = DataFile(os.path.join(tmp, rank_file(view.rank)))
     segments, elem = [], 0
     for p in view.owned:
         segments.append([p.param, p.lo, p.hi, elem])
         elem += p.hi - p.lo
     sections = {}
-    for key in SECTIONS:
+    for key in view.sections:
         sections[key] = f.nbytes
         for p in view.owned:
-            f.write(getattr(p, key))
+            f.write(p.tensors()[key])
     out = f.close()
     # Step counts, read on the host once per counter (a checkpoint may sync; a step may not).
     steps: Dict[int, int] = {}
@@ -218,6 +221,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
         "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",
+        "rule": view.rule, "sections": list(view.sections),
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
         "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .abort import AbortChannel
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .ring import FutureWork, RingRunner
@@ -23,6 +24,7 @@ from .ring import FutureWork, RingRunner
 # order] in stage3/runtime.py), made once and shared by every optimizer on that group: groups
 # are never destroyed, so one per optimizer would leak connections.
 _SPLIT_GROUPS: dict = {}
+_CHANNELS: dict = {}  # process group -> AbortChannel (abort.py)
 
 # torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -101,6 +103,15 @@ class Comm:
         else:
             self.group, self.world_size, self.rank = None, 1, 0
         self.stats = CommStats() if _parent is None else _parent.stats
+        # One failure channel per process group, shared by every optimizer on it and its split
+        # group: its count of collectives is in program order, the same on every rank (abort.py)
+        self.abort = None
+        if _parent is not None:
+            self.abort = _parent.abort
+        elif self.world_size > 1:
+            if self.group not in _CHANNELS:
+                _CHANNELS[self.group] = AbortChannel(self.group, self.rank)
+            self.abort = _CHANNELS[self.group]
         self.tag = "main" if _parent is None else "reduce-scatter"
         # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one,
         # started by the optimizer that checks it at every step() (enable_debug_log), so a
@@ -166,11 +177,23 @@ class Comm:
 
     def _on_ring(self, async_op: bool, fn, *args):
         """Run fn on the ring thread (one order for every collective); a handle if async."""
-        fut = self.ring.submit(fn, *args)
+        h = FutureWork(self.ring.submit(fn, *args), self.abort, self.abort.next_index())
         if async_op:
-            return FutureWork(fut)
-        fut.result()
+            return h
+        h.wait()
         return _Done()
+
+    def _issue(self, async_op: bool, fn, *args, **kw):
+        """A torch.distributed collective, counted for abort.py. Its wait is torch's: a gloo
+        Work's is_completed() was seen never to turn True for the reduce-scatter (a hang when
+        polled), so only the ring path (gloo's default) watches for the peers' failures."""
+        self.abort.next_index()
+        return fn(*args, async_op=async_op, **kw) or _Done()
+
+    def signal_failure(self, error: BaseException) -> None:
+        """This rank raises `error`, which its peers may not see: post it for them first."""
+        if self.abort is not None:
+            self.abort.signal(error)
 
     @staticmethod
     def _local(out: torch.Tensor, inp: torch.Tensor):
@@ -188,7 +211,7 @@ class Comm:
         op = op or dist.ReduceOp.SUM
         if self._ring_for(t) is not None:
             return self._on_ring(async_op, dist.all_reduce, t, op, self.group)
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
+        return self._issue(async_op, dist.all_reduce, t, op=op, group=self.group)
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                         label: Optional[str] = None):
@@ -209,9 +232,9 @@ class Comm:
             # gloo's own reduce-scatter corrupts an output that aliases its input (NCCL's is in
             # place by design): reduce into a temporary, copied to out when waited for.
             tmp = torch.empty_like(out)
-            h = _reduce_scatter(tmp, inp, group=self.group, async_op=async_op)
-            return _CopyOnWait(h or _Done(), tmp, out)
-        return _reduce_scatter(out, inp, group=self.group, async_op=async_op) or _Done()
+            h = self._issue(async_op, _reduce_scatter, tmp, inp, group=self.group)
+            return _CopyOnWait(h, tmp, out)
+        return self._issue(async_op, _reduce_scatter, out, inp, group=self.group)
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                     label: Optional[str] = None):
@@ -224,4 +247,4 @@ class Comm:
             n = inp.numel()
             self._local(out[self.rank * n:(self.rank + 1) * n], inp)
             return self._on_ring(async_op, self.ring.all_gather, out)
-        return _all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
+        return self._issue(async_op, _all_gather, out, inp, group=self.group)

@@ -20,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from .abort import polled
+
 
 class RingRunner:
     """Runs ring collectives for one process group on a single background thread."""
@@ -79,12 +81,15 @@ class RingRunner:
 
 
 class FutureWork:
-    """A torch.distributed-like handle over a Future."""
+    """A torch.distributed-like handle over a Future; its wait watches for the peers'
+    failures (abort.py [Note: an error only some ranks see])."""
 
-    def __init__(self, fut: Future) -> None:
-        self._fut = fut
+    def __init__(self, fut: Future, abort=None, index: int = 0) -> None:
+        self._fut, self._abort, self._index = fut, abort, index
 
     def wait(self) -> bool:
+        if self._abort is not None and not self._fut.done():
+            self._abort.wait(polled(self._fut.result, self._fut.done), self._index)
         self._fut.result()
         return True
 

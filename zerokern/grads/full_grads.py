@@ -21,10 +21,25 @@ carry back onto this rank's pieces. The reduction is linear, so the sums are tho
 kept whole (up to the order of the float adds). A second step() with no backward between reuses
 the reduced pieces. Grads in another dtype than the reduce dtype are cast to a scratch copy per
 bucket, reduced into a grad shard that lives until the step, and the buffer stays whole.
+
+[Note: no per-step memset]
+zero_grad() does not zero the buffer: it marks every param's view *stale* (its values are not
+this step's). The next backward then hands each stale param to autograd with p.grad = None, so
+autograd's fresh grad is copied into the view (`on_grad`), as DDP's gradient_as_bucket_view
+copies it into its bucket; a param already holding a sum since zero_grad keeps p.grad = view
+and autograd adds into it. A stale param that got no gradient by the time its bucket is reduced
+is zeroed then, over its part of that bucket only (a missing gradient counts as zero), and once
+a reduction has launched every bucket nothing is stale. The padding is never written by a grad
+and reduces to zero, so it stays zero from the allocation on. On the 20m GPT (fp32, one rank,
+CPU time, benchmarks/results/step-20m-n2-fp32-issue20-grads-cpu-time.md) zero_grad() took
+3.4-3.7 ms at stages 0-1 and takes 0.1 ms now, of a ~200 ms iteration; stage 1 also zeroed the
+buffer again when grads changed after its in-place reduction. `set_to_none=False` still zeroes,
+since the user then sees p.grad as zeros.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import List, Optional
 
 import torch
@@ -33,37 +48,76 @@ from zerokern.grads.grad_sync import GradSync, Schedule
 from zerokern.state import huge_pages
 
 
+class Reduction(Enum):
+    """How a FullGrads buffer is reduced, fixed at construction (the stage's pattern and the
+    dtypes decide it)."""
+    ALL_REDUCE = "all_reduce"              # stage 0: in the buffer itself, SUM then / N
+    ALL_REDUCE_WIDE = "all_reduce_wide"    # stage 0, grads not in reduce_dtype: a cast copy
+    SCATTER_IN_PLACE = "scatter_in_place"  # stage 1: [Note: stage 1 reduces in place]
+    SCATTER_TO_SHARD = "scatter_to_shard"  # stage 1, grads not in reduce_dtype: into a shard
+
+    @property
+    def scatters(self) -> bool:
+        return self in (Reduction.SCATTER_IN_PLACE, Reduction.SCATTER_TO_SHARD)
+
+
+class Held(Enum):
+    """What the buffer holds now."""
+    LOCAL = "local"        # local sums since zero_grad (stale views aside), not reduced
+    REDUCING = "reducing"  # buckets launched, not all landed (in place: being consumed)
+    REDUCED = "reduced"    # reduced: the buffer (stage 0), this rank's pieces (in place) or
+                           # the grad shard; a second step() reuses it
+
+
 class FullGrads(GradSync):
     """Stages 0 and 1: a full grad buffer, reduced bucket by bucket during backward."""
 
     def __init__(self, groups, comm, reduce_dtype, stage: int) -> None:
         self.stage = stage
-        # Stage 0 all-reduces in place (every rank holds every bucket's state: its pattern
-        # replicates it); stage 1 reduce-scatters into this rank's grad shard.
-        self.all_reduce = groups[0].pattern.replicated_state
-        self.averaged = self.all_reduce
+        same = all(g.flat.dtype == reduce_dtype for g in groups)
+        # Stage 0 all-reduces in place (every rank holds every bucket's state and updates it
+        # from DDP's average: its pattern's grads_averaged); stage 1 reduce-scatters.
+        if groups[0].pattern.grads_averaged:
+            self.mode = Reduction.ALL_REDUCE if same else Reduction.ALL_REDUCE_WIDE
+        else:
+            self.mode = Reduction.SCATTER_IN_PLACE if same else Reduction.SCATTER_TO_SHARD
+        self.held_now = Held.LOCAL
         self.grads: Optional[List[torch.Tensor]] = None  # (E,) model dtype; None: freed
         self._views: List[List[torch.Tensor]] = []
+        self._stale: List[List[bool]] = []  # per param: [Note: no per-step memset]
         self._alloc(groups)
         self._sched = Schedule(groups)
         self._handles: List[tuple] = []
-        self._shard: List[Optional[torch.Tensor]] = [None] * len(groups)  # stage 1
-        self._wide: List[Optional[torch.Tensor]] = [None] * len(groups)  # stage 0, see _launch
-        self._reduced = False         # the buffer's contents are reduced (stage 0 in place)
-        # Stage 1 in place ([Note: stage 1 reduces in place]): the buffer was reduce-scattered
-        # into itself (only this rank's pieces are meaningful), and what was set aside.
-        self.in_place = not self.all_reduce and all(g.flat.dtype == reduce_dtype for g in groups)
-        self._consumed = False
+        # per group, only in its mode, from the reducing backward to the step:
+        self._shard: List[Optional[torch.Tensor]] = [None] * len(groups)  # (S,) TO_SHARD
+        self._wide: List[Optional[torch.Tensor]] = [None] * len(groups)   # (E,) WIDE
+        # (S,) SCATTER_IN_PLACE: reduced pieces set aside before the buffer changes
         self._carry: List[Optional[torch.Tensor]] = [None] * len(groups)
         super().__init__(groups, comm, reduce_dtype)
+
+    @property
+    def _consumed(self) -> bool:
+        """The buffer was reduce-scattered into itself: only this rank's pieces mean anything."""
+        return self.mode is Reduction.SCATTER_IN_PLACE and self.held_now is not Held.LOCAL
 
     # -- the buffer ------------------------------------------------------------------------------
     def _alloc(self, groups=None, bufs=None) -> None:
         groups = groups or self.groups
         self.grads = bufs if bufs is not None else [huge_pages.zeros_like(g.flat) for g in groups]
-        self._blank = bufs is None  # all zeros: the next backward copies its grads in
+        if bufs is None:  # fresh zero pages: copying a grad in beats adding into them
+            self._mark_stale(groups)
         self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
                        for g, buf in zip(groups, self.grads)]
+
+    def _mark_stale(self, groups=None) -> None:
+        self._stale = [[True] * len(g.params) for g in groups or self.groups]
+
+    def _zero_stale(self, gi: int, k: int) -> None:
+        """Before bucket k is reduced: the stale params in it got no grad; they count as 0."""
+        stale, buf = self._stale[gi], self.grads[gi]
+        for i, a, b in self._sched.overlaps[gi][k]:
+            if stale[i]:
+                buf[a:b].zero_()
 
     def _ensure(self) -> None:
         if self.grads is None:  # freed by zero_grad (free_grads=True): zeros again
@@ -74,12 +128,12 @@ class FullGrads(GradSync):
         self._shard = [None] * len(self.groups)
         self._wide = [None] * len(self.groups)
         self._carry = [None] * len(self.groups)
-        self._reduced = self._consumed = False
+        self.held_now = Held.LOCAL
 
     def _set_reduced_aside(self) -> None:
         """The grads are about to change after an in-place reduction: keep the reduced pieces
-        in `_carry` and zero the buffer for local accumulation ([Note: stage 1 reduces in
-        place])."""
+        in `_carry` and start local accumulation over ([Note: stage 1 reduces in place]; the
+        buffer's partial sums become stale, [Note: no per-step memset])."""
         if not self._consumed:
             return
         for gi, (g, buf) in enumerate(zip(self.groups, self.grads)):
@@ -87,9 +141,8 @@ class FullGrads(GradSync):
             for k in range(g.layout.n_buckets):
                 carry[g.state_slice(k)].copy_(g.piece(buf, k))
             self._carry[gi] = carry
-            buf.zero_()
-        self._blank = True
-        self._consumed = False
+        self._mark_stale()
+        self.held_now = Held.LOCAL
 
     def _zero_carried(self, params) -> None:
         for gi, i in params:
@@ -99,13 +152,28 @@ class FullGrads(GradSync):
 
     # -- p.grad ----------------------------------------------------------------------------------
     def exposed_grad(self, gi, i):
-        if not self.all_reduce and self._reduced:
+        if self.mode.scatters and self.held_now is Held.REDUCED:
             return self.released(gi, i)
-        return self._views[gi][i]
+        # Stale here: shown before, no grad since (a no_sync() backward after stage 1's set
+        # aside): its local sum is zero, as the memset left it.
+        return self.zeroed_grad(gi, i)
 
     def zeroed_grad(self, gi, i):
         self._ensure()
+        if self._stale[gi][i]:  # zero_grad(set_to_none=False): the user sees zeros
+            self._views[gi][i].zero_()
+            self._stale[gi][i] = False
         return self._views[gi][i]
+
+    def renew_views(self) -> None:
+        """Module._apply re-points a moved param's grad in place (`p.grad.data = moved`): the
+        p.grad views we handed out then hold a copy, and backward would accumulate into it,
+        not into the buffer (stage 0 moved the params by a stale gradient). New views over the
+        same buffer (its values are the grads' values) are shown instead."""
+        if self.grads is not None:
+            blank = self._blank
+            self._alloc(bufs=self.grads)
+            self._blank = blank
 
     def to_(self, device) -> None:
         if self.grads is not None:
@@ -113,53 +181,51 @@ class FullGrads(GradSync):
         self._carry = [None if c is None else c.to(device) for c in self._carry]
         self._shard = [None] * len(self.groups)
         if not self._consumed:  # else the reduced pieces moved with the buffer
-            self._reduced = False
+            self.held_now = Held.LOCAL
 
     def clear_all(self) -> None:
-        for buf in self.grads or ():
-            buf.zero_()
-        self._blank = True
+        self._mark_stale()  # [Note: no per-step memset]
         self._carry = [None] * len(self.groups)
-        self._reduced = self._consumed = False
+        self.held_now = Held.LOCAL
 
     def clear_some(self, params) -> None:
         if self.grads is not None:
             self._set_reduced_aside()
             for gi, i in params:
-                self._views[gi][i].zero_()
+                self._stale[gi][i] = True
             self._zero_carried(params)
-        self._reduced = False
+        self.held_now = Held.LOCAL
 
     def adopt_foreign(self, params) -> None:
         self._ensure()
         self._set_reduced_aside()
         for gi, i in params:
             self._views[gi][i].copy_(self.groups[gi].params[i].grad)
-        self._blank = False
+            self._stale[gi][i] = False
         self._zero_carried(params)  # an assigned p.grad replaces what had accumulated
-        self._reduced = False
+        self.held_now = Held.LOCAL
 
     # -- backward ----------------------------------------------------------------------------------
     def begin_backward(self) -> None:
         self._ensure()
         self._set_reduced_aside()
-        # A buffer of zeros gets each grad copied in by on_grad (autograd hands over the grad
-        # it computed); else autograd adds into the views in place. Adding into fresh pages
-        # reads them first (a fault to map the zero page, another on the write), and reads
-        # 88 MiB more: on the 20m GPT, N=2, stage 1, free_grads=True, a backward took 10,921
-        # page faults with the add and 659 with the copy.
-        blank, self._blank = self._blank, False
-        for g, views in zip(self.groups, self._views):
-            for p, v in zip(g.params, views):
-                p.grad = None if blank else v
-        self._reduced = False
+        # A stale view gets its grad copied in by on_grad (autograd hands over the grad it
+        # computed); else autograd adds into the view in place ([Note: no per-step memset]).
+        # Adding into fresh pages would read them first (a fault to map the zero page, another
+        # on the write), and read 88 MiB more: on the 20m GPT, N=2, stage 1, free_grads=True, a
+        # backward took 10,921 page faults with the add and 659 with the copy.
+        for g, views, stale in zip(self.groups, self._views, self._stale):
+            for p, v, st in zip(g.params, views, stale):
+                p.grad = None if st else v
+        self.held_now = Held.LOCAL
         self._sched.reset()
 
     def on_grad(self, gi, i, p) -> None:
         view = self._views[gi][i]
-        if p.grad is not view:  # autograd replaced it (create_graph=True): keep the sum
-            view.copy_(p.grad)
+        if p.grad is not view:  # stale (p.grad was None), or autograd replaced it
+            view.copy_(p.grad)  # (create_graph=True: it then holds the sum)
             p.grad = view
+            self._stale[gi][i] = False
         if not self.sync:
             return
         if self._sched.arrived[gi][i] and self._sched.launched(gi, i):
@@ -173,10 +239,11 @@ class FullGrads(GradSync):
 
     def _launch(self, gi: int, k: int) -> None:
         g, buf = self.groups[gi], self.grads[gi]
+        self._zero_stale(gi, k)
         b = g.bucket(buf, k)
-        if self.all_reduce:
+        if not self.mode.scatters:
             src = b
-            if b.dtype != self.reduce_dtype:
+            if self.mode is Reduction.ALL_REDUCE_WIDE:
                 # Reduced in reduce_dtype into a buffer kept until the step, which updates
                 # from it; p.grad gets the result rounded to the param dtype, as DDP's.
                 if self._wide[gi] is None:
@@ -190,8 +257,8 @@ class FullGrads(GradSync):
             self._handles.append((gi, k, h, b if src is not b else None,
                                   src if src is not b else None))
             return
-        if self.in_place:  # [Note: stage 1 reduces in place]
-            self._consumed = True
+        self.held_now = Held.REDUCING
+        if self.mode is Reduction.SCATTER_IN_PLACE:  # [Note: stage 1 reduces in place]
             out, src = g.piece(buf, k), b
         else:  # a cast copy is the scratch; the result lives in a grad shard until the step
             src = b.to(self.reduce_dtype)
@@ -206,7 +273,7 @@ class FullGrads(GradSync):
         n = self.comm.world_size
         for gi, k, h, back, src in self._handles:
             h.wait()
-            if self.all_reduce and n > 1:
+            if not self.mode.scatters and n > 1:
                 (src if src is not None else self.groups[gi].bucket(self.grads[gi], k)).div_(n)
             if back is not None:
                 back.copy_(src)
@@ -216,6 +283,11 @@ class FullGrads(GradSync):
             yield gi, k
         self._handles = []
         self._carry = [None] * len(self.groups)
+        self._mark_stale_none()
+
+    def _mark_stale_none(self) -> None:
+        """Every bucket was reduced: each view was written by its grad or zeroed."""
+        self._stale = [[False] * len(g.params) for g in self.groups]
 
     def end_backward(self) -> None:
         if not self.sync:
@@ -224,11 +296,11 @@ class FullGrads(GradSync):
             self._launch(*gk)
         for _ in self._wait_all():
             pass
-        self._reduced = True
+        self.held_now = Held.REDUCED
 
     # -- step ----------------------------------------------------------------------------------
     def reduced_buckets(self):
-        if self._reduced:
+        if self.held_now is Held.REDUCED:
             yield from GradSync.reduced_buckets(self)
             return
         # Only no_sync() backward passes (or a step() after a cleared reduction): reduce now.
@@ -236,25 +308,26 @@ class FullGrads(GradSync):
         for gk in self._sched.ready(flush=True):
             self._launch(*gk)
         yield from self._wait_all()  # in launch order: k is ready while k+1 is in flight
-        self._reduced = True
+        self.held_now = Held.REDUCED
 
     def grad_piece(self, gi, k) -> torch.Tensor:
-        g = self.groups[gi]
-        if self.all_reduce:
-            return g.bucket(self.grads[gi] if self._wide[gi] is None else self._wide[gi], k)
-        if self.in_place:
+        g, mode = self.groups[gi], self.mode
+        if mode is Reduction.ALL_REDUCE:
+            return g.bucket(self.grads[gi], k)
+        if mode is Reduction.ALL_REDUCE_WIDE:
+            return g.bucket(self._wide[gi], k)
+        if mode is Reduction.SCATTER_IN_PLACE:
             return g.piece(self.grads[gi], k)
         return self._shard[gi][g.state_slice(k)]
 
     def after_step(self) -> None:
-        if self.in_place:  # the reduced pieces stay in the buffer for a second step()
-            return
-        if not self.all_reduce:  # the shard lives from the reducing backward to the step
+        # In place (and stage 0's own buffer) the reduced grads stay for a second step().
+        if self.mode is Reduction.SCATTER_TO_SHARD:  # the shard lives until the step
             self._shard = [None] * len(self.groups)
-            self._reduced = False
-        elif any(w is not None for w in self._wide):  # a second step re-reduces p.grad
+            self.held_now = Held.LOCAL
+        elif self.mode is Reduction.ALL_REDUCE_WIDE:  # a second step re-reduces p.grad
             self._wide = [None] * len(self.groups)
-            self._reduced = False
+            self.held_now = Held.LOCAL
 
     def held(self):
         return {"grads": list(self.grads or ()),

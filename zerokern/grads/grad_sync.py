@@ -43,6 +43,7 @@ from torch.autograd import Variable
 
 from zerokern.comm import Comm
 from zerokern.grads.released_grad import ReleasedGrad
+from zerokern.grads.weak_hook import weak_hook
 from zerokern.layout.flat_group import FlatGroup
 
 # At most this many stage-2 reduce-scatters in flight before the oldest is waited for: two
@@ -61,9 +62,6 @@ class GradSync:
     """Base: hooks, backward bookkeeping and the p.grad state shared by all stages."""
 
     stage = -1
-    # The reduced grads are full, identical on every rank and already divided by N (stage 0);
-    # else each rank holds its shard of the sum (stages 1-3).
-    averaged = False
 
     def __init__(self, groups: List[FlatGroup], comm: Comm, reduce_dtype: torch.dtype) -> None:
         self.groups = groups
@@ -82,25 +80,26 @@ class GradSync:
         self._exposed: List[List[Optional[torch.Tensor]]] = [[None] * len(g.params)
                                                              for g in groups]
         self._hooks = []
-        ref = weakref.ref(self)  # hooks live in C++: a strong ref would be an uncollectable cycle
+        # [Note: weak, eager hooks] (weak_hook.py)
+        begin, on_grad = weak_hook(self, "begin_from_hook"), weak_hook(self, "_on_grad")
+        ref = weakref.ref(self)
         for gi, g in enumerate(groups):
             for i, p in enumerate(g.params):
                 p._zerokern_sync = ref  # marks the param as owned (see ZeroAdamW's check)
-                self._hooks.append(p.register_hook(
-                    lambda grad, ref=ref: _call(ref, "begin_from_hook", False)))
+                self._hooks.append(p.register_hook(lambda grad: begin(False)))
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, gi=gi, i=i, ref=ref: _call(ref, "_on_grad", gi, i, p)))
+                    lambda p, gi=gi, i=i: on_grad(gi, i, p)))
 
     # ---- backward bookkeeping ---------------------------------------------------------------
     def mark_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Hook the scaled loss: its grad is the first thing a backward computes."""
         if loss.requires_grad:
-            ref = weakref.ref(self)
-            loss.register_hook(lambda g: _call(ref, "begin_from_hook", True))
+            begin = weak_hook(self, "begin_from_hook")
+            loss.register_hook(lambda g: begin(True))
         return loss
 
     def begin_from_hook(self, scaled: bool) -> None:
-        if not self._in_backward:
+        if not self._in_backward and not self.detached:
             self._begin_backward(scaled)
 
     def _begin_backward(self, scaled: bool = False) -> None:
@@ -114,7 +113,11 @@ class GradSync:
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._end_backward)
         self.generation += 1
-        self._adopt_user_grads()
+        try:
+            self._adopt_user_grads()
+        except RuntimeError as e:  # a p.grad assigned on this rank only, maybe (comm/abort.py)
+            self.comm.signal_failure(e)
+            raise
         self._got = [[False] * len(g.params) for g in self.groups]
         self.begin_backward()
 
@@ -125,6 +128,8 @@ class GradSync:
         self._expose()
 
     def _on_grad(self, gi: int, i: int, p: torch.Tensor) -> None:
+        if self.detached:  # another ZeroAdamW took the params over
+            return
         if p.grad is not None and p.grad.layout != torch.strided:
             raise TypeError(f"zerokern: param {i} of param group {gi} got a {p.grad.layout} "
                             "gradient; sparse gradients are not supported (use dense "
@@ -147,6 +152,10 @@ class GradSync:
                     foreign.append((gi, i))
         if foreign:
             self.adopt_foreign(foreign)
+        self._clear_user_cleared(cleared)
+
+    def _clear_user_cleared(self, cleared: List[Tuple[int, int]]) -> None:
+        """The user set these p.grad to None: clear what we accumulated for them."""
         if cleared:
             if len(cleared) == sum(e is not None for row in self._exposed for e in row):
                 self.clear_all()  # model.zero_grad(): every grad we showed was cleared
@@ -209,7 +218,16 @@ class GradSync:
             self.free()
 
     def readopt(self) -> None:
-        """The params were re-viewed (model_sync.py): show our grads on them again."""
+        """The params were re-viewed (model_sync.py): show our grads on them again.
+
+        A move carries p.grad along (Module._apply moves it too), so a p.grad that is None
+        now while we had shown one was cleared by the user before the move (`model.zero_grad()`
+        then `model.to(...)`, what a second `ZeroAccelerator.prepare` does): that clear is
+        taken first, or the next backward would add the old gradient (issue 21, item 3)."""
+        self._clear_user_cleared([(gi, i) for gi, g in enumerate(self.groups)
+                                  for i, p in enumerate(g.params)
+                                  if p.grad is None and self._exposed[gi][i] is not None])
+        self.renew_views()
         for gi, g in enumerate(self.groups):
             for i, p in enumerate(g.params):
                 mine = self._exposed[gi][i]
@@ -221,6 +239,9 @@ class GradSync:
                 self._exposed[gi][i] = p.grad
 
     def to_(self, device) -> None: ...
+
+    def renew_views(self) -> None:
+        """After a move: grad views the user saw may have been re-pointed (see FullGrads)."""
 
     def free(self) -> None:
         """zero_grad(set_to_none=True) with free_grads: drop the grad buffers (p.grad is None
@@ -263,28 +284,6 @@ class GradSync:
         """Called after the update: drop per-step buffers."""
     def held(self) -> Dict[str, List[torch.Tensor]]:
         return {}
-
-
-def _call(ref, name: str, *args):
-    return _call_eager()(ref, name, *args)
-
-
-_EAGER = []
-
-
-def _call_eager():
-    """The hook body, never traced by dynamo (see stage3/runtime.py's _weak). Wrapped at first
-    use: torch.compiler.disable imports torch._dynamo and with it triton, which must not
-    happen at `import zerokern` (triton reads TRITON_INTERPRET when it is first imported)."""
-    if not _EAGER:
-        _EAGER.append(torch.compiler.disable(_call_body))
-    return _EAGER[0]
-
-
-def _call_body(ref, name: str, *args):
-    obj = ref()
-    if obj is not None and not obj.detached:
-        getattr(obj, name)(*args)
 
 
 class Schedule:

@@ -21,7 +21,9 @@ class ShardedGrads(GradSync):
     shard per buffer. Accumulation (DESIGN §2): the first reduction since zero_grad writes the
     shard, later ones add to it. Subclasses decide what is staged when, and keep `_staging`."""
 
-    def __init__(self, groups, comm, reduce_dtype) -> None:
+    def __init__(self, groups, comm, reduce_dtype, rs_comm=None) -> None:
+        # The reduce-scatters' group: comm, or stage 3's own ([Note: stage-3 collective order])
+        self.rs_comm = comm if rs_comm is None else rs_comm
         self._grad_shards: Optional[List[torch.Tensor]] = [
             huge_pages.zeros(g.layout.shard_numel, reduce_dtype, g.device)
             for g in groups]  # (S,) reduce dtype; None: freed (free_grads=True)
@@ -46,11 +48,17 @@ class ShardedGrads(GradSync):
         self._pool.clear()
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
+        """Reduce-scatter `staging` into `shard` (the first reduction since zero_grad writes it,
+        later ones land in a scratch shard added on completion); `key` names the staging
+        buffer: (group, bucket) at stage 2, the unit buffer's index at stage 3."""
         out = shard if self._fresh else huge_pages.zeros_like(shard)
         self._issued = True
-        h = self.comm.reduce_scatter_(out, staging, async_op=True,
-                                      label=f"group {key[0]} bucket {key[1]}")
+        h = self.rs_comm.reduce_scatter_(out, staging, async_op=True,
+                                         label=self._reduce_label(key))
         self._in_flight.append((h, key, out if out is not shard else None, shard))
+
+    def _reduce_label(self, key) -> str:
+        return f"group {key[0]} bucket {key[1]}"
 
     def _complete_oldest(self) -> None:
         h, key, tmp, shard = self._in_flight.pop(0)

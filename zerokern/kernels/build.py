@@ -66,7 +66,8 @@ OPS: Dict[str, OpSpec] = {
     "cpu": OpSpec("cpu", ["cpu/*.cpp"],
                   cflags=["-O3", "-std=c++17", "-fopenmp"], ldflags=["-fopenmp"]),
     # No --use_fast_math: the contract needs IEEE sqrt and division (DESIGN §3).
-    "cuda": OpSpec("cuda", ["cuda/binding.cpp", "cuda/zk_kernels.cu"],
+    "cuda": OpSpec("cuda", ["cuda/binding.cpp", "cuda/zk_kernels.cu", "cuda/lion_binding.cpp",
+                            "cuda/lion.cu"],
                    cflags=["-O3", "-std=c++17"], cuda_cflags=["-O3", "-lineinfo"], cuda=True),
 }
 

@@ -4,8 +4,7 @@
 Shapes (E = layout.padded_numel, S = state_numel: E at stage 0, else the shard):
     flat        (E,)  model dtype   params are views into it (the full buffer, every rank)
     master      (S,)  fp32          None at fp32 on the device (flat is the master)
-    exp_avg     (S,)  fp32
-    exp_avg_sq  (S,)  fp32
+    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (B,)  int64         one counter per bucket
 """
 
@@ -60,12 +59,9 @@ class FlatGroup(ShardBuffer):
     def piece(self, buf: torch.Tensor, k: int) -> torch.Tensor:
         return buf[slice(*self.layout.piece_range(k, self.rank))]
 
-    def publish_piece(self, comm, k: int):
-        """After bucket k's update: all-gather this rank's new piece into every rank's params
-        (stages 1-2, async, in place: it overlaps bucket k+1's update); stage 0 updated the
-        whole bucket itself. Returns the handle, or None."""
-        if not self.pattern.publishes:
-            return None
+    def gather_piece(self, comm, k: int):
+        """All-gather this rank's piece of bucket k into every rank's params (the publish of
+        stages 1-2, ShardBuffer.publish_piece). Returns the async handle."""
         return comm.all_gather_(self.bucket(self.flat, k), self.piece(self.flat, k),
                                 async_op=True, label=f"group {self.group_index} bucket {k}")
 

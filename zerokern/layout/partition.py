@@ -10,7 +10,7 @@ and each bucket is split evenly across ranks:
     flat:   | bucket 0                 | bucket 1                 | ... | last (padded) |
             | r0 piece | r1 piece | .. | r0 piece | r1 piece | .. |
     rank r's shard = its piece of every bucket, stored contiguously in the shard buffers
-    (master, exp_avg, exp_avg_sq, grad shard), bucket k at `shard_offset(k)`.
+    (the master, the optimizer rule's states, the grad shard), bucket k at `shard_offset(k)`.
 
 A bucket then reduce-scatters and all-gathers with one collective each, as soon as its params'
 grads are in. With a single bucket this is exactly the DESIGN layout. Bucket sizes are multiples
@@ -102,7 +102,7 @@ class FlatLayout:
         return self.bucket_range(k) if replicated else self.piece_range(k, rank)
 
     def state_offset(self, k: int, replicated: bool) -> int:
-        """Where bucket k's state starts in the state buffers (master, exp_avg, exp_avg_sq)."""
+        """Where bucket k's state starts in the state buffers (the master and rule states)."""
         return self.bucket_range(k)[0] if replicated else self.shard_offset(k)
 
     def state_numel(self, replicated: bool) -> int:

@@ -4,12 +4,13 @@
 A buffer owns one param group's (at stage 3: one unit's) params laid out by `partition` and
 answers, through its `StagePattern`, which flat range its optimizer state covers for bucket k
 (`state_range`), where that lies in the state buffers (`state_slice`) and how much of it is
-padding. The state itself (fp32 master, exp_avg, exp_avg_sq and the step counters) is made by
-the optimizer's placement (`placement.py`: on the device, `offload.py`: host memory,
-`offload_nvme.py`: files) and read through `master` / `exp_avg` / `exp_avg_sq` / `steps`, so no
-caller knows where it lives. The masters are filled from the params' original values, before
-the cast to the model dtype (issue 3), by `fill_master_`, one state range at a time, so a
-placement on disk can stream them without holding the whole master in memory.
+padding. The state itself (fp32 master, the rule's states and the step counters; a
+`rule.RuleState`) is made by the optimizer's placement (`placement.py`: on the device,
+`offload.py`: host memory, `offload_nvme.py`: files) and read through `master` /
+`rule_states` (name -> tensor, in the rule's order; each also as an attribute by its name) /
+`steps`, so no caller knows where it lives. The masters are filled from the params' original
+values, before the cast to the model dtype (issue 3), by `fill_master_`, one state range at a time,
+so a placement on disk can stream them without holding the whole master in memory.
 
 What the reports and the checkpoint see is asked here too: `device_buffers` (memory_report),
 `value_pieces` / `step_params` / `layout_meta` (checkpoint/views.py).
@@ -17,7 +18,7 @@ What the reports and the checkpoint see is asked here too: `device_buffers` (mem
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -52,7 +53,7 @@ class ShardBuffer:
         return self.pattern.state_range(self.layout, self.rank, k)
 
     def state_slice(self, k: int) -> slice:
-        """Bucket k's part of the state buffers (master, exp_avg, exp_avg_sq)."""
+        """Bucket k's part of the state buffers (the master and the rule's states)."""
         lo, hi = self.state_range(k)
         off = self.pattern.state_offset(self.layout, k)
         return slice(off, off + hi - lo)
@@ -101,12 +102,17 @@ class ShardBuffer:
         return None if self.state is None else self.state.master
 
     @property
-    def exp_avg(self) -> Optional[torch.Tensor]:
-        return None if self.state is None else self.state.exp_avg
+    def rule_states(self) -> Dict[str, torch.Tensor]:
+        """The rule's state tensors by name ((state_numel,) each, in the rule's order); {} for
+        stage 3's frozen buffers."""
+        return {} if self.state is None else self.state.states
 
-    @property
-    def exp_avg_sq(self) -> Optional[torch.Tensor]:
-        return None if self.state is None else self.state.exp_avg_sq
+    def __getattr__(self, name: str):
+        # A rule's state by its name (`getattr(g, name)`): the names come from the rule.
+        st = self.__dict__.get("state")
+        if st is not None and name in st.states:
+            return st.states[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @property
     def steps(self) -> Optional[torch.Tensor]:
@@ -127,12 +133,30 @@ class ShardBuffer:
     def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
         return None if self.master is None else self.param_values(*self.state_range(k))
 
-    def moments(self, k: int):
+    # -- after bucket k's update -----------------------------------------------------------------
+    def publish_piece(self, comm, k: int):
+        """Make bucket k's updated piece visible where the params are used. The pattern decides
+        (StagePattern.publishes): stages 1-2 all-gather it into every rank's full params
+        (async, in place: it overlaps bucket k+1's update; `gather_piece`); stage 0 updated the
+        whole bucket on every rank, stage 3 gathers at the next use. First the buffer stores
+        the piece where its shard lives (`store_piece`: stage-3 param offload). Returns the
+        all-gather's handle, or None."""
+        self.store_piece(k)
+        return self.gather_piece(comm, k) if self.pattern.publishes else None
+
+    def store_piece(self, k: int) -> None:
+        """After bucket k's update: write the shard back where it lives between uses."""
+
+    def gather_piece(self, comm, k: int):
+        raise NotImplementedError(f"{type(self).__name__} keeps no full params to publish into")
+
+    def moments(self, k: int) -> List[torch.Tensor]:
+        """Bucket k's part of each of the rule's states, in the rule's order."""
         sl = self.state_slice(k)
-        return self.exp_avg[sl], self.exp_avg_sq[sl]
+        return [t[sl] for t in self.rule_states.values()]
 
     def state_tensors(self) -> dict:
-        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+        out = {**self.rule_states, "steps": self.steps}
         out.update(self._extra_state())
         if self.master is not None:
             out["master"] = self.master
@@ -148,16 +172,11 @@ class ShardBuffer:
 
     def device_buffers(self) -> Iterator[Tuple[str, torch.Tensor, int]]:
         """(category, tensor, padding elements) of every buffer this one holds on the device:
-        the params, and master/m/v where the placement keeps them there."""
+        the params, and the master and rule states where the placement keeps them there
+        (RuleState.device_buffers: a compact master yields several tensors)."""
         yield from self.param_buffers()
-        if self.state is None:
-            return
-        own = getattr(self.state, "device_buffers", None)  # a compact master: several tensors
-        if own is not None:
-            yield from own(self.state_padding)
-            return
-        for cat, t in self.state.device_tensors().items():
-            yield cat, t, self.state_padding
+        if self.state is not None:
+            yield from self.state.device_buffers(self.state_padding)
 
     def value_pieces(self) -> Iterator[Tuple[int, int, int]]:
         """(slot, flat lo, flat hi) of the param values resident on this rank."""

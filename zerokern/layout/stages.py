@@ -6,13 +6,17 @@ own `if stage == 0` (DESIGN §2's buffer table).
 | replicated_state     | yes     |         |         |         |
 | shards_grads         |         |         | yes     | yes     |
 | shards_params        |         |         |         | yes     |
+| grads_averaged       | yes     |         |         |         |
 | publishes (gathers   |         | yes     | yes     |         |
 |   each updated piece)|         |         |         |         |
 
-The optimizer (which buffer and gradient classes to build), the buffers (`ShardBuffer`: which
-flat range a bucket's state is), `memory_report`, the exact estimate and the checkpoint views
-ask the pattern. The coordinates themselves (bucket, piece, state offset, padding) are
-`partition.FlatLayout`'s; a pattern only says which of them apply.
+The optimizer (which buffer and gradient classes to build; whether the step's statistics are
+combined across ranks and divided by N: `grads_averaged`), the gradient path (FullGrads
+all-reduces or reduce-scatters by `grads_averaged`), the buffers (`ShardBuffer`: which flat
+range a bucket's state is, whether `publish_piece` all-gathers), `memory_report`, the exact
+estimate and the checkpoint views ask the pattern; no module outside this one tests the stage
+number for a decision on the gradient path. The coordinates themselves (bucket, piece, state
+offset, padding) are `partition.FlatLayout`'s; a pattern only says which of them apply.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ class StagePattern:
 
     @property
     def grads_averaged(self) -> bool:
-        """Each rank's grads are already DDP's average (stage 0's all-reduce): the step's
-        statistics need no all-reduce and no division by the world size."""
+        """Grads are all-reduced, so each rank's are already DDP's average (stage 0): the
+        step's statistics need no all-reduce and no division by the world size. Otherwise
+        they are reduce-scattered and each rank holds its shard of the sum (stages 1-3)."""
         return self.replicated_state
 
     # -- the state a rank holds, in a buffer's layout --------------------------------------------

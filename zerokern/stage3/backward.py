@@ -168,12 +168,8 @@ class Stage3Backward(ShardedGrads):
                 self._maybe_free(ui)
             self._next += 1
 
-    def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
-        out = shard if self._fresh else huge_pages.zeros_like(shard)
-        self._issued = True
-        h = self.rs_comm.reduce_scatter_(out, staging, async_op=True,
-                                         label=self._label(self.groups[key]))
-        self._in_flight.append((h, key, out if out is not shard else None, shard))
+    def _reduce_label(self, key) -> str:
+        return self._label(self.groups[key])
 
     def _recycle(self, staging: torch.Tensor) -> None:
         self._pool[staging.numel()].append(staging)

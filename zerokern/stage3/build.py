@@ -14,7 +14,7 @@ from .units import Unit, find_units
 
 def check_stage3(model: torch.nn.Module, units, trainable: List[List[torch.nn.Parameter]],
                  dtype: torch.dtype, world_size: int, offload: Optional[str], offload_path,
-                 offload_params: Optional[str]) -> List[Unit]:
+                 offload_params: Optional[str], rule=None) -> List[Unit]:
     """The units of `model` under the `units` policy; raises before anything changes on a bad
     policy, frozen params on another device, or (offload="nvme") a disk too small for the
     files."""
@@ -28,7 +28,8 @@ def check_stage3(model: torch.nn.Module, units, trainable: List[List[torch.nn.Pa
     if offload == "nvme":
         from .param_offload_checks import check_space
 
-        check_space(offload_path, unit_list, trainable, dtype, world_size, offload_params)
+        check_space(offload_path, unit_list, trainable, dtype, world_size, offload_params,
+                    rule)
     return unit_list
 
 

@@ -19,7 +19,7 @@ otherwise act on those empty tensors without a word. `ModelGuard` hooks the mode
 - `model.to(device)` / `.half()` / `.float()` after the optimizer was built raises at the next
   forward or step (the params are the optimizer's views; a moved or cast empty tensor would be
   silently replaced by the next gather), and so does a changed set of parameters.
-Hooks hold the sync through a weak reference ([Note] in runtime.py's `_weak`).
+Hooks hold the sync through a weak reference ([Note: weak, eager hooks] in weak_hook.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import weakref
 from typing import List
 
 import torch
+
+from zerokern.grads.weak_hook import weak_hook
 
 
 def _ddp_forward_active() -> bool:
@@ -46,17 +48,18 @@ class ModelGuard:
         f0 = sync.groups[0]
         self.dtype, self.device = f0.dtype, f0.device
         self.hooks: List = []
-        ref = weakref.ref(self)
+        on_sd, on_load = weak_hook(self, "_on_state_dict"), weak_hook(self, "_on_load")
+        own = weak_hook(self, "_own_values")
         for mod in model.modules():  # any module's state_dict() may be the top call
             self.hooks.append(mod.register_state_dict_post_hook(
-                lambda m, sd, prefix, meta: ref() and ref()._own_values(m, sd, prefix)))
+                lambda m, sd, prefix, meta: own(m, sd, prefix)))
         for mod in model.modules():
             if not any(id(p) in self.where for p in mod._parameters.values() if p is not None):
                 continue
             self.hooks.append(mod.register_state_dict_pre_hook(
-                lambda m, prefix, keep_vars: ref() and ref()._on_state_dict(keep_vars)))
+                lambda m, prefix, keep_vars: on_sd(keep_vars)))
             self.hooks.append(mod.register_load_state_dict_pre_hook(
-                lambda m, sd, prefix, *rest: ref() and ref()._on_load(m, sd, prefix, *rest)))
+                lambda m, sd, prefix, *rest: on_load(m, sd, prefix, *rest)))
 
     # ---- checks -------------------------------------------------------------------------------
     def check_forward(self) -> None:

@@ -249,8 +249,7 @@ class ParamHomes:
     def report(self, out: dict, formula: dict) -> None:
         """memory_report(): host (pinned / pageable) and disk bytes of the param homes, and
         the formula with the param column moved off the device."""
-        host = out.get("host_measured") or {k: 0 for k in ("master", "exp_avg", "exp_avg_sq",
-                                                          "host_staging")}
+        host = out.get("host_measured") or {}
         host.update(self.host_bytes())
         out["host_measured"] = host
         out["host_measured_total"] = sum(host.values())

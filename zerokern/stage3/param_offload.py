@@ -171,8 +171,9 @@ class OffloadedShardedFlat(ShardedFlat):
             return self.homes.staging(self)
         return self.flat if self.homes.host_update else self._work()
 
-    def publish_piece(self, comm, k: int):
-        """After the update of the shard: store it home (offload=None) or journal it."""
+    def store_piece(self, k: int) -> None:
+        """After the update of the shard: store it home (offload=None) or journal it (stage 3
+        publishes nothing: ShardBuffer.publish_piece)."""
         if self._working:
             self.flat.copy_(self.dev)  # blocking on a GPU (Note: 4)
             self._working = False
@@ -180,7 +181,6 @@ class OffloadedShardedFlat(ShardedFlat):
         if self._staged:
             self._staged = False
             self.homes.write_step(self)
-        return None
 
 
 # -- Stage3Sync's calls (runtime.py, backward.py) ------------------------------------------------

@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 
 from zerokern.state import aligned_io as aio
-from zerokern.state.nvme_state import check_free_space, state_file_bytes
+from zerokern.state.nvme_state import check_free_space
 
 from ..optimizer_args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
 from ..optimizer_args import check_offload_params as check_args  # noqa: F401
@@ -36,12 +36,17 @@ def _shard_bytes(numel: int, world_size: int, e: int) -> int:
 
 
 def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int,
-                offload_params) -> None:
-    """offload="nvme" at stage 3: the bytes this rank's files will take (state: 3 files x 2
-    halves of fp32 per trainable buffer; offload_params="nvme": 2 halves of the shard, one
+                offload_params, rule=None) -> None:
+    """offload="nvme" at stage 3: the bytes this rank's files will take (state: what
+    NvmeOffloader.disk_need says for `rule` (the master and each rule state, 2 halves of fp32
+    per trainable buffer); offload_params="nvme": 2 halves of the shard, one
     for a frozen buffer) against the free space of `path`, before the model is touched. The
     files are preallocated at construction all the same, which catches what this misses
     (other writers, file systems that count blocks differently)."""
+    from zerokern.rules import adamw_rule
+    from zerokern.state.offload_nvme import NvmeOffloader
+
+    rule = adamw_rule() if rule is None else rule
     e = torch.empty((), dtype=dtype).element_size()
     group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
     need = 0
@@ -49,7 +54,7 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
         for gi in range(len(trainable)):
             n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
             if n:
-                need += state_file_bytes(_shard_numel(n, world_size))
+                need += NvmeOffloader.disk_need(rule, [_shard_numel(n, world_size)])
                 if offload_params == "nvme":
                     need += 2 * _shard_bytes(n, world_size, e)
         if u.frozen and offload_params == "nvme":

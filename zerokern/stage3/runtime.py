@@ -58,7 +58,6 @@ no_grad): the recompute's pre-hook moves the backward cursor instead.
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Dict, List
@@ -66,6 +65,7 @@ from typing import Dict, List
 import torch
 
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.weak_hook import weak_hook
 
 from . import guards, param_offload
 from .backward import Stage3Backward
@@ -85,22 +85,6 @@ def _tensors(obj, out: list) -> list:
         for x in obj.values():
             _tensors(x, out)
     return out
-
-
-def _weak(self, name: str):
-    """A hook calling self.<name>(*args) through a weak reference: hooks live in C++ (tensor
-    and grad-accumulator hooks) where the garbage collector cannot see a cycle back to the
-    optimizer, so a strong reference there would keep `del opt, model` from freeing anything."""
-    ref = weakref.ref(self)
-
-    # [Note: stage 3 under torch.compile] The hooks run eagerly, never traced: they issue
-    # collectives and swap `p.data`, which dynamo would turn into in-place ops on the params
-    # (autograd then sees the saved params "modified by an inplace operation").
-    @torch.compiler.disable
-    def hook(*args):
-        obj = ref()
-        return None if obj is None else getattr(obj, name)(*args)
-    return hook
 
 
 class Stage3Runtime(Stage3Backward):
@@ -147,13 +131,13 @@ class Stage3Runtime(Stage3Backward):
         # Rule 2: reduce-scatters in the reversed schedule, the root last, on their own group.
         self._rs_order: List[int] = [u for u in self._bsched + [0] if self.unit_flats[u]]
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked in reduce()
-        self.rs_comm = comm.split()
-        super().__init__(flats, comm, reduce_dtype)
+        super().__init__(flats, comm, reduce_dtype, rs_comm=comm.split())
         self.guard = guards.ModelGuard(self, model)
         for u in self.active_units:
             self._hooks.append(u.module.register_forward_pre_hook(
-                _weak(self, "_pre_forward_hook"), with_kwargs=True))
-            self._hooks.append(u.module.register_forward_hook(_weak(self, "_post_forward_hook")))
+                weak_hook(self, "_pre_forward_hook"), with_kwargs=True))
+            self._hooks.append(u.module.register_forward_hook(
+                weak_hook(self, "_post_forward_hook")))
         self._hooks += self.guard.hooks
         # generate() with synced_gpus on at world_size > 1 ([Note] in generate_sync.py)
         self._hooks += sync_generate(model, comm.world_size, self)
@@ -186,7 +170,11 @@ class Stage3Runtime(Stage3Backward):
             for f in self._bufs(ui):
                 if not f.gathered and f.handle is None:
                     launched.add(id(f))
-                    f.start_gather(self.comm, self._label(f))
+                    try:
+                        f.start_gather(self.comm, self._label(f))
+                    except Exception as e:  # a param file read on this rank (comm/abort.py)
+                        self.comm.signal_failure(e)
+                        raise
                     self.live_bytes += f.full_bytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         if wait:
@@ -259,7 +247,7 @@ class Stage3Runtime(Stage3Backward):
             if ins:
                 self._calls[u.index] += 1
                 left = [len(ins)]
-                hook = _weak(self, "_input_grad")
+                hook = weak_hook(self, "_input_grad")
                 for t in ins:
                     t.register_hook(lambda g, u=u, left=left: hook(u, left))
             else:  # no signal from this call: the unit is done by its grads or the flush
@@ -278,7 +266,7 @@ class Stage3Runtime(Stage3Backward):
             if self._refs[ui] == 0 and ui not in keep:
                 self._free(ui)
         if torch.is_grad_enabled():
-            hook = _weak(self, "_pre_backward")
+            hook = weak_hook(self, "_pre_backward")
             for t in _tensors(out, []):
                 if t.requires_grad:
                     t.register_hook(lambda grad, u=u: hook(u))

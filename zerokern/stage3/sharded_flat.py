@@ -5,8 +5,7 @@ is the DESIGN layout `[r·S, (r+1)·S)` of the unit's flat buffer):
     param_shard (S,)  model dtype   the resident param shard (the master itself at fp32)
     full        (E,)  model dtype   the gathered unit; its storage is resized to 0 when freed
     master      (S,)  fp32          None at fp32
-    exp_avg     (S,)  fp32
-    exp_avg_sq  (S,)  fp32
+    rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (1,)  int64
 A frozen buffer (trainable=False: the unit's requires_grad=False params, e.g. a LoRA base model)
 has only `param_shard` and `full`: it is gathered and freed with its unit and cast to the precision
@@ -164,10 +163,6 @@ class ShardedFlat(ShardBuffer):
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
         base = self.layout.piece_range(0, self.rank)[0]
         return self.param_shard[lo - base:hi - base]
-
-    def publish_piece(self, comm, k: int):
-        """Stage 3 keeps only the shard: the next gather brings the update to every rank."""
-        return None
 
     def _extra_state(self) -> dict:
         # The param shard too: at stage 3 the model's own state_dict has no values to give.

@@ -64,6 +64,8 @@ from zerokern.kernels.compact_bits import (
     unpack_ties,
     verify,
 )
+from zerokern.rules import Rule, RuleState
+from zerokern.rules.adamw import AdamWRule
 
 CHUNK_NUMEL = 1 << 20
 
@@ -97,12 +99,13 @@ class _HostFlag:
         return bool(self.host[0])
 
 
-class CompactState:
+class CompactState(RuleState):
     """One bf16 buffer's state on its device with a compact master (see the Note). Shapes
-    (S = state_numel): low (S,) int16; ties (S/8,) uint8; exp_avg, exp_avg_sq (S,) fp32; steps
-    (n_buckets,) int64; the expanded master (S,) fp32 only while it is the truth."""
+    (S = state_numel): low (S,) int16; ties (S/8,) uint8; the rule's states (S,) fp32 each;
+    steps (n_buckets,) int64; the expanded master (S,) fp32 only while it is the truth."""
 
-    def __init__(self, buf) -> None:
+    def __init__(self, buf, rule: Rule) -> None:
+        self.rule = rule
         n, dev, fp32 = buf.state_numel, buf.device, torch.float32
         assert n % 8 == 0, n
         self._buf = weakref.ref(buf)
@@ -110,8 +113,7 @@ class CompactState:
         self.ties = torch.zeros(tie_bytes(n), dtype=torch.uint8, device=dev)
         self._expanded: Optional[torch.Tensor] = torch.zeros(n, dtype=fp32, device=dev)
         buf.fill_master_(self._expanded)  # the original values; compacted at attach
-        self.exp_avg = torch.zeros(n, dtype=fp32, device=dev)
-        self.exp_avg_sq = torch.zeros(n, dtype=fp32, device=dev)
+        self.states = {s.name: torch.zeros(n, dtype=s.dtype, device=dev) for s in rule.states}
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
         self._gen = 0            # `master` accesses so far
         self._pending = None     # (gen, _HostFlag): a compaction of the expanded, verified
@@ -151,21 +153,21 @@ class CompactState:
         yield "master", self.ties, 0
         if self._expanded is not None:
             yield "master", self._expanded, padding
-        yield "exp_avg", self.exp_avg, padding
-        yield "exp_avg_sq", self.exp_avg_sq, padding
+        for cat, t in self.states.items():
+            yield cat, t, padding
 
     def device_tensors(self) -> dict:
-        out = {"master": self.low, "master_ties": self.ties, "exp_avg": self.exp_avg,
-               "exp_avg_sq": self.exp_avg_sq}
+        out = {"master": self.low, "master_ties": self.ties, **self.states}
         if self._expanded is not None:
             out["master_expanded"] = self._expanded
         return out
 
     def to_(self, device) -> None:
-        for name in ("low", "ties", "_expanded", "exp_avg", "exp_avg_sq", "steps", "_nan"):
+        for name in ("low", "ties", "_expanded", "steps", "_nan"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
+        self.states = {k: t.to(device) for k, t in self.states.items()}
         self._pending = self._nan_flag = None
 
     # -- the step (DevicePlacement calls these) ----------------------------------------------
@@ -204,14 +206,17 @@ class CompactState:
         sl = g.state_slice(k)
         s0, n = sl.start, sl.stop - sl.start
         param = g.param_values(*g.state_range(k))
-        m, v = self.exp_avg[sl], self.exp_avg_sq[sl]
+        states = [t[sl] for t in self.states.values()]
         step = self.steps[k]
         if self._nan is None:
             self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
-        if kernels.resolve(backend, self.low.device) == "triton":
-            # [Note: fused compact step] in kernels/compact_triton.py
+        if isinstance(self.rule, AdamWRule) and \
+                kernels.resolve(backend, self.low.device) == "triton":
+            # [Note: fused compact step] in kernels/compact_triton.py (AdamW's fused kernel;
+            # other rules take the chunked path below)
             from zerokern.kernels import compact_triton
 
+            m, v = states
             compact_triton.compact_adam_step_(
                 self.low[sl], self.ties[s0 // 8:sl.stop // 8], param, m, v, grad, self._nan,
                 step=step, grad_scale=grad_scale, found_inf=found_inf, **hyper)
@@ -224,9 +229,9 @@ class CompactState:
             low, ties = self.low[s0 + lo:s0 + hi], self.ties[(s0 + lo) // 8:(s0 + hi) // 8]
             expand_(x, low, ties, param[lo:hi])
             s.copy_(step)
-            kernels.adam_step_(x, m[lo:hi], v[lo:hi], grad[lo:hi], param[lo:hi], step=s,
-                               grad_scale=grad_scale, found_inf=found_inf, backend=backend,
-                               **hyper)
+            self.rule.step_(x, [t[lo:hi] for t in states], grad[lo:hi], param[lo:hi], step=s,
+                            grad_scale=grad_scale, found_inf=found_inf, backend=backend,
+                            **hyper)
             compact_(low, ties, x, self._nan)
         step.copy_(s)
         self.compact_pieces += 1

@@ -1,18 +1,19 @@
-"""offload="nvme"'s per-buffer state: master, exp_avg, exp_avg_sq in three files (`DiskState`),
-made without ever holding them in memory. The step that streams them is offload_nvme.py.
+"""offload="nvme"'s per-buffer state: the master and each of the rule's states in a file of its
+own (`DiskState`; `names(rule)`: "master" then the rule's state names, zerokern.rules), made
+without ever holding them in memory. The step that streams them is offload_nvme.py.
 
 Each file has two halves of `align_up(S * 4)` bytes (S = the buffer's state elements; a step
-reads one half and writes the other, offload_nvme.py [Note: all or nothing]). The attributes
-`master`, `exp_avg`, `exp_avg_sq` are shared mmap views of the current half
+reads one half and writes the other, offload_nvme.py [Note: all or nothing]). `master` and
+`states[name]` are shared mmap views of the current half
 (offload_nvme.py [Note: where the state is visible]).
 
 [Note: lazy state under offload="nvme"]
 The state of a model larger than the host's memory (2B params: 24 GB of fp32 master, m and v)
 must never be whole in RAM, not even while the optimizer is built. So no buffer allocates it
-and hands it over: `DiskState.create` preallocates the files (fallocate: zeros, which is m
-and v's initial value, and both halves, so a full disk fails here and not in a step), then
-writes the master from the params' original values one chunk (CHUNK_NUMEL elements, 16 MiB)
-at a time through one bounded buffer, with O_DIRECT where the file system takes it (no page
+and hands it over: `DiskState.create` preallocates the files (fallocate: zeros, which is
+every rule state's initial value, and both halves, so a full disk fails here and not in a
+step), then writes the master from the params' original values one chunk (CHUNK_NUMEL elements, 16
+MiB) at a time through one bounded buffer, with O_DIRECT where the file system takes it (no page
 cache either), else buffered and dropped from the cache. Peak host memory while building is
 the params plus that one chunk, not 12 bytes per param (tests/zero/test_offload_nvme.py
 measures it in a fresh process).
@@ -21,32 +22,39 @@ measures it in a fresh process).
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import List, Tuple
 
 import torch
 
+from zerokern.rules import Rule, RuleState
 from zerokern.state import aligned_io as aio
 
-NAMES = ("master", "exp_avg", "exp_avg_sq")
 WRITE_CHUNK = 1 << 22  # elements per master write at creation (16 MiB; aligned_io's Note)
 _F32 = torch.float32
 
 
-class DiskState:
-    """One buffer's master, exp_avg and exp_avg_sq in files; steps (n_buckets,) int64 on the
-    host. `n` state elements, `half` bytes per half."""
+def names(rule: Rule) -> Tuple[str, ...]:
+    """The files of one buffer, in order: the master, then the rule's states."""
+    return ("master", *rule.state_names)
 
-    def __init__(self, buf, index: int, rank: int, root: str, tag: str) -> None:
+
+class DiskState(RuleState):
+    """One buffer's master and rule states in files (`names(rule)`); steps (n_buckets,) int64
+    on the host. `n` state elements, `half` bytes per half."""
+
+    def __init__(self, buf, index: int, rank: int, root: str, tag: str, rule: Rule) -> None:
         self.n = buf.state_numel
         self.half = aio.align_up(self.n * 4)  # bytes; O_DIRECT offsets of half 1 stay aligned
+        self.names = names(rule)
         self.paths = [os.path.join(root, f"zerokern-{tag}-rank{rank}-buf{index}-{nm}.bin")
-                      for nm in NAMES]
+                      for nm in self.names]
         self.fds: List[int] = []
         self.maps: List[torch.Tensor] = []
-        self.master = self.exp_avg = self.exp_avg_sq = None
+        self.master = None
+        self.states = {}
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
 
-    def device_tensors(self) -> Dict[str, torch.Tensor]:
+    def device_tensors(self):
         return {}  # on disk: offload_nvme's disk_bytes
 
     def create(self, buf, direct: bool) -> None:
@@ -79,7 +87,7 @@ class DiskState:
             aio.pwrite_full(fd, mv[:aio.align_up(m * 4)], lo * 4, path)
 
     def point(self, cur: int, remap: bool = False) -> None:
-        """master / exp_avg / exp_avg_sq become views of half `cur`. remap: map the files
+        """master and the states become views of half `cur`. remap: map the files
         afresh and drop their clean cached pages (offload_nvme.py [Note: where the state is
         visible])."""
         if remap or not self.maps:
@@ -89,14 +97,15 @@ class DiskState:
             for fd in self.fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         off = cur * self.half // 4
-        for nm, m in zip(NAMES, self.maps):
-            setattr(self, nm, m[off:off + self.n])
+        views = [m[off:off + self.n] for m in self.maps]
+        self.master = views[0]
+        self.states = dict(zip(self.names[1:], views[1:]))
 
     def release(self) -> None:
         """Drop the mappings (the files are removed by offload_nvme's cleanup)."""
         self.maps = []
-        for nm in NAMES:
-            setattr(self, nm, torch.empty(0, dtype=_F32))
+        self.master = torch.empty(0, dtype=_F32)
+        self.states = {nm: torch.empty(0, dtype=_F32) for nm in self.names[1:]}
 
 
 def cleanup(files: List[DiskState], pool, pid: int) -> None:
@@ -120,10 +129,9 @@ def cleanup(files: List[DiskState], pool, pid: int) -> None:
                 pass
 
 
-def state_file_bytes(state_numel: int) -> int:
-    """Bytes of one buffer's three state files (master, exp_avg, exp_avg_sq; two halves each),
-    as DiskState preallocates them."""
-    return len(NAMES) * 2 * aio.align_up(state_numel * 4)
+def file_bytes(state_numel: int) -> int:
+    """Bytes of one state file (two halves), as DiskState preallocates it."""
+    return 2 * aio.align_up(state_numel * 4)
 
 
 def check_free_space(path: str, need: int) -> None:

@@ -1,9 +1,9 @@
-"""ZeRO-Offload (`offload="cpu"`): master, exp_avg, exp_avg_sq and the update live on the host.
+"""ZeRO-Offload (`offload="cpu"`): the master, the rule's state and the update live on the host.
 
 Per (flat group, bucket) piece of n elements, in chunks of `chunk_numel` (DESIGN §2, offload):
 
     device grad piece --D2H--> pinned host grad chunk          (copy stream)
-    cpu kernel: host master/m/v updated, 16-bit param chunk written into a pinned buffer
+    the rule's cpu kernel: host master and states updated, 16-bit param chunk into pinned memory
     pinned param chunk --H2D--> device param piece             (copy stream)
     then, as without offload: all-gather (stages 1-2); stage 3 keeps the shard.
 
@@ -38,7 +38,7 @@ from typing import List, Optional
 
 import torch
 
-from zerokern import kernels
+from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
 from zerokern.state import pinned
 
 CHUNK_NUMEL = 1 << 22
@@ -50,21 +50,20 @@ def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
 
 
-class HostState:
+class HostState(RuleState):
     """One buffer's optimizer state on the host, and its pinned staging buffers (the
     placement's per-buffer state, placement.py). The master is fp32 at every precision: at fp32
-    the device params are then only the working copy. Shapes (S = state_numel): master,
-    exp_avg, exp_avg_sq (S,) fp32; steps (n_buckets,) int64 on the host; grad (S,) the reduce
+    the device params are then only the working copy. Shapes (S = state_numel): master and
+    the rule's states (S,) fp32; steps (n_buckets,) int64 on the host; grad (S,) the reduce
     dtype and param (S,) the model dtype (None at fp32): staging, distinct buffers."""
 
-    def __init__(self, buf, grad_dtype: torch.dtype) -> None:
+    def __init__(self, buf, grad_dtype: torch.dtype, rule: Rule) -> None:
         self.pin = buf.device.type == "cuda"
         n = buf.state_numel
         fp32 = torch.float32
         self.master = _host_empty(n, fp32, self.pin).zero_()
         buf.fill_master_(self.master)
-        self.exp_avg = _host_empty(n, fp32, self.pin).zero_()
-        self.exp_avg_sq = _host_empty(n, fp32, self.pin).zero_()
+        self.states = {s.name: _host_empty(n, s.dtype, self.pin).zero_() for s in rule.states}
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
         self.fp32 = buf.dtype == fp32
         self.grad = _host_empty(n, grad_dtype, self.pin)
@@ -118,16 +117,16 @@ class CopyPipeline:
         self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
         return self._copy(self.scalars[1:2], found_inf.reshape(1).float())
 
-    def _host_update(self, master, m, v, grad, param_out, step: torch.Tensor, hyper: dict,
+    def _host_update(self, master, states, grad, param_out, step: torch.Tensor, hyper: dict,
                      backend: str) -> torch.Tensor:
         """One chunk through the cpu kernel with this step's host scalars; returns the chunk's
         advanced step counter (every chunk of a piece is the same step: the kernel advances a
         copy, and the caller stores it once the piece is done)."""
         s = step.clone()
         t0 = time.perf_counter()
-        kernels.adam_step_(master, m, v, grad, param_out, step=s, grad_scale=self.scalars[0],
-                           found_inf=self.scalars[1],
-                           backend="reference" if backend == "reference" else "cpu", **hyper)
+        self.rule.step_(master, states, grad, param_out, step=s, grad_scale=self.scalars[0],
+                        found_inf=self.scalars[1],
+                        backend="reference" if backend == "reference" else "cpu", **hyper)
         self.kernel_s += time.perf_counter() - t0
         return s
 
@@ -144,7 +143,9 @@ class Offloader(CopyPipeline):
     offload = "cpu"
     movable = False  # the host state was built for the device the params were on
 
-    def __init__(self, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None) -> None:
+    def __init__(self, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None,
+                 rule: Optional[Rule] = None) -> None:
+        self.rule = check_rule(adamw_rule() if rule is None else rule)
         chunk_numel = CHUNK_NUMEL if chunk_numel is None else chunk_numel
         if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
             raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
@@ -154,7 +155,7 @@ class Offloader(CopyPipeline):
         self.states: List[HostState] = []
 
     def allocate(self, buf) -> HostState:
-        st = HostState(buf, self.grad_dtype)
+        st = HostState(buf, self.grad_dtype, self.rule)
         self.states.append(st)
         return st
 
@@ -173,7 +174,7 @@ class Offloader(CopyPipeline):
         g = self.buffers[gi]
         st = g.state
         sl = g.state_slice(k)
-        master, m, v = st.master[sl], st.exp_avg[sl], st.exp_avg_sq[sl]
+        master, states = st.master[sl], [t[sl] for t in st.states.values()]
         hgrad = st.grad[sl]
         hparam = None if st.fp32 else st.param[sl]
         dev_out = g.param_out_piece(k)  # the device params (fp32 too: master is on the host)
@@ -190,7 +191,7 @@ class Offloader(CopyPipeline):
         for i, lo in enumerate(range(0, n, self.chunk)):
             hi = min(lo + self.chunk, n)
             self._wait(evs[i])
-            new_step = self._host_update(master[lo:hi], m[lo:hi], v[lo:hi], hgrad[lo:hi],
+            new_step = self._host_update(master[lo:hi], [t[lo:hi] for t in states], hgrad[lo:hi],
                                          None if hparam is None else hparam[lo:hi], step,
                                          hyper, backend)
             src = master[lo:hi] if hparam is None else hparam[lo:hi]
@@ -208,11 +209,29 @@ class Offloader(CopyPipeline):
         return None
 
     def host_bytes(self) -> dict:
-        out = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "host_staging": 0}
+        out = dict.fromkeys(("master", *self.rule.state_names, "host_staging"), 0)
         for st in self.states:
             out["master"] += st.master.untyped_storage().nbytes()
-            out["exp_avg"] += st.exp_avg.untyped_storage().nbytes()
-            out["exp_avg_sq"] += st.exp_avg_sq.untyped_storage().nbytes()
+            for k, t in st.states.items():
+                out[k] += t.untyped_storage().nbytes()
             out["host_staging"] += sum(t.untyped_storage().nbytes() for t in st.host_tensors())
         out["host_staging"] += self.scalars.untyped_storage().nbytes()
         return out
+
+    # -- placement.py [Note: each placement reports its own bytes] ------------------------------
+    @staticmethod
+    def layout_bytes(rule: Rule, state_numel: int, state_padding: int, dtype: torch.dtype,
+                     grad_dtype: torch.dtype, master: str = "fp32") -> dict:
+        """HostState of one buffer: an fp32 master and the rule's states (padding included),
+        a grad staging piece (reduce dtype) and a param staging piece (not at fp32)."""
+        S = state_numel
+        host = {"master": S * 4, **{s.name: S * s.dtype.itemsize for s in rule.states}}
+        host["host_staging"] = S * grad_dtype.itemsize + \
+            (0 if dtype == torch.float32 else S * dtype.itemsize)
+        return {"device": {}, "host": host, "disk": None}
+
+    @staticmethod
+    def fixed_bytes(rule: Rule, state_numels, dtype: torch.dtype,
+                    grad_dtype: torch.dtype) -> dict:
+        """The [grad_scale, found_inf] host scalars, once."""
+        return {"device": {}, "host": {"host_staging": 2 * 4}, "disk": None}

@@ -1,14 +1,15 @@
-"""ZeRO-Infinity's optimizer half (`offload="nvme"`): master, exp_avg, exp_avg_sq on disk.
+"""ZeRO-Infinity's optimizer half (`offload="nvme"`): the master and the rule's states on disk.
 
-Per rank and flat buffer (group) there are three files under `offload_path`, one per state
-tensor, each two halves of `align_up(S * 4)` bytes (S = the buffer's state elements). One step
+Per rank and flat buffer (group) there is one file under `offload_path` per state tensor
+(the master, then the rule's states: nvme_state.names), each two halves of `align_up(S * 4)`
+bytes (S = the buffer's state elements). One step
 streams every buffer through a bounded pool of aligned host buffer sets, in chunks of
 `chunk_numel` elements over the buffer's whole state range (not per bucket piece, so every
 O_DIRECT offset is aligned; a chunk that straddles two bucket pieces is updated piece by piece
 and written once both are done):
 
     read chunk c+1..c+depth-1 (current half)  ->  [pool]  ->  cpu kernel on chunk c
-        (grad D2H, master/m/v updated in the set, 16-bit params H2D)  ->  write chunk c
+        (grad D2H, master and states updated by the rule, 16-bit params H2D)  ->  write chunk c
         (the other half)  ->  the set is free for the next read
 
 Reads and writes run in a thread pool (os.preadv / os.pwritev release the GIL) while the main
@@ -20,20 +21,21 @@ A step never writes the half it reads. The current half is `self.cur`, one index
 file of this rank; the step reads half `cur` and writes half `1 - cur`, and only once every
 write of every buffer has completed do all ranks agree (one all-reduce of a failure flag) and
 flip `cur`. On any failure (ENOSPC, EIO, a short read of a truncated file) on any rank, no rank
-flips: master/m/v are still the untouched current half, the step counters are restored from the
-copy taken in `begin()`, the params already written to the device are re-cast from the current
-master (and re-gathered at stages 1-2, collectively, so no rank hangs), the loss scale is not
-updated (step() raises before it), and each rank raises: the failing one an OSError naming the
-path, the others a RuntimeError. The flip lives in memory, not in an fsync'ed header: the files
-never outlive the process (removed at close, GC and exit), so there is no crash to recover from;
-durable state is zerokern.checkpoint's job. The state files are preallocated (both halves) at
-construction, so a disk that is full fails there, not in a step, on file systems that allocate.
+flips: the master and states are still the untouched current half, the step counters are
+restored from the copy taken in `begin()`, the params already written to the device are re-cast
+from the current master (and re-gathered at stages 1-2, collectively, so no rank hangs), the loss
+scale is not updated (step() raises before it), and each rank raises: the failing one an OSError
+naming the path, the others a RuntimeError. The flip lives in memory, not in an fsync'ed header:
+the files never outlive the process (removed at close, GC and exit), so there is no crash to
+recover from; durable state is zerokern.checkpoint's job. The state files are preallocated (both
+halves) at construction, so a disk that is full fails there, not in a step, on file systems that
+allocate.
 
 [Note: direct I/O, chunk and depth, measured] is in aligned_io.py: O_DIRECT (buffered I/O,
 fadvise(DONTNEED), where it is refused), CHUNK_NUMEL and QUEUE_DEPTH, with the numbers.
 
 [Note: where the state is visible]
-The buffer's master / exp_avg / exp_avg_sq (its DiskState's, nvme_state.py) are shared mmap
+The buffer's master and states (its DiskState's, nvme_state.py) are shared mmap
 views of the current half of the files (re-pointed at each flip), so state_dict(),
 zerokern.checkpoint (save reads them, load writes them), model_sync and stage 3's write-back
 read and write the files themselves, with no RAM copy. The step never touches the mappings:
@@ -59,43 +61,16 @@ from typing import List, Optional
 
 import torch
 
+from zerokern.rules import Rule, adamw_rule, check_rule
 from zerokern.state import aligned_io as aio
-from zerokern.state.nvme_state import NAMES, DiskState, cleanup
-from zerokern.state.offload import CopyPipeline, _host_empty
+from zerokern.state.nvme_pool import _Set, pool_chunk, set_bytes
+from zerokern.state.nvme_state import DiskState, cleanup, file_bytes, names
+from zerokern.state.offload import CopyPipeline
 
 CHUNK_NUMEL = 1 << 22
 QUEUE_DEPTH = 4
 MAX_DEPTH = 16
 _F32 = torch.float32
-
-
-def pool_chunk(state_numels: List[int], chunk_numel: int) -> int:
-    """The chunk actually used: never more than the largest buffer needs (small models)."""
-    return min(chunk_numel, aio.align_up(max(state_numels), aio.ALIGN // 4))
-
-
-def set_bytes(chunk: int, grad_e: int, param_e: int) -> int:
-    """Host bytes of one buffer set: master|m|v (fp32), a grad chunk, a param chunk (0 at fp32)."""
-    return 3 * chunk * 4 + chunk * grad_e + chunk * param_e
-
-
-class _Set:
-    """One pooled buffer set and the chunk it holds."""
-
-    def __init__(self, chunk: int, grad_dtype, dtype, pin: bool) -> None:
-        self.raw = aio.aligned_empty(3 * chunk * 4, pin)  # 4096-aligned: O_DIRECT
-        f = self.raw.view(_F32)
-        self.state = [f[i * chunk:(i + 1) * chunk] for i in range(3)]  # master, m, v
-        mv = memoryview(self.raw.numpy())
-        self.mv = [mv[i * chunk * 4:(i + 1) * chunk * 4] for i in range(3)]
-        self.grad = _host_empty(chunk, grad_dtype, pin)
-        self.param = None if dtype == _F32 else _host_empty(chunk, dtype, pin)
-        self.job = None   # (gi, lo, hi): the chunk's state range in buffer gi
-        self.futs = []    # in-flight reads or writes
-        self.h2d = None   # CUDA event: the param copy out of self.param has landed
-
-    def tensors(self):
-        return [t for t in (self.raw, self.grad, self.param) if t is not None]
 
 
 class StepPhase(Enum):
@@ -115,7 +90,10 @@ class NvmeOffloader(CopyPipeline):
     movable = False
 
     def __init__(self, grad_dtype: torch.dtype, offload_path: str, comm,
-                 chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None) -> None:
+                 chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None,
+                 rule: Optional[Rule] = None) -> None:
+        self.rule = check_rule(adamw_rule() if rule is None else rule)
+        self.names = names(self.rule)
         self.comm = comm
         self.root = offload_path
         self.grad_dtype = grad_dtype
@@ -123,8 +101,9 @@ class NvmeOffloader(CopyPipeline):
         self.fault_hook = None  # tests: fault(path, offset) in the writer, may raise OSError
         self.tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.files: List[DiskState] = []
-        # Threads start on demand, one per request in flight: at most 3 per buffer set.
-        self.io = ThreadPoolExecutor(max_workers=3 * MAX_DEPTH, thread_name_prefix="zk-nvme")
+        # Threads start on demand, one per request in flight: at most one per file per set.
+        self.io = ThreadPoolExecutor(max_workers=len(self.names) * MAX_DEPTH,
+                                     thread_name_prefix="zk-nvme")
         self._finalizer = weakref.finalize(self, cleanup, self.files, self.io, os.getpid())
         self.cur = 0
         self.plan = None
@@ -140,7 +119,7 @@ class NvmeOffloader(CopyPipeline):
     # -- files (nvme_state.py) -----------------------------------------------------------------
     def allocate(self, buf) -> DiskState:
         """The buffer's state files, the master streamed from its params (Note: lazy state)."""
-        f = DiskState(buf, len(self.files), self.comm.rank, self.root, self.tag)
+        f = DiskState(buf, len(self.files), self.comm.rank, self.root, self.tag, self.rule)
         self.files.append(f)
         try:
             f.create(buf, self.direct)
@@ -182,7 +161,8 @@ class NvmeOffloader(CopyPipeline):
                              f"got {depth!r}")
         self.chunk = pool_chunk([f.n for f in self.files], chunk)
         self.depth = depth
-        self.pool = [_Set(self.chunk, self.grad_dtype, self.dtype, self.pin) for _ in range(depth)]
+        self.pool = [_Set(self.chunk, self.grad_dtype, self.dtype, self.pin, len(self.names))
+                     for _ in range(depth)]
 
     # -- one step ------------------------------------------------------------------------------
     def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor):
@@ -224,7 +204,7 @@ class NvmeOffloader(CopyPipeline):
         extra = (self.direct, self.fault_hook) if write else (self.direct,)
         s.futs = [self.io.submit(fn, fd, mv[:n], off, p, *extra)
                   for fd, mv, p in zip(f.fds, s.mv, f.paths)]
-        self.bytes_moved += 3 * n
+        self.bytes_moved += len(self.names) * n
 
     def _settle(self, s: _Set) -> None:
         """Wait for s's I/O; the first failure is recorded (the step then rolls back)."""
@@ -306,8 +286,9 @@ class NvmeOffloader(CopyPipeline):
             grad_src = grad[a - sl.start:b - sl.start]
             self._wait(self._copy(s.grad[a - lo:b - lo], grad_src))
             self._wait(s.h2d)  # the set's param buffer is free again
-            new_step = self._host_update(s.state[0][a - lo:b - lo], s.state[1][a - lo:b - lo],
-                                         s.state[2][a - lo:b - lo], s.grad[a - lo:b - lo],
+            new_step = self._host_update(s.state[0][a - lo:b - lo],
+                                         [t[a - lo:b - lo] for t in s.state[1:]],
+                                         s.grad[a - lo:b - lo],
                                          None if s.param is None else s.param[a - lo:b - lo],
                                          step, hyper, backend)
             src = s.state[0] if s.param is None else s.param
@@ -351,7 +332,7 @@ class NvmeOffloader(CopyPipeline):
                                "rolled back") from err
         if err is not None:
             raise OSError(err.errno, f"{err.strerror or err}; the step was rolled back "
-                                     "(master/m/v, step counters, params and loss scale are "
+                                     "(master and states, step counters, params and loss scale are "
                                      "as before it)", err.filename) from err
         raise RuntimeError("zerokern offload='nvme': another rank's state I/O failed in this "
                            "step; the step was rolled back on every rank")
@@ -379,8 +360,31 @@ class NvmeOffloader(CopyPipeline):
     # -- reports -------------------------------------------------------------------------------
     def host_bytes(self) -> dict:
         pool = sum(t.untyped_storage().nbytes() for s in self.pool for t in s.tensors())
-        return {"master": 0, "exp_avg": 0, "exp_avg_sq": 0,
+        return {**dict.fromkeys(self.names, 0),
                 "host_staging": pool + self.scalars.untyped_storage().nbytes()}
 
     def disk_bytes(self) -> dict:
-        return {nm: sum(2 * f.half for f in self.files) for nm in NAMES}
+        return {nm: sum(2 * f.half for f in self.files) for nm in self.names}
+
+    # -- placement.py [Note: each placement reports its own bytes] ------------------------------
+    @staticmethod
+    def layout_bytes(rule: Rule, state_numel: int, state_padding: int, dtype: torch.dtype,
+                     grad_dtype: torch.dtype, master: str = "fp32") -> dict:
+        """One buffer's files: the master and each rule state, two aligned halves each."""
+        return {"device": {}, "host": dict.fromkeys(names(rule), 0),
+                "disk": dict.fromkeys(names(rule), file_bytes(state_numel))}
+
+    @staticmethod
+    def fixed_bytes(rule: Rule, state_numels, dtype: torch.dtype,
+                    grad_dtype: torch.dtype) -> dict:
+        """The I/O pool (QUEUE_DEPTH sets at the default chunk) and the 2 host scalars."""
+        chunk = pool_chunk(list(state_numels), CHUNK_NUMEL)
+        param_e = 0 if dtype == torch.float32 else dtype.itemsize
+        pool = QUEUE_DEPTH * set_bytes(chunk, grad_dtype.itemsize, param_e, len(names(rule)))
+        return {"device": {}, "host": {"host_staging": pool + 2 * 4}, "disk": None}
+
+    @classmethod
+    def disk_need(cls, rule: Rule, state_numels) -> int:
+        """Disk bytes of the state files for buffers of these state sizes (free-space check)."""
+        return sum(sum(cls.layout_bytes(rule, n, 0, _F32, _F32)["disk"].values())
+                   for n in state_numels)

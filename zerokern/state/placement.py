@@ -1,4 +1,4 @@
-"""Where master, exp_avg and exp_avg_sq live, and the update that runs there: the placement.
+"""Where the master and the rule's state live, and the update that runs there: the placement.
 
 [Note: offload is a placement of the state]
 `offload=None | "cpu" | "nvme"` picks one placement per optimizer, made before the buffers:
@@ -7,17 +7,26 @@
     NvmeOffloader    (offload_nvme.py) files; streamed through a bounded host pool
 Each buffer asks it for its state at construction (`allocate(buffer)`, while the params still
 hold their original values, from which the masters are filled), and reads the state through
-`buffer.master` / `exp_avg` / `exp_avg_sq` / `steps`: nobody outside the placement overwrites
-those, and a placement on disk never holds them whole in memory. `ZeroAdamW.step()` calls
-the update one way, whatever the placement:
+`buffer.master` / `buffer.rule_states` (the rule's state tensors by name, zerokern.rules) /
+`steps`: nobody outside the placement overwrites those, and a placement on disk never holds
+them whole in memory. Every state object is a `rule.RuleState`. The optimizer's `step()`
+calls the update one way, whatever the placement and the rule:
 
     placement.begin(grad_scale, found_inf)
     for each (buffer gi, bucket k): placement.update_piece(gi, k, grad_piece, hyper, backend)
                                     then the buffer publishes its piece (stages 1-2)
     placement.finish()          # nvme: commit the step, or roll it back and raise
 
-The reports ask it what it holds: `state.device_tensors()` per buffer (memory_report's
+The reports ask it what it holds: `state.device_buffers()` per buffer (memory_report's
 device categories), `host_bytes()` and `disk_bytes()` (None where it keeps nothing there).
+
+[Note: each placement reports its own bytes]
+What a placement will hold for a layout is answered by the placement class itself, from the
+rule's state list: `layout_bytes(rule, state_numel, state_padding, dtype, grad_dtype)` gives
+the device / host / disk bytes per category of one buffer, `fixed_bytes(...)` what it holds
+once per optimizer (scalars, the NVMe I/O pool). `estimate` predicts memory_report() with
+these, and the two NVMe free-space checks (optimizer.py, stage3/param_offload_checks.py) sum
+their disk bytes, so no module re-derives a placement's byte formula.
 """
 
 from __future__ import annotations
@@ -26,33 +35,33 @@ from typing import Dict, Optional
 
 import torch
 
-from zerokern import kernels
+from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
 
 
-class DeviceState:
+def _cats(rule: Rule) -> Dict[str, int]:
+    return dict.fromkeys(("master", *rule.state_names), 0)
+
+
+class DeviceState(RuleState):
     """One buffer's optimizer state on its device (no offload). Shapes (S = state_numel):
-    master (S,) fp32, None at fp32 (the params are the master); exp_avg, exp_avg_sq (S,) fp32;
-    steps (n_buckets,) int64."""
+    master (S,) fp32, None at fp32 (the params are the master); each of the rule's states
+    (S,) fp32; steps (n_buckets,) int64."""
 
-    def __init__(self, buf) -> None:
+    def __init__(self, buf, rule: Optional[Rule] = None) -> None:
+        rule = adamw_rule() if rule is None else rule
         n, dev, fp32 = buf.state_numel, buf.device, torch.float32
         self.master: Optional[torch.Tensor] = None
         if buf.dtype != fp32:
             self.master = torch.zeros(n, dtype=fp32, device=dev)
             buf.fill_master_(self.master)
-        self.exp_avg = torch.zeros(n, dtype=fp32, device=dev)
-        self.exp_avg_sq = torch.zeros(n, dtype=fp32, device=dev)
+        self.states = {s.name: torch.zeros(n, dtype=s.dtype, device=dev) for s in rule.states}
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
 
-    def device_tensors(self) -> Dict[str, torch.Tensor]:
-        return {cat: t for cat, t in (("master", self.master), ("exp_avg", self.exp_avg),
-                                      ("exp_avg_sq", self.exp_avg_sq)) if t is not None}
-
     def to_(self, device) -> None:
-        for name in ("master", "exp_avg", "exp_avg_sq", "steps"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.to(device))
+        if self.master is not None:
+            self.master = self.master.to(device)
+        self.states = {k: t.to(device) for k, t in self.states.items()}
+        self.steps = self.steps.to(device)
 
 
 class DevicePlacement:
@@ -66,16 +75,44 @@ class DevicePlacement:
     offload = None
     movable = True  # the state follows model.to(device) (model_sync.py)
 
-    def __init__(self, master: str = "fp32") -> None:
+    def __init__(self, master: str = "fp32", rule: Optional[Rule] = None) -> None:
         self.master = master
+        self.rule = check_rule(adamw_rule() if rule is None else rule)
         self._scratch = None
 
     def allocate(self, buf):
         if self.master == "compact" and buf.dtype == torch.bfloat16:
             from zerokern.state.compact_master import CompactState
 
-            return CompactState(buf)
-        return DeviceState(buf)
+            return CompactState(buf, self.rule)
+        return DeviceState(buf, self.rule)
+
+    @staticmethod
+    def layout_bytes(rule: Rule, state_numel: int, state_padding: int, dtype: torch.dtype,
+                     grad_dtype: torch.dtype, master: str = "fp32") -> dict:
+        """Bytes one buffer's state takes on the device ([Note: each placement reports its
+        own bytes]): "device" per category (padding apart, under "padding"). master="compact":
+        2 bytes per element (padding too) and a tie bitmap (compact_master.py)."""
+        from zerokern.state.compact_master import tie_bytes
+
+        S, pad = state_numel, state_padding
+        dev = _cats(rule)
+        dev["padding"] = 0
+        if master == "compact":
+            dev["master"] = (S - pad) * 2 + tie_bytes(S)
+            dev["padding"] += pad * 2
+        elif dtype != torch.float32:
+            dev["master"] = (S - pad) * 4
+            dev["padding"] += pad * 4
+        for s in rule.states:
+            dev[s.name] = (S - pad) * s.dtype.itemsize
+            dev["padding"] += pad * s.dtype.itemsize
+        return {"device": dev, "host": None, "disk": None}
+
+    @staticmethod
+    def fixed_bytes(rule: Rule, state_numels, dtype: torch.dtype,
+                    grad_dtype: torch.dtype) -> dict:
+        return {"device": {}, "host": None, "disk": None}
 
     def _compact_states(self):
         from zerokern.state.compact_master import CompactState
@@ -102,10 +139,11 @@ class DevicePlacement:
 
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                      backend: str) -> None:
+        from zerokern.state.compact_master import CompactState
+
         g = self.buffers[gi]
-        m, v = g.moments(k)
-        if hasattr(g.state, "expanded"):  # a compact master (compact_master.py)
-            st = g.state
+        st = g.state
+        if isinstance(st, CompactState):  # a compact master (compact_master.py)
             if not st.expanded:
                 st.update_piece(g, k, grad, hyper, backend, self.grad_scale, self.found_inf,
                                 self._scratch)
@@ -113,9 +151,9 @@ class DevicePlacement:
             master, out = st.expanded_piece(g, k), g.param_values(*g.state_range(k))
         else:
             master, out = g.master_piece(k), g.param_out_piece(k)
-        kernels.adam_step_(master, m, v, grad, out,
-                           step=g.steps[k], grad_scale=self.grad_scale,
-                           found_inf=self.found_inf, backend=backend, **hyper)
+        self.rule.step_(master, g.moments(k), grad, out, step=g.steps[k],
+                        grad_scale=self.grad_scale, found_inf=self.found_inf, backend=backend,
+                        **hyper)
 
     def finish(self) -> None:
         self._scratch = None
@@ -133,15 +171,31 @@ class DevicePlacement:
         pass
 
 
-def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
-                   comm=None, master: str = "fp32"):
-    """The placement for ZeroAdamW's `offload=` and `master=` (validated by the optimizer)."""
+def placement_class(offload: Optional[str]):
+    """The placement class for `offload=` (its `layout_bytes` / `fixed_bytes` answer the
+    accounting before any placement exists)."""
     if offload is None:
-        return DevicePlacement(master)
+        return DevicePlacement
     if offload == "cpu":
         from zerokern.state.offload import Offloader
 
-        return Offloader(grad_dtype)
+        return Offloader
     from zerokern.state.offload_nvme import NvmeOffloader
 
-    return NvmeOffloader(grad_dtype, offload_path, comm)
+    return NvmeOffloader
+
+
+def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
+                   comm=None, master: str = "fp32", rule: Optional[Rule] = None):
+    """The placement for the optimizer's `offload=` and `master=` (validated by it), holding
+    `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default)."""
+    rule = adamw_rule() if rule is None else rule
+    if offload is None:
+        return DevicePlacement(master, rule)
+    if offload == "cpu":
+        from zerokern.state.offload import Offloader
+
+        return Offloader(grad_dtype, rule=rule)
+    from zerokern.state.offload_nvme import NvmeOffloader
+
+    return NvmeOffloader(grad_dtype, offload_path, comm, rule=rule)

@@ -92,7 +92,7 @@ def memory_rows(cfg: TrainConfig, res: Dict[str, Any], est: Optional[dict],
             row["formula"] = _mib(f["host"])
         elif host_cat is not None:
             row["formula"] = _mib(f.get(host_cat))
-        elif cfg.offload and cat in ("master", "exp_avg", "exp_avg_sq"):
+        elif cfg.offload and cat in HOST_CATEGORIES and cat != "host_staging":
             row["formula"] = None  # the formula's figure is on the host row
         else:
             row["formula"] = _mib(f.get(cat))

@@ -1,0 +1,121 @@
+// zerokern CPU Lion step (issue 23): one fused pass over a flat fp32 shard, numerics as
+// zerokern/kernels/lion.py (lion-pytorch's Lion; DESIGN §3's skip / step / cast-back contract).
+// Portable C++ the compiler vectorises (no -march: the .so stays valid on any x86-64); the
+// fp16/bf16 conversions are cpu_kernels.h's, bitwise torch's round-to-nearest-even.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+#include "cpu_kernels.h"
+
+namespace zk_cpu {
+namespace {
+
+// Elements per work item: 8192 x 14 B (fp32 master + m, 16-bit grad and out) ~ 112 KiB, as
+// adam_cpu.cpp's chunk, far above the OpenMP scheduling cost.
+constexpr int64_t kLionChunk = 8192;
+
+struct LionScalars {
+  float gs, decay, lr, b1, omb1, b2, omb2;
+};
+
+template <int G>
+inline float load_grad(const void* g, int64_t i) {
+  if (G == kF32) return static_cast<const float*>(g)[i];
+  const uint16_t h = static_cast<const uint16_t*>(g)[i];
+  return G == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+// sign as torch.sign: -1, 0 or +1, NaN stays NaN.
+inline float sign_of(float c) { return c > 0.f ? 1.f : (c < 0.f ? -1.f : c * 0.f + c); }
+
+template <int G, int O>
+void lion_chunk(float* p, float* m, const void* grad, void* out, const LionScalars& s,
+                int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    const float g = load_grad<G>(grad, i) * s.gs;
+    float x = p[i] * s.decay;
+    const float c = s.b1 * m[i] + s.omb1 * g;
+    x = x - s.lr * sign_of(c);
+    m[i] = s.b2 * m[i] + s.omb2 * g;
+    p[i] = x;
+    if (O == kOutF16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
+    if (O == kOutBF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16(x);
+  }
+}
+
+template <int G>
+void run_grad(int otype, float* p, float* m, const void* grad, void* out, const LionScalars& s,
+              int64_t n) {
+  at::parallel_for(0, (n + kLionChunk - 1) / kLionChunk, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t b = c0 * kLionChunk, e = std::min(n, c1 * kLionChunk);
+    if (otype == kOutF16) lion_chunk<G, kOutF16>(p, m, grad, out, s, b, e);
+    else if (otype == kOutBF16) lion_chunk<G, kOutBF16>(p, m, grad, out, s, b, e);
+    else lion_chunk<G, kOutNone>(p, m, grad, out, s, b, e);
+  });
+}
+
+void check_vec(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.numel() == n, name, " must have ", n, " elements, got ", t.numel());
+}
+
+void check_one(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.numel() == 1, name, " must have exactly one element, got ", t.numel());
+}
+
+}  // namespace
+
+void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
+               std::optional<at::Tensor> param_out, double lr, double beta1, double beta2,
+               double weight_decay, at::Tensor step, at::Tensor grad_scale,
+               at::Tensor found_inf) {
+  const int64_t n = master.numel();
+  check_vec(master, "master", n);
+  check_vec(exp_avg, "exp_avg", n);
+  check_vec(grad, "grad", n);
+  TORCH_CHECK(master.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat,
+              "master and exp_avg must be float32");
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16,
+              "grad must be float32, float16 or bfloat16, got ", gt);
+  int otype = kOutNone;
+  void* out = nullptr;
+  if (param_out.has_value()) {
+    check_vec(*param_out, "param_out", n);
+    const auto dt = param_out->scalar_type();
+    TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16,
+                "param_out must be float16 or bfloat16 (or None), got ", dt);
+    otype = dt == at::kHalf ? kOutF16 : kOutBF16;
+    out = param_out->data_ptr();
+  }
+  check_one(step, "step");
+  check_one(grad_scale, "grad_scale");
+  TORCH_CHECK(grad_scale.scalar_type() == at::kFloat, "grad_scale must be float32");
+  check_one(found_inf, "found_inf");
+  const bool skip = found_inf.scalar_type() == at::kBool ? *found_inf.data_ptr<bool>()
+                                                          : *found_inf.data_ptr<float>() != 0.0f;
+  if (skip) return;  // nothing is written, step included (DESIGN §3)
+  // Derived scalars in float64, rounded once (as adam_cpu.cpp and the reference).
+  const LionScalars s{*grad_scale.data_ptr<float>(), float(1.0 - lr * weight_decay), float(lr),
+                      float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2)};
+  float* p = master.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  const void* g = grad.data_ptr();
+  if (gt == at::kFloat) run_grad<kF32>(otype, p, m, g, out, s, n);
+  else if (gt == at::kHalf) run_grad<kF16>(otype, p, m, g, out, s, n);
+  else run_grad<kBF16>(otype, p, m, g, out, s, n);
+  switch (step.scalar_type()) {
+    case at::kLong: *step.data_ptr<int64_t>() += 1; break;
+    case at::kInt: *step.data_ptr<int32_t>() += 1; break;
+    case at::kFloat: *step.data_ptr<float>() += 1.0f; break;
+    case at::kDouble: *step.data_ptr<double>() += 1.0; break;
+    default: TORCH_CHECK(false, "step must be int64, int32, float32 or float64");
+  }
+}
+
+}  // namespace zk_cpu

@@ -1,0 +1,129 @@
+"""An error that only some ranks see reaches every rank within a poll interval, not a timeout.
+
+[Note: an error only some ranks see]
+Some errors are found on one rank only: a `p.grad` cleared between backward and step() on one
+rank, a param file found truncated by one rank's read during a forward (stage 3,
+offload_params="nvme"). That rank raises before its next collective; the others are left
+waiting in that collective until the process-group timeout (60 s in the tests, 30 min by
+default), then fail with an opaque gloo error (issue 21, item 9). So the failing rank posts
+the error in the process group's store (`signal`) before raising, and every wait of ours polls
+the store while the collective has not landed (`wait`): a rank whose peer failed raises
+`RankAborted`, naming the peer and its error, within POLL_S of the post (measured: 0.1-0.3 s
+on 2 busy cores at N = 2, 3, against the 60 s timeout).
+
+Which failure applies to whom. Errors raised on every rank at the same point (bad input, the
+same p.grad cleared everywhere) are posted too and must not stop a rank that went on with the
+others; so each post records how many collectives its rank had issued (`issued`, counted in
+the same order on every rank: [Note: collective order] in grad_sync.py), and a rank waiting on
+collective m raises for a peer's post at n <= m only if it did not post at n itself. A rank
+that posted and raised issues nothing after (its caller's training loop ends); the waiters'
+collectives never complete, so after a RankAborted the process group is out of step and
+cannot be used: every rank should exit (a launcher restarts from the last checkpoint).
+
+Cost: nothing while collectives land within POLL_S; after that one store round trip per
+POLL_S while waiting (about 0.1 ms on a local TCPStore). The store is the default group's
+(torch.distributed's private `_get_default_store`); without it (or at world size 1) there is
+nothing to post and waits are plain waits.
+
+Ring waits only: gloo's default path (comm/ring.py) runs every collective on a thread of ours,
+whose futures can be polled; with ZEROKERN_GLOO_RING=0 a gloo Work's is_completed() was seen
+never to turn True for its reduce-scatter, so those waits are torch's, unwatched. On NCCL a
+wait makes the stream wait and the host goes on, so a peer's post is not seen there (NCCL's
+watchdog still aborts at its timeout): that needs a watchdog thread that aborts the
+communicator, not written here (no GPU to test it on).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+POLL_S = 0.05  # s between store checks while a collective has not landed
+
+
+class RankAborted(RuntimeError):
+    """Another rank failed (its error is in the message); this rank's collectives cannot
+    complete."""
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private API: without it, no posting
+        return None
+
+
+class AbortChannel:
+    """Per process group: post this rank's failure, and see the peers' while waiting."""
+
+    def __init__(self, group, rank: int) -> None:
+        self.rank = rank
+        self.issued = 0          # collectives issued on this group (and its split) so far
+        self._mine = set()       # `issued` at each of this rank's posts
+        self.store = _default_store()
+        name = getattr(group, "group_name", None) or "world"
+        self.key = f"zerokern/abort/{name}"
+
+    def next_index(self) -> int:
+        i = self.issued
+        self.issued += 1
+        return i
+
+    def signal(self, error: BaseException) -> None:
+        """Post this rank's error (then the caller raises it)."""
+        if self.store is None:
+            return
+        n = self.issued
+        self._mine.add(n)
+        try:
+            msg = f"{type(error).__name__}: {error}"[:4000]
+            self.store.set(f"{self.key}/{self.rank}/{n}", msg)
+            self.store.append(self.key, f"{self.rank}:{n};")
+        except Exception:  # noqa: BLE001 - the store is gone: the caller's error stands
+            pass
+
+    def check(self, index: int) -> None:
+        """Raise RankAborted if a peer posted a failure this rank did not share, before
+        issuing collective `index` (the one this rank waits for)."""
+        if self.store is None or not self.store.check([self.key]):
+            return
+        for rec in self.store.get(self.key).decode().split(";"):
+            if not rec:
+                continue
+            r, n = (int(x) for x in rec.split(":"))
+            if r != self.rank and n <= index and n not in self._mine:
+                msg = self.store.get(f"{self.key}/{r}/{n}").decode()
+                raise RankAborted(
+                    f"zerokern: rank {r} failed and stopped before a collective this rank "
+                    f"(rank {self.rank}) is waiting in: {msg}\nEvery rank raises this; the "
+                    "process group is now out of step and cannot be used again: exit and "
+                    "restart from the last checkpoint")
+
+    def wait(self, done: Callable[[Optional[float]], bool], index: int) -> None:
+        """Block until done(timeout) says the collective landed, checking the peers' posts
+        every POLL_S. done(t) waits up to t seconds (None: for good) and returns whether the
+        collective landed."""
+        if self.store is None:
+            done(None)
+            return
+        while not done(POLL_S):
+            self.check(index)
+
+
+def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):
+    """done(timeout) for AbortChannel.wait from a blocking wait with a timeout that raises
+    concurrent.futures' TimeoutError, and a completion test."""
+
+    def done(timeout: Optional[float]) -> bool:
+        if timeout is None:
+            fut_wait(None)
+            return True
+        try:
+            fut_wait(timeout)
+        except FutureTimeout:
+            return is_done()
+        return True
+
+    return done
