@@ -69,6 +69,7 @@ from zerokern.grads.weak_hook import weak_hook
 
 from . import guards, param_offload
 from .backward import Stage3Backward
+from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
 from .units import Unit
@@ -140,6 +141,8 @@ class Stage3Runtime(Stage3Backward):
             self._hooks.append(u.module.register_forward_hook(
                 weak_hook(self, "_post_forward_hook")))
         self._hooks += self.guard.hooks
+        # generate() with synced_gpus on at world_size > 1 ([Note] in generate_sync.py)
+        self._hooks += sync_generate(model, comm.world_size, self)
         self._reset_backward()
 
     # ---- bookkeeping -------------------------------------------------------------------------
