@@ -142,7 +142,7 @@ class Stage3Runtime(Stage3Backward):
                 weak_hook(self, "_post_forward_hook")))
         self._hooks += self.guard.hooks
         # generate() with synced_gpus on at world_size > 1 ([Note] in generate_sync.py)
-        self._hooks += sync_generate(model, comm.world_size, self)
+        self._hooks += sync_generate(model, comm.world.world_size, self)
         self._reset_backward()
 
     # ---- bookkeeping -------------------------------------------------------------------------
