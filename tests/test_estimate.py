@@ -45,7 +45,7 @@ import zerokern as zk
 from zerokern import cli
 from zerokern import estimate_cli as EC
 from zerokern.accounting import estimate as E
-from zerokern.accounting.memory import estimate_memory
+from zerokern.accounting.formula import estimate_memory
 from zerokern.gpt import GPT, PRESETS, build_gpt
 from zerokern.layout.partition import ALIGN
 

@@ -37,13 +37,12 @@ from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
 from . import kernels
-from .comm import Comm
+from .comm.mesh import check_hpz, check_mesh, make_comm
 from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
 from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
-    PRECISIONS,  # noqa: F401 (zerokern.optimizer.PRECISIONS, as before the table moved)
     check_arguments,
     check_groups,
     frozen_params,
@@ -79,6 +78,15 @@ ENGINE_ARGS = """
         reduce_dtype: gradient communication dtype; default the precision dtype.
         process_group (ProcessGroup | None): torch.distributed group; default WORLD, or
             world size 1 without one.
+        mesh (DeviceMesh | None): (keyword) the data-parallel torch DeviceMesh, FSDP2's
+            convention (for a tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D
+            is (replicate, shard), HSDP: shard over dim 1, replicate over dim 0 (each shard
+            all-reduced across its replicas after the reduce-scatter; see zerokern.comm.groups).
+            With process_group too, the group must have exactly the mesh's ranks.
+        hpz (bool): (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every
+            rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
+            backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
+            plain stage 3's over the same ranks.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
@@ -131,6 +139,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         free_grads: bool = False,
         offload_params: Optional[str] = None,
         master: str = "fp32",
+        mesh=None,
+        hpz: bool = False,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         rule = check_rule(rule)
@@ -144,21 +154,24 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
         trainable = check_groups(self.param_groups, dtype, rule)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
-        comm = Comm(process_group)
+        shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
+        check_hpz(hpz, shape, stage, offload_params)
+        comm = make_comm(process_group, mesh, hpz)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
         if P.shards_params:
             from .stage3.build import check_stage3
 
-            unit_list = check_stage3(params_or_model, units, trainable, dtype, comm.world_size,
+            unit_list = check_stage3(params_or_model, units, trainable, dtype,
+                                     comm.shard.world_size,
                                      offload, offload_path, offload_params, rule)
         elif offload == "nvme":  # a disk too small for the state files: before any change
             from zerokern.state.nvme_state import check_free_space
             from zerokern.state.offload_nvme import NvmeOffloader
 
             check_free_space(offload_path, NvmeOffloader.disk_need(rule, [
-                P.state_numel(FlatGroup.layout_of(ps, dtype, comm.world_size,
+                P.state_numel(FlatGroup.layout_of(ps, dtype, comm.shard.world_size,
                                                   bucket_mb * 2**20)) for ps in trainable]))
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
@@ -198,7 +211,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                 self.reduce_dtype, offload, offload_path, offload_params)
         else:
             self.flat_groups: List[FlatGroup] = [
-                FlatGroup(ps, dtype, comm.world_size, comm.rank, self.pattern,
+                FlatGroup(ps, dtype, comm.shard.world_size, comm.shard.rank, self.pattern,
                           bucket_mb * 2**20, placement=self.placement, group_index=gi)
                 for gi, ps in enumerate(trainable)]
             self.grad_sync = (
@@ -299,8 +312,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         averaged = self.pattern.grads_averaged
         if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
-            self.comm.all_reduce_(stats)
-        divisor = 1 if averaged else self.comm.world_size
+            self.comm.count_once_(sumsq)  # HSDP: replicas hold the same shard
+            self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+        # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
+        divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
@@ -351,7 +366,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                 grad = gs.grad_piece(gi, k)
                 place.update_piece(gi, k, grad, hyper, self.backend)
                 self._frozen_skip.after_update_(self, gi, k, grad, hyper, grad_scale, found)
-                gathers.append(g.publish_piece(self.comm, k))  # stages 1-2: all-gather
+                gathers.append(g.publish_piece(self.comm.shard, k))  # stages 1-2: gather
         for h in gathers:
             if h is not None:
                 h.wait()
@@ -410,6 +425,8 @@ class ZeroAdamW(ZeroOptimizer):
         free_grads: bool = False,
         offload_params: Optional[str] = None,
         master: str = "fp32",
+        mesh=None,
+        hpz: bool = False,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
@@ -421,4 +438,4 @@ class ZeroAdamW(ZeroOptimizer):
                          stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
                          reduce_dtype, process_group, backend, param_groups=param_groups,
                          units=units, offload_path=offload_path, free_grads=free_grads,
-                         offload_params=offload_params, master=master)
+                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz)

@@ -104,7 +104,9 @@ class OptimizerApiMixin:
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
             op = torch.distributed.ReduceOp.SUM
         if not self.pattern.grads_averaged:
-            self.comm.all_reduce_(acc, op=op)
+            if p != math.inf:
+                self.comm.count_once_(acc)  # HSDP: replicas hold the same shard
+            self.comm.world.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
     @property

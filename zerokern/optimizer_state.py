@@ -12,7 +12,7 @@ class StateDictMixin:
 
     def _meta(self) -> Dict[str, Any]:
         return {"rule": self.rule.name, "stage": self.stage, "precision": self.precision,
-                "world_size": self.comm.world_size, "rank": self.comm.rank,
+                "world_size": self.comm.shard.world_size, "rank": self.comm.shard.rank,
                 "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
                              [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
 

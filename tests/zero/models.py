@@ -224,7 +224,7 @@ def gather_state(opt: zk.ZeroAdamW, model: nn.Module, key: str) -> Dict[str, tor
     param buffer is the master.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    ws = opt.comm.world_size
+    ws = opt.comm.shard.world_size
     out = {}
     for g in opt.flat_groups:
         L = g.layout

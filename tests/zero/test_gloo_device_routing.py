@@ -40,11 +40,24 @@ class _RecordingRing:
     all_gather = reduce_scatter
 
 
-def _comm(monkeypatch, calls) -> C.Comm:
-    comm = C.Comm.__new__(C.Comm)
+class _CountingChannel:
+    """Stands in for abort.AbortChannel: the collective counter torch's path advances."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next_index(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _comm(monkeypatch, calls) -> C.GroupComm:
+    comm = C.GroupComm.__new__(C.GroupComm)
     comm.group, comm.world_size, comm.rank, comm.backend = object(), 2, 0, "gloo"
+    comm.dim = "shard"
     comm.stats, comm.tag, comm.log = C.CommStats(), "main", None
     comm.ring = _RecordingRing(calls)
+    comm.abort = _CountingChannel()  # abort.py's failure channel: counts collectives only
 
     def torch_op(name):
         def op(*args, **kw):
@@ -77,7 +90,7 @@ def test_non_cpu_tensors_skip_the_ring(monkeypatch):
     calls.clear()
     _run_all(comm, "cpu")
     assert [c[0] for c in calls] == ["ring"] * 3
-    assert comm.stats.calls["reduce_scatter"] == 2  # counted on both paths
+    assert comm.stats.as_dict()["calls"]["reduce_scatter"] == 2  # counted on both paths
 
 
 def test_ring_refuses_device_tensors():

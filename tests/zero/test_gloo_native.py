@@ -18,7 +18,7 @@ def _train(rank, ws, ring: str):
     for stage in (1, 2):
         model = M.make_model()
         opt = M.zero_opt(model, stage)
-        out[f"uses_ring_{stage}"] = opt.comm.ring is not None
+        out[f"uses_ring_{stage}"] = opt.comm.shard.ring is not None
         out[stage] = M.train_zero(model, opt, rank, ws, 3)["params"][-1]
     return out
 

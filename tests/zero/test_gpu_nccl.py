@@ -67,7 +67,7 @@ def _nccl_rank(rank, ws, backend):
                             ("s3", 3, {})):
         model = M.make_model().to(dev)
         opt = M.zero_opt(model, stage, "fp32", backend=backend, **kw)
-        assert opt.comm.backend == "nccl" and opt.comm.ring is None
+        assert opt.comm.shard.backend == "nccl" and opt.comm.shard.ring is None
         opt.comm.stats.reset()
         for s in range(STEPS):
             opt.backward(M.loss_fn(model, _tokens(s, rank, ws, dev)))
@@ -75,9 +75,10 @@ def _nccl_rank(rank, ws, backend):
             opt.zero_grad()
         calls = opt.comm_stats()["calls"]
         rs = getattr(opt.grad_sync, "rs_comm", None) if stage == 3 else None
+        main = opt.comm.shard.group
         out[name] = dict(snap={k: v.cpu() for k, v in M.full_snapshot(model, opt).items()},
                          calls=calls,
-                         second_group=None if rs is None else rs.group is not opt.comm.group)
+                         second_group=None if rs is None else rs.shard.group is not main)
     return out
 
 

@@ -85,7 +85,7 @@ def _walk_bytes(opt) -> int:
 
 def _padding_term(opt) -> int:
     """DESIGN §4: fewer than N*128 padding elements per buffer, per param group (bytes)."""
-    n = opt.comm.world_size
+    n = opt.comm.shard.world_size
     e = ELEM[opt.precision]
     g = torch.empty((), dtype=opt.reduce_dtype).element_size()
     master = 0 if opt.precision == "fp32" else 2 + 1 / 8 if opt.master == "compact" else 4
@@ -122,7 +122,7 @@ def _memory(rank, ws, prec, stage):
 
 def _expected_comm(opt, micro: int) -> dict:
     """Ring bytes of one step from the padded layout, exactly (floor per call)."""
-    n = opt.comm.world_size
+    n = opt.comm.shard.world_size
     rb = torch.empty((), dtype=opt.reduce_dtype).element_size()
     pb = ELEM[opt.precision]
     ar = rs = ag = 0

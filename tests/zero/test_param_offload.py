@@ -27,6 +27,7 @@ import torch
 
 import zerokern as zk
 from zerokern.accounting import estimate as E
+from zerokern.state.aligned_io import align_up
 
 from . import models as M
 from .harness import cached, case, one_thread, run_cases  # noqa: F401 - one_thread: the fixture
@@ -528,7 +529,7 @@ def test_estimate_cli_offload_params(capsys):
     assert x["stage"] == 3 and x["offload_params"] == "nvme"
     assert x["bytes"]["params"] == x["bytes"]["frozen"] == 0
     # the shard: 300,000 padded to 300,032 (N*128), /2 ranks, bf16; two halves of 4096-pages
-    assert x["disk"]["params"] == 2 * E.align_up(150016 * 2) == 2 * 74 * 4096
+    assert x["disk"]["params"] == 2 * align_up(150016 * 2) == 2 * 74 * 4096
     assert x["host"]["param_staging"] > 0
     assert x["host_pinned"] == x["host_total"] and x["host_pageable"] == 0  # nccl
     with torch.device("meta"):

@@ -35,7 +35,7 @@ def test_works_without_init_process_group(stage, backend):
     assert not dist.is_initialized()
     model = M.make_model()
     opt = M.zero_opt(model, stage, backend=backend)
-    assert opt.comm.world_size == 1 and opt.comm.rank == 0
+    assert opt.comm.shard.world_size == 1 and opt.comm.shard.rank == 0
     assert opt.flat_groups[0].layout.n_buckets > 1
     rec = M.train_zero(model, opt, 0, 1, STEPS)
     ref = M.train_torch(M.make_model(), 0, 1, STEPS)

@@ -75,7 +75,6 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
 from zerokern.layout.stages import pattern
 from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
 from zerokern.rules import adamw_rule, rule_by_name
-from zerokern.state.aligned_io import align_up  # noqa: F401 (zerokern.accounting.estimate.align_up, as before)
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
 from zerokern.state.placement import placement_class
 
@@ -109,8 +108,13 @@ class _InstantComm:
 
     def __init__(self, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
+        self.shard = self.world = self  # the roles of zerokern.comm.Comm, one group
+        self.replicate = self.hpz = None
 
     def reduce_scatter_(self, out, inp, async_op=False, label=None):
+        return self._Done()
+
+    def reduce_grads_(self, out, inp, async_op=False, label=None):
         return self._Done()
 
     def all_gather_(self, out, inp, async_op=False, label=None):

@@ -1,6 +1,6 @@
 """Model-state memory per rank, measured: `memory_report` sums the storages the optimizer
 really holds (so it is a measurement, not the formula restated), beside DESIGN §4's formula
-(`formula.estimate_memory`, re-exported here as before). They agree within the bucket and
+(`formula.estimate_memory`). They agree within the bucket and
 padding terms, which the report lists separately.
 """
 
@@ -39,6 +39,8 @@ def _buffers(opt):
         yield from f.device_buffers()
     for t in held.get("buckets", []):
         yield "buckets", t, 0
+    for t in held.get("hpz", []):  # stage3/hpz.py: padding included (E/n per buffer)
+        yield "hpz_secondary", t, 0
 
 
 def memory_report(opt) -> Dict[str, Any]:
@@ -56,6 +58,8 @@ def memory_report(opt) -> Dict[str, Any]:
     hold less of it hold more real elements than Ψ/N, by up to the buffer's padding / N.
     """
     meas = dict.fromkeys(categories(opt.rule), 0)
+    if opt.comm.hpz is not None:  # hpZ's secondary param copies (stage3/hpz.py)
+        meas["hpz_secondary"] = 0
     seen = set()
     pad_bound = 0
     for g in opt.flat_groups:
@@ -74,15 +78,19 @@ def memory_report(opt) -> Dict[str, Any]:
         meas["padding"] += pad_bytes
     psi = sum(g.layout.numel for g in opt.flat_groups)
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
-    formula = estimate_memory(psi, opt.comm.world_size, opt.stage, opt.precision,
+    formula = estimate_memory(psi, opt.comm.shard.world_size, opt.stage, opt.precision,
                               offload=opt.offload, reduce_bytes=reduce_bytes,
                               master=getattr(opt, "master", "fp32"), optimizer=opt.rule)
     # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
     # 16-bit shard, Φ·e/N for Φ frozen elements.
     frozen_numel = sum(f.layout.numel for f in frozen)
     formula["frozen"] = int(round(frozen_numel * torch.empty((), dtype=opt.dtype)
-                                  .element_size() / opt.comm.world_size))
+                                  .element_size() / opt.comm.shard.world_size))
     formula["total"] += formula["frozen"]
+    if opt.comm.hpz is not None:  # hpZ's secondary: (Ψ + Φ)·e/n, n the node group's size
+        formula["hpz_secondary"] = int(round((psi + frozen_numel) * torch.empty(
+            (), dtype=opt.dtype).element_size() / opt.comm.hpz.world_size))
+        formula["total"] += formula["hpz_secondary"]
     out = {}
     place = opt.placement  # where the state lives: it says what it holds off the device
     host = place.host_bytes()
@@ -109,5 +117,6 @@ def memory_report(opt) -> Dict[str, Any]:
             "formula_total": formula["total"],
             "allowed_slack": meas["buckets"] + meas["live_units"] + pad_bound, **out,
             "num_params": psi, "num_frozen": frozen_numel,
-            "world_size": opt.comm.world_size, "stage": opt.stage,
+            # the sharding factor is the shard group's size; replicas hold the same bytes
+            "world_size": opt.comm.shard.world_size, "mesh": opt.comm.dims, "stage": opt.stage,
             "precision": opt.precision}

@@ -143,7 +143,7 @@ def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)
-    coll = Collective(view.group, view.rank, view.world_size)
+    coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     err, plan = None, None
     try:
         plan = _Plan(path, view, extras)

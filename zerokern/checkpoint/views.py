@@ -89,9 +89,14 @@ class OptimizerView:
     stage: int
     precision: str
     dtype: torch.dtype  # model dtype of the params
-    world_size: int
+    world_size: int  # the layout: the shard group's size and this rank's place in it
     rank: int
-    group: Any  # torch.distributed process group, or None at world size 1 without one
+    # Agreement (comm/groups.py [Note: two groups, named by role]): save and load agree over
+    # every data-parallel rank; HSDP replicas hold the same shard and only replica 0 writes it.
+    world_group: Any  # torch.distributed process group, or None at world size 1 without one
+    world_rank: int
+    world_world_size: int
+    writes: bool  # this rank writes its shard's file (replica 0; always without replicas)
     params: List[ParamSpec]
     param_tensors: List[torch.Tensor]  # the Parameters, same order (to tell them from extras)
     held: List[StatePiece]  # all state this rank holds: a load fills every piece
@@ -131,7 +136,10 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
     keys = state_dict_keys(model)
     view = OptimizerView(
         stage=opt.stage, precision=opt.precision, dtype=opt.dtype,
-        world_size=opt.comm.world_size, rank=opt.comm.rank, group=opt.comm.group,
+        world_size=opt.comm.shard.world_size, rank=opt.comm.shard.rank,
+        world_group=opt.comm.world.group, world_rank=opt.comm.world.rank,
+        world_world_size=opt.comm.world.world_size,
+        writes=opt.comm.replicate is None or opt.comm.replicate.rank == 0,
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
         param_groups=opt.param_groups, scaler=opt.scaler, rule=opt.rule.name,
         sections=sections(opt.rule))

@@ -17,6 +17,9 @@
    A `latest` pointer file would also work but makes `path` something other than a checkpoint
    directory; the exchange keeps `path` itself the checkpoint.
 5. Every rank learns the outcome (`Collective.agree`): all return or all raise.
+"Rank" here is the rank in the world group (every data-parallel rank agrees); the rank files
+are named by the shard rank, and with HSDP replicas (comm/groups.py) only replica 0 of each
+shard writes one: the others hold the same shard.
 A crash before step 4 leaves the previous checkpoint untouched plus a stale tmp directory,
 which the next successful save to the same path deletes.
 """
@@ -106,7 +109,8 @@ def _save(path, model: nn.Module, opt) -> str:
     path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)
-    coll = Collective(view.group, view.rank, view.world_size)
+    coll = Collective(view.world_group, view.world_rank, view.world_world_size)
+    lead = view.world_rank == 0  # creates the directory, writes extras and metadata, commits
 
     paths = coll.all_gather(path)
     if len(set(paths)) != 1:
@@ -114,7 +118,7 @@ def _save(path, model: nn.Module, opt) -> str:
     nonce = coll.from_rank0(secrets.token_hex(6))
     tmp = f"{path}.tmp-{nonce}"
     err: Optional[BaseException] = None
-    if view.rank == 0:
+    if lead:
         try:
             _preflight(path)
             os.makedirs(tmp)
@@ -123,8 +127,9 @@ def _save(path, model: nn.Module, opt) -> str:
     coll.agree(err)
 
     try:
-        info: Any = _write_rank(tmp, view)
-        if view.rank == 0:
+        # HSDP: a replica other than 0 holds the same shard as replica 0 and writes nothing
+        info: Any = _write_rank(tmp, view) if view.writes else {"replica": True}
+        if lead:
             info["extra"] = _write_extras(tmp, extras)
         _pause("files_written")
     except Exception as e:  # noqa: BLE001
@@ -132,13 +137,14 @@ def _save(path, model: nn.Module, opt) -> str:
     infos = coll.all_gather(info if not isinstance(info, BaseException) else None)
     failed = [r for r, x in enumerate(infos) if x is None]
     err = info if isinstance(info, BaseException) else None
-    if view.rank == 0:
+    if lead:
         try:
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointError(f"{path}: rank(s) {failed} failed to write their file; "
                                       "the previous checkpoint is intact")
-            write_meta(tmp, _metadata(view, model, extras, infos))
+            files = [x for x in infos if "segments" in x]  # (lead's extras are in infos[0])
+            write_meta(tmp, _metadata(view, model, extras, files, infos[0]["extra"]))
             _fsync_dir(tmp)
             _commit(tmp, path, nonce)
         except Exception as e:  # noqa: BLE001
@@ -196,7 +202,9 @@ def _write_extras(tmp: str, extras) -> Dict[str, Any]:
     return {"index": index, **f.close()}
 
 
-def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[str, Any]]):
+def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[str, Any]],
+              extra: Dict[str, Any]):
+    """infos: the rank files' (one per shard); extra: the lead's extras file."""
     steps: Dict[int, int] = {}
     for info in infos:
         for i, v in info["steps"].items():
@@ -209,7 +217,6 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
     _check_cover(view, infos)
     files = {rank_file(x["rank"]): {k: x[k] for k in ("rank", "bytes", "blocks", "segments",
                                                       "sections")} for x in infos}
-    extra = infos[0]["extra"]
     files[EXTRA] = {"bytes": extra["bytes"], "blocks": extra["blocks"]}
     groups = [{k: encode_value(v, f"param_groups[{gi}][{k!r}]") for k, v in g.items()
                if k != "params"} for gi, g in enumerate(view.param_groups)]

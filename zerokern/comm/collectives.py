@@ -63,34 +63,48 @@ class _Done:
         return True
 
 
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
 class CommStats:
-    """Bytes sent and calls made per collective since the last reset."""
+    """Bytes sent and calls made per collective since the last reset, per collective kind and
+    per mesh dim (the group it ran on: "shard", "replicate" or "world", comm/groups.py)."""
 
     def __init__(self) -> None:
-        self.bytes: Counter = Counter()
-        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()   # (dim, kind) -> bytes
+        self.calls: Counter = Counter()   # (dim, kind) -> calls
 
-    def add(self, kind: str, nbytes: int) -> None:
-        self.bytes[kind] += nbytes
-        self.calls[kind] += 1
+    def add(self, kind: str, nbytes: int, dim: str = "shard") -> None:
+        self.bytes[(dim, kind)] += nbytes
+        self.calls[(dim, kind)] += 1
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
 
     def as_dict(self) -> dict:
-        kinds = ("all_reduce", "reduce_scatter", "all_gather")
-        out = {k: int(self.bytes[k]) for k in kinds}
+        """{kind: bytes, "total", "calls": {kind: n}, "dims": {dim: {kind: bytes, "total"}}}:
+        the kinds summed over the dims (as before meshes), and each dim on its own."""
+        dims = sorted({d for d, _ in self.bytes} | {d for d, _ in self.calls})
+        out = {k: int(sum(self.bytes[(d, k)] for d in dims)) for k in KINDS}
         out["total"] = sum(out.values())
-        out["calls"] = {k: int(self.calls[k]) for k in kinds}
+        out["calls"] = {k: int(sum(self.calls[(d, k)] for d in dims)) for k in KINDS}
+        per = {}
+        for d in dims:
+            per[d] = {k: int(self.bytes[(d, k)]) for k in KINDS}
+            per[d]["total"] = sum(per[d].values())
+        out["dims"] = per
         return out
 
 
-class Comm:
-    """The process group a ZeroAdamW runs over; world size 1 without init_process_group."""
+class GroupComm:
+    """One process group's collectives (world size 1 without init_process_group); a ZeroAdamW
+    holds one per role in its `Comm` (comm/groups.py). `dim` names the role in comm_stats()
+    ("shard", "replicate", "world")."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 _parent: Optional[Comm] = None) -> None:
+                 _parent: Optional[GroupComm] = None, dim: str = "shard",
+                 stats: Optional[CommStats] = None, tag: Optional[str] = None) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError("process_group must be a torch.distributed.ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
@@ -102,7 +116,8 @@ class Comm:
             raise ValueError("process_group given but torch.distributed is not initialized")
         else:
             self.group, self.world_size, self.rank = None, 1, 0
-        self.stats = CommStats() if _parent is None else _parent.stats
+        self.dim = dim
+        self.stats = _parent.stats if _parent is not None else stats or CommStats()
         # One failure channel per process group, shared by every optimizer on it and its split
         # group: its count of collectives is in program order, the same on every rank (abort.py)
         self.abort = None
@@ -112,7 +127,7 @@ class Comm:
             if self.group not in _CHANNELS:
                 _CHANNELS[self.group] = AbortChannel(self.group, self.rank)
             self.abort = _CHANNELS[self.group]
-        self.tag = "main" if _parent is None else "reduce-scatter"
+        self.tag = tag or ("main" if _parent is None else "reduce-scatter")
         # ZEROKERN_DEBUG_COLLECTIVES=1: one log shared with the Comms split from this one,
         # started by the optimizer that checks it at every step() (enable_debug_log), so a
         # log nobody checks never grows.
@@ -125,12 +140,13 @@ class Comm:
                 os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
             self.ring = RingRunner(self.group, self.rank, self.world_size)
 
-    def split(self) -> Comm:
+    def split(self) -> GroupComm:
         """A Comm over a second process group with the same ranks (the same group object for
         every optimizer on this group), sharing this one's stats and debug log. World size 1:
         a Comm that only copies."""
-        if self.world_size == 1:
-            return Comm(None, _parent=self)
+        if self.world_size == 1:  # this very group (not None: that means WORLD when
+            # torch.distributed is initialized, a 1-rank process group in a bigger job)
+            return GroupComm(self.group, _parent=self, dim=self.dim)
         key = self.group
         if key not in _SPLIT_GROUPS:
             ranks = dist.get_process_group_ranks(self.group)
@@ -138,7 +154,7 @@ class Comm:
             # subgroup's optimizer must not need the other ranks of WORLD).
             _SPLIT_GROUPS[key] = dist.new_group(ranks, backend=dist.get_backend(self.group),
                                                 use_local_synchronization=True)
-        return Comm(_SPLIT_GROUPS[key], _parent=self)
+        return GroupComm(_SPLIT_GROUPS[key], _parent=self, dim=self.dim)
 
     def enable_debug_log(self) -> None:
         """Record every collective if ZEROKERN_DEBUG_COLLECTIVES=1 (call before split())."""
@@ -150,6 +166,14 @@ class Comm:
         collectives since the last check (a no-op when the mode is off)."""
         if self.log is not None:
             self.log.check(self.group, where)
+
+    def account(self, kind: str, t: torch.Tensor, label: Optional[str]) -> None:
+        """Count (and, in debug mode, record) a collective on this group that another group's
+        ring thread runs (comm/groups.py's HSDP all-reduce)."""
+        self._record(kind, t, label)
+        nbytes = t.numel() * t.element_size()
+        self.stats.add(kind, int((2 if kind == "all_reduce" else 1) * self._frac() * nbytes),
+                       self.dim)
 
     def _record(self, kind: str, t: torch.Tensor, label: Optional[str]) -> None:
         if self.log is not None:
@@ -207,7 +231,8 @@ class Comm:
         if self.world_size == 1:
             return _Done()
         self._record("all_reduce", t, label)
-        self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()))
+        self.stats.add("all_reduce", int(2 * self._frac() * t.numel() * t.element_size()),
+                       self.dim)
         op = op or dist.ReduceOp.SUM
         if self._ring_for(t) is not None:
             return self._on_ring(async_op, dist.all_reduce, t, op, self.group)
@@ -225,7 +250,8 @@ class Comm:
         if self.world_size == 1:
             return self._local(out, inp)
         self._record("reduce_scatter", inp, label)
-        self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()))
+        self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()),
+                       self.dim)
         if self._ring_for(inp) is not None:
             return self._on_ring(async_op, self.ring.reduce_scatter, out, inp)
         if self.backend == "gloo" and _overlaps(out, inp):
@@ -242,7 +268,8 @@ class Comm:
         if self.world_size == 1:
             return self._local(out, inp)
         self._record("all_gather", out, label)
-        self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()))
+        self.stats.add("all_gather", int(self._frac() * out.numel() * out.element_size()),
+                       self.dim)
         if self._ring_for(out) is not None:
             n = inp.numel()
             self._local(out[self.rank * n:(self.rank + 1) * n], inp)

@@ -10,10 +10,11 @@ reduce-scatters on a group of its own, and ranks may interleave the two groups d
 the order within a group must agree; on a GPU no gather waits for a reduce-scatter, [Note:
 stage-3 gather stream] in stage3/gather_stream.py, which names the NCCL caveat left). `check()`,
 called at every stage-3 step(), exchanges a 64-bit hash and the count of each rank's records
-since the last check over the main process group, with plain torch.distributed collectives that
-are not recorded themselves. On a mismatch it gathers the records (all_gather_object) and raises
-on every rank, naming the first position where two ranks differ. The mode costs a host sync and
-an all-gather per check, so it is off by default.
+since the last check over the world group (every data-parallel rank, comm/groups.py [Note: two
+groups, named by role]; with a 1-D mesh it is the shard group), with plain torch.distributed
+collectives that are not recorded themselves. On a mismatch it gathers the records
+(all_gather_object) and raises on every rank, naming the first position where two ranks differ.
+The mode costs a host sync and an all-gather per check, so it is off by default.
 """
 
 from __future__ import annotations

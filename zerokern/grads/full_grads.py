@@ -253,7 +253,8 @@ class FullGrads(GradSync):
                 src.copy_(b)
             # SUM, then / N on landing: p.grad is DDP's average, and an fp16 sum that
             # overflows is inf here too, so found_inf is the same at every stage.
-            h = self.comm.all_reduce_(src, async_op=True, label=f"group {gi} bucket {k}")
+            h = self.comm.all_reduce_grads_(src, async_op=True,
+                                            label=f"group {gi} bucket {k}")
             self._handles.append((gi, k, h, b if src is not b else None,
                                   src if src is not b else None))
             return
@@ -266,11 +267,11 @@ class FullGrads(GradSync):
                 self._shard[gi] = huge_pages.zeros(g.layout.shard_numel, self.reduce_dtype,
                                                   g.device)
             out = self._shard[gi][g.state_slice(k)]
-        h = self.comm.reduce_scatter_(out, src, async_op=True, label=f"group {gi} bucket {k}")
+        h = self.comm.reduce_grads_(out, src, async_op=True, label=f"group {gi} bucket {k}")
         self._handles.append((gi, k, h, None, None))
 
     def _wait_all(self):
-        n = self.comm.world_size
+        n = self.comm.world.world_size  # stage 0 averages over every data-parallel rank
         for gi, k, h, back, src in self._handles:
             h.wait()
             if not self.mode.scatters and n > 1:

@@ -53,7 +53,7 @@ class ShardedGrads(GradSync):
         buffer: (group, bucket) at stage 2, the unit buffer's index at stage 3."""
         out = shard if self._fresh else huge_pages.zeros_like(shard)
         self._issued = True
-        h = self.rs_comm.reduce_scatter_(out, staging, async_op=True,
+        h = self.rs_comm.reduce_grads_(out, staging, async_op=True,
                                          label=self._reduce_label(key))
         self._in_flight.append((h, key, out if out is not shard else None, shard))
 

@@ -21,20 +21,28 @@ What changes against accelerate's DDP path, and why:
 - clip_grad_norm_: `ZeroAdamW.clip_grad_norm_` (the global norm over every shard); p.grad is
   released at stages 1-3, so torch's own would raise.
 - optimizer_step_was_skipped: the fp16 overflow skip (a host read, fp16 only).
+- save_state / load_state: the model and ZeroAdamW go to a zerokern checkpoint
+  (`<dir>/zerokern/`, every rank's shard, loadable at any world size and stage); accelerate
+  saves the rest (schedulers, RNG, dataloaders, custom objects, model.safetensors)
+  [Note: Accelerate state through zerokern.checkpoint].
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 from typing import Any, Dict, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
+from .. import checkpoint as zk_checkpoint
 from ..engine.convert import rebind_scheduler, zero_from_torch
 from ..optimizer import ZeroAdamW
 
+_ZERO_DIR = "zerokern"  # the zerokern checkpoint inside an accelerate state folder
 _PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", None: "fp32"}
 
 
@@ -224,3 +232,94 @@ class ZeroAccelerator(Accelerator):
         with z.gathered_params():
             return {k: v.detach().clone() for k, v in
                     self.unwrap_model(model).state_dict().items()}
+
+    # ---- save_state / load_state --------------------------------------------------------------
+    # [Note: Accelerate state through zerokern.checkpoint] (issue 21, item 6)
+    # accelerate's own save_state writes optimizer.state_dict() from the main process only:
+    # with ZeroAdamW that is rank 0's shard, so the other ranks' masters and moments were lost,
+    # and load_state then raised on the ranks whose shard did not match while rank 0 trained
+    # on into a collective (a hang); at stage 3 it read model.state_dict() outside
+    # gathered_params. Here the model and ZeroAdamW go through zerokern.checkpoint (collective:
+    # every rank writes its shard; load reshards to any world size and stage, all-or-nothing,
+    # checked on every rank before anything changes) and accelerate saves everything else.
+    # The model also stays in accelerate's save (model.safetensors, for whoever reads the
+    # folder: 2-4 bytes/param more on disk, and a gather at stage 3); on load the zerokern
+    # checkpoint is the one source of params, masters and moments.
+    @contextlib.contextmanager
+    def _zero_hidden(self, hide_model: bool):
+        z = self.zero_optimizer
+        models, opts = self._models, self._optimizers
+        if hide_model:
+            self._models = [m for m in models if self.unwrap_model(m) is not self._zero_model]
+        self._optimizers = [o for o in opts if getattr(o, "optimizer", o) is not z]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, opts
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
+        """accelerate's save_state, with the model and ZeroAdamW saved by zerokern.checkpoint
+        into `<output_dir>/zerokern` (collective: every rank must call).
+
+        Args:
+            output_dir: as accelerate's (None: its automatic checkpoint naming).
+            safe_serialization: as accelerate's (the files it writes itself).
+            **kwargs: passed to accelerate's save_state.
+
+        Returns:
+            The folder written, as accelerate's save_state returns it.
+        """
+        z = self.zero_optimizer
+        if z is None:
+            return super().save_state(output_dir, safe_serialization=safe_serialization,
+                                      **kwargs)
+        with self._zero_hidden(hide_model=False):
+            location = super().save_state(output_dir, safe_serialization=safe_serialization,
+                                          **kwargs)
+        zk_checkpoint.save(os.path.join(location, _ZERO_DIR), self._zero_model, z)
+        return location
+
+    def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        """accelerate's load_state, with the model and ZeroAdamW restored from the zerokern
+        checkpoint (any world size and stage; collective). The zerokern checkpoint is loaded
+        first: if it is missing or does not fit, every rank raises and nothing has changed.
+
+        Args:
+            input_dir: as accelerate's (None: its latest automatic checkpoint).
+            load_kwargs: as accelerate's.
+            **kwargs: passed to accelerate's load_state.
+
+        Returns:
+            What accelerate's load_state returns.
+
+        Raises:
+            ValueError: input_dir has no zerokern checkpoint (not written by
+                ZeroAccelerator.save_state).
+        """
+        z = self.zero_optimizer
+        if z is None:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        input_dir = self._state_dir(input_dir)
+        path = os.path.join(input_dir, _ZERO_DIR)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"ZeroAccelerator.load_state: input_dir={input_dir!r} has no zerokern "
+                f"checkpoint ({_ZERO_DIR}/): it was not written by ZeroAccelerator.save_state "
+                "(accelerate's own save_state keeps only rank 0's optimizer shard)")
+        zk_checkpoint.load(path, self._zero_model, z)
+        with self._zero_hidden(hide_model=True):
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+
+    def _state_dir(self, input_dir) -> str:
+        """The folder accelerate's load_state would read (its automatic naming included)."""
+        if input_dir is not None:
+            input_dir = os.path.expanduser(str(input_dir))
+            if not os.path.isdir(input_dir):
+                raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+            return input_dir
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        root = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted(os.listdir(root),
+                         key=lambda f: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)[0]))
+        return os.path.join(root, folders[-1])

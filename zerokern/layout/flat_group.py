@@ -14,6 +14,7 @@ from typing import List
 
 import torch
 
+from zerokern.layout.param_alias import own_storage_view
 from zerokern.layout.partition import bucket_numel_for, make_layout
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import StagePattern, pattern
@@ -45,8 +46,8 @@ class FlatGroup(ShardBuffer):
         self.flat = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
         for p, s in zip(params, L.slots):
             self.flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
-        for p, s in zip(params, L.slots):
-            p.data = self.flat[s.offset:s.offset + s.numel].view(s.shape)
+        for p, s in zip(params, L.slots):  # [Note: one storage per param] in layout/param_alias.py
+            p.data = own_storage_view(self.flat, s.offset, s.numel, s.shape)
 
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
         return self.flat[lo:hi]
@@ -83,9 +84,8 @@ class FlatGroup(ShardBuffer):
         base, es = self.flat.data_ptr(), self.flat.element_size()
         for p, s in zip(self.params, self.layout.slots):
             if p.data_ptr() != base + s.offset * es or p.device != self.device:
-                view = self.flat[s.offset:s.offset + s.numel]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(s.shape)
+                self.flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
+                p.data = own_storage_view(self.flat, s.offset, s.numel, s.shape)
 
 
 __all__ = ["FlatGroup"]

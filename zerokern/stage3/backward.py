@@ -186,3 +186,4 @@ class Stage3Backward(ShardedGrads):
         self._calls.clear()
         self._unsignalled.clear()
         self._reset_backward()
+        self._hpz_invalidate()  # (after the frees above, which keep secondaries)

@@ -46,14 +46,15 @@ def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
         from .param_homes import ParamHomes
 
         homes = ParamHomes(offload_params, trainable[0][0].device, offload is not None,
-                           offload_path, comm.rank)
+                           offload_path, comm.world.rank)  # file names: unique per rank
         make = homes.make
-    buffers = [make(ps, dtype, comm.world_size, comm.rank, gi, u.index, placement=placement)
+    shard = comm.shard  # the layout: sharded over the shard group
+    buffers = [make(ps, dtype, shard.world_size, shard.rank, gi, u.index, placement=placement)
                for u in unit_list for gi in range(len(trainable))
                for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
     # Frozen params: sharded with their unit, cast to the precision, no grads and no
     # optimizer state (units.py); group_index -1: in no param group.
-    frozen = [make(u.frozen, dtype, comm.world_size, comm.rank, -1, u.index, trainable=False)
+    frozen = [make(u.frozen, dtype, shard.world_size, shard.rank, -1, u.index, trainable=False)
               for u in unit_list if u.frozen]
     if homes is not None:
         homes.finalize()

@@ -8,7 +8,9 @@ otherwise act on those empty tensors without a word. `ModelGuard` hooks the mode
   values are not on this rank, and gathering them would be a collective that hangs when only
   rank 0 saves (the usual `if rank == 0: torch.save(model.state_dict())`). keep_vars=True is
   let through: it returns the Parameter objects themselves (what checkpoint code uses to
-  name them), never copies of empty values.
+  name them), never copies of empty values. Inside gathered_params() the state dict holds
+  copies of the gathered values, one per tied param ([Note: stage-3 state dicts own their
+  values]), so savers see independent tensors and the dict outlives the block.
 - `model.load_state_dict(full_sd)` loads anywhere, with no collective: each rank copies its
   own piece of every param from the full tensors into its shard (cast to the precision) and,
   for trainable params, the fp32 master (the full fp32 values, not the 16-bit rounding).
@@ -47,6 +49,10 @@ class ModelGuard:
         self.dtype, self.device = f0.dtype, f0.device
         self.hooks: List = []
         on_sd, on_load = weak_hook(self, "_on_state_dict"), weak_hook(self, "_on_load")
+        own = weak_hook(self, "_own_values")
+        for mod in model.modules():  # any module's state_dict() may be the top call
+            self.hooks.append(mod.register_state_dict_post_hook(
+                lambda m, sd, prefix, meta: own(m, sd, prefix)))
         for mod in model.modules():
             if not any(id(p) in self.where for p in mod._parameters.values() if p is not None):
                 continue
@@ -104,6 +110,34 @@ class ModelGuard:
             "are empty between steps). On every rank, wrap it: `with opt.gathered_params(): "
             "sd = model.state_dict()` (collective; then save on rank 0), or save with "
             "zerokern.checkpoint.save(path, model, opt)")
+
+    def _own_values(self, module, state_dict, prefix) -> None:
+        """Inside gathered_params(): the state dict gets copies of the gathered values.
+
+        [Note: stage-3 state dicts own their values] (issue 21, item 5)
+        The gathered params are views of their unit's full buffer: one storage per unit, freed
+        (resized to 0) when gathered_params() exits. A state dict of views would (a) look like
+        aliased tensors to every saver that keys on the storage (accelerate keeps one name per
+        storage and drops the rest; safetensors.save_model refuses) and (b) hold no values
+        once the block exits, where the usual `with opt.gathered_params(): sd =
+        model.state_dict()` then `torch.save(sd)` uses it. Stage 0-2's zero-copy alias
+        (layout/param_alias.py) cannot follow the resize, so the values are cloned: the state dict
+        costs one more copy of the params in the model dtype (2 bytes/param at bf16) for as
+        long as the caller keeps it, as `ZeroAccelerator.get_state_dict` always did.
+        keep_vars=True (the Parameters themselves) is left alone. Done once, by the module
+        whose state_dict() was called (prefix ""), so that a tied param gets ONE copy under
+        all its names (savers recognise the tie by the shared storage)."""
+        sync = self._sync()
+        if prefix or sync is None or not sync.all_gathered:
+            return
+        copies = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            v = state_dict.get(name)
+            if id(p) not in self.where or v is None or v is p:
+                continue
+            if id(p) not in copies:
+                copies[id(p)] = v.clone()
+            state_dict[name] = copies[id(p)]
 
     @torch.no_grad()
     def _on_load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,

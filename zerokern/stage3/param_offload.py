@@ -19,7 +19,7 @@ tensors, param files, the "nvme" buffers and read-ahead, the journal's commit, t
 
 [Note: param offload choices]
 1. When to fetch. The shard is fetched when its all-gather is launched, so a prefetched gather
-   (Stage3Sync prefetches one unit ahead) fetches one unit ahead too: the H2D copy is queued on
+   (Stage3Runtime prefetches one unit ahead) fetches one unit ahead too: the H2D copy is queued on
    the current stream before the all-gather, which waits for it in stream order, and the host
    does not wait (pinned memory). Fetching earlier than the gather would hold a second unit's
    shard on the device for nothing on a GPU (a shard is 1/N of a unit: 2·S bytes bf16 at
@@ -183,7 +183,7 @@ class OffloadedShardedFlat(ShardedFlat):
             self.homes.write_step(self)
 
 
-# -- Stage3Sync's calls (runtime.py, backward.py) ------------------------------------------------
+# -- Stage3Runtime's calls (runtime.py, backward.py) ---------------------------------------------
 def _homes(sync):
     bufs = sync.groups or sync.frozen  # (O(1): called at every prefetch)
     return getattr(bufs[0], "homes", None) if bufs else None

@@ -69,6 +69,8 @@ from zerokern.grads.weak_hook import weak_hook
 
 from . import guards, param_offload
 from .backward import Stage3Backward
+from .generate_sync import sync_generate
+from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
 from .units import Unit
 
@@ -130,6 +132,7 @@ class Stage3Runtime(Stage3Backward):
         # Rule 2: reduce-scatters in the reversed schedule, the root last, on their own group.
         self._rs_order: List[int] = [u for u in self._bsched + [0] if self.unit_flats[u]]
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked in reduce()
+        self.hpz = None if comm.hpz is None else HpzSecondary(comm.hpz)  # stage3/hpz.py
         super().__init__(flats, comm, reduce_dtype, rs_comm=comm.split())
         self.guard = guards.ModelGuard(self, model)
         for u in self.active_units:
@@ -138,6 +141,8 @@ class Stage3Runtime(Stage3Backward):
             self._hooks.append(u.module.register_forward_hook(
                 weak_hook(self, "_post_forward_hook")))
         self._hooks += self.guard.hooks
+        # generate() with synced_gpus on at world_size > 1 ([Note] in generate_sync.py)
+        self._hooks += sync_generate(model, comm.world.world_size, self)
         self._reset_backward()
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -166,9 +171,11 @@ class Stage3Runtime(Stage3Backward):
         for ui in unit_ids:  # launch every all-gather first, then wait: they overlap
             for f in self._bufs(ui):
                 if not f.gathered and f.handle is None:
-                    launched.add(id(f))
+                    launched.add(id(f))  # hpZ: from the node's secondary while valid
+                    route = None if self.hpz is None else self.hpz.route(f)
+                    comm, src = route if route is not None else (self.comm.shard, None)
                     try:
-                        f.start_gather(self.comm, self._label(f))
+                        f.start_gather(comm, self._label(f), src)
                     except Exception as e:  # a param file read on this rank (comm/abort.py)
                         self.comm.signal_failure(e)
                         raise
@@ -183,6 +190,8 @@ class Stage3Runtime(Stage3Backward):
     def _free(self, ui: int) -> None:
         for f in self._bufs(ui):
             if f.gathered or f.handle is not None:
+                if self.hpz is not None and not self.in_backward:  # [Note: hpZ secondary]
+                    self.hpz.keep(f)
                 f.free()
                 self.live_bytes -= f.full_bytes
 
@@ -223,6 +232,7 @@ class Stage3Runtime(Stage3Backward):
             return
         if u.is_root or not self._refs[0]:  # a forward starts (param offload's read-ahead)
             param_offload.new_pass(self)
+            self._hpz_invalidate()
         if u.is_root:
             self.guard.check_forward()
             self._recording, self._fcur = [], 0
@@ -302,7 +312,8 @@ class Stage3Runtime(Stage3Backward):
         local = [t for t in (self._local or []) if t is not None]  # no_sync() accumulators
         return {"grads": self.held_grads(),
                 "buckets": [b for bufs in self._pool.values() for b in bufs]
-                + list(self._staging.values()) + local}
+                + list(self._staging.values()) + local,
+                "hpz": [] if self.hpz is None else self.hpz.held()}
 
     def clear_all(self) -> None:
         super().clear_all()
@@ -315,8 +326,13 @@ class Stage3Runtime(Stage3Backward):
                 s = self.groups[gi].layout.slots[i]
                 self._local[gi][s.offset:s.offset + s.numel].zero_()
 
+    def _hpz_invalidate(self) -> None:
+        if self.hpz is not None:  # the params may change from here ([Note: hpZ secondary])
+            self.hpz.invalidate()
+
     def gather_all(self) -> None:
         param_offload.new_pass(self)
+        self._hpz_invalidate()
         for u in self.active_units:
             self._refs[u.index] += 1
         self._gather([u.index for u in self.active_units])
@@ -334,8 +350,9 @@ class Stage3Runtime(Stage3Backward):
         """Between steps: the frozen params whole inside the block (collective), e.g. for a
         checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
         param_offload.new_pass(self)
+        self._hpz_invalidate()
         for f in self.frozen:
-            f.start_gather(self.comm, self._label(f))
+            f.start_gather(self.comm.shard, self._label(f))
         for f in self.frozen:
             f.finish_gather()
         ok = False
@@ -368,8 +385,3 @@ class Stage3Runtime(Stage3Backward):
     def detach(self) -> None:
         super().detach()
         self.gather_all()  # the params are left whole (views of full buffers) for the new owner
-
-
-# Its name before issue 15 ("sync" undersold it: most of it is the param runtime), kept for
-# code written against it.
-Stage3Sync = Stage3Runtime

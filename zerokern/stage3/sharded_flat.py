@@ -90,21 +90,22 @@ class ShardedFlat(ShardBuffer):
     def full_bytes(self) -> int:
         return self._full_bytes
 
-    def start_gather(self, comm, label=None) -> None:
+    def start_gather(self, comm, label=None, src=None) -> None:
         """Allocate full and launch the all-gather of every rank's shard into it (async); on a
-        GPU on the gather stream ([Note: stage-3 gather stream])."""
+        GPU on the gather stream ([Note: stage-3 gather stream]). src: hpZ's secondary piece,
+        gathered over the node group (stage3/hpz.py)."""
         if self.residency is not Residency.SHARD:
             return
         gs = self._gather_stream()
         if gs is None:
             self.full.untyped_storage().resize_(self._full_bytes)
-            self.handle = comm.all_gather_(self.full, self._gather_source(), async_op=True,
-                                            label=label)
-        else:
+            self.handle = comm.all_gather_(self.full, self._gather_source() if src is None
+                                            else src, async_op=True, label=label)
+        else:  # (the source is fetched on the gather stream: offload_params' H2D copy)
             with gs.context():
                 self.full.untyped_storage().resize_(self._full_bytes)
-                self.handle = comm.all_gather_(self.full, self._gather_source(),
-                                                async_op=True, label=label)
+                self.handle = comm.all_gather_(self.full, self._gather_source() if src is None
+                                                else src, async_op=True, label=label)
             self._landed = (gs, gs.record())
         self.residency = Residency.GATHERING
 

@@ -119,7 +119,9 @@ class NvmeOffloader(CopyPipeline):
     # -- files (nvme_state.py) -----------------------------------------------------------------
     def allocate(self, buf) -> DiskState:
         """The buffer's state files, the master streamed from its params (Note: lazy state)."""
-        f = DiskState(buf, len(self.files), self.comm.rank, self.root, self.tag, self.rule)
+        # file names: the world rank (HSDP replicas hold the same shard rank)
+        f = DiskState(buf, len(self.files), self.comm.world.rank, self.root, self.tag,
+                      self.rule)
         self.files.append(f)
         try:
             f.create(buf, self.direct)
@@ -311,8 +313,8 @@ class NvmeOffloader(CopyPipeline):
             self._drain()
         failed = torch.tensor([0.0 if self.error is None else 1.0],
                               device=self.groups[0].device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce_(failed)
+        if self.comm.world.world_size > 1:  # agreement: every rank commits or rolls back
+            self.comm.world.all_reduce_(failed)
         # One host read per step (a device sync with NCCL): the step already waited for the
         # host's update of every chunk, so it costs the all-reduce's latency only.
         self.plan = None
@@ -353,7 +355,7 @@ class NvmeOffloader(CopyPipeline):
         # publish nothing), as a step does.
         for g in self.groups:
             for k in range(g.layout.n_buckets):
-                h = g.publish_piece(self.comm, k)
+                h = g.publish_piece(self.comm.shard, k)
                 if h is not None:
                     h.wait()
 

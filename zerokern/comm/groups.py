@@ -1,0 +1,194 @@
+"""`Comm`: the process groups a ZeroAdamW runs over, each named by what it is for.
+
+[Note: two groups, named by role]
+One group used to mean two things. With a data-parallel mesh they differ, so every call site
+says which one it means:
+- `shard` (layout): the ranks a flat buffer is sharded over. Its rank and size give the
+  partition (`partition.FlatLayout`), it reduce-scatters the grads and all-gathers the params.
+- `world` (agreement): every data-parallel rank, everyone who must agree. The grad stats
+  all-reduce (found_inf, sumsq: the overflow skip and the clip norm) and the averaging divisor,
+  the NVMe commit flag, the checkpoint's `agree`, the ZEROKERN_DEBUG_COLLECTIVES fingerprint,
+  and the rank in file names (unique per rank: replicas hold the same shard).
+- `replicate` (HSDP only, None otherwise): the ranks holding the same shard (one per shard
+  group). The reduce-scattered shard is all-reduced over it, so each rank holds the sum over
+  the whole world of its shard, as with a flat world.
+A 1-D mesh (or `process_group=`, or none) makes `world` the very same GroupComm as `shard`:
+today's behaviour, collective for collective. A 2-D mesh (replicate, shard) makes three groups.
+
+[Note: HSDP stats count each element once]
+After the replicate all-reduce every replica holds the same shard, so a world sum of sumsq would
+count each element once per replica. `count_once_` zeroes a sum-type statistic on every rank but
+replica 0 before the world all-reduce: the sum is then exactly the shard group's (x + 0 is exact),
+with no division (1/3 is not exact), while found_inf and the step's agreement stay world-wide.
+
+All GroupComms of one optimizer share one CommStats (comm_stats() per dim) and one debug log,
+checked over the world group.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import CommStats, GroupComm, _Done
+from .debug import CollectiveLog
+from .debug import enabled as _debug_enabled
+from .ring import FutureWork
+
+
+class _Then:
+    """A handle whose wait() waits for the first op, then runs the second (issued only then:
+    on NCCL a collective issued before the first landed would read the buffer too early)."""
+
+    def __init__(self, first, then) -> None:
+        self._first, self._then = first, then
+
+    def wait(self) -> bool:
+        if self._then is not None:
+            self._first.wait()
+            then, self._then = self._then, None
+            then().wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._then is None
+
+
+class Comm:
+    """The shard, replicate and world groups of one optimizer ([Note: two groups, named by
+    role]). `Comm(process_group)`: 1-D, the shard group is the world group (default WORLD, or
+    world size 1 without init_process_group). `Comm.mesh(shard_pg, replicate_pg, world_pg)`:
+    HSDP."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
+                 _groups: Optional[tuple] = None, hpz: Optional[GroupComm] = None) -> None:
+        # hpZ (stage3/hpz.py): the node group the secondary param copies are sharded over;
+        # the shard group is then the whole world.
+        self.hpz = hpz
+        if _groups is None:
+            self.shard = GroupComm(process_group, dim="shard")
+            self.world = self.shard
+            self.replicate: Optional[GroupComm] = None
+        else:
+            self.shard, self.replicate, self.world = _groups
+
+    @classmethod
+    def hpz_mesh(cls, world_pg, node_pg) -> Comm:
+        """hpZ: shard over world_pg (every rank of the mesh), the secondary over node_pg."""
+        shard = GroupComm(world_pg, dim="shard")
+        node = GroupComm(node_pg, dim="hpz", stats=shard.stats, tag="hpz")
+        return cls(_groups=(shard, None, shard), hpz=node)
+
+    @classmethod
+    def mesh(cls, shard_pg, replicate_pg, world_pg) -> Comm:
+        """HSDP: shard inside shard_pg, all-reduce the shard across replicate_pg; world_pg is
+        every rank of both (all process groups, this rank in each)."""
+        stats = CommStats()
+        shard = GroupComm(shard_pg, dim="shard", stats=stats, tag="main")
+        replicate = GroupComm(replicate_pg, dim="replicate", stats=stats, tag="replicate")
+        world = GroupComm(world_pg, dim="world", stats=stats, tag="world")
+        if replicate.world_size == 1:  # (N, 1)... is 1-D after all: no replicate all-reduce
+            replicate = None
+        return cls(_groups=(shard, replicate, world))
+
+    # -- what the optimizer reads ---------------------------------------------------------------
+    @property
+    def stats(self) -> CommStats:
+        return self.shard.stats
+
+    @property
+    def log(self) -> Optional[CollectiveLog]:
+        return self.world.log
+
+    @property
+    def dims(self) -> dict:
+        """Group sizes by role: {"shard": n, "replicate": m, "world": n*m} (and "hpz": the
+        node group's size with hpZ)."""
+        out = {"shard": self.shard.world_size,
+               "replicate": 1 if self.replicate is None else self.replicate.world_size,
+               "world": self.world.world_size}
+        if self.hpz is not None:
+            out["hpz"] = self.hpz.world_size
+        return out
+
+    def _groups(self):
+        seen = []
+        for g in (self.shard, self.replicate, self.world, self.hpz):
+            if g is not None and all(g is not s for s in seen):
+                seen.append(g)
+        return seen
+
+    def count_once_(self, t: torch.Tensor) -> torch.Tensor:
+        """Zero t on replicas other than 0 ([Note: HSDP stats count each element once]), so a
+        world SUM of it counts each shard once; t unchanged without replicas."""
+        if self.replicate is not None and self.replicate.rank != 0:
+            t.zero_()
+        return t
+
+    def signal_failure(self, error: BaseException) -> None:
+        """This rank raises `error`: post it on every group's failure channel (comm/abort.py),
+        so peers waiting in a collective on any of them raise too."""
+        for g in self._groups():
+            g.signal_failure(error)
+
+    # -- grads ---------------------------------------------------------------------------------
+    def reduce_grads_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                      label: Optional[str] = None):
+        """out = this rank's shard of the sum over the world of inp (consumed, as
+        GroupComm.reduce_scatter_): a reduce-scatter over the shard group, then (HSDP) an
+        all-reduce of the shard over the replicate group.
+
+        [Note: HSDP reduction order] On the gloo ring both run on the shard group's ring
+        thread, the all-reduce right after its reduce-scatter, so it overlaps backward like
+        the reduce-scatter and the replicate group sees one static order (the reduce-scatter
+        order). Elsewhere (NCCL, native gloo) the all-reduce is issued when the caller waits
+        for the handle, which every caller does in issue order."""
+        h = self.shard.reduce_scatter_(out, inp, async_op=True, label=label)
+        rep = self.replicate
+        if rep is not None:
+            ring = self.shard.ring
+            if ring is not None and isinstance(h, FutureWork):
+                rep.account("all_reduce", out, label)
+                fut = ring.submit(_after, h, out, rep.group)
+                h = FutureWork(fut)
+            else:
+                h = _Then(h, lambda: rep.all_reduce_(out, async_op=True, label=label))
+        if not async_op:
+            h.wait()
+            return _Done()
+        return h
+
+    def all_reduce_grads_(self, t: torch.Tensor, async_op: bool = False,
+                          label: Optional[str] = None):
+        """Sum t over the world (stage 0: every rank holds every grad, as DDP)."""
+        return self.world.all_reduce_(t, async_op=async_op, label=label)
+
+    def split(self) -> Comm:
+        """Stage 3's reduce-scatters on a shard group of their own ([Note: stage-3 collective
+        order]); the replicate all-reduce after each stays on the one replicate group (only
+        reduce_grads_ uses it) and the agreement on the world."""
+        return Comm(_groups=(self.shard.split(), self.replicate, self.world), hpz=self.hpz)
+
+    # -- debug log ([Note: collective fingerprints], comm/debug.py) --------------------------
+    def enable_debug_log(self) -> None:
+        """ZEROKERN_DEBUG_COLLECTIVES=1: one log over every group of this optimizer (call
+        before split())."""
+        if self.world.log is None and _debug_enabled():
+            log = CollectiveLog()
+            for g in self._groups():
+                g.log = log
+
+    def check_collectives(self, where: str = "step()") -> None:
+        """Raise on every rank if the ranks issued different collectives since the last check,
+        over the world group (a no-op when the mode is off)."""
+        if self.world.log is not None:
+            self.world.log.check(self.world.group, where)
+
+
+def _after(h, out: torch.Tensor, group) -> None:
+    """On the ring thread: the reduce-scatter (already queued before this), then the
+    replicate all-reduce of its result."""
+    h.wait()
+    dist.all_reduce(out, group=group)

@@ -1,0 +1,129 @@
+"""`ZeroAdamW(mesh=...)`: the data-parallel DeviceMesh, parsed into a `Comm` (comm/groups.py).
+
+FSDP2's convention (`fully_shard(mesh=...)`), so its users need not learn another: the mesh is
+the *data-parallel* one (for a tensor-parallel model the dp sub-mesh, `world_mesh["dp"]`).
+- 1-D: shard over it (as `process_group=` with the same ranks).
+- 2-D: (replicate, shard), HSDP: shard over dim 1 (inside a node), replicate over dim 0
+  (across nodes); the reduce-scatter stays in the shard group and the shard is all-reduced
+  across the replicate group.
+- 2-D with `hpz=True` (stage 3): ZeRO++'s hpZ, shard over every rank of the mesh, plus a
+  secondary copy of the params sharded over dim 1 for the backward gathers (stage3/hpz.py).
+
+Everything here is checked before the optimizer changes anything, and raises ValueError (or
+TypeError for a non-mesh) naming `mesh`. The checks are local (the mesh's own shape and ranks),
+so every rank of a bad mesh raises without a collective; a rank outside the mesh raises while
+the mesh's ranks never wait for it (it is in none of their groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch.distributed as dist
+
+from .groups import Comm
+
+# One process group per set of dp ranks (the world group of a sub-mesh), made once: groups are
+# never destroyed, so one per optimizer would leak connections.
+_WORLD_GROUPS: dict = {}
+
+
+def _is_mesh(mesh: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(mesh, DeviceMesh)
+
+
+def check_mesh(mesh: Any, process_group: Any = None, device_type: Optional[str] = None
+               ) -> Optional[Tuple[int, ...]]:
+    """Validate `mesh` (None passes); the mesh's shape. Raises before anything changes.
+
+    Args:
+        mesh: None, or a 1-D or 2-D torch DeviceMesh containing this rank.
+        process_group: also given: it must have exactly the mesh's ranks (1-D: in its order).
+        device_type: the params' device type ("cpu", "cuda"): the mesh's must be the same.
+    """
+    if mesh is None:
+        return None
+    if not _is_mesh(mesh):
+        raise TypeError("mesh must be a torch.distributed.device_mesh.DeviceMesh (the "
+                        f"data-parallel mesh) or None, got {type(mesh).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("mesh given but torch.distributed is not initialized")
+    shape = tuple(int(s) for s in mesh.mesh.shape)
+    if len(shape) not in (1, 2):
+        raise ValueError(f"mesh must be the 1-D or 2-D data-parallel mesh ((shard,) or "
+                         f"(replicate, shard)), got a {len(shape)}-D mesh of shape {shape}; "
+                         "for tensor or pipeline parallelism pass the dp sub-mesh, e.g. "
+                         "world_mesh['dp']")
+    if any(s == 0 for s in shape):
+        raise ValueError(f"mesh has a dim of size 0 (shape {shape}); every dim needs >= 1 rank")
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    ws = dist.get_world_size()
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < ws for r in ranks):
+        raise ValueError(f"mesh ranks must be distinct ranks of the {ws}-rank job, got "
+                         f"{mesh.mesh.tolist()}")
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"mesh does not contain this rank ({me}): its ranks are "
+                         f"{mesh.mesh.tolist()}; every rank builds ZeroAdamW with the "
+                         "data-parallel mesh it belongs to")
+    if device_type is not None and mesh.device_type != device_type:
+        raise ValueError(f"mesh is a {mesh.device_type!r} mesh but the params are on "
+                         f"{device_type!r}: the mesh must cover the devices the params live on")
+    if process_group is not None:
+        pg_ranks = dist.get_process_group_ranks(process_group)
+        same = pg_ranks == ranks if len(shape) == 1 else sorted(pg_ranks) == sorted(ranks)
+        if not same:
+            raise ValueError(f"mesh and process_group disagree: the mesh's ranks are "
+                             f"{mesh.mesh.tolist()}, the process group's {pg_ranks}; give "
+                             "one of them (or a process group of exactly the mesh's ranks)")
+    return shape
+
+
+def check_hpz(hpz: Any, shape: Optional[Tuple[int, ...]], stage: int,
+              offload_params: Optional[str]) -> None:
+    """hpz=True needs stage 3 and a 2-D (replicate, shard) mesh, without offload_params."""
+    if not isinstance(hpz, bool):
+        raise TypeError(f"hpz must be True or False, got {type(hpz).__name__}")
+    if not hpz:
+        return
+    if stage != 3:
+        raise ValueError(f"hpz=True is for stage 3 (its params are sharded), got stage={stage}")
+    if shape is None or len(shape) != 2:
+        raise ValueError("hpz=True needs a 2-D mesh (replicate, shard): params shard over all "
+                         "its ranks, the secondary copy over dim 1 (the node); got "
+                         f"{'no mesh' if shape is None else f'a mesh of shape {shape}'}")
+    if offload_params is not None:
+        raise ValueError("hpz=True does not support offload_params (the secondary copy would "
+                         f"live on the device); got offload_params={offload_params!r}")
+
+
+def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
+    """The Comm of a checked mesh (check_mesh first): 1-D shards over it; 2-D (replicate,
+    shard) shards over dim 1 and replicates over dim 0, agreeing over all its ranks; 2-D with
+    hpz shards over all its ranks with the secondary over dim 1."""
+    if mesh.mesh.ndim == 1:
+        return Comm(process_group if process_group is not None else mesh.get_group(0))
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if process_group is not None:
+        world = process_group
+    elif ranks == list(range(dist.get_world_size())):
+        world = dist.group.WORLD
+    else:  # a dp sub-mesh: a group of its ranks; only they take part in creating it
+        key = tuple(ranks)
+        if key not in _WORLD_GROUPS:
+            _WORLD_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+        world = _WORLD_GROUPS[key]
+    if hpz:
+        return Comm.hpz_mesh(world, mesh.get_group(1))
+    return Comm.mesh(mesh.get_group(1), mesh.get_group(0), world)
+
+
+def make_comm(process_group=None, mesh=None, hpz: bool = False) -> Comm:
+    """ZeroAdamW's Comm from its `process_group=`, `mesh=` and `hpz=` (checked already)."""
+    if mesh is None:
+        return Comm(process_group)
+    return comm_from_mesh(mesh, process_group, hpz)
