@@ -80,7 +80,7 @@ def test_nvme_rollback_waits_for_the_copy_stream_first(monkeypatch):
         param_out_piece=lambda k: _Piece(k),
         publish_piece=lambda comm, k: log.append(("publish", k)))
     off.groups = [group]
-    off.comm = None
+    off.comm = types.SimpleNamespace(shard=None)  # the shard group: publish_piece takes it
     off.end = lambda: log.append(("end",))
     off._rollback()
     assert log[0] == ("end",)
