@@ -11,17 +11,23 @@ import torch
 from .optimizer import ENGINE_ARGS, ZeroOptimizer
 from .rules.lion import LION
 
+# ZeroLion does not forward the engine's `mesh` / `hpz` yet: its docstring leaves them out
+_MESH_AT = ENGINE_ARGS.index("\n        mesh (DeviceMesh")
+_BACKEND_AT = ENGINE_ARGS.index("\n        backend:")
+
 
 class ZeroLion(ZeroOptimizer):
     __doc__ = """Lion with ZeRO sharding: lion-pytorch's `Lion` (lr, betas, weight_decay; the
     update is `p -= lr * sign(beta1*m + (1-beta1)*g)` after `p *= 1 - lr*wd`, then
-    `m = beta2*m + (1-beta2)*g`), on the engine's stages, precisions and placements.
+    `m = beta2*m + (1-beta2)*g`), on the engine's stages, precisions and placements. It takes
+    no `mesh=` / `hpz=` yet (ZeroAdamW does): it shards over one process group.
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
         lr: as lion_pytorch.Lion (default 1e-4); per group where given in a group.
         betas: (beta1, beta2) as lion_pytorch.Lion (default (0.9, 0.99)); per group.
-        weight_decay: decoupled, as lion_pytorch.Lion (default 0.0); per group.""" + ENGINE_ARGS
+        weight_decay: decoupled, as lion_pytorch.Lion (default 0.0); per group.""" + (
+        ENGINE_ARGS[:_MESH_AT] + ENGINE_ARGS[_BACKEND_AT:])
 
     def __init__(
         self,

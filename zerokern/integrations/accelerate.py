@@ -259,7 +259,16 @@ class ZeroAccelerator(Accelerator):
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         """accelerate's save_state, with the model and ZeroAdamW saved by zerokern.checkpoint
-        into `<output_dir>/zerokern` (collective: every rank must call)."""
+        into `<output_dir>/zerokern` (collective: every rank must call).
+
+        Args:
+            output_dir: as accelerate's (None: its automatic checkpoint naming).
+            safe_serialization: as accelerate's (the files it writes itself).
+            **kwargs: passed to accelerate's save_state.
+
+        Returns:
+            The folder written, as accelerate's save_state returns it.
+        """
         z = self.zero_optimizer
         if z is None:
             return super().save_state(output_dir, safe_serialization=safe_serialization,
@@ -273,7 +282,20 @@ class ZeroAccelerator(Accelerator):
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
         """accelerate's load_state, with the model and ZeroAdamW restored from the zerokern
         checkpoint (any world size and stage; collective). The zerokern checkpoint is loaded
-        first: if it is missing or does not fit, every rank raises and nothing has changed."""
+        first: if it is missing or does not fit, every rank raises and nothing has changed.
+
+        Args:
+            input_dir: as accelerate's (None: its latest automatic checkpoint).
+            load_kwargs: as accelerate's.
+            **kwargs: passed to accelerate's load_state.
+
+        Returns:
+            What accelerate's load_state returns.
+
+        Raises:
+            ValueError: input_dir has no zerokern checkpoint (not written by
+                ZeroAccelerator.save_state).
+        """
         z = self.zero_optimizer
         if z is None:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
