@@ -11,23 +11,17 @@ import torch
 from .optimizer import ENGINE_ARGS, ZeroOptimizer
 from .rules.lion import LION
 
-# ZeroLion does not forward the engine's `mesh` / `hpz` yet: its docstring leaves them out
-_MESH_AT = ENGINE_ARGS.index("\n        mesh (DeviceMesh")
-_BACKEND_AT = ENGINE_ARGS.index("\n        backend:")
-
 
 class ZeroLion(ZeroOptimizer):
     __doc__ = """Lion with ZeRO sharding: lion-pytorch's `Lion` (lr, betas, weight_decay; the
     update is `p -= lr * sign(beta1*m + (1-beta1)*g)` after `p *= 1 - lr*wd`, then
-    `m = beta2*m + (1-beta2)*g`), on the engine's stages, precisions and placements. It takes
-    no `mesh=` / `hpz=` yet (ZeroAdamW does): it shards over one process group.
+    `m = beta2*m + (1-beta2)*g`), on the engine's stages, precisions, placements and meshes.
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
         lr: as lion_pytorch.Lion (default 1e-4); per group where given in a group.
         betas: (beta1, beta2) as lion_pytorch.Lion (default (0.9, 0.99)); per group.
-        weight_decay: decoupled, as lion_pytorch.Lion (default 0.0); per group.""" + (
-        ENGINE_ARGS[:_MESH_AT] + ENGINE_ARGS[_BACKEND_AT:])
+        weight_decay: decoupled, as lion_pytorch.Lion (default 0.0); per group.""" + ENGINE_ARGS
 
     def __init__(
         self,
@@ -51,6 +45,8 @@ class ZeroLion(ZeroOptimizer):
         free_grads: bool = False,
         offload_params: Optional[str] = None,
         master: str = "fp32",
+        mesh=None,
+        hpz: bool = False,
     ) -> None:
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1], got {betas!r}")
@@ -59,4 +55,4 @@ class ZeroLion(ZeroOptimizer):
                          stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
                          reduce_dtype, process_group, backend, param_groups=param_groups,
                          units=units, offload_path=offload_path, free_grads=free_grads,
-                         offload_params=offload_params, master=master)
+                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz)
