@@ -57,8 +57,10 @@ TOL = {
 
 # ---- rank side ---------------------------------------------------------------------------------
 def _walk_bytes(opt) -> int:
-    """Storage bytes of every (non-scalar) tensor reachable from the optimizer's own state."""
-    seen, total, stack = set(), 0, [opt.flat_groups, opt.grad_sync.__dict__]
+    """Bytes of memory under every (non-scalar) tensor reachable from the optimizer's own state:
+    the union of their storages' address ranges, so a param's storage that aliases its slot of
+    the flat buffer (layout/param_alias.py) is not counted twice."""
+    ranges, stack = {}, [opt.flat_groups, opt.grad_sync.__dict__]
     visited = set()
     while stack:
         obj = stack.pop()
@@ -71,15 +73,24 @@ def _walk_bytes(opt) -> int:
             st = obj.untyped_storage()
             # (uint8: a compact master's tie bitmap, S/8 bytes, small for this tiny model)
             big = obj.numel() >= TOL["small_tensor_numel"] or obj.dtype == torch.uint8
-            if big and st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
+            if big and st.nbytes():
+                lo = st.data_ptr()
+                ranges[lo] = max(ranges.get(lo, 0), lo + st.nbytes())
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
         elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("zerokern"):
             stack.extend(vars(obj).values())  # incl. comm: the gloo ring's work buffer
+    total, end = 0, -1
+    for lo in sorted(ranges):  # merge overlapping ranges
+        hi = ranges[lo]
+        if lo >= end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
     return total
 
 
