@@ -171,9 +171,7 @@ class FullGrads(GradSync):
         not into the buffer (stage 0 moved the params by a stale gradient). New views over the
         same buffer (its values are the grads' values) are shown instead."""
         if self.grads is not None:
-            blank = self._blank
-            self._alloc(bufs=self.grads)
-            self._blank = blank
+            self._alloc(bufs=self.grads)  # given buffers: the stale flags are kept
 
     def to_(self, device) -> None:
         if self.grads is not None:
