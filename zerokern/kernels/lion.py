@@ -34,6 +34,7 @@ from .validate import (
     check_backend,
     check_buffer,
     check_hyper,
+    check_no_overlap,
     check_scalar_tensor,
 )
 
@@ -49,14 +50,7 @@ def check_lion_args(master, exp_avg, grad, param_out, *, lr, beta1, beta2, weigh
     if param_out is not None:
         check_buffer("param_out", param_out, OUT_DTYPES, dev, n)
         bufs["param_out"] = param_out
-    if n and dev.type != "meta":  # in-place element by element: overlaps would be wrong
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-                 for name, t in bufs.items()]
-        for i, (lo, hi, name) in enumerate(spans):
-            for lo2, hi2, name2 in spans[:i]:
-                if lo < hi2 and lo2 < hi:
-                    raise ValueError(f"{name} overlaps {name2} in memory; each buffer must be "
-                                     "distinct")
+    check_no_overlap(bufs)
     check_scalar_tensor("step", step, STEP_DTYPES, dev)
     check_scalar_tensor("grad_scale", grad_scale, (torch.float32,), dev)
     check_scalar_tensor("found_inf", found_inf, FOUND_INF_DTYPES, dev)

@@ -105,14 +105,7 @@ def check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, 
     bufs = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
     if param_out is not None:
         bufs["param_out"] = param_out
-    if n and master.device.type != "meta":  # meta tensors have no memory to overlap
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-                 for name, t in bufs.items()]
-        for i, (lo, hi, name) in enumerate(spans):
-            for lo2, hi2, name2 in spans[:i]:
-                if lo < hi2 and lo2 < hi:
-                    raise ValueError(f"{name} overlaps {name2} in memory; each buffer must be "
-                                     "distinct")
+    check_no_overlap(bufs)
     check_scalar_tensor("step", step, STEP_DTYPES, dev)
     check_scalar_tensor("grad_scale", grad_scale, (torch.float32,), dev)
     check_scalar_tensor("found_inf", found_inf, FOUND_INF_DTYPES, dev)
@@ -131,3 +124,15 @@ def check_grad_stats_args(grad, found_inf, sumsq) -> None:
     check_buffer("grad", grad, GRAD_DTYPES, None, None)
     check_scalar_tensor("found_inf", found_inf, FOUND_INF_DTYPES, grad.device)
     check_scalar_tensor("sumsq", sumsq, SUMSQ_DTYPES, grad.device)
+
+
+def check_no_overlap(bufs: dict) -> None:
+    """ValueError naming two of `bufs` (name -> tensor) that share memory: the kernels update in
+    place element by element, so an overlap would be read after write. Meta tensors have none."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+             for name, t in bufs.items() if t.numel() and t.device.type != "meta"]
+    for i, (lo, hi, name) in enumerate(spans):
+        for lo2, hi2, name2 in spans[:i]:
+            if lo < hi2 and lo2 < hi:
+                raise ValueError(f"{name} overlaps {name2} in memory; each buffer must be "
+                                 "distinct")
