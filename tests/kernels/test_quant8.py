@@ -7,12 +7,11 @@ random data; a skipped step is a bitwise no-op; negative control: lr x 1.01 is c
 
 from __future__ import annotations
 
+import bitsandbytes as bnb  # the 8-bit reference (in the test extra)
 import pytest
 import torch
 
 from zerokern.kernels.quant8 import BLOCK, adamw8bit_step_, dequantize, dynamic_map, quantize
-
-bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is the 8-bit reference")
 
 
 @pytest.mark.parametrize("signed", [True, False])
