@@ -135,7 +135,17 @@ class FrozenSkip:
             return
         from zerokern.state.placement import DevicePlacement
 
+        from zerokern.rules import has_block_states
+
         place = opt.placement
+        if skip and has_block_states(opt.rule):  # a param's range may cut a block
+            gi, i = skip[0]
+            raise RuntimeError(
+                f"zerokern: param {i} of param group {gi} was frozen (requires_grad=False) "
+                f"after the optimizer was built; the {opt.rule.name!r} rule keeps per-block "
+                "state shared by neighbouring params (zerokern.rules [Note: per-element and "
+                "per-block states]), so one param cannot be skipped alone. Freeze params "
+                "before building the optimizer")
         if skip and (not isinstance(place, DevicePlacement) or place.master != "fp32" or
                      getattr(opt, "param_homes", None) is not None):
             gi, i = skip[0]

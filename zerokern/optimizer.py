@@ -396,7 +396,11 @@ class ZeroAdamW(ZeroOptimizer):
         betas: (beta1, beta2), as torch.optim.AdamW; per group where given.
         eps: added to the denominator, as torch.optim.AdamW; per group where given.
         weight_decay: decoupled (adamw=True) or L2 (adamw=False) weight decay; per group.
-        adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).""" + \
+        adamw: True decoupled weight decay; False Adam with L2 (grad += wd * p).
+        state_bits: (keyword) 32 (default): fp32 moments; 8: m and v block-quantized to one
+            byte per element plus an fp32 absmax per 128 elements (bitsandbytes' AdamW8bit
+            scheme; zerokern.rules.adamw8bit), 6.06 instead of 12 bytes of state per param
+            element. Decoupled weight decay only (adamw=True); offload None or "cpu".""" + \
         ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics (see ZeroOptimizer).
     """
@@ -427,15 +431,24 @@ class ZeroAdamW(ZeroOptimizer):
         master: str = "fp32",
         mesh=None,
         hpz: bool = False,
+        state_bits: int = 32,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+        if not isinstance(state_bits, int) or isinstance(state_bits, bool) or \
+                state_bits not in (32, 8):
+            raise ValueError(f"state_bits must be 32 (fp32 moments) or 8 (8-bit block-"
+                             f"quantized moments), got {state_bits!r}")
+        rule = ADAMW
+        if state_bits == 8:
+            from .rules.adamw8bit import ADAMW8BIT as rule
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
-        super().__init__(params_or_model, ADAMW,
+        super().__init__(params_or_model, rule,
                          dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                               adamw=adamw),
                          stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
                          reduce_dtype, process_group, backend, param_groups=param_groups,
                          units=units, offload_path=offload_path, free_grads=free_grads,
                          offload_params=offload_params, master=master, mesh=mesh, hpz=hpz)
+        self.state_bits = state_bits

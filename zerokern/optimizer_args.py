@@ -178,6 +178,12 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
         raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
     check_offload(offload, stage)
     check_master(master, precision, offload, stage)
+    from zerokern.rules import has_block_states
+
+    if offload == "nvme" and has_block_states(rule):
+        raise ValueError(f"offload='nvme' holds 4-byte per-element state files only; the "
+                         f"{rule.name!r} rule's states are not (zerokern.rules [Note: "
+                         "per-element and per-block states]): use offload=None or 'cpu'")
     if not isinstance(free_grads, bool):
         raise TypeError(f"free_grads must be a bool, got {type(free_grads).__name__}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)

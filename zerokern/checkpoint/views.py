@@ -133,6 +133,11 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
     if opt.grad_sync.detached:
         raise ValueError("opt no longer owns its params: a newer ZeroAdamW was created on the "
                          "same model; checkpoint that one")
+    from zerokern.rules import has_block_states
+
+    if has_block_states(opt.rule):
+        raise ValueError(f"zerokern.checkpoint does not hold the {opt.rule.name!r} rule's "
+                         "per-block states yet; use opt.state_dict() (same world size)")
     keys = state_dict_keys(model)
     view = OptimizerView(
         stage=opt.stage, precision=opt.precision, dtype=opt.dtype,

@@ -152,8 +152,9 @@ class ShardBuffer:
 
     def moments(self, k: int) -> List[torch.Tensor]:
         """Bucket k's part of each of the rule's states, in the rule's order."""
-        sl = self.state_slice(k)
-        return [t[sl] for t in self.rule_states.values()]
+        if self.state is None:
+            return []
+        return self.state.views(self.state_slice(k))  # per-block states: whole blocks
 
     def state_tensors(self) -> dict:
         out = {**self.rule_states, "steps": self.steps}

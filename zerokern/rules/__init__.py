@@ -21,16 +21,27 @@ The indirection costs one Python call per bucket: AdamW through `ADAMW.step_(...
 interleaved 7 x 2000 calls on the shared 2-core VM (load ~20): medians 349 vs 338 us per
 call, minima 174 vs 206 us, i.e. within the noise of the kernel call's own argument checks.
 
-Only states that shard like the param (one element per param element) are supported by the
-placements today: a rule declaring another kind raises at construction (placement checks
-`check_rule`), never a silent mis-layout. Every state is fp32 (4 bytes) today for the same
-reason: the checkpoint format and the NVMe files store 4-byte elements.
+[Note: per-element and per-block states]
+Every state shards like the param (`sharded`); a rule declaring another kind raises at
+construction (`check_rule`), never a silent mis-layout. A state holds one element per
+`block` param elements: block 1 (AdamW's fp32 moments, Lion's) or a per-block state such as the
+fp32 absmax of 8-bit AdamW's 128-element quantization blocks (rules/adamw8bit.py). A block
+state works because every piece of state a placement hands a kernel is a whole number of
+blocks: state ranges are made of pieces of buckets, each a multiple of partition.ALIGN = 128
+elements starting at a multiple of 128 (partition.py), and `block` must divide ALIGN
+(`check_rule`). `RuleState.views` cuts every state for an element range and raises if the range
+would cut a block, so a mis-layout (a block straddling two ranks' pieces) is an error, never a
+silently wrong scale. The dtypes a state may have: fp32, or uint8 codes (1 byte per element);
+`bytes_per_elem` must be itemsize / block (the formula's K term, exact). The NVMe files hold
+4-byte per-element states only: offload="nvme" with any other state raises before anything
+changes (optimizer_args.check_arguments), as do the other paths that would cut a block
+(a param frozen after construction, frozen_slots.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -42,7 +53,17 @@ class StateSpec:
     name: str                           # a checkpoint section and a report category
     dtype: torch.dtype = torch.float32
     bytes_per_elem: float = 4.0         # bytes per state element (the formula's K term)
-    sharded: bool = True                # one element per param element, sharded like the param
+    sharded: bool = True                # sharded like the param
+    block: int = 1                      # param elements per state element (Note: per-block)
+
+    def numel(self, n: int) -> int:
+        """State elements for `n` param elements (n a multiple of `block`)."""
+        return n // self.block
+
+    @property
+    def plain(self) -> bool:
+        """One fp32 element per param element (what the NVMe files hold)."""
+        return self.block == 1 and self.dtype == torch.float32
 
 
 class Rule:
@@ -87,12 +108,43 @@ def check_rule(rule) -> Rule:
             or "params" in names:
         raise ValueError(f"rule {rule.name!r}: state names must be unique, non-empty and not "
                          f"'master', 'steps' or 'params', got {names}")
+    from zerokern.layout.partition import ALIGN
+
     for s in rule.states:
-        if not s.sharded or s.dtype != torch.float32 or s.bytes_per_elem != 4:
-            raise ValueError(f"rule {rule.name!r}: state {s.name!r} must be fp32 and shard like "
-                             "the param (4 bytes per element): the placements, NVMe files and "
-                             "checkpoint sections hold only those (zerokern.rules Note)")
+        ok = s.sharded and s.dtype in STATE_DTYPES and isinstance(s.block, int) \
+            and s.block >= 1 and ALIGN % s.block == 0 \
+            and s.bytes_per_elem == s.dtype.itemsize / s.block
+        if not ok:
+            raise ValueError(f"rule {rule.name!r}: state {s.name!r} must shard like the param, "
+                             f"be fp32 or uint8, hold one element per `block` param elements "
+                             f"with block dividing {ALIGN}, and declare bytes_per_elem = "
+                             "itemsize / block ([Note: per-element and per-block states])")
     return rule
+
+
+STATE_DTYPES = (torch.float32, torch.uint8)
+
+
+def has_block_states(rule) -> bool:
+    """Some state of `rule` is not one fp32 element per param element (8-bit AdamW's)."""
+    return any(not s.plain for s in rule.states)
+
+
+def cut_states(states: Dict[str, torch.Tensor], blocks: Dict[str, int], lo: int,
+               hi: int) -> List[torch.Tensor]:
+    """Each state's part for state elements [lo, hi) (in per-element coordinates), in order.
+
+    Raises:
+        ValueError: [lo, hi) cuts a block of a per-block state (a mis-layout, never silent).
+    """
+    out = []
+    for name, t in states.items():
+        b = blocks.get(name, 1)
+        if lo % b or hi % b:
+            raise ValueError(f"state {name!r}: elements [{lo}, {hi}) cut its {b}-element "
+                             "blocks (zerokern.rules [Note: per-element and per-block states])")
+        out.append(t[lo // b:hi // b])
+    return out
 
 
 class RuleState:
@@ -104,6 +156,12 @@ class RuleState:
     master: Optional[torch.Tensor]
     states: Dict[str, torch.Tensor]
     steps: torch.Tensor
+    blocks: Dict[str, int] = {}  # name -> block, for the per-block states (others: 1)
+
+    def views(self, sl: slice) -> List[torch.Tensor]:
+        """The rule's states for state elements `sl` (per-element coordinates), in order;
+        ValueError if `sl` cuts a block ([Note: per-element and per-block states])."""
+        return cut_states(self.states, self.blocks, sl.start, sl.stop)
 
     def __getattr__(self, name: str):
         states = self.__dict__.get("states")
@@ -118,9 +176,21 @@ class RuleState:
         return out
 
     def device_buffers(self, padding: int) -> Iterator[Tuple[str, torch.Tensor, int]]:
-        """(category, tensor, padding elements) of every device tensor it holds."""
+        """(category, tensor, padding elements) of every device tensor it holds (a per-block
+        state's padding: its blocks made of padding only, `padding // block`; the padding is
+        the tail of a rank's state)."""
         for cat, t in self.device_tensors().items():
-            yield cat, t, padding
+            yield cat, t, padding // self.blocks.get(cat, 1)
+
+
+def block_map(rule) -> Dict[str, int]:
+    """name -> block of `rule`'s per-block states (RuleState.blocks)."""
+    return {s.name: s.block for s in rule.states if s.block != 1}
+
+
+def alloc_states(rule, n: int, make) -> Dict[str, torch.Tensor]:
+    """The rule's zero-filled states for `n` param elements: `make(numel, dtype)` allocates."""
+    return {s.name: make(s.numel(n), s.dtype).zero_() for s in rule.states}
 
 
 def adamw_rule():
@@ -131,11 +201,13 @@ def adamw_rule():
 
 
 def rule_by_name(name: str) -> Rule:
-    """The built-in rules by name ("adamw", "lion"): estimate's and the CLI's `optimizer=`."""
+    """The built-in rules by name ("adamw", "adamw8bit", "lion"): estimate's and the CLI's
+    `optimizer=`."""
     from zerokern.rules.adamw import ADAMW
+    from zerokern.rules.adamw8bit import ADAMW8BIT
     from zerokern.rules.lion import LION
 
-    rules = {"adamw": ADAMW, "lion": LION}
+    rules = {"adamw": ADAMW, "adamw8bit": ADAMW8BIT, "lion": LION}
     if isinstance(name, Rule):
         return check_rule(name)
     if name not in rules:

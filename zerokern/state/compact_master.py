@@ -64,7 +64,7 @@ from zerokern.kernels.compact_bits import (
     unpack_ties,
     verify,
 )
-from zerokern.rules import Rule, RuleState
+from zerokern.rules import Rule, RuleState, alloc_states, block_map
 from zerokern.rules.adamw import AdamWRule
 
 CHUNK_NUMEL = 1 << 20
@@ -113,7 +113,8 @@ class CompactState(RuleState):
         self.ties = torch.zeros(tie_bytes(n), dtype=torch.uint8, device=dev)
         self._expanded: Optional[torch.Tensor] = torch.zeros(n, dtype=fp32, device=dev)
         buf.fill_master_(self._expanded)  # the original values; compacted at attach
-        self.states = {s.name: torch.zeros(n, dtype=s.dtype, device=dev) for s in rule.states}
+        self.states = alloc_states(rule, n, lambda m, dt: torch.empty(m, dtype=dt, device=dev))
+        self.blocks = block_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
         self._gen = 0            # `master` accesses so far
         self._pending = None     # (gen, _HostFlag): a compaction of the expanded, verified
@@ -154,7 +155,7 @@ class CompactState(RuleState):
         if self._expanded is not None:
             yield "master", self._expanded, padding
         for cat, t in self.states.items():
-            yield cat, t, padding
+            yield cat, t, padding // self.blocks.get(cat, 1)
 
     def device_tensors(self) -> dict:
         out = {"master": self.low, "master_ties": self.ties, **self.states}
@@ -206,7 +207,7 @@ class CompactState(RuleState):
         sl = g.state_slice(k)
         s0, n = sl.start, sl.stop - sl.start
         param = g.param_values(*g.state_range(k))
-        states = [t[sl] for t in self.states.values()]
+        states = self.views(sl)
         step = self.steps[k]
         if self._nan is None:
             self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
@@ -229,7 +230,8 @@ class CompactState(RuleState):
             low, ties = self.low[s0 + lo:s0 + hi], self.ties[(s0 + lo) // 8:(s0 + hi) // 8]
             expand_(x, low, ties, param[lo:hi])
             s.copy_(step)
-            self.rule.step_(x, [t[lo:hi] for t in states], grad[lo:hi], param[lo:hi], step=s,
+            self.rule.step_(x, self.views(slice(s0 + lo, s0 + hi)), grad[lo:hi], param[lo:hi],
+                            step=s,
                             grad_scale=grad_scale, found_inf=found_inf, backend=backend,
                             **hyper)
             compact_(low, ties, x, self._nan)

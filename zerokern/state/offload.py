@@ -38,7 +38,7 @@ from typing import List, Optional
 
 import torch
 
-from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
+from zerokern.rules import Rule, RuleState, adamw_rule, alloc_states, block_map, check_rule
 from zerokern.state import pinned
 
 CHUNK_NUMEL = 1 << 22
@@ -63,7 +63,8 @@ class HostState(RuleState):
         fp32 = torch.float32
         self.master = _host_empty(n, fp32, self.pin).zero_()
         buf.fill_master_(self.master)
-        self.states = {s.name: _host_empty(n, s.dtype, self.pin).zero_() for s in rule.states}
+        self.states = alloc_states(rule, n, lambda m, dt: _host_empty(m, dt, self.pin))
+        self.blocks = block_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
         self.fp32 = buf.dtype == fp32
         self.grad = _host_empty(n, grad_dtype, self.pin)
@@ -174,7 +175,7 @@ class Offloader(CopyPipeline):
         g = self.buffers[gi]
         st = g.state
         sl = g.state_slice(k)
-        master, states = st.master[sl], [t[sl] for t in st.states.values()]
+        master = st.master[sl]
         hgrad = st.grad[sl]
         hparam = None if st.fp32 else st.param[sl]
         dev_out = g.param_out_piece(k)  # the device params (fp32 too: master is on the host)
@@ -191,7 +192,8 @@ class Offloader(CopyPipeline):
         for i, lo in enumerate(range(0, n, self.chunk)):
             hi = min(lo + self.chunk, n)
             self._wait(evs[i])
-            new_step = self._host_update(master[lo:hi], [t[lo:hi] for t in states], hgrad[lo:hi],
+            states = st.views(slice(sl.start + lo, sl.start + hi))  # chunks: whole blocks
+            new_step = self._host_update(master[lo:hi], states, hgrad[lo:hi],
                                          None if hparam is None else hparam[lo:hi], step,
                                          hyper, backend)
             src = master[lo:hi] if hparam is None else hparam[lo:hi]
@@ -225,7 +227,7 @@ class Offloader(CopyPipeline):
         """HostState of one buffer: an fp32 master and the rule's states (padding included),
         a grad staging piece (reduce dtype) and a param staging piece (not at fp32)."""
         S = state_numel
-        host = {"master": S * 4, **{s.name: S * s.dtype.itemsize for s in rule.states}}
+        host = {"master": S * 4, **{s.name: s.numel(S) * s.dtype.itemsize for s in rule.states}}
         host["host_staging"] = S * grad_dtype.itemsize + \
             (0 if dtype == torch.float32 else S * dtype.itemsize)
         return {"device": {}, "host": host, "disk": None}

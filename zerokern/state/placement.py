@@ -35,7 +35,7 @@ from typing import Dict, Optional
 
 import torch
 
-from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
+from zerokern.rules import Rule, RuleState, adamw_rule, alloc_states, block_map, check_rule
 
 
 def _cats(rule: Rule) -> Dict[str, int]:
@@ -54,7 +54,8 @@ class DeviceState(RuleState):
         if buf.dtype != fp32:
             self.master = torch.zeros(n, dtype=fp32, device=dev)
             buf.fill_master_(self.master)
-        self.states = {s.name: torch.zeros(n, dtype=s.dtype, device=dev) for s in rule.states}
+        self.states = alloc_states(rule, n, lambda m, dt: torch.empty(m, dtype=dt, device=dev))
+        self.blocks = block_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
 
     def to_(self, device) -> None:
@@ -104,9 +105,9 @@ class DevicePlacement:
         elif dtype != torch.float32:
             dev["master"] = (S - pad) * 4
             dev["padding"] += pad * 4
-        for s in rule.states:
-            dev[s.name] = (S - pad) * s.dtype.itemsize
-            dev["padding"] += pad * s.dtype.itemsize
+        for s in rule.states:  # a per-block state: its blocks of padding only are padding
+            dev[s.name] = (s.numel(S) - pad // s.block) * s.dtype.itemsize
+            dev["padding"] += pad // s.block * s.dtype.itemsize
         return {"device": dev, "host": None, "disk": None}
 
     @staticmethod
