@@ -278,6 +278,14 @@ void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
                double weight_decay, at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf);
 }  // namespace zk_cpu
 
+namespace zk_cpu {  // adamw8bit_cpu.cpp (ZeroAdamW(state_bits=8))
+void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::Tensor v_q,
+                    at::Tensor v_absmax, at::Tensor grad, std::optional<at::Tensor> param_out,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf,
+                    at::Tensor code_s, at::Tensor code_u, at::Tensor mid_s, at::Tensor mid_u);
+}  // namespace zk_cpu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   m.doc() = "zerokern CPU kernels (OpenMP + AVX-512/AVX2/F16C chosen at run time, scalar fallback)";
@@ -295,6 +303,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lion_step", &zk_cpu::lion_step, "Fused Lion step with cast-back (kernels/lion.py)",
         "master"_a, "exp_avg"_a, "grad"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a,
         "weight_decay"_a, "step"_a, "grad_scale"_a, "found_inf"_a);
+  m.def("adamw8bit_step", &zk_cpu::adamw8bit_step,
+        "Fused AdamW step with 8-bit block-quantized moments (kernels/adamw8bit.py)",
+        "master"_a, "m_q"_a, "m_absmax"_a, "v_q"_a, "v_absmax"_a, "grad"_a, "param_out"_a,
+        "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a,
+        "found_inf"_a, "code_s"_a, "code_u"_a, "mid_s"_a, "mid_u"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");
   m.def("selected_isa", &zk_cpu::selected_isa, "ISA in use: 'avx512' | 'avx2' | 'scalar'");
   m.def("force_isa", &zk_cpu::force_isa, "Select 'auto' | 'avx512' | 'avx2' | 'scalar'", "name"_a);
