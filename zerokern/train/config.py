@@ -49,6 +49,7 @@ class TrainConfig:
     seed: int = DEFAULTS["seed"]
     device: str = "auto"              # "auto" | "cpu" | "cuda"
     bucket_mb: float = 25.0
+    state_bits: int = 32              # ZeroAdamW's moments: 32 fp32, 8 block-quantized
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model init and data seed (default 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA with NCCL if a GPU is visible, else CPU with gloo")
+    p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
+                   help="AdamW moments: 32 fp32, 8 block-quantized 8-bit (default 32)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
 
@@ -104,4 +107,4 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        offload=args.offload, steps=args.steps, model_size=args.model_size,
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
-                       bucket_mb=args.bucket_mb)
+                       bucket_mb=args.bucket_mb, state_bits=args.state_bits)

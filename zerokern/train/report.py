@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from zerokern.accounting.estimate import HOST_CATEGORIES, MEASURED, estimate, spec_from_model
+from zerokern.accounting.estimate import categories, estimate, host_categories, spec_from_model
 from zerokern.accounting.formula import estimate_memory
 
 from ..host import cpu_model
@@ -27,9 +27,18 @@ from .config import TrainConfig
 from .loop import build_model
 
 MAX_RANK_COLUMNS = 4  # more ranks: rank 0 and the largest total are shown
-# memory_report()["host_measured"] category -> its row (offload); the formula's master/m/v
-# are host bytes with offload, so they go on these rows.
-HOST_ROWS = {c: "host " + c.replace("host_", "") for c in HOST_CATEGORIES}
+
+def _rule(cfg: TrainConfig):
+    """The run's optimizer rule: ZeroAdamW's, 8-bit with --state-bits 8."""
+    from zerokern.rules import rule_by_name
+
+    return rule_by_name("adamw8bit" if cfg.state_bits == 8 else "adamw")
+
+
+def host_rows(cfg: TrainConfig) -> Dict[str, str]:
+    """memory_report()["host_measured"] category -> its row (offload); the formula's master
+    and moments are host bytes with offload, so they go on these rows."""
+    return {c: "host " + c.replace("host_", "") for c in host_categories(_rule(cfg))}
 
 
 def _unit(nbytes: float) -> tuple:
@@ -42,19 +51,19 @@ def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str
     with torch.device("meta"):
         model = build_model(cfg, torch.device("meta"))
     return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
-                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm)
+                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm, optimizer=_rule(cfg))
 
 
-def _figures(m: Dict[str, Any]) -> Dict[str, Any]:
+def _figures(m: Dict[str, Any], cfg: TrainConfig) -> Dict[str, Any]:
     """memory_report() / estimate() as {row: bytes}: the device categories, then the host
     ones (offload) and the live-unit bound (stage 3) where the run has them. A report has
     `measured`, an estimate `bytes`."""
     dev = m["measured"] if "measured" in m else m["bytes"]
-    out = {c: dev[c] for c in MEASURED}
+    out = {c: dev[c] for c in categories(_rule(cfg))}
     out["total"] = m["measured_total"] if "measured" in m else m["device_total"]
     host = m.get("host_measured") if "measured" in m else (m["host"] if m["offload"] else None)
     if host is not None:
-        out.update({row: host[c] for c, row in HOST_ROWS.items()})
+        out.update({row: host[c] for c, row in host_rows(cfg).items()})
         out["host total"] = sum(host.values())
     if m.get("live_units_bound") is not None:
         out["live units bound"] = m["live_units_bound"]
@@ -75,9 +84,10 @@ def memory_rows(cfg: TrainConfig, res: Dict[str, Any], est: Optional[dict],
     f = reports[0]["formula"]
     f0 = estimate_memory(psi, world, 0, cfg.precision)
     cmp = res.get("compare")
-    figs = [_figures(reports[r]) for r in range(world)]
-    est_figs = _figures(est) if est is not None else None
-    cmp_figs = _figures(cmp["memory_reports"][0]) if cmp else None
+    figs = [_figures(reports[r], cfg) for r in range(world)]
+    est_figs = _figures(est, cfg) if est is not None else None
+    cmp_figs = _figures(cmp["memory_reports"][0], cfg) if cmp else None
+    rows_of = host_rows(cfg)
     rows = []
     for cat in figs[0]:
         if cat == "live_units" and cfg.stage != 3:
@@ -87,12 +97,12 @@ def memory_rows(cfg: TrainConfig, res: Dict[str, Any], est: Optional[dict],
             row[f"rank{r}"] = _mib(figs[r][cat])
         if est_figs is not None:
             row["estimate"] = _mib(est_figs.get(cat))
-        host_cat = {row: c for c, row in HOST_ROWS.items()}.get(cat)
+        host_cat = {row: c for c, row in rows_of.items()}.get(cat)
         if cat == "host total":
             row["formula"] = _mib(f["host"])
         elif host_cat is not None:
             row["formula"] = _mib(f.get(host_cat))
-        elif cfg.offload and cat in HOST_CATEGORIES and cat != "host_staging":
+        elif cfg.offload and cat in rows_of and cat != "host_staging":
             row["formula"] = None  # the formula's figure is on the host row
         else:
             row["formula"] = _mib(f.get(cat))
@@ -120,12 +130,14 @@ def comm_formula_bytes(psi: int, world: int, stage: int, precision: str) -> floa
     return (3 if stage == 3 else 2) * psi * (world - 1) / world * e
 
 
-def estimate_matches(res: Dict[str, Any], est: Optional[dict]) -> Optional[bool]:
+def estimate_matches(res: Dict[str, Any], est: Optional[dict],
+                     cfg: Optional[TrainConfig] = None) -> Optional[bool]:
     """Rank 0's report equals the estimate in every device category, and in every host one
     (offload) and the live-unit bound (stage 3)."""
     if est is None:
         return None
-    return _figures(res["main"]["memory_reports"][0]) == _figures(est)
+    cfg = TrainConfig() if cfg is None else cfg
+    return _figures(res["main"]["memory_reports"][0], cfg) == _figures(est, cfg)
 
 
 def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
@@ -147,7 +159,7 @@ def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
         "tokens_per_step": main["tokens_per_step"], "tokens_per_s": main["tokens_per_s"],
         "memory": {"per_rank": main["memory_reports"],
                    "estimate": est,
-                   "estimate_matches_rank0": estimate_matches(res, est),
+                   "estimate_matches_rank0": estimate_matches(res, est, cfg),
                    "formula_stage0": estimate_memory(psi, world, 0, cfg.precision)},
         "comm_per_step": main["comm_per_step"],
         "comm_calls_per_step": main["comm_calls_per_step"],
