@@ -172,18 +172,91 @@ def _placements(ws):
     return [(s, None) for s in range(4)] + [(2, "cpu"), (3, "cpu")]
 
 
-def _worker(rank, ws):
+def dequantized(opt, model):
+    """Per param name: its dequantized (m, v), and the codes/absmax per buffer (gathered)."""
+    from zerokern.kernels.quant8 import code_map
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = {k: gather_flat(opt, k) for k in ("exp_avg", "exp_avg_absmax", "exp_avg_sq",
+                                             "exp_avg_sq_absmax")}
+    out = {}
+    for gi, g in enumerate(opt.flat_groups):
+        vals = []
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            q, a = flat[key][gi], flat[key + "_absmax"][gi]
+            vals.append((code_map(signed, q.device)[q.long()].view(-1, BLOCK) *
+                         a[:, None]).view(-1))
+        for p, s in zip(g.params, g.layout.slots):
+            out[names[id(p)]] = torch.stack([v[s.offset:s.offset + s.numel] for v in vals])
+    return out, flat
+
+
+def _save(rank, ws, root):
+    """N=2 stage 2: 3 steps, save, record the state, 2 more steps (the continuation)."""
+    model = M.make_model()
+    opt = build(model, 2)
+    M.train_zero(model, opt, rank, ws, STEPS)
+    zk.checkpoint.save(root + "/q8", model, opt)
+    deq, flat = dequantized(opt, model)
+    rec = M.train_zero(model, opt, rank, ws, 2, start=STEPS)
+    return {"deq": deq, "flat": flat, "continued": rec["params"][-1]}
+
+
+def _load(rank, ws, root, stage, offload):
+    model = M.make_model(seed=1)  # other values: the load must overwrite them
+    opt = build(model, stage, offload)
+    zk.checkpoint.load(root + "/q8", model, opt)
+    deq, flat = dequantized(opt, model)
+    rec = M.train_zero(model, opt, rank, ws, 2, start=STEPS)
+    return {"deq": deq, "flat": flat, "continued": rec["params"][-1]}
+
+
+def _wrong_rule(rank, root):
+    """fp32 ZeroAdamW loading the 8-bit checkpoint: a CheckpointError, nothing changed."""
+    from zerokern.checkpoint import CheckpointError
+
+    model = M.make_model(seed=1)
+    opt = zk.ZeroAdamW(M.param_groups(model), stage=1, precision="fp32", backend="cpu")
+    before = M.snapshot(model)
+    try:
+        zk.checkpoint.load(root + "/q8", model, opt)
+    except CheckpointError as e:
+        return {"error": str(e), "unchanged": M.bitwise_equal(M.snapshot(model), before)}
+    return {"error": None}
+
+
+LOADS = [(1, None), (2, "cpu"), (3, None)]
+
+
+def _worker(rank, ws, root=None):
     cases = {f"parity-{s}-{o}": (lambda s=s, o=o: _parity(rank, ws, s, o))
              for s, o in _placements(ws)}
     if ws == 2:
         cases["parity-reference-1"] = lambda: _parity(rank, ws, 1, None, backend="reference")
         cases["bf16"] = lambda: _bf16_placements(rank, ws)
+        if root is not None:
+            cases["save"] = lambda: _save(rank, ws, root)
+    if ws == 3 and root is not None:
+        for s, o in LOADS:
+            cases[f"load-{s}-{o}"] = lambda s=s, o=o: _load(rank, ws, root, s, o)
+        cases["wrong"] = lambda: _wrong_rule(rank, root)
     return run_cases(cases)
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("q8"))
+
+
+def _res(ws, root):
+    if ws == 3:
+        cached(_worker, 2, root)  # saves the checkpoint N=3 loads
+    return cached(_worker, ws, root if ws > 1 else None)
+
+
 @pytest.mark.parametrize("ws", [1, 2, 3])
-def test_every_stage_equals_the_single_copy_8bit_reference(ws):
-    res = cached(_worker, ws)
+def test_every_stage_equals_the_single_copy_8bit_reference(ws, root):
+    res = _res(ws, root)
     keys = [f"parity-{s}-{o}" for s, o in _placements(ws)]
     if ws == 2:
         keys.append("parity-reference-1")
@@ -197,10 +270,42 @@ def test_every_stage_equals_the_single_copy_8bit_reference(ws):
                 assert x["control"] > TOL["control"], f"{where}: lr x 1.01 not caught"
 
 
-def test_bf16_device_and_cpu_offload_bitwise():
-    for r, x in enumerate(case(cached(_worker, 2), "bf16")):
+def test_bf16_device_and_cpu_offload_bitwise(root):
+    for r, x in enumerate(case(_res(2, root), "bf16")):
         assert x["bitwise"], f"rank {r}: offload='cpu' differs from the device placement"
         assert x["moved"] > 1e-3
+
+
+def test_checkpoint_n2_to_n3_resumes_the_quantized_state(root):
+    """Saved at N=2 stage 2, loaded at N=3: stages 1 and 2 (cpu offload) hold the same blocks,
+    so codes and absmax come back bit for bit and the continuation equals the uninterrupted
+    N=2 one to fp32 rounding (N=3 sums grads in another order: rel 1e-6 as the parity tests);
+    stage 3's per-unit buffers re-block: each moved block is re-quantized from the saved
+    values, within half a code gap x the block's absmax (0.0071 x absmax for m, 0.0036 for v)
+    (checkpoint/block_states.py [Note: block states in a checkpoint])."""
+    saved = case(_res(2, root), "save")[0]
+    res = _res(3, root)
+    for stage, off in LOADS:
+        for r, x in enumerate(case(res, f"load-{stage}-{off}")):
+            where = f"stage {stage} offload {off} rank {r}"
+            if stage != 3:
+                for k in saved["flat"]:
+                    for a, b in zip(x["flat"][k], saved["flat"][k]):
+                        n = min(a.numel(), b.numel())  # N=3 pads further
+                        assert torch.equal(a[:n], b[:n]), f"{where}: {k} differs"
+                assert M.bitwise_equal(x["deq"], saved["deq"]), where
+                assert M.rel_err(x["continued"], saved["continued"]) <= TOL["param"], where
+            else:
+                for name, (m, v) in saved["deq"].items():
+                    dm, dv = (x["deq"][name] - torch.stack([m, v])).abs()
+                    top = {k: max(t[i].abs().max().item() for t in saved["deq"].values())
+                           for i, k in enumerate("mv")}
+                    assert dm.max() <= 0.0071 * top["m"], f"{where}: {name} m"
+                    assert dv.max() <= 0.0036 * top["v"], f"{where}: {name} v"
+                assert M.rel_err(x["continued"], saved["continued"]) <= 1e-2, where
+    for r, x in enumerate(case(res, "wrong")):
+        assert x["error"] and "adamw8bit" in x["error"], f"rank {r}: {x}"
+        assert x["unchanged"], f"rank {r}: the failed load changed the model"
 
 
 # ---- single process: bitsandbytes, fp32 AdamW, the formula, the errors ------------------------

@@ -98,7 +98,7 @@ class _Source:
                 lo, hi = self.index.byte_range(fname, section, off, cnt)
                 self.files.verify(fname, [(lo, hi)])
                 out[d0:d0 + cnt].copy_(as_tensor(read_span(self.files.path(fname), lo, hi - lo),
-                                                 torch.float32))
+                                                 self.index.dtype(section)))
         else:
             dt = dtype_from_name(src["dtype"])
             nbytes = n * dt.itemsize

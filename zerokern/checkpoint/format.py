@@ -47,8 +47,14 @@ LEGACY_RULE = "adamw"
 
 
 def sections(rule) -> tuple:
-    """A rule's sections in file order: the fp32 master, then its states (all fp32)."""
+    """A rule's sections in file order: the fp32 master, then its states."""
     return ("master", *rule.state_names)
+
+
+def section_dtypes(rule) -> dict:
+    """Section -> dtype name of its elements: fp32, or uint8 codes (8-bit AdamW); a per-block
+    state is stored expanded, one element per param element (block_states.py)."""
+    return {"master": "float32", **{s.name: dtype_name(s.dtype) for s in rule.states}}
 # 1 MiB: a load touches at most 2 MiB more than it needs per contiguous range, and a 1.3 GB
 # state needs 1300 crcs (10 kB of JSON).
 BLOCK_BYTES = 1 << 20

@@ -55,7 +55,6 @@ from .format import (
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 from .writer import check_path
 
-_F32 = 4  # bytes per saved state element
 
 
 class SavedIndex:
@@ -94,9 +93,15 @@ class SavedIndex:
                                   f"{self.params[j]['name']!r} are in no rank file")
         return out
 
+    def dtype(self, section: str) -> torch.dtype:
+        """A section's element dtype (fp32 where the metadata names none: every checkpoint
+        written before 8-bit states)."""
+        return dtype_from_name(self.meta.get("section_dtypes", {}).get(section, "float32"))
+
     def byte_range(self, fname: str, section: str, elem_off: int, n: int) -> Tuple[int, int]:
-        lo = self.meta["files"][fname]["sections"][section] + elem_off * _F32
-        return lo, lo + n * _F32
+        size = self.dtype(section).itemsize
+        lo = self.meta["files"][fname]["sections"][section] + elem_off * size
+        return lo, lo + n * size
 
 
 def _cover(lo: int, hi: int, pieces):
@@ -174,14 +179,14 @@ class _Plan:
         self.index = index = SavedIndex(meta)
         self.files = BlockVerifier(self.dir, meta["files"], meta["block_bytes"])
         self.match = self._match_params()
-        # copies: (dest view, dest offset, file, byte offset, count); saved data is fp32
-        self.copies: List[Tuple[torch.Tensor, int, str, int, int]] = []
+        # copies: (dest view, dest offset, file, byte offset, count, saved dtype)
+        self.copies: List[Tuple[torch.Tensor, int, str, int, int, torch.dtype]] = []
         for p in view.held:
             j = self.match[p.param]
             for key, dest in p.tensors().items():
                 for fname, off, d0, n in index.sources(j, p.lo, p.hi):
                     lo, _ = index.byte_range(fname, key, off, n)
-                    self.copies.append((dest, d0, fname, lo, n))
+                    self.copies.append((dest, d0, fname, lo, n, index.dtype(key)))
         # Model-dtype values: cast from the master this rank just loaded where it holds it
         # (at stage 0 all of it: 4 of 16 bytes/param not read again; at fp32 the same memory,
         # nothing to do), else read the saved master.
@@ -199,15 +204,15 @@ class _Plan:
                     continue
                 for fname, off, d0, n in index.sources(self.match[v.param], a, b):
                     lo, _ = index.byte_range(fname, "master", off, n)
-                    self.copies.append((dest, d0, fname, lo, n))
+                    self.copies.append((dest, d0, fname, lo, n, torch.float32))
         self.steps = self._plan_steps()
         self.groups = self._plan_groups()
         self.scaler_state = self._plan_scaler()
         self.extras = self._plan_extras(extras)
         # Files present with their recorded sizes, then the crc of every block read.
         ranges = defaultdict(list)
-        for _, _, fname, lo, n in self.copies:
-            ranges[fname].append((lo, lo + n * _F32))
+        for _, _, fname, lo, n, dt in self.copies:
+            ranges[fname].append((lo, lo + n * dt.itemsize))
         for _, _, fname, lo, nbytes in self.extras:
             ranges[fname].append((lo, lo + nbytes))
         for fname in sorted(ranges):
@@ -331,10 +336,12 @@ class _Plan:
     @torch.no_grad()
     def apply(self) -> None:
         path = self.files.path
-        for dest, d0, fname, lo, n in self.copies:
-            src = as_tensor(read_span(path(fname), lo, n * _F32), torch.float32)
+        for dest, d0, fname, lo, n, dt in self.copies:
+            src = as_tensor(read_span(path(fname), lo, n * dt.itemsize), dt)
             dest[d0:d0 + n].copy_(src)  # a cast for 16-bit params: round to nearest even
             del src
+        for rebuild in self.view.after_load:  # per-block states (block_states.py)
+            rebuild()
         for dest, master in self.casts:
             dest.copy_(master)  # round to nearest even, as the optimizer's cast-back
         for t, dt, fname, lo, nbytes in self.extras:

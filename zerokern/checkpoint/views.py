@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 
 from ..optimizer import ZeroOptimizer
-from .format import sections
+from . import block_states
+from .format import section_dtypes, sections
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,10 @@ class OptimizerView:
     scaler: Any  # zerokern.loss_scale.LossScaler
     rule: str  # the optimizer rule's name (zerokern.rules), e.g. "adamw"
     sections: Tuple[str, ...]  # the rank file's sections, in order (format.sections)
+    section_dtypes: Dict[str, str]  # section -> element dtype name (format.section_dtypes)
     layout: List[Dict[str, Any]] = field(default_factory=list)  # informational, for metadata
+    # after a load wrote the held pieces: per-block states rebuilt (block_states.py)
+    after_load: List[Any] = field(default_factory=list)
 
 
 def state_dict_keys(model: nn.Module) -> Dict[int, List[str]]:
@@ -133,11 +137,6 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
     if opt.grad_sync.detached:
         raise ValueError("opt no longer owns its params: a newer ZeroAdamW was created on the "
                          "same model; checkpoint that one")
-    from zerokern.rules import has_block_states
-
-    if has_block_states(opt.rule):
-        raise ValueError(f"zerokern.checkpoint does not hold the {opt.rule.name!r} rule's "
-                         "per-block states yet; use opt.state_dict() (same world size)")
     keys = state_dict_keys(model)
     view = OptimizerView(
         stage=opt.stage, precision=opt.precision, dtype=opt.dtype,
@@ -147,7 +146,7 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
         writes=opt.comm.replicate is None or opt.comm.replicate.rank == 0,
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
         param_groups=opt.param_groups, scaler=opt.scaler, rule=opt.rule.name,
-        sections=sections(opt.rule))
+        sections=sections(opt.rule), section_dtypes=section_dtypes(opt.rule))
     for g in opt.flat_groups:
         g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
         _buffer_view(view, keys, g)
@@ -184,22 +183,29 @@ def _buffer_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
         off = L.slots[i].offset
         view.values.append(ValuePiece(base + i, a - off, b - off, g.param_values(a, b)))
 
-    def pieces(k: int, lo: int, hi: int) -> List[StatePiece]:
+    def pieces(k: int, lo: int, hi: int, held: bool = False) -> List[StatePiece]:
         out = []
         slo, st0 = g.state_range(k)[0], g.state_slice(k).start
+        temps = block_states.expanded(g, k, lo, hi)  # per-block states, per element
+        if held and temps:
+            view.after_load.append(block_states.fixup(g, k, lo, hi, temps))
         for i, a, b in L.overlaps(lo, hi):
             st, n = st0 + a - slo, b - a
             master = g.param_values(a, b) if g.master is None else g.master[st:st + n]
+            states = {nm: temps[nm][a - lo:b - lo] if nm in temps else t[st:st + n]
+                      for nm, t in g.rule_states.items()}
             out.append(StatePiece(base + i, a - L.slots[i].offset, b - L.slots[i].offset,
-                                  master, {k: t[st:st + n] for k, t in g.rule_states.items()}))
+                                  master, states))
         return out
 
     for k in range(L.n_buckets):
         view.steps.append(StepCounter(g.steps[k], tuple(base + i for i in g.step_params(k))))
-        mine = pieces(k, *L.piece_range(k, g.rank))  # the canonical share: r-th piece of bucket k
-        view.owned += mine
         held = g.state_range(k)
-        view.held += mine if held == L.piece_range(k, g.rank) else pieces(k, *held)
+        same = held == L.piece_range(k, g.rank)
+        # the canonical share: r-th piece of bucket k
+        mine = pieces(k, *L.piece_range(k, g.rank), held=same)
+        view.owned += mine
+        view.held += mine if same else pieces(k, *held, held=True)
     view.layout.append(g.layout_meta())
 
 

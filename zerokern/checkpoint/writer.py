@@ -229,6 +229,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
         "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",
         "rule": view.rule, "sections": list(view.sections),
+        "section_dtypes": view.section_dtypes,
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
         "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
