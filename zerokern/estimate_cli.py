@@ -52,9 +52,10 @@ def add_arguments(p) -> None:
     p.add_argument("--master", choices=["fp32", "compact"], default="fp32",
                    help="ZeroAdamW's master=: 'compact' holds the bf16 run's fp32 master in "
                         "2.125 bytes per element (bf16, no offload, stages 0-2)")
-    p.add_argument("--optimizer", choices=["adamw", "lion"], default="adamw",
-                   help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12) or lion "
-                        "(ZeroLion: master, one momentum; K = 8)")
+    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "lion"], default="adamw",
+                   help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12), "
+                        "adamw8bit (ZeroAdamW(state_bits=8): master, 8-bit m and v, per-128 "
+                        "scales; K = 6.0625) or lion (ZeroLion: master, one momentum; K = 8)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -78,8 +79,11 @@ def _state_rows(r0, prefix: str, suffix: str = ""):
     """One row per optimizer state of the estimate's rule (zerokern.rules), master first."""
     from zerokern.rules import rule_by_name
 
-    names = ("master", *rule_by_name(r0.get("optimizer", "adamw")).state_names)
-    return [(n, f"{prefix}{n} (fp32{suffix})") for n in names]
+    rule = rule_by_name(r0.get("optimizer", "adamw"))
+    kinds = {"master": "fp32", **{s.name: ("uint8" if s.dtype.itemsize == 1 else "fp32")
+                                  + (f", 1 per {s.block}" if s.block > 1 else "")
+                                  for s in rule.states}}
+    return [(n, f"{prefix}{n} ({kinds[n]}{suffix})") for n in ("master", *rule.state_names)]
 
 
 def _rows(r0):

@@ -226,6 +226,31 @@ def _wrong_rule(rank, root):
 
 
 LOADS = [(1, None), (2, "cpu"), (3, None)]
+MEMORY = [(0, None), (1, None), (2, "cpu"), (3, None)]
+
+
+def _memory(rank, ws, stage, offload):
+    """memory_report() after 2 steps vs estimate(optimizer="adamw8bit") for this rank (bf16,
+    one param group over the whole model)."""
+    from zerokern.accounting import estimate as E
+
+    model = M.make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        opt = zk.ZeroAdamW(model, stage=stage, precision="bf16", bucket_mb=M.BUCKET_MB,
+                           offload=offload, backend="cpu", state_bits=8)
+    for s in range(2):
+        model(M.rank_tokens(s, rank, ws)[:, :-1]).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    rep = opt.memory_report()
+    with torch.device("meta"):
+        spec = E.spec_from_model(M.make_model(), "tinylm")
+    est = E.estimate(spec, ws, stage, "bf16", M.BUCKET_MB, offload, rank=rank, comm="gloo",
+                     optimizer="adamw8bit")
+    return {"measured": rep["measured"], "est": est["bytes"],
+            "host": rep.get("host_measured"), "est_host": est["host"] if offload else None,
+            "formula": rep["formula"], "num_params": rep["num_params"]}
 
 
 def _worker(rank, ws, root=None):
@@ -236,6 +261,8 @@ def _worker(rank, ws, root=None):
         cases["bf16"] = lambda: _bf16_placements(rank, ws)
         if root is not None:
             cases["save"] = lambda: _save(rank, ws, root)
+        for s, o in MEMORY:
+            cases[f"memory-{s}-{o}"] = lambda s=s, o=o: _memory(rank, ws, s, o)
     if ws == 3 and root is not None:
         for s, o in LOADS:
             cases[f"load-{s}-{o}"] = lambda s=s, o=o: _load(rank, ws, root, s, o)
@@ -306,6 +333,23 @@ def test_checkpoint_n2_to_n3_resumes_the_quantized_state(root):
     for r, x in enumerate(case(res, "wrong")):
         assert x["error"] and "adamw8bit" in x["error"], f"rank {r}: {x}"
         assert x["unchanged"], f"rank {r}: the failed load changed the model"
+
+
+def test_memory_report_equals_the_estimate_byte_for_byte(root):
+    """Device (and host, offload="cpu") bytes per category, every rank, stages 0-3, against
+    `estimate(..., optimizer="adamw8bit")`; the formula's state is 6.0625 bytes/param."""
+    res = _res(2, root)
+    for stage, off in MEMORY:
+        for r, x in enumerate(case(res, f"memory-{stage}-{off}")):
+            where = f"stage {stage} offload {off} rank {r}"
+            assert x["measured"] == x["est"], (where, x["measured"], x["est"])
+            if off:
+                assert x["host"] == x["est_host"], (where, x["host"], x["est_host"])
+            assert x["measured"]["exp_avg" if not off else "params"] > 0
+            f, n = x["formula"], x["num_params"]
+            opt_bytes = f["optimizer"] if "optimizer" in f else None
+            if opt_bytes is not None and stage == 0:
+                assert abs(opt_bytes - 6.0625 * n) <= 8, (where, opt_bytes, n)
 
 
 # ---- single process: bitsandbytes, fp32 AdamW, the formula, the errors ------------------------

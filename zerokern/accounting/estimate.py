@@ -271,6 +271,11 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     PO.check_args(offload_params, stage, offload)
     check_master(master, precision, offload, stage)
     rule = rule_by_name(optimizer)
+    from zerokern.rules import has_block_states
+
+    if offload == "nvme" and has_block_states(rule):  # as the optimizer (optimizer_args.py)
+        raise ValueError(f"offload='nvme' holds 4-byte per-element state files only; the "
+                         f"{rule.name!r} rule's states are not: use offload=None or 'cpu'")
     dtype = check_precision(precision)
     P = pattern(stage)  # what the stage keeps (stages.py)
     e = dtype.itemsize
