@@ -4,7 +4,8 @@
 A checkpoint is a directory:
 
     meta.json          JSON body + a last line "#crc32=XXXXXXXX" over the body's bytes
-    rank00000.bin      rank 0's share of the optimizer state (raw little-endian fp32)
+    rank00000.bin      rank 0's share of the optimizer state (raw little-endian; fp32, or
+                       uint8 codes per "section_dtypes" (8-bit AdamW, block_states.py))
     rank00001.bin      ...one file per rank of the saving job
     extra.bin          model tensors the optimizer does not hold (buffers, frozen params)
 
