@@ -133,9 +133,8 @@ class FrozenSkip:
         redo = [(gi, i) for (gi, i) in self._lag if (gi, i) not in skip]
         if not skip and not redo:
             return
-        from zerokern.state.placement import DevicePlacement
-
         from zerokern.rules import has_block_states
+        from zerokern.state.placement import DevicePlacement
 
         place = opt.placement
         if skip and has_block_states(opt.rule):  # a param's range may cut a block

@@ -50,6 +50,7 @@ from .optimizer_args import (
 from .optimizer_state import StateDictMixin
 from .rules import Rule, check_rule
 from .rules.adamw import ADAMW
+from .rules.adamw8bit import adamw_rule_for_bits
 
 ENGINE_ARGS = """
         stage: 0 replicated (DDP-equivalent), 1 shard optimizer states, 2 also grads, 3 also
@@ -435,13 +436,8 @@ class ZeroAdamW(ZeroOptimizer):
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
-        if not isinstance(state_bits, int) or isinstance(state_bits, bool) or \
-                state_bits not in (32, 8):
-            raise ValueError(f"state_bits must be 32 (fp32 moments) or 8 (8-bit block-"
-                             f"quantized moments), got {state_bits!r}")
-        rule = ADAMW
-        if state_bits == 8:
-            from .rules.adamw8bit import ADAMW8BIT as rule
+        rule = ADAMW if state_bits == 32 and type(state_bits) is int \
+            else adamw_rule_for_bits(state_bits)  # ValueError naming state_bits
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
         super().__init__(params_or_model, rule,

@@ -22,7 +22,7 @@ Padding elements (beyond the buffer's params) hold 0: the zero code.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 

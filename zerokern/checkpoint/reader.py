@@ -56,7 +56,6 @@ from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_par
 from .writer import check_path
 
 
-
 class SavedIndex:
     """Where each saved param's elements are: per param, sorted (lo, hi, file, elem_off)."""
 

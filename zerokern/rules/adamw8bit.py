@@ -58,3 +58,17 @@ class AdamW8bitRule(Rule):
 
 
 ADAMW8BIT = AdamW8bitRule()
+
+
+def adamw_rule_for_bits(state_bits) -> Rule:
+    """ZeroAdamW's rule for `state_bits`: 32 the fp32 AdamW rule, 8 this one.
+
+    Raises:
+        ValueError: anything else, naming state_bits.
+    """
+    if type(state_bits) is not int or state_bits not in (32, 8):
+        raise ValueError(f"state_bits must be 32 (fp32 moments) or 8 (8-bit block-quantized "
+                         f"moments), got {state_bits!r}")
+    from zerokern.rules.adamw import ADAMW
+
+    return ADAMW if state_bits == 32 else ADAMW8BIT
