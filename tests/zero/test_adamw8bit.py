@@ -451,3 +451,21 @@ def test_a_rule_whose_blocks_could_straddle_pieces_is_refused():
     for rule in (Bad(), Wrong()):
         with pytest.raises(ValueError, match="block dividing 128"):
             check_rule(rule)
+
+
+def test_a_param_frozen_after_construction_is_an_error_not_a_cut_block():
+    """fp32 AdamW skips a param frozen mid-training (frozen_slots.py); with 8-bit states its
+    blocks are shared with its neighbours, so step() raises, with nothing changed."""
+    model = M.make_model()
+    opt = zk.ZeroAdamW(model, stage=0, precision="fp32", backend="cpu", state_bits=8)
+    M.loss_fn(model, M.global_tokens(0)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    opt.flat_groups[0].params[1].requires_grad_(False)
+    M.loss_fn(model, M.global_tokens(1)).backward()
+    before = M.snapshot(model)
+    state = {k: t.clone() for k, t in opt.flat_groups[0].rule_states.items()}
+    with pytest.raises(RuntimeError, match="per-block"):
+        opt.step()
+    assert M.bitwise_equal(M.snapshot(model), before)
+    assert all(torch.equal(t, opt.flat_groups[0].rule_states[k]) for k, t in state.items())
