@@ -127,3 +127,32 @@ def test_bad_arguments_are_named(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         adamw8bit_step_(**kw)
     assert torch.equal(p, before)
+
+
+@pytest.mark.gpu
+def test_compiled_triton_equals_the_reference_on_cuda():
+    """The compiled Triton kernel on CUDA tensors (the `gpu` run): bitwise the reference on the
+    same device; backend="cuda" has no 8-bit kernel and says so."""
+    dev = torch.device("cuda")
+    n = BLOCK * 1031
+    state = [t.to(dev) for t in _state(n)]
+    grads = [torch.randn(n, device=dev).bfloat16() for _ in range(3)]
+    out = torch.randn(n, device=dev).bfloat16()
+    flags = [False, True, False]
+
+    def run(backend):
+        st = [t.clone() for t in state]
+        o, step = out.clone(), torch.tensor(3, device=dev)
+        for g, f in zip(grads, flags):
+            adamw8bit_step_(*st, g, o, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.05, step=step,
+                            grad_scale=torch.tensor(0.5, device=dev),
+                            found_inf=torch.tensor(f, device=dev), backend=backend)
+        return st, o, step
+
+    want, got = run("reference"), run("triton")
+    for a, b in zip(want[0], got[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(want[1], got[1]) and int(got[2]) == 5
+    with pytest.raises(ValueError, match="cuda"):
+        run("cuda")
