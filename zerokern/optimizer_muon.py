@@ -115,8 +115,8 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
 
 
 class ZeroMuon(ZeroOptimizer):
-    __doc__ = """Muon with ZeRO sharding: `torch.optim.Muon` for the matrices and `torch.optim.AdamW`
-    for the other params, each rank orthogonalizing a disjoint, FLOP-balanced set of whole
+    __doc__ = """Muon with ZeRO sharding: `torch.optim.Muon` for the matrices and
+    `torch.optim.AdamW` for the other params, each rank orthogonalizing a disjoint, FLOP-balanced set of whole
     matrices (zerokern.rules.muon [Note: the Muon group step]). Which params take Muon: see
     zerokern.optimizer_muon [Note: which params Muon takes] (>= 2-D and not an embedding;
     a param group's `use_muon` overrides). Not supported (ValueError): offload="nvme" and
