@@ -116,11 +116,12 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
 
 class ZeroMuon(ZeroOptimizer):
     __doc__ = """Muon with ZeRO sharding: `torch.optim.Muon` for the matrices and
-    `torch.optim.AdamW` for the other params, each rank orthogonalizing a disjoint, FLOP-balanced set of whole
-    matrices (zerokern.rules.muon [Note: the Muon group step]). Which params take Muon: see
-    zerokern.optimizer_muon [Note: which params Muon takes] (>= 2-D and not an embedding;
-    a param group's `use_muon` overrides). Not supported (ValueError): offload="nvme" and
-    master="compact" (the Muon update reads its state as plain fp32 in memory).
+    `torch.optim.AdamW` for the other params, each rank orthogonalizing a disjoint,
+    FLOP-balanced set of whole matrices (zerokern.rules.muon [Note: the Muon group step]).
+    Which params take Muon: zerokern.optimizer_muon [Note: which params Muon takes] (>= 2-D
+    and not an embedding; a param group's `use_muon` overrides). Not supported (ValueError):
+    offload="nvme" and master="compact" (the Muon update reads its state as plain fp32 in
+    memory).
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module (needed to
