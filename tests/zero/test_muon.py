@@ -39,7 +39,8 @@ import zerokern as zk
 from . import models as M
 from .harness import cached, case, run_cases
 
-TOL = {"param": 1e-5, "state": 1e-5, "control": 1e-4, "grad": 1e-6}
+# grad: the engine's reduced gradient vs the global-batch one (measured 7.5e-7 at N=3)
+TOL = {"param": 1e-5, "state": 1e-5, "control": 1e-4, "grad": 2e-6}
 STEPS = 3
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn=None)
 VARIANT = dict(MUON, nesterov=False, adjust_lr_fn="match_rms_adamw", lr=0.01)

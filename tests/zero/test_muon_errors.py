@@ -1,0 +1,199 @@
+"""ZeroMuon in one process (world size 1, no process group): the never-silently-wrong rules.
+
+- which params take Muon (optimizer_muon.py [Note: which params Muon takes]): the default
+  split, `use_muon` overriding it, and stage 3 re-created on a model whose params are already
+  flat placeholders (the original shapes must still decide);
+- bad arguments, a use_muon=True group holding a 1-D param, a group key of the other rule,
+  offload="nvme" and master="compact": ValueError/TypeError naming it, before the model changes;
+- found_inf (fp16 overflow): the step is skipped bit for bit (params, momentum, AdamW moments,
+  step counters), as for ZeroAdamW;
+- checkpoints: ZeroMuon's into ZeroAdamW, ZeroAdamW's into ZeroMuon, and a Muon group's state
+  into an AdamW group (same params, use_muon flipped) are CheckpointErrors, nothing changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerokern as zk
+from zerokern.checkpoint import CheckpointError
+
+from . import models as M
+from .harness import one_thread  # noqa: F401  (fixture)
+
+MATS = ["blocks.0.qkv.weight", "blocks.0.proj.weight", "blocks.0.fc1.weight",
+        "blocks.0.fc2.weight", "blocks.1.qkv.weight", "blocks.1.proj.weight",
+        "blocks.1.fc1.weight", "blocks.1.fc2.weight"]
+
+
+def names_of(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(g["use_muon"], sorted(names[id(p)] for p in g["params"])) for g in opt.param_groups]
+
+
+def _state(model, opt):
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for gi, g in enumerate(opt.flat_groups):
+        for k, t in g.state_tensors().items():
+            out[f"{gi}.{k}"] = t.detach().clone()
+    return out
+
+
+def test_default_split(one_thread):
+    model = M.make_model()
+    opt = zk.ZeroMuon(model, stage=1, precision="fp32")
+    groups = names_of(model, opt)
+    assert groups[0] == (True, sorted(MATS))  # not emb.weight (tied head), not the frozen pos
+    assert groups[1][0] is False and "emb.weight" in groups[1][1] and "temp" in groups[1][1]
+    assert [r.name for r in opt.rules] == ["muon", "adamw"]
+
+
+def test_use_muon_overrides(one_thread):
+    model = M.make_model()
+    named = dict(model.named_parameters())
+    groups = [{"params": [named["emb.weight"]], "use_muon": True, "lr": 0.5},
+              {"params": [p for n, p in named.items() if n != "emb.weight"]}]
+    opt = zk.ZeroMuon(model, stage=2, precision="fp32", param_groups=groups)
+    got = names_of(model, opt)
+    assert got[0] == (True, ["emb.weight"]) and opt.param_groups[0]["lr"] == 0.5
+    assert got[1] == (True, sorted(MATS))  # the unmarked group is split in two
+    assert got[2][0] is False and "emb.weight" not in got[2][1]
+
+
+def test_stage3_recreated_uses_original_shapes(one_thread):
+    model = M.make_model()
+    first = zk.ZeroMuon(model, stage=3, precision="fp32")
+    assert model.blocks[0].qkv.weight.numel() == 0  # a flat placeholder between uses
+    second = zk.ZeroMuon(model, stage=3, precision="fp32")
+    assert names_of(model, second) == names_of(model, first)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(momentum=-1.0), "momentum"),
+    (dict(adjust_lr_fn="cubic"), "adjust_lr_fn"),
+    (dict(ns_steps=100), "ns_steps"),
+    (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients"),
+    (dict(eps=0.0), "eps"),
+    (dict(lr=-1.0), "lr"),
+    (dict(adamw_lr=-1.0), "adamw_lr"),
+    (dict(adamw_betas=(0.9, 1.5)), "adamw_betas"),
+    (dict(adamw_eps=-1.0), "adamw_eps"),
+    (dict(offload="nvme", stage=2), "nvme"),
+    (dict(master="compact", precision="bf16", stage=1), "compact"),
+])
+def test_bad_arguments(one_thread, kw, match):
+    model = M.make_model()
+    before = M.snapshot(model)
+    kw = {"stage": 1, "precision": "fp32", **kw}
+    with pytest.raises(ValueError, match=match):
+        zk.ZeroMuon(model, **kw)
+    assert M.bitwise_equal(M.snapshot(model), before)
+    assert not any(hasattr(p, "_zerokern_sync") for p in model.parameters())
+
+
+def test_nesterov_must_be_bool(one_thread):
+    with pytest.raises(TypeError, match="nesterov"):
+        zk.ZeroMuon(M.make_model(), nesterov="yes", stage=1, precision="fp32")
+
+
+@pytest.mark.parametrize("group,match", [
+    ({"use_muon": True}, r"shape \(24,\)"),          # a 1-D param in a Muon group
+    ({"use_muon": False, "momentum": 0.9}, "momentum"),  # Muon key in an AdamW group
+    ({"use_muon": True, "betas": (0.9, 0.9)}, "betas"),  # AdamW key in a Muon group
+    ({"adamw_lr": 0.1}, "adamw_lr"),
+    ({"use_muon": "yes"}, "use_muon"),
+])
+def test_bad_groups(one_thread, group, match):
+    model = M.make_model()
+    named = dict(model.named_parameters())
+    ln = [named["blocks.0.ln1.bias"]] if group.get("use_muon") is True and "betas" not in group \
+        else [named["blocks.0.qkv.weight"]]
+    rest = [p for p in named.values() if all(p is not q for q in ln)]
+    with pytest.raises(ValueError, match=match):
+        zk.ZeroMuon(model, stage=1, precision="fp32",
+                    param_groups=[{"params": ln, **group}, {"params": rest}])
+    assert not any(hasattr(p, "_zerokern_sync") for p in model.parameters())
+
+
+def test_overflow_skips_bitwise(one_thread):
+    model = M.make_model()
+    opt = zk.ZeroMuon(model, stage=2, precision="fp16", lr=0.02, bucket_mb=M.BUCKET_MB,
+                      backend="reference", loss_scale=64.0)
+    opt.zero_grad()
+    opt.backward(M.loss_fn(model, M.global_tokens(0)))
+    opt.step()
+    assert not bool(opt.step_skipped)
+    before = _state(model, opt)
+    opt.zero_grad()
+    opt.backward(M.loss_fn(model, M.global_tokens(1)) * float("inf"))
+    opt.step()
+    assert bool(opt.step_skipped)
+    after = _state(model, opt)
+    assert M.bitwise_equal(after, before), [k for k in before
+                                            if not M.bitwise_equal({0: after[k]}, {0: before[k]})]
+    opt.zero_grad()  # and the next step runs
+    opt.backward(M.loss_fn(model, M.global_tokens(2)))
+    opt.step()
+    assert not bool(opt.step_skipped)
+    assert not torch.equal(model.blocks[0].qkv.weight, before["blocks.0.qkv.weight"])
+
+
+def _saved(tmp_path, make):
+    model = M.make_model()
+    opt = make(model)
+    opt.zero_grad()
+    opt.backward(M.loss_fn(model, M.global_tokens(0)))
+    opt.step()
+    path = os.path.join(tmp_path, "ck")
+    zk.checkpoint.save(path, model, opt)
+    return path
+
+
+def _split_groups(model, muon_first: bool):
+    named = dict(model.named_parameters())
+    mats = [named[n] for n in MATS]
+    rest = [p for n, p in named.items() if n not in MATS]
+    return [{"params": mats, "use_muon": muon_first}, {"params": rest, "use_muon": False}]
+
+
+@pytest.mark.parametrize("saver,loader,match", [
+    ("muon", "adamw", "rule"),
+    ("adamw", "muon", "rule"),
+    ("muon", "muon_as_adamw", "param group 0"),
+])
+def test_checkpoint_of_another_rule(one_thread, tmp_path, saver, loader, match):
+    makers = {
+        "muon": lambda m: zk.ZeroMuon(m, stage=1, precision="fp32",
+                                      param_groups=_split_groups(m, True)),
+        "muon_as_adamw": lambda m: zk.ZeroMuon(m, stage=1, precision="fp32",
+                                               param_groups=_split_groups(m, False)),
+        "adamw": lambda m: zk.ZeroAdamW(m, stage=1, precision="fp32"),
+    }
+    path = _saved(str(tmp_path), makers[saver])
+    model = M.make_model(seed=1)
+    opt = makers[loader](model)
+    before = _state(model, opt)
+    with pytest.raises(CheckpointError, match=match):
+        zk.checkpoint.load(path, model, opt)
+    after = _state(model, opt)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoint_roundtrip_same_rule(one_thread, tmp_path):
+    """The sparse sections read back: save, load into a fresh ZeroMuon, same state."""
+    make = lambda m: zk.ZeroMuon(m, stage=2, precision="fp32")  # noqa: E731
+    path = _saved(str(tmp_path), make)
+    src = M.make_model()
+    ref = make(src)
+    ref.zero_grad()
+    ref.backward(M.loss_fn(src, M.global_tokens(0)))
+    ref.step()
+    model = M.make_model(seed=1)
+    opt = make(model)
+    zk.checkpoint.load(path, model, opt)
+    a, b = _state(src, ref), _state(model, opt)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
