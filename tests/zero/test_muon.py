@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zerokern as zk
+
 from . import models as M
 from .harness import cached, case, run_cases
 

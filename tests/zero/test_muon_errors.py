@@ -22,7 +22,9 @@ import zerokern as zk
 from zerokern.checkpoint import CheckpointError
 
 from . import models as M
-from .harness import one_thread  # noqa: F401  (fixture)
+from .harness import one_thread  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MATS = ["blocks.0.qkv.weight", "blocks.0.proj.weight", "blocks.0.fc1.weight",
         "blocks.0.fc2.weight", "blocks.1.qkv.weight", "blocks.1.proj.weight",
@@ -42,7 +44,7 @@ def _state(model, opt):
     return out
 
 
-def test_default_split(one_thread):
+def test_default_split():
     model = M.make_model()
     opt = zk.ZeroMuon(model, stage=1, precision="fp32")
     groups = names_of(model, opt)
@@ -51,7 +53,7 @@ def test_default_split(one_thread):
     assert [r.name for r in opt.rules] == ["muon", "adamw"]
 
 
-def test_use_muon_overrides(one_thread):
+def test_use_muon_overrides():
     model = M.make_model()
     named = dict(model.named_parameters())
     groups = [{"params": [named["emb.weight"]], "use_muon": True, "lr": 0.5},
@@ -63,7 +65,7 @@ def test_use_muon_overrides(one_thread):
     assert got[2][0] is False and "emb.weight" not in got[2][1]
 
 
-def test_stage3_recreated_uses_original_shapes(one_thread):
+def test_stage3_recreated_uses_original_shapes():
     model = M.make_model()
     first = zk.ZeroMuon(model, stage=3, precision="fp32")
     assert model.blocks[0].qkv.weight.numel() == 0  # a flat placeholder between uses
@@ -84,7 +86,7 @@ def test_stage3_recreated_uses_original_shapes(one_thread):
     (dict(offload="nvme", stage=2), "nvme"),
     (dict(master="compact", precision="bf16", stage=1), "compact"),
 ])
-def test_bad_arguments(one_thread, kw, match):
+def test_bad_arguments(kw, match):
     model = M.make_model()
     before = M.snapshot(model)
     kw = {"stage": 1, "precision": "fp32", **kw}
@@ -94,7 +96,7 @@ def test_bad_arguments(one_thread, kw, match):
     assert not any(hasattr(p, "_zerokern_sync") for p in model.parameters())
 
 
-def test_nesterov_must_be_bool(one_thread):
+def test_nesterov_must_be_bool():
     with pytest.raises(TypeError, match="nesterov"):
         zk.ZeroMuon(M.make_model(), nesterov="yes", stage=1, precision="fp32")
 
@@ -106,7 +108,7 @@ def test_nesterov_must_be_bool(one_thread):
     ({"adamw_lr": 0.1}, "adamw_lr"),
     ({"use_muon": "yes"}, "use_muon"),
 ])
-def test_bad_groups(one_thread, group, match):
+def test_bad_groups(group, match):
     model = M.make_model()
     named = dict(model.named_parameters())
     ln = [named["blocks.0.ln1.bias"]] if group.get("use_muon") is True and "betas" not in group \
@@ -118,7 +120,7 @@ def test_bad_groups(one_thread, group, match):
     assert not any(hasattr(p, "_zerokern_sync") for p in model.parameters())
 
 
-def test_overflow_skips_bitwise(one_thread):
+def test_overflow_skips_bitwise():
     model = M.make_model()
     opt = zk.ZeroMuon(model, stage=2, precision="fp16", lr=0.02, bucket_mb=M.BUCKET_MB,
                       backend="reference", loss_scale=64.0)
@@ -164,7 +166,7 @@ def _split_groups(model, muon_first: bool):
     ("adamw", "muon", "rule"),
     ("muon", "muon_as_adamw", "param group 0"),
 ])
-def test_checkpoint_of_another_rule(one_thread, tmp_path, saver, loader, match):
+def test_checkpoint_of_another_rule(tmp_path, saver, loader, match):
     makers = {
         "muon": lambda m: zk.ZeroMuon(m, stage=1, precision="fp32",
                                       param_groups=_split_groups(m, True)),
@@ -182,9 +184,9 @@ def test_checkpoint_of_another_rule(one_thread, tmp_path, saver, loader, match):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_checkpoint_roundtrip_same_rule(one_thread, tmp_path):
+def test_checkpoint_roundtrip_same_rule(tmp_path):
     """The sparse sections read back: save, load into a fresh ZeroMuon, same state."""
-    make = lambda m: zk.ZeroMuon(m, stage=2, precision="fp32")  # noqa: E731
+    make = lambda m: zk.ZeroMuon(m, stage=2, precision="fp32")
     path = _saved(str(tmp_path), make)
     src = M.make_model()
     ref = make(src)

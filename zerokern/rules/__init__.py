@@ -181,11 +181,13 @@ def adamw_rule():
 
 
 def rule_by_name(name: str) -> Rule:
-    """The built-in rules by name ("adamw", "lion"): estimate's and the CLI's `optimizer=`."""
+    """The built-in rules by name ("adamw", "lion", "muon"): estimate's and the CLI's
+    `optimizer=` (the "muon" rule alone: ZeroMuon's AdamW params are the estimate's to add)."""
     from zerokern.rules.adamw import ADAMW
     from zerokern.rules.lion import LION
+    from zerokern.rules.muon import MUON
 
-    rules = {"adamw": ADAMW, "lion": LION}
+    rules = {"adamw": ADAMW, "lion": LION, "muon": MUON}
     if isinstance(name, Rule):
         return check_rule(name)
     if name not in rules:
