@@ -237,19 +237,15 @@ class _Plan:
         fn = os.path.join(self.dir, META)
         saved = self.meta.get("rule", LEGACY_RULE)
         secs = tuple(self.meta.get("sections", SECTIONS))
-        groups = self.meta.get("group_rules")
-        if groups is not None and self.view.group_rules and \
-                list(groups) != list(self.view.group_rules):
-            gi = next((i for i, (a, b) in enumerate(zip(groups, self.view.group_rules))
-                       if a != b), min(len(groups), len(self.view.group_rules)))
+        groups, mine = self.meta.get("group_rules"), list(self.view.group_rules)
+        # (another number of groups is a ModelMismatchError, _match_params)
+        if groups is not None and len(groups) == len(mine) and list(groups) != mine:
+            gi = next(i for i, (a, b) in enumerate(zip(groups, mine)) if a != b)
             raise CheckpointError(
-                f"{fn}: param group {gi} holds the state of rule "
-                f"{groups[gi] if gi < len(groups) else None!r} in the checkpoint; here it is "
-                f"optimized by rule "
-                f"{self.view.group_rules[gi] if gi < len(self.view.group_rules) else None!r} "
-                f"(saved {list(groups)}, here {list(self.view.group_rules)}): load it into an "
-                "optimizer with the same rule per group, or load the model weights alone with "
-                "zerokern.checkpoint.consolidate")
+                f"{fn}: param group {gi} holds the state of rule {groups[gi]!r} in the "
+                f"checkpoint; here it is optimized by rule {mine[gi]!r} (saved {list(groups)}, "
+                f"here {mine}): load it into an optimizer with the same rule per group, or "
+                "load the model weights alone with zerokern.checkpoint.consolidate")
         if saved != self.view.rule or secs != tuple(self.view.sections):
             raise CheckpointError(
                 f"{fn}: the checkpoint holds the optimizer state of rule {saved!r} (sections "
