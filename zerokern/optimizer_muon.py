@@ -31,7 +31,7 @@ import torch
 
 from .optimizer import ENGINE_ARGS, ZeroOptimizer
 from .rules.adamw import ADAMW
-from .rules.muon import MUON, MUON_KEYS
+from .rules.muon import MUON, MUON_KEYS, embedding_weight_ids, takes_muon
 from .rules.muon_orthogonalize import EPS, NS_COEFFICIENTS, NS_STEPS
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw")
@@ -52,14 +52,6 @@ def original_shape(p: torch.Tensor) -> tuple:
     return tuple(p.shape)
 
 
-def embedding_weights(model: Optional[torch.nn.Module]) -> set:
-    """ids of the model's nn.Embedding / nn.EmbeddingBag weights (ties are the same object)."""
-    if model is None:
-        return set()
-    return {id(m.weight) for m in model.modules()
-            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
-
-
 def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
                  muon_defaults: Dict[str, Any],
                  adamw_defaults: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -69,7 +61,7 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
         ValueError: a use_muon=True group holding a param with fewer than 2 dims, a group key
             of the other rule, or `use_muon` not a bool.
     """
-    embeds = embedding_weights(model)
+    embeds = embedding_weight_ids(model)
     out = []
     for gi, group in enumerate(groups):
         ps = group["params"]
@@ -82,7 +74,7 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
         use = extra.pop("use_muon", None)
         if use is None:
             def takes(p):
-                return p.requires_grad and len(original_shape(p)) >= 2 and id(p) not in embeds
+                return p.requires_grad and takes_muon(original_shape(p), id(p) in embeds)
 
             muon = [p for p in ps if takes(p)]
             adam = [p for p in ps if not takes(p)]

@@ -210,6 +210,25 @@ def _load(rank, ws, root, stage, offload, saved):
     return out
 
 
+def _memory(rank, ws, stage, offload):
+    """memory_report() after 2 bf16 steps vs estimate(optimizer="muon") for this rank."""
+    from zerokern.accounting import estimate as E
+
+    model = M.make_model()
+    opt = build(model, stage, offload, precision="bf16")
+    _train(model, opt, rank, ws, 2)
+    rep = opt.memory_report()
+    with torch.device("meta"):
+        spec = E.spec_from_model(M.make_model(), "tinylm")
+    est = E.estimate(spec, ws, stage, "bf16", M.BUCKET_MB, offload, rank=rank, comm="gloo",
+                     optimizer="muon")
+    n_muon = sum(p.numel() for g in opt.param_groups if g["use_muon"] for p in g["params"])
+    return {"measured": rep["measured"], "est": est["bytes"],
+            "host": rep.get("host_measured"), "est_host": est["host"] if offload else None,
+            "formula": rep["formula"], "est_formula": est["formula"],
+            "num_params": rep["num_params"], "n_muon": n_muon}
+
+
 def placements(ws):
     """(stage, offload) per world size: every stage; offload="cpu" at stages 1 and 3."""
     return [(s, None) for s in range(4)] + ([(1, "cpu"), (3, "cpu")] if ws > 1 else
@@ -225,6 +244,8 @@ def _worker(rank, ws, root):
         cases["variant"] = lambda: _parity(rank, ws, 1, muon=VARIANT)
         cases["clip"] = lambda: _parity(rank, ws, 2, clip=0.5)
         cases["save"] = lambda: _save(rank, ws, root)
+        for stage, off in MEMORY:
+            cases[f"memory-{stage}-{off}"] = lambda s=stage, o=off: _memory(rank, ws, s, o)
     if ws == 3:
         saved = torch.load(os.path.join(root, "saved.pt"))
         for stage, off in [(1, None), (3, "cpu")]:
@@ -281,6 +302,27 @@ def test_variant_and_clip_n2(root):
     for name in ("variant", "clip"):
         for r, x in enumerate(case(res, name)):
             _check_parity(x, f"{name} rank {r}", clipped=name == "clip")
+
+
+MEMORY = [(0, None), (1, "cpu"), (2, None), (3, None), (3, "cpu")]
+
+
+def test_memory_report_equals_estimate(root):
+    """N=2 bf16: memory_report() == estimate(optimizer="muon") byte for byte (device, host);
+    the formula's optimizer column is K = 8 bytes per Muon param, 12 per AdamW one."""
+    res = cached(_worker, 2, root)
+    for stage, off in MEMORY:
+        for r, x in enumerate(case(res, f"memory-{stage}-{off}")):
+            where = f"stage {stage} offload {off} rank {r}"
+            assert x["measured"] == x["est"], f"{where}: {x['measured']} != {x['est']}"
+            assert x["measured"]["momentum_buffer"] > 0 and x["measured"]["exp_avg"] > 0 \
+                or off is not None, where
+            if off is not None:
+                assert x["host"] == x["est_host"], f"{where}: {x['host']} != {x['est_host']}"
+            assert x["formula"] == x["est_formula"], where
+            psi, n = x["num_params"], 1 if stage == 0 else 2
+            k_total = 8 * x["n_muon"] + 12 * (psi - x["n_muon"])
+            assert x["formula"]["optimizer"] == round(k_total / n), where
 
 
 @pytest.mark.slow

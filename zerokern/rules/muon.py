@@ -146,3 +146,18 @@ class MuonRule(Rule):
 
 
 MUON = MuonRule()
+
+
+def embedding_weight_ids(model) -> set:
+    """ids of `model`'s nn.Embedding / nn.EmbeddingBag weights (a tied head is the same
+    Parameter). None: no model, an empty set."""
+    if model is None:
+        return set()
+    emb = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return {id(m.weight) for m in model.modules() if isinstance(m, emb)}
+
+
+def takes_muon(shape, is_embedding: bool) -> bool:
+    """ZeroMuon's default (optimizer_muon.py [Note: which params Muon takes]): a param of this
+    (original, unflattened) shape takes Muon."""
+    return len(shape) >= 2 and not is_embedding
