@@ -199,3 +199,43 @@ def test_checkpoint_roundtrip_same_rule(tmp_path):
     a, b = _state(src, ref), _state(model, opt)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _bf16_run(**kw):
+    model = M.make_model()
+    opt = zk.ZeroMuon(model, lr=0.02, precision="bf16", bucket_mb=M.BUCKET_MB,
+                      backend="reference", **kw)
+    for s in range(3):
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.global_tokens(s)))
+        opt.step()
+    return M.full_snapshot(model, opt)
+
+
+def test_bf16_every_placement_bitwise():
+    """bf16, 3 steps: stages 0-3, offload="cpu", stage-3 offload_params="cpu" give the same
+    params bit for bit (the same pieces, the same ops, wherever the state lives)."""
+    base = _bf16_run(stage=3)
+    assert M.rel_err(base, M.snapshot(M.make_model().to(torch.bfloat16))) > 1e-3  # it moved
+    for kw in (dict(stage=0), dict(stage=1), dict(stage=2, offload="cpu"),
+               dict(stage=3, offload_params="cpu"),
+               dict(stage=3, offload="cpu", offload_params="cpu")):
+        assert M.bitwise_equal(_bf16_run(**kw), base), kw
+
+
+def test_param_frozen_mid_training_is_left_alone():
+    """torch.optim.Muon skips a param without a grad: frozen after step 1, a matrix keeps its
+    value (and the other matrices still move)."""
+    model = M.make_model()
+    opt = zk.ZeroMuon(model, lr=0.02, stage=2, precision="fp32", bucket_mb=M.BUCKET_MB)
+    opt.zero_grad()
+    opt.backward(M.loss_fn(model, M.global_tokens(0)))
+    opt.step()
+    w, other = model.blocks[0].fc1.weight, model.blocks[1].fc1.weight
+    before, other_before = w.detach().clone(), other.detach().clone()
+    w.requires_grad_(False)
+    opt.zero_grad(set_to_none=True)
+    opt.backward(M.loss_fn(model, M.global_tokens(1)))
+    opt.step()
+    assert torch.equal(w, before)
+    assert not torch.equal(other, other_before)
