@@ -16,8 +16,10 @@ collectives in `comm`, the user-facing extras (clipping, no_sync, reports) in `o
    grad_scale = unscale * clip. Grads sum over backward passes, as torch's: no division by the
    number of micro-batches (divide the loss, as with DDP). Steps 1-3 run once per set of grads
    (`_prepare`), so `clip_grad_norm_()` before `step()` costs nothing extra.
-4. The rule's fused step per bucket (`adam_step_` for AdamW): master, the rule's states and
-   the 16-bit cast-back in one pass; skipped bitwise when found_inf.
+4. Per buffer, its param group's rule (zerokern.rules [Note: a rule per param group]): the
+   fused step per bucket (`adam_step_` for AdamW): master, the rule's states and the 16-bit
+   cast-back in one pass; skipped bitwise when found_inf. A phased rule (Muon) runs its group
+   step over the buffer instead (rules/muon.py [Note: the Muon group step]).
 5. All-gather each updated piece in place as soon as it is written (stages 1-2), then
    update the loss scale.
 Nothing reads a device value on the host: every branch is on host state (stage, micro-steps).
