@@ -239,3 +239,26 @@ def test_param_frozen_mid_training_is_left_alone():
     opt.step()
     assert torch.equal(w, before)
     assert not torch.equal(other, other_before)
+
+
+def test_conv_weight_is_orthogonalized_as_its_matrix():
+    """A 4-D conv weight takes Muon as the (out, in*kh*kw) matrix: equal, bit for bit, to
+    torch.optim.Muon on that 2-D reshape given the same gradients (N=1, fp32, stage 0)."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 4 * 4, 5))
+    ref_w = torch.nn.Parameter(net[0].weight.detach().reshape(8, 27).clone())
+    ref_lin = torch.nn.Parameter(net[2].weight.detach().clone())
+    opt = zk.ZeroMuon(net, lr=0.05, stage=0, precision="fp32", adjust_lr_fn="match_rms_adamw")
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+    ref = torch.optim.Muon([ref_w, ref_lin], lr=0.05, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        x = torch.randn(4, 3, 6, 6)
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        grads = [net[0].weight.grad.reshape(8, 27).clone(), net[2].weight.grad.clone()]
+        opt.step()
+        ref_w.grad, ref_lin.grad = grads
+        ref.step()
+    assert torch.equal(net[0].weight.detach().reshape(8, 27), ref_w.detach())
+    assert torch.equal(net[2].weight.detach(), ref_lin.detach())
