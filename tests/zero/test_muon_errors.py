@@ -262,3 +262,33 @@ def test_conv_weight_is_orthogonalized_as_its_matrix():
         ref.step()
     assert torch.equal(net[0].weight.detach().reshape(8, 27), ref_w.detach())
     assert torch.equal(net[2].weight.detach(), ref_lin.detach())
+
+
+def test_state_dict_roundtrip_and_other_rule():
+    """opt.state_dict() of a ZeroMuon loads into a fresh one (the next step equal bit for
+    bit); ZeroAdamW's state dict into a ZeroMuon is a ValueError naming the rules."""
+    def make(seed=M.MODEL_SEED):
+        model = M.make_model(seed)
+        return model, zk.ZeroMuon(model, lr=0.02, stage=2, precision="fp32",
+                                  bucket_mb=M.BUCKET_MB)
+
+    def step(model, opt, s):
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.global_tokens(s)))
+        opt.step()
+
+    a_model, a = make()
+    step(a_model, a, 0)
+    sd = a.state_dict()
+    b_model, b = make(seed=1)
+    with torch.no_grad():
+        for p, q in zip(b_model.parameters(), a_model.parameters()):
+            p.copy_(q)
+    b.load_state_dict(sd)
+    step(a_model, a, 1)
+    step(b_model, b, 1)
+    assert M.bitwise_equal(M.snapshot(b_model), M.snapshot(a_model))
+    other_model = M.make_model()
+    other = zk.ZeroAdamW(other_model, stage=2, precision="fp32", bucket_mb=M.BUCKET_MB)
+    with pytest.raises(ValueError, match="rule"):
+        b.load_state_dict(other.state_dict())
