@@ -197,6 +197,9 @@ class ZeroMuon(ZeroOptimizer):
             param_groups = split_groups(list(given), model, muon_defaults, adamw_defaults)
             source = model
         else:
+            if isinstance(params_or_model, torch.Tensor):
+                raise TypeError("params_or_model must be a model, an iterable of params or of "
+                                "param-group dicts, not a single Tensor (as torch's optimizers)")
             given = list(params_or_model)
             if given and not isinstance(given[0], dict):
                 given = [{"params": given}]
