@@ -173,11 +173,18 @@ def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
     for p in view.owned:
         segments.append([p.param, p.lo, p.hi, elem])
         elem += p.hi - p.lo
-    sections = {}
+    sections, sparse = {}, {}
     for key in view.sections:
         sections[key] = f.nbytes
-        for p in view.owned:
-            f.write(p.tensors()[key])
+        at, offs = 0, []
+        for p in view.owned:  # a piece whose rule has no such state: not written
+            t = p.tensors().get(key)
+            offs.append(-1 if t is None else at)
+            if t is not None:
+                f.write(t)
+                at += p.hi - p.lo
+        if any(o != seg[3] for o, seg in zip(offs, segments)):
+            sparse[key] = offs  # format.py [Note: sparse sections]
     out = f.close()
     # Step counts, read on the host once per counter (a checkpoint may sync; a step may not).
     steps: Dict[int, int] = {}
@@ -187,7 +194,11 @@ def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
             if steps.setdefault(i, v) != v:
                 raise CheckpointError(f"param {view.params[i].name!r} is governed by step "
                                       f"counters holding {steps[i]} and {v}")
-    return {"rank": view.rank, "segments": segments, "sections": sections, "steps": steps, **out}
+    info = {"rank": view.rank, "segments": segments, "sections": sections, "steps": steps,
+            **out}
+    if sparse:
+        info["section_offsets"] = sparse
+    return info
 
 
 def _write_extras(tmp: str, extras) -> Dict[str, Any]:
@@ -216,7 +227,8 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
               for i, p in enumerate(view.params)]
     _check_cover(view, infos)
     files = {rank_file(x["rank"]): {k: x[k] for k in ("rank", "bytes", "blocks", "segments",
-                                                      "sections")} for x in infos}
+                                                      "sections", "section_offsets")
+                                    if k in x} for x in infos}
     files[EXTRA] = {"bytes": extra["bytes"], "blocks": extra["blocks"]}
     groups = [{k: encode_value(v, f"param_groups[{gi}][{k!r}]") for k, v in g.items()
                if k != "params"} for gi, g in enumerate(view.param_groups)]
@@ -229,6 +241,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
         "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",
         "rule": view.rule, "sections": list(view.sections),
+        "group_rules": list(view.group_rules),
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
         "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
