@@ -7,9 +7,11 @@ Muon is for the hidden layers' matrices. The default split, decided before the e
 the model (so from each param's own shape, never a flat buffer's: stage 3 flattens, and a param
 already held by a stage-3 zerokern optimizer is looked up in its layout):
 - Muon: every param with >= 2 dims that is not the weight of an nn.Embedding / EmbeddingBag of
-  the model (a head tied to the embedding is the same Parameter, so it is excluded too);
-- AdamW: the rest (biases, norms, embeddings, tied heads). An untied output head is a matrix
-  and goes to Muon by this rule: put it in a group with `use_muon=False` if you want AdamW.
+  the model (a head tied to the embedding is the same Parameter, so it is excluded too) nor
+  the output head: a Hugging Face model's `get_output_embeddings()`, or a submodule named
+  `lm_head` (DeepSpeed 0.19's default split excludes names with "embed" or "lm_head");
+- AdamW: the rest (biases, norms, embeddings, the head). An output head under another name is
+  a matrix and goes to Muon by this rule: give it a group with `use_muon=False`.
 With bare params (no model) embeddings cannot be told apart: only the >= 2-D rule applies.
 A param group with `use_muon` is taken as it is (True: every param must have >= 2 dims, else a
 ValueError naming it); a group without it is split in two, its Muon params then its AdamW

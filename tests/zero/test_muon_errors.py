@@ -53,6 +53,31 @@ def test_default_split():
     assert [r.name for r in opt.rules] == ["muon", "adamw"]
 
 
+def test_default_split_leaves_the_output_head_to_adamw():
+    """The head is AdamW's (issue 23): a Hugging Face model's get_output_embeddings() (GPT-2
+    untied here), or a submodule named lm_head (DeepSpeed's keyword); the hidden matrices
+    are Muon's. Failed before: the untied head went to Muon."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                    n_positions=8, tie_word_embeddings=False))
+    opt = zk.ZeroMuon(hf, stage=1, precision="fp32")
+    muon = dict(names_of(hf, opt))[True]
+    assert "lm_head.weight" not in muon and "transformer.wte.weight" not in muon
+    assert "transformer.h.0.mlp.c_fc.weight" in muon
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8)
+            self.lm_head = torch.nn.Linear(8, 4)
+
+    net = Net()
+    muon = dict(names_of(net, zk.ZeroMuon(net, stage=0, precision="fp32")))[True]
+    assert muon == ["body.weight"]
+
+
 def test_use_muon_overrides():
     model = M.make_model()
     named = dict(model.named_parameters())

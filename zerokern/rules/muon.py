@@ -149,12 +149,25 @@ MUON = MuonRule()
 
 
 def embedding_weight_ids(model) -> set:
-    """ids of `model`'s nn.Embedding / nn.EmbeddingBag weights (a tied head is the same
-    Parameter). None: no model, an empty set."""
+    """ids of the matrices the default split leaves to AdamW (optimizer_muon.py [Note: which
+    params Muon takes]): `model`'s nn.Embedding / nn.EmbeddingBag weights (a tied head is the
+    same Parameter) and its output head - a Hugging Face model's `get_output_embeddings()`,
+    or the weight of a submodule named `lm_head` (DeepSpeed's keyword for the same split).
+    None: no model, an empty set."""
     if model is None:
         return set()
     emb = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    return {id(m.weight) for m in model.modules() if isinstance(m, emb)}
+    out = {id(m.weight) for m in model.modules() if isinstance(m, emb)}
+    heads = [m for name, m in model.named_modules() if name.split(".")[-1] == "lm_head"]
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            heads.append(get())
+        except (NotImplementedError, AttributeError):  # a model without a head
+            pass
+    out |= {id(h.weight) for h in heads
+            if isinstance(getattr(h, "weight", None), torch.nn.Parameter)}
+    return out
 
 
 def takes_muon(shape, is_embedding: bool) -> bool:
