@@ -52,6 +52,7 @@ from .format import (
     read_meta,
     read_span,
 )
+from .tp_dirs import load_dir
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 from .writer import check_path
 
@@ -142,6 +143,7 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
 def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
+    path = load_dir(path, view, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
     extras = model_extras(model, view)
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     err, plan = None, None
