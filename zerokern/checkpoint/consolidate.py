@@ -124,7 +124,9 @@ def consolidate(path, out=None, *, dtype=torch.float32,
     """Full state dict of a checkpoint, from its fp32 masters (no process group needed).
 
     Args:
-        path: checkpoint directory written by `zerokern.checkpoint.save`.
+        path: checkpoint directory written by `zerokern.checkpoint.save` (of a
+            tensor-parallel model too: its local tensors are joined along their shard dims
+            into the full ones; fmt "pt" only).
         out: None to return the dict; else a file to write (atomically, via `out.tmp`).
         dtype: output dtype of params (and floating buffers): fp32 (default), bf16 or fp16.
         fmt: "pt" (torch.save) or "safetensors"; default from out's suffix (.safetensors),

@@ -125,7 +125,9 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
         path: checkpoint directory written by `zerokern.checkpoint.save`, the same on every
             rank.
         model: the nn.Module `opt` was built on (same names and shapes as the saved one).
-        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload.
+        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload. A
+            tensor-parallel checkpoint loads at any dp size with the tp size and placements
+            it was saved with.
 
     Returns:
         {"path", "world_size", "stage", "precision", "step"} of the checkpoint read.

@@ -88,7 +88,9 @@ def save(path, model: nn.Module, opt) -> str:
     Args:
         path: checkpoint directory, the same on every rank (a shared filesystem across
             nodes). An existing checkpoint there is replaced atomically; an existing path
-            that is not a zerokern checkpoint is refused.
+            that is not a zerokern checkpoint is refused. A tensor-parallel model (DTensor
+            params) writes `path/tp.json` and one checkpoint per tp rank under it
+            (checkpoint/tp_dirs.py); each tp rank's part is committed atomically.
         model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
         opt: the zerokern.ZeroAdamW.
 
