@@ -28,10 +28,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -81,13 +82,24 @@ PLAN = {"up1": ColwiseParallel(), "down1": RowwiseParallel(),
         "up2": ColwiseParallel(), "down2": RowwiseParallel()}
 
 
-def make_tp_model(world) -> TPNet:
+# Sequence parallel (torchtitan's plan): the norms are Replicate() DTensors over sequence
+# shards, so their grads arrive Partial(sum) (the path that redistributes them); the residual
+# stream is each tp rank's sequence chunk, the head gathers it back (Replicate output).
+SP_PLAN = {"ln1": SequenceParallel(), "up1": ColwiseParallel(input_layouts=Shard(1)),
+           "down1": RowwiseParallel(output_layouts=Shard(1)), "ln2": SequenceParallel(),
+           "up2": ColwiseParallel(input_layouts=Shard(1)),
+           "down2": RowwiseParallel(output_layouts=Shard(1)),
+           "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+SEQ = 4  # sequence-parallel inputs: (rows, SEQ, D), each tp rank its SEQ / TP positions
+
+
+def make_tp_model(world, sp: bool = False) -> TPNet:
     torch.manual_seed(SEED)
     model = TPNet()
     with torch.no_grad():
         for p in model.parameters():  # no zeros anywhere (LayerNorm init is 1 / 0)
             p.add_(0.1 * torch.randn(p.shape))
-    return parallelize_module(model, world["tp"], PLAN)
+    return parallelize_module(model, world["tp"], SP_PLAN if sp else PLAN)
 
 
 def batch(step: int, dp_rank: int, dp: int = DP):
@@ -99,6 +111,10 @@ def batch(step: int, dp_rank: int, dp: int = DP):
 
 def loss_of(model, step: int, dp_rank: int, dp: int = DP) -> torch.Tensor:
     x, y = batch(step, dp_rank, dp)
+    if getattr(model, "sp", False):  # rows -> (rows / SEQ, SEQ, D); this tp rank's positions
+        t = dist.get_rank(model.sp) if isinstance(model.sp, dist.ProcessGroup) else 0
+        x = x.reshape(-1, SEQ, D)[:, t * (SEQ // TP):(t + 1) * (SEQ // TP)]
+        y = y.reshape(-1, SEQ, OUT)
     return F.mse_loss(model(x), y)
 
 
@@ -119,10 +135,16 @@ def _groups(model) -> list:
 
 
 # ---- rank side ---------------------------------------------------------------------------------
-def _reference(world, lr=LR, clip=MAX_NORM) -> dict:
+def _sp(model, world, sp):
+    if sp:
+        model.sp = world["tp"].get_group()
+    return model
+
+
+def _reference(world, lr=LR, clip=MAX_NORM, sp=False) -> dict:
     """The same TP model: manual dp all-reduce of the local grads, the norm of the full grads,
-    clip, torch.optim.AdamW on the DTensor params."""
-    model = make_tp_model(world)
+    clip, torch.optim.AdamW on the DTensor params (a Partial() grad redistributed first)."""
+    model = _sp(make_tp_model(world, sp), world, sp)
     opt = torch.optim.AdamW(_groups(model), lr=lr, betas=BETAS, eps=EPS, weight_decay=WD,
                             foreach=False)
     for g in opt.param_groups:
@@ -133,6 +155,8 @@ def _reference(world, lr=LR, clip=MAX_NORM) -> dict:
         opt.zero_grad()
         loss_of(model, step, dp_rank).backward()
         for p in model.parameters():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
             dist.all_reduce(g, group=dp_group)
             g.div_(DP)
@@ -148,8 +172,8 @@ def _reference(world, lr=LR, clip=MAX_NORM) -> dict:
     return {"params": full(model), "norms": norms}
 
 
-def _zero(world, stage, lr=LR, clip=MAX_NORM, patch=None) -> tuple:
-    model = make_tp_model(world)
+def _zero(world, stage, lr=LR, clip=MAX_NORM, patch=None, sp=False) -> tuple:
+    model = _sp(make_tp_model(world, sp), world, sp)
     kw = dict(param_groups=_groups(model)) if stage == 3 else {}
     src = model if stage == 3 else _groups(model)
     opt = zk.ZeroAdamW(src, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, stage=stage,
@@ -169,14 +193,16 @@ def _zero(world, stage, lr=LR, clip=MAX_NORM, patch=None) -> tuple:
     return model, opt, norms
 
 
-def _parity(world, stage, memo) -> dict:
-    model, opt, norms = _zero(world, stage)
-    ref = memo["ref"]
+def _parity(world, stage, memo, sp=False) -> dict:
+    model, opt, norms = _zero(world, stage, sp=sp)
+    ref = memo["ref_sp" if sp else "ref"]
     with opt.gathered_params() if stage == 3 else _null():
         got = full(model)
     return {"rel": rel_err(got, ref["params"]),
             "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
             "moved": rel_err(got, memo["init"]),
+            "replicated": [n for n, p in model.named_parameters()
+                        if isinstance(p, DTensor) and p.placements[0].is_replicate()],
             "dtensor": isinstance(model.up1.weight, DTensor)}
 
 
@@ -317,6 +343,7 @@ def _ckpt_load_dp1(rank, ws, path, stage):
 
 def _setup(world, memo) -> bool:
     memo["ref"] = _reference(world)
+    memo["ref_sp"] = _reference(world, sp=True)
     memo["init"] = full(make_tp_model(world))
     return True
 
@@ -327,6 +354,8 @@ def _worker(rank, ws, path):
     cases = {"reference": functools.partial(_setup, world, memo)}
     for stage in STAGES:
         cases[f"parity{stage}"] = functools.partial(_parity, world, stage, memo)
+    for stage in (0, 2, 3):
+        cases[f"parity_sp{stage}"] = functools.partial(_parity, world, stage, memo, True)
     cases["lr_control"] = functools.partial(_lr_control, world, memo)
     cases["count_twice"] = functools.partial(_count_twice, world, memo)
     for stage in (0, 2):
@@ -362,6 +391,17 @@ def test_tp_parity(stage):
     the global-norm clip active on every step; the params stay DTensors and moved."""
     for r in case(_results(), f"parity{stage}"):
         assert r["dtensor"]
+        assert r["moved"] > 1e-3
+        assert r["rel"] <= TOL["param"], r
+        assert r["norm_rel"] <= TOL["grad_norm"], r
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_tp_sequence_parallel_parity(stage):
+    """Sequence parallel: the LayerNorms are Replicate() DTensors whose grads arrive
+    Partial(sum) (summed over tp before use); equal to the reference as above."""
+    for r in case(_results(), f"parity_sp{stage}"):
+        assert {"ln1.weight", "ln2.bias"} <= set(r["replicated"]), r
         assert r["moved"] > 1e-3
         assert r["rel"] <= TOL["param"], r
         assert r["norm_rel"] <= TOL["grad_norm"], r
