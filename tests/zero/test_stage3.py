@@ -177,7 +177,7 @@ def _resident(rank, ws, prec):
             seen.add(st.data_ptr())
             held += st.nbytes()
     # the params' memory: the (empty) param tensors, the unit buffers and the resident shards
-    held += sum(f.full.untyped_storage().nbytes() + f.flat.untyped_storage().nbytes()
+    held += sum(f.full.untyped_storage().nbytes() + f.param_shard.untyped_storage().nbytes()
                 for f in opt.flat_groups + opt.grad_sync.frozen)
     rep = opt.memory_report()
     elem = torch.empty((), dtype=opt.dtype).element_size()
