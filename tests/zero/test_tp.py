@@ -42,7 +42,7 @@ from .harness import cached, case, run_cases, spawn
 
 WS, DP, TP = 4, 2, 2
 D, H1, H2, OUT = 6, 10, 14, 3
-BATCH = 8  # global; each dp rank trains on its half, both tp ranks of it on the same half
+BATCH = 16  # global; each dp rank trains on its half, both tp ranks of it on the same half
 STEPS = 4
 LR, BETAS, EPS, WD = 1e-2, (0.5, 0.6), 0.25, 0.1
 MAX_NORM = 0.05  # the global grad norm here is >= 0.3: every step is clipped
@@ -237,6 +237,35 @@ class _null:
         return False
 
 
+def _accum(world, stage, memo, sp) -> float:
+    """Two backward passes per step (half the rows each, loss / 2; the first under
+    no_sync()): DTensor grads accumulate (a Partial() one into the Replicate() view shown at
+    stage 0 too) to the single-backward reference's gradient."""
+    model = _sp(make_tp_model(world, sp), world, sp)
+    kw = dict(param_groups=_groups(model)) if stage == 3 else {}
+    opt = zk.ZeroAdamW(model if stage == 3 else _groups(model), lr=LR, betas=BETAS, eps=EPS,
+                       weight_decay=WD, stage=stage, precision="fp32", max_grad_norm=MAX_NORM,
+                       bucket_mb=0.0002, backend="cpu", mesh=world["dp"], **kw)
+    for g in opt.param_groups:
+        g["lr"] = LR if g["weight_decay"] else 2 * LR
+    dp_rank = world["dp"].get_local_rank()
+    for step in range(STEPS):
+        for half in (0, 1):
+            x, y = batch(step, dp_rank)
+            n = x.shape[0] // 2
+            x, y = x[half * n:(half + 1) * n], y[half * n:(half + 1) * n]
+            if sp:
+                t = dist.get_rank(model.sp)
+                x = x.reshape(-1, SEQ, D)[:, t * (SEQ // TP):(t + 1) * (SEQ // TP)]
+                y = y.reshape(-1, SEQ, OUT)
+            with opt.no_sync() if half == 0 else _null():
+                (F.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params() if stage == 3 else _null():
+        return rel_err(full(model), memo["ref_sp" if sp else "ref"]["params"])
+
+
 def _lr_control(world, memo) -> float:
     model, _, _ = _zero(world, 2, lr=LR * 1.01)
     return rel_err(full(model), memo["ref"]["params"])
@@ -379,6 +408,8 @@ def _worker(rank, ws, path):
         cases[f"parity{stage}"] = functools.partial(_parity, world, stage, memo)
     for stage in (0, 2, 3):
         cases[f"parity_sp{stage}"] = functools.partial(_parity, world, stage, memo, True)
+    for stage in (0, 1, 2, 3):
+        cases[f"accum_sp{stage}"] = functools.partial(_accum, world, stage, memo, True)
     cases["offload2"] = functools.partial(_parity, world, 2, memo, offload="cpu")
     cases["bf16"] = functools.partial(_bf16, world, memo)
     cases["lr_control"] = functools.partial(_lr_control, world, memo)
@@ -430,6 +461,13 @@ def test_tp_sequence_parallel_parity(stage):
         assert r["moved"] > 1e-3
         assert r["rel"] <= TOL["param"], r
         assert r["norm_rel"] <= TOL["grad_norm"], r
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tp_accumulation(stage):
+    """Sequence parallel, 2 backward passes per step (the first under no_sync())."""
+    for rel in case(_results(), f"accum_sp{stage}"):
+        assert rel <= TOL["param"], rel
 
 
 def test_tp_offload_cpu_parity():
