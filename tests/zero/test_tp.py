@@ -266,6 +266,32 @@ def _accum(world, stage, memo, sp) -> float:
         return rel_err(full(model), memo["ref_sp" if sp else "ref"]["params"])
 
 
+def _load_state_dict(world, stage, gathered=True) -> dict:
+    """model.load_state_dict(DTensor state dict) after ZeroAdamW: the values (and at fp32
+    the master) follow; a step after it equals a step of the model it came from. Stage 3:
+    inside gathered_params() or not (gathered=False: into the shards directly)."""
+    src = make_tp_model(world)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.mul_(1.5)
+    sd = src.state_dict()
+    model = make_tp_model(world)
+    opt = _make_opt(model, world, stage)
+    try:
+        with opt.gathered_params() if stage == 3 and gathered else _null():
+            model.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    ref_opt = _make_opt(src, world, stage)
+    _train_more(model, opt, world, 0, 1)
+    _train_more(src, ref_opt, world, 0, 1)
+    with opt.gathered_params() if stage == 3 else _null():
+        got = full(model)
+    with ref_opt.gathered_params() if stage == 3 else _null():
+        want = full(src)
+    return {"rel": rel_err(got, want)}
+
+
 def _lr_control(world, memo) -> float:
     model, _, _ = _zero(world, 2, lr=LR * 1.01)
     return rel_err(full(model), memo["ref"]["params"])
@@ -410,6 +436,9 @@ def _worker(rank, ws, path):
         cases[f"parity_sp{stage}"] = functools.partial(_parity, world, stage, memo, True)
     for stage in (0, 1, 2, 3):
         cases[f"accum_sp{stage}"] = functools.partial(_accum, world, stage, memo, True)
+    for stage in (2, 3):
+        cases[f"load_sd{stage}"] = functools.partial(_load_state_dict, world, stage)
+    cases["load_sd3_direct"] = functools.partial(_load_state_dict, world, 3, False)
     cases["offload2"] = functools.partial(_parity, world, 2, memo, offload="cpu")
     cases["bf16"] = functools.partial(_bf16, world, memo)
     cases["lr_control"] = functools.partial(_lr_control, world, memo)
@@ -539,3 +568,11 @@ def test_checkpoint_dp2_loads_at_dp1(stage):
                                                                           ref["after"])
     for msg in case(res, "plain_refuses"):
         assert msg is not None and "tensor-parallel checkpoint" in msg, msg
+
+
+@pytest.mark.parametrize("name", ["load_sd2", "load_sd3", "load_sd3_direct"])
+def test_model_load_state_dict_follows(name):
+    """model.load_state_dict of DTensor values (stage 3 in and outside gathered_params):
+    the next step equals the source model's step, bitwise."""
+    for r in case(_results(), name):
+        assert r.get("rel") == 0.0, r
