@@ -84,7 +84,11 @@ ENGINE_ARGS = """
             convention (for a tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D
             is (replicate, shard), HSDP: shard over dim 1, replicate over dim 0 (each shard
             all-reduced across its replicas after the reduce-scatter; see zerokern.comm.groups).
-            With process_group too, the group must have exactly the mesh's ranks.
+            With process_group too, the group must have exactly the mesh's ranks. A model
+            with DTensor params (torch tensor parallelism over a tp mesh) keeps them DTensors:
+            each rank's buffers hold its local tp shards, reduced over this mesh only, and the
+            grad norm and overflow skip are agreed over tp too (see zerokern.comm.tp); the
+            mesh must not include the tp ranks (ValueError).
         hpz (bool): (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every
             rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
             backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
