@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -292,6 +293,27 @@ def _load_state_dict(world, stage, gathered=True) -> dict:
     return {"rel": rel_err(got, want)}
 
 
+def _debug_replicated(world, memo, skew: bool, debug: bool) -> dict:
+    """ZEROKERN_DEBUG_COLLECTIVES=1 checks that the tp-replicated grads agree across tp.
+    skew: tp rank 1 feeds shifted inputs, so the plain params' grads differ across tp (the
+    user error the check exists for); debug=False shows it would otherwise train on."""
+    env = {"ZEROKERN_DEBUG_COLLECTIVES": "1" if debug else "0"}
+    with mock.patch.dict(os.environ, env):
+        model = make_tp_model(world)
+        opt = _make_opt(model, world, 2)
+    dp_rank = world["dp"].get_local_rank()
+    shift = 0.5 if skew and world["tp"].get_local_rank() == 1 else 0.0
+    try:
+        for step in range(STEPS):
+            x, y = batch(step, dp_rank)
+            F.mse_loss(model(x + shift), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"rel": rel_err(full(model), memo["ref"]["params"])}
+
+
 def _lr_control(world, memo) -> float:
     model, _, _ = _zero(world, 2, lr=LR * 1.01)
     return rel_err(full(model), memo["ref"]["params"])
@@ -388,7 +410,7 @@ def _ckpt_save(world, path) -> dict:
     with opt3.gathered_params():
         rel3 = rel_err(full(model3), after)
     return {"saved": saved, "after": after, "cons_rel": cons_rel, "keys": sorted(cons),
-            "load_dp2_stage3_rel": rel3}
+            "load_dp2_stage3_rel": rel3, "verified": zk.checkpoint.verify(path)["files"]}
 
 
 def _ckpt_load_dp1(rank, ws, path, stage):
@@ -439,6 +461,9 @@ def _worker(rank, ws, path):
     for stage in (2, 3):
         cases[f"load_sd{stage}"] = functools.partial(_load_state_dict, world, stage)
     cases["load_sd3_direct"] = functools.partial(_load_state_dict, world, 3, False)
+    cases["debug_ok"] = functools.partial(_debug_replicated, world, memo, False, True)
+    cases["debug_skew"] = functools.partial(_debug_replicated, world, memo, True, True)
+    cases["skew_silent"] = functools.partial(_debug_replicated, world, memo, True, False)
     cases["offload2"] = functools.partial(_parity, world, 2, memo, offload="cpu")
     cases["bf16"] = functools.partial(_bf16, world, memo)
     cases["lr_control"] = functools.partial(_lr_control, world, memo)
@@ -552,6 +577,7 @@ def test_checkpoint_consolidates_to_full_tensors():
     for r in case(_results(), "ckpt"):
         assert r["cons_rel"] == 0.0, r["cons_rel"]
         assert r["load_dp2_stage3_rel"] == 0.0, r["load_dp2_stage3_rel"]
+        assert r["verified"] == 2 * 3, r["verified"]  # per tp rank: 2 rank files + extra.bin
     assert sorted(os.listdir(_ckpt_path())) == ["tp.json", "tp00000", "tp00001"]
 
 
@@ -576,3 +602,14 @@ def test_model_load_state_dict_follows(name):
     the next step equals the source model's step, bitwise."""
     for r in case(_results(), name):
         assert r.get("rel") == 0.0, r
+
+
+def test_debug_mode_catches_replicated_grads_that_differ_across_tp():
+    """ZEROKERN_DEBUG_COLLECTIVES=1: equal training when the tp ranks agree, and an error on
+    every rank when tp rank 1 feeds other inputs; without debug that run trains on."""
+    for r in case(_results(), "debug_ok"):
+        assert "error" not in r and r["rel"] <= TOL["param"], r
+    for r in case(_results(), "debug_skew"):
+        assert "error" in r and "differ across the tensor-parallel ranks" in r["error"], r
+    for r in case(_results(), "skew_silent"):
+        assert "error" not in r, r

@@ -25,6 +25,16 @@ rank 0 only. So sumsq = sum over tp of (sharded part + [tp rank 0] replicated pa
 all-reduce over the tp group, after the dp one, of [found_inf, sumsq]; found_inf summed over tp
 too, so the overflow skip and the clip coefficient agree on every rank of the dp x tp world.
 The zero on tp ranks other than 0 is exact (x + 0), with no division.
+
+[Note: replicated grads must agree]
+Counting the replicated part on tp rank 0 only is right when every tp rank holds the same
+replicated gradients. DTensor makes that so for Replicate() params (a Partial() grad is summed
+over tp first, grads/grad_sync.py); a *plain* param is replicated only by the user's program
+(the tp ranks compute it from the same activations). A plain param fed from sequence-sharded
+activations would get a different gradient on each tp rank, and the update would diverge
+silently, as it would under torch's own optimizer. ZEROKERN_DEBUG_COLLECTIVES=1 checks it at
+every step: the replicated sumsq's max and min over tp (one small all-reduce and a host read,
+so debug mode only), raising on every rank when they differ by more than 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch.distributed as dist
 from zerokern.layout.dtensor_params import is_dtensor
 
 from .collectives import GroupComm
+from .debug import enabled as _debug_enabled
 
 # one process group per set of tp ranks (groups are never destroyed: one per optimizer leaks)
 _TP_GROUPS: dict = {}
@@ -48,6 +59,7 @@ class TensorParallel:
 
     def __init__(self, comm: GroupComm) -> None:
         self.comm = comm
+        self.check_replicated = _debug_enabled()  # [Note: replicated grads must agree]
 
     @property
     def rank(self) -> int:
@@ -57,10 +69,27 @@ class TensorParallel:
         """stats = [found_inf, sumsq (sharded part), sumsq (replicated part)] of this rank,
         already summed over dp: the replicated part counted on tp rank 0 only, then summed
         over tp ([Note: the global norm over tp and dp]). Result in stats[:2]."""
+        if self.check_replicated:
+            self._check_replicated(stats[2])
         if self.comm.rank != 0:
             stats[2].zero_()
         stats[1].add_(stats[2])
         self.comm.all_reduce_(stats[:2], label="tp grad stats")
+
+    def _check_replicated(self, rep: torch.Tensor) -> None:
+        """ZEROKERN_DEBUG_COLLECTIVES=1: raise on every tp rank when the replicated part's
+        sumsq differs across tp (max and -min in one MAX all-reduce; a host read)."""
+        both = torch.stack([rep, -rep]).double()
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.comm.group)
+        hi, lo = float(both[0]), -float(both[1])
+        if hi - lo > 1e-6 * max(abs(hi), 1e-30):
+            raise RuntimeError(
+                "zerokern: the gradients of the params replicated on tp (Replicate() DTensors "
+                "and the model's plain params) differ across the tensor-parallel ranks (sum of "
+                f"squares {lo!r} .. {hi!r}); the update would be silently wrong. Every tp "
+                "rank must compute them from the same inputs; a plain param fed from "
+                "sequence-sharded activations must be a Replicate() DTensor "
+                "(SequenceParallel, or distribute_module)")
 
 
 def _placement_ok(pl) -> bool:
