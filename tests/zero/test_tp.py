@@ -314,6 +314,34 @@ def _debug_replicated(world, memo, skew: bool, debug: bool) -> dict:
     return {"rel": rel_err(full(model), memo["ref"]["params"])}
 
 
+def _inf_norm(world, stage) -> dict:
+    """clip_grad_norm_(norm_type=inf) == max |full gradient| (manual dp all-reduce of a
+    torch model's grads); norm_type=1 raises ValueError with tp (before anything changes)."""
+    dp_rank, dp_group = world["dp"].get_local_rank(), world["dp"].get_group()
+    ref = make_tp_model(world)
+    # the largest element in a tp-sharded weight: on one tp rank only, so the max must span tp
+    ref.up2.weight.register_hook(lambda g: g * 100)
+    loss_of(ref, 0, dp_rank).backward()
+    want = 0.0
+    for p in ref.parameters():
+        g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(g, group=dp_group)
+        g.div_(DP)
+        full_g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = max(want, full_g.abs().max().item())
+    model = make_tp_model(world)
+    model.up2.weight.register_hook(lambda g: g * 100)
+    opt = _make_opt(model, world, stage)
+    loss_of(model, 0, dp_rank).backward()
+    try:
+        opt.clip_grad_norm_(1.0, norm_type=1)
+        one = None
+    except ValueError as e:
+        one = str(e)
+    got = float(opt.clip_grad_norm_(1e9, norm_type=float("inf")))
+    return {"rel": abs(got - want) / want, "one": one}
+
+
 def _lr_control(world, memo) -> float:
     model, _, _ = _zero(world, 2, lr=LR * 1.01)
     return rel_err(full(model), memo["ref"]["params"])
@@ -464,6 +492,8 @@ def _worker(rank, ws, path):
     cases["debug_ok"] = functools.partial(_debug_replicated, world, memo, False, True)
     cases["debug_skew"] = functools.partial(_debug_replicated, world, memo, True, True)
     cases["skew_silent"] = functools.partial(_debug_replicated, world, memo, True, False)
+    for stage in (0, 2):
+        cases[f"inf_norm{stage}"] = functools.partial(_inf_norm, world, stage)
     cases["offload2"] = functools.partial(_parity, world, 2, memo, offload="cpu")
     cases["bf16"] = functools.partial(_bf16, world, memo)
     cases["lr_control"] = functools.partial(_lr_control, world, memo)
@@ -613,3 +643,10 @@ def test_debug_mode_catches_replicated_grads_that_differ_across_tp():
         assert "error" in r and "differ across the tensor-parallel ranks" in r["error"], r
     for r in case(_results(), "skew_silent"):
         assert "error" not in r, r
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_inf_norm_over_tp(stage):
+    for r in case(_results(), f"inf_norm{stage}"):
+        assert r["rel"] <= 1e-6, r
+        assert r["one"] is not None and "norm_type" in r["one"], r
