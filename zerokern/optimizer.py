@@ -34,12 +34,14 @@ import torch
 
 from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
+from zerokern.grads.tp_norm import TpStats
 from zerokern.layout.flat_group import FlatGroup
 from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm.mesh import check_hpz, check_mesh, make_comm
+from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
@@ -85,7 +87,11 @@ ENGINE_ARGS = """
             convention (for a tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D
             is (replicate, shard), HSDP: shard over dim 1, replicate over dim 0 (each shard
             all-reduced across its replicas after the reduce-scatter; see zerokern.comm.groups).
-            With process_group too, the group must have exactly the mesh's ranks.
+            With process_group too, the group must have exactly the mesh's ranks. A model
+            with DTensor params (torch tensor parallelism over a tp mesh) keeps them DTensors:
+            each rank's buffers hold its local tp shards, reduced over this mesh only, and the
+            grad norm and overflow skip are agreed over tp too (see zerokern.comm.tp); the
+            mesh must not include the tp ranks (ValueError).
         hpz (bool): (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every
             rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
             backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
@@ -174,7 +180,11 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         check_hpz(hpz, shape, stage, offload_params)
+        # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
+        tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
+                                           process_group)
         comm = make_comm(process_group, mesh, hpz)
+        self.tp = make_tensor_parallel(tp_checked, comm.stats)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
@@ -248,7 +258,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             self.param_homes.attach(self.offloader)
         self._built = True
         dev = self.flat_groups[0].device
-        self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
+        # [found_inf, sumsq] (+ the tp-replicated part's sumsq with tensor parallelism)
+        self._stats = torch.zeros(2 if self.tp is None else 3, dtype=torch.float32, device=dev)
+        self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         self._prepared = None         # grad_sync.generation whose stats are in _stats
@@ -331,11 +343,16 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         stats.zero_()
         found, sumsq = stats[0], stats[1]
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
-            kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
+            if self._tp_stats is not None:  # tp-sharded and replicated elements apart
+                self._tp_stats.stats_(gi, k, gs.grad_piece(gi, k), stats, self.backend)
+            else:
+                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         averaged = self.pattern.grads_averaged
         if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
-            self.comm.count_once_(sumsq)  # HSDP: replicas hold the same shard
+            self.comm.count_once_(stats[1:])  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+        if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)
+            self.tp.combine_(stats)
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()

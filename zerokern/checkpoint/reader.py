@@ -52,6 +52,7 @@ from .format import (
     read_meta,
     read_span,
 )
+from .tp_dirs import load_dir
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 from .writer import check_path
 
@@ -140,7 +141,9 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
         path: checkpoint directory written by `zerokern.checkpoint.save`, the same on every
             rank.
         model: the nn.Module `opt` was built on (same names and shapes as the saved one).
-        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload.
+        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload. A
+            tensor-parallel checkpoint loads at any dp size with the tp size and placements
+            it was saved with.
 
     Returns:
         {"path", "world_size", "stage", "precision", "step"} of the checkpoint read.
@@ -158,6 +161,7 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
 def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
+    path = load_dir(path, view, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
     extras = model_extras(model, view)
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     err, plan = None, None

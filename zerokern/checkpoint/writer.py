@@ -55,6 +55,7 @@ from .format import (
     rank_file,
     write_meta,
 )
+from .tp_dirs import save_dir
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 
 # Test hooks (tests/zero/test_checkpoint.py): pause at a point of the save, so a test can kill
@@ -87,7 +88,9 @@ def save(path, model: nn.Module, opt) -> str:
     Args:
         path: checkpoint directory, the same on every rank (a shared filesystem across
             nodes). An existing checkpoint there is replaced atomically; an existing path
-            that is not a zerokern checkpoint is refused.
+            that is not a zerokern checkpoint is refused. A tensor-parallel model (DTensor
+            params) writes `path/tp.json` and one checkpoint per tp rank under it
+            (checkpoint/tp_dirs.py); each tp rank's part is committed atomically.
         model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
         opt: the zerokern.ZeroAdamW.
 
@@ -106,9 +109,10 @@ def _save(path, model: nn.Module, opt) -> str:
     skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
     if skip is not None:
         skip.check_savable("zerokern.checkpoint.save")
-    path = check_path(path)
+    top = path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)
+    path = save_dir(top, view, extras, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     lead = view.world_rank == 0  # creates the directory, writes extras and metadata, commits
 
@@ -152,7 +156,7 @@ def _save(path, model: nn.Module, opt) -> str:
                 err = e
             shutil.rmtree(tmp, ignore_errors=True)
     coll.agree(err)
-    return path
+    return top
 
 
 def _preflight(path: str) -> None:
