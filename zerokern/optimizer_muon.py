@@ -54,6 +54,10 @@ def original_shape(p: torch.Tensor) -> tuple:
     return tuple(p.shape)
 
 
+def _is_dtensor(p) -> bool:
+    return type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+
+
 def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
                  muon_defaults: Dict[str, Any],
                  adamw_defaults: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -90,6 +94,12 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
         for is_muon, part in halves:
             if not part and use is None:
                 continue
+            if is_muon and any(_is_dtensor(p) and p.requires_grad for p in part):
+                # a tensor-parallel param holds only this rank's tp shard of the matrix:
+                # orthogonalizing the shard is not Muon (it would be silently wrong)
+                raise ValueError(f"param group {gi}: a DTensor (tensor-parallel) param takes "
+                                 "Muon, which orthogonalizes whole matrices, but this rank "
+                                 "holds only its tp shard; give it a use_muon=False group")
             if is_muon:  # frozen params are never updated: only the trainable ones count
                 bad = [original_shape(p) for p in part
                        if p.requires_grad and len(original_shape(p)) < 2]

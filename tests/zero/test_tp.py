@@ -398,6 +398,14 @@ def _bad(world) -> dict:
             out[name] = (type(e).__name__, str(e))
         out[name + "_unchanged"] = rel_err(full(model), before) == 0.0 and isinstance(
             model.up1.weight, DTensor)
+    model = make_tp_model(world)  # Muon on a tp shard of a matrix is not Muon
+    before = full(model)
+    try:
+        zk.ZeroMuon(model, stage=1, precision="fp32", mesh=world["dp"])
+        out["muon"] = None
+    except (ValueError, TypeError) as e:
+        out["muon"] = (type(e).__name__, str(e))
+    out["muon_unchanged"] = rel_err(full(model), before) == 0.0
     return out
 
 
@@ -599,6 +607,9 @@ def test_bad_input_raises_before_changes():
         assert r["bf16"] is not None and r["bf16"][0] == "ValueError", r
         assert "precision" in r["bf16"][1], r
         assert r["no_mesh_unchanged"] and r["world_mesh_unchanged"] and r["bf16_unchanged"], r
+        assert r["muon"] is not None and r["muon"][0] == "ValueError", r
+        assert "DTensor" in r["muon"][1] and "use_muon=False" in r["muon"][1], r
+        assert r["muon_unchanged"], r
 
 
 def test_checkpoint_consolidates_to_full_tensors():
