@@ -52,10 +52,13 @@ def add_arguments(p) -> None:
     p.add_argument("--master", choices=["fp32", "compact"], default="fp32",
                    help="ZeroAdamW's master=: 'compact' holds the bf16 run's fp32 master in "
                         "2.125 bytes per element (bf16, no offload, stages 0-2)")
-    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "lion"], default="adamw",
+    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "lion", "muon"],
+                   default="adamw",
                    help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12), "
                         "adamw8bit (ZeroAdamW(state_bits=8): master, 8-bit m and v, per-128 "
-                        "scales; K = 6.0625) or lion (ZeroLion: master, one momentum; K = 8)")
+                        "scales; K = 6.0625), lion (ZeroLion: master, one momentum; K = 8) or "
+                        "muon (ZeroMuon: Muon's momentum for the matrices, K = 8, AdamW for "
+                        "the rest; needs --model)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -79,11 +82,13 @@ def _state_rows(r0, prefix: str, suffix: str = ""):
     """One row per optimizer state of the estimate's rule (zerokern.rules), master first."""
     from zerokern.rules import rule_by_name
 
-    rule = rule_by_name(r0.get("optimizer", "adamw"))
-    kinds = {"master": "fp32", **{s.name: ("uint8" if s.dtype.itemsize == 1 else "fp32")
-                                  + (f", 1 per {s.block}" if s.block > 1 else "")
-                                  for s in rule.states}}
-    return [(n, f"{prefix}{n} ({kinds[n]}{suffix})") for n in ("master", *rule.state_names)]
+    # a rule per param group (ZeroMuon) is named "muon+adamw": the union of their states
+    kinds = {"master": "fp32"}
+    for part in r0.get("optimizer", "adamw").split("+"):
+        for s in rule_by_name(part).states:
+            kinds.setdefault(s.name, ("uint8" if s.dtype.itemsize == 1 else "fp32")
+                             + (f", 1 per {s.block}" if s.block > 1 else ""))
+    return [(n, f"{prefix}{n} ({kinds[n]}{suffix})") for n in kinds]
 
 
 def _rows(r0):
