@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..optimizer import ZeroAdamW, ZeroOptimizer
 from ..optimizer_args import PRECISIONS
 from ..optimizer_lion import ZeroLion
+from ..optimizer_muon import ZeroMuon
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, optimizer_kind, optimizer_settings, parse_config
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
@@ -284,7 +285,10 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
     # 2 ranks, bf16 (benchmarks/results/engine-20m-n2-compact{,-run2}.md): held 156 MiB per
     # rank vs DeepSpeed's 177 (0.88x) at stages 1 and 2 (2Ψ + 12Ψ/N = 177 with an fp32 master);
     # the step costs about 5-20 ms more (compact_master.py [Note: chunk size and cost]).
-    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2:
+    # ZeroMuon keeps a plain fp32 master (its update reads it whole): not for a Muon config.
+    muon = cfg.optimizer is not None and optimizer is None and \
+        optimizer_kind(cfg.optimizer) == "muon"
+    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2 and not muon:
         zero_kw["master"] = "compact"
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
@@ -305,7 +309,8 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
         return None  # [Note: forward-only engine]
     hyper = optimizer_settings(cfg.optimizer)
     groups = groups_for_model(model, model_parameters, hyper)
-    cls = {"adamw": ZeroAdamW, "lion": ZeroLion}[optimizer_kind(cfg.optimizer)]
+    cls = {"adamw": ZeroAdamW, "lion": ZeroLion,
+           "muon": ZeroMuon}[optimizer_kind(cfg.optimizer)]
     return cls(model, **hyper, **zero_kw, param_groups=groups)
 
 
