@@ -21,7 +21,9 @@ from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
+from .collectives import GroupComm
 from .groups import Comm
+from .quantized import hierarchical_levels
 
 # One process group per set of dp ranks (the world group of a sub-mesh), made once: groups are
 # never destroyed, so one per optimizer would leak connections.
@@ -122,8 +124,18 @@ def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
     return Comm.mesh(mesh.get_group(1), mesh.get_group(0), world)
 
 
-def make_comm(process_group=None, mesh=None, hpz: bool = False) -> Comm:
-    """ZeroAdamW's Comm from its `process_group=`, `mesh=` and `hpz=` (checked already)."""
-    if mesh is None:
-        return Comm(process_group)
-    return comm_from_mesh(mesh, process_group, hpz)
+def make_comm(process_group=None, mesh=None, hpz: bool = False, qwz: bool = False,
+              qgz_bits: Optional[int] = None, codec_for=None) -> Comm:
+    """ZeroAdamW's Comm from its `process_group=`, `mesh=`, `hpz=` and quantized_weights /
+    quantized_gradients (qwz, qgz_bits; checked already, comm/quantized.py)."""
+    comm = Comm(process_group) if mesh is None else comm_from_mesh(mesh, process_group, hpz)
+    levels = None
+    if qgz_bits is not None and comm.hpz is not None:
+        # hpZ shards over the whole 2-D mesh: qgZ's two hops ([Note: qgZ hierarchical over
+        # nodes]), inside the node, then across nodes on the node-reduced chunks
+        cross = GroupComm(mesh.get_group(0), dim="cross", stats=comm.stats, tag="cross")
+        levels = hierarchical_levels(comm.shard, comm.hpz, cross,
+                                     [[int(r) for r in row] for row in mesh.mesh.tolist()])
+    if qwz or qgz_bits is not None:
+        comm.quantize(qwz, qgz_bits, codec_for, levels)
+    return comm

@@ -87,3 +87,29 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     lo, hi = p & 0xF, (p >> 4) & 0xF
     both = torch.stack([lo, hi], dim=1).view(-1)
     return torch.where(both > 7, both - 16, both).to(torch.int8)
+
+
+def codec_for(device: torch.device):
+    """The backend of this contract for tensors on `device`: Triton (triton_blockquant) on
+    CUDA, this module's reference ops elsewhere ([Note: the CPU codec]).
+
+    Args:
+        device: where the tensors to quantize live.
+
+    Returns:
+        a module with `quantize(x, block, bits)` and `dequantize(codes, scale, block, bits,
+        dtype)`.
+
+    Raises:
+        ValueError: a CUDA device without Triton.
+    """
+    if torch.device(device).type == "cuda":
+        try:
+            from zerokern.kernels import triton_blockquant
+        except ImportError as e:
+            raise ValueError("quantized collectives on CUDA tensors need Triton "
+                             f"(zerokern.kernels.triton_blockquant): {e}") from e
+        return triton_blockquant
+    import sys
+
+    return sys.modules[__name__]
