@@ -128,7 +128,7 @@ class _DequantizeOnWait:
             vals = _decode(self._codec, self._payload, c, 8, self._block, self._full.dtype)
             full = self._full.view(n, c)
             full.copy_(vals)
-            full[self._rank].copy_(self._src)
+            _keep_own(full, self._rank, self._src)
             if self._payload.device.type == "cuda":  # used by this (the compute) stream
                 self._payload.record_stream(torch.cuda.current_stream(self._payload.device))
             self._payload = None
@@ -136,6 +136,11 @@ class _DequantizeOnWait:
 
     def is_completed(self) -> bool:
         return self._payload is None
+
+
+def _keep_own(full: torch.Tensor, rank: int, src: torch.Tensor) -> None:
+    """The own piece from its exact source ([Note: qwZ keeps the own piece exact])."""
+    full[rank].copy_(src)
 
 
 def all_gather_quantized_(gc: GroupComm, full: torch.Tensor, src: torch.Tensor, codec_for,
@@ -195,7 +200,8 @@ def _a2a_reduce(gc: GroupComm, send: torch.Tensor, codec, bits: int, block: int,
 
 def _account(gc: GroupComm, k: int, L: int, bits: int, block: int, label) -> None:
     payload_row = wire_bytes(L, bits, block)
-    gc._record("reduce_scatter", torch.empty(k * payload_row, dtype=torch.uint8), label)
+    if gc.log is not None:  # ZEROKERN_DEBUG_COLLECTIVES: the payload's dtype and size
+        gc._record("reduce_scatter", torch.empty(k * payload_row, dtype=torch.uint8), label)
     gc.stats.add("reduce_scatter", (k - 1) * payload_row, gc.dim)
 
 
