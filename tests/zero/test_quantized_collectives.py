@@ -332,11 +332,11 @@ def _train_hpz(rank, ws, memo):
 
 def _expected_bytes(opt):
     """comm_stats() of one step of hpZ+qwZ+qgZ on 2x2, from the buffers' sizes: forward
-    gathers int8 over the world ring (3/4 of 4 payloads), backward gathers exact over the
-    node (1/2 of the unit), the reduce-scatter's hops (1 of 2 node payloads of 2 chunks, 1 of
-    2 cross payloads of 1 chunk), plus the exact gathers of gathered_params() in train_zero's
-    snapshot (3/4 of the unit, fp32)."""
-    fwd = bwd = rs_node = rs_cross = snap = 0
+    gathers int8 over the world ring (3/4 of 4 payloads), the reduce-scatter's hops (1 of 2
+    node payloads of 2 chunks, 1 of 2 cross payloads of 1 chunk), plus the exact gathers of
+    gathered_params() in train_zero's snapshot (3/4 of the unit, fp32). (The backward's
+    exact node gathers from the hpZ secondary are test_hpz.py's.)"""
+    fwd = rs_node = rs_cross = snap = 0
     for f in opt.flat_groups + opt.grad_sync.frozen:
         E = f.layout.padded_numel
         c = E // 4
