@@ -1,5 +1,6 @@
 """Bytes per step by group, and step time, of stage 3 on 4 gloo ranks as 2 "nodes" x 2:
-plain (a 1-D mesh of 4), HSDP (2x2 mesh) and hpZ (2x2, hpz=True). Not a timed test.
+plain (a 1-D mesh of 4), HSDP (2x2 mesh), hpZ (2x2, hpz=True) and hpZ + qwZ + qgZ
+(quantized_weights=True, quantized_gradients int8 / int4). Not a timed test.
 
 Cross-node bytes are derived from the per-group counts (comm_stats()["dims"]), with ranks 0-1
 on node A and 2-3 on node B:
@@ -7,9 +8,17 @@ on node A and 2-3 on node B:
   the world-wide collectives cross (plain: everything; hpZ: the forward gathers and the
   reduce-scatters);
 - HSDP's replicate all-reduce pairs rank r with r+2: all its bytes cross; its shard group and
-  hpZ's node group never cross.
+  hpZ's node group never cross;
+- qgZ's second hop ("cross": the mesh's dim 0, r with r+2) crosses entirely, its first hop
+  (in the "hpz" node group) never.
+The formula beside each row is the same count from the buffer sizes alone (E: each stage-3
+unit buffer's padded numel, summed; the root unit stays gathered from forward to backward, so
+its backward gather is not sent; w(c) = c·bits/8 + 4·c/128, the quantized payload).
 
-    PYTHONPATH=. python benchmarks/bench_mesh.py [--size small] [--steps 6]
+--loss-steps N also trains the "tiny" preset on the stdlib corpus (zerokern train's data) for N
+steps with plain stage 3 and with everything on, and reports the mean loss of the last 10.
+
+    PYTHONPATH=. python benchmarks/bench_mesh.py [--size small] [--steps 6] [--loss-steps 300]
 """
 
 from __future__ import annotations
@@ -27,13 +36,37 @@ import zerokern as zk
 from zerokern.gpt import PRESETS, build_gpt
 from zerokern.spawn import spawn_ranks
 
-CONFIGS = ("plain", "hsdp", "hpz")
+CONFIGS = ("plain", "hsdp", "hpz", "hpz_q8", "hpz_q4")
+QUANT = {"hpz_q8": dict(quantized_weights=True, quantized_gradients="int8"),
+         "hpz_q4": dict(quantized_weights=True, quantized_gradients="int4")}
 
 
-def _opt(model, name, meshes):
+def _opt(model, name, meshes, lr=1e-3):
     mesh = meshes["4"] if name == "plain" else meshes["2x2"]
-    return zk.ZeroAdamW(model, stage=3, precision="fp32", mesh=mesh, hpz=name == "hpz",
-                        backend="cpu")
+    return zk.ZeroAdamW(model, lr=lr, stage=3, precision="fp32", mesh=mesh,
+                        hpz=name.startswith("hpz"), backend="cpu", **QUANT.get(name, {}))
+
+
+def _wire(c: int, bits: int) -> int:
+    return c * bits // 8 + c // 128 * 4
+
+
+def _formula(name, opt) -> tuple:
+    """(cross-node bytes per step from the buffer sizes, the formula as text)."""
+    E = [f.layout.padded_numel for f in opt.flat_groups]
+    root = sum(f.layout.padded_numel for f in opt.flat_groups if f.unit_index == 0)
+    tot = sum(E)
+    if name == "plain":  # ring over 4: half the bytes cross; gathers 2x but the root once
+        return (3 * 4 * (2 * tot - root + tot) // 4 // 2,
+                "1/2 · 3/4 · 4B · (2E − E_root + E)")
+    if name == "hsdp":
+        return 2 * 4 * tot // 2 // 2, "2 · 1/2 · 4B · E/2 (replicate all-reduce of the shard)"
+    if name == "hpz":
+        return 3 * 4 * (tot + tot) // 4 // 2, "1/2 · 3/4 · 4B · (E + E) (fwd gather, RS)"
+    bits = 8 if name == "hpz_q8" else 4
+    fwd = sum(3 * _wire(e // 4, 8) for e in E) // 2
+    rs = sum(_wire(e // 4, bits) for e in E)
+    return fwd + rs, f"1/2 · 3 · w8(E/4) + w{bits}(E/4) (int8 fwd gather, qgZ hop 2)"
 
 
 def _worker(rank, ws, size, steps, batch):
@@ -64,14 +97,41 @@ def _worker(rank, ws, size, steps, batch):
                 times[name].append(dt)
             stats[name] = opt.comm_stats()
     return {"times": times, "stats": stats,
+            "formula": {n: _formula(n, runs[n][1]) for n in CONFIGS},
             "params": sum(g.layout.numel for g in runs["plain"][1].flat_groups)}
+
+
+def _loss_worker(rank, ws, steps, batch, seq):
+    from zerokern.train.data import VOCAB, Batches, load_corpus
+
+    meshes = {"4": init_device_mesh("cpu", (4,)),
+              "2x2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
+    corpus = load_corpus()
+    out = {}
+    for name in ("plain", "hpz_q8", "hpz_q4"):
+        model = build_gpt("tiny", seed=0, vocab=VOCAB, seq=seq)
+        opt = _opt(model, name, meshes, lr=1e-2)
+        data = Batches(corpus, batch, seq, 0, rank)
+        losses = []
+        for s in range(steps):
+            x, y = data.get(s)
+            loss = model.loss(x, y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(float(t) / ws)
+        out[name] = {"last10": sum(losses[-10:]) / 10, "first": losses[0]}
+    return out
 
 
 def _cross(name, st) -> int:
     d = st["dims"]
     if name == "hsdp":
         return d["replicate"]["total"]
-    return d["shard"]["total"] // 2  # plain and hpZ: the world ring, 2 of 4 links cross
+    cross = d.get("cross", {}).get("total", 0)  # qgZ's second hop: all of it crosses
+    return d["shard"]["total"] // 2 + cross  # the world ring: 2 of 4 links cross
 
 
 def main() -> None:
@@ -80,6 +140,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--loss-steps", type=int, default=0)
     a = ap.parse_args()
     res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, threads=1, timeout=1200)
     r0 = res[0]
@@ -90,20 +151,33 @@ def main() -> None:
         med = statistics.median(r0["times"][name])
         rows.append({"config": name, "bytes_per_step": st["total"],
                      "dims": {k: v["total"] for k, v in st["dims"].items()},
-                     "cross_node": _cross(name, st), "step_s": med, "ratio": med / base,
+                     "cross_node": _cross(name, st), "formula": r0["formula"][name][0],
+                     "formula_text": r0["formula"][name][1],
+                     "step_s": med, "ratio": med / base,
                      "spread_s": [min(r0["times"][name]), max(r0["times"][name])]})
     plain_cross = rows[0]["cross_node"]
     print(f"GPT {a.size} ({r0['params'] / 1e6:.2f}M params), stage 3 fp32, 4 gloo ranks "
           f"(2 x 2), rank 0, {a.steps} steps, torch {torch.__version__}")
-    print("| config | bytes/step (rank 0) | per group | cross-node | x plain | step s | x plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | bytes/step (rank 0) | per group | cross-node | formula | x plain | "
+          "step s | x plain |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['bytes_per_step']:,} | {r['dims']} | "
-              f"{r['cross_node']:,} | {r['cross_node'] / plain_cross:.2f} | "
-              f"{r['step_s']:.3f} | {r['ratio']:.2f} |")
+              f"{r['cross_node']:,} | {r['formula']:,} = {r['formula_text']} | "
+              f"{r['cross_node'] / plain_cross:.3f} | {r['step_s']:.3f} | {r['ratio']:.2f} |")
+    loss = None
+    if a.loss_steps:
+        lr = spawn_ranks(_loss_worker, 4, a.loss_steps, 8, 64, threads=1, timeout=3600)[0]
+        loss = lr
+        print(f"\nloss (tiny, stdlib corpus, batch 8 x seq 64 per rank, lr 1e-2, mean of the "
+              f"last 10 of {a.loss_steps} steps):")
+        for name, v in lr.items():
+            print(f"  {name}: {v['last10']:.4f} (first {v['first']:.4f}; "
+                  f"{v['last10'] / lr['plain']['last10'] - 1:+.2%} vs plain)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"size": a.size, "steps": a.steps, "rows": rows}, f, indent=1)
+            json.dump({"size": a.size, "steps": a.steps, "rows": rows, "loss": loss,
+                       "loss_steps": a.loss_steps}, f, indent=1)
 
 
 if __name__ == "__main__":
