@@ -25,6 +25,7 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -172,9 +173,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         check_hpz(hpz, shape, stage, offload_params)
         qwz, qgz_bits = check_quantized(quantized_weights, quantized_gradients, stage,
                                         offload_params)
+        codec_for = functools.partial(blockquant.codec_for, backend=backend)
         if qwz or qgz_bits is not None:  # ValueError on CUDA without Triton
-            blockquant.codec_for(trainable[0][0].device)
-        comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, blockquant.codec_for)
+            codec_for(trainable[0][0].device)
+        comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, codec_for)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
