@@ -314,8 +314,29 @@ def _worker4(rank, ws):
         "neg_hier_order": functools.partial(_qgz_collective, rank, ws, memo, 8, "flat_perm"),
         "train_all": functools.partial(_train_hpz, rank, ws, memo),
         "hsdp_qgz": functools.partial(_qgz_engine, rank, ws, 2, 8, mesh=mesh),
+        "debug_log": functools.partial(_debug_log, rank, ws, memo),
     }
     return run_cases(cases)
+
+
+def _debug_log(rank, ws, memo):
+    """ZEROKERN_DEBUG_COLLECTIVES=1: every rank records the same quantized collectives (the
+    check at each step() raises otherwise), and a rank that records another one is caught."""
+    out = {}
+    with mock.patch.dict("os.environ", {"ZEROKERN_DEBUG_COLLECTIVES": "1"}):
+        for name in ("same", "differ"):
+            model = M.make_model()
+            opt = M.zero_opt(model, 3, mesh=memo["mesh"], hpz=True, quantized_weights=True,
+                             quantized_gradients=True)
+            if name == "differ" and rank == 1:  # one rank's qgZ payload record differs
+                opt.grad_sync.rs_comm.q_levels[1].gc.log.add("cross", "reduce_scatter",
+                                                              torch.empty(1), "extra")
+            try:
+                M.train_zero(model, opt, rank, ws, 2)
+                out[name] = "ok"
+            except RuntimeError as e:
+                out[name] = str(e)[:200]
+    return out
 
 
 def _train_hpz(rank, ws, memo):
@@ -443,6 +464,12 @@ def test_hpz_qwz_qgz_trains_and_counts_bytes_per_dim():
         assert d["hpz"]["reduce_scatter"] == e["rs_node"], (r, d, e)
         assert d["shard"]["all_gather"] == e["fwd"] + e["snap"], (r, d, e)
         assert d["shard"]["reduce_scatter"] == 0, (r, d)
+
+
+def test_debug_collectives_agree_and_a_difference_is_caught():
+    for r, v in enumerate(case(_results4(), "debug_log")):
+        assert v["same"] == "ok", (r, v)
+        assert v["differ"] != "ok", (r, v)
 
 
 @pytest.mark.slow
