@@ -275,6 +275,7 @@ def _worker2(rank, ws):
         "qgz_stage2_int4": functools.partial(_qgz_engine, rank, ws, 2, 4),
         "qgz_stage1_int8": functools.partial(_qgz_engine, rank, ws, 1, 8),
     }
+    cases["fp16_skips"] = functools.partial(_fp16_skips, rank, ws)
     for v in ("neg_scale", "qwz", "qgz8", "qgz4", "both"):
         cases[f"train_{v}"] = functools.partial(_train, rank, ws, memo, v)
     # negative controls
@@ -290,6 +291,18 @@ def _worker2(rank, ws):
     cases["neg_qgz_int4_as_int8"] = functools.partial(_qgz_engine, rank, ws, 2, 4,
                                                       judge_bits=8)
     return run_cases(cases)
+
+
+def _fp16_skips(rank, ws):
+    """fp16 with the dynamic loss scale (2^16 at first: the first steps overflow): with qwZ +
+    qgZ the same steps are skipped as without (non-finite grads arrive non-finite)."""
+    out = {}
+    for q in (False, True):
+        model = M.make_model()
+        kw = dict(quantized_weights=True, quantized_gradients=True) if q else {}
+        out[q] = M.train_zero(model, M.zero_opt(model, 3, precision="fp16", **kw), rank, ws,
+                              STEPS)["skipped"]
+    return out
 
 
 def _worker2_long(rank, ws, steps):
@@ -401,6 +414,11 @@ def test_qgz_reduce_within_bound(bits):
 def test_qgz_negative_control_scale_off_by_one_block():
     for r, v in enumerate(case(_results2(), "neg_qgz_scale")):
         assert v["ratio"] > 10, (r, v)
+
+
+def test_fp16_overflow_skips_the_same_steps():
+    for r, v in enumerate(case(_results2(), "fp16_skips")):
+        assert v[True] == v[False] and any(v[False]) and not all(v[False]), (r, v)
 
 
 def test_qgz_keeps_nonfinite_grads_nonfinite():
