@@ -42,9 +42,12 @@ QUANT = {"hpz_q8": dict(quantized_weights=True, quantized_gradients="int8"),
          "hpz_q4": dict(quantized_weights=True, quantized_gradients="int4")}
 
 
+PRECISION = {"p": "fp32"}  # --precision (set in the workers)
+
+
 def _opt(model, name, meshes, lr=1e-3):
     mesh = meshes["4"] if name == "plain" else meshes["2x2"]
-    return zk.ZeroAdamW(model, lr=lr, stage=3, precision="fp32", mesh=mesh,
+    return zk.ZeroAdamW(model, lr=lr, stage=3, precision=PRECISION["p"], mesh=mesh,
                         hpz=name.startswith("hpz"), backend="cpu", **QUANT.get(name, {}))
 
 
@@ -53,24 +56,27 @@ def _wire(c: int, bits: int) -> int:
 
 
 def _formula(name, opt) -> tuple:
-    """(cross-node bytes per step from the buffer sizes, the formula as text)."""
+    """(cross-node bytes per step from the buffer sizes, the formula as text); e: bytes per
+    element of the precision (4 fp32, 2 bf16)."""
+    e = opt.dtype.itemsize
     E = [f.layout.padded_numel for f in opt.flat_groups]
     root = sum(f.layout.padded_numel for f in opt.flat_groups if f.unit_index == 0)
     tot = sum(E)
     if name == "plain":  # ring over 4: half the bytes cross; gathers 2x but the root once
-        return (3 * 4 * (2 * tot - root + tot) // 4 // 2,
-                "1/2 · 3/4 · 4B · (2E − E_root + E)")
+        return (3 * e * (2 * tot - root + tot) // 4 // 2,
+                f"1/2 · 3/4 · {e}B · (2E − E_root + E)")
     if name == "hsdp":
-        return 2 * 4 * tot // 2 // 2, "2 · 1/2 · 4B · E/2 (replicate all-reduce of the shard)"
+        return 2 * e * tot // 2 // 2, f"2 · 1/2 · {e}B · E/2 (replicate all-reduce of the shard)"
     if name == "hpz":
-        return 3 * 4 * (tot + tot) // 4 // 2, "1/2 · 3/4 · 4B · (E + E) (fwd gather, RS)"
+        return 3 * e * (tot + tot) // 4 // 2, f"1/2 · 3/4 · {e}B · (E + E) (fwd gather, RS)"
     bits = 8 if name == "hpz_q8" else 4
     fwd = sum(3 * _wire(e // 4, 8) for e in E) // 2
     rs = sum(_wire(e // 4, bits) for e in E)
     return fwd + rs, f"1/2 · 3 · w8(E/4) + w{bits}(E/4) (int8 fwd gather, qgZ hop 2)"
 
 
-def _worker(rank, ws, size, steps, batch):
+def _worker(rank, ws, size, steps, batch, precision="fp32"):
+    PRECISION["p"] = precision
     meshes = {"4": init_device_mesh("cpu", (4,)),
               "2x2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
     cfg = PRESETS[size]
@@ -143,8 +149,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--loss-steps", type=int, default=0)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()
-    res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, threads=1, timeout=1200)
+    res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, a.precision, threads=1,
+                      timeout=1200)
     r0 = res[0]
     base = statistics.median(r0["times"]["plain"])
     rows = []
@@ -158,7 +166,7 @@ def main() -> None:
                      "step_s": med, "ratio": med / base,
                      "spread_s": [min(r0["times"][name]), max(r0["times"][name])]})
     plain_cross = rows[0]["cross_node"]
-    print(f"GPT {a.size} ({r0['params'] / 1e6:.2f}M params), stage 3 fp32, 4 gloo ranks "
+    print(f"GPT {a.size} ({r0['params'] / 1e6:.2f}M params), stage 3 {a.precision}, 4 gloo ranks "
           f"(2 x 2), rank 0, {a.steps} steps, torch {torch.__version__}")
     print("| config | bytes/step (rank 0) | per group | cross-node | formula | x plain | "
           "step s | x plain |")
@@ -180,7 +188,8 @@ def main() -> None:
                   f"first {v['first']:.4f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"size": a.size, "steps": a.steps, "rows": rows, "loss": loss,
+            json.dump({"size": a.size, "steps": a.steps, "precision": a.precision,
+                       "rows": rows, "loss": loss,
                        "loss_steps": a.loss_steps}, f, indent=1)
 
 
