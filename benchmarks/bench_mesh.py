@@ -60,11 +60,12 @@ def _formula(name, opt) -> tuple:
     element of the precision (4 fp32, 2 bf16)."""
     e = opt.dtype.itemsize
     E = [f.layout.padded_numel for f in opt.flat_groups]
-    root = sum(f.layout.padded_numel for f in opt.flat_groups if f.unit_index == 0)
+    kept = set(opt.grad_sync._kept_for_backward())  # the root and the last unit
+    held = sum(f.layout.padded_numel for f in opt.flat_groups if f.unit_index in kept)
     tot = sum(E)
-    if name == "plain":  # ring over 4: half the bytes cross; gathers 2x but the root once
-        return (3 * e * (2 * tot - root + tot) // 4 // 2,
-                f"1/2 · 3/4 · {e}B · (2E − E_root + E)")
+    if name == "plain":  # ring over 4: half the bytes cross; gathers 2x but the kept once
+        return (3 * e * (2 * tot - held + tot) // 4 // 2,
+                f"1/2 · 3/4 · {e}B · (2E − E_kept + E)")
     if name == "hsdp":
         return 2 * e * tot // 2 // 2, f"2 · 1/2 · {e}B · E/2 (replicate all-reduce of the shard)"
     if name == "hpz":
