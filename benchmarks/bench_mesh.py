@@ -12,8 +12,8 @@ on node A and 2-3 on node B:
 - qgZ's second hop ("cross": the mesh's dim 0, r with r+2) crosses entirely, its first hop
   (in the "hpz" node group) never.
 The formula beside each row is the same count from the buffer sizes alone (E: each stage-3
-unit buffer's padded numel, summed; the root unit stays gathered from forward to backward, so
-its backward gather is not sent; w(c) = c·bits/8 + 4·c/128, the quantized payload).
+unit buffer's padded numel, summed; the root and the last unit (E_kept) stay gathered from
+forward to backward, so their backward gathers are not sent; w(c) = c·bits/8 + 4·c/128, the quantized payload).
 
 --loss-steps N also trains the "tiny" preset on the stdlib corpus (zerokern train's data) for N
 steps with plain stage 3 and with everything on, and reports the mean loss of the last 10 and
