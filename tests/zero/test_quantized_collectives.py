@@ -27,6 +27,7 @@ import zerokern as zk
 from zerokern.comm import quantized as Q
 from zerokern.comm.collectives import GroupComm
 from zerokern.comm.mesh import make_comm
+from zerokern.kernels import blockquant
 from zerokern.kernels.blockquant import codec_for
 
 from . import models as M
@@ -519,3 +520,13 @@ def test_bad_arguments_raise_before_any_change(kw, kind, name):
                          backend="reference", **kw)
     assert M.bitwise_equal(before, {n: p.detach() for n, p in model.named_parameters()})
     assert not any(hasattr(p, "_zerokern_sync") for p in model.parameters())
+
+
+def test_zerolion_takes_the_keywords():
+    """ZeroLion forwards quantized_weights / quantized_gradients to the engine (one process:
+    the collectives are copies; the flags and the codec are what is checked)."""
+    model = M.make_model()
+    opt = zk.ZeroLion(model, stage=3, precision="fp32", backend="reference",
+                      quantized_weights=True, quantized_gradients="int4")
+    assert opt.comm.qwz and opt.comm.qgz_bits == 4
+    assert opt.comm.codec_for(torch.device("cpu")) is blockquant  # backend="reference"
