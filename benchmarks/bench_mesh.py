@@ -9,11 +9,13 @@ on node A and 2-3 on node B:
   reduce-scatters);
 - HSDP's replicate all-reduce pairs rank r with r+2: all its bytes cross; its shard group and
   hpZ's node group never cross;
-- qgZ's second hop ("cross": the mesh's dim 0, r with r+2) crosses entirely, its first hop
-  (in the "hpz" node group) never.
+- with hpZ + qwZ + qgZ the "cross" group (the mesh's dim 0, r with r+2) carries qwZ's first
+  hop (each int8 payload once) and qgZ's second hop: all of it crosses; the "hpz" node group
+  (qwZ's second hop, hpZ's backward gathers, qgZ's first hop) never does.
 The formula beside each row is the same count from the buffer sizes alone (E: each stage-3
 unit buffer's padded numel, summed; the root and the last unit (E_kept) stay gathered from
-forward to backward, so their backward gathers are not sent; w(c) = c·bits/8 + 4·c/128, the quantized payload).
+forward to backward, so their backward gathers are not sent; w(c) = c·bits/8 + 4·c/128, the
+quantized payload).
 
 --loss-steps N also trains the "tiny" preset on the stdlib corpus (zerokern train's data) for N
 steps with plain stage 3 and with everything on, and reports the mean loss of the last 10 and
@@ -71,9 +73,9 @@ def _formula(name, opt) -> tuple:
     if name == "hpz":
         return 3 * e * (tot + tot) // 4 // 2, f"1/2 · 3/4 · {e}B · (E + E) (fwd gather, RS)"
     bits = 8 if name == "hpz_q8" else 4
-    fwd = sum(3 * _wire(e // 4, 8) for e in E) // 2
+    fwd = sum(_wire(e // 4, 8) for e in E)  # each payload crosses once ([Note: qwZ over nodes])
     rs = sum(_wire(e // 4, bits) for e in E)
-    return fwd + rs, f"1/2 · 3 · w8(E/4) + w{bits}(E/4) (int8 fwd gather, qgZ hop 2)"
+    return fwd + rs, f"w8(E/4) + w{bits}(E/4) (int8 fwd gather hop 1, qgZ hop 2)"
 
 
 def _worker(rank, ws, size, steps, batch, precision="fp32"):

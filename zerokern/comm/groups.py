@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .collectives import CommStats, GroupComm, _Done
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
-from .quantized import Level, reduce_scatter_quantized_
+from .quantized import Level, all_gather_quantized_, reduce_scatter_quantized_
 from .ring import FutureWork
 
 
@@ -74,6 +74,7 @@ class Comm:
         self.qgz_bits: Optional[int] = None
         self.q_levels = None
         self.codec_for = None
+        self.q_gather = None  # qwZ with hpZ: quantized.HierGather (two hops); else flat
         if _groups is None:
             self.shard = GroupComm(process_group, dim="shard")
             self.world = self.shard
@@ -100,12 +101,23 @@ class Comm:
             replicate = None
         return cls(_groups=(shard, replicate, world))
 
-    def quantize(self, weights: bool, grad_bits: Optional[int], codec_for, levels=None) -> None:
-        """Turn on qwZ (`weights`) and qgZ (`grad_bits` 8 or 4, over `levels`: default one
-        hop over the shard group) with the kernels' `codec_for(device)`."""
+    def quantize(self, weights: bool, grad_bits: Optional[int], codec_for, levels=None,
+                 gather=None) -> None:
+        """Turn on qwZ (`weights`: over `gather`, a quantized.HierGather, or the shard group)
+        and qgZ (`grad_bits` 8 or 4, over `levels`: default one hop over the shard group) with
+        the kernels' `codec_for(device)`."""
         self.qwz, self.qgz_bits, self.codec_for = weights, grad_bits, codec_for
+        self.q_gather = gather
         if grad_bits is not None:
             self.q_levels = levels or [Level(self.shard)]
+
+    def gather_quantized_(self, full: torch.Tensor, src: torch.Tensor,
+                          label: Optional[str] = None):
+        """qwZ: full = every shard-group rank's piece, int8 except this rank's own (exact);
+        a handle (comm/quantized.py)."""
+        if self.q_gather is not None:
+            return self.q_gather.all_gather_(full, src, self.codec_for, label)
+        return all_gather_quantized_(self.shard, full, src, self.codec_for, label)
 
     # -- what the optimizer reads ---------------------------------------------------------------
     @property
@@ -130,6 +142,8 @@ class Comm:
     def _groups(self):
         seen = []
         qs = [lv.gc for lv in self.q_levels or ()]
+        if self.q_gather is not None:
+            qs += [self.q_gather.cross, self.q_gather.node]
         for g in (self.shard, self.replicate, self.world, self.hpz, *qs):
             if g is not None and all(g is not s for s in seen):
                 seen.append(g)
@@ -196,7 +210,7 @@ class Comm:
             # takes the very split group the plain reduce-scatter would use
             levels = [Level(shard, lv.perm) if lv.gc is self.shard else lv.split()
                       for lv in self.q_levels]
-        out.quantize(self.qwz, self.qgz_bits, self.codec_for, levels)
+        out.quantize(self.qwz, self.qgz_bits, self.codec_for, levels, self.q_gather)
         return out
 
     # -- debug log ([Note: collective fingerprints], comm/debug.py) --------------------------

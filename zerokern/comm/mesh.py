@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .collectives import GroupComm
 from .groups import Comm
-from .quantized import hierarchical_levels
+from .quantized import HierGather, hierarchical_levels
 
 # One process group per set of dp ranks (the world group of a sub-mesh), made once: groups are
 # never destroyed, so one per optimizer would leak connections.
@@ -129,13 +129,27 @@ def make_comm(process_group=None, mesh=None, hpz: bool = False, qwz: bool = Fals
     """ZeroAdamW's Comm from its `process_group=`, `mesh=`, `hpz=` and quantized_weights /
     quantized_gradients (qwz, qgz_bits; checked already, comm/quantized.py)."""
     comm = Comm(process_group) if mesh is None else comm_from_mesh(mesh, process_group, hpz)
-    levels = None
-    if qgz_bits is not None and comm.hpz is not None:
-        # hpZ shards over the whole 2-D mesh: qgZ's two hops ([Note: qgZ hierarchical over
-        # nodes]), inside the node, then across nodes on the node-reduced chunks
+    levels = gather = None
+    if (qwz or qgz_bits is not None) and comm.hpz is not None:
+        # hpZ shards over the whole 2-D mesh: two hops, so each payload crosses nodes once
+        # ([Note: qgZ hierarchical over nodes], [Note: qwZ over nodes] in comm/quantized.py)
         cross = GroupComm(mesh.get_group(0), dim="cross", stats=comm.stats, tag="cross")
-        levels = hierarchical_levels(comm.shard, comm.hpz, cross,
-                                     [[int(r) for r in row] for row in mesh.mesh.tolist()])
+        nodes = [[int(r) for r in row] for row in mesh.mesh.tolist()]
+        if qgz_bits is not None:
+            levels = hierarchical_levels(comm.shard, comm.hpz, cross, nodes)
+        if qwz:
+            gather = HierGather(comm.shard, cross, _gather_node_group(comm, nodes), nodes)
     if qwz or qgz_bits is not None:
-        comm.quantize(qwz, qgz_bits, codec_for, levels)
+        comm.quantize(qwz, qgz_bits, codec_for, levels, gather)
     return comm
+
+
+def _gather_node_group(comm: Comm, nodes) -> GroupComm:
+    """The node group qwZ's second hop runs on: a process group of its own (made once per
+    node), used only from the cross group's ring thread (comm/quantized.py HierGather)."""
+    me = dist.get_rank()
+    ranks = next(row for row in nodes if me in row)
+    key = ("qwz-node", tuple(ranks))
+    if key not in _WORLD_GROUPS:
+        _WORLD_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return GroupComm(_WORLD_GROUPS[key], dim="hpz", stats=comm.stats, tag="qwz-node")

@@ -45,6 +45,15 @@ HSDP (shard group = the node) quantizes the reduce-scatter inside the node; the 
 the reduced shard across nodes stays exact (its replicas must hold the same values: a
 quantized all-gather that keeps each rank's own piece exact would make them differ).
 
+[Note: qwZ over nodes]
+With hpZ the primary shards span the whole 2-D mesh, and the forward gather would be a ring over
+every rank: in a ring of R nodes x n ranks the cross-node links carry (N-1)/N of the unit's
+payloads each. Instead each rank's int8 payload crosses nodes once: an all-gather over the
+mesh column (R ranks, one per node: (R-1) payloads per rank across), then the R payloads are
+all-gathered inside the node ((n-1)·R payloads per rank, node-internal). On 2 nodes x 2 this
+sends 1 payload per rank across instead of the ring's 1.5 (rank average). The backward
+re-gathers come from the hpZ secondary (exact, inside the node).
+
 [Note: where the quantized ops run]
 On a gloo ring group (CPU tensors) the whole op runs on that group's ring thread, in the
 order of every other collective on it, and overlaps backward; elsewhere (NCCL, CUDA tensors)
@@ -116,18 +125,22 @@ class _DequantizeOnWait:
     """The quantized all-gather's handle: wait() dequantizes the other ranks' pieces into
     full and copies the own piece exactly ([Note: qwZ keeps the own piece exact])."""
 
-    def __init__(self, h, payload, full, src, rank, codec, block) -> None:
+    def __init__(self, h, payload, full, src, rank, codec, block, order=None) -> None:
         self._h, self._payload, self._full, self._src = h, payload, full, src
-        self._rank, self._codec, self._block = rank, codec, block
+        self._rank, self._codec, self._block, self._order = rank, codec, block, order
 
     def wait(self) -> bool:
         if self._payload is not None:
             self._h.wait()
-            n = self._payload.shape[0]
             c = self._src.numel()
-            vals = _decode(self._codec, self._payload, c, 8, self._block, self._full.dtype)
+            payload = self._payload.view(-1, wire_bytes(c, 8, self._block))
+            n = payload.shape[0]
+            vals = _decode(self._codec, payload, c, 8, self._block, self._full.dtype)
             full = self._full.view(n, c)
-            full.copy_(vals)
+            if self._order is None:
+                full.copy_(vals)
+            else:  # row k of the payload is world rank order[k]'s piece
+                full.index_copy_(0, self._order.to(full.device), vals)
             _keep_own(full, self._rank, self._src)
             if self._payload.device.type == "cuda":  # used by this (the compute) stream
                 self._payload.record_stream(torch.cuda.current_stream(self._payload.device))
@@ -169,6 +182,62 @@ def all_gather_quantized_(gc: GroupComm, full: torch.Tensor, src: torch.Tensor, 
     pack_(mine, *codec.quantize(src, block, 8))
     h = gc.all_gather_(payload.view(-1), mine.view(-1), async_op=True, label=label)
     return _DequantizeOnWait(h, payload, full, src, gc.rank, codec, block)
+
+
+class HierGather:
+    """qwZ's forward gathers with hpZ, in two hops so each payload crosses nodes once
+    ([Note: qwZ over nodes]): an all-gather of the int8 payloads across nodes (mesh dim 0),
+    then of the R payloads so gathered inside the node (a process group of its own, used only
+    from the cross group's ring thread, so its order is that thread's)."""
+
+    def __init__(self, world: GroupComm, cross: GroupComm, node: GroupComm,
+                 node_ranks: Sequence[Sequence[int]]) -> None:
+        self.world, self.cross, self.node = world, cross, node
+        R, n = len(node_ranks), len(node_ranks[0])
+        world_rank = {dist.get_global_rank(world.group, w): w for w in range(world.world_size)}
+        # row j·R + i of the gathered payloads is the piece of world rank world_rank[(i, j)]
+        self.order = torch.tensor([world_rank[node_ranks[i][j]] for j in range(n)
+                                   for i in range(R)])
+
+    def all_gather_(self, full: torch.Tensor, src: torch.Tensor, codec_for,
+                    label: Optional[str] = None, block: int = BLOCK):
+        """As all_gather_quantized_ over the world, in the two hops."""
+        c = src.numel()
+        _check_piece(c, block)
+        R, n = self.cross.world_size, self.node.world_size
+        P = wire_bytes(c, 8, block)
+        codec = codec_for(src.device)
+        hop1 = torch.empty(R, P, dtype=torch.uint8, device=src.device)
+        pack_(hop1[self.cross.rank:self.cross.rank + 1], *codec.quantize(src, block, 8))
+        out = torch.empty(n, R * P, dtype=torch.uint8, device=src.device)
+        for gc, buf in ((self.cross, hop1), (self.node, out)):
+            gc._record("all_gather", buf, label)
+            gc.stats.add("all_gather", (gc.world_size - 1) * buf.numel() // gc.world_size,
+                         gc.dim)
+        if self.cross._ring_for(src) is not None:  # [Note: where the quantized ops run]
+            h = self.cross._on_ring(True, _two_gathers, self, hop1, out)
+        else:
+            if self.cross.abort is not None:
+                self.cross.abort.next_index()
+            _two_gathers(self, hop1, out)
+            h = _Done()
+        return _DequantizeOnWait(h, out, full, src, self.world.rank, codec, block, self.order)
+
+
+def _gather_on(gc: GroupComm, out: torch.Tensor, mine: torch.Tensor) -> None:
+    """out (k·m,) = every rank's `mine` (m,) of gc, on the calling thread."""
+    m = mine.numel()
+    out[gc.rank * m:(gc.rank + 1) * m].copy_(mine)
+    if gc.ring is not None and out.device.type == "cpu":
+        gc.ring.all_gather(out)
+    else:
+        dist.all_gather_into_tensor(out, out[gc.rank * m:(gc.rank + 1) * m].clone(),
+                                    group=gc.group)
+
+
+def _two_gathers(hg: HierGather, hop1: torch.Tensor, out: torch.Tensor) -> None:
+    _gather_on(hg.cross, hop1.view(-1), hop1[hg.cross.rank].clone())
+    _gather_on(hg.node, out.view(-1), hop1.view(-1))
 
 
 # ---- qgZ: the reduce-scatter ---------------------------------------------------------------------

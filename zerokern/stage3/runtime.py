@@ -181,8 +181,8 @@ class Stage3Runtime(Stage3Backward):
                     comm, src = route if route is not None else (self.comm.shard, None)
                     # qwZ: the primary gathers of forward and backward (the secondary's
                     # node gather rebuilds the forward's values as they are)
-                    q = self.comm.codec_for if (self.comm.qwz and not exact
-                                                and route is None) else None
+                    q = self.comm.gather_quantized_ if (self.comm.qwz and not exact
+                                                        and route is None) else None
                     try:
                         f.start_gather(comm, self._label(f), src, q)
                     except Exception as e:  # a param file read on this rank (comm/abort.py)

@@ -28,7 +28,6 @@ from typing import List
 
 import torch
 
-from zerokern.comm.quantized import all_gather_quantized_
 from zerokern.layout.partition import make_layout, one_bucket_numel
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import pattern
@@ -81,28 +80,28 @@ class ShardedFlat(ShardBuffer):
     def full_bytes(self) -> int:
         return self._full_bytes
 
-    def start_gather(self, comm, label=None, src=None, codec_for=None) -> None:
+    def start_gather(self, comm, label=None, src=None, quantized=None) -> None:
         """Allocate full and launch the all-gather of every rank's shard into it (async); on a
         GPU on the gather stream ([Note: stage-3 gather stream]). src: hpZ's secondary piece,
-        gathered over the node group (stage3/hpz.py). codec_for: qwZ, the others' pieces come
-        int8-quantized, this rank's exact (comm/quantized.py)."""
+        gathered over the node group (stage3/hpz.py). quantized: qwZ, Comm.gather_quantized_
+        (the others' pieces int8-quantized, this rank's exact: comm/quantized.py)."""
         if self.residency is not Residency.SHARD:
             return
         gs = self._gather_stream()
         if gs is None:
-            self._launch(comm, label, src, codec_for)
+            self._launch(comm, label, src, quantized)
         else:  # (the source is fetched on the gather stream: offload_params' H2D copy)
             with gs.context():
-                self._launch(comm, label, src, codec_for)
+                self._launch(comm, label, src, quantized)
             self._landed = (gs, gs.record())
         self.residency = Residency.GATHERING
 
-    def _launch(self, comm, label, src, codec_for) -> None:
+    def _launch(self, comm, label, src, quantized) -> None:
         self.full.untyped_storage().resize_(self._full_bytes)
         src = self._gather_source() if src is None else src
-        self.quantized = codec_for is not None
+        self.quantized = quantized is not None
         if self.quantized:
-            self.handle = all_gather_quantized_(comm, self.full, src, codec_for, label=label)
+            self.handle = quantized(self.full, src, label)
         else:
             self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
 
