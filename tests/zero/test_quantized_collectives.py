@@ -333,10 +333,25 @@ def _worker4(rank, ws):
         "train_all": functools.partial(_train_hpz, rank, ws, memo),
         "hsdp_qgz": functools.partial(_qgz_engine, rank, ws, 2, 8, mesh=mesh),
         "debug_log": functools.partial(_debug_log, rank, ws, memo),
+        "no_ring": functools.partial(_no_ring, rank, ws, memo),
         "qwz_engine_hpz": functools.partial(_qwz_engine, rank, ws, mesh),
         "neg_qwz_hop_order": functools.partial(_qwz_engine, rank, ws, mesh, True),
     }
     return run_cases(cases)
+
+
+def _no_ring(rank, ws, memo):
+    """ZEROKERN_GLOO_RING=0: the quantized ops issued on the caller's thread with torch's
+    collectives (the path NCCL takes) train bitwise as on the ring thread."""
+    recs = {}
+    for ring in ("1", "0"):
+        with mock.patch.dict("os.environ", {"ZEROKERN_GLOO_RING": ring}):
+            model = M.make_model()
+            opt = M.zero_opt(model, 3, mesh=memo["mesh"], hpz=True, quantized_weights=True,
+                             quantized_gradients="int4")
+            assert (opt.comm.shard.ring is None) == (ring == "0")
+            recs[ring] = M.train_zero(model, opt, rank, ws, 2)["params"][-1]
+    return M.bitwise_equal(recs["1"], recs["0"])
 
 
 def _debug_log(rank, ws, memo):
@@ -499,6 +514,10 @@ def test_hpz_qwz_qgz_trains_and_counts_bytes_per_dim():
         assert d["cross"]["all_gather"] == e["fwd"], (r, d, e)
         assert d["shard"]["all_gather"] == e["snap"], (r, d, e)  # exact, between steps only
         assert d["shard"]["reduce_scatter"] == 0, (r, d)
+
+
+def test_without_the_gloo_ring_training_is_bitwise_the_same():
+    assert case(_results4(), "no_ring") == [True] * 4
 
 
 def test_debug_collectives_agree_and_a_difference_is_caught():

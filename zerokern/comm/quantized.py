@@ -67,7 +67,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import GroupComm, _Done
+from .collectives import GroupComm, _all_gather, _Done
 
 BLOCK = 128
 BITS_Q = {8: 127, 4: 7}
@@ -231,8 +231,7 @@ def _gather_on(gc: GroupComm, out: torch.Tensor, mine: torch.Tensor) -> None:
     if gc.ring is not None and out.device.type == "cpu":
         gc.ring.all_gather(out)
     else:
-        dist.all_gather_into_tensor(out, out[gc.rank * m:(gc.rank + 1) * m].clone(),
-                                    group=gc.group)
+        _all_gather(out, out[gc.rank * m:(gc.rank + 1) * m].clone(), group=gc.group)
 
 
 def _two_gathers(hg: HierGather, hop1: torch.Tensor, out: torch.Tensor) -> None:
