@@ -16,8 +16,10 @@ collectives in `comm`, the user-facing extras (clipping, no_sync, reports) in `o
    grad_scale = unscale * clip. Grads sum over backward passes, as torch's: no division by the
    number of micro-batches (divide the loss, as with DDP). Steps 1-3 run once per set of grads
    (`_prepare`), so `clip_grad_norm_()` before `step()` costs nothing extra.
-4. The rule's fused step per bucket (`adam_step_` for AdamW): master, the rule's states and
-   the 16-bit cast-back in one pass; skipped bitwise when found_inf.
+4. Per buffer, its param group's rule (zerokern.rules [Note: a rule per param group]): the
+   fused step per bucket (`adam_step_` for AdamW): master, the rule's states and the 16-bit
+   cast-back in one pass; skipped bitwise when found_inf. A phased rule (Muon) runs its group
+   step over the buffer instead (rules/muon.py [Note: the Muon group step]).
 5. All-gather each updated piece in place as soon as it is written (stages 1-2), then
    update the loss scale.
 Nothing reads a device value on the host: every branch is on host state (stage, micro-steps).
@@ -27,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
+from zerokern.grads.tp_norm import TpStats
 from zerokern.layout.flat_group import FlatGroup
 from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
@@ -40,6 +43,7 @@ from zerokern.state.placement import make_placement
 from . import kernels
 from .comm.mesh import check_hpz, check_mesh, make_comm
 from .comm.quantized import check_quantized
+from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .kernels import blockquant
 from .loss_scale import make_loss_scaler
@@ -48,10 +52,11 @@ from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
     check_arguments,
     check_groups,
+    check_phased,
     frozen_params,
 )
 from .optimizer_state import StateDictMixin
-from .rules import Rule, check_rule
+from .rules import Rule, check_rule, combine
 from .rules.adamw import ADAMW
 
 ENGINE_ARGS = """
@@ -85,7 +90,11 @@ ENGINE_ARGS = """
             convention (for a tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D
             is (replicate, shard), HSDP: shard over dim 1, replicate over dim 0 (each shard
             all-reduced across its replicas after the reduce-scatter; see zerokern.comm.groups).
-            With process_group too, the group must have exactly the mesh's ranks.
+            With process_group too, the group must have exactly the mesh's ranks. A model
+            with DTensor params (torch tensor parallelism over a tp mesh) keeps them DTensors:
+            each rank's buffers hold its local tp shards, reduced over this mesh only, and the
+            grad norm and overflow skip are agreed over tp too (see zerokern.comm.tp); the
+            mesh must not include the tp ranks (ValueError).
         hpz (bool): (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every
             rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
             backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
@@ -120,7 +129,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        rule: a `zerokern.rules.Rule` (its states and its fused update).
+        rule: a `zerokern.rules.Rule` (its states and its fused update), or a list of one
+            rule per param group, in the groups' order (zerokern.rules [Note: a rule per param
+            group]; each group is then checked by its own rule, and `defaults` only fills
+            missing keys).
         defaults: the rule's hyperparameters (checked by `rule.check_group`), per group where
             given in a group.""" + ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics: they SUM over the backward passes since
@@ -134,7 +146,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
     def __init__(
         self,
         params_or_model: Union[torch.nn.Module, Iterable],
-        rule: Rule,
+        rule: Union[Rule, Sequence[Rule]],
         defaults: Dict[str, Any],
         stage: int = 2,
         precision: str = "bf16",
@@ -158,16 +170,28 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         quantized_gradients: Union[bool, str] = False,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
+        per_group = None
+        if isinstance(rule, (list, tuple)):  # one rule per param group
+            if not rule:
+                raise ValueError("rule must be a Rule or a non-empty list of Rules")
+            per_group = [check_rule(r) for r in rule]
+            rule = combine(per_group)
         rule = check_rule(rule)
         dtype, offload_path, params = check_arguments(
-            params_or_model, stage=stage, precision=precision, rule=rule, defaults=defaults,
+            params_or_model, stage=stage, precision=precision,
+            rule=None if per_group is not None else rule, defaults=defaults,
             max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
             param_groups=param_groups, process_group=process_group, free_grads=free_grads,
             offload_params=offload_params, master=master)
-        self.rule = rule
+        self.rule = rule  # the one rule, or the groups' MixedRules (reports, checkpoints)
         super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
-        trainable = check_groups(self.param_groups, dtype, rule)
+        if per_group is not None and len(per_group) != len(self.param_groups):
+            raise ValueError(f"rule: {len(per_group)} rules for {len(self.param_groups)} "
+                             "param groups; give one per group")
+        self.rules = per_group or [rule] * len(self.param_groups)
+        trainable = check_groups(self.param_groups, dtype, self.rules)
+        check_phased(self.rules, offload, master)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         check_hpz(hpz, shape, stage, offload_params)
@@ -176,7 +200,11 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         codec_for = functools.partial(blockquant.codec_for, backend=backend)
         if qwz or qgz_bits is not None:  # ValueError on CUDA without Triton
             codec_for(trainable[0][0].device)
+        # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
+        tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
+                                           process_group)
         comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, codec_for)
+        self.tp = make_tensor_parallel(tp_checked, comm.stats)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
@@ -221,7 +249,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.offload = offload
         self.master = master
         self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm, master,
-                                        rule)
+                                        rule, per_group)
         if P.shards_params:
             from .stage3.build import build_stage3
 
@@ -242,11 +270,17 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             p.data = p.data.to(dtype)
         self.offload_params = offload_params
         self.placement.attach(self.flat_groups)
+        # phased rules (Muon): one plan per buffer of whole matrices over the shard group
+        self._plans = {gi: self.rules[g.group_index].orthogonalizer(g, comm.shard)
+                       for gi, g in enumerate(self.flat_groups)
+                       if self.rules[g.group_index].phased}
         if self.param_homes is not None:  # "nvme": journaled with the state files
             self.param_homes.attach(self.offloader)
         self._built = True
         dev = self.flat_groups[0].device
-        self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
+        # [found_inf, sumsq] (+ the tp-replicated part's sumsq with tensor parallelism)
+        self._stats = torch.zeros(2 if self.tp is None else 3, dtype=torch.float32, device=dev)
+        self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         self._prepared = None         # grad_sync.generation whose stats are in _stats
@@ -329,11 +363,16 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         stats.zero_()
         found, sumsq = stats[0], stats[1]
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
-            kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
+            if self._tp_stats is not None:  # tp-sharded and replicated elements apart
+                self._tp_stats.stats_(gi, k, gs.grad_piece(gi, k), stats, self.backend)
+            else:
+                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         averaged = self.pattern.grads_averaged
         if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
-            self.comm.count_once_(sumsq)  # HSDP: replicas hold the same shard
+            self.comm.count_once_(stats[1:])  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+        if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)
+            self.tp.combine_(stats)
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
@@ -381,7 +420,16 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._frozen_skip.begin(self, found)  # params frozen since: left as they are
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
-            hyper = self.rule.hyper(self.param_groups[g.group_index])
+            rule = self.rules[g.group_index]
+            hyper = rule.hyper(self.param_groups[g.group_index])
+            if rule.phased:  # a group step over the whole buffer (rules/muon.py)
+                rule.group_step_(
+                    g, [gs.grad_piece(gi, k) for k in range(g.layout.n_buckets)],
+                    self._plans[gi], grad_scale=grad_scale, found_inf=found,
+                    after_piece=lambda k, gi=gi, g=g, hyper=hyper: gathers.append(
+                        self._after_piece(gi, g, k, hyper, grad_scale, found)),
+                    **hyper)
+                continue
             for k in range(g.layout.n_buckets):
                 grad = gs.grad_piece(gi, k)
                 place.update_piece(gi, k, grad, hyper, self.backend)
@@ -396,6 +444,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.scaler.update_(self.step_skipped)
         self._prepared = None  # the stats of a second step() are taken again
         return loss
+
+    def _after_piece(self, gi: int, g, k: int, hyper: dict, grad_scale, found):
+        """Bucket k of buffer gi is written (a phased rule's group step): params frozen since
+        construction get their state back, then the piece is published (stages 1-2)."""
+        self._frozen_skip.after_update_(self, gi, k, self.grad_sync.grad_piece(gi, k), hyper,
+                                        grad_scale, found)
+        return g.publish_piece(self.comm.shard, k)
 
     def close(self) -> None:
         """Release what outlives a step: offload="nvme" removes its state files now (they are

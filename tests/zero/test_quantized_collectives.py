@@ -573,11 +573,12 @@ def test_bad_arguments_raise_before_any_change(kw, kind, name):
     assert not any(hasattr(p, "_zerokern_sync") for p in model.parameters())
 
 
-def test_zerolion_takes_the_keywords():
-    """ZeroLion forwards quantized_weights / quantized_gradients to the engine (one process:
-    the collectives are copies; the flags and the codec are what is checked)."""
+@pytest.mark.parametrize("cls", ["ZeroLion", "ZeroMuon"])
+def test_other_optimizers_take_the_keywords(cls):
+    """ZeroLion and ZeroMuon forward quantized_weights / quantized_gradients to the engine (one
+    process: the collectives are copies; the flags and the codec are what is checked)."""
     model = M.make_model()
-    opt = zk.ZeroLion(model, stage=3, precision="fp32", backend="reference",
-                      quantized_weights=True, quantized_gradients="int4")
+    opt = getattr(zk, cls)(model, stage=3, precision="fp32", backend="reference",
+                           quantized_weights=True, quantized_gradients="int4")
     assert opt.comm.qwz and opt.comm.qgz_bits == 4
     assert opt.comm.codec_for(torch.device("cpu")) is blockquant  # backend="reference"

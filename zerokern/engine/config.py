@@ -433,17 +433,67 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
     return out
 
 
+# [Note: optimizer types] DeepSpeed's config "optimizer.type" (case-insensitive, as
+# DeepSpeed's engine lower-cases it) -> the zerokern optimizer built for it: Adam/AdamW ->
+# ZeroAdamW, Lion -> ZeroLion with DeepSpeed's Lion defaults (deepspeed/ops/lion FusedLion and
+# DeepSpeedCPULion: lr 1e-3, betas (0.9, 0.999), weight_decay 0 - not lion-pytorch's 1e-4 and
+# (0.9, 0.99)). Any other type is a ValueError naming it: never a silent AdamW.
+OPTIMIZER_TYPES = ("adam", "adamw", "lion")
+LION_PARAMS = ("lr", "betas", "weight_decay")
+
+
+def optimizer_kind(opt_cfg: Dict[str, Any]) -> str:
+    """The zerokern rule a config's optimizer section builds: "adamw" or "lion".
+
+    Args:
+        opt_cfg: the config's {"type", "params"} optimizer section.
+
+    Returns:
+        "adamw" (DeepSpeed types Adam and AdamW) or "lion" (type Lion).
+
+    Raises:
+        ValueError: any other type, naming config key optimizer.type.
+    """
+    t = str(opt_cfg["type"]).lower()
+    if t not in OPTIMIZER_TYPES:
+        raise ValueError(f"config key optimizer.type {opt_cfg['type']!r} is not supported: "
+                         "zerokern has Adam and AdamW (ZeroAdamW) and Lion (ZeroLion)")
+    return "lion" if t == "lion" else "adamw"
+
+
+def _betas(p: Dict[str, Any], default) -> tuple:
+    betas = p.get("betas", default)
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+        raise ValueError(f"config key optimizer.params.betas must be a pair, got {betas!r}")
+    return tuple(float(b) for b in betas)
+
+
 def optimizer_settings(opt_cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """DeepSpeed's Adam/AdamW config -> ZeroAdamW keyword arguments.
+    """DeepSpeed's optimizer config -> the keyword arguments of its zerokern optimizer
+    (`optimizer_kind`: ZeroAdamW for Adam/AdamW, ZeroLion for Lion).
 
     DeepSpeed: type "Adam" is AdamW unless adam_w_mode is false (L2); "AdamW" always
     decoupled. weight_decay defaults to 0 (FusedAdam / DeepSpeedCPUAdam), or with
-    torch_adam to torch's default (AdamW 0.01, Adam 0)."""
-    t = str(opt_cfg["type"]).lower()
-    if t not in ("adam", "adamw"):
-        raise ValueError(f"config key optimizer.type {opt_cfg['type']!r} is not supported: "
-                         "zerokern has Adam and AdamW (ZeroAdamW)")
+    torch_adam to torch's default (AdamW 0.01, Adam 0). Lion: lr, betas, weight_decay with
+    DeepSpeed's defaults ([Note: optimizer types]).
+
+    Args:
+        opt_cfg: the config's {"type", "params"} optimizer section.
+
+    Returns:
+        The optimizer's keyword arguments (lr, betas, ...).
+
+    Raises:
+        ValueError: an unsupported type or params key, or a bad value, naming the key.
+    """
     p = opt_cfg.get("params", {})
+    if optimizer_kind(opt_cfg) == "lion":
+        _unknown(p, set(LION_PARAMS), "optimizer.params.")
+        return {"lr": _num("optimizer.params.lr", p.get("lr", 1e-3)),
+                "betas": _betas(p, (0.9, 0.999)),
+                "weight_decay": _num("optimizer.params.weight_decay",
+                                     p.get("weight_decay", 0.0))}
+    t = str(opt_cfg["type"]).lower()
     _unknown(p, set(OPTIMIZER_PARAMS), "optimizer.params.")
     torch_adam = _bool("optimizer.params.torch_adam", p.get("torch_adam", False))
     adam_w_mode = _bool("optimizer.params.adam_w_mode", p.get("adam_w_mode", True))
@@ -453,11 +503,8 @@ def optimizer_settings(opt_cfg: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError("config key optimizer.params.amsgrad=true is not supported")
     adamw = True if t == "adamw" else adam_w_mode
     wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
-    betas = p.get("betas", (0.9, 0.999))
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
-        raise ValueError(f"config key optimizer.params.betas must be a pair, got {betas!r}")
     return {"lr": _num("optimizer.params.lr", p.get("lr", 1e-3)),
-            "betas": tuple(float(b) for b in betas),
+            "betas": _betas(p, (0.9, 0.999)),
             "eps": _num("optimizer.params.eps", p.get("eps", 1e-8)),
             "weight_decay": _num("optimizer.params.weight_decay",
                                  p.get("weight_decay", wd_default)),

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..optimizer import ZeroAdamW
+from ..optimizer import ZeroAdamW, ZeroOptimizer
 from ..optimizer_args import PRECISIONS
+from ..optimizer_lion import ZeroLion
 from .checkpointing import CheckpointMixin
-from .config import EngineConfig, optimizer_settings, parse_config
+from .config import EngineConfig, optimizer_kind, optimizer_settings, parse_config
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
 from .schedulers import build_scheduler
 
@@ -113,13 +114,14 @@ class ZeroEngine(CheckpointMixin, nn.Module):
 
     Args:
         model: the nn.Module (kept as `engine.module`).
-        optimizer: its ZeroAdamW, or None for a forward-only engine.
+        optimizer: its zerokern optimizer (ZeroAdamW, ZeroLion, ...), or None for a
+            forward-only engine.
         cfg: the parsed config (`parse_config`).
         lr_scheduler: the scheduler stepped at each accumulation boundary, or None.
         training_dataloader: the loader `initialize` built, or None.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optional[ZeroAdamW], cfg: EngineConfig,
+    def __init__(self, model: nn.Module, optimizer: Optional[ZeroOptimizer], cfg: EngineConfig,
                  lr_scheduler=None, training_dataloader=None) -> None:
         super().__init__()
         self.module = model
@@ -269,7 +271,7 @@ class ZeroEngine(CheckpointMixin, nn.Module):
             self._times[k] = 0.0
 
 
-def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroAdamW:
+def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroOptimizer:
     # free_grads: the grads (and staging) are freed at the engine's zero_grad after each step,
     # as DeepSpeed's engine does: held memory between steps is params + optimizer state only
     # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept).
@@ -298,14 +300,15 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             params = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(params)
-        if isinstance(optimizer, ZeroAdamW):
+        if isinstance(optimizer, ZeroOptimizer):  # ZeroAdamW, ZeroLion, a custom rule's
             return optimizer
         return zero_from_torch(optimizer, model, **zero_kw)
     if cfg.optimizer is None:
         return None  # [Note: forward-only engine]
     hyper = optimizer_settings(cfg.optimizer)
     groups = groups_for_model(model, model_parameters, hyper)
-    return ZeroAdamW(model, **hyper, **zero_kw, param_groups=groups)
+    cls = {"adamw": ZeroAdamW, "lion": ZeroLion}[optimizer_kind(cfg.optimizer)]
+    return cls(model, **hyper, **zero_kw, param_groups=groups)
 
 
 def _forward_only(model: nn.Module, cfg: EngineConfig) -> None:
