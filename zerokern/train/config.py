@@ -49,6 +49,7 @@ class TrainConfig:
     seed: int = DEFAULTS["seed"]
     device: str = "auto"              # "auto" | "cpu" | "cuda"
     bucket_mb: float = 25.0
+    quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: CUDA with NCCL if a GPU is visible, else CPU with gloo")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
+    p.add_argument("--quantize", choices=list(QUANTIZE), default="none",
+                   help="ZeRO++ quantized collectives: weights (qwZ, int8 param gathers, "
+                        "--stage 3), grads (qgZ, int8 gradient reduce-scatter, --stage 1-3) "
+                        "or both (default none)")
+
+
+# --quantize: ZeroAdamW's quantized_weights / quantized_gradients
+QUANTIZE = {"none": {}, "weights": {"quantized_weights": True},
+            "grads": {"quantized_gradients": "int8"},
+            "both": {"quantized_weights": True, "quantized_gradients": "int8"}}
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -104,4 +115,4 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        offload=args.offload, steps=args.steps, model_size=args.model_size,
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
-                       bucket_mb=args.bucket_mb)
+                       bucket_mb=args.bucket_mb, quantize=args.quantize)
