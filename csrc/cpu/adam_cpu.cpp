@@ -286,6 +286,13 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
                     at::Tensor code_s, at::Tensor code_u, at::Tensor mid_s, at::Tensor mid_u);
 }  // namespace zk_cpu
 
+namespace zk_cpu {  // blockquant_cpu.cpp (ZeRO++'s quantized collectives)
+void blockquant_quantize(at::Tensor x, at::Tensor codes, at::Tensor scale, int64_t block,
+                         int64_t bits);
+void blockquant_dequantize(at::Tensor codes, at::Tensor scale, at::Tensor out, int64_t block,
+                           int64_t bits);
+}  // namespace zk_cpu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   m.doc() = "zerokern CPU kernels (OpenMP + AVX-512/AVX2/F16C chosen at run time, scalar fallback)";
@@ -308,6 +315,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "master"_a, "m_q"_a, "m_absmax"_a, "v_q"_a, "v_absmax"_a, "grad"_a, "param_out"_a,
         "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a,
         "found_inf"_a, "code_s"_a, "code_u"_a, "mid_s"_a, "mid_u"_a);
+  m.def("blockquant_quantize", &zk_cpu::blockquant_quantize,
+        "codes and fp32 scales of x per block (kernels/blockquant.py's contract)",
+        "x"_a, "codes"_a, "scale"_a, "block"_a, "bits"_a);
+  m.def("blockquant_dequantize", &zk_cpu::blockquant_dequantize,
+        "out = codes * scale per block, rounded to out's dtype", "codes"_a, "scale"_a, "out"_a,
+        "block"_a, "bits"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");
   m.def("selected_isa", &zk_cpu::selected_isa, "ISA in use: 'avx512' | 'avx2' | 'scalar'");
   m.def("force_isa", &zk_cpu::force_isa, "Select 'auto' | 'avx512' | 'avx2' | 'scalar'", "name"_a);

@@ -178,3 +178,75 @@ def test_lion_matches_deepspeed_cpu_lion():
 
     for ds, ours in case(cached(_ds_lion_worker, 2), "losses"):
         assert max(abs(a - b) / abs(a) for a, b in zip(ds, ours)) <= 1e-5, (ds, ours)
+
+
+# ---- Muon ---------------------------------------------------------------------------------------
+MUON = {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.05, "betas": [0.8, 0.9], "eps": 1e-8,
+        "adam_lr": 2e-3, "ns_method": "standard"}
+
+
+def test_config_type_muon_trains_as_zero_muon():
+    """{"type": "Muon"} builds ZeroMuon with DeepSpeed's update (Nesterov, lr scaled by
+    sqrt(max(1, rows/cols)) = torch's adjust_lr_fn="original") and halves (adam_lr, betas,
+    eps on the AdamW params; the head and embeddings there); equal to ZeroMuon built by hand
+    (itself equal to torch.optim.Muon + AdamW: tests/zero/test_muon.py)."""
+    engine, opt, _, _ = zk.initialize(model=C.gpt2(), config=_cfg({"type": "Muon",
+                                                                     "params": MUON}))
+    assert isinstance(opt, zk.ZeroMuon)
+    got = _train_engine(engine)
+    muon_groups = [g for g in opt.param_groups if g["use_muon"]]
+    adam_groups = [g for g in opt.param_groups if not g["use_muon"]]
+    assert {(g["lr"], g["momentum"], g["weight_decay"], g["adjust_lr_fn"], g["nesterov"])
+            for g in muon_groups} == {(0.01, 0.9, 0.05, "original", True)}
+    assert {(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in adam_groups} == \
+        {(2e-3, (0.8, 0.9), 1e-8, 0.05)}
+
+    def by_hand(lr_factor=1.0):
+        model = C.gpt2()
+        opt = zk.ZeroMuon(model, lr=0.01 * lr_factor, momentum=0.9, weight_decay=0.05,
+                          adjust_lr_fn="original", adamw_lr=2e-3, adamw_betas=(0.8, 0.9),
+                          adamw_eps=1e-8, adamw_weight_decay=0.05, stage=2, precision="fp32")
+        return _train_reference(model, opt)
+
+    assert _rel(got, by_hand()) <= TOL
+    assert _rel(got, by_hand(1.01)) > 100 * TOL  # negative control
+
+
+def test_config_muon_defaults_are_deepspeeds_and_gram_raises():
+    """Omitted params take DeepSpeed's MuonWithAuxAdam defaults (read from its source file);
+    DeepSpeed's default ns_method "gram" is another algorithm: a ValueError naming the key."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from pathlib import Path
+
+    import deepspeed
+
+    src = (Path(deepspeed.__file__).parent / "runtime/zero/muon/original_muon.py").read_text()
+    for key, value in (("lr", "0.02"), ("momentum", "0.95"), ("lr", "3e-4"),
+                       ("betas", "(0.9, 0.95)"), ("eps", "1e-10")):
+        assert f'group.get("{key}", {value})' in src, (key, value)
+    _, opt, _, _ = zk.initialize(model=C.gpt2(), config=_cfg(
+        {"type": "muon", "params": {"ns_method": "standard"}}))
+    m = [g for g in opt.param_groups if g["use_muon"]][0]
+    a = [g for g in opt.param_groups if not g["use_muon"]][0]
+    assert (m["lr"], m["momentum"], m["weight_decay"]) == (0.02, 0.95, 0.0)
+    assert (a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"]) == \
+        (3e-4, (0.9, 0.95), 1e-10, 0.0)
+    for params in ({}, {"ns_method": "gram"}):
+        with pytest.raises(ValueError, match=r"optimizer\.params\.ns_method"):
+            parse_config(_cfg({"type": "Muon", "params": params}), world_size=1)
+
+
+def test_bf16_lion_config_uses_the_compact_master_bitwise():
+    """A bf16 Lion config gets master="compact" (as AdamW); the same training bit for bit as
+    ZeroLion with the plain fp32 master (the compact master is lossless)."""
+    cfg = _cfg({"type": "Lion", "params": LION})
+    cfg["bf16"] = {"enabled": True}
+    engine, opt, _, _ = zk.initialize(model=C.gpt2(), config=cfg)
+    assert isinstance(opt, zk.ZeroLion) and opt.master == "compact"
+    got = _train_engine(engine)
+    model = C.gpt2()
+    ref = zk.ZeroLion(model, lr=LION["lr"], betas=tuple(LION["betas"]),
+                      weight_decay=LION["weight_decay"], stage=2, precision="bf16")
+    assert ref.master == "fp32"
+    want = _train_reference(model, ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -110,6 +110,7 @@ class _InstantComm:
         self.world_size, self.rank = world_size, rank
         self.shard = self.world = self  # the roles of zerokern.comm.Comm, one group
         self.replicate = self.hpz = None
+        self.qwz = False  # quantized gathers hold the same buffers (their payloads are transient)
 
     def reduce_scatter_(self, out, inp, async_op=False, label=None):
         return self._Done()

@@ -21,7 +21,9 @@ from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
+from .collectives import GroupComm
 from .groups import Comm
+from .quantized import HierGather, hierarchical_levels
 
 # One process group per set of dp ranks (the world group of a sub-mesh), made once: groups are
 # never destroyed, so one per optimizer would leak connections.
@@ -122,8 +124,32 @@ def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
     return Comm.mesh(mesh.get_group(1), mesh.get_group(0), world)
 
 
-def make_comm(process_group=None, mesh=None, hpz: bool = False) -> Comm:
-    """ZeroAdamW's Comm from its `process_group=`, `mesh=` and `hpz=` (checked already)."""
-    if mesh is None:
-        return Comm(process_group)
-    return comm_from_mesh(mesh, process_group, hpz)
+def make_comm(process_group=None, mesh=None, hpz: bool = False, qwz: bool = False,
+              qgz_bits: Optional[int] = None, codec_for=None) -> Comm:
+    """ZeroAdamW's Comm from its `process_group=`, `mesh=`, `hpz=` and quantized_weights /
+    quantized_gradients (qwz, qgz_bits; checked already, comm/quantized.py)."""
+    comm = Comm(process_group) if mesh is None else comm_from_mesh(mesh, process_group, hpz)
+    levels = gather = None
+    if (qwz or qgz_bits is not None) and comm.hpz is not None:
+        # hpZ shards over the whole 2-D mesh: two hops, so each payload crosses nodes once
+        # ([Note: qgZ hierarchical over nodes], [Note: qwZ over nodes] in comm/quantized.py)
+        cross = GroupComm(mesh.get_group(0), dim="cross", stats=comm.stats, tag="cross")
+        nodes = [[int(r) for r in row] for row in mesh.mesh.tolist()]
+        if qgz_bits is not None:
+            levels = hierarchical_levels(comm.shard, comm.hpz, cross, nodes)
+        if qwz:
+            gather = HierGather(comm.shard, cross, _gather_node_group(comm, nodes), nodes)
+    if qwz or qgz_bits is not None:
+        comm.quantize(qwz, qgz_bits, codec_for, levels, gather)
+    return comm
+
+
+def _gather_node_group(comm: Comm, nodes) -> GroupComm:
+    """The node group qwZ's second hop runs on: a process group of its own (made once per
+    node), used only from the cross group's ring thread (comm/quantized.py HierGather)."""
+    me = dist.get_rank()
+    ranks = next(row for row in nodes if me in row)
+    key = ("qwz-node", tuple(ranks))
+    if key not in _WORLD_GROUPS:
+        _WORLD_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return GroupComm(_WORLD_GROUPS[key], dim="hpz", stats=comm.stats, tag="qwz-node")

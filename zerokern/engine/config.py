@@ -66,7 +66,8 @@ FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window"
              "min_loss_scale", "consecutive_hysteresis", "auto_cast")
 HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_param",
                  "stage3_gather_16bit_weights_on_model_save",
-                 "stage3_gather_fp16_weights_on_model_save")
+                 "stage3_gather_fp16_weights_on_model_save",
+                 "zero_quantized_weights", "zero_quantized_gradients")
 HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
@@ -110,6 +111,9 @@ class EngineConfig:
         offload_path: nvme_path for offload "nvme".
         offload_params: offload_param.device: None, "cpu" or "nvme".
         gather_16bit_on_save: stage3_gather_16bit_weights_on_model_save.
+        quantized_weights: zero_quantized_weights (ZeroAdamW(quantized_weights=), qwZ).
+        quantized_gradients: zero_quantized_gradients: False, or "int4" (ZeroAdamW(
+            quantized_gradients=), qgZ; int4 as DeepSpeed's qgZ).
         tag_validation: checkpoint.tag_validation: "IGNORE", "WARN" (default) or "FAIL".
         ignored: (key, why) of the keys ignored with a warning, as DeepSpeed ignores them.
         no_effect: (key, why) of the accepted keys with no effect in zerokern.
@@ -134,6 +138,8 @@ class EngineConfig:
     offload_path: Optional[str] = None            # nvme_path (offload "nvme")
     offload_params: Optional[str] = None          # offload_param.device: "cpu" | "nvme"
     gather_16bit_on_save: bool = False
+    quantized_weights: bool = False               # zero_quantized_weights (qwZ)
+    quantized_gradients: Any = False              # zero_quantized_gradients: False | "int4"
     tag_validation: str = "WARN"                  # checkpoint.tag_validation
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
     ignored: List[Tuple[str, str]] = field(default_factory=list)    # (key, why): a warning
@@ -242,6 +248,7 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     for k, why in NO_EFFECT_ZERO.items():
         if k in z:
             out.no_effect.append((f"zero_optimization.{k}", why))
+    _quantized(z, out)
     oo = z.get("offload_optimizer")
     if oo is not None:
         key, dev = _offload_section(oo, "offload_optimizer", {*NO_EFFECT_OFFLOAD, "ratio"})
@@ -289,6 +296,24 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
             for k, why in NO_EFFECT_OFFLOAD_PARAM.items():
                 if k in op:
                     out.no_effect.append((f"{key}.{k}", why))
+
+
+def _quantized(z: Dict[str, Any], out: EngineConfig) -> None:
+    """ZeRO++'s zero_quantized_weights / zero_quantized_gradients (comm/quantized.py). qgZ is
+    int4, as DeepSpeed 0.19's (coalesced_collectives.all_to_all_quant_reduce quantizes both
+    hops to 4 bits)."""
+    if "zero_quantized_weights" in z:
+        out.quantized_weights = _bool("zero_optimization.zero_quantized_weights",
+                                      z["zero_quantized_weights"])
+        if out.quantized_weights and out.stage != 3:
+            raise ValueError("config key zero_optimization.zero_quantized_weights=true needs "
+                             f"zero_optimization.stage 3 (got {out.stage})")
+    if "zero_quantized_gradients" in z:
+        on = _bool("zero_optimization.zero_quantized_gradients", z["zero_quantized_gradients"])
+        if on and out.stage == 0:
+            raise ValueError("config key zero_optimization.zero_quantized_gradients=true needs "
+                             "zero_optimization.stage 1, 2 or 3")
+        out.quantized_gradients = "int4" if on else False
 
 
 def _checkpoint(sec: Any) -> str:
@@ -412,19 +437,28 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
 # DeepSpeed's engine lower-cases it) -> the zerokern optimizer built for it: Adam/AdamW ->
 # ZeroAdamW, Lion -> ZeroLion with DeepSpeed's Lion defaults (deepspeed/ops/lion FusedLion and
 # DeepSpeedCPULion: lr 1e-3, betas (0.9, 0.999), weight_decay 0 - not lion-pytorch's 1e-4 and
-# (0.9, 0.99)). Any other type is a ValueError naming it: never a silent AdamW.
-OPTIMIZER_TYPES = ("adam", "adamw", "lion")
+# (0.9, 0.99)), Muon -> ZeroMuon with DeepSpeed's MuonWithAuxAdam defaults (Muon half: lr
+# 0.02, momentum 0.95, weight_decay 0; Adam half: lr 3e-4, betas (0.9, 0.95), eps 1e-10,
+# weight_decay 0; `lr`/`weight_decay` set both halves, `muon_lr`/`adam_lr` one) and its update
+# (Nesterov, lr scaled by sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original"). DeepSpeed
+# runs the "gram" Newton-Schulz variant unless ns_method is "standard"; zerokern implements the
+# standard quintic one (torch.optim.Muon's), so ns_method must say "standard": a config left at
+# DeepSpeed's default raises rather than run another algorithm unannounced. Any other type is
+# a ValueError naming it: never a silent AdamW.
+OPTIMIZER_TYPES = ("adam", "adamw", "lion", "muon")
 LION_PARAMS = ("lr", "betas", "weight_decay")
+MUON_PARAMS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "betas", "eps",
+               "ns_method")
 
 
 def optimizer_kind(opt_cfg: Dict[str, Any]) -> str:
-    """The zerokern rule a config's optimizer section builds: "adamw" or "lion".
+    """The zerokern optimizer a config's optimizer section builds: "adamw", "lion" or "muon".
 
     Args:
         opt_cfg: the config's {"type", "params"} optimizer section.
 
     Returns:
-        "adamw" (DeepSpeed types Adam and AdamW) or "lion" (type Lion).
+        "adamw" (DeepSpeed types Adam and AdamW), "lion" (Lion) or "muon" (Muon).
 
     Raises:
         ValueError: any other type, naming config key optimizer.type.
@@ -432,8 +466,32 @@ def optimizer_kind(opt_cfg: Dict[str, Any]) -> str:
     t = str(opt_cfg["type"]).lower()
     if t not in OPTIMIZER_TYPES:
         raise ValueError(f"config key optimizer.type {opt_cfg['type']!r} is not supported: "
-                         "zerokern has Adam and AdamW (ZeroAdamW) and Lion (ZeroLion)")
-    return "lion" if t == "lion" else "adamw"
+                         "zerokern has Adam and AdamW (ZeroAdamW), Lion (ZeroLion) and Muon "
+                         "(ZeroMuon)")
+    return t if t in ("lion", "muon") else "adamw"
+
+
+def _muon_settings(p: Dict[str, Any]) -> Dict[str, Any]:
+    """DeepSpeed's Muon params -> ZeroMuon's keyword arguments ([Note: optimizer types])."""
+    _unknown(p, set(MUON_PARAMS), "optimizer.params.")
+    if p.get("ns_method", "gram") != "standard":
+        raise ValueError("config key optimizer.params.ns_method must be \"standard\" (got "
+                         f"{p.get('ns_method', 'gram (DeepSpeed default)')!r}): zerokern's Muon "
+                         "runs the standard quintic Newton-Schulz iteration (torch.optim.Muon's),"
+                         " not DeepSpeed's default 'gram' variant")
+    lr, wd = p.get("lr"), p.get("weight_decay")
+
+    def num(key, default):
+        return _num(f"optimizer.params.{key}", default)
+
+    return {"lr": num("muon_lr", p.get("muon_lr", 0.02 if lr is None else lr)),
+            "momentum": num("momentum", p.get("momentum", 0.95)),
+            "weight_decay": num("weight_decay", 0.0 if wd is None else wd),
+            "nesterov": True, "adjust_lr_fn": "original",
+            "adamw_lr": num("adam_lr", p.get("adam_lr", 3e-4 if lr is None else lr)),
+            "adamw_betas": _betas(p, (0.9, 0.95)),
+            "adamw_eps": num("eps", p.get("eps", 1e-10)),
+            "adamw_weight_decay": num("weight_decay", 0.0 if wd is None else wd)}
 
 
 def _betas(p: Dict[str, Any], default) -> tuple:
@@ -445,12 +503,12 @@ def _betas(p: Dict[str, Any], default) -> tuple:
 
 def optimizer_settings(opt_cfg: Dict[str, Any]) -> Dict[str, Any]:
     """DeepSpeed's optimizer config -> the keyword arguments of its zerokern optimizer
-    (`optimizer_kind`: ZeroAdamW for Adam/AdamW, ZeroLion for Lion).
+    (`optimizer_kind`: ZeroAdamW for Adam/AdamW, ZeroLion for Lion, ZeroMuon for Muon).
 
     DeepSpeed: type "Adam" is AdamW unless adam_w_mode is false (L2); "AdamW" always
     decoupled. weight_decay defaults to 0 (FusedAdam / DeepSpeedCPUAdam), or with
     torch_adam to torch's default (AdamW 0.01, Adam 0). Lion: lr, betas, weight_decay with
-    DeepSpeed's defaults ([Note: optimizer types]).
+    DeepSpeed's defaults; Muon: [Note: optimizer types].
 
     Args:
         opt_cfg: the config's {"type", "params"} optimizer section.
@@ -462,6 +520,8 @@ def optimizer_settings(opt_cfg: Dict[str, Any]) -> Dict[str, Any]:
         ValueError: an unsupported type or params key, or a bad value, naming the key.
     """
     p = opt_cfg.get("params", {})
+    if optimizer_kind(opt_cfg) == "muon":
+        return _muon_settings(p)
     if optimizer_kind(opt_cfg) == "lion":
         _unknown(p, set(LION_PARAMS), "optimizer.params.")
         return {"lr": _num("optimizer.params.lr", p.get("lr", 1e-3)),

@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..optimizer import ZeroAdamW, ZeroOptimizer
 from ..optimizer_args import PRECISIONS
 from ..optimizer_lion import ZeroLion
+from ..optimizer_muon import ZeroMuon
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, optimizer_kind, optimizer_settings, parse_config
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
@@ -277,14 +278,19 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
     # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept).
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
-                   free_grads=True, offload_params=cfg.offload_params)
+                   free_grads=True, offload_params=cfg.offload_params,
+                   quantized_weights=cfg.quantized_weights,
+                   quantized_gradients=cfg.quantized_gradients)
     # master="compact" for bf16 on the device (stages 0-2): the same fp32 master, bit for bit,
     # in 2.125 bytes per state element instead of 4 (zerokern/compact_master.py), for issue
     # 12's target of <= 0.9x DeepSpeed's held memory at stages 1-2. Measured on the 23.2M GPT,
     # 2 ranks, bf16 (benchmarks/results/engine-20m-n2-compact{,-run2}.md): held 156 MiB per
     # rank vs DeepSpeed's 177 (0.88x) at stages 1 and 2 (2Ψ + 12Ψ/N = 177 with an fp32 master);
     # the step costs about 5-20 ms more (compact_master.py [Note: chunk size and cost]).
-    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2:
+    # ZeroMuon keeps a plain fp32 master (its update reads it whole): not for a Muon config.
+    muon = cfg.optimizer is not None and optimizer is None and \
+        optimizer_kind(cfg.optimizer) == "muon"
+    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2 and not muon:
         zero_kw["master"] = "compact"
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
@@ -305,7 +311,8 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
         return None  # [Note: forward-only engine]
     hyper = optimizer_settings(cfg.optimizer)
     groups = groups_for_model(model, model_parameters, hyper)
-    cls = {"adamw": ZeroAdamW, "lion": ZeroLion}[optimizer_kind(cfg.optimizer)]
+    cls = {"adamw": ZeroAdamW, "lion": ZeroLion,
+           "muon": ZeroMuon}[optimizer_kind(cfg.optimizer)]
     return cls(model, **hyper, **zero_kw, param_groups=groups)
 
 

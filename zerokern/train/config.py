@@ -50,6 +50,7 @@ class TrainConfig:
     device: str = "auto"              # "auto" | "cpu" | "cuda"
     bucket_mb: float = 25.0
     state_bits: int = 32              # ZeroAdamW's moments: 32 fp32, 8 block-quantized
+    quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="AdamW moments: 32 fp32, 8 block-quantized 8-bit (default 32)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
+    p.add_argument("--quantize", choices=list(QUANTIZE), default="none",
+                   help="ZeRO++ quantized collectives: weights (qwZ, int8 param gathers, "
+                        "--stage 3), grads (qgZ, int8 gradient reduce-scatter, --stage 1-3) "
+                        "or both (default none)")
+
+
+# --quantize: ZeroAdamW's quantized_weights / quantized_gradients
+QUANTIZE = {"none": {}, "weights": {"quantized_weights": True},
+            "grads": {"quantized_gradients": "int8"},
+            "both": {"quantized_weights": True, "quantized_gradients": "int8"}}
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -107,4 +118,5 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        offload=args.offload, steps=args.steps, model_size=args.model_size,
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
-                       bucket_mb=args.bucket_mb, state_bits=args.state_bits)
+                       bucket_mb=args.bucket_mb, quantize=args.quantize,
+                       state_bits=args.state_bits)
