@@ -63,6 +63,22 @@ def _is_lion(optimizer) -> bool:
     return False
 
 
+_BNB_ADAMW = ("AdamW", "AdamW8bit", "AdamW32bit", "PagedAdamW", "PagedAdamW8bit",
+              "PagedAdamW32bit")
+
+
+def _bnb_adamw_bits(optimizer):
+    """8 or 32 for bitsandbytes' AdamW (what Trainer builds for optim="adamw_8bit" /
+    "adamw_bnb_8bit"), else None. Its 8-bit state becomes ZeroAdamW(state_bits=8): the same
+    dynamic map and absmax blocks, but every param quantized (bitsandbytes keeps params under
+    its min_8bit_size, 4096 elements, in 32 bits), so the two differ within the 8-bit bounds
+    (docs: optimizer rules, 8-bit AdamW moments)."""
+    name, lib = type(optimizer).__name__, type(optimizer).__module__.split(".")[0]
+    if lib != "bitsandbytes" or name not in _BNB_ADAMW:
+        return None
+    return getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+
+
 def _lion_from(optimizer, model, zero_kwargs) -> ZeroLion:
     """Lion (`_is_lion`) -> ZeroLion with its groups (lr, betas, weight_decay)."""
     groups = []
@@ -86,14 +102,17 @@ def _lion_from(optimizer, model, zero_kwargs) -> ZeroLion:
 def zero_from_torch(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                     **zero_kwargs) -> ZeroOptimizer:
     """The zerokern optimizer with `optimizer`'s param groups and hyperparameters, fresh (no
-    step taken): torch Adam/AdamW -> ZeroAdamW, Lion (lion-pytorch, bitsandbytes 32-bit) ->
-    ZeroLion; a zerokern
+    step taken): torch Adam/AdamW -> ZeroAdamW, bitsandbytes AdamW (8-bit: state_bits=8) ->
+    ZeroAdamW, Lion (lion-pytorch, bitsandbytes 32-bit) -> ZeroLion; a zerokern
     optimizer is returned as it is. zero_kwargs: stage, precision, loss_scale, ... of the
     engine. Any other optimizer is a TypeError naming its class."""
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer
     lion = _is_lion(optimizer)
-    if not lion and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    bits = _bnb_adamw_bits(optimizer)
+    if bits is not None:
+        zero_kwargs = {**zero_kwargs, "state_bits": bits}
+    elif not lion and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"zerokern replaces torch.optim.Adam/AdamW (ZeroAdamW) and Lion "
                         f"(lion_pytorch or bitsandbytes, 32-bit: ZeroLion); got "
                         f"{type(optimizer).__name__}")
@@ -101,7 +120,7 @@ def zero_from_torch(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
         raise ValueError("optimizer has already taken steps; hand it over before training")
     if lion:
         return _lion_from(optimizer, model, zero_kwargs)
-    adamw = isinstance(optimizer, torch.optim.AdamW) or \
+    adamw = isinstance(optimizer, torch.optim.AdamW) or bits is not None or \
         bool(optimizer.defaults.get("decoupled_weight_decay", False))
     groups: List[Dict[str, Any]] = []
     for gi, g in enumerate(optimizer.param_groups):

@@ -19,9 +19,10 @@ How it hooks in (public Trainer extension points only):
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: a zerokern checkpoint
   (`<checkpoint>/zerokern/`) instead of one rank's `optimizer.pt`, so
   `resume_from_checkpoint` works at any world size and stage.
-TrainingArguments.optim: the names in OPTIM_NAMES are replaced (AdamW -> ZeroAdamW, 32-bit
-Lion -> ZeroLion, with Trainer's own hyperparameters and groups); any other name is a
-ValueError naming it at construction, before anything is built.
+TrainingArguments.optim: the names in OPTIM_NAMES are replaced (AdamW -> ZeroAdamW, 8-bit
+AdamW -> ZeroAdamW(state_bits=8), 32-bit Lion -> ZeroLion, with Trainer's own hyperparameters
+and groups); any other name is a ValueError naming it at construction, before anything is
+built.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from transformers import Trainer
 from .. import checkpoint as zk_checkpoint
 from .accelerate import ZeroAccelerator
 
-# Trainer builds these (torch AdamW; bitsandbytes' 32-bit Lion) and ZeroAccelerator.prepare
+# Trainer builds these (torch AdamW; bitsandbytes' AdamW, 8-bit -> ZeroAdamW(state_bits=8), and
+# 32-bit Lion) and ZeroAccelerator.prepare
 # converts them (zerokern.engine.convert.zero_from_torch).
-OPTIM_NAMES = ("adamw_torch", "adamw_torch_fused", "lion_32bit", "paged_lion_32bit")
+OPTIM_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit",
+               "paged_adamw_8bit", "paged_adamw_32bit", "lion_32bit", "paged_lion_32bit")
 _ZERO_DIR = "zerokern"
 _SCHEDULER = "scheduler.pt"
 
