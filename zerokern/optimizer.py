@@ -227,6 +227,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._built = True
         dev = self.flat_groups[0].device
         self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
+        # grads/model_parallel.py: set by zerokern.initialize(mpu=...), else None
+        self.model_parallel = None
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         self._prepared = None         # grad_sync.generation whose stats are in _stats
@@ -308,17 +310,26 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]
+        mp = self.model_parallel
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
-            kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
+            if mp is None:
+                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
+            else:  # [Note: model-parallel grad stats] in zerokern/grads/model_parallel.py
+                mp.stats_(gs.grad_piece(gi, k), gi, k, found, sumsq, self._grad_stats)
         averaged = self.pattern.grads_averaged
         if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
             self.comm.count_once_(sumsq)  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+        if mp is not None:  # the other slices of the model (tensor / pipeline ranks)
+            mp.all_reduce_(stats)
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
+
+    def _grad_stats(self, grad, found, sumsq) -> None:
+        kernels.grad_stats_(grad, found, sumsq, backend=self.backend)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -94,11 +94,14 @@ class OptimizerApiMixin:
         return norm.clone()
 
     def _other_norm(self, p: float) -> torch.Tensor:
-        gs = self.grad_sync
-        parts = [gs.grad_piece(gi, k).float() for gi, g in enumerate(self.flat_groups)
-                 for k in range(g.layout.n_buckets)]
+        gs, mp = self.grad_sync, self.model_parallel
+        parts = [t.float() for gi, g in enumerate(self.flat_groups)
+                 for k in range(g.layout.n_buckets)
+                 for t in ([gs.grad_piece(gi, k)] if mp is None
+                           else mp.counted(gs.grad_piece(gi, k), gi, k))]
         if p == math.inf:
-            acc = torch.stack([t.abs().max() for t in parts if t.numel()]).max()
+            zero = torch.zeros((), dtype=torch.float32, device=self._stats.device)
+            acc = torch.stack([t.abs().max() for t in parts if t.numel()] or [zero]).max()
             op = torch.distributed.ReduceOp.MAX
         else:
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
@@ -107,6 +110,8 @@ class OptimizerApiMixin:
             if p != math.inf:
                 self.comm.count_once_(acc)  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(acc, op=op)
+        if mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
+            mp.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
     @property
