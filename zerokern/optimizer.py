@@ -37,7 +37,7 @@ from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
 from . import kernels
-from .comm.mesh import check_hpz, check_mesh, make_comm
+from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
 from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
@@ -156,6 +156,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         check_hpz(hpz, shape, stage, offload_params)
+        check_same_everywhere(mesh, process_group, hpz, stage)  # one all-gather, ValueError
         comm = make_comm(process_group, mesh, hpz)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None

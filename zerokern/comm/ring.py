@@ -87,6 +87,11 @@ class FutureWork:
     def __init__(self, fut: Future, abort=None, index: int = 0) -> None:
         self._fut, self._abort, self._index = fut, abort, index
 
+    @property
+    def index(self) -> int:
+        """The collective's number on its group's failure channel (abort.py)."""
+        return self._index
+
     def wait(self) -> bool:
         if self._abort is not None and not self._fut.done():
             self._abort.wait(polled(self._fut.result, self._fut.done), self._index)

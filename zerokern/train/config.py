@@ -10,9 +10,9 @@ import argparse
 import datetime as _dt
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
-from ..argtypes import int_at_least, positive_float
+from ..argtypes import int_at_least, mesh_shape, positive_float
 from ..gpt import PRESETS
 from ..optimizer_args import PRECISIONS as _PRECISIONS
 
@@ -49,6 +49,8 @@ class TrainConfig:
     seed: int = DEFAULTS["seed"]
     device: str = "auto"              # "auto" | "cpu" | "cuda"
     bucket_mb: float = 25.0
+    mesh: Optional[Tuple[int, int]] = None  # (replicate, shard): HSDP (launch.py check_mesh)
+    hpz: bool = False                 # stage 3 on the mesh: ZeRO++'s hpZ
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: CUDA with NCCL if a GPU is visible, else CPU with gloo")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
+    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="RxS",
+                   help="2-D data-parallel mesh, R replicas x S shard ranks (HSDP: shard "
+                        "inside a node of S ranks, replicate across R nodes); R*S ranks")
+    p.add_argument("--hpz", action="store_true",
+                   help="with --mesh and --stage 3: ZeRO++'s hpZ (params sharded over all "
+                        "ranks, a secondary copy inside the node for the backward gathers)")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -104,4 +112,4 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        offload=args.offload, steps=args.steps, model_size=args.model_size,
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
-                       bucket_mb=args.bucket_mb)
+                       bucket_mb=args.bucket_mb, mesh=args.mesh, hpz=args.hpz)

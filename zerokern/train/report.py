@@ -151,6 +151,8 @@ def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
                    "formula_stage0": estimate_memory(psi, world, 0, cfg.precision)},
         "comm_per_step": main["comm_per_step"],
         "comm_calls_per_step": main["comm_calls_per_step"],
+        "dims": main["dims"],  # group sizes by role ({"shard", "replicate", "world"[, "hpz"]})
+        "comm_per_dim_per_step": main["comm_per_dim_per_step"],
         "comm_formula_bytes_per_step": comm_formula_bytes(psi, world, cfg.stage, cfg.precision),
         "timing": {**timing, "train_s": main["train_s"]},
         "compare": None,
