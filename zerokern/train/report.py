@@ -42,7 +42,8 @@ def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str
     with torch.device("meta"):
         model = build_model(cfg, torch.device("meta"))
     return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
-                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm)
+                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm,
+                    mesh=cfg.mesh, hpz=cfg.hpz)
 
 
 def _figures(m: Dict[str, Any]) -> Dict[str, Any]:
@@ -51,6 +52,8 @@ def _figures(m: Dict[str, Any]) -> Dict[str, Any]:
     `measured`, an estimate `bytes`."""
     dev = m["measured"] if "measured" in m else m["bytes"]
     out = {c: dev[c] for c in MEASURED}
+    if "hpz_secondary" in dev:  # --hpz: the node copies (stage3/hpz.py)
+        out["hpz_secondary"] = dev["hpz_secondary"]
     out["total"] = m["measured_total"] if "measured" in m else m["device_total"]
     host = m.get("host_measured") if "measured" in m else (m["host"] if m["offload"] else None)
     if host is not None:
