@@ -127,7 +127,7 @@ class OptimizerApiMixin:
 
         Returns:
             A dict: `measured` (bytes per device category: params, grads, buckets, master,
-            exp_avg, exp_avg_sq, padding, and at stage 3 frozen and live_units),
+            one per state of the rule (by its name), padding, and at stage 3 frozen and live_units),
             `measured_total`, `formula`, `formula_total`, `allowed_slack`; with offload
             `host_measured` / `disk_measured` and their totals, `host_pinned_total`,
             `host_pageable_total`; at stage 3 `peak_live_units` and `live_units_bound`; and

@@ -231,7 +231,7 @@ def gather_state(opt: zk.ZeroAdamW, model: nn.Module, key: str) -> Dict[str, tor
         buf = getattr(g, key)
         replicated = opt.stage == 0 or ws == 1
         if buf is None:  # fp32: the param buffer is the master (full at stages 0-2)
-            buf = g.flat
+            buf = g.param_shard if opt.stage == 3 else g.flat
             replicated = replicated or opt.stage != 3
         if replicated:
             full = buf

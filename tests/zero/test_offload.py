@@ -56,7 +56,8 @@ def _parity(rank, ws, stage, prec, chunk=None):
             out[f"{key}_bitwise"] = M.bitwise_equal(M.gather_state(o1, m1, key),
                                                     M.gather_state(o0, m0, key))
     # where the state lives: host tensors distinct from every working buffer
-    work = [g.flat for g in o1.flat_groups] + o1.grad_sync.held()["grads"]
+    work = [g.param_shard if stage == 3 else g.flat for g in o1.flat_groups]
+    work += o1.grad_sync.held()["grads"]
     host = [t for st in o1.offloader.states for t in
             (st.master, st.exp_avg, st.exp_avg_sq, *st.host_tensors())]
     spans = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in work]

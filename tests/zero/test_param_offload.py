@@ -155,7 +155,7 @@ def _control(rank, ws):
 
     def corrupt(s):
         if s == 1:
-            home = opt.flat_groups[1].flat  # a block's shard, on the host
+            home = opt.flat_groups[1].param_shard  # a block's shard, on the host
             home[3] = home[3] + 1
     rec = _train(model, opt, rank, ws, 3, corrupt=corrupt)
     return {"params_equal": M.bitwise_equal(rec["params"][-1], ref["params"][-1]),
@@ -592,7 +592,7 @@ def test_on_cuda_bitwise_and_pinned(cuda_backend, tmp_path, off, poff):
             assert rep["measured"]["params"] == rep["measured"]["frozen"] == 0
             assert rep["host_pinned_total"] == rep["host_measured_total"] > 0
             if po == "cpu":
-                assert all(f.flat.is_pinned() for f in opt.param_homes.flats)
+                assert all(f.param_shard.is_pinned() for f in opt.param_homes.flats)
         runs.append(rec["params"])
         opt.close()
     assert all(M.bitwise_equal(a, b) for a, b in zip(*runs))

@@ -164,6 +164,9 @@ def _eval_and_forward_only(rank, ws):
         "root_bytes": sum(f.layout.numel * f.full.element_size()  # (report: less padding)
                           for f in opt.flat_groups + opt.grad_sync.frozen
                           if f.unit_index == 0),
+        "last_bytes": sum(f.layout.numel * f.full.element_size()
+                          for f in opt.flat_groups + opt.grad_sync.frozen
+                          if f.unit_index == opt.grad_sync.schedule[-1]),
         "rel_after": M.rel_err(rec["params"][-1], ref["params"][-1]),
     }
 
@@ -177,7 +180,7 @@ def _resident(rank, ws, prec):
             seen.add(st.data_ptr())
             held += st.nbytes()
     # the params' memory: the (empty) param tensors, the unit buffers and the resident shards
-    held += sum(f.full.untyped_storage().nbytes() + f.flat.untyped_storage().nbytes()
+    held += sum(f.full.untyped_storage().nbytes() + f.param_shard.untyped_storage().nbytes()
                 for f in opt.flat_groups + opt.grad_sync.frozen)
     rep = opt.memory_report()
     elem = torch.empty((), dtype=opt.dtype).element_size()
@@ -211,22 +214,23 @@ def _comm(rank, ws, prec):
     got = opt.comm_stats()
     n, e = ws, torch.empty((), dtype=opt.dtype).element_size()
     frac = Fraction(n - 1, n)
-    # two all-gathers per unit buffer (forward, backward); the root's is kept from its
-    # forward for its backward ([Note: the root stays gathered for backward]): one
-    # its forward for its backward ([Note: the root stays gathered for backward]): one.
-    # Frozen params (the model's `pos`) are sharded with their unit and gathered with it.
-    ag = sum((1 if f.unit_index == 0 else 2) * int(frac * f.layout.padded_numel * e)
+    # two all-gathers per unit buffer (forward, backward); the root's and the last unit's
+    # are kept from their forward for their backward ([Note: the root stays gathered for
+    # backward]): one. Frozen params (the model's `pos`) are sharded with their unit and
+    # gathered with it.
+    kept = set(opt.grad_sync._kept_for_backward())
+    ag = sum((1 if f.unit_index in kept else 2) * int(frac * f.layout.padded_numel * e)
              for f in opt.flat_groups + opt.grad_sync.frozen)
     rs = sum(int(frac * f.layout.padded_numel * e) for f in opt.flat_groups)
     ar = int(2 * frac * 8) if n > 1 else 0
     psi = sum(f.layout.numel for f in opt.flat_groups)
-    n_root = sum(f.unit_index == 0 for f in opt.flat_groups)
+    n_root = sum(f.unit_index in kept for f in opt.flat_groups)
     return {"got": got, "expected": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar},
             "n_root": n_root,
             "three_psi": int(3 * frac * psi * e),
             "padding": sum(f.layout.padding for f in opt.flat_groups) * e * 3,
             "calls": got["calls"], "n_flats": len(opt.flat_groups),
-            "n_frozen_root": sum(f.unit_index == 0 for f in opt.grad_sync.frozen)}
+            "n_frozen_root": sum(f.unit_index in kept for f in opt.grad_sync.frozen)}
 
 
 def _state_dict(rank, ws):
@@ -335,8 +339,10 @@ def test_eval_no_grad_and_forward_without_backward(ws):
     for r, res in enumerate(case(_results(ws), "eval")):
         assert res["logits"] <= TOL["logits"], f"rank {r}: eval logits {res['logits']:.3g}"
         assert res["live_eval"] == 0 and res["live_end"] == 0, "a unit stayed gathered"
-        # a grad-enabled forward keeps the root for its backward, nothing else; step frees it
-        assert res["live_fwd"] == res["root_bytes"] > 0
+        # a grad-enabled forward keeps the root and the last unit of the schedule for its
+        # backward ([Note: the root stays gathered for backward]), nothing else; step frees them
+        assert res["live_fwd"] == res["root_bytes"] + res["last_bytes"]
+        assert res["root_bytes"] > 0 and res["last_bytes"] > 0
         assert res["rel_after"] <= TOL["param"], f"rank {r}: training after {res['rel_after']:.3g}"
 
 
@@ -365,7 +371,7 @@ def test_comm_is_two_gathers_and_one_reduce_scatter(ws, prec):
             assert res["calls"]["all_gather"] == 2 * res["n_flats"] - res["n_root"] + \
                 res["n_frozen_root"]
             assert res["calls"]["reduce_scatter"] == res["n_flats"]
-        # about 3Ψ(N-1)/N, less the root's second gather
+        # about 3Ψ(N-1)/N, less the root's and the last unit's second gathers
         assert got["all_gather"] + got["reduce_scatter"] <= res["three_psi"] + res["padding"]
         assert got["all_gather"] + got["reduce_scatter"] >= 2 * res["three_psi"] // 3
 

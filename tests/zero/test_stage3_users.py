@@ -263,7 +263,7 @@ def _frozen_bytes(model, opt) -> int:
         if not p.requires_grad and st.data_ptr() not in seen and st.nbytes():
             seen.add(st.data_ptr())
             held += st.nbytes()
-    return held + sum(f.flat.untyped_storage().nbytes()
+    return held + sum(f.param_shard.untyped_storage().nbytes()
                       for f in getattr(opt.grad_sync, "frozen", ()))
 
 

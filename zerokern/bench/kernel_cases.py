@@ -9,8 +9,9 @@ from typing import Callable
 
 import torch
 
+from ..optimizer_args import PRECISIONS as DTYPES  # the precision names and dtypes
+
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ZK_BACKENDS = ("cpu", "triton", "cuda", "reference")
 TORCH_PROVIDERS = ("torch-fused", "torch-foreach", "torch-norm")
 PROVIDERS = ZK_BACKENDS + TORCH_PROVIDERS

@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 from .. import kernels as zk
+from ..rules.adamw import ADAMW
 from . import common
 from .kernel_cases import (  # noqa: F401 - re-exported: kernels.Case etc. are its API
     DTYPES,
@@ -108,7 +109,8 @@ def _torch_opt(param, grad32, m, v, foreach: bool) -> torch.optim.Optimizer:
                                                   {"fused": True}))
     opt.step()
     state = opt.state[param]
-    state["exp_avg"], state["exp_avg_sq"] = m, v  # the step's own m, v are freed here
+    # torch's state names are the AdamW rule's: the step's own m, v are freed here
+    state.update(zip(ADAMW.state_names, (m, v)))
     return opt
 
 

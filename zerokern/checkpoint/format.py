@@ -9,7 +9,8 @@ A checkpoint is a directory:
     extra.bin          model tensors the optimizer does not hold (buffers, frozen params)
 
 A rank file has one section per state tensor, `master` then the optimizer rule's states in its
-order (zerokern.rules; the on-disk names are the rule's: see `sections(rule)` and SECTIONS),
+order (zerokern.rules; the on-disk names are the rule's: see `sections(rule)` and
+`legacy_sections()`),
 named in the metadata with the rule (`"rule"`, `"sections"`), each the concatenation of
 the same segments in the same order. A segment is one contiguous element range [lo, hi) of one
 flattened param, listed in the metadata as `[param, lo, hi, elem_off]` (elem_off: where it
@@ -40,15 +41,21 @@ FORMAT = "zerokern-checkpoint"
 VERSION = 1
 META = "meta.json"
 EXTRA = "extra.bin"
-# ZeroAdamW's sections, in file order: what a checkpoint without a "rule" entry (written before
-# rules existed) holds. Every other checkpoint names its rule and sections (`sections(rule)`).
-SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+# A checkpoint without a "rule" entry (written before rules existed) holds ZeroAdamW's
+# sections (`legacy_sections()`); every other one names its rule and sections (`sections`).
 LEGACY_RULE = "adamw"
 
 
 def sections(rule) -> tuple:
     """A rule's sections in file order: the fp32 master, then its states (all fp32)."""
     return ("master", *rule.state_names)
+
+
+def legacy_sections() -> tuple:
+    """The sections of a checkpoint written before rules existed: the AdamW rule's."""
+    from zerokern.rules import rule_by_name
+
+    return sections(rule_by_name(LEGACY_RULE))
 # 1 MiB: a load touches at most 2 MiB more than it needs per contiguous range, and a 1.3 GB
 # state needs 1300 crcs (10 kB of JSON).
 BLOCK_BYTES = 1 << 20

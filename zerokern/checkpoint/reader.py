@@ -41,7 +41,6 @@ from .format import (
     EXTRA,
     LEGACY_RULE,
     META,
-    SECTIONS,
     BlockVerifier,
     CheckpointError,
     ModelMismatchError,
@@ -49,6 +48,7 @@ from .format import (
     decode_value,
     dtype_from_name,
     find_checkpoint,
+    legacy_sections,
     read_meta,
     read_span,
 )
@@ -220,7 +220,7 @@ class _Plan:
         existed holds ZeroAdamW's sections)."""
         fn = os.path.join(self.dir, META)
         saved = self.meta.get("rule", LEGACY_RULE)
-        secs = tuple(self.meta.get("sections", SECTIONS))
+        secs = tuple(self.meta.get("sections", legacy_sections()))
         if saved != self.view.rule or secs != tuple(self.view.sections):
             raise CheckpointError(
                 f"{fn}: the checkpoint holds the optimizer state of rule {saved!r} (sections "

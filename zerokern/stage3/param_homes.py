@@ -143,7 +143,7 @@ class ParamHomes:
 
     def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
         if self.kind == "cpu":
-            dev.copy_(f.flat, non_blocking=self.pin)  # stream-ordered before the all-gather
+            dev.copy_(f.param_shard, non_blocking=self.pin)  # stream-ordered before the all-gather
             return
         pf = f.file
         entry = self.ahead.pop(id(f), None)
@@ -214,13 +214,13 @@ class ParamHomes:
                 pf.map = torch.from_file(pf.paths[0], shared=True, size=2 * pf.half // e,
                                          dtype=f.dtype)
                 os.posix_fadvise(pf.fds[0], 0, 0, os.POSIX_FADV_DONTNEED)
-                f.flat = self._view(pf, f.layout.shard_numel)
+                f.param_shard = self._view(pf, f.layout.shard_numel)
 
     def close(self) -> None:
         if self.kind == "nvme":
             self.new_pass()
             for f in self.flats:
-                f.flat = torch.empty(0, dtype=f.dtype)
+                f.param_shard = torch.empty(0, dtype=f.dtype)
                 f.file.map = None
             self._finalizer()
 
@@ -232,7 +232,8 @@ class ParamHomes:
         out = {"params": 0, "frozen": 0, "param_staging": 0}
         if self.kind == "cpu":
             for f in self.flats:
-                out["params" if f.trainable else "frozen"] += f.flat.untyped_storage().nbytes()
+                held = f.param_shard.untyped_storage().nbytes()
+                out["params" if f.trainable else "frozen"] += held
         else:
             out["param_staging"] = sum(t.untyped_storage().nbytes() for t in
                                        [self.bounce, self.stage_buf] + self.ahead_bufs

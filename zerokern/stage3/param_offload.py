@@ -86,10 +86,10 @@ class OffloadedShardedFlat(ShardedFlat):
         super().__init__(params, dtype, world_size, rank, group_index, unit_index, trainable,
                          placement)
         S = self.layout.shard_numel
-        self._dev_bytes = S * self.flat.element_size()
-        self.dev = self.flat  # the device shard storage; released below, fetched per use
+        self._dev_bytes = S * self.param_shard.element_size()
+        self.dev = self.param_shard  # the device shard storage; released below, fetched per use
         self.file = None  # "nvme": its param_homes._ParamFile
-        self.flat = homes.adopt(self, self.flat)  # the home: host tensor or file view
+        self.param_shard = homes.adopt(self, self.param_shard)  # the home: host tensor or file view
         self._live = False    # dev holds the shard
         self._working = False  # dev is this step's update target (offload=None)
         self._staged = False   # "nvme": this step's new shard is in the staging buffer
@@ -146,10 +146,10 @@ class OffloadedShardedFlat(ShardedFlat):
         self.homes.new_pass()  # (a read-ahead of this home would be stale)
         piece = self.full[slice(*self.layout.piece_range(0, self.rank))]
         if self.master is not None:
-            changed = piece != self.flat.to(piece.device)
+            changed = piece != self.param_shard.to(piece.device)
             master = self.master.to(piece.device)
             self.master.copy_(torch.where(changed, piece.float(), master))
-        self.flat.copy_(piece)
+        self.param_shard.copy_(piece)
 
     # -- the step ----------------------------------------------------------------------------
     def _work(self) -> torch.Tensor:
@@ -161,7 +161,7 @@ class OffloadedShardedFlat(ShardedFlat):
     def master_piece(self, k: int) -> torch.Tensor:
         if self.master is not None:
             return self.master
-        return self.flat if self.homes.host_update else self._work()
+        return self.param_shard if self.homes.host_update else self._work()
 
     def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
         if self.master is None:
@@ -169,13 +169,13 @@ class OffloadedShardedFlat(ShardedFlat):
         if self.params_journaled:  # into the staging buffer, written at publish (Note: 3)
             self._staged = True
             return self.homes.staging(self)
-        return self.flat if self.homes.host_update else self._work()
+        return self.param_shard if self.homes.host_update else self._work()
 
     def store_piece(self, k: int) -> None:
         """After the update of the shard: store it home (offload=None) or journal it (stage 3
         publishes nothing: ShardBuffer.publish_piece)."""
         if self._working:
-            self.flat.copy_(self.dev)  # blocking on a GPU (Note: 4)
+            self.param_shard.copy_(self.dev)  # blocking on a GPU (Note: 4)
             self._working = False
             self._release()
         if self._staged:

@@ -81,7 +81,7 @@ def estimate_(b: dict, host: dict, disk: dict, flats, frozen, rank: int, kind: s
         disk.update(params=0, frozen=0)
     halves = []
     for f in list(flats) + list(frozen):
-        L, e = f.layout, f.flat.element_size()
+        L, e = f.layout, f.param_shard.element_size()
         S = L.shard_numel
         spad = L.state_padding(rank, replicated=False)  # this rank's shard's padding
         b["params" if f.trainable else "frozen"] -= (S - spad) * e

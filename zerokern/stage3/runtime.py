@@ -126,6 +126,7 @@ class Stage3Runtime(Stage3Backward):
         self._unsignalled: set = set()   # units called with no input that requires grad
         self._unit_of = {id(u.module): u.index for u in self.active_units}
         self.in_backward = False
+        self._fwd_grad = False  # the root's forward runs with grad (a backward follows)
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.prefetch_hits = 0   # gathers already in flight (prefetched) when a unit needed them
@@ -219,6 +220,14 @@ class Stage3Runtime(Stage3Backward):
                 self._free(uj)
 
     # ---- forward -----------------------------------------------------------------------------
+    def _kept_for_backward(self) -> List[int]:
+        """Units a grad-enabled forward leaves gathered for the backward: the root and the
+        last unit of the schedule, with their deps ([Note: the root stays gathered])."""
+        kept = self._need(self.units[0])
+        if self.schedule:
+            kept = kept + self._need(self.units[self.schedule[-1]])
+        return kept
+
     def _pre_forward_hook(self, module, args, kwargs):
         self._pre_forward(self.units[self._unit_of[id(module)]], args, kwargs)
 
@@ -236,6 +245,7 @@ class Stage3Runtime(Stage3Backward):
         if u.is_root:
             self.guard.check_forward()
             self._recording, self._fcur = [], 0
+            self._fwd_grad = torch.is_grad_enabled()
         else:
             self._recording.append(u.index)
         need = self._need(u)
@@ -267,7 +277,16 @@ class Stage3Runtime(Stage3Backward):
         # comes first and needs it again at once; keeping it costs no peak memory (the root
         # is gathered through every forward and backward anyway) and saves its re-gather,
         # as FSDP2 does. Freed by the end of backward, or by step()/an eval forward.
-        keep = set(self._need(u)) if u.is_root and torch.is_grad_enabled() else set()
+        # The last unit of the schedule is kept too (torchtitan sets FSDP2's
+        # reshard_after_forward=False on the last block for the same reason): its backward
+        # follows the root's at once, so the backward would re-gather it while the root's
+        # head runs. Peak: root + last unit at the end of forward, root + last + the
+        # prefetched one at the start of backward, both within live_bound(). It saves one
+        # unit's all-gather per step (the 20m GPT: 1 of 6 blocks' backward re-gathers).
+        # Every rank keeps it, whether it called the unit or reached it as skipped (below),
+        # so whether backward gathers it does not depend on the data (rule 1).
+        # (the root's grad mode decides, not this call's: the same on every rank)
+        keep = set(self._kept_for_backward()) if self._fwd_grad else set()
         for ui in self._need(u):
             self._refs[ui] -= 1
             if self._refs[ui] == 0 and ui not in keep:
@@ -281,7 +300,8 @@ class Stage3Runtime(Stage3Backward):
             self.fwd_order = self._recording
             if self._fcur < len(self.schedule):  # units this rank skipped at the end
                 self._reach(self.schedule, self._fcur, len(self.schedule) - 1)
-                self._release(self.schedule[-1])
+                if not keep:
+                    self._release(self.schedule[-1])
                 self._fcur = len(self.schedule)
             self._free_unreferenced(keep)  # prefetches the forward did not use
 

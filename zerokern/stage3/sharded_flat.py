@@ -75,16 +75,6 @@ class ShardedFlat(ShardBuffer):
     def gathered(self) -> bool:
         return self.residency is Residency.GATHERED
 
-    @property
-    def flat(self) -> torch.Tensor:
-        """The param shard under its name before issue 15 (on FlatGroup `flat` is the whole
-        buffer, so stage-3 code says `param_shard`); kept for code written against it."""
-        return self.param_shard
-
-    @flat.setter
-    def flat(self, t: torch.Tensor) -> None:
-        self.param_shard = t
-
     # -- gather / free -----------------------------------------------------------------------
     @property
     def full_bytes(self) -> int:
