@@ -46,6 +46,7 @@ communicator, not written here (no GPU to test it on).
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
@@ -53,6 +54,14 @@ import torch.distributed as dist
 
 POLL_S = 0.05  # s between store checks while a collective has not landed
 _ALL: list = []  # every AbortChannel of this process ([Note: aborts cross groups])
+_ON_ABORT: list = []  # called with the reason when this rank raises RankAborted (ring.py)
+
+
+def on_abort(method: Callable[[str], None]) -> None:
+    """Call the bound method(reason) when this process raises RankAborted ([Note: a failed
+    ring stops]); held weakly, so its object (a ring and its thread) can still be freed."""
+    _ON_ABORT[:] = [m for m in _ON_ABORT if m() is not None]
+    _ON_ABORT.append(weakref.WeakMethod(method))
 
 
 class RankAborted(RuntimeError):
@@ -122,6 +131,10 @@ class AbortChannel:
                 for ch in _ALL:  # [Note: aborts cross groups]
                     if ch is not self:
                         ch.signal(err, at=-1)
+                for ref in _ON_ABORT:  # [Note: a failed ring stops] in ring.py
+                    fn = ref()
+                    if fn is not None:
+                        fn(f"rank {origin} failed")
                 raise err
 
     def wait(self, done: Callable[[Optional[float]], bool], index: int) -> None:
