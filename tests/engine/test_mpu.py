@@ -7,6 +7,7 @@ data. At stages 0-3 each rank's local slices equal the reference's slices after 
 (rel <= 1e-6, fp32), and engine.get_global_grad_norm() equals clip_grad_norm_'s return at every
 step (the norm counts the split params on every tp rank and the replicated ones once).
 
+DeepSpeed 0.19.8 with the same mpu (stages 1-2, CPU) gives the same norms and params.
 Negative controls: the reference with lr x 1.01 is caught; the old agreement (no
 model-parallel all-reduce: model_parallel=None) and a wrong count (replicated params counted on
 every tp rank) both miss the reference norm; an inf in one rank's grad skips the step on every
@@ -146,6 +147,9 @@ class MPU:
     def get_tensor_model_parallel_rank(self):
         return self.rank % TP
 
+    def get_model_parallel_rank(self):
+        return self.rank % TP
+
     def get_data_parallel_rank(self):
         return self.rank // TP
 
@@ -243,6 +247,31 @@ def _bad(rank, mpu):
             "save": _raises(lambda: engine.save_checkpoint("/nonexistent/ckpt"))}
 
 
+def _deepspeed(rank, ws, stage, mpu):
+    """The same run through DeepSpeed 0.19.8 with the same mpu (CPU accelerator)."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws),
+                      LOCAL_WORLD_SIZE=str(ws))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from tests.engine.common import restore_linear
+
+    model = TPMLP(FullMLP(), rank % TP, mpu.get_model_parallel_group())
+    norms = []
+    with restore_linear():
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config(stage), mpu=mpu)
+        for step in range(STEPS):
+            x, y = data(step, rank // TP)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "norms": norms}
+
+
 def _worker(rank, ws):
     torch.manual_seed(0)
     mpu = MPU(rank)
@@ -253,6 +282,8 @@ def _worker(rank, ws):
         cases[f"inf{s}"] = lambda s=s: _train(rank, mpu, s, inf_on=3)
     cases["inf_no_mp"] = lambda: _train(rank, mpu, 2, tamper=_no_mp, inf_on=3)
     cases["bad"] = lambda: _bad(rank, mpu)
+    for s in (1, 2):
+        cases[f"ds{s}"] = lambda s=s: _deepspeed(rank, ws, s, mpu)
     return run_cases(cases)
 
 
@@ -314,3 +345,15 @@ def test_bad_mpu_and_checkpoint_raise():
         assert kind == "ValueError" and "zero_hpz_partition_size" in msg
         kind, msg = r["save"]
         assert kind == "NotImplementedError" and "mpu" in msg
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_mpu_matches_deepspeed(stage):
+    """DeepSpeed 0.19.8 with the same mpu on CPU: the same per-step global norms (it counts
+    the model-parallel ranks as zerokern does) and the same params."""
+    zk_res, ds_res = case(_results(), f"stage{stage}"), case(_results(), f"ds{stage}")
+    for rank, (z, d) in enumerate(zip(zk_res, ds_res)):
+        for a, b in zip(z["norms"], d["norms"]):
+            assert abs(a - b) <= TOL["norm"] * b, (rank, z["norms"], d["norms"])
+        for k, w in d["params"].items():
+            assert _rel(z["params"][k], w) <= TOL["param"], (rank, k)
