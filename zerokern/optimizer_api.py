@@ -143,9 +143,16 @@ class OptimizerApiMixin:
 
         Returns:
             A dict per collective type (all_reduce, reduce_scatter, all_gather) with the bytes
-            sent and the number of calls.
+            sent and the number of calls; `dims`: the same per group ("shard", "replicate",
+            "world", "hpz"); on a 2-D mesh `nodes`: {"intra_node", "inter_node"} bytes, dim 1
+            of the mesh being a node (zerokern.accounting.mesh.node_split).
         """
+        from .accounting.mesh import node_split
+
         out = self.comm.stats.as_dict()
+        split = node_split(out["dims"], self.comm.dims)
+        if split is not None:
+            out["nodes"] = split
         if reset:
             self.comm.stats.reset()
         return out

@@ -33,9 +33,12 @@ def _one(rank, mesh, stage, precision, hpz):
                        backend=M.BACKEND, mesh=mesh, hpz=hpz)
     for step in range(2):
         opt.zero_grad()
+        opt.comm_stats(reset=True)  # the last step's traffic only
         opt.backward(M.loss_fn(model, M.rank_tokens(step, rank, WS)))
         opt.step()
     rep = opt.memory_report()
+    comm = opt.comm_stats()
+    padded = sum(g.layout.padded_numel for g in opt.flat_groups)
     with torch.device("meta"):
         spec = E.spec_from_model(M.make_model(), "tiny-lm")
     est = E.estimate(spec, WS, stage, precision, M.BUCKET_MB, rank=rank, comm="gloo",
@@ -44,7 +47,8 @@ def _one(rank, mesh, stage, precision, hpz):
     return {"measured": rep["measured"], "est": est["bytes"],
             "bound": (rep.get("live_units_bound"), est["live_units_bound"]),
             "formula": (rep["formula_total"], est["formula"]["total"]),
-            "dims": (rep["mesh"], est["mesh"]), "flat": flat["bytes"]}
+            "dims": (rep["mesh"], est["mesh"]), "flat": flat["bytes"],
+            "comm": comm, "padded": padded, "elem": torch.empty((), dtype=opt.dtype).itemsize}
 
 
 def _worker(rank, ws):
@@ -92,3 +96,22 @@ def test_cli_mesh_prints_dims_and_formulas(capsys):
     out = capsys.readouterr().out
     assert "hpZ secondary (16-bit, over S)" in out and "1.63 GiB" in out
     assert "hpz (node): Ψ(S-1)/S = 6,125,000,000 (inside a node)" in out
+
+
+@pytest.mark.parametrize("stage, precision", [(s, p) for s in (1, 2, 3) for p in ("bf16", "fp32")])
+def test_inter_node_bytes_equal_the_printed_formula(stage, precision):
+    """HSDP: comm_stats()["nodes"]["inter_node"] is the replicate all-reduce plus the 12-byte
+    agreement, and the replicate bytes equal `zerokern estimate --mesh`'s 2(Ψ/S)(R-1)/R line
+    (Ψ the padded elements the shards are cut from) times the element size, to the byte."""
+    from zerokern.accounting.mesh import comm_formulas
+
+    for r in case(cached(_worker, WS), f"{stage}-{precision}-False"):
+        c, dims = r["comm"], r["dims"][0]
+        rows = {row["dim"]: row for row in comm_formulas(r["padded"], dims, stage)}
+        rep = c["dims"]["replicate"]["total"]
+        assert rep == rows["replicate (across nodes)"]["elements"] * r["elem"]
+        assert c["nodes"] == {"inter_node": rep + c["dims"]["world"]["total"],
+                              "intra_node": c["dims"]["shard"]["total"]}
+        assert c["dims"]["world"]["total"] == 12  # found_inf + sumsq, fp32, 2(N-1)/N
+    for r in case(cached(_worker, WS), f"3-{precision}-True"):  # hpZ: the node group inside
+        assert r["comm"]["nodes"]["intra_node"] == r["comm"]["dims"]["hpz"]["total"] > 0

@@ -112,3 +112,27 @@ def mesh_lines(results: List[Dict[str, Any]]) -> List[str]:
             lines.append(f"  stage {r['stage']}: {row['dim']}: {row['formula']} = "
                          f"{_el(row['elements'])} ({where})")
     return lines
+
+
+def node_split(dims_bytes: Dict[str, Dict[str, int]], dims: Dict[str, int]
+               ) -> Optional[Dict[str, int]]:
+    """Bytes inside a node and between nodes, from comm_stats()["dims"], on a 2-D mesh whose
+    dim 1 is a node (torchrun's consecutive ranks); None without one (a flat group's links
+    are unknown). HSDP: the shard group is a node, the replicate and world groups cross nodes;
+    hpZ: the hpz group is a node, the shard (all ranks) group crosses them.
+
+    Args:
+        dims_bytes: comm_stats()["dims"] ({dim: {kind: bytes, "total"}}).
+        dims: the optimizer's group sizes (`opt.comm.dims`).
+    """
+    if "hpz" in dims:
+        if dims["world"] == dims["hpz"]:
+            return None
+        inside = {"hpz"}
+    elif dims["replicate"] > 1:
+        inside = {"shard"}
+    else:
+        return None
+    intra = sum(v["total"] for d, v in dims_bytes.items() if d in inside)
+    inter = sum(v["total"] for d, v in dims_bytes.items() if d not in inside)
+    return {"intra_node": intra, "inter_node": inter}
