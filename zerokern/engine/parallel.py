@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+_MESHES: dict = {}  # (device type, R, S) -> DeviceMesh (hpz_mesh)
+
 
 @dataclass
 class MpuGroups:
@@ -128,5 +130,8 @@ def hpz_mesh(hpz_size: int, stage: int, world_size: int, device_type: str):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world_size // hpz_size, hpz_size),
-                            mesh_dim_names=("replicate", "shard"))
+    key = (device_type, world_size // hpz_size, hpz_size)
+    if key not in _MESHES:  # its process groups are made once, not at every initialize
+        _MESHES[key] = init_device_mesh(device_type, key[1:],
+                                        mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
