@@ -6,8 +6,9 @@ from . import checkpoint, kernels
 from .engine import init_distributed, initialize
 from .optimizer import ZeroAdamW, ZeroOptimizer
 from .optimizer_lion import ZeroLion
+from .optimizer_muon import ZeroMuon
 from .version import __version__
 
-__all__ = ["ZeroAdamW", "ZeroLion", "ZeroOptimizer", "checkpoint", "estimate_memory",
+__all__ = ["ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint", "estimate_memory",
            "init_distributed", "initialize",
            "kernels", "__version__"]

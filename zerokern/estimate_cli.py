@@ -53,9 +53,10 @@ def add_arguments(p) -> None:
     p.add_argument("--master", choices=["fp32", "compact"], default="fp32",
                    help="ZeroAdamW's master=: 'compact' holds the bf16 run's fp32 master in "
                         "2.125 bytes per element (bf16, no offload, stages 0-2)")
-    p.add_argument("--optimizer", choices=["adamw", "lion"], default="adamw",
-                   help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12) or lion "
-                        "(ZeroLion: master, one momentum; K = 8)")
+    p.add_argument("--optimizer", choices=["adamw", "lion", "muon"], default="adamw",
+                   help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12), lion "
+                        "(ZeroLion: master, one momentum; K = 8) or muon (ZeroMuon: Muon's "
+                        "momentum for the matrices, K = 8, AdamW for the rest; needs --model)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -85,7 +86,10 @@ def _state_rows(r0, prefix: str, suffix: str = ""):
     """One row per optimizer state of the estimate's rule (zerokern.rules), master first."""
     from zerokern.rules import rule_by_name
 
-    names = ("master", *rule_by_name(r0.get("optimizer", "adamw")).state_names)
+    # a rule per param group (ZeroMuon) is named "muon+adamw": the union of their states
+    names = tuple(dict.fromkeys(("master", *(n for part in r0.get("optimizer", "adamw")
+                                             .split("+")
+                                             for n in rule_by_name(part).state_names))))
     return [(n, f"{prefix}{n} (fp32{suffix})") for n in names]
 
 

@@ -165,6 +165,8 @@ class FrozenSkip:
                                                                 self._lag[(gi, i)]))
                     self._steps[(gi, k)] = g.steps[k].clone()
         for key in skip:  # a step that really runs (no inf/NaN) is one this param misses
+            if not _rule_of(opt, key[0]).counts_steps:
+                continue  # (Muon: its update ignores the count, nothing to redo)
             lag = self._lag.get(key)
             if lag is None:
                 lag = self._lag[key] = torch.zeros((), dtype=torch.int64, device=found.device)
@@ -189,9 +191,15 @@ class FrozenSkip:
                 views.append(out_all[a:b])
             work = [t.clone() for t in views]
             n_states = len(states_all)
-            opt.rule.step_(work[0], work[1:1 + n_states], grad[a:b].clone(),
+            _rule_of(opt, gi).step_(work[0], work[1:1 + n_states], grad[a:b].clone(),
                            work[1 + n_states] if out_all is not None else None,
                            step=self._steps[(gi, k)] - lag, grad_scale=grad_scale,
                            found_inf=found, backend=opt.backend, **hyper)
             for t, w in zip(views, work):
                 t.copy_(w)
+
+
+def _rule_of(opt, gi: int):
+    """The rule of buffer gi (zerokern.rules [Note: a rule per param group])."""
+    rules = getattr(opt, "rules", None)
+    return opt.rule if rules is None else rules[opt.flat_groups[gi].group_index]

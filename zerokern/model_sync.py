@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from zerokern.layout.dtensor_params import local
+
 
 class ModelWatch:
     def __init__(self, opt, model: Optional[torch.nn.Module]) -> None:
@@ -67,7 +69,7 @@ class ModelWatch:
 
     def record_versions(self) -> None:
         opt = self._opt()
-        self._versions: List[List[int]] = [[p._version for p in g.params]
+        self._versions: List[List[int]] = [[local(p)._version for p in g.params]
                                            for g in opt.flat_groups]
 
     def remove(self) -> None:
@@ -85,20 +87,21 @@ class ModelWatch:
             es = g.flat.element_size()
             base = g.flat.data_ptr()
             for i, (p, s) in enumerate(zip(g.params, g.layout.slots)):
+                lp = local(p)  # a DTensor param: its local shard (dtensor_params.py)
                 if p.dtype != g.dtype:
                     raise TypeError(
                         f"zerokern: param {i} of param group {gi} was cast to {p.dtype} after "
                         f"ZeroAdamW(precision={opt.precision!r}) was built; cast the model "
                         "before building the optimizer, or build it with the precision you "
                         "want (ZeroAdamW casts the params itself)")
-                if tuple(p.shape) != s.shape:
+                if tuple(lp.shape) != s.shape:
                     raise RuntimeError(
                         f"zerokern: param {i} of param group {gi} changed shape from {s.shape} "
-                        f"to {tuple(p.shape)} after ZeroAdamW was built; build the optimizer "
+                        f"to {tuple(lp.shape)} after ZeroAdamW was built; build the optimizer "
                         "after the model is complete")
-                if p.device != g.device or p.data_ptr() != base + s.offset * es:
+                if p.device != g.device or lp.data_ptr() != base + s.offset * es:
                     moved.append((gi, i))
-                elif p._version != self._versions[gi][i]:
+                elif lp._version != self._versions[gi][i]:
                     changed.append((gi, i))
         same = self._readopt(opt, moved) if moved else {}
         if changed or moved or self._loaded:
@@ -149,7 +152,7 @@ class ModelWatch:
         for gi, i in moved:  # [Note: a move keeps the master]
             g = opt.flat_groups[gi]
             s = g.layout.slots[i]
-            same[(gi, i)] = _bitwise_equal(g.params[i].detach().reshape(-1),
+            same[(gi, i)] = _bitwise_equal(local(g.params[i]).detach().reshape(-1),
                                            g.flat[s.offset:s.offset + s.numel])
         for g in opt.flat_groups:
             g.adopt_params_()  # copy the params' current values in, view them again
@@ -179,7 +182,7 @@ class ModelWatch:
                 m.copy_(torch.where(keep.to(m.device), m, new.to(m.dtype)))
                 continue
             if exact is not None:
-                src = exact.detach().reshape(-1)[a - s.offset:b - s.offset].to(m.device)
+                src = local(exact).detach().reshape(-1)[a - s.offset:b - s.offset].to(m.device)
                 if torch.equal(src.to(new.dtype), new):  # this rank's params hold it
                     m.copy_(src)
                     continue

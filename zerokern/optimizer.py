@@ -16,8 +16,10 @@ collectives in `comm`, the user-facing extras (clipping, no_sync, reports) in `o
    grad_scale = unscale * clip. Grads sum over backward passes, as torch's: no division by the
    number of micro-batches (divide the loss, as with DDP). Steps 1-3 run once per set of grads
    (`_prepare`), so `clip_grad_norm_()` before `step()` costs nothing extra.
-4. The rule's fused step per bucket (`adam_step_` for AdamW): master, the rule's states and
-   the 16-bit cast-back in one pass; skipped bitwise when found_inf.
+4. Per buffer, its param group's rule (zerokern.rules [Note: a rule per param group]): the
+   fused step per bucket (`adam_step_` for AdamW): master, the rule's states and the 16-bit
+   cast-back in one pass; skipped bitwise when found_inf. A phased rule (Muon) runs its group
+   step over the buffer instead (rules/muon.py [Note: the Muon group step]).
 5. All-gather each updated piece in place as soon as it is written (stages 1-2), then
    update the loss scale.
 Nothing reads a device value on the host: every branch is on host state (stage, micro-steps).
@@ -26,18 +28,20 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
+from zerokern.grads.tp_norm import TpStats
 from zerokern.layout.flat_group import FlatGroup
 from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
+from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
@@ -45,10 +49,11 @@ from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
     check_arguments,
     check_groups,
+    check_phased,
     frozen_params,
 )
 from .optimizer_state import StateDictMixin
-from .rules import Rule, check_rule
+from .rules import Rule, check_rule, combine
 from .rules.adamw import ADAMW
 
 ENGINE_ARGS = """
@@ -82,7 +87,11 @@ ENGINE_ARGS = """
             convention (for a tensor-parallel model its dp sub-mesh): 1-D shards over it; 2-D
             is (replicate, shard), HSDP: shard over dim 1, replicate over dim 0 (each shard
             all-reduced across its replicas after the reduce-scatter; see zerokern.comm.groups).
-            With process_group too, the group must have exactly the mesh's ranks.
+            With process_group too, the group must have exactly the mesh's ranks. A model
+            with DTensor params (torch tensor parallelism over a tp mesh) keeps them DTensors:
+            each rank's buffers hold its local tp shards, reduced over this mesh only, and the
+            grad norm and overflow skip are agreed over tp too (see zerokern.comm.tp); the
+            mesh must not include the tp ranks (ValueError).
         hpz (bool): (keyword) stage 3 with a 2-D mesh: ZeRO++'s hpZ, params sharded over every
             rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
             backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
@@ -107,7 +116,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
-        rule: a `zerokern.rules.Rule` (its states and its fused update).
+        rule: a `zerokern.rules.Rule` (its states and its fused update), or a list of one
+            rule per param group, in the groups' order (zerokern.rules [Note: a rule per param
+            group]; each group is then checked by its own rule, and `defaults` only fills
+            missing keys).
         defaults: the rule's hyperparameters (checked by `rule.check_group`), per group where
             given in a group.""" + ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics: they SUM over the backward passes since
@@ -121,7 +133,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
     def __init__(
         self,
         params_or_model: Union[torch.nn.Module, Iterable],
-        rule: Rule,
+        rule: Union[Rule, Sequence[Rule]],
         defaults: Dict[str, Any],
         stage: int = 2,
         precision: str = "bf16",
@@ -143,21 +155,37 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         hpz: bool = False,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
+        per_group = None
+        if isinstance(rule, (list, tuple)):  # one rule per param group
+            if not rule:
+                raise ValueError("rule must be a Rule or a non-empty list of Rules")
+            per_group = [check_rule(r) for r in rule]
+            rule = combine(per_group)
         rule = check_rule(rule)
         dtype, offload_path, params = check_arguments(
-            params_or_model, stage=stage, precision=precision, rule=rule, defaults=defaults,
+            params_or_model, stage=stage, precision=precision,
+            rule=None if per_group is not None else rule, defaults=defaults,
             max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
             param_groups=param_groups, process_group=process_group, free_grads=free_grads,
             offload_params=offload_params, master=master)
-        self.rule = rule
+        self.rule = rule  # the one rule, or the groups' MixedRules (reports, checkpoints)
         super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
-        trainable = check_groups(self.param_groups, dtype, rule)
+        if per_group is not None and len(per_group) != len(self.param_groups):
+            raise ValueError(f"rule: {len(per_group)} rules for {len(self.param_groups)} "
+                             "param groups; give one per group")
+        self.rules = per_group or [rule] * len(self.param_groups)
+        trainable = check_groups(self.param_groups, dtype, self.rules)
+        check_phased(self.rules, offload, master)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         check_hpz(hpz, shape, stage, offload_params)
+        # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
+        tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
+                                           process_group)
         check_same_everywhere(mesh, process_group, hpz, stage)  # one all-gather, ValueError
         comm = make_comm(process_group, mesh, hpz)
+        self.tp = make_tensor_parallel(tp_checked, comm.stats)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
@@ -202,7 +230,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.offload = offload
         self.master = master
         self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm, master,
-                                        rule)
+                                        rule, per_group)
         if P.shards_params:
             from .stage3.build import build_stage3
 
@@ -223,11 +251,17 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             p.data = p.data.to(dtype)
         self.offload_params = offload_params
         self.placement.attach(self.flat_groups)
+        # phased rules (Muon): one plan per buffer of whole matrices over the shard group
+        self._plans = {gi: self.rules[g.group_index].orthogonalizer(g, comm.shard)
+                       for gi, g in enumerate(self.flat_groups)
+                       if self.rules[g.group_index].phased}
         if self.param_homes is not None:  # "nvme": journaled with the state files
             self.param_homes.attach(self.offloader)
         self._built = True
         dev = self.flat_groups[0].device
-        self._stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [found_inf, sumsq]
+        # [found_inf, sumsq] (+ the tp-replicated part's sumsq with tensor parallelism)
+        self._stats = torch.zeros(2 if self.tp is None else 3, dtype=torch.float32, device=dev)
+        self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
         # grads/model_parallel.py: set by zerokern.initialize(mpu=...), else None
         self.model_parallel = None
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
@@ -313,14 +347,18 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         found, sumsq = stats[0], stats[1]
         mp = self.model_parallel
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
-            if mp is None:
-                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
-            else:  # [Note: model-parallel grad stats] in zerokern/grads/model_parallel.py
+            if self._tp_stats is not None:  # tp-sharded and replicated elements apart
+                self._tp_stats.stats_(gi, k, gs.grad_piece(gi, k), stats, self.backend)
+            elif mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
                 mp.stats_(gs.grad_piece(gi, k), gi, k, found, sumsq, self._grad_stats)
+            else:
+                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         averaged = self.pattern.grads_averaged
         if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
-            self.comm.count_once_(sumsq)  # HSDP: replicas hold the same shard
+            self.comm.count_once_(stats[1:])  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+        if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)
+            self.tp.combine_(stats)
         if mp is not None:  # the other slices of the model (tensor / pipeline ranks)
             mp.all_reduce_(stats)
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
@@ -373,7 +411,16 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._frozen_skip.begin(self, found)  # params frozen since: left as they are
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
-            hyper = self.rule.hyper(self.param_groups[g.group_index])
+            rule = self.rules[g.group_index]
+            hyper = rule.hyper(self.param_groups[g.group_index])
+            if rule.phased:  # a group step over the whole buffer (rules/muon.py)
+                rule.group_step_(
+                    g, [gs.grad_piece(gi, k) for k in range(g.layout.n_buckets)],
+                    self._plans[gi], grad_scale=grad_scale, found_inf=found,
+                    after_piece=lambda k, gi=gi, g=g, hyper=hyper: gathers.append(
+                        self._after_piece(gi, g, k, hyper, grad_scale, found)),
+                    **hyper)
+                continue
             for k in range(g.layout.n_buckets):
                 grad = gs.grad_piece(gi, k)
                 place.update_piece(gi, k, grad, hyper, self.backend)
@@ -388,6 +435,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.scaler.update_(self.step_skipped)
         self._prepared = None  # the stats of a second step() are taken again
         return loss
+
+    def _after_piece(self, gi: int, g, k: int, hyper: dict, grad_scale, found):
+        """Bucket k of buffer gi is written (a phased rule's group step): params frozen since
+        construction get their state back, then the piece is published (stages 1-2)."""
+        self._frozen_skip.after_update_(self, gi, k, self.grad_sync.grad_piece(gi, k), hyper,
+                                        grad_scale, found)
+        return g.publish_piece(self.comm.shard, k)
 
     def close(self) -> None:
         """Release what outlives a step: offload="nvme" removes its state files now (they are

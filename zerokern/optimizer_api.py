@@ -94,6 +94,10 @@ class OptimizerApiMixin:
         return norm.clone()
 
     def _other_norm(self, p: float) -> torch.Tensor:
+        tp = getattr(self, "tp", None)
+        if tp is not None and p != math.inf:  # (tp-replicated elements would count tp times)
+            raise ValueError(f"norm_type={p} is not supported with tensor parallelism (DTensor "
+                             "params); use norm_type=2 or inf")
         gs, mp = self.grad_sync, self.model_parallel
         parts = [t.float() for gi, g in enumerate(self.flat_groups)
                  for k in range(g.layout.n_buckets)
@@ -110,6 +114,8 @@ class OptimizerApiMixin:
             if p != math.inf:
                 self.comm.count_once_(acc)  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(acc, op=op)
+        if tp is not None:  # the max over the tp shards too
+            tp.comm.all_reduce_(acc, op=op)
         if mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
             mp.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale

@@ -127,9 +127,11 @@ def frozen_params(param_groups, params_or_model, dtype: torch.dtype, stage: int)
     return out
 
 def check_groups(param_groups, dtype: torch.dtype, rule) -> List[List[torch.nn.Parameter]]:
+    """rule: one Rule for every group, or a list of one per group."""
     seen, out, device = set(), [], None
     for gi, group in enumerate(param_groups):
-        rule.check_group(group, where=f"param group {gi}")
+        (rule[gi] if isinstance(rule, list) else rule).check_group(group,
+                                                                   where=f"param group {gi}")
         ps = []
         for p in group["params"]:
             if not p.requires_grad or id(p) in seen:
@@ -200,7 +202,8 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
     if not isinstance(defaults, dict):
         raise TypeError(f"defaults must be a dict of the rule's hyperparameters, got "
                         f"{type(defaults).__name__}")
-    rule.check_group(defaults)
+    if rule is not None:  # None: a rule per group, each group checked by its own
+        rule.check_group(defaults)
     check_distributed_env(process_group)
     check_offload_params(offload_params, stage, offload)
     if offload == "nvme":
@@ -246,3 +249,20 @@ def check_offload_params(offload_params, stage, offload, where: str = "offload_p
                          "files are journaled with the optimizer state's files, so a failed "
                          "step changes neither; and params that do not fit in host RAM come "
                          f"with 6x that of optimizer state (got offload={offload!r})")
+
+
+def check_phased(rules, offload, master) -> None:
+    """A phased rule (Muon: zerokern.rules [Note: a rule per param group]) reads and writes its
+    buffers' state as plain fp32 tensors in memory, and several rules need a placement that
+    holds each buffer's own states: refuse the placements that cannot, before any change."""
+    phased = sorted({r.name for r in rules if r.phased})
+    if phased and offload == "nvme":
+        raise ValueError(f"offload='nvme' is not supported with the {phased[0]} rule (its "
+                         "update needs whole matrices, the NVMe placement streams pieces "
+                         "through a host pool): use offload=None or 'cpu'")
+    if phased and master == "compact":
+        raise ValueError(f"master='compact' is not supported with the {phased[0]} rule (its "
+                         "update reads the master as plain fp32): use master='fp32'")
+    if offload == "nvme" and len({id(r) for r in rules}) > 1:
+        raise ValueError("offload='nvme' holds one optimizer rule for every param group; "
+                         f"these groups have {sorted({r.name for r in rules})}")

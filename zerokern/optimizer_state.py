@@ -11,7 +11,8 @@ class StateDictMixin:
     comm, stage, precision, model_watch and grad_sync)."""
 
     def _meta(self) -> Dict[str, Any]:
-        return {"rule": self.rule.name, "stage": self.stage, "precision": self.precision,
+        return {"rule": self.rule.name, "rules": [r.name for r in self.rules],
+                "stage": self.stage, "precision": self.precision,
                 "world_size": self.comm.shard.world_size, "rank": self.comm.shard.rank,
                 "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
                              [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
@@ -43,9 +44,12 @@ class StateDictMixin:
             raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
                              "use zerokern.checkpoint to reshard across layouts")
         meta, mine = state_dict["zero"], self._meta()
-        for key in ("rule", "stage", "precision", "world_size", "rank", "layouts"):
-            # a state dict saved before rules existed is ZeroAdamW's
-            if meta.get(key, "adamw" if key == "rule" else None) != mine[key]:
+        for key in ("rule", "rules", "stage", "precision", "world_size", "rank", "layouts"):
+            # a state dict saved before rules existed is ZeroAdamW's; before a rule per
+            # group, "rule" is every group's
+            default = {"rule": "adamw", "rules": [meta.get("rule", "adamw")] *
+                       len(mine["rules"])}.get(key)
+            if meta.get(key, default) != mine[key]:
                 raise ValueError(f"state_dict {key} {meta.get(key)!r} does not match this "
                                  f"optimizer's {mine[key]!r}")
         states, groups = state_dict["state"], state_dict["param_groups"]

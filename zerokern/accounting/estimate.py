@@ -74,7 +74,7 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
 )
 from zerokern.layout.stages import pattern
 from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
-from zerokern.rules import adamw_rule, rule_by_name
+from zerokern.rules import adamw_rule, combine, rule_by_name
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
 from zerokern.state.placement import placement_class
 
@@ -143,17 +143,20 @@ def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pa
     return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes)
 
 
-def _staging_bytes(spec: ModelSpec, group, reduce_dtype) -> int:
-    """Stage-2 staging buffers after one backward in spec.grad_order, via BucketedGrads."""
+def _staging_bytes(spec: ModelSpec, groups, idx, reduce_dtype) -> int:
+    """Stage-2 staging buffers after one backward in spec.grad_order, via BucketedGrads over
+    the buffers `groups` (buffer gi holds the params idx[gi])."""
     from zerokern.grads.sharded_grads import BucketedGrads
 
-    comm = _InstantComm(group.layout.world_size, group.rank)
-    gs = BucketedGrads([group], comm, reduce_dtype)
+    where = {j: (gi, slot) for gi, ix in enumerate(idx) for slot, j in enumerate(ix)}
+    comm = _InstantComm(groups[0].layout.world_size, groups[0].rank)
+    gs = BucketedGrads(list(groups), comm, reduce_dtype)
     try:
         for i in spec.grad_order:
-            p = group.params[i]
-            p.grad = torch.empty(p.shape, dtype=group.dtype, device="meta")
-            gs.on_grad(0, i, p)
+            gi, slot = where[i]
+            p = groups[gi].params[slot]
+            p.grad = torch.empty(p.shape, dtype=groups[gi].dtype, device="meta")
+            gs.on_grad(gi, slot, p)
         gs.end_backward()
         return sum(t.numel() * t.element_size() for t in gs.held()["buckets"])
     finally:
@@ -181,7 +184,7 @@ class _GradOf:
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype,
-                   node=None):
+                   idx=None, node=None):
     """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
     One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
@@ -195,13 +198,20 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
     stubs = [_Stub() for _ in spec.units]
     units = [Unit(i, u.name, stubs[i], [params[j] for j in u.params], set(u.deps))
              for i, u in enumerate(spec.units)]
-    flats = [ShardedFlat(u.params, dtype, world_size, rank, 0, u.index)
-             for u in units if u.params]  # one param group: one flat per unit with params
+    # one flat per (unit, param group) with params, in build_stage3's order; idx: the param
+    # groups' indices into spec.shapes (None: one group)
+    group_of = {j: gi for gi, ix in enumerate(idx or [range(len(spec.shapes))]) for j in ix}
+    n_groups = len(idx) if idx else 1
+    members = [(u, gi, [j for j in us.params if group_of[j] == gi])
+               for u, us in zip(units, spec.units) for gi in range(n_groups)]
+    members = [(u, gi, js) for u, gi, js in members if js]
+    flats = [ShardedFlat([params[j] for j in js], dtype, world_size, rank, gi, u.index)
+             for u, gi, js in members]
     frozen = [ShardedFlat([nn.Parameter(torch.empty(s, device="meta"), requires_grad=False)
                            for s in us.frozen], dtype, world_size, rank, -1, i, trainable=False)
               for i, us in enumerate(spec.units) if us.frozen]
-    where = {j: (fi, slot) for fi, u in enumerate(u for u in spec.units if u.params)
-             for slot, j in enumerate(u.params)}
+    where = {j: (fi, slot) for fi, (_, _, js) in enumerate(members)
+             for slot, j in enumerate(js)}
     sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank, node), reduce_dtype,
                          stubs[0], frozen)
     try:
@@ -242,6 +252,27 @@ def _check(world_size, stage, precision, bucket_mb, offload, rank, comm) -> None
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
 
 
+def _param_groups(spec: ModelSpec, rule, offload, master):
+    """The optimizer's param groups (indices into spec.shapes) and their rules: one group, or
+    for "muon" ZeroMuon's default split (optimizer_muon.py [Note: which params Muon takes]):
+    the matrices (Muon), then the rest (AdamW)."""
+    from zerokern.rules.adamw import ADAMW
+    from zerokern.rules.muon import MUON
+
+    if rule is not MUON:
+        return [list(range(len(spec.shapes)))], [rule]
+    if not spec.matrices:
+        raise ValueError("optimizer='muon' needs a model (--model): which params take Muon "
+                         "depends on their shapes and modules, which --params does not give")
+    from zerokern.optimizer_args import check_phased
+
+    check_phased([MUON], offload, master)  # as ZeroMuon: no nvme, no compact master
+    mats = [j for j, m in enumerate(spec.matrices) if m]
+    rest = [j for j, m in enumerate(spec.matrices) if not m]
+    pairs = [(ix, r) for ix, r in ((mats, MUON), (rest, ADAMW)) if ix]
+    return [ix for ix, _ in pairs], [r for _, r in pairs]
+
+
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
              comm: str = "nccl", offload_params: Optional[str] = None,
@@ -262,8 +293,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         master: "fp32" or "compact", as ZeroAdamW (bf16, no offload, stages 0-2): the master
             held is 2 bytes per state element (padding 2 bytes too) and a tie bitmap of
             state/8 bytes (zerokern.compact_master).
-        optimizer: "adamw" (ZeroAdamW), "lion" (ZeroLion) or a zerokern.rules.Rule: its state
-            list gives the optimizer categories (K = 12 and 8 bytes/param with the master).
+        optimizer: "adamw" (ZeroAdamW), "lion" (ZeroLion), "muon" (ZeroMuon built from the
+            model: its default split, Muon for the matrices and AdamW for the rest, two param
+            groups; needs a model spec) or a zerokern.rules.Rule: its state list gives the
+            optimizer categories (K = 12, 8, 8 / 12 bytes/param with the master).
         mesh: None, or (R, S): ZeroAdamW(mesh=) a 2-D (replicate, shard) mesh with
             R * S = world_size; [Note: per-rank bytes on a mesh] in accounting/mesh.py.
         hpz: stage 3 with a mesh: ZeroAdamW(hpz=True); adds `hpz_secondary`.
@@ -288,6 +321,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     PO.check_args(offload_params, stage, offload)
     check_master(master, precision, offload, stage)
     rule = rule_by_name(optimizer)
+    idx, rules = _param_groups(spec, rule, offload, master)
+    rule = combine(rules)  # the categories: the union of the groups' states
     dtype = check_precision(precision)
     P = pattern(stage)  # what the stage keeps (stages.py)
     e = dtype.itemsize
@@ -300,25 +335,28 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     live_bound = None
     notes = []
     if not P.shards_params:
-        g = _meta_group(spec, range(len(spec.shapes)), dtype, world_size, rank, P,
-                        bucket_mb * 2**20)
-        L = g.layout
-        layouts = [L]
-        b["params"], b["padding"] = (L.padded_numel - L.padding) * e, L.padding * e
-        if not P.shards_grads:  # FullGrads: a full grad buffer in the model dtype
-            b["grads"] = (L.padded_numel - L.padding) * e
+        groups = [_meta_group(spec, ix, dtype, world_size, rank, P, bucket_mb * 2**20)
+                  for ix in idx]
+        layouts = [g.layout for g in groups]
+        layout_rules = rules
+        for L in layouts:
+            b["params"] += (L.padded_numel - L.padding) * e
             b["padding"] += L.padding * e
-        else:  # BucketedGrads: staging buffers (the grad shard is counted below)
-            b["buckets"] = _staging_bytes(spec, g, dtype)
+            if not P.shards_grads:  # FullGrads: a full grad buffer in the model dtype
+                b["grads"] += (L.padded_numel - L.padding) * e
+                b["padding"] += L.padding * e
+        if P.shards_grads:  # BucketedGrads: staging buffers (the grad shard is counted below)
+            b["buckets"] = _staging_bytes(spec, groups, idx, dtype)
             if spec.order_source != _ONE_PARAM:  # a model: say where its grad order came from
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
     else:
         flats, frozen, b["buckets"], live_bound, secondary = _stage3_replay(
-            spec, dtype, world_size, rank, dtype, node)
+            spec, dtype, world_size, rank, dtype, idx, node)
         if hpz:
             b["hpz_secondary"] = secondary
         layouts = [f.layout for f in flats]
+        layout_rules = [rules[f.group_index] for f in flats]
         for f in frozen:  # frozen shards: this rank's piece, cast to the precision
             spad = P.state_padding(f.layout, rank)
             b["frozen"] += (f.layout.shard_numel - spad) * e
@@ -335,7 +373,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         notes.append("live units (bound): full units gathered at once in a step (root and "
                      "its ties + the two largest other units); 0 between steps, so not in the "
                      "device total")
-    for L in layouts:
+    for L, lrule in zip(layouts, layout_rules):
         # Sharded per-rank state (stages 1-3; the whole buffer at stage 0): this rank's pieces.
         state = P.state_numel(L)
         spad = P.state_padding(L, rank)
@@ -346,7 +384,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             b["grads"] += (state - spad) * r
             b["padding"] += spad * r
         # the optimizer state: what the placement says it holds for this layout
-        _add(b, host, disk, place.layout_bytes(rule, state, spad, dtype, rdt, master))
+        _add(b, host, disk, place.layout_bytes(lrule, state, spad, dtype, rdt, master))
     if offload_params:  # after a step the device holds no param shard (param_offload.py)
         PO.estimate_(b, host, disk, flats, frozen, rank, offload_params)
         notes.append(PO.NOTES[offload_params])
@@ -366,8 +404,11 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     if not exact:
         notes.append("stage 2-3 staging buffers: the grad order was guessed (the model did "
                      "not run on meta), so `buckets` may differ from a run")
+    shares: Dict[Any, int] = {}
+    for ix, r in zip(idx, rules):
+        shares[r] = shares.get(r, 0) + sum(_numel(spec.shapes[j]) for j in ix)
     formula = estimate_memory(spec.num_params, world_size, stage, precision, offload=offload,
-                              master=master, optimizer=rule)
+                              master=master, optimizer=shares)
     if master == "compact":
         notes.append("master='compact': the fp32 master held as its low 16 bits under the bf16 "
                      "params plus a tie bit per element (2.125 bytes, "

@@ -33,7 +33,10 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         reduce_bytes: bytes per gradient element communicated and held; default the
             precision's element size.
         master: "fp32" or "compact" (bf16: the master in 2.125 bytes per element).
-        optimizer: "adamw", "lion" or a zerokern.rules.Rule: which states there are.
+        optimizer: "adamw", "lion" or a zerokern.rules.Rule: which states there are; or a
+            dict {rule or name: number of params} summing to num_params, for a rule per
+            param group (ZeroMuon: `{"muon": matrices, "adamw": the rest}`; K = 8 bytes per
+            Muon param, 12 per AdamW one).
 
     Raises:
         ValueError: an argument out of range, naming it.
@@ -51,9 +54,9 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         raise ValueError(f"num_params must be a positive int, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    from zerokern.rules import rule_by_name
-
-    rule = rule_by_name(optimizer)
+    # {rule: its params}: a rule per param group (ZeroMuon), each state counted over the
+    # params of the rules that have it
+    shares = _shares(optimizer, num_params)
     P = pattern(stage)
     e = elem_size(precision)
     if offload not in OFFLOADS:  # (the formula also answers "what would stage 0 offload")
@@ -63,6 +66,11 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
     psi, n = num_params, world_size
     g = reduce_bytes or e
     state = psi if P.replicated_state else psi / n
+    per_state: Dict[str, float] = {}
+    for rule, share in shares.items():
+        for st in rule.states:
+            per_state[st.name] = per_state.get(st.name, 0) + st.bytes_per_elem * (
+                share if P.replicated_state else share / n)
     out = {
         "params": e * (psi / n if P.shards_params else psi),
         "grads": g * psi / n if P.shards_grads else g * psi,
@@ -70,13 +78,32 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         # are only the working copy); without offload fp32 params are the master
         "master": 0 if precision == "fp32" and not offload
         else (2 + 1 / 8) * state if master == "compact" else 4 * state,
-        **{s.name: s.bytes_per_elem * state for s in rule.states},
+        **per_state,
     }
-    out["optimizer"] = out["master"] + sum(out[s.name] for s in rule.states)
+    out["optimizer"] = out["master"] + sum(out[k] for k in per_state)
     out = {k: int(round(v)) for k, v in out.items()}
     out["total"] = out["params"] + out["grads"] + (0 if offload else out["optimizer"])
     out["host"] = out["optimizer"] if offload == "cpu" else 0
     out["disk"] = 2 * out["optimizer"] if offload == "nvme" else 0
+    return out
+
+
+def _shares(optimizer, num_params: int) -> dict:
+    """{rule: Ψ_rule}: `optimizer` a name or Rule (all Ψ), or a dict {name or Rule: params}
+    summing to Ψ (a rule per param group)."""
+    from zerokern.rules import rule_by_name
+
+    if not isinstance(optimizer, dict):
+        return {rule_by_name(optimizer): num_params}
+    out: Dict[object, int] = {}
+    for k, v in optimizer.items():
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"optimizer: params per rule must be ints >= 0, got {v!r}")
+        r = rule_by_name(k)
+        out[r] = out.get(r, 0) + v
+    if sum(out.values()) != num_params:
+        raise ValueError(f"optimizer: the params per rule sum to {sum(out.values())}, not "
+                         f"num_params={num_params}")
     return out
 
 

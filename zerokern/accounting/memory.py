@@ -43,6 +43,18 @@ def _buffers(opt):
         yield "hpz_secondary", t, 0
 
 
+def _rule_shares(opt):
+    """The optimizer's rule, or {rule: its params} with a rule per param group."""
+    rules = getattr(opt, "rules", None)
+    if rules is None or all(r is opt.rule for r in rules):
+        return opt.rule
+    out: Dict[Any, int] = {}
+    for g in opt.flat_groups:
+        r = rules[g.group_index]
+        out[r] = out.get(r, 0) + g.layout.numel
+    return out
+
+
 def memory_report(opt) -> Dict[str, Any]:
     """Measured bytes per category for a zerokern optimizer, the formula, and the allowed slack.
 
@@ -80,7 +92,8 @@ def memory_report(opt) -> Dict[str, Any]:
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.shard.world_size, opt.stage, opt.precision,
                               offload=opt.offload, reduce_bytes=reduce_bytes,
-                              master=getattr(opt, "master", "fp32"), optimizer=opt.rule)
+                              master=getattr(opt, "master", "fp32"),
+                              optimizer=_rule_shares(opt))
     # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
     # 16-bit shard, Φ·e/N for Φ frozen elements.
     frozen_numel = sum(f.layout.numel for f in frozen)

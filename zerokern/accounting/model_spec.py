@@ -60,6 +60,9 @@ class ModelSpec:
     fwd_units: Tuple[int, ...] = ()
     order_known: bool = True
     unit_policy: str = "default"
+    # per shape: ZeroMuon's default gives it Muon (>= 2-D, not an embedding weight); () for
+    # --params (one 1-D buffer)
+    matrices: Tuple[bool, ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -179,8 +182,12 @@ def spec_from_model(model: nn.Module, name: str = "model", units=None) -> ModelS
     unit_specs, unit_objs = stage3_units(model, params, units)
     order, fwd, source, known = record_order(model, params, unit_objs)
     policy = "default" if units is None else getattr(units, "__name__", repr(units))
+    from zerokern.rules.muon import embedding_weight_ids, takes_muon
+
+    embeds = embedding_weight_ids(model)
     return ModelSpec(name, tuple(tuple(p.shape) for p in params), order, source, unit_specs,
-                     fwd, known, policy)
+                     fwd, known, policy,
+                     tuple(takes_muon(tuple(p.shape), id(p) in embeds) for p in params))
 
 
 # ---------------------------------------------------------------------------- model loading

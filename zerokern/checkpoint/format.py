@@ -19,6 +19,16 @@ so the total is one copy of the state at any stage (at stage 0 rank r writes the
 r-th piece of every bucket). A loader at any world size and stage maps its own element ranges
 onto segments and reads just those bytes: no conversion step.
 
+[Note: sparse sections]
+With a rule per param group (ZeroMuon: Muon's `momentum_buffer`, AdamW's `exp_avg` and
+`exp_avg_sq`) the sections are the union of the rules' states (`sections(MixedRules)`), and a
+segment is written only into the sections of its param group's rule: no zeros for the states
+a param does not have. Such a section's segments then start elsewhere than `elem_off`: the rank
+file lists them in `section_offsets[name]` (one per segment, -1 where the segment has none).
+The metadata names each param group's rule (`group_rules`); a load checks them group by group,
+so one rule's state is never read into another's group. Sections of one-rule checkpoints are
+dense, as before (no `section_offsets`).
+
 Checksums: crc32 per BLOCK_BYTES block of every data file (zlib.crc32, 3.7 GB/s measured on
 this 2-core host, vs 0.8 GB/s blake2b), so a reader verifies exactly the blocks it touches
 (at most one block of slack at each end of a range) without reading whole files. The list of

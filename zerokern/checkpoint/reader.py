@@ -52,6 +52,7 @@ from .format import (
     read_meta,
     read_span,
 )
+from .tp_dirs import load_dir
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 from .writer import check_path
 
@@ -74,6 +75,7 @@ class SavedIndex:
                 segs[j].append((lo, hi, fname, off))
         self.segments = {j: sorted(s) for j, s in segs.items()}
         self._starts = {j: [s[0] for s in v] for j, v in self.segments.items()}
+        self._seg_starts: Dict[str, List[int]] = {}  # per file: its segments' elem_off
 
     def sources(self, j: int, lo: int, hi: int) -> List[Tuple[str, int, int, int]]:
         """(file, saved elem offset, dest offset from lo, count) covering [lo, hi) of param j."""
@@ -95,7 +97,22 @@ class SavedIndex:
         return out
 
     def byte_range(self, fname: str, section: str, elem_off: int, n: int) -> Tuple[int, int]:
-        lo = self.meta["files"][fname]["sections"][section] + elem_off * _F32
+        """Bytes of elements [elem_off, elem_off + n) (a segment's coordinates) of `section`
+        (format.py [Note: sparse sections]: mapped through `section_offsets` where given)."""
+        info = self.meta["files"][fname]
+        sparse = info.get("section_offsets", {}).get(section)
+        if sparse is not None:
+            segs = info["segments"]
+            starts = self._seg_starts.get(fname)
+            if starts is None:
+                starts = self._seg_starts[fname] = [x[3] for x in segs]
+            s = bisect.bisect_right(starts, elem_off) - 1
+            if s < 0 or sparse[s] < 0:
+                name = self.params[segs[max(s, 0)][0]]["name"]
+                raise CheckpointError(f"{META}: {fname} holds no {section!r} for elements at "
+                                      f"{elem_off} (param {name!r})")
+            elem_off = sparse[s] + elem_off - segs[s][3]
+        lo = info["sections"][section] + elem_off * _F32
         return lo, lo + n * _F32
 
 
@@ -124,7 +141,9 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
         path: checkpoint directory written by `zerokern.checkpoint.save`, the same on every
             rank.
         model: the nn.Module `opt` was built on (same names and shapes as the saved one).
-        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload.
+        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload. A
+            tensor-parallel checkpoint loads at any dp size with the tp size and placements
+            it was saved with.
 
     Returns:
         {"path", "world_size", "stage", "precision", "step"} of the checkpoint read.
@@ -142,6 +161,7 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
 def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
+    path = load_dir(path, view, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
     extras = model_extras(model, view)
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     err, plan = None, None
@@ -221,6 +241,15 @@ class _Plan:
         fn = os.path.join(self.dir, META)
         saved = self.meta.get("rule", LEGACY_RULE)
         secs = tuple(self.meta.get("sections", legacy_sections()))
+        groups, mine = self.meta.get("group_rules"), list(self.view.group_rules)
+        # (another number of groups is a ModelMismatchError, _match_params)
+        if groups is not None and len(groups) == len(mine) and list(groups) != mine:
+            gi = next(i for i, (a, b) in enumerate(zip(groups, mine)) if a != b)
+            raise CheckpointError(
+                f"{fn}: param group {gi} holds the state of rule {groups[gi]!r} in the "
+                f"checkpoint; here it is optimized by rule {mine[gi]!r} (saved {list(groups)}, "
+                f"here {mine}): load it into an optimizer with the same rule per group, or "
+                "load the model weights alone with zerokern.checkpoint.consolidate")
         if saved != self.view.rule or secs != tuple(self.view.sections):
             raise CheckpointError(
                 f"{fn}: the checkpoint holds the optimizer state of rule {saved!r} (sections "

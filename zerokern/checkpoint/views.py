@@ -52,7 +52,9 @@ class StatePiece:
     lo: int
     hi: int
     master: torch.Tensor  # fp32; at precision fp32 a view of the param buffer itself
-    states: Dict[str, torch.Tensor]  # the rule's states by name, fp32, in the rule's order
+    # its buffer's rule's states by name, fp32, in the rule's order (with a rule per param
+    # group, a subset of the file's sections: format.py [Note: sparse sections])
+    states: Dict[str, torch.Tensor]
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Section name -> view, in file order (format.sections)."""
@@ -107,6 +109,7 @@ class OptimizerView:
     scaler: Any  # zerokern.loss_scale.LossScaler
     rule: str  # the optimizer rule's name (zerokern.rules), e.g. "adamw"
     sections: Tuple[str, ...]  # the rank file's sections, in order (format.sections)
+    group_rules: Tuple[str, ...] = ()  # each param group's rule name (a rule per group)
     layout: List[Dict[str, Any]] = field(default_factory=list)  # informational, for metadata
 
 
@@ -142,7 +145,9 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
         writes=opt.comm.replicate is None or opt.comm.replicate.rank == 0,
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
         param_groups=opt.param_groups, scaler=opt.scaler, rule=opt.rule.name,
-        sections=sections(opt.rule))
+        sections=sections(opt.rule),
+        group_rules=tuple(r.name for r in getattr(opt, "rules", [opt.rule] * len(
+            opt.param_groups))))
     for g in opt.flat_groups:
         g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
         _buffer_view(view, keys, g)

@@ -55,6 +55,7 @@ from .format import (
     rank_file,
     write_meta,
 )
+from .tp_dirs import save_dir
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 
 # Test hooks (tests/zero/test_checkpoint.py): pause at a point of the save, so a test can kill
@@ -87,7 +88,9 @@ def save(path, model: nn.Module, opt) -> str:
     Args:
         path: checkpoint directory, the same on every rank (a shared filesystem across
             nodes). An existing checkpoint there is replaced atomically; an existing path
-            that is not a zerokern checkpoint is refused.
+            that is not a zerokern checkpoint is refused. A tensor-parallel model (DTensor
+            params) writes `path/tp.json` and one checkpoint per tp rank under it
+            (checkpoint/tp_dirs.py); each tp rank's part is committed atomically.
         model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
         opt: the zerokern.ZeroAdamW.
 
@@ -106,9 +109,10 @@ def _save(path, model: nn.Module, opt) -> str:
     skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
     if skip is not None:
         skip.check_savable("zerokern.checkpoint.save")
-    path = check_path(path)
+    top = path = check_path(path)
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)
+    path = save_dir(top, view, extras, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     lead = view.world_rank == 0  # creates the directory, writes extras and metadata, commits
 
@@ -152,7 +156,7 @@ def _save(path, model: nn.Module, opt) -> str:
                 err = e
             shutil.rmtree(tmp, ignore_errors=True)
     coll.agree(err)
-    return path
+    return top
 
 
 def _preflight(path: str) -> None:
@@ -173,11 +177,18 @@ def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
     for p in view.owned:
         segments.append([p.param, p.lo, p.hi, elem])
         elem += p.hi - p.lo
-    sections = {}
+    sections, sparse = {}, {}
     for key in view.sections:
         sections[key] = f.nbytes
-        for p in view.owned:
-            f.write(p.tensors()[key])
+        at, offs = 0, []
+        for p in view.owned:  # a piece whose rule has no such state: not written
+            t = p.tensors().get(key)
+            offs.append(-1 if t is None else at)
+            if t is not None:
+                f.write(t)
+                at += p.hi - p.lo
+        if any(o != seg[3] for o, seg in zip(offs, segments)):
+            sparse[key] = offs  # format.py [Note: sparse sections]
     out = f.close()
     # Step counts, read on the host once per counter (a checkpoint may sync; a step may not).
     steps: Dict[int, int] = {}
@@ -187,7 +198,11 @@ def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
             if steps.setdefault(i, v) != v:
                 raise CheckpointError(f"param {view.params[i].name!r} is governed by step "
                                       f"counters holding {steps[i]} and {v}")
-    return {"rank": view.rank, "segments": segments, "sections": sections, "steps": steps, **out}
+    info = {"rank": view.rank, "segments": segments, "sections": sections, "steps": steps,
+            **out}
+    if sparse:
+        info["section_offsets"] = sparse
+    return info
 
 
 def _write_extras(tmp: str, extras) -> Dict[str, Any]:
@@ -216,7 +231,8 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
               for i, p in enumerate(view.params)]
     _check_cover(view, infos)
     files = {rank_file(x["rank"]): {k: x[k] for k in ("rank", "bytes", "blocks", "segments",
-                                                      "sections")} for x in infos}
+                                                      "sections", "section_offsets")
+                                    if k in x} for x in infos}
     files[EXTRA] = {"bytes": extra["bytes"], "blocks": extra["blocks"]}
     groups = [{k: encode_value(v, f"param_groups[{gi}][{k!r}]") for k, v in g.items()
                if k != "params"} for gi, g in enumerate(view.param_groups)]
@@ -229,6 +245,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "world_size": view.world_size, "stage": view.stage, "precision": view.precision,
         "param_dtype": dtype_name(view.dtype), "state_dtype": "float32",
         "rule": view.rule, "sections": list(view.sections),
+        "group_rules": list(view.group_rules),
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
         "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),

@@ -1,5 +1,6 @@
-"""Building ZeroAdamW for a model from what a DeepSpeed/Accelerate script hands over:
-`model_parameters` (params or group dicts) or an already built torch Adam/AdamW."""
+"""Building the zerokern optimizer for a model from what a DeepSpeed/Accelerate script hands
+over: `model_parameters` (params or group dicts) or an already built torch Adam/AdamW (->
+ZeroAdamW) or lion-pytorch Lion (-> ZeroLion)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..optimizer import ZeroAdamW
+from ..optimizer import ZeroAdamW, ZeroOptimizer
+from ..optimizer_lion import ZeroLion
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw", "initial_lr")
 
@@ -42,17 +44,63 @@ def groups_for_model(model: torch.nn.Module, model_parameters, defaults: Dict[st
     return groups
 
 
+_BNB_LION = ("Lion", "Lion32bit", "PagedLion", "PagedLion32bit", "Lion8bit", "PagedLion8bit")
+
+
+def _is_lion(optimizer) -> bool:
+    """lion-pytorch's Lion, or bitsandbytes' Lion with 32-bit state (what Trainer builds for
+    optim="lion_32bit"): the same update as ZeroLion's. bitsandbytes' 8-bit Lion is a
+    ValueError: its quantized momentum is not ZeroLion's fp32 one."""
+    name, lib = type(optimizer).__name__, type(optimizer).__module__.split(".")[0]
+    if lib == "lion_pytorch" and name == "Lion":
+        return True
+    if lib == "bitsandbytes" and name in _BNB_LION:
+        bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+        if bits != 32:
+            raise ValueError(f"optimizer {name} keeps 8-bit Lion state; ZeroLion keeps fp32 "
+                             "state only: use 32-bit Lion (optim='lion_32bit')")
+        return True
+    return False
+
+
+def _lion_from(optimizer, model, zero_kwargs) -> ZeroLion:
+    """Lion (`_is_lion`) -> ZeroLion with its groups (lr, betas, weight_decay)."""
+    groups = []
+    for gi, g in enumerate(optimizer.param_groups):
+        if g.get("decoupled_weight_decay") or g.get("cautious_factor", 0.0):
+            raise ValueError(f"optimizer param group {gi}: lion-pytorch's "
+                             "decoupled_weight_decay / cautious_factor are not implemented by "
+                             "ZeroLion")
+        out = {"params": list(g["params"]), "lr": g["lr"], "betas": tuple(g["betas"]),
+               "weight_decay": g["weight_decay"]}
+        if "initial_lr" in g:
+            out["initial_lr"] = g["initial_lr"]
+        if out["params"] and any(p.requires_grad for p in out["params"]):
+            groups.append(out)
+    d = optimizer.defaults
+    return ZeroLion(model, lr=float(d["lr"]), betas=tuple(d["betas"]),
+                    weight_decay=d["weight_decay"],
+                    param_groups=groups_for_model(model, groups, {}) or None, **zero_kwargs)
+
+
 def zero_from_torch(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                    **zero_kwargs) -> ZeroAdamW:
-    """A ZeroAdamW with `optimizer`'s param groups and hyperparameters (torch Adam/AdamW,
-    fresh: no step taken). zero_kwargs: stage, precision, loss_scale, ... of ZeroAdamW."""
-    if isinstance(optimizer, ZeroAdamW):
+                    **zero_kwargs) -> ZeroOptimizer:
+    """The zerokern optimizer with `optimizer`'s param groups and hyperparameters, fresh (no
+    step taken): torch Adam/AdamW -> ZeroAdamW, Lion (lion-pytorch, bitsandbytes 32-bit) ->
+    ZeroLion; a zerokern
+    optimizer is returned as it is. zero_kwargs: stage, precision, loss_scale, ... of the
+    engine. Any other optimizer is a TypeError naming its class."""
+    if isinstance(optimizer, ZeroOptimizer):
         return optimizer
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(f"zerokern replaces torch.optim.Adam/AdamW with ZeroAdamW; got "
+    lion = _is_lion(optimizer)
+    if not lion and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f"zerokern replaces torch.optim.Adam/AdamW (ZeroAdamW) and Lion "
+                        f"(lion_pytorch or bitsandbytes, 32-bit: ZeroLion); got "
                         f"{type(optimizer).__name__}")
     if any(optimizer.state.values()):
         raise ValueError("optimizer has already taken steps; hand it over before training")
+    if lion:
+        return _lion_from(optimizer, model, zero_kwargs)
     adamw = isinstance(optimizer, torch.optim.AdamW) or \
         bool(optimizer.defaults.get("decoupled_weight_decay", False))
     groups: List[Dict[str, Any]] = []

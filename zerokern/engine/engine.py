@@ -27,10 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..optimizer import ZeroAdamW
+from ..optimizer import ZeroAdamW, ZeroOptimizer
 from ..optimizer_args import PRECISIONS
+from ..optimizer_lion import ZeroLion
+from ..optimizer_muon import ZeroMuon
 from .checkpointing import CheckpointMixin
-from .config import EngineConfig, optimizer_settings, parse_config
+from .config import EngineConfig, optimizer_kind, optimizer_settings, parse_config
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
 from .parallel import MpuGroups, hpz_mesh, mpu_groups
 from .schedulers import build_scheduler
@@ -114,13 +116,14 @@ class ZeroEngine(CheckpointMixin, nn.Module):
 
     Args:
         model: the nn.Module (kept as `engine.module`).
-        optimizer: its ZeroAdamW, or None for a forward-only engine.
+        optimizer: its zerokern optimizer (ZeroAdamW, ZeroLion, ...), or None for a
+            forward-only engine.
         cfg: the parsed config (`parse_config`).
         lr_scheduler: the scheduler stepped at each accumulation boundary, or None.
         training_dataloader: the loader `initialize` built, or None.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optional[ZeroAdamW], cfg: EngineConfig,
+    def __init__(self, model: nn.Module, optimizer: Optional[ZeroOptimizer], cfg: EngineConfig,
                  lr_scheduler=None, training_dataloader=None) -> None:
         super().__init__()
         self.module = model
@@ -283,7 +286,7 @@ def _parallel_kw(cfg: EngineConfig, mpu: Optional[MpuGroups], model) -> Dict[str
 
 
 def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
-                     mpu: Optional[MpuGroups] = None) -> ZeroAdamW:
+                     mpu: Optional[MpuGroups] = None) -> ZeroOptimizer:
     # free_grads: the grads (and staging) are freed at the engine's zero_grad after each step,
     # as DeepSpeed's engine does: held memory between steps is params + optimizer state only
     # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept).
@@ -297,7 +300,10 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
     # 2 ranks, bf16 (benchmarks/results/engine-20m-n2-compact{,-run2}.md): held 156 MiB per
     # rank vs DeepSpeed's 177 (0.88x) at stages 1 and 2 (2Ψ + 12Ψ/N = 177 with an fp32 master);
     # the step costs about 5-20 ms more (compact_master.py [Note: chunk size and cost]).
-    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2:
+    # ZeroMuon keeps a plain fp32 master (its update reads it whole): not for a Muon config.
+    muon = cfg.optimizer is not None and optimizer is None and \
+        optimizer_kind(cfg.optimizer) == "muon"
+    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2 and not muon:
         zero_kw["master"] = "compact"
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
@@ -311,7 +317,7 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             params = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(params)
-        if isinstance(optimizer, ZeroAdamW):
+        if isinstance(optimizer, ZeroOptimizer):  # ZeroAdamW, ZeroLion, a custom rule's
             _check_given(optimizer, mpu, cfg)
             return optimizer
         return zero_from_torch(optimizer, model, **zero_kw)
@@ -319,10 +325,12 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
         return None  # [Note: forward-only engine]
     hyper = optimizer_settings(cfg.optimizer)
     groups = groups_for_model(model, model_parameters, hyper)
-    return ZeroAdamW(model, **hyper, **zero_kw, param_groups=groups)
+    cls = {"adamw": ZeroAdamW, "lion": ZeroLion,
+           "muon": ZeroMuon}[optimizer_kind(cfg.optimizer)]
+    return cls(model, **hyper, **zero_kw, param_groups=groups)
 
 
-def _check_given(opt: ZeroAdamW, mpu: Optional[MpuGroups], cfg: EngineConfig) -> None:
+def _check_given(opt: ZeroOptimizer, mpu: Optional[MpuGroups], cfg: EngineConfig) -> None:
     """A ZeroAdamW built by the caller must shard over the groups the engine would use."""
     want = None if mpu is None else sorted(dist.get_process_group_ranks(mpu.dp_group))
     g = opt.comm.world.group
@@ -337,9 +345,13 @@ def _check_given(opt: ZeroAdamW, mpu: Optional[MpuGroups], cfg: EngineConfig) ->
                          "zero_optimization.zero_hpz_partition_size: pass one or the other")
 
 
-def _attach_mpu(opt: ZeroAdamW, mpu: MpuGroups) -> None:
+def _attach_mpu(opt: ZeroOptimizer, mpu: MpuGroups) -> None:
     """[Note: model-parallel grad stats] (grads/model_parallel.py) on the engine's optimizer."""
     from ..grads.model_parallel import ModelParallelStats
+
+    if getattr(opt, "tp", None) is not None:
+        raise ValueError("initialize: mpu= with DTensor (tensor-parallel) params: the DTensor "
+                         "placements already say what is split; pass one or the other")
 
     opt.model_parallel = ModelParallelStats(mpu.mp_group, mpu.tp_rank == 0, opt.flat_groups)
 

@@ -45,6 +45,7 @@ from typing import List, Optional
 import torch
 
 from zerokern.grads.grad_sync import GradSync, Schedule
+from zerokern.layout.dtensor_params import like_param
 from zerokern.state import huge_pages
 
 
@@ -106,7 +107,9 @@ class FullGrads(GradSync):
         self.grads = bufs if bufs is not None else [huge_pages.zeros_like(g.flat) for g in groups]
         if bufs is None:  # fresh zero pages: copying a grad in beats adding into them
             self._mark_stale(groups)
-        self._views = [[buf[s.offset:s.offset + s.numel].view(s.shape) for s in g.layout.slots]
+        # a DTensor param's p.grad is a DTensor over its view (dtensor_params.py)
+        self._views = [[like_param(p, buf[s.offset:s.offset + s.numel].view(s.shape))
+                        for p, s in zip(g.params, g.layout.slots)]
                        for g, buf in zip(groups, self.grads)]
 
     def _mark_stale(self, groups=None) -> None:

@@ -44,6 +44,7 @@ from torch.autograd import Variable
 from zerokern.comm import Comm
 from zerokern.grads.released_grad import ReleasedGrad
 from zerokern.grads.weak_hook import weak_hook
+from zerokern.layout.dtensor_params import is_dtensor, like_param, local
 from zerokern.layout.flat_group import FlatGroup
 
 # At most this many stage-2 reduce-scatters in flight before the oldest is waited for: two
@@ -134,6 +135,14 @@ class GradSync:
             raise TypeError(f"zerokern: param {i} of param group {gi} got a {p.grad.layout} "
                             "gradient; sparse gradients are not supported (use dense "
                             "embeddings, e.g. nn.Embedding(sparse=False))")
+        if is_dtensor(p) and p.grad is not None and (
+                not is_dtensor(p.grad) or tuple(p.grad.placements) != tuple(p.placements)):
+            # [Note: a DTensor param is its local tensor]: a Partial() grad is summed over tp
+            # here, so the local tensor every stage reads is this rank's part of the gradient
+            if not is_dtensor(p.grad):
+                raise TypeError(f"zerokern: param {i} of param group {gi} is a DTensor but got "
+                                "a plain-tensor gradient")
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         self._begin_backward()
         self._got[gi][i] = True
         self.on_grad(gi, i, p)
@@ -248,7 +257,8 @@ class GradSync:
         everywhere); the next backward allocates them again."""
 
     def released(self, gi: int, i: int) -> ReleasedGrad:
-        return ReleasedGrad(self.groups[gi].params[i], self.stage)
+        p = self.groups[gi].params[i]  # a DTensor param shows a DTensor of released grads
+        return like_param(p, ReleasedGrad(local(p), self.stage))
 
     # ---- stage behaviour ----------------------------------------------------------------------
     def begin_backward(self) -> None: ...

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
+from zerokern.layout.dtensor_params import local as local_of
 from zerokern.state import huge_pages
 
 
@@ -137,7 +138,7 @@ class BucketedGrads(ShardedGrads):
     def on_grad(self, gi, i, p) -> None:
         g = self.groups[gi]
         s = g.layout.slots[i]
-        flat_grad = p.grad.reshape(-1)
+        flat_grad = local_of(p.grad).reshape(-1)  # a DTensor grad: its local part
         p.grad = None
         if not self.sync:  # no_sync(): local accumulation, no communication
             if self._local is None:

@@ -1,6 +1,7 @@
 """Accelerate with ZeroAdamW: `ZeroAccelerator` is an `accelerate.Accelerator` (a one-line
-change) whose `prepare` swaps the torch Adam/AdamW for a ZeroAdamW with the same param groups
-and hyperparameters, and that does not wrap the model in DDP (ZeroAdamW reduces the grads).
+change) whose `prepare` swaps the torch Adam/AdamW for a ZeroAdamW (lion-pytorch's Lion for a
+ZeroLion) with the same param groups and hyperparameters, and that does not wrap the model in
+DDP (ZeroAdamW reduces the grads).
 
     accelerator = ZeroAccelerator(zero_stage=2, mixed_precision="bf16",   # was: Accelerator(...)
                                   gradient_accumulation_steps=4)
@@ -40,7 +41,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from .. import checkpoint as zk_checkpoint
 from ..engine.convert import rebind_scheduler, zero_from_torch
-from ..optimizer import ZeroAdamW
+from ..optimizer import ZeroOptimizer
 
 _ZERO_DIR = "zerokern"  # the zerokern checkpoint inside an accelerate state folder
 _PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", None: "fp32"}
@@ -74,7 +75,7 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("ZeroAccelerator replaces DeepSpeed/FSDP; do not enable them too")
         self.zero_stage = zero_stage
         self.zero_options = dict(zero_options or {})
-        self.zero_optimizer: Optional[ZeroAdamW] = None
+        self.zero_optimizer: Optional[ZeroOptimizer] = None
         self._zero_model: Optional[torch.nn.Module] = None
         self.scaler = None  # fp16 loss scaling is ZeroAdamW's, on the device
 
@@ -97,8 +98,8 @@ class ZeroAccelerator(Accelerator):
         return accelerator
 
     # ---- prepare ----------------------------------------------------------------------------
-    def _to_zero(self, optimizer: torch.optim.Optimizer) -> ZeroAdamW:
-        if isinstance(optimizer, ZeroAdamW):
+    def _to_zero(self, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
+        if isinstance(optimizer, ZeroOptimizer):
             return optimizer
         if self._zero_model is None:
             raise ValueError("ZeroAccelerator.prepare needs the model (in the same prepare() "

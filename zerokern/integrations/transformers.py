@@ -19,7 +19,9 @@ How it hooks in (public Trainer extension points only):
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: a zerokern checkpoint
   (`<checkpoint>/zerokern/`) instead of one rank's `optimizer.pt`, so
   `resume_from_checkpoint` works at any world size and stage.
-Only optim="adamw_torch"/"adamw_torch_fused" (Trainer's default) can be replaced.
+TrainingArguments.optim: the names in OPTIM_NAMES are replaced (AdamW -> ZeroAdamW, 32-bit
+Lion -> ZeroLion, with Trainer's own hyperparameters and groups); any other name is a
+ValueError naming it at construction, before anything is built.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from transformers import Trainer
 from .. import checkpoint as zk_checkpoint
 from .accelerate import ZeroAccelerator
 
+# Trainer builds these (torch AdamW; bitsandbytes' 32-bit Lion) and ZeroAccelerator.prepare
+# converts them (zerokern.engine.convert.zero_from_torch).
+OPTIM_NAMES = ("adamw_torch", "adamw_torch_fused", "lion_32bit", "paged_lion_32bit")
 _ZERO_DIR = "zerokern"
 _SCHEDULER = "scheduler.pt"
 
@@ -60,9 +65,9 @@ class ZeroTrainer(Trainer):
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("ZeroTrainer replaces DeepSpeed/FSDP: remove --deepspeed/--fsdp")
         optim = str(getattr(self.args.optim, "value", self.args.optim))
-        if self.optimizer is None and optim not in ("adamw_torch", "adamw_torch_fused"):
-            raise ValueError(f"ZeroTrainer replaces AdamW; TrainingArguments.optim={optim!r} "
-                             "is not AdamW (use adamw_torch)")
+        if self.optimizer is None and optim not in OPTIM_NAMES:
+            raise ValueError(f"ZeroTrainer: TrainingArguments.optim={optim!r} has no zerokern "
+                             f"optimizer; use one of {sorted(OPTIM_NAMES)}")
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's hook: its Accelerator becomes a ZeroAccelerator."""

@@ -14,6 +14,7 @@ from typing import List
 
 import torch
 
+from zerokern.layout.dtensor_params import local, local_shape, set_local_
 from zerokern.layout.param_alias import own_storage_view
 from zerokern.layout.partition import bucket_numel_for, make_layout
 from zerokern.layout.shard_buffer import ShardBuffer
@@ -25,7 +26,8 @@ class FlatGroup(ShardBuffer):
     def layout_of(params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
                   bucket_bytes: float):
         """The buffer's layout (also asked before it exists: the NVMe free-space check)."""
-        return make_layout([tuple(p.shape) for p in params], world_size,
+        # DTensor params: their local shards ([Note: a DTensor param is its local tensor])
+        return make_layout([local_shape(p) for p in params], world_size,
                            bucket_numel_for(bucket_bytes,
                                             torch.empty((), dtype=dtype).element_size(),
                                             world_size))
@@ -45,9 +47,9 @@ class FlatGroup(ShardBuffer):
         L = self.layout
         self.flat = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
         for p, s in zip(params, L.slots):
-            self.flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
+            self.flat[s.offset:s.offset + s.numel].copy_(local(p).detach().reshape(-1))
         for p, s in zip(params, L.slots):  # [Note: one storage per param] in layout/param_alias.py
-            p.data = own_storage_view(self.flat, s.offset, s.numel, s.shape)
+            set_local_(p, own_storage_view(self.flat, s.offset, s.numel, s.shape))
 
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
         return self.flat[lo:hi]
@@ -83,9 +85,9 @@ class FlatGroup(ShardBuffer):
         """Take each param's current values into the flat buffer and view it again."""
         base, es = self.flat.data_ptr(), self.flat.element_size()
         for p, s in zip(self.params, self.layout.slots):
-            if p.data_ptr() != base + s.offset * es or p.device != self.device:
-                self.flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
-                p.data = own_storage_view(self.flat, s.offset, s.numel, s.shape)
+            if local(p).data_ptr() != base + s.offset * es or p.device != self.device:
+                self.flat[s.offset:s.offset + s.numel].copy_(local(p).detach().reshape(-1))
+                set_local_(p, own_storage_view(self.flat, s.offset, s.numel, s.shape))
 
 
 __all__ = ["FlatGroup"]

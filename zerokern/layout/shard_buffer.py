@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from zerokern.layout.dtensor_params import local
 from zerokern.layout.partition import FlatLayout
 from zerokern.layout.stages import StagePattern
 
@@ -82,7 +83,8 @@ class ShardBuffer:
         """Copy the params' values of flat range [lo, hi) into out (padding left as it is)."""
         for i, a, b in self.layout.overlaps(lo, hi):
             s = self.layout.slots[i]
-            out[a - lo:b - lo].copy_(self.params[i].detach().reshape(-1)[a - s.offset:b - s.offset])
+            src = local(self.params[i]).detach().reshape(-1)  # a DTensor's local shard
+            out[a - lo:b - lo].copy_(src[a - s.offset:b - s.offset])
 
     def fill_master_(self, out: torch.Tensor, s_lo: int = 0) -> None:
         """Write the params' values into out, which holds state elements [s_lo, s_lo + len):

@@ -21,6 +21,19 @@ The indirection costs one Python call per bucket: AdamW through `ADAMW.step_(...
 interleaved 7 x 2000 calls on the shared 2-core VM (load ~20): medians 349 vs 338 us per
 call, minima 174 vs 206 us, i.e. within the noise of the kernel call's own argument checks.
 
+[Note: a rule per param group]
+An engine holds one rule per param group (`ZeroOptimizer(rule=[...])`; ZeroMuon: Muon for the
+matrices' groups, AdamW for the rest). Each buffer belongs to one group (`buffer.group_index`)
+and so has one rule: the placement allocates that rule's states for it (`Placement.rule_for`),
+the reports count them by name, a checkpoint section holds only the buffers that have it
+(checkpoint/format.py). Where one name must stand for the optimizer (reports, checkpoint
+metadata), `combine(rules)` gives the rule itself when every group has the same one (so
+ZeroAdamW and ZeroLion are unchanged), else a `MixedRules` whose states are the union by name
+in first-seen order and whose name joins the rules' names ("muon+adamw").
+A rule whose update needs more than one piece at a time sets `phased = True` and provides a
+group step instead of `step_` (zerokern.rules.muon: momentum per piece, Newton-Schulz on whole
+matrices across ranks, then the update per piece); the engine runs it per buffer.
+
 Only states that shard like the param (one element per param element) are supported by the
 placements today: a rule declaring another kind raises at construction (placement checks
 `check_rule`), never a silent mis-layout. Every state is fp32 (4 bytes) today for the same
@@ -52,6 +65,12 @@ class Rule:
     name: str = ""
     states: Tuple[StateSpec, ...] = ()
     defaults: Dict[str, Any] = {}
+    # True: the update is not per piece; the engine runs the rule's group step over a whole
+    # buffer ([Note: a rule per param group]), and `step_` is not used.
+    phased: bool = False
+    # False: the update ignores the step count (frozen_slots.py need not re-run it for a
+    # param whose count lags).
+    counts_steps: bool = True
 
     @property
     def state_names(self) -> Tuple[str, ...]:
@@ -123,6 +142,37 @@ class RuleState:
             yield cat, t, padding
 
 
+class MixedRules(Rule):
+    """The optimizer-wide view of several rules ([Note: a rule per param group]): the union
+    of their states by name, a joined name. It updates nothing: each buffer runs its own."""
+
+    def __init__(self, rules) -> None:
+        self.rules = tuple(dict.fromkeys(rules))  # distinct, in first-seen order
+        self.name = "+".join(r.name for r in self.rules)
+        seen: Dict[str, StateSpec] = {}
+        for r in self.rules:
+            for s in r.states:
+                seen.setdefault(s.name, s)
+        self.states = tuple(seen.values())
+
+    def check_group(self, group, where: str = "") -> None:
+        raise NotImplementedError("MixedRules checks no group: each group has its own rule")
+
+    def hyper(self, group):
+        raise NotImplementedError("MixedRules has no hyperparameters: each group has its rule")
+
+
+def combine(rules) -> Rule:
+    """One rule standing for per-group `rules` (reports, checkpoint metadata): the rule itself
+    when all are the same, else their MixedRules."""
+    rules = list(rules)
+    if not rules:
+        raise ValueError("combine() needs at least one rule")
+    if all(r is rules[0] for r in rules):
+        return rules[0]
+    return MixedRules(rules)
+
+
 def adamw_rule():
     """The default rule (ZeroAdamW's), for callers that build buffers without an optimizer."""
     from zerokern.rules.adamw import ADAMW
@@ -131,11 +181,13 @@ def adamw_rule():
 
 
 def rule_by_name(name: str) -> Rule:
-    """The built-in rules by name ("adamw", "lion"): estimate's and the CLI's `optimizer=`."""
+    """The built-in rules by name ("adamw", "lion", "muon"): estimate's and the CLI's
+    `optimizer=` (the "muon" rule alone: ZeroMuon's AdamW params are the estimate's to add)."""
     from zerokern.rules.adamw import ADAMW
     from zerokern.rules.lion import LION
+    from zerokern.rules.muon import MUON
 
-    rules = {"adamw": ADAMW, "lion": LION}
+    rules = {"adamw": ADAMW, "lion": LION, "muon": MUON}
     if isinstance(name, Rule):
         return check_rule(name)
     if name not in rules:

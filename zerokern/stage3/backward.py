@@ -10,6 +10,7 @@ import torch
 
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.grads.sharded_grads import ShardedGrads
+from zerokern.layout.dtensor_params import local as local_of
 from zerokern.state import huge_pages
 
 from . import param_offload
@@ -110,7 +111,7 @@ class Stage3Backward(ShardedGrads):
                 "that uses it a unit of its own (units=...) or move the param into the module "
                 "that uses it")
         s = f.layout.slots[i]
-        grad = p.grad.reshape(-1)
+        grad = local_of(p.grad).reshape(-1)  # a DTensor grad: its local part
         if not self.sync:  # no_sync(): a full local accumulator per buffer, no reduce-scatter
             self._local_buf(gi)[s.offset:s.offset + s.numel].add_(grad)
         elif self._local is not None and self._local[gi] is not None:

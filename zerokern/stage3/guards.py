@@ -30,6 +30,7 @@ from typing import List
 import torch
 
 from zerokern.grads.weak_hook import weak_hook
+from zerokern.layout.dtensor_params import is_dtensor, like_param, local
 
 
 def _ddp_forward_active() -> bool:
@@ -150,6 +151,17 @@ class ModelGuard:
             f, i = self.where[id(p)]
             slot = f.layout.slots[i]
             value = state_dict[key]
+            if is_dtensor(value) or is_dtensor(p):  # tensor parallel: this rank's local part
+                if not (is_dtensor(value) and is_dtensor(p)
+                        and tuple(value.placements) == tuple(p.placements)
+                        and value.device_mesh == p.device_mesh):
+                    error_msgs.append(f"{key}: a DTensor param loads a DTensor of the same "
+                                      "mesh and placements (got "
+                                      f"{getattr(value, 'placements', type(value).__name__)})")
+                    state_dict[key] = like_param(p, torch.empty(0, dtype=p.dtype,
+                                                                device=p.device))
+                    continue
+                value = local(value)
             if f.gathered:  # inside gathered_params(): torch copies into the full view
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape:
                     self._load_piece(f, i, value)  # and the shard keeps it on release
@@ -165,8 +177,9 @@ class ModelGuard:
                                   f"{slot.shape}")
             else:
                 self._load_piece(f, i, value)
-            # The param is an empty tensor now: hand torch's own copy an empty value.
-            state_dict[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+            # The param is an empty tensor now: hand torch's own copy an empty value (of the
+            # param's kind: a DTensor keeps its global shape over an empty local tensor).
+            state_dict[key] = like_param(p, torch.empty(0, dtype=p.dtype, device=p.device))
 
     @staticmethod
     def _load_piece(f, i: int, value: torch.Tensor) -> None:

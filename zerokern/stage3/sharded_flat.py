@@ -23,11 +23,13 @@ saved views, and bound nothing.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import List
 
 import torch
 
+from zerokern.layout.dtensor_params import local_shape, set_local_
 from zerokern.layout.partition import make_layout, one_bucket_numel
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import pattern
@@ -46,8 +48,9 @@ class ShardedFlat(ShardBuffer):
     def __init__(self, params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
                  rank: int, group_index: int, unit_index: int, trainable: bool = True,
                  placement=None) -> None:
-        numel = sum(p.numel() for p in params)
-        layout = make_layout([tuple(p.shape) for p in params], world_size,
+        shapes = [local_shape(p) for p in params]  # DTensor params: their local shards
+        numel = sum(math.prod(s) for s in shapes)
+        layout = make_layout(shapes, world_size,
                              one_bucket_numel(numel, world_size))
         self._init_buffer(params, dtype, rank, pattern(3), layout, group_index)
         self.trainable = trainable
@@ -118,7 +121,7 @@ class ShardedFlat(ShardBuffer):
             self.handle = None
             self.residency = Residency.GATHERED
             for p, v in zip(self.params, self.views):
-                p.data = v
+                set_local_(p, v)
 
     def free(self) -> None:
         if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
@@ -129,7 +132,7 @@ class ShardedFlat(ShardBuffer):
         if gs is not None and self.full.untyped_storage().nbytes():
             gs.used_by_compute(self.full)
         for p in self.params:
-            p.data = self._empty
+            set_local_(p, self._empty)
         if not self.full.untyped_storage().resizable():
             # Exported while gathered (t.numpy(), as checkpoint and safetensors writers do,
             # marks the storage fixed-size): leave it to its holders and take a new one.

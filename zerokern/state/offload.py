@@ -118,15 +118,16 @@ class CopyPipeline:
         return self._copy(self.scalars[1:2], found_inf.reshape(1).float())
 
     def _host_update(self, master, states, grad, param_out, step: torch.Tensor, hyper: dict,
-                     backend: str) -> torch.Tensor:
+                     backend: str, rule: Optional[Rule] = None) -> torch.Tensor:
         """One chunk through the cpu kernel with this step's host scalars; returns the chunk's
         advanced step counter (every chunk of a piece is the same step: the kernel advances a
         copy, and the caller stores it once the piece is done)."""
         s = step.clone()
         t0 = time.perf_counter()
-        self.rule.step_(master, states, grad, param_out, step=s, grad_scale=self.scalars[0],
-                        found_inf=self.scalars[1],
-                        backend="reference" if backend == "reference" else "cpu", **hyper)
+        (self.rule if rule is None else rule).step_(
+            master, states, grad, param_out, step=s, grad_scale=self.scalars[0],
+            found_inf=self.scalars[1],
+            backend="reference" if backend == "reference" else "cpu", **hyper)
         self.kernel_s += time.perf_counter() - t0
         return s
 
@@ -144,8 +145,10 @@ class Offloader(CopyPipeline):
     movable = False  # the host state was built for the device the params were on
 
     def __init__(self, grad_dtype: torch.dtype, chunk_numel: Optional[int] = None,
-                 rule: Optional[Rule] = None) -> None:
+                 rule: Optional[Rule] = None, rules: Optional[List[Rule]] = None) -> None:
         self.rule = check_rule(adamw_rule() if rule is None else rule)
+        # one rule per param group (zerokern.rules [Note: a rule per param group]), or None
+        self.rules = None if rules is None else [check_rule(r) for r in rules]
         chunk_numel = CHUNK_NUMEL if chunk_numel is None else chunk_numel
         if not (isinstance(chunk_numel, int) and chunk_numel >= 128 and chunk_numel % 128 == 0):
             raise ValueError(f"offload chunk_numel must be a positive multiple of 128, got "
@@ -155,7 +158,9 @@ class Offloader(CopyPipeline):
         self.states: List[HostState] = []
 
     def allocate(self, buf) -> HostState:
-        st = HostState(buf, self.grad_dtype, self.rule)
+        from zerokern.state.placement import rule_for
+
+        st = HostState(buf, self.grad_dtype, rule_for(self, buf))
         self.states.append(st)
         return st
 
@@ -171,7 +176,10 @@ class Offloader(CopyPipeline):
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                      backend: str) -> None:
         """Update bucket k's piece of buffer gi on the host; write the params back."""
+        from zerokern.state.placement import rule_for
+
         g = self.buffers[gi]
+        rule = rule_for(self, g)
         st = g.state
         sl = g.state_slice(k)
         master, states = st.master[sl], [t[sl] for t in st.states.values()]
@@ -193,7 +201,7 @@ class Offloader(CopyPipeline):
             self._wait(evs[i])
             new_step = self._host_update(master[lo:hi], [t[lo:hi] for t in states], hgrad[lo:hi],
                                          None if hparam is None else hparam[lo:hi], step,
-                                         hyper, backend)
+                                         hyper, backend, rule)
             src = master[lo:hi] if hparam is None else hparam[lo:hi]
             self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
         step.copy_(new_step)

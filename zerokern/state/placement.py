@@ -31,11 +31,18 @@ their disk bytes, so no module re-derives a placement's byte formula.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from zerokern.rules import Rule, RuleState, adamw_rule, check_rule
+
+
+def rule_for(placement, buf) -> Rule:
+    """The rule of buffer `buf`: its param group's where the placement holds one rule per
+    group (zerokern.rules [Note: a rule per param group]), else the placement's one rule."""
+    rules = getattr(placement, "rules", None)
+    return placement.rule if rules is None else rules[buf.group_index]
 
 
 def _cats(rule: Rule) -> Dict[str, int]:
@@ -75,17 +82,20 @@ class DevicePlacement:
     offload = None
     movable = True  # the state follows model.to(device) (model_sync.py)
 
-    def __init__(self, master: str = "fp32", rule: Optional[Rule] = None) -> None:
+    def __init__(self, master: str = "fp32", rule: Optional[Rule] = None,
+                 rules: Optional[Sequence[Rule]] = None) -> None:
         self.master = master
         self.rule = check_rule(adamw_rule() if rule is None else rule)
+        self.rules = None if rules is None else [check_rule(r) for r in rules]
         self._scratch = None
 
     def allocate(self, buf):
+        rule = rule_for(self, buf)
         if self.master == "compact" and buf.dtype == torch.bfloat16:
             from zerokern.state.compact_master import CompactState
 
-            return CompactState(buf, self.rule)
-        return DeviceState(buf, self.rule)
+            return CompactState(buf, rule)
+        return DeviceState(buf, rule)
 
     @staticmethod
     def layout_bytes(rule: Rule, state_numel: int, state_padding: int, dtype: torch.dtype,
@@ -151,7 +161,7 @@ class DevicePlacement:
             master, out = st.expanded_piece(g, k), g.param_values(*g.state_range(k))
         else:
             master, out = g.master_piece(k), g.param_out_piece(k)
-        self.rule.step_(master, g.moments(k), grad, out, step=g.steps[k],
+        rule_for(self, g).step_(master, g.moments(k), grad, out, step=g.steps[k],
                         grad_scale=self.grad_scale, found_inf=self.found_inf, backend=backend,
                         **hyper)
 
@@ -186,16 +196,21 @@ def placement_class(offload: Optional[str]):
 
 
 def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
-                   comm=None, master: str = "fp32", rule: Optional[Rule] = None):
+                   comm=None, master: str = "fp32", rule: Optional[Rule] = None,
+                   rules: Optional[Sequence[Rule]] = None):
     """The placement for the optimizer's `offload=` and `master=` (validated by it), holding
-    `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default)."""
+    `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default), or with `rules` (one
+    per param group; `rule` then their `combine`) each buffer its group's rule's state.
+    offload="nvme" takes one rule (the optimizer refuses several before it gets here)."""
     rule = adamw_rule() if rule is None else rule
     if offload is None:
-        return DevicePlacement(master, rule)
+        return DevicePlacement(master, rule, rules)
     if offload == "cpu":
         from zerokern.state.offload import Offloader
 
-        return Offloader(grad_dtype, rule=rule)
+        return Offloader(grad_dtype, rule=rule, rules=rules)
     from zerokern.state.offload_nvme import NvmeOffloader
 
+    if rules is not None and any(r is not rule for r in rules):
+        raise ValueError("offload='nvme' holds one optimizer rule for every param group")
     return NvmeOffloader(grad_dtype, offload_path, comm, rule=rule)
