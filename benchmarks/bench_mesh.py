@@ -1,5 +1,6 @@
 """Bytes per step by group, and step time, of stage 3 on 4 gloo ranks as 2 "nodes" x 2:
-plain (a 1-D mesh of 4), HSDP (2x2 mesh) and hpZ (2x2, hpz=True). Not a timed test.
+plain (a 1-D mesh of 4), HSDP (2x2 mesh), hpZ (2x2, hpz=True) and hpZ + qwZ + qgZ
+(quantized_weights=True, quantized_gradients int8 / int4). Not a timed test.
 
 Cross-node bytes are derived from the per-group counts (comm_stats()["dims"]), with ranks 0-1
 on node A and 2-3 on node B:
@@ -7,9 +8,20 @@ on node A and 2-3 on node B:
   the world-wide collectives cross (plain: everything; hpZ: the forward gathers and the
   reduce-scatters);
 - HSDP's replicate all-reduce pairs rank r with r+2: all its bytes cross; its shard group and
-  hpZ's node group never cross.
+  hpZ's node group never cross;
+- with hpZ + qwZ + qgZ the "cross" group (the mesh's dim 0, r with r+2) carries qwZ's first
+  hop (each int8 payload once) and qgZ's second hop: all of it crosses; the "hpz" node group
+  (qwZ's second hop, hpZ's backward gathers, qgZ's first hop) never does.
+The formula beside each row is the same count from the buffer sizes alone (E: each stage-3
+unit buffer's padded numel, summed; the root and the last unit (E_kept) stay gathered from
+forward to backward, so their backward gathers are not sent; w(c) = c·bits/8 + 4·c/128, the
+quantized payload).
 
-    PYTHONPATH=. python benchmarks/bench_mesh.py [--size small] [--steps 6]
+--loss-steps N also trains the "tiny" preset on the stdlib corpus (zerokern train's data) for N
+steps with plain stage 3 and with everything on, and reports the mean loss of the last 10 and
+of the last 50 steps (the last 10 alone move by ~2% between seeds and configs).
+
+    PYTHONPATH=. python benchmarks/bench_mesh.py [--size small] [--steps 6] [--loss-steps 300]
 """
 
 from __future__ import annotations
@@ -27,16 +39,47 @@ import zerokern as zk
 from zerokern.gpt import PRESETS, build_gpt
 from zerokern.spawn import spawn_ranks
 
-CONFIGS = ("plain", "hsdp", "hpz")
+CONFIGS = ("plain", "hsdp", "hpz", "hpz_q8", "hpz_q4")
+QUANT = {"hpz_q8": dict(quantized_weights=True, quantized_gradients="int8"),
+         "hpz_q4": dict(quantized_weights=True, quantized_gradients="int4")}
 
 
-def _opt(model, name, meshes):
+PRECISION = {"p": "fp32"}  # --precision (set in the workers)
+
+
+def _opt(model, name, meshes, lr=1e-3):
     mesh = meshes["4"] if name == "plain" else meshes["2x2"]
-    return zk.ZeroAdamW(model, stage=3, precision="fp32", mesh=mesh, hpz=name == "hpz",
-                        backend="cpu")
+    return zk.ZeroAdamW(model, lr=lr, stage=3, precision=PRECISION["p"], mesh=mesh,
+                        hpz=name.startswith("hpz"), backend="cpu", **QUANT.get(name, {}))
 
 
-def _worker(rank, ws, size, steps, batch):
+def _wire(c: int, bits: int) -> int:
+    return c * bits // 8 + c // 128 * 4
+
+
+def _formula(name, opt) -> tuple:
+    """(cross-node bytes per step from the buffer sizes, the formula as text); e: bytes per
+    element of the precision (4 fp32, 2 bf16)."""
+    e = opt.dtype.itemsize
+    E = [f.layout.padded_numel for f in opt.flat_groups]
+    kept = set(opt.grad_sync._kept_for_backward())  # the root and the last unit
+    held = sum(f.layout.padded_numel for f in opt.flat_groups if f.unit_index in kept)
+    tot = sum(E)
+    if name == "plain":  # ring over 4: half the bytes cross; gathers 2x but the kept once
+        return (3 * e * (2 * tot - held + tot) // 4 // 2,
+                f"1/2 · 3/4 · {e}B · (2E − E_kept + E)")
+    if name == "hsdp":
+        return 2 * e * tot // 2 // 2, f"2 · 1/2 · {e}B · E/2 (replicate all-reduce of the shard)"
+    if name == "hpz":
+        return 3 * e * (tot + tot) // 4 // 2, f"1/2 · 3/4 · {e}B · (E + E) (fwd gather, RS)"
+    bits = 8 if name == "hpz_q8" else 4
+    fwd = sum(_wire(e // 4, 8) for e in E)  # each payload crosses once ([Note: qwZ over nodes])
+    rs = sum(_wire(e // 4, bits) for e in E)
+    return fwd + rs, f"w8(E/4) + w{bits}(E/4) (int8 fwd gather hop 1, qgZ hop 2)"
+
+
+def _worker(rank, ws, size, steps, batch, precision="fp32"):
+    PRECISION["p"] = precision
     meshes = {"4": init_device_mesh("cpu", (4,)),
               "2x2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
     cfg = PRESETS[size]
@@ -64,14 +107,42 @@ def _worker(rank, ws, size, steps, batch):
                 times[name].append(dt)
             stats[name] = opt.comm_stats()
     return {"times": times, "stats": stats,
+            "formula": {n: _formula(n, runs[n][1]) for n in CONFIGS},
             "params": sum(g.layout.numel for g in runs["plain"][1].flat_groups)}
+
+
+def _loss_worker(rank, ws, steps, batch, seq):
+    from zerokern.train.data import VOCAB, Batches, load_corpus
+
+    meshes = {"4": init_device_mesh("cpu", (4,)),
+              "2x2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
+    corpus = load_corpus()
+    out = {}
+    for name in ("plain", "hpz_q8", "hpz_q4"):
+        model = build_gpt("tiny", seed=0, vocab=VOCAB, seq=seq)
+        opt = _opt(model, name, meshes, lr=1e-2)
+        data = Batches(corpus, batch, seq, 0, rank)
+        losses = []
+        for s in range(steps):
+            x, y = data.get(s)
+            loss = model.loss(x, y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(float(t) / ws)
+        out[name] = {"last10": sum(losses[-10:]) / 10, "last50": sum(losses[-50:]) / 50,
+                     "first": losses[0]}
+    return out
 
 
 def _cross(name, st) -> int:
     d = st["dims"]
     if name == "hsdp":
         return d["replicate"]["total"]
-    return d["shard"]["total"] // 2  # plain and hpZ: the world ring, 2 of 4 links cross
+    cross = d.get("cross", {}).get("total", 0)  # qgZ's second hop: all of it crosses
+    return d["shard"]["total"] // 2 + cross  # the world ring: 2 of 4 links cross
 
 
 def main() -> None:
@@ -80,8 +151,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--loss-steps", type=int, default=0)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()
-    res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, threads=1, timeout=1200)
+    res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, a.precision, threads=1,
+                      timeout=1200)
     r0 = res[0]
     base = statistics.median(r0["times"]["plain"])
     rows = []
@@ -90,20 +164,36 @@ def main() -> None:
         med = statistics.median(r0["times"][name])
         rows.append({"config": name, "bytes_per_step": st["total"],
                      "dims": {k: v["total"] for k, v in st["dims"].items()},
-                     "cross_node": _cross(name, st), "step_s": med, "ratio": med / base,
+                     "cross_node": _cross(name, st), "formula": r0["formula"][name][0],
+                     "formula_text": r0["formula"][name][1],
+                     "step_s": med, "ratio": med / base,
                      "spread_s": [min(r0["times"][name]), max(r0["times"][name])]})
     plain_cross = rows[0]["cross_node"]
-    print(f"GPT {a.size} ({r0['params'] / 1e6:.2f}M params), stage 3 fp32, 4 gloo ranks "
+    print(f"GPT {a.size} ({r0['params'] / 1e6:.2f}M params), stage 3 {a.precision}, 4 gloo ranks "
           f"(2 x 2), rank 0, {a.steps} steps, torch {torch.__version__}")
-    print("| config | bytes/step (rank 0) | per group | cross-node | x plain | step s | x plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | bytes/step (rank 0) | per group | cross-node | formula | x plain | "
+          "step s | x plain |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['bytes_per_step']:,} | {r['dims']} | "
-              f"{r['cross_node']:,} | {r['cross_node'] / plain_cross:.2f} | "
-              f"{r['step_s']:.3f} | {r['ratio']:.2f} |")
+              f"{r['cross_node']:,} | {r['formula']:,} = {r['formula_text']} | "
+              f"{r['cross_node'] / plain_cross:.3f} | {r['step_s']:.3f} | {r['ratio']:.2f} |")
+    loss = None
+    if a.loss_steps:
+        lr = spawn_ranks(_loss_worker, 4, a.loss_steps, 8, 64, threads=1, timeout=3600)[0]
+        loss = lr
+        print(f"\nloss (tiny, stdlib corpus, batch 8 x seq 64 per rank, lr 1e-2, "
+              f"{a.loss_steps} steps; mean of the last 10 and of the last 50 steps):")
+        for name, v in lr.items():
+            print(f"  {name}: {v['last10']:.4f} "
+                  f"({v['last10'] / lr['plain']['last10'] - 1:+.2%} vs plain), "
+                  f"{v['last50']:.4f} ({v['last50'] / lr['plain']['last50'] - 1:+.2%}); "
+                  f"first {v['first']:.4f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"size": a.size, "steps": a.steps, "rows": rows}, f, indent=1)
+            json.dump({"size": a.size, "steps": a.steps, "precision": a.precision,
+                       "rows": rows, "loss": loss,
+                       "loss_steps": a.loss_steps}, f, indent=1)
 
 
 if __name__ == "__main__":

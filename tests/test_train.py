@@ -163,6 +163,25 @@ def test_stage3_on_two_ranks_works_and_matches_the_estimate(tmp_path):
     assert c["reduce_scatter"] < c["all_gather"] < 2 * c["reduce_scatter"]
 
 
+def test_stage3_quantize_both_on_two_ranks_sends_quantized_bytes(tmp_path):
+    """--quantize both (qwZ + qgZ int8): the same run as plain stage 3 above sends about a
+    quarter of the bytes (int8 + a 4-byte scale per 128 elements vs bf16's 2 bytes: 1.03/2 of
+    the gathers, and the reduce-scatter's own chunk is not sent either way) and still learns."""
+    out = tmp_path / "s3q"
+    r = zk_cmd("train", *TINY, "--steps", "3", "--stage", "3", "--nproc", "2",
+               "--quantize", "both", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((out / "metrics.json").read_text())
+    _check_metrics(m, 3, 2)
+    assert m["config"]["quantize"] == "both"
+    assert m["loss"]["loss_last"] < m["loss_curve"][0]
+    c = m["comm_per_step"]
+    # bf16 plain: 2 bytes per element sent; quantized: 1 + 4/128 (2 ranks: one piece each way)
+    ratio = 1.03125 / 2
+    formula = m["comm_formula_bytes_per_step"]
+    assert c["reduce_scatter"] + c["all_gather"] <= ratio * (formula - 8) * 1.05, (c, formula)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offload_in_process_works_and_matches_the_estimate(tmp_path, capsys, stage):
     out = tmp_path / "off"
@@ -219,6 +238,9 @@ def test_a_dead_rank_fails_the_command_and_the_other_is_killed(monkeypatch):
     (["--lr", "0"], "--lr"), (["--lr", "inf"], "--lr"), (["--stage", "4"], "--stage"),
     (["--offload", "nvme"], "--offload"), (["--model-size", "huge"], "--model-size"),
     (["--seq", "1"], "--seq"), (["--stage", "0", "--offload", "cpu"], "--offload cpu needs"),
+    (["--quantize", "int2"], "--quantize"),
+    (["--stage", "2", "--quantize", "weights"], "--quantize weights quantizes"),
+    (["--stage", "0", "--quantize", "grads"], "--quantize grads needs"),
 ])
 def test_bad_flags_exit_2_with_usage_before_spawning(capsys, argv, flag):
     with pytest.raises(SystemExit) as ei:

@@ -27,6 +27,7 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -41,8 +42,10 @@ from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
+from .comm.quantized import check_quantized
 from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, UnfreezeWatch
+from .kernels import blockquant
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch
 from .optimizer_api import OptimizerApiMixin
@@ -96,6 +99,16 @@ ENGINE_ARGS = """
             rank of the mesh plus a secondary copy sharded over dim 1 (the node), so the
             backward re-gather stays in the node (see zerokern.stage3.hpz); training is bitwise
             plain stage 3's over the same ranks.
+        quantized_weights (bool): (keyword) stage 3: ZeRO++'s qwZ, the forward and backward
+            param all-gathers send int8 codes with an fp32 scale per 128-element block (1.03
+            bytes per element instead of 2-4); each rank's own piece stays exact, so
+            gathered_params(), checkpoints and write-backs are exact (see
+            zerokern.comm.quantized). Error per gathered element <= absmax(block) / 254.
+        quantized_gradients (bool | str): (keyword) stages 1-3: ZeRO++'s qgZ, False, True or
+            "int8", or "int4": the gradient reduce-scatter sends block-quantized chunks in an
+            all-to-all and reduces them in fp32 (this rank's own chunk exact); with hpz=True in
+            two hops, inside the node then across nodes. Error per element <= the sum over the
+            other ranks of absmax(block) / 254 (int8) or / 14 (int4).
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.
@@ -153,6 +166,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         master: str = "fp32",
         mesh=None,
         hpz: bool = False,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str] = False,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         per_group = None
@@ -180,11 +195,18 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         check_hpz(hpz, shape, stage, offload_params)
+        qwz, qgz_bits = check_quantized(quantized_weights, quantized_gradients, stage,
+                                        offload_params)
+        codec_for = functools.partial(blockquant.codec_for, backend=backend)
+        if qwz or qgz_bits is not None:  # ValueError on CUDA without Triton
+            codec_for(trainable[0][0].device)
         # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
         tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
                                            process_group)
-        check_same_everywhere(mesh, process_group, hpz, stage)  # one all-gather, ValueError
-        comm = make_comm(process_group, mesh, hpz)
+        # one all-gather of the layout, ValueError on every rank if it differs
+        check_same_everywhere(mesh, process_group, hpz, stage, quantized_weights=qwz,
+                              quantized_gradients=qgz_bits)
+        comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, codec_for)
         self.tp = make_tensor_parallel(tp_checked, comm.stats)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
@@ -493,6 +515,8 @@ class ZeroAdamW(ZeroOptimizer):
         master: str = "fp32",
         mesh=None,
         hpz: bool = False,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str] = False,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
@@ -504,4 +528,6 @@ class ZeroAdamW(ZeroOptimizer):
                          stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
                          reduce_dtype, process_group, backend, param_groups=param_groups,
                          units=units, offload_path=offload_path, free_grads=free_grads,
-                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz)
+                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
+                         quantized_weights=quantized_weights,
+                         quantized_gradients=quantized_gradients)

@@ -47,6 +47,8 @@ class ZeroLion(ZeroOptimizer):
         master: str = "fp32",
         mesh=None,
         hpz: bool = False,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str] = False,
     ) -> None:
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1], got {betas!r}")
@@ -55,4 +57,6 @@ class ZeroLion(ZeroOptimizer):
                          stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
                          reduce_dtype, process_group, backend, param_groups=param_groups,
                          units=units, offload_path=offload_path, free_grads=free_grads,
-                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz)
+                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
+                         quantized_weights=quantized_weights,
+                         quantized_gradients=quantized_gradients)

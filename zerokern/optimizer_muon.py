@@ -183,6 +183,8 @@ class ZeroMuon(ZeroOptimizer):
         master: str = "fp32",
         mesh=None,
         hpz: bool = False,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str] = False,
     ) -> None:
         if not isinstance(adamw_betas, (tuple, list)):
             raise ValueError(f"adamw_betas must be a pair of numbers in [0, 1), got "
@@ -227,4 +229,5 @@ class ZeroMuon(ZeroOptimizer):
                          offload, bucket_mb, reduce_dtype, process_group, backend,
                          param_groups=param_groups, units=units, offload_path=offload_path,
                          free_grads=free_grads, offload_params=offload_params, master=master,
-                         mesh=mesh, hpz=hpz)
+                         mesh=mesh, hpz=hpz, quantized_weights=quantized_weights,
+                         quantized_gradients=quantized_gradients)

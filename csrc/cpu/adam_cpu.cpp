@@ -278,6 +278,13 @@ void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
                double weight_decay, at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf);
 }  // namespace zk_cpu
 
+namespace zk_cpu {  // blockquant_cpu.cpp (ZeRO++'s quantized collectives)
+void blockquant_quantize(at::Tensor x, at::Tensor codes, at::Tensor scale, int64_t block,
+                         int64_t bits);
+void blockquant_dequantize(at::Tensor codes, at::Tensor scale, at::Tensor out, int64_t block,
+                           int64_t bits);
+}  // namespace zk_cpu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   m.doc() = "zerokern CPU kernels (OpenMP + AVX-512/AVX2/F16C chosen at run time, scalar fallback)";
@@ -295,6 +302,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lion_step", &zk_cpu::lion_step, "Fused Lion step with cast-back (kernels/lion.py)",
         "master"_a, "exp_avg"_a, "grad"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a,
         "weight_decay"_a, "step"_a, "grad_scale"_a, "found_inf"_a);
+  m.def("blockquant_quantize", &zk_cpu::blockquant_quantize,
+        "codes and fp32 scales of x per block (kernels/blockquant.py's contract)",
+        "x"_a, "codes"_a, "scale"_a, "block"_a, "bits"_a);
+  m.def("blockquant_dequantize", &zk_cpu::blockquant_dequantize,
+        "out = codes * scale per block, rounded to out's dtype", "codes"_a, "scale"_a, "out"_a,
+        "block"_a, "bits"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");
   m.def("selected_isa", &zk_cpu::selected_isa, "ISA in use: 'avx512' | 'avx2' | 'scalar'");
   m.def("force_isa", &zk_cpu::force_isa, "Select 'auto' | 'avx512' | 'avx2' | 'scalar'", "name"_a);

@@ -77,6 +77,55 @@ def test_triton_is_bitwise_the_reference(bits, block, dtype, nblocks):
                            d_ref.view(torch.int16 if out != torch.float32 else torch.int32))
 
 
+@pytest.fixture(scope="module")
+def native():
+    from zerokern.kernels import load_op
+
+    return ref.NativeCodec(load_op("cpu"))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_is_bitwise_the_reference(native, bits, block, dtype):
+    """csrc/cpu/blockquant_cpu.cpp (the CPU codec of the quantized collectives)."""
+    for nblocks in SIZES:
+        x = _data(nblocks, block, dtype, nblocks * 11 + block + bits)
+        c_ref, s_ref = ref.quantize(x, block, bits)
+        c_cpu, s_cpu = native.quantize(x, block, bits)
+        assert torch.equal(s_cpu, s_ref)
+        assert c_cpu.dtype == c_ref.dtype and torch.equal(c_cpu, c_ref)
+        for out in (torch.float32, torch.bfloat16, torch.float16):
+            bits_view = torch.int16 if out != torch.float32 else torch.int32
+            d_ref = ref.dequantize(c_ref, s_ref, block, bits, out)
+            assert torch.equal(native.dequantize(c_cpu, s_cpu, block, bits, out).view(bits_view),
+                               d_ref.view(bits_view))
+
+
+def test_cpu_kernel_ties_and_nonfinite_blocks(native):
+    # ties: x / scale = k + 1/2 exactly (scale = 127/127 = 1): half to even, as the reference
+    x = torch.zeros(128)
+    x[0] = 127.0
+    x[1:7] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5])
+    c, _ = native.quantize(x, 128, 8)
+    assert c[1:7].tolist() == [0, 2, 2, 0, -2, -2]
+    # an inf or a NaN makes its block's scale non-finite: every element dequantizes non-finite,
+    # the next block is untouched
+    for bad in (float("inf"), float("nan")):
+        y = torch.randn(256)
+        y[3] = bad
+        c, s = native.quantize(y, 128, 8)
+        d = native.dequantize(c, s, 128, 8)
+        assert not torch.isfinite(d[:128]).any() and torch.isfinite(d[128:]).all()
+        assert torch.equal(d[128:], ref.dequantize(*ref.quantize(y[128:], 128, 8), 128, 8))
+
+
+def test_codec_follows_the_backend():
+    assert isinstance(ref.codec_for(torch.device("cpu"), "cpu"), ref.NativeCodec)
+    assert isinstance(ref.codec_for(torch.device("cpu"), "auto"), ref.NativeCodec)
+    assert ref.codec_for(torch.device("cpu"), "reference") is ref
+
+
 def test_int4_packing_round_trips():
     c = torch.arange(-8, 8, dtype=torch.int8).repeat(8)
     assert torch.equal(ref.unpack_int4(ref.pack_int4(c)), c)

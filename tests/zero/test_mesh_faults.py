@@ -1,10 +1,10 @@
 """Bad layouts and failures on a 2x2 (replicate, shard) mesh of 4 gloo ranks (issue 22 item 10).
 
 - Layouts that differ across ranks (one rank a 1-D mesh over the same ranks, another hpz, a
-  different stage, process_group= instead of the mesh) raise ValueError on every rank at
-  construction (one all-gather of the layout), naming mesh, before any collective of a step;
-  the same layout everywhere builds and trains (control). On the old code every rank built
-  its optimizer and the first step hung in mismatched collectives (a gloo timeout).
+  different stage, qgZ on one rank only, process_group= instead of the mesh) raise ValueError
+  on every rank at construction (one all-gather of the layout), naming mesh, before any
+  collective of a step; the same layout everywhere builds and trains (control). On the old
+  code every rank built its optimizer and the first step hung in mismatched collectives.
 - A rank that fails alone mid-step (its p.grad cleared between backward and step, stages 1-3
   on the mesh and stage 3 with hpZ) raises its error and every other rank raises RankAborted
   within PROMPT_S, far below the process-group timeout: the failure crosses the shard,
@@ -55,6 +55,7 @@ def _mismatch(rank, ws):
         "hpz": lambda: _build(3, mesh=m2, hpz=rank == 3),
         "stage": lambda: _build(3 if rank == 2 else 2, mesh=m2),
         "pg": lambda: _build(2, mesh=None if rank == 0 else m2),
+        "quant": lambda: _build(2, mesh=m2, quantized_gradients="int8" if rank == 2 else False),
         "same_hpz": lambda: _build(3, mesh=m2, hpz=True),
     })
 
@@ -64,6 +65,7 @@ def _mismatch(rank, ws):
     ("hpz", ["rank 3: mesh [[0, 1], [2, 3]], process_group None, hpz=True"]),
     ("stage", ["rank 2:", "stage 3"]),
     ("pg", ["rank 0: no mesh, process_group [0, 1, 2, 3]"]),
+    ("quant", ["rank 2:", "quantized_gradients=8", "rank 0:", "quantized_gradients=None"]),
 ])
 def test_mismatched_layouts_raise_on_every_rank(name, words):
     res = cached_mismatch()

@@ -112,6 +112,7 @@ class _InstantComm:
         self.replicate = None
         # hpZ: the node group (size, rank) the secondary copies are sharded over
         self.hpz = None if node is None else _InstantComm(*node)
+        self.qwz = False  # quantized gathers hold the same buffers (their payloads are transient)
 
     def reduce_scatter_(self, out, inp, async_op=False, label=None):
         return self._Done()

@@ -36,6 +36,7 @@ from .abort import Watch
 from .collectives import CommStats, GroupComm, _Done
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
+from .quantized import Level, all_gather_quantized_, reduce_scatter_quantized_
 from .ring import FutureWork
 
 
@@ -68,6 +69,13 @@ class Comm:
         # hpZ (stage3/hpz.py): the node group the secondary param copies are sharded over;
         # the shard group is then the whole world.
         self.hpz = hpz
+        # ZeRO++'s quantized collectives (comm/quantized.py), set by `quantize`: qwZ's
+        # forward/backward param gathers, qgZ's grad reduce-scatter over `q_levels`.
+        self.qwz = False
+        self.qgz_bits: Optional[int] = None
+        self.q_levels = None
+        self.codec_for = None
+        self.q_gather = None  # qwZ with hpZ: quantized.HierGather (two hops); else flat
         if _groups is None:
             self.shard = GroupComm(process_group, dim="shard")
             self.world = self.shard
@@ -94,6 +102,24 @@ class Comm:
             replicate = None
         return cls(_groups=(shard, replicate, world))
 
+    def quantize(self, weights: bool, grad_bits: Optional[int], codec_for, levels=None,
+                 gather=None) -> None:
+        """Turn on qwZ (`weights`: over `gather`, a quantized.HierGather, or the shard group)
+        and qgZ (`grad_bits` 8 or 4, over `levels`: default one hop over the shard group) with
+        the kernels' `codec_for(device)`."""
+        self.qwz, self.qgz_bits, self.codec_for = weights, grad_bits, codec_for
+        self.q_gather = gather
+        if grad_bits is not None:
+            self.q_levels = levels or [Level(self.shard)]
+
+    def gather_quantized_(self, full: torch.Tensor, src: torch.Tensor,
+                          label: Optional[str] = None):
+        """qwZ: full = every shard-group rank's piece, int8 except this rank's own (exact);
+        a handle (comm/quantized.py)."""
+        if self.q_gather is not None:
+            return self.q_gather.all_gather_(full, src, self.codec_for, label)
+        return all_gather_quantized_(self.shard, full, src, self.codec_for, label)
+
     # -- what the optimizer reads ---------------------------------------------------------------
     @property
     def stats(self) -> CommStats:
@@ -116,7 +142,10 @@ class Comm:
 
     def _groups(self):
         seen = []
-        for g in (self.shard, self.replicate, self.world, self.hpz):
+        qs = [lv.gc for lv in self.q_levels or ()]
+        if self.q_gather is not None:
+            qs += [self.q_gather.cross, self.q_gather.node]
+        for g in (self.shard, self.replicate, self.world, self.hpz, *qs):
             if g is not None and all(g is not s for s in seen):
                 seen.append(g)
         return seen
@@ -146,7 +175,11 @@ class Comm:
         the reduce-scatter and the replicate group sees one static order (the reduce-scatter
         order). Elsewhere (NCCL, native gloo) the all-reduce is issued when the caller waits
         for the handle, which every caller does in issue order."""
-        h = self.shard.reduce_scatter_(out, inp, async_op=True, label=label)
+        if self.qgz_bits is not None:  # qgZ: quantized all-to-all(s), reduced in fp32
+            h = reduce_scatter_quantized_(self.q_levels, out, inp, self.qgz_bits,
+                                          self.codec_for, async_op=True, label=label)
+        else:
+            h = self.shard.reduce_scatter_(out, inp, async_op=True, label=label)
         rep = self.replicate
         if rep is not None:
             ring = self.shard.ring
@@ -173,7 +206,16 @@ class Comm:
         """Stage 3's reduce-scatters on a shard group of their own ([Note: stage-3 collective
         order]); the replicate all-reduce after each stays on the one replicate group (only
         reduce_grads_ uses it) and the agreement on the world."""
-        return Comm(_groups=(self.shard.split(), self.replicate, self.world), hpz=self.hpz)
+        shard = self.shard.split()
+        out = Comm(_groups=(shard, self.replicate, self.world), hpz=self.hpz)
+        levels = None
+        if self.q_levels is not None:  # the hops on split groups too (the node group's
+            # gathers (hpZ) must not meet its reduce-scatters); a hop over the shard group
+            # takes the very split group the plain reduce-scatter would use
+            levels = [Level(shard, lv.perm) if lv.gc is self.shard else lv.split()
+                      for lv in self.q_levels]
+        out.quantize(self.qwz, self.qgz_bits, self.codec_for, levels, self.q_gather)
+        return out
 
     # -- debug log ([Note: collective fingerprints], comm/debug.py) --------------------------
     def enable_debug_log(self) -> None:

@@ -21,7 +21,9 @@ from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
+from .collectives import GroupComm
 from .groups import Comm
+from .quantized import HierGather, hierarchical_levels
 
 # One process group per set of dp ranks (the world group of a sub-mesh), made once: groups are
 # never destroyed, so one per optimizer would leak connections.
@@ -113,11 +115,12 @@ def _dp_world_group(ranks):
 
 
 def _describe(d: dict) -> str:
+    extra = "".join(f", {k}={v}" for k, v in sorted(d.get("extra", {}).items()))
     return (f"{'mesh ' + str(d['mesh']) if d['mesh'] is not None else 'no mesh'}, "
-            f"process_group {d['pg']}, hpz={d['hpz']}, stage {d['stage']}")
+            f"process_group {d['pg']}, hpz={d['hpz']}, stage {d['stage']}{extra}")
 
 
-def check_same_everywhere(mesh, process_group, hpz: bool, stage: int) -> None:
+def check_same_everywhere(mesh, process_group, hpz: bool, stage: int, **extra) -> None:
     """[Note: one data-parallel layout] Every dp rank must pass the same mesh (shape and rank
     order), process group ranks, hpz and stage: otherwise their collectives differ (a 2x2 mesh
     reduce-scatters over 2 ranks, a 1-D one over 4) and the first step would hang or compute
@@ -133,6 +136,8 @@ def check_same_everywhere(mesh, process_group, hpz: bool, stage: int) -> None:
         process_group: the process group, or None.
         hpz: ZeroAdamW's hpz.
         stage: ZeroAdamW's stage.
+        **extra: other settings that change the collectives (the quantized ones), compared
+            and named the same way.
 
     Raises:
         ValueError: the ranks passed different layouts (on every rank).
@@ -149,14 +154,15 @@ def check_same_everywhere(mesh, process_group, hpz: bool, stage: int) -> None:
         return
     me = {"mesh": None if mesh is None else mesh.mesh.tolist(),
           "pg": None if process_group is None else dist.get_process_group_ranks(process_group),
-          "hpz": bool(hpz), "stage": int(stage)}
+          "hpz": bool(hpz), "stage": int(stage), "extra": dict(extra)}
     if mesh is None and me["pg"] is None:  # the default group: WORLD, as given explicitly
         me["pg"] = list(range(dist.get_world_size()))
     seen = [None] * len(ranks)
     dist.all_gather_object(seen, me, group=_dp_world_group(ranks))
     if any(d != seen[0] for d in seen):
         lines = "; ".join(f"rank {r}: {_describe(d)}" for r, d in zip(ranks, seen))
-        raise ValueError("mesh / process_group / hpz / stage differ across the data-parallel "
+        raise ValueError("mesh / process_group / hpz / stage / quantization differ across the "
+                         "data-parallel "
                          f"ranks ({lines}): every rank must build ZeroAdamW with the same "
                          "mesh (shape and rank order), hpz and stage; nothing was changed")
 
@@ -179,8 +185,32 @@ def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
     return Comm.mesh(mesh.get_group(1), mesh.get_group(0), world)
 
 
-def make_comm(process_group=None, mesh=None, hpz: bool = False) -> Comm:
-    """ZeroAdamW's Comm from its `process_group=`, `mesh=` and `hpz=` (checked already)."""
-    if mesh is None:
-        return Comm(process_group)
-    return comm_from_mesh(mesh, process_group, hpz)
+def make_comm(process_group=None, mesh=None, hpz: bool = False, qwz: bool = False,
+              qgz_bits: Optional[int] = None, codec_for=None) -> Comm:
+    """ZeroAdamW's Comm from its `process_group=`, `mesh=`, `hpz=` and quantized_weights /
+    quantized_gradients (qwz, qgz_bits; checked already, comm/quantized.py)."""
+    comm = Comm(process_group) if mesh is None else comm_from_mesh(mesh, process_group, hpz)
+    levels = gather = None
+    if (qwz or qgz_bits is not None) and comm.hpz is not None:
+        # hpZ shards over the whole 2-D mesh: two hops, so each payload crosses nodes once
+        # ([Note: qgZ hierarchical over nodes], [Note: qwZ over nodes] in comm/quantized.py)
+        cross = GroupComm(mesh.get_group(0), dim="cross", stats=comm.stats, tag="cross")
+        nodes = [[int(r) for r in row] for row in mesh.mesh.tolist()]
+        if qgz_bits is not None:
+            levels = hierarchical_levels(comm.shard, comm.hpz, cross, nodes)
+        if qwz:
+            gather = HierGather(comm.shard, cross, _gather_node_group(comm, nodes), nodes)
+    if qwz or qgz_bits is not None:
+        comm.quantize(qwz, qgz_bits, codec_for, levels, gather)
+    return comm
+
+
+def _gather_node_group(comm: Comm, nodes) -> GroupComm:
+    """The node group qwZ's second hop runs on: a process group of its own (made once per
+    node), used only from the cross group's ring thread (comm/quantized.py HierGather)."""
+    me = dist.get_rank()
+    ranks = next(row for row in nodes if me in row)
+    key = ("qwz-node", tuple(ranks))
+    if key not in _WORLD_GROUPS:
+        _WORLD_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return GroupComm(_WORLD_GROUPS[key], dim="hpz", stats=comm.stats, tag="qwz-node")

@@ -67,7 +67,8 @@ FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window"
              "min_loss_scale", "consecutive_hysteresis", "auto_cast")
 HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_param",
                  "stage3_gather_16bit_weights_on_model_save",
-                 "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size")
+                 "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size",
+                 "zero_quantized_weights", "zero_quantized_gradients")
 HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
@@ -111,6 +112,9 @@ class EngineConfig:
         offload_path: nvme_path for offload "nvme".
         offload_params: offload_param.device: None, "cpu" or "nvme".
         gather_16bit_on_save: stage3_gather_16bit_weights_on_model_save.
+        quantized_weights: zero_quantized_weights (ZeroAdamW(quantized_weights=), qwZ).
+        quantized_gradients: zero_quantized_gradients: False, or "int4" (ZeroAdamW(
+            quantized_gradients=), qgZ; int4 as DeepSpeed's qgZ).
         tag_validation: checkpoint.tag_validation: "IGNORE", "WARN" (default) or "FAIL".
         hpz_partition_size: zero_hpz_partition_size when it takes effect (stage 3, > 1,
             < world size: hpZ on a (world / h, h) mesh, engine/parallel.py), else 1.
@@ -137,6 +141,8 @@ class EngineConfig:
     offload_path: Optional[str] = None            # nvme_path (offload "nvme")
     offload_params: Optional[str] = None          # offload_param.device: "cpu" | "nvme"
     gather_16bit_on_save: bool = False
+    quantized_weights: bool = False               # zero_quantized_weights (qwZ)
+    quantized_gradients: Any = False              # zero_quantized_gradients: False | "int4"
     tag_validation: str = "WARN"                  # checkpoint.tag_validation
     hpz_partition_size: int = 1                   # [Note: hpz_partition_size] (parallel.py)
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
@@ -246,6 +252,7 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     for k, why in NO_EFFECT_ZERO.items():
         if k in z:
             out.no_effect.append((f"zero_optimization.{k}", why))
+    _quantized(z, out)
     oo = z.get("offload_optimizer")
     if oo is not None:
         key, dev = _offload_section(oo, "offload_optimizer", {*NO_EFFECT_OFFLOAD, "ratio"})
@@ -296,6 +303,24 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     if "zero_hpz_partition_size" in z:
         key = "zero_optimization.zero_hpz_partition_size"
         hpz_setting(_int(key, z["zero_hpz_partition_size"], 0), out)
+
+
+def _quantized(z: Dict[str, Any], out: EngineConfig) -> None:
+    """ZeRO++'s zero_quantized_weights / zero_quantized_gradients (comm/quantized.py). qgZ is
+    int4, as DeepSpeed 0.19's (coalesced_collectives.all_to_all_quant_reduce quantizes both
+    hops to 4 bits)."""
+    if "zero_quantized_weights" in z:
+        out.quantized_weights = _bool("zero_optimization.zero_quantized_weights",
+                                      z["zero_quantized_weights"])
+        if out.quantized_weights and out.stage != 3:
+            raise ValueError("config key zero_optimization.zero_quantized_weights=true needs "
+                             f"zero_optimization.stage 3 (got {out.stage})")
+    if "zero_quantized_gradients" in z:
+        on = _bool("zero_optimization.zero_quantized_gradients", z["zero_quantized_gradients"])
+        if on and out.stage == 0:
+            raise ValueError("config key zero_optimization.zero_quantized_gradients=true needs "
+                             "zero_optimization.stage 1, 2 or 3")
+        out.quantized_gradients = "int4" if on else False
 
 
 def _checkpoint(sec: Any) -> str:

@@ -293,6 +293,8 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
                    free_grads=True, offload_params=cfg.offload_params,
+                   quantized_weights=cfg.quantized_weights,
+                   quantized_gradients=cfg.quantized_gradients,
                    **_parallel_kw(cfg, mpu, model))
     # master="compact" for bf16 on the device (stages 0-2): the same fp32 master, bit for bit,
     # in 2.125 bytes per state element instead of 4 (zerokern/compact_master.py), for issue

@@ -167,16 +167,24 @@ class Stage3Runtime(Stage3Backward):
         return (f"unit {f.unit_index} group {f.group_index}" if f.trainable
                 else f"unit {f.unit_index} frozen")
 
-    def _gather(self, unit_ids: List[int], wait: bool = True) -> None:
+    def _gather(self, unit_ids: List[int], wait: bool = True, exact: bool = False) -> None:
+        """exact: between steps (gather_all) the params come whole and exact, also with qwZ
+        ([Note: qwZ keeps the own piece exact] in comm/quantized.py)."""
         launched = set()
         for ui in unit_ids:  # launch every all-gather first, then wait: they overlap
             for f in self._bufs(ui):
+                if exact and f.quantized:  # (quantized: gathered or in flight)
+                    self._drop(f)  # held from a forward with quantized pieces: re-gather
                 if not f.gathered and f.handle is None:
                     launched.add(id(f))  # hpZ: from the node's secondary while valid
                     route = None if self.hpz is None else self.hpz.route(f)
                     comm, src = route if route is not None else (self.comm.shard, None)
+                    # qwZ: the primary gathers of forward and backward (the secondary's
+                    # node gather rebuilds the forward's values as they are)
+                    q = self.comm.gather_quantized_ if (self.comm.qwz and not exact
+                                                        and route is None) else None
                     try:
-                        f.start_gather(comm, self._label(f), src)
+                        f.start_gather(comm, self._label(f), src, q)
                     except Exception as e:  # a param file read on this rank (comm/abort.py)
                         self.comm.signal_failure(e)
                         raise
@@ -193,8 +201,11 @@ class Stage3Runtime(Stage3Backward):
             if f.gathered or f.handle is not None:
                 if self.hpz is not None and not self.in_backward:  # [Note: hpZ secondary]
                     self.hpz.keep(f)
-                f.free()
-                self.live_bytes -= f.full_bytes
+                self._drop(f)
+
+    def _drop(self, f: ShardedFlat) -> None:
+        f.free()
+        self.live_bytes -= f.full_bytes
 
     def _free_unreferenced(self, keep=()) -> None:
         for u in self.active_units:
@@ -355,7 +366,7 @@ class Stage3Runtime(Stage3Backward):
         self._hpz_invalidate()
         for u in self.active_units:
             self._refs[u.index] += 1
-        self._gather([u.index for u in self.active_units])
+        self._gather([u.index for u in self.active_units], exact=True)
 
     def release_all(self, write_back: bool) -> None:
         for u in self.active_units:
@@ -372,6 +383,8 @@ class Stage3Runtime(Stage3Backward):
         param_offload.new_pass(self)
         self._hpz_invalidate()
         for f in self.frozen:
+            if f.quantized:  # left from a forward with qwZ pieces: exact here
+                self._drop(f)
             f.start_gather(self.comm.shard, self._label(f))
         for f in self.frozen:
             f.finish_gather()

@@ -83,24 +83,30 @@ class ShardedFlat(ShardBuffer):
     def full_bytes(self) -> int:
         return self._full_bytes
 
-    def start_gather(self, comm, label=None, src=None) -> None:
+    def start_gather(self, comm, label=None, src=None, quantized=None) -> None:
         """Allocate full and launch the all-gather of every rank's shard into it (async); on a
         GPU on the gather stream ([Note: stage-3 gather stream]). src: hpZ's secondary piece,
-        gathered over the node group (stage3/hpz.py)."""
+        gathered over the node group (stage3/hpz.py). quantized: qwZ, Comm.gather_quantized_
+        (the others' pieces int8-quantized, this rank's exact: comm/quantized.py)."""
         if self.residency is not Residency.SHARD:
             return
         gs = self._gather_stream()
         if gs is None:
-            self.full.untyped_storage().resize_(self._full_bytes)
-            self.handle = comm.all_gather_(self.full, self._gather_source() if src is None
-                                            else src, async_op=True, label=label)
+            self._launch(comm, label, src, quantized)
         else:  # (the source is fetched on the gather stream: offload_params' H2D copy)
             with gs.context():
-                self.full.untyped_storage().resize_(self._full_bytes)
-                self.handle = comm.all_gather_(self.full, self._gather_source() if src is None
-                                                else src, async_op=True, label=label)
+                self._launch(comm, label, src, quantized)
             self._landed = (gs, gs.record())
         self.residency = Residency.GATHERING
+
+    def _launch(self, comm, label, src, quantized) -> None:
+        self.full.untyped_storage().resize_(self._full_bytes)
+        src = self._gather_source() if src is None else src
+        self.quantized = quantized is not None
+        if self.quantized:
+            self.handle = quantized(self.full, src, label)
+        else:
+            self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
 
     def _gather_stream(self):
         return gather_stream.for_device(self.full.device)
@@ -141,6 +147,7 @@ class ShardedFlat(ShardBuffer):
             self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self.full.untyped_storage().resize_(0)
         self.residency = Residency.SHARD
+        self.quantized = False
 
     def write_back_(self) -> None:
         """After the user changed gathered params: take this rank's piece back into the shard.

@@ -51,6 +51,7 @@ class TrainConfig:
     bucket_mb: float = 25.0
     mesh: Optional[Tuple[int, int]] = None  # (replicate, shard): HSDP (launch.py check_mesh)
     hpz: bool = False                 # stage 3 on the mesh: ZeRO++'s hpZ
+    quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +106,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpz", action="store_true",
                    help="with --mesh and --stage 3: ZeRO++'s hpZ (params sharded over all "
                         "ranks, a secondary copy inside the node for the backward gathers)")
+    p.add_argument("--quantize", choices=list(QUANTIZE), default="none",
+                   help="ZeRO++ quantized collectives: weights (qwZ, int8 param gathers, "
+                        "--stage 3), grads (qgZ, int8 gradient reduce-scatter, --stage 1-3) "
+                        "or both (default none)")
+
+
+# --quantize: ZeroAdamW's quantized_weights / quantized_gradients
+QUANTIZE = {"none": {}, "weights": {"quantized_weights": True},
+            "grads": {"quantized_gradients": "int8"},
+            "both": {"quantized_weights": True, "quantized_gradients": "int8"}}
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -112,4 +123,5 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        offload=args.offload, steps=args.steps, model_size=args.model_size,
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
-                       bucket_mb=args.bucket_mb, mesh=args.mesh, hpz=args.hpz)
+                       bucket_mb=args.bucket_mb, quantize=args.quantize, mesh=args.mesh,
+                       hpz=args.hpz)

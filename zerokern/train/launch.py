@@ -64,6 +64,11 @@ def plan(cfg: TrainConfig) -> Tuple[str, int]:
     if cfg.offload and cfg.stage == 0:
         raise ValueError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (stage 0 keeps the "
                          "full optimizer state on every rank)")
+    if cfg.quantize in ("weights", "both") and cfg.stage != 3:
+        raise ValueError(f"--quantize {cfg.quantize} quantizes stage 3's param gathers: it "
+                         f"needs --stage 3, got --stage {cfg.stage}")
+    if cfg.quantize == "grads" and cfg.stage == 0:
+        raise ValueError("--quantize grads needs --stage 1, 2 or 3 (stage 0 all-reduces)")
     check_mesh(cfg, cfg.nproc)
     dev = resolve_device(cfg)
     mesh_n = None if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]

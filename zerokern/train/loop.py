@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..gpt import build_gpt
-from .config import TrainConfig
+from .config import QUANTIZE, TrainConfig
 from .data import VOCAB, Batches, load_corpus
 
 # Loss and loss scale are read on the host (a device sync) only to refresh the progress bar,
@@ -97,7 +97,8 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
     opt = zk.ZeroAdamW(model, lr=cfg.lr, stage=stage, precision=cfg.precision,
                        offload=cfg.offload if stage > 0 else None, max_grad_norm=MAX_GRAD_NORM,
                        bucket_mb=cfg.bucket_mb, mesh=mesh, hpz=cfg.hpz and stage == 3,
-                       **HYPER)
+                       **HYPER,
+                       **(QUANTIZE[cfg.quantize] if stage > 0 else {}))  # (--compare: exact)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
     batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank)
     losses = torch.zeros(cfg.steps, dtype=torch.float32, device=device)  # (steps,) on device

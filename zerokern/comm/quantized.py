@@ -1,0 +1,380 @@
+"""Quantized collectives (ZeRO++): qwZ's int8 param all-gather and qgZ's int8/int4 gradient
+reduce-scatter, over the GroupComms of a `Comm` (groups.py).
+
+The block codes follow zerokern.kernels.blockquant's contract ([Note: block quantization for
+collectives]); this layer cannot import the kernels (pyproject's layers: kernels | comm), so the
+optimizer hands in a `codec_for(device)` that returns a module with blockquant's
+`quantize(x, block, bits)` / `dequantize(codes, scale, block, bits, dtype)` (the reference on
+the CPU, Triton on CUDA tensors).
+
+[Note: one payload per piece]
+A piece of `c` elements (c a multiple of 128: every piece of partition's layouts is) travels as
+one uint8 payload of `wire_bytes(c)` = c·bits/8 bytes of codes followed by the c/BLOCK fp32
+scales (4-aligned: c·bits/8 is a multiple of 4), so one collective moves codes and scales, and
+comm_stats() counts exactly these bytes (what was sent).
+
+[Note: qwZ keeps the own piece exact]
+The all-gather sends every rank's quantized piece; the receiver dequantizes the others' pieces
+into `full` and copies its OWN piece from its exact source. So `write_back_` (which takes the
+own piece back) never rounds a param, and the error of `full` is, per element of another
+rank's block, at most absmax(block) / 254 (blockquant's bound). Only the forward/backward
+gathers are quantized (stage3/runtime.py); gathered_params(), checkpoints, consolidation and
+frozen_whole gather exactly.
+
+[Note: qgZ reduces in fp32 after an all-to-all]
+A reduce-scatter of N chunks becomes: quantize each chunk (one payload per destination), one
+all-to-all, dequantize the N-1 received payloads and sum them in fp32 in rank order together
+with this rank's own chunk, which is never sent and stays exact. Error per element: at most
+sum over the other ranks r of absmax_r(block) / (2Q) (Q = 127 int8, 7 int4), plus fp32
+rounding of the sum. Non-finite grads stay non-finite (an inf or nan makes the block's scale
+non-finite, so every element of it dequantizes to inf or nan): the overflow skip still sees them.
+
+[Note: qgZ hierarchical over nodes]
+With hpZ the shard group is the whole 2-D mesh (m nodes x n ranks). Each link should carry
+quantized bytes once, so the reduction runs in two hops (ZeRO++'s hierarchical all-to-all):
+1. inside the node (n ranks): this rank's buffer is regrouped by the node-local index j of each
+   chunk's owner; block j (the m chunks owned by ranks with local index j, by node) goes to
+   local rank j. Received blocks are summed in fp32: local rank j now holds, for every node i,
+   the node's sum of the chunk owned by (i, j).
+2. across nodes (m ranks, the mesh column of this j): chunk i of that sum goes to node i;
+   summed in fp32, this rank holds the world's sum of its own chunk.
+Bytes per rank: (n-1)/n · E·w on the node link, (m-1)/(m·n) · E·w across nodes (w: wire bytes
+per element, 1.03 for int8), against a plain ring reduce-scatter's (N-1)/N · E · 4 (fp32).
+The error adds up over the two hops (the second quantizes partial sums).
+HSDP (shard group = the node) quantizes the reduce-scatter inside the node; the all-reduce of
+the reduced shard across nodes stays exact (its replicas must hold the same values: a
+quantized all-gather that keeps each rank's own piece exact would make them differ).
+
+[Note: qwZ over nodes]
+With hpZ the primary shards span the whole 2-D mesh, and the forward gather would be a ring over
+every rank: in a ring of R nodes x n ranks the cross-node links carry (N-1)/N of the unit's
+payloads each. Instead each rank's int8 payload crosses nodes once: an all-gather over the
+mesh column (R ranks, one per node: (R-1) payloads per rank across), then the R payloads are
+all-gathered inside the node ((n-1)·R payloads per rank, node-internal). On 2 nodes x 2 this
+sends 1 payload per rank across instead of the ring's 1.5 (rank average). The backward
+re-gathers come from the hpZ secondary (exact, inside the node).
+
+[Note: where the quantized ops run]
+On a gloo ring group (CPU tensors) the whole op runs on that group's ring thread, in the
+order of every other collective on it, and overlaps backward; elsewhere (NCCL, CUDA tensors)
+the all-to-alls are issued at once on the caller's thread (NCCL queues them on its stream).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import GroupComm, _all_gather, _Done
+
+BLOCK = 128
+BITS_Q = {8: 127, 4: 7}
+
+
+def wire_bytes(numel: int, bits: int = 8, block: int = BLOCK) -> int:
+    """Bytes of one piece's payload: codes plus fp32 scales ([Note: one payload per piece])."""
+    return numel * bits // 8 + (numel // block) * 4
+
+
+def _check_piece(numel: int, block: int) -> None:
+    if numel % block:
+        raise ValueError(f"quantized collectives need pieces of a multiple of {block} "
+                         f"elements, got {numel}")
+
+
+def pack_(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write codes then scales into the (k, P) uint8 payload rows `out` (codes (k, nc), scale
+    (k, nb))."""
+    k = out.shape[0]
+    nc = codes.numel() // k
+    out[:, :nc].copy_(codes.view(torch.uint8).view(k, nc))
+    out[:, nc:].copy_(scale.view(k, -1).contiguous().view(torch.uint8).view(k, -1))
+
+
+def unpack(payload: torch.Tensor, numel: int, bits: int, block: int = BLOCK):
+    """(k, P) uint8 payload rows -> flat codes (int8, or packed uint8 for int4), flat fp32
+    scales, in row order."""
+    nc = numel * bits // 8
+    codes = payload[:, :nc].contiguous().view(-1)
+    if bits == 8:
+        codes = codes.view(torch.int8)
+    scale = payload[:, nc:].contiguous().view(torch.float32).view(-1)
+    return codes, scale
+
+
+def _encode(codec, x: torch.Tensor, k: int, bits: int, block: int) -> torch.Tensor:
+    """(k·c,) values -> (k, P) payload rows, one per piece of c elements."""
+    c = x.numel() // k
+    codes, scale = codec.quantize(x.reshape(-1), block, bits)
+    out = torch.empty(k, wire_bytes(c, bits, block), dtype=torch.uint8, device=x.device)
+    pack_(out, codes, scale)
+    return out
+
+
+def _decode(codec, payload: torch.Tensor, c: int, bits: int, block: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """(k, P) payload rows -> (k, c) values in dtype."""
+    codes, scale = unpack(payload, c, bits, block)
+    return codec.dequantize(codes, scale, block, bits, dtype).view(payload.shape[0], c)
+
+
+# ---- qwZ: the all-gather -------------------------------------------------------------------------
+class _DequantizeOnWait:
+    """The quantized all-gather's handle: wait() dequantizes the other ranks' pieces into
+    full and copies the own piece exactly ([Note: qwZ keeps the own piece exact])."""
+
+    def __init__(self, h, payload, full, src, rank, codec, block, order=None) -> None:
+        self._h, self._payload, self._full, self._src = h, payload, full, src
+        self._rank, self._codec, self._block, self._order = rank, codec, block, order
+
+    def wait(self) -> bool:
+        if self._payload is not None:
+            self._h.wait()
+            c = self._src.numel()
+            payload = self._payload.view(-1, wire_bytes(c, 8, self._block))
+            n = payload.shape[0]
+            vals = _decode(self._codec, payload, c, 8, self._block, self._full.dtype)
+            full = self._full.view(n, c)
+            if self._order is None:
+                full.copy_(vals)
+            else:  # row k of the payload is world rank order[k]'s piece
+                full.index_copy_(0, self._order.to(full.device), vals)
+            _keep_own(full, self._rank, self._src)
+            if self._payload.device.type == "cuda":  # used by this (the compute) stream
+                self._payload.record_stream(torch.cuda.current_stream(self._payload.device))
+            self._payload = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._payload is None
+
+
+def _keep_own(full: torch.Tensor, rank: int, src: torch.Tensor) -> None:
+    """The own piece from its exact source ([Note: qwZ keeps the own piece exact])."""
+    full[rank].copy_(src)
+
+
+def all_gather_quantized_(gc: GroupComm, full: torch.Tensor, src: torch.Tensor, codec_for,
+                          label: Optional[str] = None, block: int = BLOCK):
+    """qwZ: full = every rank's src, the others' int8 block-quantized, this rank's exact.
+
+    Args:
+        gc: the group to gather over.
+        full: (N·c,) output, model dtype.
+        src: (c,) this rank's exact piece (c a multiple of `block`).
+        codec_for: device -> codec module ([module docstring]).
+        label: names the collective in the ZEROKERN_DEBUG_COLLECTIVES record.
+
+    Returns:
+        a handle; full is valid after its wait().
+    """
+    if gc.world_size == 1:
+        return gc._local(full, src)
+    c = src.numel()
+    _check_piece(c, block)
+    n = gc.world_size
+    P = wire_bytes(c, 8, block)
+    payload = torch.empty(n, P, dtype=torch.uint8, device=src.device)
+    codec = codec_for(src.device)
+    mine = payload[gc.rank:gc.rank + 1]
+    pack_(mine, *codec.quantize(src, block, 8))
+    h = gc.all_gather_(payload.view(-1), mine.view(-1), async_op=True, label=label)
+    return _DequantizeOnWait(h, payload, full, src, gc.rank, codec, block)
+
+
+class HierGather:
+    """qwZ's forward gathers with hpZ, in two hops so each payload crosses nodes once
+    ([Note: qwZ over nodes]): an all-gather of the int8 payloads across nodes (mesh dim 0),
+    then of the R payloads so gathered inside the node (a process group of its own, used only
+    from the cross group's ring thread, so its order is that thread's)."""
+
+    def __init__(self, world: GroupComm, cross: GroupComm, node: GroupComm,
+                 node_ranks: Sequence[Sequence[int]]) -> None:
+        self.world, self.cross, self.node = world, cross, node
+        R, n = len(node_ranks), len(node_ranks[0])
+        world_rank = {dist.get_global_rank(world.group, w): w for w in range(world.world_size)}
+        # row j·R + i of the gathered payloads is the piece of world rank world_rank[(i, j)]
+        self.order = torch.tensor([world_rank[node_ranks[i][j]] for j in range(n)
+                                   for i in range(R)])
+
+    def all_gather_(self, full: torch.Tensor, src: torch.Tensor, codec_for,
+                    label: Optional[str] = None, block: int = BLOCK):
+        """As all_gather_quantized_ over the world, in the two hops."""
+        c = src.numel()
+        _check_piece(c, block)
+        R, n = self.cross.world_size, self.node.world_size
+        P = wire_bytes(c, 8, block)
+        codec = codec_for(src.device)
+        hop1 = torch.empty(R, P, dtype=torch.uint8, device=src.device)
+        pack_(hop1[self.cross.rank:self.cross.rank + 1], *codec.quantize(src, block, 8))
+        out = torch.empty(n, R * P, dtype=torch.uint8, device=src.device)
+        for gc, buf in ((self.cross, hop1), (self.node, out)):
+            gc._record("all_gather", buf, label)
+            gc.stats.add("all_gather", (gc.world_size - 1) * buf.numel() // gc.world_size,
+                         gc.dim)
+        if self.cross._ring_for(src) is not None:  # [Note: where the quantized ops run]
+            h = self.cross._on_ring(True, _two_gathers, self, hop1, out)
+        else:
+            if self.cross.abort is not None:
+                self.cross.abort.next_index()
+            _two_gathers(self, hop1, out)
+            h = _Done()
+        return _DequantizeOnWait(h, out, full, src, self.world.rank, codec, block, self.order)
+
+
+def _gather_on(gc: GroupComm, out: torch.Tensor, mine: torch.Tensor) -> None:
+    """out (k·m,) = every rank's `mine` (m,) of gc, on the calling thread."""
+    m = mine.numel()
+    out[gc.rank * m:(gc.rank + 1) * m].copy_(mine)
+    if gc.ring is not None and out.device.type == "cpu":
+        gc.ring.all_gather(out)
+    else:
+        _all_gather(out, out[gc.rank * m:(gc.rank + 1) * m].clone(), group=gc.group)
+
+
+def _two_gathers(hg: HierGather, hop1: torch.Tensor, out: torch.Tensor) -> None:
+    _gather_on(hg.cross, hop1.view(-1), hop1[hg.cross.rank].clone())
+    _gather_on(hg.node, out.view(-1), hop1.view(-1))
+
+
+# ---- qgZ: the reduce-scatter ---------------------------------------------------------------------
+class Level:
+    """One hop of a quantized reduce-scatter: a group, and the order (by destination) in which
+    the chunks of this hop's input are laid out (None: already in the group's rank order)."""
+
+    def __init__(self, gc: GroupComm, perm: Optional[List[int]] = None) -> None:
+        self.gc, self.perm = gc, perm
+
+    def split(self) -> Level:
+        return Level(self.gc.split(), self.perm)
+
+
+def _a2a_reduce(gc: GroupComm, send: torch.Tensor, codec, bits: int, block: int,
+                label: Optional[str]) -> torch.Tensor:
+    """send (k, L) rows by destination rank of gc -> (L,) fp32: the sum over the group of
+    the rows this rank is the destination of; the own row exact ([Note: qgZ reduces ...])."""
+    k, L = send.shape
+    if k == 1:
+        return send[0].float()
+    payload = _encode(codec, send, k, bits, block)
+    recv = torch.empty_like(payload)
+    dist.all_to_all_single(recv, payload, group=gc.group)
+    vals = _decode(codec, recv, L, bits, block, torch.float32)
+    vals[gc.rank].copy_(send[gc.rank])
+    return vals.sum(dim=0)
+
+
+def _account(gc: GroupComm, k: int, L: int, bits: int, block: int, label) -> None:
+    payload_row = wire_bytes(L, bits, block)
+    if gc.log is not None:  # ZEROKERN_DEBUG_COLLECTIVES: the payload's dtype and size
+        gc._record("reduce_scatter", torch.empty(k * payload_row, dtype=torch.uint8), label)
+    gc.stats.add("reduce_scatter", (k - 1) * payload_row, gc.dim)
+
+
+def _reduce_levels(levels: Sequence[Level], out: torch.Tensor, inp: torch.Tensor, codec,
+                   bits: int, block: int, label) -> None:
+    x = inp
+    for lv in levels:
+        k = lv.gc.world_size
+        rows = x.view(-1, out.numel())
+        if lv.perm is not None:  # regroup the chunks by this hop's destination
+            rows = rows.index_select(0, torch.as_tensor(lv.perm, device=rows.device))
+        x = _a2a_reduce(lv.gc, rows.reshape(k, -1), codec, bits, block, label)
+    out.copy_(x)
+
+
+def reduce_scatter_quantized_(levels: Sequence[Level], out: torch.Tensor, inp: torch.Tensor,
+                              bits: int, codec_for: Callable, async_op: bool = False,
+                              label: Optional[str] = None, block: int = BLOCK):
+    """qgZ: out = this rank's chunk of the sum over every rank of inp, sent int8/int4
+    block-quantized in one all-to-all per level, reduced in fp32 ([Note: qgZ reduces in fp32
+    after an all-to-all], [Note: qgZ hierarchical over nodes]).
+
+    Args:
+        levels: the hops (one for a flat group; node then cross-node with hpZ); the product
+            of their sizes is the number of chunks in inp.
+        out: (c,) the reduced chunk (may alias inp's own chunk: stage 1 reduces in place).
+        inp: (N·c,) this rank's contribution, chunk r for rank r of the flat layout.
+        bits: 8 or 4.
+        codec_for: device -> codec module.
+
+    Returns:
+        a handle (async_op) or a completed one.
+    """
+    first = levels[0].gc
+    if all(lv.gc.world_size == 1 for lv in levels):
+        return first._local(out, inp)
+    _check_piece(out.numel(), block)
+    codec = codec_for(inp.device)
+    left = inp.numel()
+    for lv in levels:  # count (and record) every hop now, in issue order
+        k = lv.gc.world_size
+        if k > 1:
+            _account(lv.gc, k, left // k, bits, block, label)
+        left //= k
+    if first._ring_for(inp) is not None:  # [Note: where the quantized ops run]
+        return first._on_ring(async_op, _reduce_levels, levels, out, inp, codec, bits, block,
+                              label)
+    for lv in levels[1:]:
+        if lv.gc.ring is not None:
+            lv.gc.ring.drain()
+    if first.abort is not None:
+        first.abort.next_index()
+    _reduce_levels(levels, out, inp, codec, bits, block, label)
+    return _Done()
+
+
+def hierarchical_levels(world: GroupComm, node: GroupComm, cross: GroupComm,
+                        node_ranks: Sequence[Sequence[int]]) -> List[Level]:
+    """The two hops of [Note: qgZ hierarchical over nodes] for a reduce-scatter over `world`.
+
+    Args:
+        world: the flat group the layout is sharded over (chunk w for its rank w).
+        node, cross: this rank's node group (mesh dim 1) and cross-node group (mesh dim 0).
+        node_ranks: the mesh as global ranks, node_ranks[i][j] (node i, local index j).
+    """
+    m, n = len(node_ranks), len(node_ranks[0])
+    where = {g: (i, j) for i, row in enumerate(node_ranks) for j, g in enumerate(row)}
+    me = where[dist.get_rank()]
+    if dist.get_process_group_ranks(node.group) != list(node_ranks[me[0]]) or \
+            dist.get_process_group_ranks(cross.group) != [row[me[1]] for row in node_ranks]:
+        raise ValueError("mesh: its dim-1 and dim-0 groups do not list the ranks in mesh "
+                         "order; qgZ's hierarchical reduce-scatter cannot place the chunks")
+    owner = [where[dist.get_global_rank(world.group, w)] for w in range(world.world_size)]
+    # hop 1: chunks grouped by the owner's local index j, by node i inside a group
+    perm1 = sorted(range(world.world_size), key=lambda w: (owner[w][1], owner[w][0]))
+    return [Level(node, perm1), Level(cross, None)] if m > 1 and n > 1 else \
+        [Level(world, None)]
+
+
+def check_quantized(quantized_weights, quantized_gradients, stage: int,
+                    offload_params: Optional[str]):
+    """Validate the ZeRO++ keywords before anything changes; (qwz: bool, grad bits or None).
+
+    Raises:
+        TypeError: quantized_weights not a bool, quantized_gradients not a bool or str.
+        ValueError: quantized_weights at stage < 3 or with offload_params, quantized_gradients
+            not one of False/True/"int8"/"int4" or at stage 0.
+    """
+    if not isinstance(quantized_weights, bool):
+        raise TypeError("quantized_weights must be True or False, got "
+                        f"{type(quantized_weights).__name__}")
+    if quantized_weights and stage != 3:
+        raise ValueError("quantized_weights=True (qwZ) quantizes stage 3's param all-gathers; "
+                         f"stages 0-2 gather no params in forward, got stage={stage}")
+    if quantized_weights and offload_params is not None:
+        raise ValueError("quantized_weights=True does not support offload_params (got "
+                         f"offload_params={offload_params!r})")
+    if not isinstance(quantized_gradients, (bool, str)):
+        raise TypeError('quantized_gradients must be False, True, "int8" or "int4", got '
+                        f"{type(quantized_gradients).__name__}")
+    bits = {False: None, True: 8, "int8": 8, "int4": 4}.get(quantized_gradients, "bad")
+    if bits == "bad":
+        raise ValueError('quantized_gradients must be False, True, "int8" or "int4", got '
+                         f"{quantized_gradients!r}")
+    if bits is not None and stage == 0:
+        raise ValueError("quantized_gradients (qgZ) quantizes the gradient reduce-scatter of "
+                         "stages 1-3; stage 0 all-reduces full gradients, got stage=0")
+    return quantized_weights, bits
