@@ -28,3 +28,16 @@ def positive_float(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
+
+
+def mesh_shape(text: str) -> tuple:
+    """argparse type: a 2-D data-parallel mesh "RxS" (replicate x shard), e.g. "2x2"."""
+    parts = text.lower().split("x")
+    try:
+        r, s = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RxS (replicate x shard ranks, e.g. 2x2), "
+                                         f"got {text!r}") from None
+    if r < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"both dims must be >= 1, got {text!r}")
+    return r, s

@@ -153,6 +153,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, t0: flo
 
         if not launch.under_torchrun():
             launch.plan(cfg)  # --nproc / --device against the GPUs, before anything starts
+        else:  # --mesh against torchrun's world, before the process group starts
+            launch.check_mesh(cfg, int(os.environ["WORLD_SIZE"]))
     except ValueError as e:
         parser.error(str(e))
     return train.run(cfg, t0)

@@ -11,6 +11,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from zerokern.accounting.estimate import COMMS, estimate
+from zerokern.accounting.mesh import mesh_lines
 from zerokern.accounting.model_spec import load_model, spec_from_model, spec_from_numel
 
 from .optimizer_args import PRECISIONS
@@ -31,7 +32,7 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p) -> None:
-    from .argtypes import int_at_least, positive_float
+    from .argtypes import int_at_least, mesh_shape, positive_float
 
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, metavar="N",
@@ -66,6 +67,12 @@ def add_arguments(p) -> None:
     p.add_argument("--comm", choices=list(COMMS), default="nccl",
                    help="collective backend: offload's host buffers are pinned for nccl "
                         "only (default nccl)")
+    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="RxS",
+                   help="a 2-D (replicate, shard) data-parallel mesh of R*S ranks (HSDP: "
+                        "sharded over S, replicated over R); sets --world-size")
+    p.add_argument("--hpz", action="store_true",
+                   help="with --mesh at stage 3: ZeRO++'s hpZ (sharded over all ranks plus a "
+                        "secondary copy over S)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -110,13 +117,22 @@ _PARAM_DISK_ROWS = [("params", "disk: param shards (2 halves)"),
                     ("frozen", "disk: frozen shards")]
 
 
+def _world_text(r0) -> str:
+    d = r0.get("mesh")
+    if d is None or (d["replicate"] == 1 and "hpz" not in d):
+        return f"world size {r0['world_size']}"
+    if "hpz" in d:
+        return f"mesh {d['world'] // d['hpz']}x{d['hpz']} with hpZ ({d['world']} ranks)"
+    return f"mesh {d['replicate']}x{d['shard']} ({d['world']} ranks)"
+
+
 def format_table(results: List[Dict[str, Any]]) -> str:
     """The human-readable table: one column per stage."""
     r0 = results[0]
     what = f"{r0['num_params']:,} params" if r0["model"] == "--params" else \
         f"{r0['model']} ({r0['num_params']:,} params)"
     head = (f"zerokern estimate: {what}, "
-            f"world size {r0['world_size']}, {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
+            + _world_text(r0) + f", {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
             f"offload {r0['offload'] or 'none'}"
             + (f", offload_params {r0['offload_params']}" if r0.get("offload_params") else "")
             + f", optimizer {r0.get('optimizer', 'adamw')}"
@@ -132,6 +148,9 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         else:
             cells = [human_bytes(r["bytes"][key]) for r in results]
         table.append((label, cells))
+    if any("hpz_secondary" in r["bytes"] for r in results):
+        table.append(("hpZ secondary (16-bit, over S)",
+                      [human_bytes(r["bytes"].get("hpz_secondary", 0)) for r in results]))
     table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
     poff = any(r.get("offload_params") for r in results)
     if any(r["offload"] for r in results) or poff:
@@ -180,6 +199,18 @@ def main(args) -> int:
     else:
         model, desc = load_model(args.model)
         spec = spec_from_model(model, desc)
+    if args.mesh is not None:  # the mesh's ranks are the world
+        n = args.mesh[0] * args.mesh[1]
+        if args.world_size not in (1, n):
+            raise ValueError(f"--mesh {args.mesh[0]}x{args.mesh[1]} has {n} ranks but "
+                             f"--world-size is {args.world_size}; give one of them")
+        args.world_size = n
+    if args.hpz and args.mesh is None:
+        raise ValueError("--hpz needs --mesh RxS")
+    if args.hpz and not args.stage:
+        args.stage = [3]  # hpZ is stage 3's
+    if args.hpz and args.stage != [3] and sorted(set(args.stage)) != [3]:
+        raise ValueError("--hpz is for --stage 3")
     if not 0 <= args.rank < args.world_size:
         raise ValueError(f"--rank must be in [0, --world-size), got {args.rank}")
     offload = None if args.offload == "none" else args.offload
@@ -195,9 +226,12 @@ def main(args) -> int:
         stages = [1, 2, 3] if offload else [0, 1, 2, 3]
     results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
                         args.rank, args.comm, offload_params, args.master,
-                        optimizer=args.optimizer) for s in stages]
+                        optimizer=args.optimizer, mesh=args.mesh, hpz=args.hpz)
+               for s in stages]
     if args.json:
         print(json.dumps({"results": results}, indent=1))
     else:
         print(format_table(results))
+        if args.mesh is not None:
+            print("\n".join(mesh_lines(results)))
     return 0

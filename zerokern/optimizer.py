@@ -41,7 +41,7 @@ from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
 from . import kernels
-from .comm.mesh import check_hpz, check_mesh, make_comm
+from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
 from .comm.quantized import check_quantized
 from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, UnfreezeWatch
@@ -204,6 +204,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
         tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
                                            process_group)
+        # one all-gather of the layout, ValueError on every rank if it differs
+        check_same_everywhere(mesh, process_group, hpz, stage, quantized_weights=qwz,
+                              quantized_gradients=qgz_bits)
         comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, codec_for)
         self.tp = make_tensor_parallel(tp_checked, comm.stats)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
@@ -282,6 +285,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         # [found_inf, sumsq] (+ the tp-replicated part's sumsq with tensor parallelism)
         self._stats = torch.zeros(2 if self.tp is None else 3, dtype=torch.float32, device=dev)
         self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
+        # grads/model_parallel.py: set by zerokern.initialize(mpu=...), else None
+        self.model_parallel = None
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         self._prepared = None         # grad_sync.generation whose stats are in _stats
@@ -363,9 +368,12 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         stats = self._stats
         stats.zero_()
         found, sumsq = stats[0], stats[1]
+        mp = self.model_parallel
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             if self._tp_stats is not None:  # tp-sharded and replicated elements apart
                 self._tp_stats.stats_(gi, k, gs.grad_piece(gi, k), stats, self.backend)
+            elif mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
+                mp.stats_(gs.grad_piece(gi, k), gi, k, found, sumsq, self._grad_stats)
             else:
                 kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
         averaged = self.pattern.grads_averaged
@@ -374,11 +382,16 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
         if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)
             self.tp.combine_(stats)
+        if mp is not None:  # the other slices of the model (tensor / pipeline ranks)
+            mp.all_reduce_(stats)
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
+
+    def _grad_stats(self, grad, found, sumsq) -> None:
+        kernels.grad_stats_(grad, found, sumsq, backend=self.backend)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -98,11 +98,14 @@ class OptimizerApiMixin:
         if tp is not None and p != math.inf:  # (tp-replicated elements would count tp times)
             raise ValueError(f"norm_type={p} is not supported with tensor parallelism (DTensor "
                              "params); use norm_type=2 or inf")
-        gs = self.grad_sync
-        parts = [gs.grad_piece(gi, k).float() for gi, g in enumerate(self.flat_groups)
-                 for k in range(g.layout.n_buckets)]
+        gs, mp = self.grad_sync, self.model_parallel
+        parts = [t.float() for gi, g in enumerate(self.flat_groups)
+                 for k in range(g.layout.n_buckets)
+                 for t in ([gs.grad_piece(gi, k)] if mp is None
+                           else mp.counted(gs.grad_piece(gi, k), gi, k))]
         if p == math.inf:
-            acc = torch.stack([t.abs().max() for t in parts if t.numel()]).max()
+            zero = torch.zeros((), dtype=torch.float32, device=self._stats.device)
+            acc = torch.stack([t.abs().max() for t in parts if t.numel()] or [zero]).max()
             op = torch.distributed.ReduceOp.MAX
         else:
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
@@ -113,6 +116,8 @@ class OptimizerApiMixin:
             self.comm.world.all_reduce_(acc, op=op)
         if tp is not None:  # the max over the tp shards too
             tp.comm.all_reduce_(acc, op=op)
+        if mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
+            mp.all_reduce_(acc, op=op)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
     @property
@@ -144,9 +149,16 @@ class OptimizerApiMixin:
 
         Returns:
             A dict per collective type (all_reduce, reduce_scatter, all_gather) with the bytes
-            sent and the number of calls.
+            sent and the number of calls; `dims`: the same per group ("shard", "replicate",
+            "world", "hpz"); on a 2-D mesh `nodes`: {"intra_node", "inter_node"} bytes, dim 1
+            of the mesh being a node (zerokern.accounting.mesh.node_split).
         """
+        from .accounting.mesh import node_split
+
         out = self.comm.stats.as_dict()
+        split = node_split(out["dims"], self.comm.dims)
+        if split is not None:
+            out["nodes"] = split
         if reset:
             self.comm.stats.reset()
         return out

@@ -106,10 +106,12 @@ class _InstantComm:
         def wait(self) -> bool:
             return True
 
-    def __init__(self, world_size: int, rank: int) -> None:
+    def __init__(self, world_size: int, rank: int, node=None) -> None:
         self.world_size, self.rank = world_size, rank
         self.shard = self.world = self  # the roles of zerokern.comm.Comm, one group
-        self.replicate = self.hpz = None
+        self.replicate = None
+        # hpZ: the node group (size, rank) the secondary copies are sharded over
+        self.hpz = None if node is None else _InstantComm(*node)
         self.qwz = False  # quantized gathers hold the same buffers (their payloads are transient)
 
     def reduce_scatter_(self, out, inp, async_op=False, label=None):
@@ -183,12 +185,13 @@ class _GradOf:
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype,
-                   idx=None):
+                   idx=None, node=None):
     """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
     One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
     a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
-    (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound()).
+    (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound(), bytes of
+    hpZ's secondary copies: node = (node size, rank in it), None without hpZ).
     """
     from zerokern.stage3 import ShardedFlat, Stage3Runtime, Unit
 
@@ -210,18 +213,21 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
               for i, us in enumerate(spec.units) if us.frozen]
     where = {j: (fi, slot) for fi, (_, _, js) in enumerate(members)
              for slot, j in enumerate(js)}
-    sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank), reduce_dtype, stubs[0],
-                      frozen)
+    sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank, node), reduce_dtype,
+                         stubs[0], frozen)
     try:
         stubs[0].calls = [stubs[i] for i in spec.fwd_units]
         stubs[0]()
+        # hpZ: the secondaries the forward kept (a run's backward frees the root while in
+        # backward, which keeps none; this replay has no autograd to do that)
+        secondary = sum(t.numel() * t.element_size() for t in sync.held().get("hpz", []))
         for j in spec.grad_order:
             fi, slot = where[j]
             sync.on_grad(fi, slot, _GradOf(torch.empty(spec.shapes[j], dtype=dtype,
                                                        device="meta")))
         sync.end_backward()
         staging = sum(t.untyped_storage().nbytes() for t in sync.held()["buckets"])
-        return flats, frozen, staging, sync.live_bound()
+        return flats, frozen, staging, sync.live_bound(), secondary
     finally:
         sync.detach()
 
@@ -271,7 +277,8 @@ def _param_groups(spec: ModelSpec, rule, offload, master):
 def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf16",
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
              comm: str = "nccl", offload_params: Optional[str] = None,
-             master: str = "fp32", optimizer="adamw") -> Dict[str, Any]:
+             master: str = "fp32", optimizer="adamw", mesh=None,
+             hpz: bool = False) -> Dict[str, Any]:
     """Bytes per rank per category for zerokern at `stage`, with both formulas beside them.
 
     Args:
@@ -291,6 +298,9 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             model: its default split, Muon for the matrices and AdamW for the rest, two param
             groups; needs a model spec) or a zerokern.rules.Rule: its state list gives the
             optimizer categories (K = 12, 8, 8 / 12 bytes/param with the master).
+        mesh: None, or (R, S): ZeroAdamW(mesh=) a 2-D (replicate, shard) mesh with
+            R * S = world_size; [Note: per-rank bytes on a mesh] in accounting/mesh.py.
+        hpz: stage 3 with a mesh: ZeroAdamW(hpz=True); adds `hpz_secondary`.
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
     `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
@@ -301,6 +311,12 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
+    from zerokern.accounting.mesh import mesh_dims
+
+    dims = mesh_dims(mesh, hpz, world_size, stage, offload_params)  # ValueError naming mesh
+    # the layout's sharding: over S (HSDP) or every rank (hpZ); rank = its rank there
+    world_size, rank, global_rank = dims["shard"], rank % dims["shard"], rank
+    node = (dims["hpz"], rank % dims["hpz"]) if hpz else None
     from zerokern.stage3 import param_offload as PO
 
     PO.check_args(offload_params, stage, offload)
@@ -341,8 +357,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
     else:
-        flats, frozen, b["buckets"], live_bound = _stage3_replay(spec, dtype, world_size, rank,
-                                                                 dtype, idx)
+        flats, frozen, b["buckets"], live_bound, secondary = _stage3_replay(
+            spec, dtype, world_size, rank, dtype, idx, node)
+        if hpz:
+            b["hpz_secondary"] = secondary
         layouts = [f.layout for f in flats]
         layout_rules = [rules[f.group_index] for f in flats]
         for f in frozen:  # frozen shards: this rank's piece, cast to the precision
@@ -407,12 +425,16 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         formula["total"] += formula["frozen"]
     if offload_params:
         PO.formula_(formula, offload_params)
+    if hpz:  # as memory_report(): (Ψ + Φ)·e/n, n the node group's size
+        formula["hpz_secondary"] = int(round((spec.num_params + spec.num_frozen) * e /
+                                             dims["hpz"]))
+        formula["total"] += formula["hpz_secondary"]
     pinned = (offload == "nvme" or offload_params) and comm == "nccl"
     return {
         "model": spec.name, "num_params": spec.num_params, "world_size": world_size,
         "stage": stage, "precision": precision, "bucket_mb": bucket_mb, "offload": offload,
         "offload_params": offload_params, "master": master, "optimizer": rule.name,
-        "rank": rank, "comm": comm, "exact": exact,
+        "rank": global_rank, "comm": comm, "exact": exact, "mesh": dims,
         "bytes": b, "device_total": sum(b.values()), "host": host,
         "host_total": sum(host.values()), "live_units_bound": live_bound,
         "host_pinned": sum(host.values()) if pinned else 0,

@@ -25,6 +25,17 @@ POLL_S while waiting (about 0.1 ms on a local TCPStore). The store is the defaul
 (torch.distributed's private `_get_default_store`); without it (or at world size 1) there is
 nothing to post and waits are plain waits.
 
+[Note: aborts cross groups] With a mesh a rank is in several groups (shard, replicate, world,
+hpZ's node group) and its peers in one group may be waiting in another: rank 2 of a 2x2 mesh
+learns of rank 0's failure in their replicate group, while rank 3 waits for rank 2 in their
+shard group. So a rank that raises RankAborted posts it on every other channel of this
+process before raising: the failure crosses every group one hop at a time, and every rank of
+the mesh raises, none waits for the timeout. Such a post counts for every collective (index
+-1), not from this rank's issued count: what it queued on a ring behind the collective that
+never completes will never run either (measured: at the issued count, rank 0 of a 2x2 mesh
+waited for its replicate all-reduce with rank 2, queued behind rank 2's stuck reduce-scatter,
+until the timeout). The process group is out of step after any RankAborted anyway.
+
 Ring waits only: gloo's default path (comm/ring.py) runs every collective on a thread of ours,
 whose futures can be polled; with ZEROKERN_GLOO_RING=0 a gloo Work's is_completed() was seen
 never to turn True for its reduce-scatter, so those waits are torch's, unwatched. On NCCL a
@@ -35,12 +46,22 @@ communicator, not written here (no GPU to test it on).
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 POLL_S = 0.05  # s between store checks while a collective has not landed
+_ALL: list = []  # every AbortChannel of this process ([Note: aborts cross groups])
+_ON_ABORT: list = []  # called with the reason when this rank raises RankAborted (ring.py)
+
+
+def on_abort(method: Callable[[str], None]) -> None:
+    """Call the bound method(reason) when this process raises RankAborted ([Note: a failed
+    ring stops]); held weakly, so its object (a ring and its thread) can still be freed."""
+    _ON_ABORT[:] = [m for m in _ON_ABORT if m() is not None]
+    _ON_ABORT.append(weakref.WeakMethod(method))
 
 
 class RankAborted(RuntimeError):
@@ -59,26 +80,32 @@ class AbortChannel:
     """Per process group: post this rank's failure, and see the peers' while waiting."""
 
     def __init__(self, group, rank: int) -> None:
-        self.rank = rank
+        # the global rank: posts name it, and a failure crosses groups ([Note: aborts cross
+        # groups]), where group ranks would name different processes
+        self.rank = dist.get_rank() if dist.is_initialized() else rank
         self.issued = 0          # collectives issued on this group (and its split) so far
         self._mine = set()       # `issued` at each of this rank's posts
         self.store = _default_store()
         name = getattr(group, "group_name", None) or "world"
         self.key = f"zerokern/abort/{name}"
+        _ALL.append(self)
 
     def next_index(self) -> int:
         i = self.issued
         self.issued += 1
         return i
 
-    def signal(self, error: BaseException) -> None:
-        """Post this rank's error (then the caller raises it)."""
+    def signal(self, error: BaseException, at: Optional[int] = None) -> None:
+        """Post this rank's error (then the caller raises it): peers waiting in collective
+        `at` (default: the next one this rank would issue) or later raise."""
         if self.store is None:
             return
-        n = self.issued
+        n = self.issued if at is None else at
         self._mine.add(n)
-        try:
-            msg = f"{type(error).__name__}: {error}"[:4000]
+        try:  # "origin|message": a RankAborted passes on the failure it was told of
+            origin = getattr(error, "origin", self.rank)
+            root = getattr(error, "root", None) or f"{type(error).__name__}: {error}"
+            msg = f"{origin}|{root}"[:4000]
             self.store.set(f"{self.key}/{self.rank}/{n}", msg)
             self.store.append(self.key, f"{self.rank}:{n};")
         except Exception:  # noqa: BLE001 - the store is gone: the caller's error stands
@@ -94,12 +121,21 @@ class AbortChannel:
                 continue
             r, n = (int(x) for x in rec.split(":"))
             if r != self.rank and n <= index and n not in self._mine:
-                msg = self.store.get(f"{self.key}/{r}/{n}").decode()
-                raise RankAborted(
-                    f"zerokern: rank {r} failed and stopped before a collective this rank "
+                origin, _, msg = self.store.get(f"{self.key}/{r}/{n}").decode().partition("|")
+                err = RankAborted(
+                    f"zerokern: rank {origin} failed and stopped before a collective this rank "
                     f"(rank {self.rank}) is waiting in: {msg}\nEvery rank raises this; the "
                     "process group is now out of step and cannot be used again: exit and "
                     "restart from the last checkpoint")
+                err.origin, err.root = int(origin), msg
+                for ch in _ALL:  # [Note: aborts cross groups]
+                    if ch is not self:
+                        ch.signal(err, at=-1)
+                for ref in _ON_ABORT:  # [Note: a failed ring stops] in ring.py
+                    fn = ref()
+                    if fn is not None:
+                        fn(f"rank {origin} failed")
+                raise err
 
     def wait(self, done: Callable[[Optional[float]], bool], index: int) -> None:
         """Block until done(timeout) says the collective landed, checking the peers' posts
@@ -110,6 +146,22 @@ class AbortChannel:
             return
         while not done(POLL_S):
             self.check(index)
+
+
+class Watch:
+    """AbortChannel.wait over several (channel, index) pairs: a handle whose collectives run
+    on more than one group (comm/groups.py's HSDP reduce-scatter then replicate all-reduce)."""
+
+    def __init__(self, *pairs) -> None:
+        self.pairs = [(c, i) for c, i in pairs if c is not None]
+
+    def wait(self, done: Callable[[Optional[float]], bool], index: int = 0) -> None:
+        if all(c.store is None for c, _ in self.pairs):
+            done(None)
+            return
+        while not done(POLL_S):
+            for c, i in self.pairs:
+                c.check(i)
 
 
 def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .abort import Watch
 from .collectives import CommStats, GroupComm, _Done
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
@@ -185,7 +186,10 @@ class Comm:
             if ring is not None and isinstance(h, FutureWork):
                 rep.account("all_reduce", out, label)
                 fut = ring.submit(_after, h, out, rep.group)
-                h = FutureWork(fut)
+                # watched on both groups (comm/abort.py): a replica that failed never joins
+                watch = Watch((self.shard.abort, h.index),
+                              (rep.abort, rep.abort.next_index() if rep.abort else 0))
+                h = FutureWork(fut, watch, 0)
             else:
                 h = _Then(h, lambda: rep.all_reduce_(out, async_op=True, label=label))
         if not async_op:

@@ -103,6 +103,70 @@ def check_hpz(hpz: Any, shape: Optional[Tuple[int, ...]], stage: int,
                          f"live on the device); got offload_params={offload_params!r}")
 
 
+def _dp_world_group(ranks):
+    """The one process group of these (sorted) dp ranks: WORLD for every rank, else made
+    once (groups are never destroyed; only these ranks take part in creating it)."""
+    if list(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    key = tuple(ranks)
+    if key not in _WORLD_GROUPS:
+        _WORLD_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _WORLD_GROUPS[key]
+
+
+def _describe(d: dict) -> str:
+    extra = "".join(f", {k}={v}" for k, v in sorted(d.get("extra", {}).items()))
+    return (f"{'mesh ' + str(d['mesh']) if d['mesh'] is not None else 'no mesh'}, "
+            f"process_group {d['pg']}, hpz={d['hpz']}, stage {d['stage']}{extra}")
+
+
+def check_same_everywhere(mesh, process_group, hpz: bool, stage: int, **extra) -> None:
+    """[Note: one data-parallel layout] Every dp rank must pass the same mesh (shape and rank
+    order), process group ranks, hpz and stage: otherwise their collectives differ (a 2x2 mesh
+    reduce-scatters over 2 ranks, a 1-D one over 4) and the first step would hang or compute
+    garbage. One all_gather_object of that description over the dp ranks' own group (the same
+    group whichever layout each rank chose: keyed by the sorted ranks), once at construction,
+    a few hundred bytes; a difference raises ValueError naming mesh/hpz/stage on every rank,
+    before anything changes. The local checks (check_mesh) run first, and a rank whose dp
+    ranks differ from its peers' (another set of ranks) is not in their group: it cannot be
+    told apart here, and gets the process-group timeout's error instead.
+
+    Args:
+        mesh: the checked mesh, or None.
+        process_group: the process group, or None.
+        hpz: ZeroAdamW's hpz.
+        stage: ZeroAdamW's stage.
+        **extra: other settings that change the collectives (the quantized ones), compared
+            and named the same way.
+
+    Raises:
+        ValueError: the ranks passed different layouts (on every rank).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if mesh is not None:
+        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    elif process_group is not None:
+        ranks = sorted(dist.get_process_group_ranks(process_group))
+    else:
+        ranks = list(range(dist.get_world_size()))
+    if len(ranks) == 1:
+        return
+    me = {"mesh": None if mesh is None else mesh.mesh.tolist(),
+          "pg": None if process_group is None else dist.get_process_group_ranks(process_group),
+          "hpz": bool(hpz), "stage": int(stage), "extra": dict(extra)}
+    if mesh is None and me["pg"] is None:  # the default group: WORLD, as given explicitly
+        me["pg"] = list(range(dist.get_world_size()))
+    seen = [None] * len(ranks)
+    dist.all_gather_object(seen, me, group=_dp_world_group(ranks))
+    if any(d != seen[0] for d in seen):
+        lines = "; ".join(f"rank {r}: {_describe(d)}" for r, d in zip(ranks, seen))
+        raise ValueError("mesh / process_group / hpz / stage / quantization differ across the "
+                         "data-parallel "
+                         f"ranks ({lines}): every rank must build ZeroAdamW with the same "
+                         "mesh (shape and rank order), hpz and stage; nothing was changed")
+
+
 def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
     """The Comm of a checked mesh (check_mesh first): 1-D shards over it; 2-D (replicate,
     shard) shards over dim 1 and replicates over dim 0, agreeing over all its ranks; 2-D with
@@ -115,10 +179,7 @@ def comm_from_mesh(mesh, process_group=None, hpz: bool = False) -> Comm:
     elif ranks == list(range(dist.get_world_size())):
         world = dist.group.WORLD
     else:  # a dp sub-mesh: a group of its ranks; only they take part in creating it
-        key = tuple(ranks)
-        if key not in _WORLD_GROUPS:
-            _WORLD_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
-        world = _WORLD_GROUPS[key]
+        world = _dp_world_group(ranks)
     if hpz:
         return Comm.hpz_mesh(world, mesh.get_group(1))
     return Comm.mesh(mesh.get_group(1), mesh.get_group(0), world)

@@ -16,11 +16,12 @@ overlaps with the caller's backward pass: the waits and the adds release the GIL
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .abort import polled
+from .abort import on_abort, polled
 
 
 class RingRunner:
@@ -36,9 +37,33 @@ class RingRunner:
             (rank - 1) % world_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
         self._last: Future = None  # the latest submitted job (the queue runs in order)
+        # [Note: a failed ring stops] the first failure of a job, or a RankAborted
+        self._broken: Optional[str] = None
+        on_abort(self.stop)
+
+    def stop(self, why: str) -> None:
+        """No job submitted or queued from now on communicates: each raises at once.
+
+        [Note: a failed ring stops] After a collective failed on this group (a peer died, a
+        RankAborted), the jobs queued behind it must not run: their sends would meet peers
+        that stopped at another collective, and gloo aborts the whole process on a message of
+        the wrong size (seen as SIGABRT, 'Received data size doesn't match expected size',
+        on a 2x2 mesh after one rank died). Each raises instead, at its handle."""
+        if self._broken is None:
+            self._broken = why
+
+    def _run(self, fn, *args):
+        if self._broken is not None:
+            raise RuntimeError("zerokern: an earlier collective on this process group failed "
+                               f"({self._broken}); this one was not run")
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.stop(f"{type(e).__name__}: {e}"[:500])
+            raise
 
     def submit(self, fn, *args) -> Future:
-        self._last = self._pool.submit(fn, *args)
+        self._last = self._pool.submit(self._run, fn, *args)
         return self._last
 
     def drain(self) -> None:
@@ -86,6 +111,11 @@ class FutureWork:
 
     def __init__(self, fut: Future, abort=None, index: int = 0) -> None:
         self._fut, self._abort, self._index = fut, abort, index
+
+    @property
+    def index(self) -> int:
+        """The collective's number on its group's failure channel (abort.py)."""
+        return self._index
 
     def wait(self) -> bool:
         if self._abort is not None and not self._fut.done():

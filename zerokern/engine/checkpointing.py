@@ -52,6 +52,14 @@ def _raise_first(seen, errors_at: int = 0) -> None:
 class CheckpointMixin:
     """save_checkpoint / load_checkpoint / save_16bit_model for ZeroEngine."""
 
+    def _no_mpu(self, what: str) -> None:
+        # With an mpu every model-parallel slice would write the same rank-numbered files
+        # (ranks are numbered in the data-parallel group): refused until checkpoints learn
+        # DeepSpeed's mp_rank_XX layout, rather than overwrite each other.
+        if getattr(self, "mpu", None) is not None:
+            raise NotImplementedError(f"{what} with mpu= (model parallelism) is not supported "
+                                      "yet; nothing written or read")
+
     def _gather(self, item) -> list:
         if self.world_size == 1:
             return [item]
@@ -97,6 +105,7 @@ class CheckpointMixin:
                 differ across ranks: on every rank, before anything is written.
         """
         self._need_optimizer("save_checkpoint")
+        self._no_mpu("save_checkpoint")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         tag = self._agreed_tag(save_dir, tag)
         save_dir = os.fspath(save_dir)
@@ -142,6 +151,7 @@ class CheckpointMixin:
             CheckpointError: as `zerokern.checkpoint.load`.
         """
         self._need_optimizer("load_checkpoint")
+        self._no_mpu("load_checkpoint")
         # a bad load_dir on one rank raises on every rank ([Note: checkpoint tags])
         _raise_first(self._gather((_dir_error(load_dir, "load_checkpoint: load_dir"),)))
         if not (load_module_strict and load_optimizer_states) or load_module_only:
@@ -189,6 +199,7 @@ class CheckpointMixin:
         Returns:
             True when written.
         """
+        self._no_mpu("save_16bit_model")
         if self.zero_optimization_stage() == 3 and not self.config.gather_16bit_on_save:
             log.warning("save_16bit_model: stage 3 needs zero_optimization."
                         "stage3_gather_16bit_weights_on_model_save=true; nothing saved")

@@ -23,6 +23,7 @@ import torch
 
 from ..optimizer_args import PRECISIONS
 from .config_file import load_config
+from .parallel import hpz_setting
 
 # key -> reason it has no effect in zerokern (accepted and logged once)
 NO_EFFECT_TOP = {
@@ -66,7 +67,7 @@ FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window"
              "min_loss_scale", "consecutive_hysteresis", "auto_cast")
 HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_param",
                  "stage3_gather_16bit_weights_on_model_save",
-                 "stage3_gather_fp16_weights_on_model_save",
+                 "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size",
                  "zero_quantized_weights", "zero_quantized_gradients")
 HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
@@ -115,6 +116,8 @@ class EngineConfig:
         quantized_gradients: zero_quantized_gradients: False, or "int4" (ZeroAdamW(
             quantized_gradients=), qgZ; int4 as DeepSpeed's qgZ).
         tag_validation: checkpoint.tag_validation: "IGNORE", "WARN" (default) or "FAIL".
+        hpz_partition_size: zero_hpz_partition_size when it takes effect (stage 3, > 1,
+            < world size: hpZ on a (world / h, h) mesh, engine/parallel.py), else 1.
         ignored: (key, why) of the keys ignored with a warning, as DeepSpeed ignores them.
         no_effect: (key, why) of the accepted keys with no effect in zerokern.
         raw: the config as given.
@@ -141,6 +144,7 @@ class EngineConfig:
     quantized_weights: bool = False               # zero_quantized_weights (qwZ)
     quantized_gradients: Any = False              # zero_quantized_gradients: False | "int4"
     tag_validation: str = "WARN"                  # checkpoint.tag_validation
+    hpz_partition_size: int = 1                   # [Note: hpz_partition_size] (parallel.py)
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
     ignored: List[Tuple[str, str]] = field(default_factory=list)    # (key, why): a warning
     raw: Dict[str, Any] = field(default_factory=dict)
@@ -296,6 +300,9 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
             for k, why in NO_EFFECT_OFFLOAD_PARAM.items():
                 if k in op:
                     out.no_effect.append((f"{key}.{k}", why))
+    if "zero_hpz_partition_size" in z:
+        key = "zero_optimization.zero_hpz_partition_size"
+        hpz_setting(_int(key, z["zero_hpz_partition_size"], 0), out)
 
 
 def _quantized(z: Dict[str, Any], out: EngineConfig) -> None:

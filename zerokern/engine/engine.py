@@ -34,6 +34,7 @@ from ..optimizer_muon import ZeroMuon
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, optimizer_kind, optimizer_settings, parse_config
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
+from .parallel import MpuGroups, hpz_mesh, mpu_groups
 from .schedulers import build_scheduler
 
 log = logging.getLogger("zerokern.engine")
@@ -272,7 +273,20 @@ class ZeroEngine(CheckpointMixin, nn.Module):
             self._times[k] = 0.0
 
 
-def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> ZeroOptimizer:
+def _parallel_kw(cfg: EngineConfig, mpu: Optional[MpuGroups], model) -> Dict[str, Any]:
+    """ZeroAdamW's process_group= (the mpu's dp group) or mesh=/hpz= (zero_hpz_partition_size);
+    [Note: the mpu path] and [Note: hpz_partition_size] in engine/parallel.py."""
+    if mpu is not None:
+        return {"process_group": mpu.dp_group}
+    p = next(model.parameters(), None)
+    dev = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else \
+        (p.device.type if p is not None else "cpu")
+    mesh = hpz_mesh(cfg.hpz_partition_size, cfg.stage, cfg.world_size, dev)
+    return {} if mesh is None else {"mesh": mesh, "hpz": True}
+
+
+def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
+                     mpu: Optional[MpuGroups] = None) -> ZeroOptimizer:
     # free_grads: the grads (and staging) are freed at the engine's zero_grad after each step,
     # as DeepSpeed's engine does: held memory between steps is params + optimizer state only
     # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept).
@@ -280,7 +294,8 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
                    free_grads=True, offload_params=cfg.offload_params,
                    quantized_weights=cfg.quantized_weights,
-                   quantized_gradients=cfg.quantized_gradients)
+                   quantized_gradients=cfg.quantized_gradients,
+                   **_parallel_kw(cfg, mpu, model))
     # master="compact" for bf16 on the device (stages 0-2): the same fp32 master, bit for bit,
     # in 2.125 bytes per state element instead of 4 (zerokern/compact_master.py), for issue
     # 12's target of <= 0.9x DeepSpeed's held memory at stages 1-2. Measured on the 23.2M GPT,
@@ -305,6 +320,7 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
             params = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(params)
         if isinstance(optimizer, ZeroOptimizer):  # ZeroAdamW, ZeroLion, a custom rule's
+            _check_given(optimizer, mpu, cfg)
             return optimizer
         return zero_from_torch(optimizer, model, **zero_kw)
     if cfg.optimizer is None:
@@ -314,6 +330,32 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters) -> Z
     cls = {"adamw": ZeroAdamW, "lion": ZeroLion,
            "muon": ZeroMuon}[optimizer_kind(cfg.optimizer)]
     return cls(model, **hyper, **zero_kw, param_groups=groups)
+
+
+def _check_given(opt: ZeroOptimizer, mpu: Optional[MpuGroups], cfg: EngineConfig) -> None:
+    """A ZeroAdamW built by the caller must shard over the groups the engine would use."""
+    want = None if mpu is None else sorted(dist.get_process_group_ranks(mpu.dp_group))
+    g = opt.comm.world.group
+    have = sorted(dist.get_process_group_ranks(g if g is not None else dist.group.WORLD)) \
+        if dist.is_initialized() else [0]
+    if want is not None and have != want:
+        raise ValueError(f"optimizer= is a ZeroAdamW over ranks {have}"
+                         f" but mpu's data-parallel group is {want}: build it with "
+                         "process_group=mpu.get_data_parallel_group()")
+    if cfg.hpz_partition_size > 1 and opt.comm.hpz is None:
+        raise ValueError("optimizer= is a ZeroAdamW without hpz but the config sets "
+                         "zero_optimization.zero_hpz_partition_size: pass one or the other")
+
+
+def _attach_mpu(opt: ZeroOptimizer, mpu: MpuGroups) -> None:
+    """[Note: model-parallel grad stats] (grads/model_parallel.py) on the engine's optimizer."""
+    from ..grads.model_parallel import ModelParallelStats
+
+    if getattr(opt, "tp", None) is not None:
+        raise ValueError("initialize: mpu= with DTensor (tensor-parallel) params: the DTensor "
+                         "placements already say what is split; pass one or the other")
+
+    opt.model_parallel = ModelParallelStats(mpu.mp_group, mpu.tp_rank == 0, opt.flat_groups)
 
 
 def _forward_only(model: nn.Module, cfg: EngineConfig) -> None:
@@ -380,7 +422,11 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         lr_scheduler: a callable(optimizer) -> scheduler, or a scheduler already on the given
             ZeroAdamW; otherwise the config's `scheduler` section, if any.
         distributed_port: accepted for DeepSpeed compatibility (MASTER_PORT is used).
-        mpu: model parallelism: not supported (ValueError when given).
+        mpu: Megatron's model-parallel unit (engine/parallel.py [Note: the mpu path]): ZeRO
+            shards over its data-parallel group; batch sizes and the sampler count
+            data-parallel ranks; the global norm and overflow skip cover the model-parallel
+            ranks (params with `tensor_model_parallel` counted on every one, the others on
+            tensor-parallel rank 0). Not with zero_hpz_partition_size, nor checkpoints yet.
         dist_init_required: False: never start a process group; default: start one from the
             launcher's environment when WORLD_SIZE > 1 and none exists.
         collate_fn: the loader's collate_fn.
@@ -393,14 +439,16 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         without training_data) and the scheduler (None without one).
 
     Raises:
-        ValueError: no model or no config, different configs given twice, mpu/mesh_param, or
+        TypeError: an mpu without the methods zerokern reads.
+        ValueError: no model or no config, different configs given twice, mesh_param, or
             a config key zerokern cannot honour (naming the key), before the model is
             touched.
     """
     if model is None:
         raise ValueError("initialize: model is required")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("initialize: mpu / mesh_param (model parallelism) are not supported")
+    if mesh_param is not None:
+        raise ValueError("initialize: mesh_param (DeepSpeed's AutoTP mesh) is not supported; "
+                         "for tensor parallelism pass mpu=")
     args_config = getattr(args, "deepspeed_config", None)
     deepscale = getattr(args, "deepscale_config", None)  # DeepSpeed's deprecated spelling
     if deepscale is not None:
@@ -421,12 +469,21 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
             (_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE") or 1) > 1:
         init_distributed()
     rank, world_size = _world()
-    cfg = parse_config(sources[0], world_size)  # raises before the model is touched
+    mp = mpu_groups(mpu)  # TypeError/ValueError naming mpu, before the model is touched
+    dp_rank, dp_size = (rank, world_size) if mp is None else (mp.dp_rank, mp.dp_size)
+    cfg = parse_config(sources[0], dp_size)  # raises before the model is touched
+    hpz_raw = cfg.raw.get("zero_optimization", {}).get("zero_hpz_partition_size", 1)
+    if mp is not None and hpz_raw > 1:
+        raise ValueError("initialize: mpu= with zero_optimization.zero_hpz_partition_size is "
+                         "not supported (DeepSpeed builds its hpZ groups over the whole world, "
+                         "across model-parallel ranks)")
     if deepscale is not None:  # what DeepSpeed leaves in args
         args.deepspeed_config, args.deepscale_config = deepscale, None
     if dist.is_initialized() and dist.get_backend() == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    opt = _build_optimizer(model, cfg, optimizer, model_parameters)
+    opt = _build_optimizer(model, cfg, optimizer, model_parameters, mp)
+    if opt is not None and mp is not None:
+        _attach_mpu(opt, mp)
     if opt is None:
         if lr_scheduler is not None or cfg.scheduler is not None:
             raise ValueError("initialize: a scheduler (lr_scheduler= or config key scheduler) "
@@ -437,10 +494,11 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.distributed.DistributedSampler(
-            training_data, num_replicas=world_size, rank=rank) if world_size > 1 else None
+            training_data, num_replicas=dp_size, rank=dp_rank) if dp_size > 1 else None
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.micro_batch_size,
                                              sampler=sampler, collate_fn=collate_fn)
     engine = ZeroEngine(model, opt, cfg, sched, loader)
+    engine.mpu = mpu
     if rank == 0:
         log.info("zerokern.initialize: stage %d, %s, micro-batch %d x accumulation %d x %d "
                  "rank(s) = %d, bucket %.1f MiB (reduce_bucket_size %s elements)", cfg.stage,

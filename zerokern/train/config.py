@@ -10,9 +10,9 @@ import argparse
 import datetime as _dt
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
-from ..argtypes import int_at_least, positive_float
+from ..argtypes import int_at_least, mesh_shape, positive_float
 from ..gpt import PRESETS
 from ..optimizer_args import PRECISIONS as _PRECISIONS
 
@@ -50,6 +50,8 @@ class TrainConfig:
     device: str = "auto"              # "auto" | "cpu" | "cuda"
     bucket_mb: float = 25.0
     state_bits: int = 32              # ZeroAdamW's moments: 32 fp32, 8 block-quantized
+    mesh: Optional[Tuple[int, int]] = None  # (replicate, shard): HSDP (launch.py check_mesh)
+    hpz: bool = False                 # stage 3 on the mesh: ZeRO++'s hpZ
     quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
 
     def to_dict(self) -> dict:
@@ -101,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="AdamW moments: 32 fp32, 8 block-quantized 8-bit (default 32)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
+    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="RxS",
+                   help="2-D data-parallel mesh, R replicas x S shard ranks (HSDP: shard "
+                        "inside a node of S ranks, replicate across R nodes); R*S ranks")
+    p.add_argument("--hpz", action="store_true",
+                   help="with --mesh and --stage 3: ZeRO++'s hpZ (params sharded over all "
+                        "ranks, a secondary copy inside the node for the backward gathers)")
     p.add_argument("--quantize", choices=list(QUANTIZE), default="none",
                    help="ZeRO++ quantized collectives: weights (qwZ, int8 param gathers, "
                         "--stage 3), grads (qgZ, int8 gradient reduce-scatter, --stage 1-3) "
@@ -119,4 +127,4 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
                        bucket_mb=args.bucket_mb, quantize=args.quantize,
-                       state_bits=args.state_bits)
+                       state_bits=args.state_bits, mesh=args.mesh, hpz=args.hpz)

@@ -41,9 +41,26 @@ def resolve_device(cfg: TrainConfig) -> str:
     return cfg.device
 
 
+def check_mesh(cfg: TrainConfig, world: Optional[int]) -> None:
+    """--mesh RxS must cover the `world` ranks (None: not known yet); --hpz needs --mesh and
+    --stage 3. ValueError naming the flag."""
+    if cfg.hpz and cfg.mesh is None:
+        raise ValueError("--hpz needs --mesh RxS (the secondary copy is sharded over S, the "
+                         "ranks of a node)")
+    if cfg.hpz and cfg.stage != 3:
+        raise ValueError(f"--hpz is for --stage 3 (its params are sharded), got --stage "
+                         f"{cfg.stage}")
+    if cfg.mesh is not None and cfg.mesh[0] * cfg.mesh[1] < 2:
+        raise ValueError("--mesh 1x1 is one rank: give a mesh of >= 2 ranks, or no --mesh")
+    if cfg.mesh is not None and world is not None and cfg.mesh[0] * cfg.mesh[1] != world:
+        r, s = cfg.mesh
+        raise ValueError(f"--mesh {r}x{s} has {r * s} ranks but the job has {world} "
+                         "(--nproc, or torchrun's nnodes x nproc-per-node)")
+
+
 def plan(cfg: TrainConfig) -> Tuple[str, int]:
     """(device type, number of ranks to spawn) for a run outside torchrun; checks --nproc and
-    --offload against --stage."""
+    --offload against --stage, --mesh against --nproc."""
     if cfg.offload and cfg.stage == 0:
         raise ValueError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (stage 0 keeps the "
                          "full optimizer state on every rank)")
@@ -52,14 +69,16 @@ def plan(cfg: TrainConfig) -> Tuple[str, int]:
                          f"needs --stage 3, got --stage {cfg.stage}")
     if cfg.quantize == "grads" and cfg.stage == 0:
         raise ValueError("--quantize grads needs --stage 1, 2 or 3 (stage 0 all-reduces)")
+    check_mesh(cfg, cfg.nproc)
     dev = resolve_device(cfg)
+    mesh_n = None if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]
     if dev == "cuda":
         n_gpu = torch.cuda.device_count()
-        nproc = cfg.nproc or n_gpu
+        nproc = cfg.nproc or mesh_n or n_gpu
         if nproc > n_gpu:
             raise ValueError(f"--nproc {nproc}: only {n_gpu} GPU(s) visible (one rank per GPU)")
         return dev, nproc
-    return dev, cfg.nproc or 2
+    return dev, cfg.nproc or mesh_n or 2
 
 
 def _threads_per_rank(local_world: int) -> int:
@@ -102,6 +121,7 @@ def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         raise ValueError(f"torchrun started LOCAL_RANK {local_rank} but this machine has "
                          f"{torch.cuda.device_count()} GPU(s) (one rank per GPU): lower "
                          "--nproc_per_node, or pass --device cpu for gloo ranks on the CPU")
+    check_mesh(cfg, int(os.environ["WORLD_SIZE"]))
     torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     device = _device(dev_type, local_rank)
     dist.init_process_group("nccl" if dev_type == "cuda" else "gloo",

@@ -76,8 +76,18 @@ class _Progress:
             self.bar.close()
 
 
+def make_mesh(cfg: TrainConfig, device: torch.device):
+    """--mesh RxS: the (replicate, shard) DeviceMesh over every rank, dim 1 the consecutive
+    ranks (torchrun numbers a node's ranks consecutively, so a shard group is one node)."""
+    if cfg.mesh is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, tuple(cfg.mesh), mesh_dim_names=("replicate", "shard"))
+
+
 def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch.Tensor,
-               show: bool, desc: str) -> Dict[str, Any]:
+               show: bool, desc: str, mesh=None) -> Dict[str, Any]:
     """Train a fresh model at `stage`; returns the loss curve (mean over ranks) and reports."""
     import zerokern as zk
 
@@ -86,7 +96,8 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
     # --compare's stage-0 run keeps its state on the device: ZeroAdamW offloads at stages 1-3.
     opt = zk.ZeroAdamW(model, lr=cfg.lr, stage=stage, precision=cfg.precision,
                        offload=cfg.offload if stage > 0 else None, max_grad_norm=MAX_GRAD_NORM,
-                       bucket_mb=cfg.bucket_mb, state_bits=cfg.state_bits, **HYPER,
+                       bucket_mb=cfg.bucket_mb, state_bits=cfg.state_bits, mesh=mesh,
+                       hpz=cfg.hpz and stage == 3, **HYPER,
                        **(QUANTIZE[cfg.quantize] if stage > 0 else {}))  # (--compare: exact)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
     batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank)
@@ -128,6 +139,9 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
             "comm_per_step": {k: comm[k] / cfg.steps
                               for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
             "comm_calls_per_step": {k: v / cfg.steps for k, v in comm["calls"].items()},
+            "comm_per_dim_per_step": {d: v["total"] / cfg.steps
+                                      for d, v in comm.get("dims", {}).items()},
+            "dims": opt.comm.dims,
             "num_params": sum(g.layout.numel for g in opt.flat_groups),  # (stage 3: p is empty)
             "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
 
@@ -147,12 +161,13 @@ def run_rank(cfg: TrainConfig, device: torch.device) -> Dict[str, Any]:
     rank, world = _world()
     t0 = time.perf_counter()
     corpus = load_corpus()
+    mesh = make_mesh(cfg, device)
     main = train_once(cfg, cfg.stage, device, corpus, show=rank == 0,
-                      desc=f"stage {cfg.stage}")
+                      desc=f"stage {cfg.stage}", mesh=mesh)
     out = {"main": main, "compare": None, "world_size": world, "device": str(device),
            "corpus_bytes": int(corpus.numel())}
     if cfg.compare:
         out["compare"] = train_once(cfg, 0, device, corpus, show=rank == 0,
-                                    desc="stage 0 (--compare)")
+                                    desc="stage 0 (--compare)", mesh=mesh)
     out["rank_s"] = time.perf_counter() - t0
     return out

@@ -51,7 +51,8 @@ def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str
     with torch.device("meta"):
         model = build_model(cfg, torch.device("meta"))
     return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
-                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm, optimizer=_rule(cfg))
+                    cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm,
+                    optimizer=_rule(cfg), mesh=cfg.mesh, hpz=cfg.hpz)
 
 
 def _figures(m: Dict[str, Any], cfg: TrainConfig) -> Dict[str, Any]:
@@ -60,6 +61,8 @@ def _figures(m: Dict[str, Any], cfg: TrainConfig) -> Dict[str, Any]:
     `measured`, an estimate `bytes`."""
     dev = m["measured"] if "measured" in m else m["bytes"]
     out = {c: dev[c] for c in categories(_rule(cfg))}
+    if "hpz_secondary" in dev:  # --hpz: the node copies (stage3/hpz.py)
+        out["hpz_secondary"] = dev["hpz_secondary"]
     out["total"] = m["measured_total"] if "measured" in m else m["device_total"]
     host = m.get("host_measured") if "measured" in m else (m["host"] if m["offload"] else None)
     if host is not None:
@@ -163,6 +166,8 @@ def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
                    "formula_stage0": estimate_memory(psi, world, 0, cfg.precision)},
         "comm_per_step": main["comm_per_step"],
         "comm_calls_per_step": main["comm_calls_per_step"],
+        "dims": main["dims"],  # group sizes by role ({"shard", "replicate", "world"[, "hpz"]})
+        "comm_per_dim_per_step": main["comm_per_dim_per_step"],
         "comm_formula_bytes_per_step": comm_formula_bytes(psi, world, cfg.stage, cfg.precision),
         "timing": {**timing, "train_s": main["train_s"]},
         "compare": None,
