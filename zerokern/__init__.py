@@ -4,7 +4,8 @@ from zerokern.accounting.formula import estimate_memory
 
 from . import checkpoint, kernels
 from .engine import init_distributed, initialize
-from .optimizer import ZeroAdamW, ZeroOptimizer
+from .optimizer import ZeroOptimizer
+from .optimizer_adamw import ZeroAdamW
 from .optimizer_lion import ZeroLion
 from .optimizer_muon import ZeroMuon
 from .version import __version__

@@ -8,7 +8,8 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .optimizer import ENGINE_ARGS, ZeroOptimizer
+from .optimizer import ZeroOptimizer
+from .optimizer_doc import ENGINE_ARGS
 from .rules.lion import LION
 
 

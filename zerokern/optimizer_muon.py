@@ -31,7 +31,8 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .optimizer import ENGINE_ARGS, ZeroOptimizer
+from .optimizer import ZeroOptimizer
+from .optimizer_doc import ENGINE_ARGS
 from .rules.adamw import ADAMW
 from .rules.muon import MUON, MUON_KEYS, embedding_weight_ids, takes_muon
 from .rules.muon_orthogonalize import EPS, NS_COEFFICIENTS, NS_STEPS

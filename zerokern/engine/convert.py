@@ -8,7 +8,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..optimizer import ZeroAdamW, ZeroOptimizer
+from ..optimizer import ZeroOptimizer
+from ..optimizer_adamw import ZeroAdamW
 from ..optimizer_lion import ZeroLion
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw", "initial_lr")

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..optimizer import ZeroAdamW, ZeroOptimizer
+from ..optimizer import ZeroOptimizer
+from ..optimizer_adamw import ZeroAdamW
 from ..optimizer_args import PRECISIONS
 from ..optimizer_lion import ZeroLion
 from ..optimizer_muon import ZeroMuon
