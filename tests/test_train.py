@@ -38,7 +38,7 @@ from zerokern.train.config import TrainConfig
 REPO = Path(__file__).resolve().parents[1]
 # --device cpu: these runs check the gloo/CPU path and its numbers on any machine (issue 24,
 # item 7: without it a GPU box picks NCCL, 1 GPU cannot host 2 ranks, and the gloo assertions
-# fail); the CUDA path is tests/zero/test_gpu.py::test_train_command_on_cuda (-m gpu).
+# fail); the CUDA path is tests/gpu/test_gpu.py::test_train_command_on_cuda (-m gpu).
 TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--steps", "5", "--device", "cpu"]
 # Per-step loss of the --compare stage-0 run vs stage 2, fp32, 2 ranks: both sum the same two
 # gradients (a + b), so they agree to round-off in the logits; different batches differ ~0.1.

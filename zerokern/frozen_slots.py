@@ -14,7 +14,7 @@ Cost: one copy of a frozen param's state per step, on the device, no host read.
 
 Which params: `requires_grad` False *and* `p.grad` None at step(). Both are host state. The
 rank-local "no gradient in this backward" (a param unused in one step while trainable) is not
-a reason: that keeps the promise of tests/zero/test_unused_params.py (a missing gradient counts
+a reason: that keeps the promise of tests/grads/test_unused_params.py (a missing gradient counts
 as zero on that rank, the same on every stage and rank), while `requires_grad` is the same on
 every rank of a data-parallel model (a param frozen on one rank only would make DDP itself
 diverge). A frozen param with a grad left (`zero_grad(set_to_none=False)`, or frozen between

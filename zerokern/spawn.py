@@ -2,7 +2,7 @@
 group, each rank's result brought back, and never a hang.
 
 Used by `zerokern train` (train/launch.py), `zerokern bench --step`, the checkpoint benchmark
-(benchmarks/bench_checkpoint.py) and the test harness (tests/zero/harness.py).
+(benchmarks/bench_checkpoint.py) and the test harness (tests/support/harness.py).
 
 [Note: no hangs]
 A rank that raises records its traceback in a result file and exits non-zero. The parent polls

@@ -9,9 +9,9 @@ import os
 
 import pytest
 import torch
-from zero.harness import cached, case, run_cases  # noqa: E402
 
 import zerokern as zk
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 from zerokern.engine import parse_config
 from zerokern.engine import schedulers as S
 

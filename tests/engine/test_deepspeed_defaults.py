@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
 
-from zero.harness import cached, case, run_cases  # noqa: E402
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 from . import common as C  # noqa: E402
 

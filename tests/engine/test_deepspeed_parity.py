@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
 
-from zero.harness import cached, case, run_cases  # noqa: E402
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 from . import common as C  # noqa: E402
 
@@ -145,7 +145,7 @@ def test_seed_002_stage3_offload():
 def test_negative_control():
     """beta1 0.7 instead of 0.8 fails the fp32 check: the comparison can fail. (A 1% lr change
     moved the losses by only 9.6e-6 over 4 steps: loss parity is a coarse check, which is why
-    tests/zero compares params at 1e-6.)"""
+    tests/optimizer compares params at 1e-6.)"""
     for z, d in case(_results(), "negative-control"):
         assert C.rel(z, d) > TOL["fp32"], (z, d)
 

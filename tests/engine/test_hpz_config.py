@@ -17,7 +17,7 @@ import copy
 import pytest
 
 from tests.engine.common import base_config, rel, train
-from tests.zero.harness import cached, case, run_cases
+from tests.support.harness import cached, case, run_cases
 from zerokern.engine.config import parse_config
 
 WS, H, STEPS = 4, 2, 4

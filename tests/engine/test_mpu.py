@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.zero.harness import cached, case, run_cases
+from tests.support.harness import cached, case, run_cases
 
 WS, TP, DP = 4, 2, 2
 D, H, B = 8, 16, 6     # model width, hidden width (split over tp), rows per dp rank

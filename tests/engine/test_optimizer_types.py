@@ -162,7 +162,7 @@ def test_trainer_optim_lion_32bit_and_unknown_names(tmp_path):
 
 
 def _ds_lion_worker(rank, ws):
-    from zero.harness import run_cases
+    from tests.support.harness import run_cases
 
     cfg = _cfg({"type": "Lion", "params": LION}, gas=2, offload_optimizer={"device": "cpu"})
     return run_cases({"losses": lambda: (C.train("deepspeed", rank, cfg, steps=5),
@@ -174,7 +174,7 @@ def test_lion_matches_deepspeed_cpu_lion():
     """DeepSpeed's DeepSpeedCPULion (offload_optimizer cpu; its FusedLion needs CUDA) on 2
     gloo ranks, stage 2, accumulation 2: the per-step losses equal zerokern's (measured: bitwise
     at 1 rank)."""
-    from zero.harness import cached, case
+    from tests.support.harness import cached, case
 
     for ds, ours in case(cached(_ds_lion_worker, 2), "losses"):
         assert max(abs(a - b) / abs(a) for a, b in zip(ds, ours)) <= 1e-5, (ds, ours)
@@ -189,7 +189,7 @@ def test_config_type_muon_trains_as_zero_muon():
     """{"type": "Muon"} builds ZeroMuon with DeepSpeed's update (Nesterov, lr scaled by
     sqrt(max(1, rows/cols)) = torch's adjust_lr_fn="original") and halves (adam_lr, betas,
     eps on the AdamW params; the head and embeddings there); equal to ZeroMuon built by hand
-    (itself equal to torch.optim.Muon + AdamW: tests/zero/test_muon.py)."""
+    (itself equal to torch.optim.Muon + AdamW: tests/rules/test_muon.py)."""
     engine, opt, _, _ = zk.initialize(model=C.gpt2(), config=_cfg({"type": "Muon",
                                                                      "params": MUON}))
     assert isinstance(opt, zk.ZeroMuon)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zero.harness import cached, case, run_cases  # noqa: E402
 
 import zerokern as zk
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 from zerokern.engine import parse_config
 
 from . import common as C

@@ -10,7 +10,7 @@ below the first one by at least MIN_DROP. 0.02 is below the smallest fall we mea
 stands still: with --lr 0 (the negative control below) the losses of batches 0 and 4 are
 equal, and the check fails.
 These tests check that the scripts run and learn; the numbers (parity with DDP, DeepSpeed,
-Trainer) are checked by tests/zero, tests/engine and tests/integrations.
+Trainer) are checked by tests/optimizer, tests/stage3, tests/engine and tests/integrations.
 
 [Note: examples are slow-marked]
 Each test starts fresh interpreters (torchrun, transformers, DeepSpeed imports), about 140 s of

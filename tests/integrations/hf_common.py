@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
-from engine import common as C
+
+from tests.engine import common as C
 
 STEPS, GAS, BATCH, LR, CLIP = 10, 2, 2, 3e-3, 0.5
 

@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from engine import common as C  # noqa: E402
-from zero.harness import cached, case, run_cases  # noqa: E402
+from tests.engine import common as C  # noqa: E402
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 from . import hf_common as H  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from zero.harness import cached, case, run_cases  # noqa: E402
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 from . import hf_common as H  # noqa: E402
 

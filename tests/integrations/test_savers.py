@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
-from engine import common as C  # noqa: E402
-from zero.harness import cached, case, run_cases  # noqa: E402
+from tests.engine import common as C  # noqa: E402
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 from . import hf_common as H  # noqa: E402
 

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine import common as C  # noqa: E402
-from zero.harness import cached, case, run_cases  # noqa: E402
+from tests.engine import common as C  # noqa: E402
+from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 NEW = 8  # max_new_tokens
 

@@ -7,9 +7,10 @@ that runs them. Checked by calling the hooks with a stand-in config and CUDA pat
 
 import sys
 
-import conftest
 import pytest
 import torch
+
+from tests import conftest
 
 
 class _Config:

@@ -9,7 +9,7 @@
   a visible GPU: it warns and JIT-builds (old code: imported it unchecked). One that passes the
   probe is used as is.
 The GPU side: `python -m pytest -m gpu` on a box without nvcc shows the cuda-backend tests as
-skipped with this reason (tests/kernels/test_gpu.py, tests/zero/test_gpu.py).
+skipped with this reason (tests/kernels/test_gpu.py, tests/gpu/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import types
 
-import conftest
 import pytest
 
+from tests import conftest
 from zerokern import kernels as zk
 from zerokern.kernels import build, cuda_toolchain, dispatch
 

@@ -5,7 +5,7 @@ power of two, so offload could lock up to 2x the host RAM that `memory_report()`
 offload buffers now come from `zerokern.state.pinned.empty`: ordinary host memory,
 page-locked in place.
 Checked here on the CPU with a stand-in for the CUDA runtime that records what is registered;
-tests/zero/test_gpu.py checks the same with the real runtime and the optimizer's report.
+tests/gpu/test_gpu.py checks the same with the real runtime and the optimizer's report.
 """
 
 from __future__ import annotations

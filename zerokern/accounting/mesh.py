@@ -12,7 +12,7 @@ formulas per dim, for `zerokern estimate --mesh RxS [--hpz]` and `estimate(mesh=
   2Ψ/S more at 16-bit (`hpz_secondary`, as memory_report() counts it). The estimate replays
   zerokern's own Stage3Runtime with an hpZ node group of S ranks, so it is exact.
 `memory_report()` measures the same: its `world_size` is the shard group's size and its
-`mesh` the dims, so the two agree to the byte (tests/zero/test_mesh_estimate.py).
+`mesh` the dims, so the two agree to the byte (tests/accounting/test_mesh_estimate.py).
 
 Communication per rank per step (elements, ring algorithms, Ψ params; DESIGN §5 per dim):
 - HSDP stages 1-2: shard dim RS + AG, 2Ψ(S-1)/S; replicate dim: all-reduce of the Ψ/S shard,

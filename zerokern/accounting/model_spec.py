@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 # Token ids fed to the meta backward that finds the grad order. 4 positions: short enough for
-# any positional table (tests/zero/models.py has 7), and attention still mixes positions.
+# any positional table (tests/support/models.py has 7), and attention still mixes positions.
 _PROBE_SEQ = 4
 _ONE_PARAM = "one param"  # the order_source of `--params` (its order is trivial)
 

@@ -58,7 +58,7 @@ from .format import (
 from .tp_dirs import save_dir
 from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
 
-# Test hooks (tests/zero/test_checkpoint.py): pause at a point of the save, so a test can kill
+# Test hooks (tests/checkpoint/test_checkpoint.py): pause at a point of the save, so a test can kill
 # the writer there ("files_written": rank files done, no metadata yet; "old_moved": between
 # the two renames of the fallback), and force the fallback commit.
 PAUSE_ENV = "ZEROKERN_CHECKPOINT_TEST_PAUSE"  # "<point>=<seconds>"

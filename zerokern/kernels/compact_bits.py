@@ -2,7 +2,7 @@
 master]): compact an fp32 master into its low halves and tie bits, expand it back from them and
 the bf16 params, verify a master rounds to its params. One pass each way on the CPU
 (csrc/cpu/compact_cpu.cpp); torch ops elsewhere (and where the op cannot be built), the same
-bits (tests/zero/test_compact_master.py checks both).
+bits (tests/state/test_compact_master.py checks both).
 """
 
 from __future__ import annotations

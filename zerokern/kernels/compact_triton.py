@@ -23,7 +23,7 @@ chain, and no scratch buffer.
 - NaN flag: a program that meets a NaN stores 1 into the 0-d flag; every writer writes the
   same value, so the order does not matter (no read-modify-write, no atomics).
 Bitwise equal to the CPU ops' chain (expand_ -> the triton adam_step_ -> compact_) under
-TRITON_INTERPRET=1: tests/zero/test_compact_triton_step.py.
+TRITON_INTERPRET=1: tests/state/test_compact_triton_step.py.
 """
 
 from __future__ import annotations

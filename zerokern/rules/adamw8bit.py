@@ -9,7 +9,7 @@ K = 4 (the fp32 master) + 1 + 1 + 4/128 + 4/128 = 6.0625 bytes per param element
 The quantization blocks are the 128-element blocks of each flat buffer's own coordinates
 (partition.py): every piece of a bucket is a whole number of them, so a rank quantizes its
 piece alone and ZeRO at any stage and world size runs exactly the single-process update of the
-same buffer, bit for bit (tests/zero/test_adamw8bit.py). Padding elements (zero grads, zero
+same buffer, bit for bit (tests/rules/test_adamw8bit.py). Padding elements (zero grads, zero
 master) stay zero and never raise a block's absmax. A new state is all zero bytes: any code
 times absmax 0 dequantizes to (+-)0, which the first step treats as zero moments.
 """

@@ -7,7 +7,7 @@ A Muon step over a flat buffer is three phases; only the middle one needs whole 
 3. `apply_`: p <- p·(1 - lr·wd) - adjusted_lr(shape)·O, per param segment of the pieces
    (the lr scale depends on the matrix's shape, so it is applied segment by segment).
 The same ops as torch.optim.Muon in the same order, so a piece's result is torch's bit for bit
-where the inputs are (tests/zero/test_muon_pieces.py).
+where the inputs are (tests/rules/test_muon_pieces.py).
 
 Skipped steps (fp16 overflow) change nothing, without a host sync: the new values are
 selected with `torch.where(found_inf, old, new)` on the device, as the fused kernels do.

@@ -15,7 +15,7 @@ Master bytes per element: 2 + 1/8 instead of 4. Little-endian: fp32 viewed as in
 Exactness. For every non-NaN m with b = RNE(m), expand(compact(m), b) == m bit for bit (the
 cases: l < 0x8000 no round-up, b = hi; l > 0x8000 b = hi + 1; l == 0x8000 b = hi + (hi & 1),
 the tie bit; never wrapping below NaN patterns). Unit tests check every one of the 2^16 low
-halves with several high halves (tests/zero/test_compact_master.py).
+halves with several high halves (tests/state/test_compact_master.py).
 - Step path (compact): bucket k's piece is expanded chunk by chunk into an fp32 scratch, the same
   fused kernel runs on the chunk with param_out the chunk's params, and the chunk is compacted
   back. Proved by construction: the kernel writes b = RNE(new master) (or, skipped, changes

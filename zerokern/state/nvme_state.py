@@ -15,7 +15,7 @@ every rule state's initial value, and both halves, so a full disk fails here and
 step), then writes the master from the params' original values one chunk (CHUNK_NUMEL elements, 16
 MiB) at a time through one bounded buffer, with O_DIRECT where the file system takes it (no page
 cache either), else buffered and dropped from the cache. Peak host memory while building is
-the params plus that one chunk, not 12 bytes per param (tests/zero/test_offload_nvme.py
+the params plus that one chunk, not 12 bytes per param (tests/state/test_offload_nvme.py
 measures it in a fresh process).
 """
 

@@ -1,0 +1,1 @@
+"""zerokern's tests: one folder per sub-package (docs/code-map.md, Tests, CI and these docs)."""

@@ -1,0 +1,1 @@
+"""Tests of zerokern.grads (multi-rank ones on gloo CPU ranks: tests/support/harness.py)."""

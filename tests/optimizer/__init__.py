@@ -1,0 +1,1 @@
+"""The ZeRO engine end to end: parity with DDP + torch AdamW, precision, overflow, semantics."""

@@ -1,0 +1,539 @@
+"""Stage 3 used the way real training code uses it (issue 11, "No silent wrong training").
+
+Each test is a row of the issue that was silently wrong, crashed or hung before; now it either
+trains as the torch reference does or raises an error naming the cause and the fix:
+- data-dependent control flow (a branch inside a unit, a layer dropped on some ranks, MoE
+  routing to experts that are units): parity with DDP(find_unused_parameters=True) + AdamW,
+  where unused params count as zero gradients, at 1, 2 and 3 ranks;
+- ZEROKERN_DEBUG_COLLECTIVES=1 passes on that model and catches an injected reorder of two
+  same-shaped reduce-scatters on one rank (which without it trains silently wrong);
+- frozen params (a `peft` LoRA GPT-2): sharded (about 1/N of the frozen bytes per rank), cast to
+  the precision, no optimizer state, counted in memory_report(); parity with DDP + AdamW;
+- DistributedDataParallel around a stage-3 model: a clear error on every rank;
+- torch.compile per block and of the whole model: parity with eager;
+- model.state_dict() outside gathered_params(): a clear error, raised by rank 0 alone (no
+  collective, so no hang); model.load_state_dict(full) outside it: loads (fp32 masters keep the
+  full fp32 values) and trains on with parity;
+- del opt, model: garbage-collected;
+- model.to(dtype/device) after the optimizer: a clear error at the next forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerokern as zk
+
+from ..support import models as M
+from ..support.harness import cached, case, run_cases
+
+STEPS = 4
+TOL = {
+    # fp32 params vs DDP + AdamW after STEPS steps (stage 3 reduces the same sums; measured
+    # <= 2e-7 from the ring's summation order)
+    "param": 1e-6,
+    # a deliberately wrong run must miss by this factor of TOL["param"]
+    "negative_factor": 100,
+    # LoRA at N ranks holds 1/N of the frozen bytes: each of the 3 frozen unit buffers is
+    # padded by < N*128 elements, i.e. < 128 per rank; the report leaves padding out, and the
+    # padding sits in the last ranks' shards, so a rank's real elements differ from 1/N by up
+    # to a buffer's padding (< N*128) each
+    "frozen_pad_elems": 3 * 128,
+}
+D, N_BLOCKS, N_EXPERTS = 16, 6, 4
+DEBUG_ENV = "ZEROKERN_DEBUG_COLLECTIVES"
+
+
+# ---- a model whose ranks use different params ----------------------------------------------------
+class DynBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fa = nn.Linear(D, D)
+        self.fb = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        y = self.ln(x)  # a branch inside a unit: fa, fb or both
+        h = self.fa(y) if branch == 0 else self.fb(y) if branch == 1 else self.fa(y) + self.fb(y)
+        return x + torch.tanh(h)
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class DynLM(nn.Module):
+    """6 blocks and 4 experts, all units (children of ModuleLists). Per forward, decided by the
+    rank's tokens (so ranks decide differently): some blocks are dropped, each block runs fa, fb
+    or both (a rank using both reduces a block at once where a peer must decide that a param
+    went unused), and each sequence is routed to one expert (only the chosen experts run).
+    dynamic=False: every expert runs, every block runs fa (stall=None) or fa and fb."""
+
+    def __init__(self, dynamic: bool = True, stall: bool = False) -> None:
+        super().__init__()
+        self.dynamic = dynamic
+        # stall (with dynamic=False): every block runs fa and fb, except that the last one runs
+        # fa only where stall is set (one rank): that rank cannot reduce the first unit of
+        # backward until it knows fb went unused, while its peers reduce on and wait for it
+        self.stall = stall
+        self.emb = nn.Embedding(M.VOCAB, D)
+        self.blocks = nn.ModuleList(DynBlock() for _ in range(N_BLOCKS))
+        self.experts = nn.ModuleList(Expert() for _ in range(N_EXPERTS))
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, M.VOCAB)
+        self.trace = []  # (dropped blocks, branches, experts) per forward
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        c = int(tokens.sum())
+        dropped, branches = [], []
+        for i, blk in enumerate(self.blocks):
+            if self.dynamic and (c + i) % 3 == 0:
+                dropped.append(i)  # layer drop
+                continue
+            branch = (c // 3 + i) % 3 if self.dynamic else 0 if self.stall is None else 2
+            if self.stall and i == N_BLOCKS - 1:
+                branch = 0
+            branches.append(branch)
+            x = blk(x, branch)
+        route = tokens[:, 0] % N_EXPERTS if self.dynamic else None
+        chosen = sorted(set(route.tolist())) if self.dynamic else list(range(N_EXPERTS))
+        y = torch.zeros_like(x)
+        for e in chosen:
+            if self.dynamic:
+                m = route == e
+                y[m] = self.experts[e](x[m])
+            else:
+                y = y + self.experts[e](x)
+        self.trace.append((tuple(dropped), tuple(branches), tuple(chosen)))
+        return self.head(self.ln_f(x + y))
+
+
+def make_dyn(dynamic: bool = True, stall=None) -> DynLM:
+    torch.manual_seed(M.MODEL_SEED)
+    return DynLM(dynamic, stall)
+
+
+def _adamw(model: nn.Module, betas=M.BETAS) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=M.LR,
+                             betas=betas, eps=M.EPS, weight_decay=M.WD, foreach=False)
+
+
+def _zero3(model: nn.Module, precision: str = "fp32", **kw) -> zk.ZeroAdamW:
+    return zk.ZeroAdamW(model, stage=3, precision=precision, lr=M.LR, betas=M.BETAS, eps=M.EPS,
+                        weight_decay=M.WD, backend=M.BACKEND, **kw)
+
+
+def ddp_reference(model: nn.Module, rank: int, ws: int, steps: int = STEPS, betas=M.BETAS,
+                  loss=M.loss_fn) -> dict:
+    """DDP(find_unused_parameters=True) + torch AdamW; a param without a grad after backward
+    (unused on every rank) gets a zero grad, ZeroAdamW's rule for unused params."""
+    net = model if ws == 1 else DDP(model, find_unused_parameters=True)
+    opt = _adamw(model, betas)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss(net, M.rank_tokens(s, rank, ws)).backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    return M.snapshot(model)
+
+
+def train3(model: nn.Module, opt: zk.ZeroAdamW, rank: int, ws: int, steps: int = STEPS,
+           start: int = 0, loss=M.loss_fn) -> dict:
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        loss(model, M.rank_tokens(s, rank, ws)).backward()
+        opt.step()
+    return M.full_snapshot(model, opt)
+
+
+def _with_debug(fn):
+    """Build the optimizer with ZEROKERN_DEBUG_COLLECTIVES=1 (read at construction)."""
+    os.environ[DEBUG_ENV] = "1"
+    try:
+        return fn()
+    finally:
+        os.environ.pop(DEBUG_ENV, None)
+
+
+# ---- rank side: control flow and the debug mode --------------------------------------------------
+def _flow(rank, ws, debug=False):
+    ref = ddp_reference(make_dyn(), rank, ws)
+    model = make_dyn()
+    opt = _with_debug(lambda: _zero3(model)) if debug else _zero3(model)
+    got = train3(model, opt, rank, ws)
+    return {"rel": M.rel_err(got, ref), "moved": M.rel_err(got, M.snapshot(make_dyn())),
+            "trace": model.trace, "debug_checks": opt.comm.log.checks if debug else None}
+
+
+def _stall(rank, ws):
+    """Rank 1 leaves a param of the first unit of backward unused (rule 3 of [Note: stage-3
+    collective order]: without the post-backward signal its peers, reducing on, would block
+    on that unit's reduce-scatter while it waits on their gathers)."""
+    make = functools.partial(make_dyn, False, rank == 1)
+    ref = ddp_reference(make(), rank, ws)
+    model = make()
+    got = train3(model, _zero3(model), rank, ws)
+    return {"rel": M.rel_err(got, ref), "moved": M.rel_err(got, M.snapshot(make()))}
+
+
+def _flow_negative(rank, ws):
+    ref = ddp_reference(make_dyn(), rank, ws, betas=(0.55, 0.6))
+    model = make_dyn()
+    return M.rel_err(train3(model, _zero3(model), rank, ws), ref)
+
+
+def _reordered(rank, ws, debug):
+    """Rank 1 reduce-scatters two same-shaped blocks in swapped order (an injected bug)."""
+    if ws == 1:
+        return None
+    ref = ddp_reference(make_dyn(False, None), rank, ws)
+    model = make_dyn(False, None)
+    opt = _with_debug(lambda: _zero3(model)) if debug else _zero3(model)
+    order = opt.grad_sync._rs_order
+    if rank == 1:
+        order[0], order[1] = order[1], order[0]
+    try:
+        got = train3(model, opt, rank, ws)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"rel": M.rel_err(got, ref)}
+
+
+def _flow_worker(rank, ws):
+    return run_cases({
+        "flow": functools.partial(_flow, rank, ws),
+        "flow_negative": functools.partial(_flow_negative, rank, ws),
+        "stall": functools.partial(_stall, rank, ws),
+        "flow_debug": functools.partial(_flow, rank, ws, debug=True),
+        "reorder_silent": functools.partial(_reordered, rank, ws, False),
+        "reorder_debug": functools.partial(_reordered, rank, ws, True),
+    })
+
+
+# ---- rank side: frozen params (peft LoRA) --------------------------------------------------------
+class LoraGPT(nn.Module):
+    """peft LoRA over a tiny random-init GPT-2 (no download); returns logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        from peft import LoraConfig, get_peft_model
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        transformers.logging.set_verbosity_error()
+        cfg = GPT2Config(vocab_size=M.VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                         eos_token_id=0)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(M.MODEL_SEED)
+        base = GPT2LMHeadModel(cfg)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                          lora_dropout=0.0, init_lora_weights=False, fan_in_fan_out=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.peft = get_peft_model(base, lora)
+
+    def forward(self, tokens):
+        return self.peft(input_ids=tokens).logits
+
+
+def _frozen_bytes(model, opt) -> int:
+    """Bytes this rank holds for the frozen params between steps: the model's frozen tensors'
+    storages and the optimizer's frozen shards (if it has any)."""
+    seen, held = set(), 0
+    for p in model.parameters():
+        st = p.untyped_storage()
+        if not p.requires_grad and st.data_ptr() not in seen and st.nbytes():
+            seen.add(st.data_ptr())
+            held += st.nbytes()
+    return held + sum(f.param_shard.untyped_storage().nbytes()
+                      for f in getattr(opt.grad_sync, "frozen", ()))
+
+
+def _lora(rank, ws):
+    ref_model = LoraGPT()
+    frozen_numel = sum(p.numel() for p in ref_model.parameters() if not p.requires_grad)
+    trainable_numel = sum(p.numel() for p in ref_model.parameters() if p.requires_grad)
+    init = M.snapshot(ref_model)
+    ref = ddp_reference(ref_model, rank, ws)
+    model = LoraGPT()
+    opt = _zero3(model)
+    got = train3(model, opt, rank, ws)
+    frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
+    return {
+        "rel": M.rel_err(got, ref), "moved": M.rel_err(got, init),
+        "frozen_same": all(torch.equal(got[n], init[n]) for n in frozen_names),
+        "frozen_bytes": _frozen_bytes(model, opt), "frozen_numel": frozen_numel,
+        "report_frozen": opt.memory_report()["measured"].get("frozen"),
+        "state_numel": sum(f.exp_avg.numel() for f in opt.flat_groups) * ws,
+        "trainable_numel": trainable_numel,
+    }
+
+
+def _lora_bf16(rank, ws):
+    model = LoraGPT()
+    opt = _zero3(model, "bf16")
+    train3(model, opt, rank, ws, steps=1)
+    with opt.gathered_params():
+        dtypes = {str(p.dtype) for p in model.parameters()}
+    rep = opt.memory_report()
+    return {"dtypes": sorted(dtypes), "frozen_bytes": _frozen_bytes(model, opt),
+            "report": rep["measured"].get("frozen"), "total": rep["measured_total"],
+            "formula": rep["formula_total"], "slack": rep["allowed_slack"]}
+
+
+def _frozen_worker(rank, ws):
+    return run_cases({"lora": functools.partial(_lora, rank, ws),
+                      "lora_bf16": functools.partial(_lora_bf16, rank, ws)})
+
+
+# ---- rank side: the usual tools ------------------------------------------------------------------
+def _ddp_wrap(rank, ws):
+    model = M.make_model()
+    opt = _zero3(model)
+    net = DDP(model)
+    try:
+        net(M.rank_tokens(0, rank, ws)[:, :-1]).sum().backward()
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _compile(rank, ws, mode):
+    eager_model = M.make_model()
+    eager = train3(eager_model, M.zero_opt(eager_model, 3), rank, ws, steps=3)
+    model = M.make_model()
+    if mode == "block":  # torchtitan's pattern: compile each block
+        for blk in model.blocks:
+            blk.compile(backend="aot_eager")
+    opt = M.zero_opt(model, 3)
+    if mode == "whole":
+        model.compile(backend="aot_eager")
+    got = train3(model, opt, rank, ws, steps=3)
+    return {"rel": M.rel_err(got, eager), "moved": M.rel_err(got, M.snapshot(M.make_model()))}
+
+
+def _state_dict(rank, ws):
+    model = M.make_model()
+    opt = M.zero_opt(model, 3)
+    train3(model, opt, rank, ws, steps=1)
+    out = {}
+    if rank == 0:  # alone: an error at once, not a collective that waits for rank 1
+        try:
+            sd = model.state_dict()
+            out["shapes"] = {k: tuple(v.shape) for k, v in sd.items()}
+        except RuntimeError as e:
+            out["error"] = str(e)
+    with opt.gathered_params():
+        out["gathered_shapes"] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    out["expected_shapes"] = {k: tuple(v.shape) for k, v in M.make_model().state_dict().items()}
+    return out
+
+
+def _load_state_dict(rank, ws):
+    """A full fp32 state dict of another init loaded outside gathered_params(): each rank's
+    shard and the fp32 masters take it; then training matches DDP started from it."""
+    other = M.make_model(seed=7)
+    sd = other.state_dict()
+    ref = M.train_torch(M.make_model(seed=7), rank, ws, 3)["params"][-1]
+    model = M.make_model()
+    opt = M.zero_opt(model, 3)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    loaded = M.full_snapshot(model, opt)
+    exact = all(torch.equal(loaded[n], sd[n]) for n in loaded)
+    got = train3(model, opt, rank, ws, steps=3)
+    # bf16: the master keeps the full fp32 value, the param its rounding
+    model16 = M.make_model()
+    opt16 = M.zero_opt(model16, 3, "bf16")
+    model16.load_state_dict(sd)
+    p16 = M.full_snapshot(model16, opt16)
+    masters = M.gather_state(opt16, model16, "master")
+    return {"exact": exact, "rel": M.rel_err(got, ref),
+            "bf16_params": all(torch.equal(p16[n], sd[n].to(torch.bfloat16)) for n in masters),
+            "bf16_masters": all(torch.equal(masters[n], sd[n]) for n in masters),
+            "bf16_frozen": torch.equal(p16["pos"], sd["pos"].to(torch.bfloat16))}
+
+
+def _gc(rank, ws):
+    model = M.make_model()
+    opt = M.zero_opt(model, 3, "bf16")
+    train3(model, opt, rank, ws, steps=1)
+    refs = [weakref.ref(opt), weakref.ref(opt.grad_sync), weakref.ref(model),
+            weakref.ref(opt.flat_groups[0].master)]
+    del model, opt
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def _to(rank, ws):
+    out = {}
+    for what, fn in (("dtype", lambda m: m.to(torch.bfloat16)),
+                     ("device", lambda m: m.to("meta")),
+                     ("same", lambda m: m.to("cpu"))):
+        model = M.make_model()
+        opt = M.zero_opt(model, 3)
+        train3(model, opt, rank, ws, steps=1)
+        fn(model)
+        try:
+            got = train3(model, opt, rank, ws, steps=1, start=1)
+            out[what] = {"rel": M.rel_err(got, M.train_torch(M.make_model(), rank, ws, 2)
+                                          ["params"][-1])}
+        except (RuntimeError, ValueError) as e:
+            out[what] = {"error": str(e)}
+    return out
+
+
+def _misc_worker(rank, ws):
+    return run_cases({
+        "ddp": functools.partial(_ddp_wrap, rank, ws),
+        "compile_block": functools.partial(_compile, rank, ws, "block"),
+        "compile_whole": functools.partial(_compile, rank, ws, "whole"),
+        "state_dict": functools.partial(_state_dict, rank, ws),
+        "load_state_dict": functools.partial(_load_state_dict, rank, ws),
+        "gc": functools.partial(_gc, rank, ws),
+        "to": functools.partial(_to, rank, ws),
+    })
+
+
+# ---- tests: data-dependent control flow ------------------------------------------------------
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_data_dependent_control_flow_matches_ddp(ws):
+    res = case(cached(_flow_worker, ws), "flow")
+    for r, x in enumerate(res):
+        assert x["moved"] > 100 * TOL["param"], "training must move the params"
+        assert x["rel"] <= TOL["param"], f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
+    if ws > 1:  # the ranks really took different paths (dropped blocks, branches, experts)
+        assert len({tuple(x["trace"]) for x in res}) == ws
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_unused_param_on_one_rank_does_not_deadlock(ws):
+    for r, x in enumerate(case(cached(_flow_worker, ws), "stall")):
+        assert x["moved"] > 100 * TOL["param"]
+        assert x["rel"] <= TOL["param"], f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_control_flow_negative_control(ws):
+    for err in case(cached(_flow_worker, ws), "flow_negative"):
+        assert err > TOL["negative_factor"] * TOL["param"], f"wrong betas undetected {err:.3g}"
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_debug_collectives_passes_on_consistent_ranks(ws):
+    for r, x in enumerate(case(cached(_flow_worker, ws), "flow_debug")):
+        assert x["rel"] <= TOL["param"], f"rank {r}: {x['rel']:.3g}"
+        assert x["debug_checks"] == STEPS, "the debug mode must check at every step()"
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_debug_collectives_catches_an_injected_reorder(ws):
+    # Without the debug mode the swap is silent: same-sized reduce-scatters pair up wrongly.
+    silent = case(cached(_flow_worker, ws), "reorder_silent")
+    assert all("error" not in x for x in silent), silent
+    assert max(x["rel"] for x in silent) > TOL["negative_factor"] * TOL["param"]
+    # With it, every rank raises at the first step(), naming the first divergence.
+    for r, x in enumerate(case(cached(_flow_worker, ws), "reorder_debug")):
+        assert "error" in x, f"rank {r}: the reorder was not caught ({x})"
+        assert DEBUG_ENV in x["error"] and "first difference" in x["error"], x["error"]
+        assert "reduce_scatter" in x["error"] and "unit " in x["error"], x["error"]
+
+
+# ---- tests: frozen params ----------------------------------------------------------------------
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_peft_lora_matches_ddp(ws):
+    for r, x in enumerate(case(cached(_frozen_worker, ws), "lora")):
+        assert x["moved"] > 100 * TOL["param"]
+        assert x["rel"] <= TOL["param"], f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
+        assert x["frozen_same"], "frozen params must not change"
+        # optimizer state only for the trainable params (plus padding), none for frozen ones
+        assert x["trainable_numel"] <= x["state_numel"] < x["trainable_numel"] + \
+            ws * 128 * 3
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_lora_frozen_params_are_sharded(ws):
+    for r, x in enumerate(case(cached(_frozen_worker, ws), "lora")):
+        full = x["frozen_numel"] * 4
+        assert full / ws <= x["frozen_bytes"] <= full / ws + TOL["frozen_pad_elems"] * 4, \
+            f"rank {r}: holds {x['frozen_bytes']} B of {full} B frozen at {ws} ranks"
+        assert x["report_frozen"] is not None and \
+            abs(x["report_frozen"] - full / ws) <= TOL["frozen_pad_elems"] * ws * 4
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_frozen_params_cast_to_precision_and_reported(ws):
+    for x in case(cached(_frozen_worker, ws), "lora_bf16"):
+        assert x["dtypes"] == ["torch.bfloat16"], x["dtypes"]
+        assert x["report"] == pytest.approx(x["frozen_bytes"],
+                                            abs=TOL["frozen_pad_elems"] * ws * 2)
+        assert abs(x["total"] - x["formula"]) <= x["slack"]
+
+
+# ---- tests: the usual tools ----------------------------------------------------------------------
+def _misc(name):
+    return case(cached(_misc_worker, 2), name)
+
+
+def test_ddp_around_stage3_is_a_clear_error():
+    for r, err in enumerate(_misc("ddp")):
+        assert err is not None, f"rank {r}: DDP around a stage-3 model trained"
+        assert "DistributedDataParallel" in err and "ZeroAdamW reduces the gradients" in err, err
+
+
+@pytest.mark.parametrize("mode", ["block", "whole"])
+def test_torch_compile_matches_eager(mode):
+    for r, x in enumerate(_misc(f"compile_{mode}")):
+        assert x["moved"] > 100 * TOL["param"]
+        assert x["rel"] <= TOL["param"], f"rank {r}: compiled vs eager {x['rel']:.3g}"
+
+
+def test_state_dict_outside_gathered_params_is_a_clear_error():
+    res = _misc("state_dict")
+    assert "shapes" not in res[0], f"state_dict() gave {res[0]['shapes']}"
+    assert "gathered_params()" in res[0]["error"], res[0]["error"]
+    for x in res:
+        assert x["gathered_shapes"] == x["expected_shapes"]
+
+
+def test_load_state_dict_outside_gathered_params():
+    for r, x in enumerate(_misc("load_state_dict")):
+        assert "error" not in x, x.get("error")
+        assert x["exact"], "the loaded params differ from the state dict"
+        assert x["rel"] <= TOL["param"], f"rank {r}: training after load {x['rel']:.3g}"
+        assert x["bf16_params"] and x["bf16_frozen"], "bf16 params are the rounded values"
+        assert x["bf16_masters"], "fp32 masters must take the full fp32 values"
+
+
+def test_del_opt_and_model_is_garbage_collected():
+    for r, freed in enumerate(_misc("gc")):
+        assert all(freed), f"rank {r}: still alive (opt, grad_sync, model, master): {freed}"
+
+
+def test_model_to_after_the_optimizer():
+    for x in _misc("to"):
+        for what in ("dtype", "device"):
+            assert "error" in x[what], f"model.to({what}) was silently ignored: {x[what]}"
+            assert "precision=" in x[what]["error"] and "before creating" in x[what]["error"]
+        assert x["same"].get("rel", 1.0) <= TOL["param"], x["same"]  # a no-op .to() is fine

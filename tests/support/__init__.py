@@ -1,0 +1,1 @@
+"""Shared test helpers: the spawn harness, the test models, the test rule."""
