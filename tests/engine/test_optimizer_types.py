@@ -250,3 +250,18 @@ def test_bf16_lion_config_uses_the_compact_master_bitwise():
     assert ref.master == "fp32"
     want = _train_reference(model, ref)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_bitsandbytes_adamw_converts_with_its_state_bits():
+    """bitsandbytes' AdamW8bit (Trainer's optim="adamw_8bit") -> ZeroAdamW(state_bits=8) with
+    its groups' hyperparameters; its 32-bit AdamW -> fp32 states."""
+    bnb = pytest.importorskip("bitsandbytes")
+    for cls, bits in ((bnb.optim.AdamW8bit, 8), (bnb.optim.AdamW32bit, 32)):
+        model = C.gpt2()
+        opt = cls(model.parameters(), lr=2e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
+        zopt = zero_from_torch(opt, model, stage=1, precision="fp32")
+        assert isinstance(zopt, zk.ZeroAdamW) and zopt.state_bits == bits
+        g = zopt.param_groups[0]
+        assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["adamw"]) == \
+            (2e-3, (0.8, 0.9), 1e-6, 0.2, True)
+        zopt.close()
