@@ -64,7 +64,7 @@ def _grad_changed(rank, ws, stage, how):
 
 
 def _param_file_truncated(rank, ws):
-    from .test_param_offload import _opt
+    from ..stage3.test_param_offload import _opt
 
     with tempfile.TemporaryDirectory(prefix="zk_abort_") as d:
         model = M.make_model()

@@ -199,12 +199,14 @@ def results3(tmp_path_factory):
     return cached(_worker3, 3, str(tmp_path_factory.mktemp("ckpt3")))
 
 
+@pytest.mark.slow  # [Note: the slow mark]: the 3-rank DeepSpeed spawn runs in CI's -m slow pass
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gradient_clipping_default_is_deepspeeds_on_3_ranks(results3, stage):
     for z, d, _, _ in case(results3, f"clip-default-s{stage}"):
         assert C.rel(z, d) <= TOL["fp32"], (z, d)
 
 
+@pytest.mark.slow
 def test_tag_validation_on_3_ranks(results3):
     """Tags 'even', 'even', 'odd': Fail raises on all three ranks (the two that agree too),
     nothing written; Warn writes one checkpoint under rank 0's tag."""

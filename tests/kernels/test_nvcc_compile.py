@@ -101,7 +101,9 @@ __global__ void control_spill(const float4* __restrict__ x, float* __restrict__ 
 """
 
 NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+# [Note: the slow mark] (pyproject.toml): the module compiles every CUDA variant for sm_90
+# (~19 s on 2 cores); CI runs it in its -m slow pass, test_triton_compile stays in the default.
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH"), pytest.mark.slow]
 
 _BAD_WORDS = re.compile(r"\b(error|warning)\b", re.IGNORECASE)
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

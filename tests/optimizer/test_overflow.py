@@ -16,7 +16,8 @@ import pytest
 from ..support import models as M
 from ..support.harness import cached, case, run_cases
 
-WORLD_SIZES = [1, 2, 3]
+# [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
+WORLD_SIZES = [1, 2, pytest.param(3, marks=pytest.mark.slow)]
 STAGES = [0, 1, 2, 3]
 KINDS = {  # name: (precision, loss_scale, injected value)
     "fp32": ("fp32", None, float("inf")),

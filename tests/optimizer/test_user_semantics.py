@@ -405,7 +405,8 @@ def _rank_cases(rank, ws):
     return run_cases(cases)
 
 
-WS = [1, 2, 3]
+# [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
+WS = [1, 2, pytest.param(3, marks=pytest.mark.slow)]
 
 
 def _res(ws):

@@ -37,7 +37,8 @@ from ..support.harness import (
 )
 
 STEPS = 6
-WORLD_SIZES = [1, 2, 3, 4]
+# [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
+WORLD_SIZES = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
 TOL = {
     # params vs DDP + AdamW and vs stage 0 after 6 steps (the bound); stage 3 reduces
     # the same per-element sums as stage 0 (measured <= 1.1e-7, from the ring's sum order).
@@ -324,7 +325,7 @@ def test_negative_control_detected(ws):
         assert err > TOL["negative_factor"] * TOL["param"], f"wrong betas undetected ({err:.3g})"
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3, 4])
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("name", ["hf", "hf_ckpt"])
 def test_hf_gpt2_parity(ws, name):
     for r, res in enumerate(case(cached(_hf_worker, ws), name)):
