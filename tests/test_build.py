@@ -45,6 +45,7 @@ def tiny(tmp_path):
     return src, tmp_path / "cache"
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): run in CI's -m slow pass
 def test_second_process_reuses_cache_and_edit_rebuilds(tiny):
     src, cache = tiny
     first = _run(_load_code(src), cache)
@@ -67,6 +68,7 @@ def test_second_process_reuses_cache_and_edit_rebuilds(tiny):
     assert "building tiny ops" in third.stderr
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): run in CI's -m slow pass
 def test_stale_torch_baton_does_not_hang(tiny):
     """A build killed mid-way leaves torch's O_EXCL `lock` file behind; a later load must build."""
     src, cache = tiny
@@ -84,6 +86,7 @@ def test_stale_torch_baton_does_not_hang(tiny):
     assert time.time() - t0 < 170
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): run in CI's -m slow pass
 def test_killed_lock_holder_releases_lock(tiny):
     """A process SIGKILLed while holding the build lock must not block the next build."""
     src, cache = tiny

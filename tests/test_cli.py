@@ -106,6 +106,7 @@ def test_bench_step_failing_ranks_end_the_command(tmp_path):
     assert "without a result" in r.stderr or "failed" in r.stderr
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): run in CI's -m slow pass
 def test_bench_engine_runs_both_engines_and_writes_results(tmp_path):
     """`bench --engine` end to end at the tiny size (it was broken by the launcher move: an
     ImportError of bench.step's removed `_free_port`, and no test ran it)."""

@@ -115,6 +115,7 @@ def test_train_one_rank_in_process(tmp_path, capsys):
     assert (out / "loss.png").exists()
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): run in CI's -m slow pass
 def test_train_under_torchrun_uses_its_ranks(tmp_path):
     out = tmp_path / "trun"
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -163,6 +164,7 @@ def test_stage3_on_two_ranks_works_and_matches_the_estimate(tmp_path):
     assert c["reduce_scatter"] < c["all_gather"] < 2 * c["reduce_scatter"]
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): run in CI's -m slow pass
 def test_stage3_quantize_both_on_two_ranks_sends_quantized_bytes(tmp_path):
     """--quantize both (qwZ + qgZ int8): the same run as plain stage 3 above sends about a
     quarter of the bytes (int8 + a 4-byte scale per 128 elements vs bf16's 2 bytes: 1.03/2 of

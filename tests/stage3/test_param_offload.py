@@ -362,7 +362,7 @@ def _results(ws):
     return cached(_worker, ws, _root())
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_bitwise_parity_with_the_run_without_param_offload(ws):
     for prec, (off, poff) in PLAN[ws]:
         for r, res in enumerate(case(_results(ws), f"parity_{prec}_{off}_{poff}")):

@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 from .dispatch import resolve
-from .quant8 import BLOCK, code_map
-from .reference import _f64, advance_step_, bias_corrections
+from .quant8 import BLOCK, code_map, midpoints, step_scalars
+from .reference import advance_step_
 from .validate import (
     FOUND_INF_DTYPES,
     GRAD_DTYPES,
@@ -49,17 +49,6 @@ from .validate import (
     check_no_overlap,
     check_scalar_tensor,
 )
-
-_MIDS = {}
-
-
-def midpoints(signed: bool, device: torch.device) -> torch.Tensor:
-    """The 255 fp32 midpoints between consecutive codes of the map (ascending)."""
-    key = (signed, str(device))
-    if key not in _MIDS:
-        c = code_map(signed, device)
-        _MIDS[key] = (c[1:] + c[:-1]) / 2
-    return _MIDS[key]
 
 
 def check_adamw8bit_args(master, m_q, m_absmax, v_q, v_absmax, grad, param_out, *, lr, beta1,
@@ -136,17 +125,6 @@ def adamw8bit_step_(master: torch.Tensor, m_q: torch.Tensor, m_absmax: torch.Ten
         _native_adamw8bit_step_(*args, **kw)
 
 
-def _scalars(step, lr, beta1, beta2, eps, weight_decay, dev):
-    """The step's fp32 scalars, formed in float64 and rounded once (as reference.adam_step_)."""
-    f32 = torch.float32
-    bc1, bc2 = bias_corrections(step, beta1, beta2)
-    lr64, wd64 = _f64(lr, dev), _f64(weight_decay, dev)
-    b1_64, b2_64 = _f64(beta1, dev), _f64(beta2, dev)
-    return dict(step_size=(lr64 / bc1).to(f32), rsqrt_bc2=bc2.rsqrt().to(f32),
-                decay=(1 - lr64 * wd64).to(f32), b1=b1_64.to(f32), b2=b2_64.to(f32),
-                omb1=(1 - b1_64).to(f32), omb2=(1 - b2_64).to(f32), eps=_f64(eps, dev).to(f32))
-
-
 def quantize_blocks(x: torch.Tensor, signed: bool):
     """(codes uint8, absmax fp32 per block) of a flat fp32 `x` (module Note: the nearest code
     by counting midpoints below, ties to the lower code)."""
@@ -163,7 +141,7 @@ def reference_adamw8bit_step_(master, m_q, m_absmax, v_q, v_absmax, grad, param_
     """The executable spec in torch ops (never syncs: the skip is a torch.where)."""
     dev = master.device
     skip = found_inf if found_inf.dtype == torch.bool else found_inf != 0
-    s = _scalars(step, lr, beta1, beta2, eps, weight_decay, dev)
+    s = step_scalars(step, lr, beta1, beta2, eps, weight_decay, dev)
     g = grad.to(torch.float32) * grad_scale
     m = (code_map(True, dev)[m_q.long()].view(-1, BLOCK) * m_absmax[:, None]).view(-1)
     v = (code_map(False, dev)[v_q.long()].view(-1, BLOCK) * v_absmax[:, None]).view(-1)

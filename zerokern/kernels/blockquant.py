@@ -23,19 +23,7 @@ from typing import Tuple
 
 import torch
 
-BITS_Q = {8: 127, 4: 7}
-BLOCKS = (32, 64, 128)
-
-
-def _check(x: torch.Tensor, block: int, bits: int) -> None:
-    if bits not in BITS_Q:
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
-    if block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS} (divides the 128-element pieces), "
-                         f"got {block}")
-    if x.ndim != 1 or x.numel() % block:
-        raise ValueError(f"x must be 1-D with a multiple of block={block} elements, "
-                         f"got shape {tuple(x.shape)}")
+from .validate import BITS_Q, check_blockquant
 
 
 def wire_bytes(numel: int, block: int = 128, bits: int = 8) -> int:
@@ -57,7 +45,7 @@ def quantize(x: torch.Tensor, block: int = 128, bits: int = 8) -> Tuple[torch.Te
     Raises:
         ValueError: bad bits, block or shape.
     """
-    _check(x, block, bits)
+    check_blockquant(x, block, bits)
     q = BITS_Q[bits]
     xb = x.float().view(-1, block)
     scale = xb.abs().amax(dim=1) / q
@@ -99,7 +87,7 @@ class NativeCodec:
 
     def quantize(self, x: torch.Tensor, block: int = 128, bits: int = 8):
         """As `quantize` (the module function)."""
-        _check(x, block, bits)
+        check_blockquant(x, block, bits)
         x = x.contiguous()
         n = x.numel()
         codes = torch.empty(n if bits == 8 else n // 2,

@@ -32,6 +32,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .reference import _f64, bias_corrections
+
 BLOCK = 128
 # 7 decades for the signed map's 7 non-sign bits (bitsandbytes' max_exponent_bits = 7).
 DECADES = 7
@@ -138,3 +140,27 @@ def adamw8bit_step_(param: torch.Tensor, m_q: torch.Tensor, m_absmax: torch.Tens
     step.add_((~skip).to(step.dtype))
     if param_out is not None:
         param_out.copy_(torch.where(skip, param_out, param.to(param_out.dtype)))
+
+
+_MIDS: dict = {}
+
+
+def midpoints(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 255 fp32 midpoints between consecutive codes of the map (ascending)."""
+    key = (signed, str(device))
+    if key not in _MIDS:
+        c = code_map(signed, device)
+        _MIDS[key] = (c[1:] + c[:-1]) / 2
+    return _MIDS[key]
+
+
+def step_scalars(step, lr, beta1, beta2, eps, weight_decay, dev):
+    """The 8-bit AdamW step's fp32 scalars, formed in float64 and rounded once (as
+    reference.adam_step_); the reference, cpu and triton backends all take them from here."""
+    f32 = torch.float32
+    bc1, bc2 = bias_corrections(step, beta1, beta2)
+    lr64, wd64 = _f64(lr, dev), _f64(weight_decay, dev)
+    b1_64, b2_64 = _f64(beta1, dev), _f64(beta2, dev)
+    return dict(step_size=(lr64 / bc1).to(f32), rsqrt_bc2=bc2.rsqrt().to(f32),
+                decay=(1 - lr64 * wd64).to(f32), b1=b1_64.to(f32), b2=b2_64.to(f32),
+                omb1=(1 - b1_64).to(f32), omb2=(1 - b2_64).to(f32), eps=_f64(eps, dev).to(f32))

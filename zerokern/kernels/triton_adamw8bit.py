@@ -3,7 +3,7 @@
 TRITON_INTERPRET=1 (tests).
 
 [Note: the Triton 8-bit step]
-- The step's fp32 scalars are adamw8bit._scalars' (torch ops on the device: float64, rounded
+- The step's fp32 scalars are quant8.step_scalars' (torch ops on the device: float64, rounded
   once; no host sync) packed into one small device tensor, so the kernel and the reference use
   the very same scalars and a new lr never recompiles.
 - FP fusion is OFF for this kernel (unlike adam's [Note: fp fusion pinned]): the 8-bit step's
@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adamw8bit import _scalars, midpoints
-from .quant8 import BLOCK, code_map
+from .quant8 import BLOCK, code_map, midpoints, step_scalars
 from .triton_kernels import _advance_step_kernel, _cast_bits_rne, _on_device
 
 ROWS_GPU = 8          # 8 blocks = 1024 elements per program (4 warps)
@@ -100,7 +99,7 @@ def adamw8bit_step_(master, m_q, m_absmax, v_q, v_absmax, grad, param_out, *, lr
     nb = master.numel() // BLOCK
     with _on_device(dev):
         if nb:
-            s = _scalars(step, lr, beta1, beta2, eps, weight_decay, dev)
+            s = step_scalars(step, lr, beta1, beta2, eps, weight_decay, dev)
             sc = torch.stack([s["step_size"], s["rsqrt_bc2"], s["decay"], s["b1"], s["omb1"],
                               s["b2"], s["omb2"], s["eps"],
                               grad_scale.reshape(()).to(torch.float32)])

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from zerokern.kernels.blockquant import BITS_Q, _check
 from zerokern.kernels.triton_kernels import _cast_bits_rne
+from zerokern.kernels.validate import BITS_Q, check_blockquant
 
 ROWS = 16  # blocks per program: 16 x 128 fp32 = 8 KiB of x per program
 
@@ -90,7 +90,7 @@ def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, nblocks, BLOCK: tl.constex
 
 def quantize(x: torch.Tensor, block: int = 128, bits: int = 8):
     """blockquant.quantize on the Triton backend (CUDA tensors, or CPU under the interpreter)."""
-    _check(x, block, bits)
+    check_blockquant(x, block, bits)
     nblocks = x.numel() // block
     codes = torch.empty(x.numel() // 2 if bits == 4 else x.numel(),
                         dtype=torch.uint8 if bits == 4 else torch.int8, device=x.device)

@@ -136,3 +136,21 @@ def check_no_overlap(bufs: dict) -> None:
             if lo < hi2 and lo2 < hi:
                 raise ValueError(f"{name} overlaps {name2} in memory; each buffer must be "
                                  "distinct")
+
+
+# Block quantization (blockquant.py, triton_blockquant.py): the largest code per bit width and
+# the block sizes (each divides the 128-element pieces).
+BITS_Q = {8: 127, 4: 7}
+BLOCKS = (32, 64, 128)
+
+
+def check_blockquant(x: torch.Tensor, block: int, bits: int) -> None:
+    """Block quantization arguments (blockquant.py): ValueError naming the bad one."""
+    if bits not in BITS_Q:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS} (divides the 128-element pieces), "
+                         f"got {block}")
+    if x.ndim != 1 or x.numel() % block:
+        raise ValueError(f"x must be 1-D with a multiple of block={block} elements, "
+                         f"got shape {tuple(x.shape)}")

@@ -24,7 +24,7 @@ call, minima 174 vs 206 us, i.e. within the noise of the kernel call's own argum
 [Note: a rule per param group]
 An engine holds one rule per param group (`ZeroOptimizer(rule=[...])`; ZeroMuon: Muon for the
 matrices' groups, AdamW for the rest). Each buffer belongs to one group (`buffer.group_index`)
-and so has one rule: the placement allocates that rule's states for it (`Placement.rule_for`),
+and so has one rule: the placement allocates that rule's states for it (`rule_for`),
 the reports count them by name, a checkpoint section holds only the buffers that have it
 (checkpoint/format.py). Where one name must stand for the optimizer (reports, checkpoint
 metadata), `combine(rules)` gives the rule itself when every group has the same one (so
@@ -266,3 +266,10 @@ def rule_by_name(name: str) -> Rule:
         raise ValueError(f"optimizer must be one of {tuple(rules)} (or a zerokern.rules.Rule), "
                          f"got {name!r}")
     return rules[name]
+
+
+def rule_for(placement, buf) -> Rule:
+    """The rule of buffer `buf`: its param group's where the placement holds one rule per
+    group (zerokern.rules [Note: a rule per param group]), else the placement's one rule."""
+    rules = getattr(placement, "rules", None)
+    return placement.rule if rules is None else rules[buf.group_index]

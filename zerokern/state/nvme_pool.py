@@ -8,7 +8,7 @@ from typing import List
 import torch
 
 from zerokern.state import aligned_io as aio
-from zerokern.state.offload import _host_empty
+from zerokern.state.pinned import host_empty
 
 _F32 = torch.float32
 
@@ -34,8 +34,8 @@ class _Set:
         self.state = [f[i * chunk:(i + 1) * chunk] for i in range(n_files)]
         mv = memoryview(self.raw.numpy())
         self.mv = [mv[i * chunk * 4:(i + 1) * chunk * 4] for i in range(n_files)]
-        self.grad = _host_empty(chunk, grad_dtype, pin)
-        self.param = None if dtype == _F32 else _host_empty(chunk, dtype, pin)
+        self.grad = host_empty(chunk, grad_dtype, pin)
+        self.param = None if dtype == _F32 else host_empty(chunk, dtype, pin)
         self.job = None   # (gi, lo, hi): the chunk's state range in buffer gi
         self.futs = []    # in-flight reads or writes
         self.h2d = None   # CUDA event: the param copy out of self.param has landed

@@ -38,16 +38,18 @@ from typing import List, Optional
 
 import torch
 
-from zerokern.rules import Rule, RuleState, adamw_rule, alloc_states, block_map, check_rule
+from zerokern.rules import (
+    Rule,
+    RuleState,
+    adamw_rule,
+    alloc_states,
+    block_map,
+    check_rule,
+    rule_for,
+)
 from zerokern.state import pinned
 
 CHUNK_NUMEL = 1 << 22
-
-
-def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    # Pinned: exactly n elements page-locked, not the caching host allocator's power-of-two
-    # block (issue 14, defect 4; zerokern/pinned.py), so host_bytes() is what is locked.
-    return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
 
 
 class HostState(RuleState):
@@ -61,14 +63,14 @@ class HostState(RuleState):
         self.pin = buf.device.type == "cuda"
         n = buf.state_numel
         fp32 = torch.float32
-        self.master = _host_empty(n, fp32, self.pin).zero_()
+        self.master = pinned.host_empty(n, fp32, self.pin).zero_()
         buf.fill_master_(self.master)
-        self.states = alloc_states(rule, n, lambda m, dt: _host_empty(m, dt, self.pin))
+        self.states = alloc_states(rule, n, lambda m, dt: pinned.host_empty(m, dt, self.pin))
         self.blocks = block_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
         self.fp32 = buf.dtype == fp32
-        self.grad = _host_empty(n, grad_dtype, self.pin)
-        self.param = None if self.fp32 else _host_empty(n, buf.dtype, self.pin)
+        self.grad = pinned.host_empty(n, grad_dtype, self.pin)
+        self.param = None if self.fp32 else pinned.host_empty(n, buf.dtype, self.pin)
 
     def device_tensors(self) -> dict:
         return {}  # all of it is host bytes (Offloader.host_bytes)
@@ -86,7 +88,7 @@ class CopyPipeline:
         # This step's [grad_scale, found_inf] on the host, once for every group; found_inf is
         # read through the numpy view once it has arrived (a host read of host memory, no
         # device sync), to skip an overflowed step's copies.
-        self.scalars = _host_empty(2, torch.float32, self.cuda)
+        self.scalars = pinned.host_empty(2, torch.float32, self.cuda)
         self.scalars_np = self.scalars.numpy()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
@@ -159,7 +161,6 @@ class Offloader(CopyPipeline):
         self.states: List[HostState] = []
 
     def allocate(self, buf) -> HostState:
-        from zerokern.state.placement import rule_for
 
         st = HostState(buf, self.grad_dtype, rule_for(self, buf))
         self.states.append(st)
@@ -177,7 +178,6 @@ class Offloader(CopyPipeline):
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                      backend: str) -> None:
         """Update bucket k's piece of buffer gi on the host; write the params back."""
-        from zerokern.state.placement import rule_for
 
         g = self.buffers[gi]
         rule = rule_for(self, g)

@@ -68,3 +68,10 @@ def empty(n: int, dtype: torch.dtype, align: int = ALIGN) -> torch.Tensor:
     fin = weakref.finalize(raw, _unregister, ptr, nbytes)
     fin.atexit = False  # at exit the process's memory goes anyway; CUDA may be torn down
     return torch.from_numpy(buf).view(dtype)
+
+
+def host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """n elements of dtype on the host, page-locked (exactly n) when pin."""
+    # Pinned: exactly n elements page-locked, not the caching host allocator's power-of-two
+    # block (issue 14, defect 4; zerokern/pinned.py), so host_bytes() is what is locked.
+    return empty(n, dtype) if pin else torch.empty(n, dtype=dtype)

@@ -35,14 +35,15 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from zerokern.rules import Rule, RuleState, adamw_rule, alloc_states, block_map, check_rule
-
-
-def rule_for(placement, buf) -> Rule:
-    """The rule of buffer `buf`: its param group's where the placement holds one rule per
-    group (zerokern.rules [Note: a rule per param group]), else the placement's one rule."""
-    rules = getattr(placement, "rules", None)
-    return placement.rule if rules is None else rules[buf.group_index]
+from zerokern.rules import (
+    Rule,
+    RuleState,
+    adamw_rule,
+    alloc_states,
+    block_map,
+    check_rule,
+    rule_for,
+)
 
 
 def _cats(rule: Rule) -> Dict[str, int]:
