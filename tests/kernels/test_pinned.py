@@ -15,7 +15,7 @@ import gc
 import pytest
 import torch
 
-from zerokern.state import offload, pinned
+from zerokern.state import pinned
 
 
 class FakeCudart:
@@ -45,7 +45,7 @@ def cudart(monkeypatch):
                                      (1, torch.float16)])
 def test_offload_pins_exactly_the_reported_bytes(cudart, n, dtype):
     before = pinned.pinned_bytes()
-    t = offload._host_empty(n, dtype, pin=True)
+    t = pinned.host_empty(n, dtype, pin=True)
     nbytes = n * t.element_size()
     assert t.numel() == n and t.dtype == dtype
     assert t.untyped_storage().nbytes() == nbytes  # what host_bytes() reports
@@ -83,5 +83,5 @@ def test_register_failure_is_an_error_naming_the_limit(monkeypatch):
 
 
 def test_unpinned_is_plain_memory(cudart):
-    t = offload._host_empty(100, torch.float32, pin=False)
+    t = pinned.host_empty(100, torch.float32, pin=False)
     assert t.numel() == 100 and not cudart.calls

@@ -14,17 +14,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from zerokern.state import aligned_io as aio
+from zerokern.state import pinned
 from zerokern.state.nvme_state import cleanup as _cleanup
 from zerokern.state.offload_nvme import StepPhase
 
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
-
-
-def _host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    from zerokern.state import pinned
-
-    return pinned.empty(n, dtype) if pin else torch.empty(n, dtype=dtype)
 
 
 class _ParamFile:
@@ -83,7 +78,7 @@ class ParamHomes:
     def adopt(self, f: OffloadedShardedFlat, shard: torch.Tensor) -> torch.Tensor:
         """The home of f's shard, holding its current values."""
         if self.kind == "cpu":
-            home = _host_empty(shard.numel(), shard.dtype, self.pin)
+            home = pinned.host_empty(shard.numel(), shard.dtype, self.pin)
             home.copy_(shard)
             return home
         e = shard.element_size()
