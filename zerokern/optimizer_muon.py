@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
+from .layout.dtensor_params import is_dtensor
 from .optimizer import ZeroOptimizer
 from .optimizer_doc import ENGINE_ARGS
 from .rules.adamw import ADAMW
@@ -53,10 +54,6 @@ def original_shape(p: torch.Tensor) -> tuple:
                 if q is p:
                     return tuple(s.shape)
     return tuple(p.shape)
-
-
-def _is_dtensor(p) -> bool:
-    return type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
 
 
 def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
@@ -95,7 +92,7 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
         for is_muon, part in halves:
             if not part and use is None:
                 continue
-            if is_muon and any(_is_dtensor(p) and p.requires_grad for p in part):
+            if is_muon and any(is_dtensor(p) and p.requires_grad for p in part):
                 # a tensor-parallel param holds only this rank's tp shard of the matrix:
                 # orthogonalizing the shard is not Muon (it would be silently wrong)
                 raise ValueError(f"param group {gi}: a DTensor (tensor-parallel) param takes "
