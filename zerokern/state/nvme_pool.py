@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -16,6 +16,20 @@ _F32 = torch.float32
 def pool_chunk(state_numels: List[int], chunk_numel: int) -> int:
     """The chunk actually used: never more than the largest buffer needs (small models)."""
     return min(chunk_numel, aio.align_up(max(state_numels), aio.ALIGN // 4))
+
+
+def step_plan(state_numels: List[int], chunk: int) -> List[Tuple[int, int, int]]:
+    """The chunks one step streams, in order: (buffer index, lo, hi) state elements, every
+    buffer's whole range in `chunk`-element requests (offload_nvme.py; zerokern.bench.disk_probe
+    replays the same list)."""
+    return [(gi, lo, min(lo + chunk, n)) for gi, n in enumerate(state_numels)
+            for lo in range(0, n, chunk)]
+
+
+def request_span(half_bytes: int, half: int, lo: int, hi: int) -> Tuple[int, int]:
+    """(file offset, bytes) of one file's request for state elements [lo, hi) in half `half`:
+    4096-aligned both (O_DIRECT), the last request rounded up into the half's padding."""
+    return half * half_bytes + lo * 4, aio.align_up((hi - lo) * 4)
 
 
 def set_bytes(chunk: int, grad_e: int, param_e: int, n_files: int) -> int:

@@ -63,7 +63,7 @@ import torch
 
 from zerokern.rules import Rule, adamw_rule, check_rule
 from zerokern.state import aligned_io as aio
-from zerokern.state.nvme_pool import _Set, pool_chunk, set_bytes
+from zerokern.state.nvme_pool import _Set, pool_chunk, request_span, set_bytes, step_plan
 from zerokern.state.nvme_state import DiskState, cleanup, file_bytes, names
 from zerokern.state.offload import CopyPipeline
 
@@ -179,8 +179,7 @@ class NvmeOffloader(CopyPipeline):
         self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
         self.steps0 = [f.steps.clone() for f in self.files]
-        self.plan = [(gi, lo, min(lo + self.chunk, f.n)) for gi, f in enumerate(self.files)
-                     for lo in range(0, f.n, self.chunk)]
+        self.plan = step_plan([f.n for f in self.files], self.chunk)
         self.next_read = 0
         self.free = list(self.pool)
         self.loaded = collections.deque()
@@ -199,9 +198,7 @@ class NvmeOffloader(CopyPipeline):
     def _submit(self, s: _Set, write: bool) -> None:
         gi, lo, hi = s.job
         f = self.files[gi]
-        n = aio.align_up((hi - lo) * 4)
-        half = (1 - self.cur) if write else self.cur
-        off = half * f.half + lo * 4
+        off, n = request_span(f.half, (1 - self.cur) if write else self.cur, lo, hi)
         fn = aio.write_chunk if write else aio.read_chunk
         extra = (self.direct, self.fault_hook) if write else (self.direct,)
         s.futs = [self.io.submit(fn, fd, mv[:n], off, p, *extra)

@@ -1,0 +1,312 @@
+"""A disk probe that replays one offload="nvme" step's own I/O with no compute: how fast this
+disk moves the step's bytes, now, in the step's pattern.
+
+`IOPattern` is what one optimizer step reads and writes (zerokern/state/offload_nvme.py): per
+flat buffer one file per state tensor (`nvme_state.names`: the master, then the rule's states),
+each two halves of `align_up(S * 4)` bytes (`nvme_state.file_bytes`); the step reads every
+chunk of half `cur` and writes it to half `1 - cur`, in `nvme_pool.step_plan` order, one
+request per file per chunk (`nvme_pool.request_span`), through `depth` aligned buffer sets
+(`nvme_pool._Set`), so at most depth x files requests in flight, on a thread pool of the same
+size as the offloader's, with `aligned_io.read_chunk` / `write_chunk` (O_DIRECT where the file
+system takes it, else buffered + fadvise(DONTNEED): the page cache is defeated the same way).
+`replay` runs that schedule (offload_nvme's `_refill` / `_settle` order: reads run ahead into
+free sets, a set's chunk is written behind as soon as its read landed, a set is reused once its
+write landed) and times it: the step's I/O floor, measured on the step's own path.
+
+[Note: why replay the step, not a sequential copy]
+The first bench_infinity measured the disk with one sequential read+write file (4 requests in
+flight) and divided: on 2026-11-25 that gave "185% of the floor" (1.64 GB/s that day, 3.16 two
+days before), because a cloud disk's bandwidth depends on the request mix (3 files per chunk,
+reads and writes interleaved, 12 requests in flight) and drifts between runs. The replay uses
+the same code path, sizes, offsets, depth and threads as the step, so the only difference left
+is the step's compute (the cpu kernel, grad and param copies), and the disk's drift, which the
+caller measures by sampling before and after the steps (bench_infinity interleaves them).
+
+[Note: borrowing the step's files]
+`ProbeFiles.borrow` replays on the offloader's own state files between steps: same extents,
+same file system, and no second copy of the state on disk (a 2B-param model's files are 51 GB).
+The replay reads half `cur` (the state) and writes those same bytes into half `1 - cur`, which
+the next step overwrites whole before its commit flips to it (offload_nvme.py [Note: all or
+nothing]), so the optimizer's state is untouched. Half `1 - cur` of a fresh optimizer is
+fallocated but unwritten, and reading an unwritten extent returns zeros with no disk I/O: borrow
+only after two steps (each half written once), as bench_infinity does. `ProbeFiles.create` makes
+files of its own (both halves written in full, for the same reason) for a pattern alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import statistics
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zerokern.rules import Rule, adamw_rule
+from zerokern.state import aligned_io as aio
+from zerokern.state import nvme_state
+from zerokern.state import offload_nvme as nv
+from zerokern.state.nvme_pool import _Set, pool_chunk, request_span, step_plan
+
+_F32 = torch.float32
+_NAME = re.compile(r"-buf(\d+)-(\w+)\.bin$")
+
+
+@dataclass(frozen=True)
+class IOPattern:
+    """One offload="nvme" step's I/O: `numels` state elements per buffer (DiskState.n),
+    `names` files per buffer, `chunk` elements per request, `depth` buffer sets, `direct`
+    O_DIRECT (else buffered, dropped from the page cache)."""
+
+    numels: Tuple[int, ...]
+    names: Tuple[str, ...]
+    chunk: int
+    depth: int
+    direct: bool
+
+    @property
+    def halves(self) -> Tuple[int, ...]:
+        return tuple(aio.align_up(n * 4) for n in self.numels)
+
+    def file_bytes(self) -> Tuple[int, ...]:
+        """Bytes of each buffer's files (all of one buffer's files have this size)."""
+        return tuple(nvme_state.file_bytes(n) for n in self.numels)
+
+    def plan(self) -> List[Tuple[int, int, int]]:
+        return step_plan(list(self.numels), self.chunk)
+
+    def requests(self, cur: int = 0) -> Dict[str, List[Tuple[int, str, int, int]]]:
+        """{"read": [...], "write": [...]}: (buffer, file name, offset, bytes) per request, in
+        the order the step submits each kind."""
+        out: Dict[str, List[Tuple[int, str, int, int]]] = {"read": [], "write": []}
+        for gi, lo, hi in self.plan():
+            for kind, half in (("read", cur), ("write", 1 - cur)):
+                off, n = request_span(self.halves[gi], half, lo, hi)
+                out[kind] += [(gi, nm, off, n) for nm in self.names]
+        return out
+
+    @property
+    def bytes_per_step(self) -> int:
+        return sum(n for reqs in self.requests().values() for _, _, _, n in reqs)
+
+    @property
+    def in_flight(self) -> int:
+        return self.depth * len(self.names)
+
+
+def pattern_of(offloader) -> IOPattern:
+    """The pattern a live NvmeOffloader's step runs (its files, chunk, depth, O_DIRECT).
+
+    Args:
+        offloader: an `NvmeOffloader` (`ZeroAdamW(offload="nvme").offloader`).
+
+    Returns:
+        Its IOPattern.
+
+    Raises:
+        ValueError: it also streams stage 3's param files (offload_params="nvme"), which the
+            replay does not cover.
+    """
+    if offloader.extra_files:
+        raise ValueError("disk_probe replays the optimizer state files only; this offloader "
+                         "also writes offload_params='nvme' param files")
+    return IOPattern(tuple(f.n for f in offloader.files), tuple(offloader.names),
+                     offloader.chunk, offloader.depth, offloader.direct)
+
+
+def pattern_for(state_numels: Sequence[int], rule: Optional[Rule] = None,
+                chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None,
+                direct: bool = True) -> IOPattern:
+    """The pattern ZeroAdamW(offload="nvme") would run for buffers of these state sizes.
+
+    Args:
+        state_numels: state elements per flat buffer (the buffers' `state_numel`).
+        rule: the update rule (its state names set the files; default AdamW's m and v).
+        chunk_numel: elements per request before `pool_chunk` caps it (default CHUNK_NUMEL).
+        queue_depth: buffer sets (default QUEUE_DEPTH).
+        direct: O_DIRECT (what `aligned_io.direct_supported` says for the directory).
+
+    Returns:
+        The IOPattern.
+    """
+    numels = [int(n) for n in state_numels]
+    chunk = pool_chunk(numels, nv.CHUNK_NUMEL if chunk_numel is None else chunk_numel)
+    depth = nv.QUEUE_DEPTH if queue_depth is None else queue_depth
+    return IOPattern(tuple(numels), nvme_state.names(rule or adamw_rule()), chunk, depth,
+                     bool(direct))
+
+
+def differences(probe: IOPattern, step: IOPattern) -> List[str]:
+    """What differs between a probe's pattern and the step's, one line each ([] if none)."""
+    out = []
+    for field, what in (("numels", "state elements per buffer"), ("names", "files per buffer"),
+                        ("chunk", "elements per request"), ("depth", "buffer sets in flight"),
+                        ("direct", "O_DIRECT")):
+        a, b = getattr(probe, field), getattr(step, field)
+        if a != b:
+            out.append(f"{what}: probe {a}, step {b}")
+    return out
+
+
+def check_same(probe: IOPattern, step: IOPattern) -> None:
+    """Raise ValueError naming each difference when the probe would not replay the step."""
+    diff = differences(probe, step)
+    if diff:
+        raise ValueError("the disk probe's I/O pattern is not the step's: " + "; ".join(diff))
+
+
+class ProbeFiles:
+    """The files a replay reads and writes, per buffer: fds[gi][k], paths[gi][k] (k over the
+    pattern's names), and the half the state is in (`cur`)."""
+
+    def __init__(self, fds, paths, cur: int, owned: bool) -> None:
+        self.fds, self.paths, self.cur, self.owned = fds, paths, cur, owned
+
+    @classmethod
+    def borrow(cls, offloader) -> ProbeFiles:
+        """The offloader's own state files, between steps (Note: borrowing the step's files)."""
+        if offloader.phase is not nv.StepPhase.IDLE:
+            raise ValueError("disk_probe: the offloader is inside a step; probe between steps")
+        return cls([list(f.fds) for f in offloader.files],
+                   [list(f.paths) for f in offloader.files], offloader.cur, owned=False)
+
+    @classmethod
+    def create(cls, root: str, pattern: IOPattern) -> ProbeFiles:
+        """Files of the pattern's sizes under `root`, both halves written (no unwritten extent
+        reads back for free). Raises ValueError when root lacks the space or refuses O_DIRECT
+        for a direct pattern."""
+        root = aio.check_path(root)
+        if pattern.direct and not aio.direct_supported(root):
+            raise ValueError(f"disk_probe: {root!r} refuses O_DIRECT; build the pattern with "
+                             "direct=False (the step then falls back to buffered I/O too)")
+        nvme_state.check_free_space(root, len(pattern.names) * sum(pattern.file_bytes()))
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        files = cls([], [], 0, owned=True)
+        zeros = memoryview(aio.aligned_empty(4 * pattern.chunk, pin=False).zero_().numpy())
+        try:
+            for gi, half in enumerate(pattern.halves):
+                files.fds.append([])
+                files.paths.append([])
+                for nm in pattern.names:
+                    p = os.path.join(root, f".zerokern-probe-{tag}-buf{gi}-{nm}.bin")
+                    fd = aio.open_state(p, pattern.direct, create=True)
+                    files.fds[gi].append(fd)
+                    files.paths[gi].append(p)
+                    for off in range(0, 2 * half, len(zeros)):
+                        n = min(len(zeros), 2 * half - off)
+                        aio.write_chunk(fd, zeros[:n], off, p, pattern.direct, None)
+        except BaseException:
+            files.close()
+            raise
+        return files
+
+    def close(self) -> None:
+        """Close and remove the files if this probe created them (borrowed ones stay)."""
+        if not self.owned:
+            return
+        for fds, paths in zip(self.fds, self.paths):
+            for fd, p in zip(fds, paths):
+                os.close(fd)
+                os.unlink(p)
+        self.fds, self.paths = [], []
+
+
+def request_key(path: str) -> Tuple[int, str]:
+    """(buffer, file name) of a state or probe file's path (traces compare by it)."""
+    m = _NAME.search(path)
+    if m is None:
+        raise ValueError(f"not a zerokern state or probe file: {path!r}")
+    return int(m.group(1)), m.group(2)
+
+
+def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
+    """Run one step's I/O (module docstring) on `files`; returns seconds, bytes, GB/s and the
+    request count."""
+    plan = pattern.plan()
+    sets = [_Set(pattern.chunk, _F32, _F32, False, len(pattern.names))
+            for _ in range(pattern.depth)]
+    io = ThreadPoolExecutor(max_workers=len(pattern.names) * nv.MAX_DEPTH,
+                            thread_name_prefix="zk-probe")
+    cur, moved, count = files.cur, 0, 0
+    free, loaded, writing = list(sets), collections.deque(), collections.deque()
+    nxt = 0
+
+    def submit(s: _Set, write: bool) -> None:
+        nonlocal moved, count
+        gi, lo, hi = s.job
+        off, n = request_span(pattern.halves[gi], (1 - cur) if write else cur, lo, hi)
+        fn = aio.write_chunk if write else aio.read_chunk
+        extra = (pattern.direct, None) if write else (pattern.direct,)
+        s.futs = [io.submit(fn, fd, mv[:n], off, p, *extra)
+                  for fd, mv, p in zip(files.fds[gi], s.mv, files.paths[gi])]
+        moved += n * len(s.futs)
+        count += len(s.futs)
+
+    def settle(s: _Set) -> None:
+        for fu in s.futs:
+            fu.result()  # an OSError names the file (aligned_io)
+        s.futs = []
+
+    def refill(need: bool = False) -> None:  # offload_nvme.NvmeOffloader._refill's order
+        nonlocal nxt
+        while writing and (writing[0].futs[0].done() or (need and not free)):
+            s = writing.popleft()
+            settle(s)
+            free.append(s)
+        while free and nxt < len(plan):
+            s = free.pop()
+            s.job = plan[nxt]
+            nxt += 1
+            submit(s, write=False)
+            loaded.append(s)
+
+    t0 = time.perf_counter()
+    try:
+        refill()
+        while loaded or nxt < len(plan):
+            if not loaded:
+                refill(need=True)
+            s = loaded.popleft()
+            settle(s)
+            submit(s, write=True)
+            writing.append(s)
+            refill()
+        for s in writing:
+            settle(s)
+        dt = time.perf_counter() - t0
+    finally:
+        io.shutdown(wait=True)
+    return {"seconds": dt, "bytes": moved, "GBps": moved / dt / 1e9, "requests": count}
+
+
+def spread(values: Sequence[float]) -> dict:
+    """median, min, max and n of the samples."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def fraction(step_GBps: Sequence[float], probe_GBps: Sequence[float], direct: bool) -> dict:
+    """The step's bytes/time as a fraction of the probe's, in percent: median over median, and
+    the range min(step)/max(probe) .. max(step)/min(probe). `note` says why a fraction above
+    100% is not a step faster than the disk (None when it is not above)."""
+    s, p = spread(step_GBps), spread(probe_GBps)
+    out = {"median_pct": 100 * s["median"] / p["median"],
+           "min_pct": 100 * s["min"] / p["max"], "max_pct": 100 * s["max"] / p["min"],
+           "note": None}
+    if out["median_pct"] > 100:
+        out["note"] = ("the step moved its bytes faster than the I/O-only replay of the same "
+                       "requests: " + (
+                           "the disk's bandwidth changed between samples (probe "
+                           f"{p['min']:.2f}-{p['max']:.2f} GB/s), so the probe is no ceiling "
+                           "for this run" if direct else
+                           "O_DIRECT is unavailable here and buffered I/O can be served by the "
+                           "page cache, so neither figure is the disk's"))
+    elif out["max_pct"] > 100:
+        out["note"] = (f"the range reaches {out['max_pct']:.0f}%: the disk drifted between "
+                       f"samples (probe {p['min']:.2f}-{p['max']:.2f} GB/s)")
+    return out
