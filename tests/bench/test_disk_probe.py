@@ -131,16 +131,17 @@ def test_borrowing_the_step_files_leaves_training_unchanged(tmp_path, trace):
     for seed in (1, 2):  # both halves written: the probe borrows only after that
         _step(ma, oa, seed)
         _step(mb, ob, seed)
-    _take(trace)
-    files = dp.ProbeFiles.borrow(oa.offloader)
+    files = dp.ProbeFiles.borrow(oa.offloader)  # once, then probe and step interleaved
     pat = dp.pattern_of(oa.offloader)
-    res = dp.replay(files, pat)
-    files.close()  # borrowed: nothing is removed
-    assert _take(trace) == pat.requests(oa.offloader.cur)
-    assert res["bytes"] == pat.bytes_per_step
-    for seed in (3, 4):
+    for seed in (3, 4, 5):
+        _take(trace)
+        res = dp.replay(files, pat)
+        assert _take(trace) == pat.requests(oa.offloader.cur)  # reads the current half
+        assert res["bytes"] == pat.bytes_per_step
         _step(ma, oa, seed)
         _step(mb, ob, seed)
+    files.close()  # borrowed: nothing is removed
+    assert all(os.path.exists(p) for f in oa.offloader.files for p in f.paths)
     for pa, pb in zip(ma.parameters(), mb.parameters()):
         assert torch.equal(pa, pb)
     for fa, fb in zip(oa.offloader.files, ob.offloader.files):
@@ -148,10 +149,12 @@ def test_borrowing_the_step_files_leaves_training_unchanged(tmp_path, trace):
         for k in fa.states:
             assert torch.equal(fa.states[k], fb.states[k])
     # negative control of the comparison: one more step on A only
-    _step(ma, oa, 5)
+    _step(ma, oa, 6)
     assert not all(torch.equal(pa, pb) for pa, pb in zip(ma.parameters(), mb.parameters()))
     oa.close()
     ob.close()
+    with pytest.raises(ValueError, match="inside a step or closed"):
+        dp.replay(files, pat)  # its files are gone: refused, not an OSError mid-way
 
 
 def test_fraction_explains_a_step_above_the_probe():

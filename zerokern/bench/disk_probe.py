@@ -162,18 +162,30 @@ def check_same(probe: IOPattern, step: IOPattern) -> None:
 
 class ProbeFiles:
     """The files a replay reads and writes, per buffer: fds[gi][k], paths[gi][k] (k over the
-    pattern's names), and the half the state is in (`cur`)."""
+    pattern's names), and `cur`, the half the state is in."""
 
-    def __init__(self, fds, paths, cur: int, owned: bool) -> None:
-        self.fds, self.paths, self.cur, self.owned = fds, paths, cur, owned
+    def __init__(self, fds, paths, owned, offloader=None) -> None:
+        self.fds, self.paths, self.owned, self._off = fds, paths, owned, offloader
+
+    @property
+    def cur(self) -> int:
+        """The state's half: a borrowed file's is the offloader's, read at each replay (each
+        step flips it: a half captured at borrow time would make the next replay copy the
+        previous state over the current one)."""
+        if self._off is None:
+            return 0
+        if self._off.phase is not nv.StepPhase.IDLE or not self._off._finalizer.alive:
+            raise ValueError("disk_probe: the offloader is inside a step or closed; probe "
+                             "between steps")
+        return self._off.cur
 
     @classmethod
     def borrow(cls, offloader) -> ProbeFiles:
         """The offloader's own state files, between steps (Note: borrowing the step's files)."""
-        if offloader.phase is not nv.StepPhase.IDLE:
-            raise ValueError("disk_probe: the offloader is inside a step; probe between steps")
-        return cls([list(f.fds) for f in offloader.files],
-                   [list(f.paths) for f in offloader.files], offloader.cur, owned=False)
+        files = cls([list(f.fds) for f in offloader.files],
+                    [list(f.paths) for f in offloader.files], False, offloader)
+        files.cur  # noqa: B018 - raises inside a step
+        return files
 
     @classmethod
     def create(cls, root: str, pattern: IOPattern) -> ProbeFiles:
@@ -186,7 +198,7 @@ class ProbeFiles:
                              "direct=False (the step then falls back to buffered I/O too)")
         nvme_state.check_free_space(root, len(pattern.names) * sum(pattern.file_bytes()))
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        files = cls([], [], 0, owned=True)
+        files = cls([], [], True)
         zeros = memoryview(aio.aligned_empty(4 * pattern.chunk, pin=False).zero_().numpy())
         try:
             for gi, half in enumerate(pattern.halves):
