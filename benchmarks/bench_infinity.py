@@ -15,7 +15,7 @@ timed steps: probe, step, probe, ..., step, probe, after `--warmup` steps that w
 of every file. Reported: median and min-max of the probe's GB/s and of the step's, and the
 step's GB/s as a fraction of the probe's with its range. Peak RSS comes from the kernel (VmHWM),
 with RAM (MemTotal), the load average and the state's bytes on disk beside it.
-Results: benchmarks/results/infinity-<model>.json and .md.
+Results: benchmarks/results/infinity-<model>.json and .md (or --name).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def _args():
                    "the preset's context))")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--name", default=None, help="result file stem (default infinity-<model>)")
     args = p.parse_args()
     if args.warmup < 2 or args.steps < 1:
         raise SystemExit("--warmup must be >= 2 and --steps >= 1")

@@ -160,6 +160,14 @@ def test_borrowing_the_step_files_leaves_training_unchanged(tmp_path, trace):
 def test_fraction_explains_a_step_above_the_probe():
     ok = dp.fraction([2.0, 2.2], [2.5, 2.6, 2.4], direct=True)
     assert 76 < ok["median_pct"] < 90 and ok["note"] is None
+    assert dp.paired([2.0, 2.2], [2.5, 2.6, 2.4]) == pytest.approx([400 / 5.1, 440 / 5.0])
+    assert ok["paired"]["n"] == 2 and ok["paired"]["max"] == pytest.approx(88.0)
+    drift = dp.fraction([1.2, 2.3], [1.3, 1.7, 3.1], direct=True)  # paired 80%, 96%: no note
+    assert drift["paired"]["max"] < 100 < drift["max_pct"] and drift["note"] is None
+    edge = dp.fraction([1.0, 1.2], [1.3, 1.2, 1.1], direct=True)  # paired 80%, 104%
+    assert edge["note"].startswith("the range reaches 104%")
+    with pytest.raises(ValueError, match="one probe more than steps"):
+        dp.paired([1.0, 1.0], [1.0, 1.0])
     above = dp.fraction([3.0], [2.0, 2.2], direct=True)
     assert above["median_pct"] > 100 and "changed between samples" in above["note"]
     cached = dp.fraction([3.0], [2.0], direct=False)

@@ -37,6 +37,8 @@ def test_bench_infinity_tiny(tmp_path):
     frac = res["step_of_probe"]
     assert abs(frac["median_pct"] - 100 * statistics.median(steps) / statistics.median(probes)) \
         < 1e-9
+    pairs = [200 * st / (probes[i] + probes[i + 1]) for i, st in enumerate(steps)]
+    assert frac["paired"]["median"] == statistics.median(pairs)
     md = (tmp_path / "infinity-tiny.md").read_text()
     assert "disk probe" in md and "load average" in md and "as a fraction of the probe" in md
     assert os.listdir(tmp_path / "disk") == []  # the state files are removed at close

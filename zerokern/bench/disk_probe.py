@@ -302,15 +302,30 @@ def spread(values: Sequence[float]) -> dict:
             "n": len(values)}
 
 
+def paired(step_GBps: Sequence[float], probe_GBps: Sequence[float]) -> List[float]:
+    """Interleaved samples (probe, step, probe, ..., step, probe): each step's GB/s as a
+    percentage of the mean of the two probes around it (the disk as it was during that step)."""
+    if len(probe_GBps) != len(step_GBps) + 1:
+        raise ValueError(f"paired: need one probe more than steps (probe, step, ..., probe), got "
+                         f"{len(probe_GBps)} probes for {len(step_GBps)} steps")
+    return [200 * s / (probe_GBps[i] + probe_GBps[i + 1]) for i, s in enumerate(step_GBps)]
+
+
 def fraction(step_GBps: Sequence[float], probe_GBps: Sequence[float], direct: bool) -> dict:
-    """The step's bytes/time as a fraction of the probe's, in percent: median over median, and
-    the range min(step)/max(probe) .. max(step)/min(probe). `note` says why a fraction above
-    100% is not a step faster than the disk (None when it is not above)."""
+    """The step's bytes/time as a fraction of the probe's, in percent: median over median and
+    the range over all samples, min(step)/max(probe) .. max(step)/min(probe); with interleaved
+    samples (one probe more than steps) also `paired` (spread of `paired`), the headline then.
+    `note` says why a headline above 100% is not a step faster than the disk, or that the
+    range passes 100% because the disk drifted (None otherwise)."""
     s, p = spread(step_GBps), spread(probe_GBps)
     out = {"median_pct": 100 * s["median"] / p["median"],
            "min_pct": 100 * s["min"] / p["max"], "max_pct": 100 * s["max"] / p["min"],
-           "note": None}
-    if out["median_pct"] > 100:
+           "paired": None, "note": None}
+    if len(probe_GBps) == len(step_GBps) + 1:
+        out["paired"] = spread(paired(step_GBps, probe_GBps))
+    head, top = ((out["paired"]["median"], out["paired"]["max"]) if out["paired"] else
+                 (out["median_pct"], out["max_pct"]))
+    if head > 100:
         out["note"] = ("the step moved its bytes faster than the I/O-only replay of the same "
                        "requests: " + (
                            "the disk's bandwidth changed between samples (probe "
@@ -318,7 +333,7 @@ def fraction(step_GBps: Sequence[float], probe_GBps: Sequence[float], direct: bo
                            "for this run" if direct else
                            "O_DIRECT is unavailable here and buffered I/O can be served by the "
                            "page cache, so neither figure is the disk's"))
-    elif out["max_pct"] > 100:
-        out["note"] = (f"the range reaches {out['max_pct']:.0f}%: the disk drifted between "
-                       f"samples (probe {p['min']:.2f}-{p['max']:.2f} GB/s)")
+    elif top > 100:
+        out["note"] = (f"the range reaches {top:.0f}%: the disk drifted between samples (probe "
+                       f"{p['min']:.2f}-{p['max']:.2f} GB/s)")
     return out

@@ -42,14 +42,19 @@ def _rng(s: dict, fmt: str = ".2f") -> str:
 def write(args, env: dict, s: dict) -> None:
     """Write infinity-<model>.json and .md under args.out and print the markdown."""
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"infinity-{args.model}"
+    stem = args.out / (getattr(args, "name", None) or f"infinity-{args.model}")
     common.write_json(stem.with_suffix(".json"), {"env": env, **s})
     pat, f = s["pattern"], s["step_of_probe"]
     io = ("O_DIRECT" if s["direct_io"] else "buffered + fadvise(DONTNEED): O_DIRECT is "
           "unavailable under --path, the page cache may serve some reads")
-    verdict = (f"**{f['median_pct']:.0f}%** (range {f['min_pct']:.0f}-{f['max_pct']:.0f}%)"
-               if f["median_pct"] <= 100 else
-               f"not a fraction of the disk's ceiling ({f['median_pct']:.0f}%)")
+    q = f["paired"]
+    head = q["median"] if q else f["median_pct"]
+    verdict = ((f"each step against the mean of the probes before and after it **{q['median']:.0f}%"
+                f"** (min-max {q['min']:.0f}-{q['max']:.0f}%, n={q['n']}); " if q else "")
+               + f"median over median {f['median_pct']:.0f}%, range over all samples "
+               f"{f['min_pct']:.0f}-{f['max_pct']:.0f}%")
+    if head > 100:
+        verdict = "not a fraction of the disk's ceiling (" + verdict + ")"
     md = (f"# ZeRO-Infinity on {env.get('usable_cpus')} cores: GPT {args.model}, "
           f"{s['params'] / 1e9:.2f}B params, offload='nvme'\n\n{common.markdown_env(env)}\n"
           f"- load average (1, 5, 15 min) before / after the timed part: "
