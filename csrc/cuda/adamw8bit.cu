@@ -1,0 +1,430 @@
+// zerokern CUDA 8-bit AdamW step (issue 23): dequantize -> AdamW -> requantize in one pass.
+// Pure CUDA (`nvcc -arch=sm_90 -c adamw8bit.cu` builds it alone). Numerics: kernels/adamw8bit.py
+// [Note: the 8-bit step, bit for bit], bitwise the reference and the CPU op
+// (csrc/cpu/adamw8bit_cpu.cpp); the element arithmetic is adamw8bit_math.cuh's ([Note: 8-bit
+// step on CUDA, operation by operation]). 16-bit outputs use cvt.rn (__floats2half2_rn /
+// __floats2bfloat162_rn), bitwise torch's .to(dtype).
+//
+// [Note: one 16-lane group per 128-element block]
+// A quantization block needs its absmax before any of its codes, so the block is the unit of
+// work: 16 lanes x 8 elements = 128, two blocks per warp. Each lane loads its 8 elements with
+// 128-bit accesses (2 x float4 for master and an fp32 grad, one uint4 for a 16-bit grad or
+// param_out, one 64-bit uint2 for each code array), updates them, the group reduces |m| and |v|
+// with four __shfl_xor_sync over its own half-warp (max is exact: any order, same bits), then
+// quantizes by a binary search over the midpoints held in shared memory (the maps, 4 KiB, are
+// read once per CTA). No fp64 after the prologue: thread 0 forms the scalars in fp64 once per
+// CTA, as zk_adam_kernel. 256 threads x 4 CTAs/SM caps registers at 64.
+#include "adamw8bit.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "adamw8bit_math.cuh"
+
+namespace {
+
+constexpr int kQ8Vec = 8;                          // elements per lane
+constexpr int kQ8Lanes = ZK_Q8_BLOCK / kQ8Vec;     // 16 lanes per block of 128
+constexpr int kQ8Threads = 256;
+constexpr int kQ8BlocksPerSM = 4;
+constexpr int kQ8GroupsPerCta = kQ8Threads / kQ8Lanes;
+constexpr int kQ8MaxDevices = 64;
+
+struct NoOutQ8 {};
+
+struct Q8Args {  // by value: the kernel's parameter space
+  double lr, beta1, beta2, eps, weight_decay;
+  const double* hp;
+  const void* step;
+  const float* grad_scale;
+  const void* found_inf;
+  const float* code_s;
+  const float* code_u;
+  const float* mid_s;
+  const float* mid_u;
+  int step_dtype;
+  int found_inf_dtype;
+  int vec;  // ZK_Q8_VEC_* bits
+};
+
+__device__ __forceinline__ bool q8_flag(const void* p, int dtype) {
+  return dtype == ZK_DTYPE_BOOL ? (*static_cast<const unsigned char*>(p) != 0)
+                                : (*static_cast<const float*>(p) != 0.0f);
+}
+
+__device__ __forceinline__ double q8_step(const void* p, int dtype) {
+  switch (dtype) {
+    case ZK_DTYPE_I64: return static_cast<double>(*static_cast<const long long*>(p));
+    case ZK_DTYPE_I32: return static_cast<double>(*static_cast<const int*>(p));
+    case ZK_DTYPE_F32: return static_cast<double>(*static_cast<const float*>(p));
+    default: return *static_cast<const double*>(p);
+  }
+}
+
+// ------------------------------------------------------- loads and stores of one lane's 8 ----
+
+__device__ __forceinline__ float q8_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float q8_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+__device__ __forceinline__ float2 q8_unpack(uint32_t u, const __half*) {
+  __half2 h;
+  memcpy(&h, &u, sizeof(h));
+  return __half22float2(h);
+}
+__device__ __forceinline__ float2 q8_unpack(uint32_t u, const __nv_bfloat16*) {
+  __nv_bfloat162 h;
+  memcpy(&h, &u, sizeof(h));
+  return __bfloat1622float2(h);
+}
+
+__device__ __forceinline__ void q8_load(const float* p, bool vec, float (&x)[kQ8Vec]) {
+  if (vec) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) x[j] = p[j];
+  }
+}
+
+template <typename T>  // __half / __nv_bfloat16: one 128-bit load
+__device__ __forceinline__ void q8_load(const T* p, bool vec, float (&x)[kQ8Vec]) {
+  if (vec) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const float2 f0 = q8_unpack(u.x, p), f1 = q8_unpack(u.y, p);
+    const float2 f2 = q8_unpack(u.z, p), f3 = q8_unpack(u.w, p);
+    x[0] = f0.x; x[1] = f0.y; x[2] = f1.x; x[3] = f1.y;
+    x[4] = f2.x; x[5] = f2.y; x[6] = f3.x; x[7] = f3.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) x[j] = q8_f32(p[j]);
+  }
+}
+
+__device__ __forceinline__ void q8_load_codes(const uint8_t* p, bool vec, uint32_t (&c)[kQ8Vec]) {
+  if (vec) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c[j] = (u.x >> (8 * j)) & 0xffu;
+      c[j + 4] = (u.y >> (8 * j)) & 0xffu;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) c[j] = p[j];
+  }
+}
+
+__device__ __forceinline__ void q8_store_codes(uint8_t* p, bool vec, const uint32_t (&c)[kQ8Vec]) {
+  if (vec) {
+    uint2 u;
+    u.x = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
+    u.y = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) p[j] = static_cast<uint8_t>(c[j]);
+  }
+}
+
+__device__ __forceinline__ void q8_store(float* p, bool vec, const float (&x)[kQ8Vec]) {
+  if (vec) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) p[j] = x[j];
+  }
+}
+
+__device__ __forceinline__ uint32_t q8_bits(__half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, sizeof(u));
+  return u;
+}
+__device__ __forceinline__ uint32_t q8_bits(__nv_bfloat162 h) {
+  uint32_t u;
+  memcpy(&u, &h, sizeof(u));
+  return u;
+}
+__device__ __forceinline__ __half2 q8_pack(float a, float b, __half*) {
+  return __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ __nv_bfloat162 q8_pack(float a, float b, __nv_bfloat16*) {
+  return __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void q8_store1(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void q8_store1(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+
+template <typename O>  // __half / __nv_bfloat16
+__device__ __forceinline__ void q8_store(O* p, bool vec, const float (&x)[kQ8Vec]) {
+  if (vec) {
+    // __stwb: a plain write-back store, spelled as the intrinsic because nvcc 13 splits this
+    // uint4 assignment into four 32-bit stores here (measured in the PTX; not in zk_kernels.cu).
+    __stwb(reinterpret_cast<uint4*>(p),
+           make_uint4(q8_bits(q8_pack(x[0], x[1], p)), q8_bits(q8_pack(x[2], x[3], p)),
+                      q8_bits(q8_pack(x[4], x[5], p)), q8_bits(q8_pack(x[6], x[7], p))));
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) q8_store1(p + j, x[j]);
+  }
+}
+
+__device__ __forceinline__ void q8_store(NoOutQ8*, bool, const float (&)[kQ8Vec]) {}
+
+template <typename O>
+__device__ __forceinline__ O* q8_at(O* p, int64_t i) { return p + i; }
+__device__ __forceinline__ NoOutQ8* q8_at(NoOutQ8* p, int64_t) { return p; }
+
+// ------------------------------------------------------------------ the kernel ----------------
+
+template <typename G, typename O>
+__global__ void __launch_bounds__(kQ8Threads, kQ8BlocksPerSM)
+zk_adamw8bit_kernel(float* __restrict__ master, uint8_t* __restrict__ m_q,
+                    float* __restrict__ m_absmax, uint8_t* __restrict__ v_q,
+                    float* __restrict__ v_absmax, const G* __restrict__ grad,
+                    O* __restrict__ out, int64_t nb, const Q8Args a) {
+  __shared__ float s_code_s[256], s_code_u[256], s_mid_s[ZK_Q8_MIDS], s_mid_u[ZK_Q8_MIDS];
+  __shared__ ZkQ8Scalars s_sc;
+  __shared__ int s_skip;
+  if (threadIdx.x == 0) {  // the fp64 prologue, once per CTA (as the CPU op's host code)
+    const bool skip = q8_flag(a.found_inf, a.found_inf_dtype);
+    s_skip = skip ? 1 : 0;
+    if (!skip) {
+      double lr = a.lr, b1 = a.beta1, b2 = a.beta2, eps = a.eps, wd = a.weight_decay;
+      if (a.hp != nullptr) {
+        lr = a.hp[0]; b1 = a.hp[1]; b2 = a.hp[2]; eps = a.hp[3]; wd = a.hp[4];
+      }
+      const double t = q8_step(a.step, a.step_dtype) + 1.0;
+      const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
+      ZkQ8Scalars s;
+      s.gs = *a.grad_scale;
+      s.decay = static_cast<float>(1.0 - lr * wd);
+      s.b1 = static_cast<float>(b1);
+      s.omb1 = static_cast<float>(1.0 - b1);
+      s.b2 = static_cast<float>(b2);
+      s.omb2 = static_cast<float>(1.0 - b2);
+      s.step_size = static_cast<float>(lr / bc1);
+      s.rsqrt_bc2 = static_cast<float>(1.0 / sqrt(bc2));
+      s.eps = static_cast<float>(eps);
+      s_sc = s;
+    }
+  }
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    s_code_s[i] = a.code_s[i];
+    s_code_u[i] = a.code_u[i];
+    if (i < ZK_Q8_MIDS) {
+      s_mid_s[i] = a.mid_s[i];
+      s_mid_u[i] = a.mid_u[i];
+    }
+  }
+  __syncthreads();
+  if (s_skip) return;  // CTA-uniform: a skipped step writes nothing
+  const ZkQ8Scalars s = s_sc;
+  const bool v_master = a.vec & ZK_Q8_VEC_MASTER, v_grad = a.vec & ZK_Q8_VEC_GRAD;
+  const bool v_out = a.vec & ZK_Q8_VEC_OUT, v_mq = a.vec & ZK_Q8_VEC_MQ;
+  const bool v_vq = a.vec & ZK_Q8_VEC_VQ;
+  const int lane = threadIdx.x % kQ8Lanes;
+  // The shuffles stay inside this lane's half-warp, whose 16 lanes share every loop trip.
+  const unsigned half = (threadIdx.x & 16) ? 0xffff0000u : 0x0000ffffu;
+  const int64_t groups = int64_t(gridDim.x) * kQ8GroupsPerCta;
+  for (int64_t b = int64_t(blockIdx.x) * kQ8GroupsPerCta + threadIdx.x / kQ8Lanes; b < nb;
+       b += groups) {
+    const int64_t i0 = b * ZK_Q8_BLOCK + int64_t(lane) * kQ8Vec;
+    float p[kQ8Vec], g[kQ8Vec], m[kQ8Vec], v[kQ8Vec];
+    uint32_t cm[kQ8Vec], cv[kQ8Vec];
+    q8_load(master + i0, v_master, p);
+    q8_load(grad + i0, v_grad, g);
+    q8_load_codes(m_q + i0, v_mq, cm);
+    q8_load_codes(v_q + i0, v_vq, cv);
+    const float am = m_absmax[b], av = v_absmax[b];
+    float mmax = 0.f, vmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) {
+      m[j] = zk_q8_mul(s_code_s[cm[j]], am);
+      v[j] = zk_q8_mul(s_code_u[cv[j]], av);
+      p[j] = zk_q8_update(p[j], g[j], m[j], v[j], s);
+      mmax = zk_q8_max(mmax, zk_q8_abs(m[j]));
+      vmax = zk_q8_max(vmax, zk_q8_abs(v[j]));
+    }
+#pragma unroll
+    for (int off = kQ8Lanes / 2; off > 0; off >>= 1) {
+      mmax = zk_q8_max(mmax, __shfl_xor_sync(half, mmax, off));
+      vmax = zk_q8_max(vmax, __shfl_xor_sync(half, vmax, off));
+    }
+    const float sm = zk_q8_safe(mmax), sv = zk_q8_safe(vmax);
+#pragma unroll
+    for (int j = 0; j < kQ8Vec; ++j) {
+      cm[j] = zk_q8_nearest(s_mid_s, zk_q8_div(m[j], sm));
+      cv[j] = zk_q8_nearest(s_mid_u, zk_q8_div(v[j], sv));
+    }
+    q8_store(master + i0, v_master, p);
+    q8_store(q8_at(out, i0), v_out, p);
+    q8_store_codes(m_q + i0, v_mq, cm);
+    q8_store_codes(v_q + i0, v_vq, cv);
+    if (lane == 0) {  // every lane read the old absmax before the shuffles above
+      m_absmax[b] = mmax;
+      v_absmax[b] = vmax;
+    }
+  }
+}
+
+// step += 1 unless found_inf, after the step kernel on the same stream.
+__global__ void zk_adamw8bit_increment_kernel(void* step, int step_dtype, const void* found_inf,
+                                              int found_inf_dtype) {
+  if (q8_flag(found_inf, found_inf_dtype)) return;
+  switch (step_dtype) {
+    case ZK_DTYPE_I64: *static_cast<long long*>(step) += 1; break;
+    case ZK_DTYPE_I32: *static_cast<int*>(step) += 1; break;
+    case ZK_DTYPE_F32: *static_cast<float*>(step) += 1.0f; break;
+    default: *static_cast<double*>(step) += 1.0; break;
+  }
+}
+
+// ------------------------------------------------------------------ host side ----------------
+
+bool q8_aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+cudaError_t q8_sm_count(int* out) {  // once per device; cudaDeviceGetAttribute does not sync
+  static std::atomic<int> cache[kQ8MaxDevices];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool cacheable = dev >= 0 && dev < kQ8MaxDevices;
+  if (cacheable && cache[dev].load(std::memory_order_relaxed) > 0) {
+    *out = cache[dev].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  int c = 0;
+  e = cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  if (c < 1) c = 1;
+  if (cacheable) cache[dev].store(c, std::memory_order_relaxed);
+  *out = c;
+  return cudaSuccess;
+}
+
+template <typename G, typename O>
+cudaError_t launch_q8(float* master, uint8_t* m_q, float* m_absmax, uint8_t* v_q,
+                      float* v_absmax, const void* grad, void* out, int64_t nb, Q8Args a,
+                      cudaStream_t stream) {
+  int sms = 0;
+  const cudaError_t e = q8_sm_count(&sms);
+  if (e != cudaSuccess) return e;
+  a.vec = zk_adamw8bit_vector_mask(master, m_q, v_q, grad, sizeof(G), out);
+  const int64_t blocks = zk_adamw8bit_grid(nb, sms);
+  zk_adamw8bit_kernel<G, O><<<static_cast<unsigned>(blocks), kQ8Threads, 0, stream>>>(
+      master, m_q, m_absmax, v_q, v_absmax, static_cast<const G*>(grad), static_cast<O*>(out),
+      nb, a);
+  return cudaGetLastError();
+}
+
+template <typename G>
+cudaError_t launch_q8_out(float* master, uint8_t* m_q, float* m_absmax, uint8_t* v_q,
+                          float* v_absmax, const void* grad, void* out, zk_dtype_t out_dtype,
+                          int64_t nb, const Q8Args& a, cudaStream_t stream) {
+  switch (out_dtype) {
+    case ZK_DTYPE_NONE:
+      return launch_q8<G, NoOutQ8>(master, m_q, m_absmax, v_q, v_absmax, grad, nullptr, nb, a,
+                                   stream);
+    case ZK_DTYPE_F16:
+      return launch_q8<G, __half>(master, m_q, m_absmax, v_q, v_absmax, grad, out, nb, a,
+                                  stream);
+    case ZK_DTYPE_BF16:
+      return launch_q8<G, __nv_bfloat16>(master, m_q, m_absmax, v_q, v_absmax, grad, out, nb,
+                                         a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+extern "C" int zk_adamw8bit_vector_mask(const void* master, const void* m_q, const void* v_q,
+                                        const void* grad, int grad_size,
+                                        const void* param_out) {
+  int mask = 0;
+  if (q8_aligned(master, 16)) mask |= ZK_Q8_VEC_MASTER;
+  if (q8_aligned(grad, 16) && (grad_size == 4 || grad_size == 2)) mask |= ZK_Q8_VEC_GRAD;
+  if (param_out == nullptr || q8_aligned(param_out, 16)) mask |= ZK_Q8_VEC_OUT;
+  if (q8_aligned(m_q, 8)) mask |= ZK_Q8_VEC_MQ;
+  if (q8_aligned(v_q, 8)) mask |= ZK_Q8_VEC_VQ;
+  return mask;
+}
+
+extern "C" int64_t zk_adamw8bit_grid(int64_t nb, int sms) {
+  if (nb <= 0) return 1;
+  int64_t blocks = (nb + kQ8GroupsPerCta - 1) / kQ8GroupsPerCta;
+  const int64_t cap = int64_t(sms < 1 ? 1 : sms) * kQ8BlocksPerSM;
+  return blocks < cap ? blocks : cap;
+}
+
+extern "C" cudaError_t zk_adamw8bit_step_launch(
+    float* master, uint8_t* m_q, float* m_absmax, uint8_t* v_q, float* v_absmax,
+    const void* grad, zk_dtype_t grad_dtype, void* param_out, zk_dtype_t param_out_dtype,
+    int64_t n, double lr, double beta1, double beta2, double eps, double weight_decay,
+    void* step, zk_dtype_t step_dtype, const float* grad_scale, const void* found_inf,
+    zk_dtype_t found_inf_dtype, const double* hp, const float* code_s, const float* code_u,
+    const float* mid_s, const float* mid_u, cudaStream_t stream) {
+  if (n < 0 || n % ZK_Q8_BLOCK != 0 || step == nullptr || grad_scale == nullptr ||
+      found_inf == nullptr || (found_inf_dtype != ZK_DTYPE_BOOL && found_inf_dtype != ZK_DTYPE_F32))
+    return cudaErrorInvalidValue;
+  if (step_dtype != ZK_DTYPE_I64 && step_dtype != ZK_DTYPE_I32 && step_dtype != ZK_DTYPE_F32 &&
+      step_dtype != ZK_DTYPE_F64)
+    return cudaErrorInvalidValue;
+  if ((param_out_dtype == ZK_DTYPE_NONE) != (param_out == nullptr)) return cudaErrorInvalidValue;
+  const int64_t nb = n / ZK_Q8_BLOCK;
+  if (nb > 0) {
+    if (master == nullptr || m_q == nullptr || m_absmax == nullptr || v_q == nullptr ||
+        v_absmax == nullptr || grad == nullptr || code_s == nullptr || code_u == nullptr ||
+        mid_s == nullptr || mid_u == nullptr)
+      return cudaErrorInvalidValue;
+    Q8Args a;
+    a.lr = lr;
+    a.beta1 = beta1;
+    a.beta2 = beta2;
+    a.eps = eps;
+    a.weight_decay = weight_decay;
+    a.hp = hp;
+    a.step = step;
+    a.grad_scale = grad_scale;
+    a.found_inf = found_inf;
+    a.code_s = code_s;
+    a.code_u = code_u;
+    a.mid_s = mid_s;
+    a.mid_u = mid_u;
+    a.step_dtype = step_dtype;
+    a.found_inf_dtype = found_inf_dtype;
+    a.vec = 0;
+    cudaError_t e;
+    switch (grad_dtype) {
+      case ZK_DTYPE_F32:
+        e = launch_q8_out<float>(master, m_q, m_absmax, v_q, v_absmax, grad, param_out,
+                                 param_out_dtype, nb, a, stream);
+        break;
+      case ZK_DTYPE_F16:
+        e = launch_q8_out<__half>(master, m_q, m_absmax, v_q, v_absmax, grad, param_out,
+                                  param_out_dtype, nb, a, stream);
+        break;
+      case ZK_DTYPE_BF16:
+        e = launch_q8_out<__nv_bfloat16>(master, m_q, m_absmax, v_q, v_absmax, grad, param_out,
+                                         param_out_dtype, nb, a, stream);
+        break;
+      default: return cudaErrorInvalidValue;
+    }
+    if (e != cudaSuccess) return e;
+  }
+  zk_adamw8bit_increment_kernel<<<1, 1, 0, stream>>>(step, step_dtype, found_inf,
+                                                    found_inf_dtype);
+  return cudaGetLastError();
+}
