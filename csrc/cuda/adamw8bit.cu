@@ -204,19 +204,8 @@ zk_adamw8bit_kernel(float* __restrict__ master, uint8_t* __restrict__ m_q,
       if (a.hp != nullptr) {
         lr = a.hp[0]; b1 = a.hp[1]; b2 = a.hp[2]; eps = a.hp[3]; wd = a.hp[4];
       }
-      const double t = q8_step(a.step, a.step_dtype) + 1.0;
-      const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
-      ZkQ8Scalars s;
-      s.gs = *a.grad_scale;
-      s.decay = static_cast<float>(1.0 - lr * wd);
-      s.b1 = static_cast<float>(b1);
-      s.omb1 = static_cast<float>(1.0 - b1);
-      s.b2 = static_cast<float>(b2);
-      s.omb2 = static_cast<float>(1.0 - b2);
-      s.step_size = static_cast<float>(lr / bc1);
-      s.rsqrt_bc2 = static_cast<float>(1.0 / sqrt(bc2));
-      s.eps = static_cast<float>(eps);
-      s_sc = s;
+      s_sc = zk_q8_scalars(lr, b1, b2, eps, wd, q8_step(a.step, a.step_dtype) + 1.0,
+                           *a.grad_scale);
     }
   }
   for (int i = threadIdx.x; i < 256; i += blockDim.x) {

@@ -22,6 +22,8 @@
 #else
 #include <cmath>
 #define ZK_Q8_FN inline
+using std::pow;
+using std::sqrt;
 #endif
 
 // Elements per quantization block (kernels/quant8.py BLOCK) and the map's midpoint count.
@@ -32,6 +34,25 @@
 struct ZkQ8Scalars {
   float gs, decay, b1, omb1, b2, omb2, step_size, rsqrt_bc2, eps;
 };
+
+// The step's scalars from fp64 hyperparameters and t = step + 1, each rounded once to fp32, as
+// the CPU op's host code and quant8.step_scalars: once per CTA on the device (thread 0), never in
+// the element loop.
+ZK_Q8_FN ZkQ8Scalars zk_q8_scalars(double lr, double b1, double b2, double eps, double wd,
+                                   double t, float gs) {
+  const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
+  ZkQ8Scalars s;
+  s.gs = gs;
+  s.decay = static_cast<float>(1.0 - lr * wd);
+  s.b1 = static_cast<float>(b1);
+  s.omb1 = static_cast<float>(1.0 - b1);
+  s.b2 = static_cast<float>(b2);
+  s.omb2 = static_cast<float>(1.0 - b2);
+  s.step_size = static_cast<float>(lr / bc1);
+  s.rsqrt_bc2 = static_cast<float>(1.0 / sqrt(bc2));
+  s.eps = static_cast<float>(eps);
+  return s;
+}
 
 ZK_Q8_FN float zk_q8_mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
