@@ -37,7 +37,10 @@ struct ZkQ8Scalars {
 
 // The step's scalars from fp64 hyperparameters and t = step + 1, each rounded once to fp32, as
 // the CPU op's host code and quant8.step_scalars: once per CTA on the device (thread 0), never in
-// the element loop.
+// the element loop. The one operation not correctly rounded on either side is pow (CUDA's fp64
+// pow is within 2 ulp, glibc's within 1): the fp32 scalars can then differ only when
+// 1 - beta^t lies within ~2^-51 (relative) of an fp32 rounding boundary, as for zk_kernels.cu's
+// Adam; the bitwise GPU tests would show such a step.
 ZK_Q8_FN ZkQ8Scalars zk_q8_scalars(double lr, double b1, double b2, double eps, double wd,
                                    double t, float gs) {
   const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
