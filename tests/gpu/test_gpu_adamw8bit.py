@@ -119,6 +119,14 @@ def test_found_inf_is_a_bitwise_noop(cuda_op, flag):
     assert torch.equal(out, got[1]) and int(got[2]) == 3
 
 
+def test_empty_piece_only_counts_the_step(cuda_op):
+    """n = 0 (a rank whose piece of a group is empty): no step kernel, the increment still runs,
+    as the CPU op and the reference do."""
+    state = _state(0, "cuda")
+    got = _run("cuda", state, _grads(0, torch.float32, 2, "cuda"), None, [False, True])
+    assert int(got[2]) == 4 and all(t.numel() == 0 for t in got[0])
+
+
 VIEWS = [{"master": 1}, {"grad": 1}, {"m_q": 1}, {"v_q": 4}, {"param_out": 1},
          {"master": 3, "grad": 5, "m_q": 3, "v_q": 1, "param_out": 7}]
 
