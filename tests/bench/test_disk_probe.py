@@ -133,6 +133,8 @@ def test_borrowing_the_step_files_leaves_training_unchanged(tmp_path, trace):
         _step(mb, ob, seed)
     files = dp.ProbeFiles.borrow(oa.offloader)  # once, then probe and step interleaved
     pat = dp.pattern_of(oa.offloader)
+    sets, io = files.pool(pat)  # the step's own buffer sets and threads
+    assert sets is oa.offloader.pool and io is oa.offloader.io
     for seed in (3, 4, 5):
         _take(trace)
         res = dp.replay(files, pat)

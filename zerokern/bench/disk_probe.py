@@ -6,9 +6,10 @@ flat buffer one file per state tensor (`nvme_state.names`: the master, then the 
 each two halves of `align_up(S * 4)` bytes (`nvme_state.file_bytes`); the step reads every
 chunk of half `cur` and writes it to half `1 - cur`, in `nvme_pool.step_plan` order, one
 request per file per chunk (`nvme_pool.request_span`), through `depth` aligned buffer sets
-(`nvme_pool._Set`), so at most depth x files requests in flight, on a thread pool of the same
-size as the offloader's, with `aligned_io.read_chunk` / `write_chunk` (O_DIRECT where the file
-system takes it, else buffered + fadvise(DONTNEED): the page cache is defeated the same way).
+(`nvme_pool._Set`), so at most depth x files requests in flight, on the offloader's thread pool
+(borrowed files: its very sets and threads; `ProbeFiles.pool`), with `aligned_io.read_chunk` /
+`write_chunk` (O_DIRECT where the file system takes it, else buffered + fadvise(DONTNEED): the
+page cache is defeated the same way).
 `replay` runs that schedule (offload_nvme's `_refill` / `_settle` order: reads run ahead into
 free sets, a set's chunk is written behind as soon as its read landed, a set is reused once its
 write landed) and times it: the step's I/O floor, measured on the step's own path.
@@ -166,6 +167,28 @@ class ProbeFiles:
 
     def __init__(self, fds, paths, owned, offloader=None) -> None:
         self.fds, self.paths, self.owned, self._off = fds, paths, owned, offloader
+        self._sets: dict = {}  # (chunk, depth, files) -> buffer sets kept across replays
+        self._io: Optional[ThreadPoolExecutor] = None
+
+    def pool(self, pattern: IOPattern) -> Tuple[list, ThreadPoolExecutor]:
+        """The buffer sets and thread pool a replay of `pattern` uses: a borrowed offloader's
+        own (its `pool` sets when the pattern is its chunk and depth, and its `io` threads:
+        the very buffers and threads its step uses, already faulted in and started), else
+        ones kept on this object, so only the first replay pays page faults and thread starts
+        (fresh 4 x 3 x 16 MiB buffers cost ~10% of a 20m probe)."""
+        off = self._off
+        if off is not None and (off.chunk, off.depth) == (pattern.chunk, pattern.depth):
+            return off.pool, off.io
+        key = (pattern.chunk, pattern.depth, len(pattern.names))
+        if key not in self._sets:
+            self._sets[key] = [_Set(pattern.chunk, _F32, _F32, False, len(pattern.names))
+                               for _ in range(pattern.depth)]
+        if off is not None:
+            return self._sets[key], off.io
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=len(pattern.names) * nv.MAX_DEPTH,
+                                          thread_name_prefix="zk-probe")
+        return self._sets[key], self._io
 
     @property
     def cur(self) -> int:
@@ -219,6 +242,10 @@ class ProbeFiles:
 
     def close(self) -> None:
         """Close and remove the files if this probe created them (borrowed ones stay)."""
+        self._sets = {}
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         if not self.owned:
             return
         for fds, paths in zip(self.fds, self.paths):
@@ -240,11 +267,8 @@ def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
     """Run one step's I/O (module docstring) on `files`; returns seconds, bytes, GB/s and the
     request count."""
     plan = pattern.plan()
-    sets = [_Set(pattern.chunk, _F32, _F32, False, len(pattern.names))
-            for _ in range(pattern.depth)]
-    io = ThreadPoolExecutor(max_workers=len(pattern.names) * nv.MAX_DEPTH,
-                            thread_name_prefix="zk-probe")
-    cur, moved, count = files.cur, 0, 0
+    cur, moved, count = files.cur, 0, 0  # (raises for a closed or mid-step offloader)
+    sets, io = files.pool(pattern)
     free, loaded, writing = list(sets), collections.deque(), collections.deque()
     nxt = 0
 
@@ -291,8 +315,11 @@ def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
         for s in writing:
             settle(s)
         dt = time.perf_counter() - t0
-    finally:
-        io.shutdown(wait=True)
+    finally:  # nothing left in flight on the sets, whatever raised
+        for s in sets:
+            for fu in s.futs:
+                fu.exception()
+            s.futs = []
     return {"seconds": dt, "bytes": moved, "GBps": moved / dt / 1e9, "requests": count}
 
 
