@@ -45,7 +45,6 @@ Skipped only when deepspeed cannot be imported.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import types
 
