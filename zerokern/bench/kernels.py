@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for t in targets:
         print(f"{t['status']:>5}  {t['target']}  (value {common.fmt_value(t['value'])})")
-    stem = f"kernels-{env['device_kind']}" + ("-quick" if args.quick else "")
+    stem = args.stem or f"kernels-{env['device_kind']}" + ("-quick" if args.quick else "")
     payload["wall_s"] = time.perf_counter() - wall0  # before plotting: measurement time only
     out = [common.write_json(args.out / f"{stem}.json", payload),
            common.write_text(args.out / f"{stem}.md", render_markdown(payload, cases))]

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--quick: 64x64 64x256)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                    help="results folder (default: benchmarks/results)")
+    p.add_argument("--stem", help="result file name without extension (default: "
+                                   "kernels-<cpu|cuda>, with -quick under --quick)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and 2 reps, for smoke tests (writes kernels-<kind>-quick.*)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
