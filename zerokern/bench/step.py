@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -266,6 +267,10 @@ def _cuda_of(rank: int) -> torch.device:
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
     cuda = args.device == "cuda"
+    # How busy the machine was: others' share before (the ranks' own CPU cannot be told apart
+    # during the run, common.OtherLoad), and the 1-minute load average around the run.
+    load = {"other_cpu_load_before": common.other_load_now(), "loadavg_1min_before":
+            round(os.getloadavg()[0], 2)}
     try:
         res = spawn_ranks(_worker, args.nproc, args, backend="nccl" if cuda else "gloo",
                           threads=max(1, common.usable_cpus() // args.nproc),
@@ -273,6 +278,7 @@ def main(argv: List[str]) -> int:
     except RankFailure as e:  # a dead rank stops the others within seconds ([Note: no hangs])
         print(e, file=sys.stderr)
         raise SystemExit("a benchmark rank failed") from None
+    res["load"] = dict(load, loadavg_1min_after=round(os.getloadavg()[0], 2))
     return report(args, res)
 
 
@@ -282,6 +288,7 @@ def report(args, res) -> int:
     env.update(world_size=args.nproc, backend=pg, model_size=args.model_size,
                params=res["params"], batch=args.batch, seq=args.seq, precision=args.precision,
                micro_batches=args.micro, optimizer=args.optimizer)
+    env.update(res.get("load", {}))
     ddp = step_rules.DDP_NAME[args.optimizer]
     base = common.summarize(res["iters"][ddp])["median_ms"] if ddp in res["iters"] else None
     rows = []
