@@ -128,3 +128,42 @@ def test_bench_step_optimizer_quick(tmp_path, optimizer, peer):
     assert set(rows) == {"zerokern s1", peer}
     assert rows[peer]["vs_ddp"] == 1.0 and rows["zerokern s1"]["vs_ddp"] > 0
     assert data["env"]["optimizer"] == optimizer
+
+
+def test_engine_bench_gives_deepspeed_zeromuons_split():
+    """bench --engine --optimizer muon ([Note: --optimizer muon]): DeepSpeed's own tagging
+    sends this GPT's `tok` and `pos` embeddings to Muon (by name); the bench's replacement tags
+    exactly ZeroMuon's default split (embeddings and tied head AdamW, matrices Muon)."""
+    import os
+    import types
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from deepspeed import set_optimizer_flags
+
+    from zerokern.bench.engine import _same_muon_split
+    from zerokern.bench.step_rules import muon_split
+    from zerokern.gpt import build_gpt
+
+    model = build_gpt("tiny")
+    set_optimizer_flags(types.SimpleNamespace(optimizer_name="muon", optimizer_params={}),
+                        model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ds = {n for n, p in model.named_parameters() if p.use_muon}
+    _same_muon_split(None, model)
+    ours = {n for n, p in model.named_parameters() if p.use_muon}
+    assert ds - ours == {"tok.weight", "pos.weight"} and ours <= ds
+    assert ours == {names[id(p)] for p in muon_split(model)[0]}
+
+
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): DeepSpeed's init costs ~30 s
+def test_bench_engine_muon_stage3(tmp_path):
+    """`bench --engine --optimizer muon` at stage 3 (DeepSpeed needs reduce_scatter off)."""
+    r = zk("bench", "--engine", "--optimizer", "muon", "--model-size", "tiny", "--stages", "3",
+           "--precisions", "fp32", "--reps", "1", "--warmup", "0", "--out", str(tmp_path),
+           timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "engine-tiny-n2-muon.json").read_text())
+    (row,) = data["rows"]
+    assert row["config"] == "s3-fp32" and row["zk_ms"] > 0 and row["ds_ms"] > 0
+    assert data["env"]["optimizer"] == "muon"
