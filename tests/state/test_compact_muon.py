@@ -5,8 +5,10 @@ Issue 23's remainder: Muon's update reads and writes the master through the plac
 compact master, runs the update on it, casts the params from it and compacts it back
 (compact_master.py CompactState.map_piece_). Before, ZeroMuon(master="compact") raised.
 As tests/state/test_compact_master_training.py for AdamW: one spawned group per world size
-runs, for stages 0, 1 and 2, the same schedule with both masters on the odd test model (tests/support/models.py: tied weight, frozen param, 0-d param, two
-param groups, tiny buckets that params straddle), with clipping on every step (max_grad_norm):
+runs, for stages 0, 1 and 2, the same schedule with both masters on the odd test model
+(tests/support/models.py: tied weight, frozen param, 0-d param, tiny buckets that params
+straddle; ZeroMuon's default split: Muon for the matrices, AdamW for the rest), with clipping
+on every step (max_grad_norm):
   step 0 plain; step 1 two micro-batches, the first under no_sync(); step 2 an inf injected into
   one grad on rank 0 by a hook (every rank skips); after step 3 `model.load_state_dict` of an
   fp32 state dict (the masters take its exact values); after step 4 `zerokern.checkpoint.save`;
@@ -14,9 +16,9 @@ param groups, tiny buckets that params straddle), with clipping on every step (m
 Compared bit for bit per step: the params, grad_norm, step_skipped; at the end: the Muon
 momentum, the AdamW groups' exp_avg and exp_avg_sq, the master read through
 `opt.state_dict()` and through a second checkpoint. Negative control: a compact run with
-lr x 1.01 differs. The
-compact run must have taken its chunked path (pieces counted) and end compacted (the expanded
-master dropped), so the comparison covers the compact step, not only the expanded fallback.
+lr x 1.01 differs. The compact run must have taken its chunked path (pieces counted) and end
+compacted (the expanded master dropped), so the comparison covers the compact step, not only
+the expanded fallback.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
 from zerokern.layout.stages import pattern
 from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
 from zerokern.rules import adamw_rule, combine, rule_by_name
-from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
+from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, rules_granule
 from zerokern.state.placement import placement_class
 
 
@@ -393,9 +393,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     _add(b, host, disk, place.fixed_bytes(rule, [P.state_numel(L) for L in layouts], dtype,
                                           rdt))
     if offload == "nvme":
-        chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL)
-        notes.append(f"offload='nvme': master (fp32) and the {rule.name} states on disk, two "
-                     "halves each; the "
+        chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL,
+                           rules_granule(rules))
+        notes.append(f"offload='nvme': master (fp32) and the {rule.name} states on disk (each "
+                     "in its dtype, padded to 4096 bytes), two halves each; the "
                      f"host holds an I/O pool of {QUEUE_DEPTH} sets of {chunk} elements and 2 "
                      f"scalars, {'pinned' if comm == 'nccl' else 'pageable'} ({comm})")
     elif offload:
