@@ -27,7 +27,10 @@ begin()), chunk by chunk, reading the current half and writing the other one, so
 holds as for a per-piece rule: every file of every buffer has its other half written whole by
 the step's passes (Muon: momentum in pass 1, master in pass 2) before the flip. The
 orthogonalizer's whole-matrix update is an fp32 scratch of the buffer's state size in host
-memory for the step (as with offload="cpu"); the state never is.
+memory for the step (as with offload="cpu"); the state never is. Measured
+(benchmarks/results/nvme-rules-step.md, 1 process, stage 2, bf16, the shared 2-core VM at load
+~13): a Muon step is dominated by bf16 Newton-Schulz on the CPU (1.6-23 s), and device / "cpu"
+/ "nvme" medians differ by less than the run-to-run spread (23.2M GPT: 22.7 / 24.2 / 16.6 s).
 
 [Note: all or nothing]
 A step never writes the half it reads. The current half is `self.cur`, one index for every
