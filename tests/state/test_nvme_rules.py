@@ -13,7 +13,10 @@ every step and an inf injected on rank 0 at step 1 (every rank skips):
 - checkpoints: saved from the NVMe optimizers at N=2, loaded at N=1 (default) and N=3 (slow)
   into an NVMe optimizer and into a device one: the loaded params and the next 2 steps are
   bitwise equal (and the lr x 1.01 control differs);
-- memory_report() device, host and disk bytes equal `estimate(optimizer=...)` at N=2.
+- memory_report() device, host and disk bytes equal `estimate(optimizer=...)` at N=2;
+- a failed write (ENOSPC on one rank, in Muon's second pass / on an 8-bit absmax file) rolls
+  the step back on every rank, bit for bit, and the retried run equals the device run;
+- buffers of many chunks (chunk = the states' aligned granule), pieces straddling chunks.
 master="compact" with Muon: tests/state/test_compact_master_training.py's schedule for ZeroMuon.
 Each of these raised a ValueError before this change (offload='nvme' / master='compact' were
 refused for these rules).
@@ -21,6 +24,7 @@ refused for these rules).
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -185,6 +189,78 @@ def _memory(rank, ws, kind, stage):
         return out
 
 
+def _fault(rank, ws, kind):
+    """ENOSPC injected into the last rank's first write of one file (Muon: the master, written
+    in the second pass, after the momentum pass wrote its file; 8-bit: the second absmax):
+    every rank raises, nothing changes (params, master, states, steps); the retried step and
+    the rest equal the device run."""
+    suffix = "-master.bin" if kind == "muon" else "-exp_avg_sq_absmax.bin"
+    with tempfile.TemporaryDirectory(prefix="zk_nvme_rules_") as d:
+        model0 = M.make_model()
+        ref = _train(model0, _opt(kind, model0, 2), rank, ws, STEPS, inf_at=-1)
+        model = M.make_model()
+        opt = _opt(kind, model, 2, "nvme", d)
+        _train(model, opt, rank, ws, 2, inf_at=-1)
+        before = (M.full_snapshot(model, opt), _local_state(opt))
+        off = opt.offloader
+        victim = rank == ws - 1
+        hits = []
+
+        def fault(path, offset):
+            if path.endswith(suffix) and not hits:
+                hits.append(path)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        if victim:
+            off.fault_hook = fault
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(2, rank, ws)))
+        error = None
+        try:
+            opt.step()
+        except (OSError, RuntimeError) as e:
+            error = type(e).__name__
+        off.fault_hook = None
+        after = (M.full_snapshot(model, opt), _local_state(opt))
+        opt.step()  # the same grads: the step that failed, now completing
+        rec = _train(model, opt, rank, ws, STEPS - 3, start=3, inf_at=-1)
+        opt.close()
+        return {"error": error, "victim": victim, "hit": bool(hits),
+                "unchanged": _eq(before, after),
+                "retry": M.bitwise_equal(rec["params"][-1], ref["params"][-1])}
+
+
+def _chunks(rank, ws, kind):
+    """A buffer of many chunks (the 1.9M GPT in one 0.05 MB-bucketed buffer, chunks of the
+    smallest granule: 131072 elements with 8-bit states, 1024 else, 2 sets), pieces straddling
+    chunks: NVMe equals the device bitwise after 3 steps."""
+    from zerokern.gpt import build_gpt
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="zk_nvme_rules_") as d:
+        for off in (None, "nvme"):
+            torch.manual_seed(0)
+            m = build_gpt("small")
+            kw = dict(stage=2, precision="bf16", bucket_mb=0.05, backend="cpu", offload=off,
+                      offload_path=d if off else None)
+            opt = zk.ZeroAdamW(m, state_bits=8, **kw) if kind == "8bit" else \
+                zk.ZeroMuon(m, lr=0.02, **kw)
+            if off:
+                opt.placement.configure(131072 if kind == "8bit" else 1024, 2)
+                out["chunks"] = max(f.n for f in opt.placement.files) // opt.placement.chunk
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                idx = torch.randint(0, 512, (2, 65), generator=g)
+                opt.zero_grad()
+                opt.backward(m.loss(idx[:, :-1], idx[:, 1:]))
+                opt.step()
+            out[off] = {n: _bits(p) for n, p in m.named_parameters()}
+            out[f"state-{off}"] = _local_state(opt)
+            opt.close()
+    return {"params": _eq(out[None], out["nvme"]), "state": _eq(out["state-None"],
+                                                               out["state-nvme"]),
+            "chunks": out["chunks"]}
+
+
 def _worker(rank, ws, root):
     cases = {}
     for kind in KINDS:
@@ -193,6 +269,8 @@ def _worker(rank, ws, root):
         if ws == 2:
             cases[f"save-{kind}"] = lambda k=kind: _save(rank, ws, root, k)
             cases[f"memory-{kind}"] = lambda k=kind: _memory(rank, ws, k, 2)
+            cases[f"fault-{kind}"] = lambda k=kind: _fault(rank, ws, k)
+            cases[f"chunks-{kind}"] = lambda k=kind: _chunks(rank, ws, k)
     return run_cases(cases)
 
 
@@ -266,3 +344,21 @@ def test_checkpoint_from_nvme_reshards_n2_to_n1(kind, root):
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpoint_from_nvme_reshards_n2_to_n3(kind, root):
     _check_load(3, root, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_failed_write_rolls_back_and_retries(kind, root):
+    res = case(cached(_worker, 2, root), f"fault-{kind}")
+    for rank, r in enumerate(res):
+        where = f"{kind} rank {rank}"
+        assert r["error"] == ("OSError" if r["victim"] else "RuntimeError"), f"{where}: {r}"
+        assert r["hit"] == r["victim"], where
+        assert r["unchanged"], f"{where}: the failed step changed state"
+        assert r["retry"], f"{where}: the retried run differs from the device run"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_chunks_per_buffer(kind, root):
+    for rank, r in enumerate(case(cached(_worker, 2, root), f"chunks-{kind}")):
+        assert r["chunks"] >= 4, r
+        assert r["params"] and r["state"], f"{kind} rank {rank}: {r}"
