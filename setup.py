@@ -37,8 +37,12 @@ def ext_modules():
                          extra_link_args=["-fopenmp"])]
     if CUDA_HOME is not None and (torch.cuda.is_available()
                                   or os.environ.get("TORCH_CUDA_ARCH_LIST")):
+        # Every .cpp/.cu of csrc/cuda: the JIT build's list (kernels/build.py OPS["cuda"]);
+        # binding.cpp registers functions defined in the others (lion, adamw8bit).
+        cuda_src = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").iterdir()
+                          if p.suffix in (".cpp", ".cu"))
         exts.append(CUDAExtension(
-            "zerokern._ops_cuda", ["csrc/cuda/binding.cpp", "csrc/cuda/zk_kernels.cu"],
+            "zerokern._ops_cuda", cuda_src,
             extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-lineinfo"]}))
     return exts, {"build_ext": BuildExtension}
 

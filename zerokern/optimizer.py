@@ -307,15 +307,18 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         stats.zero_()
         found, sumsq = stats[0], stats[1]
         mp = self.model_parallel
+        averaged = self.pattern.grads_averaged
+        # [Note: stage 0 reads 1/N for its stats] (grads/full_grads.py)
+        split = averaged and self._tp_stats is None and mp is None
         for gi, k in gs.reduced_buckets():  # stats of bucket k while later ones still reduce
             if self._tp_stats is not None:  # tp-sharded and replicated elements apart
                 self._tp_stats.stats_(gi, k, gs.grad_piece(gi, k), stats, self.backend)
             elif mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
                 mp.stats_(gs.grad_piece(gi, k), gi, k, found, sumsq, self._grad_stats)
             else:
-                kernels.grad_stats_(gs.grad_piece(gi, k), found, sumsq, backend=self.backend)
-        averaged = self.pattern.grads_averaged
-        if not averaged:  # each rank holds a shard (stages 1-3): combine the stats
+                piece = gs.stats_piece(gi, k) if split else gs.grad_piece(gi, k)
+                kernels.grad_stats_(piece, found, sumsq, backend=self.backend)
+        if not averaged or split:  # each rank read a shard / piece: combine the stats
             self.comm.count_once_(stats[1:])  # HSDP: replicas hold the same shard
             self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
         if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)

@@ -170,8 +170,20 @@ void zk_lion_step(const at::Tensor& master, const at::Tensor& exp_avg, const at:
                   const at::Tensor& grad_scale, const at::Tensor& found_inf,
                   const std::optional<at::Tensor>& hp);
 
+// adamw8bit_binding.cpp (ZeroAdamW(state_bits=8))
+void zk_adamw8bit_step(const at::Tensor& master, const at::Tensor& m_q,
+                       const at::Tensor& m_absmax, const at::Tensor& v_q,
+                       const at::Tensor& v_absmax, const at::Tensor& grad,
+                       const std::optional<at::Tensor>& param_out, double lr, double beta1,
+                       double beta2, double eps, double weight_decay, const at::Tensor& step,
+                       const at::Tensor& grad_scale, const at::Tensor& found_inf,
+                       const at::Tensor& code_s, const at::Tensor& code_u,
+                       const at::Tensor& mid_s, const at::Tensor& mid_u,
+                       const std::optional<at::Tensor>& hp);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "zerokern CUDA kernels (fused Adam/AdamW step, gradient statistics)";
+  m.doc() =
+      "zerokern CUDA kernels (fused Adam/AdamW, Lion and 8-bit AdamW steps, gradient statistics)";
   m.def("adam_step", &adam_step,
         "Fused Adam/AdamW step on flat fp32 shards; writes nothing when found_inf is set; "
         "then step += 1 unless found_inf. hp (float64[5] on device: lr, beta1, beta2, eps, "
@@ -190,6 +202,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("master"), py::arg("exp_avg"), py::arg("grad"), py::arg("param_out"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"),
         py::arg("step"), py::arg("grad_scale"), py::arg("found_inf"), py::arg("hp") = py::none());
+  m.def("adamw8bit_step", &zk_adamw8bit_step,
+        "Fused AdamW step with 8-bit block-quantized moments (kernels/adamw8bit.py), bitwise "
+        "the CPU op; writes nothing when found_inf is set; then step += 1 unless found_inf. "
+        "hp (float64[5] on device: lr, beta1, beta2, eps, weight_decay) replaces the float "
+        "arguments when given.",
+        py::arg("master"), py::arg("m_q"), py::arg("m_absmax"), py::arg("v_q"),
+        py::arg("v_absmax"), py::arg("grad"), py::arg("param_out"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("step"), py::arg("grad_scale"), py::arg("found_inf"), py::arg("code_s"),
+        py::arg("code_u"), py::arg("mid_s"), py::arg("mid_u"), py::arg("hp") = py::none());
   m.def("kernel_image_error", &kernel_image_error,
         "'' if this build runs on the given CUDA device, else why not (no kernel image).",
         py::arg("device"));

@@ -98,7 +98,8 @@ def test_prebuilt_cuda_op_is_checked_for_this_gpu(monkeypatch, tmp_path, caplog,
         probed.append(dev)
         return image_error
 
-    prebuilt = types.SimpleNamespace(kernel_image_error=kernel_image_error)
+    prebuilt = types.SimpleNamespace(kernel_image_error=kernel_image_error,
+                                     **{f: None for f in cuda_toolchain.OP_FUNCTIONS[:-1]})
     jit = types.SimpleNamespace(name="jit")
     monkeypatch.setenv("ZEROKERN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(build, "_LOADED", {})

@@ -90,11 +90,18 @@ class RingRunner:
         n, r = self.world_size, self.rank
         chunks = work.chunk(n)
         recv = torch.empty_like(chunks[0])
+        in_place = out.data_ptr() == chunks[r].data_ptr()  # stage 1 (full_grads.py)
         for s in range(n - 1):
             # Send our partial of chunk r-s-1; receive rank r-1's partial of chunk r-s-2.
             self._exchange(chunks[(r - s - 1) % n], recv)
-            chunks[(r - s - 2) % n].add_(recv)
-        if out.data_ptr() != chunks[r].data_ptr():  # else reduced in place (stage 1)
+            dst = chunks[(r - s - 2) % n]
+            if s == n - 2 and not in_place and out.dtype == dst.dtype:
+                # The last add (chunk r) lands in out itself: no copy of the piece after it
+                # (1/N of the buffer read and written once more per bucket, stages 2-3).
+                torch.add(dst, recv, out=out)
+            else:
+                dst.add_(recv)
+        if not in_place and out.dtype != chunks[r].dtype:
             out.copy_(chunks[r])
 
     def all_gather(self, out: torch.Tensor) -> None:

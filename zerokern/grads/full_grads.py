@@ -3,7 +3,8 @@
 `p.grad` are views into the buffer, so autograd accumulates straight into it. Outside
 `no_sync()` each bucket is reduced as soon as its grads are in (async, in the fixed order of
 grad_sync's [Note: collective order], overlapping the rest of backward, as DDP does): stage 0
-all-reduces it in place (SUM, then / N on landing), so `p.grad` is exactly DDP's gradient;
+all-reduces it in place (each grad divided by N on its way in, then SUM, as DDP does), so
+`p.grad` is DDP's gradient;
 stage 1 reduce-scatters it (see the Note below), and `p.grad` is released. What ran under
 `no_sync()` only is reduced at `step()`.
 
@@ -21,6 +22,32 @@ carry back onto this rank's pieces. The reduction is linear, so the sums are tho
 kept whole (up to the order of the float adds). A second step() with no backward between reuses
 the reduced pieces. Grads in another dtype than the reduce dtype are cast to a scratch copy per
 bucket, reduced into a grad shard that lives until the step, and the buffer stays whole.
+
+[Note: stage 0 divides as DDP does]
+DDP divides by N while it copies a fresh grad into its bucket (one `mul_out` pass) and divides
+in place only a grad that was accumulated into the bucket view (`div_`); zerokern did SUM, then
+a separate `/ N` pass over every bucket on landing: a read and a write of the whole buffer per
+step that DDP does not make. Now a fresh grad is multiplied by 1/N as it is copied into its view
+(`on_grad`, outside no_sync() only), a view that holds a sum (no_sync() accumulation, an
+assigned p.grad) is divided over its part of the bucket just before the bucket is reduced
+(`_zero_stale`), and the landing does nothing: DDP's order of operations, so p.grad equals DDP's
+up to the order gloo adds the N terms. `_divided` says which params were divided on the way in;
+it is reset at every backward and once a reduction lands, so a reduction relaunched without a
+backward divides everything again. 16-bit grads keep SUM, then / N on landing (and the
+cast-copy mode on its wide copy): an fp16 sum that overflows is then inf at stage 0 too, so
+found_inf and the skipped steps are the same at every stage (test_mixed_precision's fp16
+reference failed with the division first: a step skipped at stages 1-3 was taken at
+stage 0). The time saved: [Note: stage 0 reads 1/N for its stats] below, both changes together.
+
+[Note: stage 0 reads 1/N for its stats]
+Every stage-0 rank holds the whole averaged buffer, and each read all of it for found_inf and
+sumsq (93 MB per step on the 20m GPT): N times the reading of stages 1-3. Now each rank reads
+only its piece of every bucket (`stats_piece`, the stage-1 piece of the same layout) and the
+two numbers are all-reduced over the world group as at stages 1-3 (HSDP replicas counted once):
+a 2-float all-reduce instead of (N-1)/N of a pass. Tensor/model-parallel stats keep reading the
+whole bucket (their element positions are per bucket). With the division above, on the 20m
+GPT, 2 gloo ranks, fp32, `zerokern bench --step` before/after in alternated runs:
+STAGE0_NUMBERS.
 
 [Note: no per-step memset]
 zero_grad() does not zero the buffer: it marks every param's view *stale* (its values are not
@@ -82,10 +109,16 @@ class FullGrads(GradSync):
             self.mode = Reduction.ALL_REDUCE if same else Reduction.ALL_REDUCE_WIDE
         else:
             self.mode = Reduction.SCATTER_IN_PLACE if same else Reduction.SCATTER_TO_SHARD
+        # [Note: stage 0 divides as DDP does]: fp32 grads only; a 16-bit sum keeps SUM, / N
+        self._divide_first = self.mode is Reduction.ALL_REDUCE and all(
+            g.flat.dtype == torch.float32 for g in groups)
         self.held_now = Held.LOCAL
         self.grads: Optional[List[torch.Tensor]] = None  # (E,) model dtype; None: freed
         self._views: List[List[torch.Tensor]] = []
         self._stale: List[List[bool]] = []  # per param: [Note: no per-step memset]
+        # per param, stage 0 in place: its view already holds grad / N ([Note: stage 0
+        # divides as DDP does]); reset at every backward
+        self._divided: List[List[bool]] = [[False] * len(g.params) for g in groups]
         self._alloc(groups)
         self._sched = Schedule(groups)
         self._handles: List[tuple] = []
@@ -116,11 +149,16 @@ class FullGrads(GradSync):
         self._stale = [[True] * len(g.params) for g in groups or self.groups]
 
     def _zero_stale(self, gi: int, k: int) -> None:
-        """Before bucket k is reduced: the stale params in it got no grad; they count as 0."""
+        """Before bucket k is reduced: the stale params in it got no grad; they count as 0.
+        Stage 0 in place: a param's sum not divided while copied in is divided now."""
         stale, buf = self._stale[gi], self.grads[gi]
+        n = self.comm.world.world_size
+        divide = self._divide_first and n > 1
         for i, a, b in self._sched.overlaps[gi][k]:
             if stale[i]:
                 buf[a:b].zero_()
+            elif divide and not self._divided[gi][i]:
+                buf[a:b].div_(n)
 
     def _ensure(self) -> None:
         if self.grads is None:  # freed by zero_grad (free_grads=True): zeros again
@@ -218,13 +256,21 @@ class FullGrads(GradSync):
         for g, views, stale in zip(self.groups, self._views, self._stale):
             for p, v, st in zip(g.params, views, stale):
                 p.grad = None if st else v
+        self._divided = [[False] * len(g.params) for g in self.groups]
         self.held_now = Held.LOCAL
         self._sched.reset()
 
     def on_grad(self, gi, i, p) -> None:
         view = self._views[gi][i]
         if p.grad is not view:  # stale (p.grad was None), or autograd replaced it
-            view.copy_(p.grad)  # (create_graph=True: it then holds the sum)
+            # (create_graph=True: it then holds the sum)
+            n = self.comm.world.world_size
+            if self.sync and self._divide_first and n > 1:
+                # [Note: stage 0 divides as DDP does]: divided while copied in, one pass
+                torch.mul(p.grad.detach(), 1.0 / n, out=view)
+                self._divided[gi][i] = True
+            else:
+                view.copy_(p.grad)
             p.grad = view
             self._stale[gi][i] = False
         if not self.sync:
@@ -252,8 +298,8 @@ class FullGrads(GradSync):
                                                      buf.device)
                 src = g.bucket(self._wide[gi], k)
                 src.copy_(b)
-            # SUM, then / N on landing: p.grad is DDP's average, and an fp16 sum that
-            # overflows is inf here too, so found_inf is the same at every stage.
+            # fp32 in place: each param's part was divided by N before (DDP's order, [Note:
+            # stage 0 divides as DDP does]); else SUM, then / N on landing.
             h = self.comm.all_reduce_grads_(src, async_op=True,
                                             label=f"group {gi} bucket {k}")
             self._handles.append((gi, k, h, b if src is not b else None,
@@ -275,7 +321,7 @@ class FullGrads(GradSync):
         n = self.comm.world.world_size  # stage 0 averages over every data-parallel rank
         for gi, k, h, back, src in self._handles:
             h.wait()
-            if not self.mode.scatters and n > 1:
+            if not self.mode.scatters and not self._divide_first and n > 1:
                 (src if src is not None else self.groups[gi].bucket(self.grads[gi], k)).div_(n)
             if back is not None:
                 back.copy_(src)
@@ -286,6 +332,8 @@ class FullGrads(GradSync):
         self._handles = []
         self._carry = [None] * len(self.groups)
         self._mark_stale_none()
+        # Reduced: a relaunch without a backward (p.grad assigned, then step) divides again
+        self._divided = [[False] * len(g.params) for g in self.groups]
 
     def _mark_stale_none(self) -> None:
         """Every bucket was reduced: each view was written by its grad or zeroed."""
@@ -321,6 +369,14 @@ class FullGrads(GradSync):
         if mode is Reduction.SCATTER_IN_PLACE:
             return g.piece(self.grads[gi], k)
         return self._shard[gi][g.state_slice(k)]
+
+    def stats_piece(self, gi, k) -> torch.Tensor:
+        """[Note: stage 0 reads 1/N for its stats]"""
+        if self.mode is Reduction.ALL_REDUCE:
+            return self.groups[gi].piece(self.grads[gi], k)
+        if self.mode is Reduction.ALL_REDUCE_WIDE:
+            return self.groups[gi].piece(self._wide[gi], k)
+        return self.grad_piece(gi, k)
 
     def after_step(self) -> None:
         # In place (and stage 0's own buffer) the reduced grads stay for a second step().

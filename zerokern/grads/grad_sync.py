@@ -290,6 +290,10 @@ class GradSync:
         """ZEROKERN_DEBUG_COLLECTIVES=1: every rank issued the same collectives so far."""
         self.comm.check_collectives("step()")
     def grad_piece(self, gi: int, k: int) -> torch.Tensor: ...
+    def stats_piece(self, gi: int, k: int) -> torch.Tensor:
+        """The part of bucket k's reduced grads this rank's found_inf/sumsq read: its grad
+        piece, or at stage 0 (every rank holds the whole average) 1/N of it (full_grads.py)."""
+        return self.grad_piece(gi, k)
     def after_step(self) -> None:
         """Called after the update: drop per-step buffers."""
     def held(self) -> Dict[str, List[torch.Tensor]]:

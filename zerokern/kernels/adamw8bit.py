@@ -2,7 +2,8 @@
 
 [Note: the 8-bit step, bit for bit]
 quant8.py [Note: 8-bit moments] gives the scheme; this is its exact arithmetic, which every
-backend (reference below, cpu csrc/cpu/adamw8bit_cpu.cpp, triton triton_adamw8bit.py) follows
+backend (reference below, cpu csrc/cpu/adamw8bit_cpu.cpp, triton triton_adamw8bit.py, cuda
+csrc/cuda/adamw8bit.cu with adamw8bit_math.cuh) follows
 operation by operation, so they agree bit for bit. Per block of BLOCK = 128 elements, with the
 scalars of kernels/reference.py's AdamW (formed in float64, rounded once to float32: decay =
 1 - lr*wd, b1, 1-b1, b2, 1-b2, step_size = lr / (1 - b1^t), rsqrt_bc2 = 1/sqrt(1 - b2^t), eps):
@@ -23,7 +24,8 @@ Every operation is IEEE-rounded fp32 (add, mul, div, sqrt), so the only freedom 
 is the order of the max (exact in any order). torch's fp32 `sqrt` on the CPU is not correctly
 rounded (Sleef, 1 ulp off for 17% of 10M random floats here), so the reference takes the
 square root in float64 and rounds once (0 mismatches against IEEE fp32 sqrt in the same 10M);
-the C++ kernel uses std::sqrt, Triton `sqrt_rn`. The AdamW (L2, adamw=False) variant is not
+the C++ kernel uses std::sqrt, Triton `sqrt_rn`, CUDA `__fsqrt_rn` (and `__fmul_rn` & co.
+throughout, so nvcc contracts nothing into an FMA). The AdamW (L2, adamw=False) variant is not
 offered: the 8-bit rule is decoupled AdamW (bitsandbytes' AdamW8bit), and ZeroAdamW refuses
 adamw=False with state_bits=8.
 """
@@ -98,8 +100,8 @@ def adamw8bit_step_(master: torch.Tensor, m_q: torch.Tensor, m_absmax: torch.Ten
         lr, beta1, beta2, eps, weight_decay: floats or 0-d tensors.
         step: 0-d int64/int32/float32/float64 device tensor; incremented unless skipped.
         grad_scale: 0-d fp32 device tensor. found_inf: 0-d bool or fp32; set: nothing changes.
-        backend: "auto" | "triton" | "cpu" | "reference" ("cuda": not built for this step;
-            a ValueError says so).
+        backend: "auto" | "triton" | "cuda" | "cpu" | "reference" ("auto" on CUDA tensors:
+            triton, or cuda where Triton is not installed; every backend gives the same bits).
 
     Raises:
         TypeError, ValueError: a bad argument (named), before anything changes.
@@ -109,9 +111,6 @@ def adamw8bit_step_(master: torch.Tensor, m_q: torch.Tensor, m_absmax: torch.Ten
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          step=step, grad_scale=grad_scale, found_inf=found_inf)
     kind = resolve(backend, master.device)
-    if kind == "cuda":
-        raise ValueError("backend='cuda' has no 8-bit AdamW kernel; use backend='triton' (the "
-                         "default for CUDA tensors) or 'reference'")
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
               grad_scale=grad_scale, found_inf=found_inf)
     args = (master, m_q, m_absmax, v_q, v_absmax, grad, param_out)
@@ -122,7 +121,7 @@ def adamw8bit_step_(master: torch.Tensor, m_q: torch.Tensor, m_absmax: torch.Ten
 
         triton_adamw8bit.adamw8bit_step_(*args, **kw)
     else:
-        _native_adamw8bit_step_(*args, **kw)
+        _native_adamw8bit_step_(kind, *args, **kw)
 
 
 def quantize_blocks(x: torch.Tensor, signed: bool):
@@ -159,15 +158,21 @@ def reference_adamw8bit_step_(master, m_q, m_absmax, v_q, v_absmax, grad, param_
     advance_step_(step, skip)
 
 
-def _native_adamw8bit_step_(master, m_q, m_absmax, v_q, v_absmax, grad, param_out, *, lr,
-                            beta1, beta2, eps, weight_decay, step, grad_scale,
+def _native_adamw8bit_step_(backend, master, m_q, m_absmax, v_q, v_absmax, grad, param_out, *,
+                            lr, beta1, beta2, eps, weight_decay, step, grad_scale,
                             found_inf) -> None:
+    """The cpu (csrc/cpu/adamw8bit_cpu.cpp) or cuda (csrc/cuda/adamw8bit.cu) op; the maps are
+    the reference's own fp32 tensors on the params' device, so every backend reads the same
+    codes and midpoints. CUDA-tensor hyperparameters travel as one float64 device tensor (hp)."""
     from .build import load_op
     from .native import _hyper_args
 
-    floats, _ = _hyper_args((lr, beta1, beta2, eps, weight_decay), master.device)
     dev = master.device
-    load_op("cpu").adamw8bit_step(master, m_q, m_absmax, v_q, v_absmax, grad, param_out,
-                                  *floats, step, grad_scale, found_inf, code_map(True, dev),
-                                  code_map(False, dev), midpoints(True, dev),
-                                  midpoints(False, dev))
+    floats, hp = _hyper_args((lr, beta1, beta2, eps, weight_decay), dev)
+    args = (master, m_q, m_absmax, v_q, v_absmax, grad, param_out, *floats, step, grad_scale,
+            found_inf, code_map(True, dev), code_map(False, dev), midpoints(True, dev),
+            midpoints(False, dev))
+    if backend == "cuda":
+        load_op("cuda").adamw8bit_step(*args, hp)
+    else:
+        load_op("cpu").adamw8bit_step(*args)

@@ -66,8 +66,9 @@ OPS: Dict[str, OpSpec] = {
     "cpu": OpSpec("cpu", ["cpu/*.cpp"],
                   cflags=["-O3", "-std=c++17", "-fopenmp"], ldflags=["-fopenmp"]),
     # No --use_fast_math: the contract needs IEEE sqrt and division (DESIGN §3).
+    # Every source of the one CUDA module; setup.py's AOT build takes this same list.
     "cuda": OpSpec("cuda", ["cuda/binding.cpp", "cuda/zk_kernels.cu", "cuda/lion_binding.cpp",
-                            "cuda/lion.cu"],
+                            "cuda/lion.cu", "cuda/adamw8bit_binding.cpp", "cuda/adamw8bit.cu"],
                    cflags=["-O3", "-std=c++17"], cuda_cflags=["-O3", "-lineinfo"], cuda=True),
 }
 

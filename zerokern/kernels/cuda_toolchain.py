@@ -11,6 +11,9 @@
   and fails at the first launch ("no kernel image is available"). `prebuilt_problem(mod)` asks
   the module itself (cudaFuncGetAttributes on one of its kernels, per visible device) and the
   loader then JIT-builds for the GPUs present instead.
+* A prebuilt op from an older zerokern may lack a newer op's function (the 8-bit AdamW step,
+  issue 23): it would load and then fail with AttributeError mid-training. `OP_FUNCTIONS` names
+  what the current sources define; a module missing one is rebuilt the same way.
 """
 
 from __future__ import annotations
@@ -67,9 +70,20 @@ def toolchain_problem() -> Optional[str]:
     return None
 
 
+# The functions csrc/cuda/binding.cpp registers (tests/kernels/test_adamw8bit_cuda_dispatch.py
+# checks this against the source).
+OP_FUNCTIONS = ("adam_step", "grad_stats", "lion_step", "adamw8bit_step", "kernel_image_error")
+
+
 def prebuilt_problem(mod) -> Optional[str]:
-    """None if the prebuilt CUDA op runs on every visible GPU, else why not."""
+    """None if the prebuilt CUDA op has every function and runs on every visible GPU, else why
+    not."""
     import torch
+
+    missing = [f for f in OP_FUNCTIONS if f != "kernel_image_error" and not hasattr(mod, f)]
+    if missing and hasattr(mod, "kernel_image_error"):
+        return (f"it lacks {', '.join(missing)} (built by an older zerokern); rebuild it with "
+                "`zerokern build` or ZEROKERN_BUILD_OPS=1 pip install")
 
     probe = getattr(mod, "kernel_image_error", None)
     if probe is None:

@@ -1,6 +1,6 @@
 """The 8-bit AdamW rule (`ZeroAdamW(..., state_bits=8)`): m and v as one byte per element plus
 one fp32 absmax per block of 128 (kernels/quant8.py [Note: 8-bit moments]), and the fused
-`kernels.adamw8bit.adamw8bit_step_` (reference / cpu / triton).
+`kernels.adamw8bit.adamw8bit_step_` (reference / cpu / triton / cuda).
 
 [Note: 8-bit states in the engine]
 Four states, in this order: `exp_avg` (uint8 codes of m, signed map), `exp_avg_absmax` (fp32,
