@@ -6,8 +6,8 @@ Each file has two halves of `align_up(numel * itemsize)` bytes (a step reads one
 writes the other, offload_nvme.py [Note: all or nothing]); numel and itemsize are the state's
 (zerokern.rules.StateSpec: the master and AdamW's moments S fp32 elements, S = the buffer's
 state elements; 8-bit AdamW's codes S bytes, its absmax S/128 fp32). `master` and
-`states[name]` are shared mmap views of the current half, in the state's dtype
-(offload_nvme.py [Note: where the state is visible]).
+`states[name]` are shared mmap views of the current half, in the state's dtype (Note: where
+the state is visible).
 
 [Note: any StateSpec in a file, aligned]
 A step moves chunks of `chunk` param elements (offload_nvme.py); chunk lo of a state with
@@ -17,10 +17,22 @@ multiple of 4096 (aligned_io.ALIGN), so the chunk is a multiple of every state's
 fp32 absmax per 128 elements (`granule(rule)`, the least common multiple). Each state's half is
 padded up to 4096 bytes, so the last chunk's request (its length rounded up to 4096) stays
 inside the half, and in the host pool every state's region of a set starts 4096-aligned
-(nvme_pool.py). The padding is zeros that no view reaches. 8-bit AdamW moves 12.125 bytes per element per
-step instead of AdamW's 24; its step over NVMe took 4.4 s against 3.6 s on the device
+(nvme_pool.py). The padding is zeros that no view reaches. 8-bit AdamW moves 12.125 bytes per
+element per step instead of AdamW's 24; its step over NVMe took 4.4 s against 3.6 s on the device
 (median, 23.2M GPT, 1 process, stage 2, bf16, 2 loaded cores; benchmarks/results/
 nvme-rules-step.md): the same cpu kernel plus the I/O.
+
+[Note: where the state is visible]
+The buffer's master and states (its DiskState's, nvme_state.py) are shared mmap
+views of the current half of the files (re-pointed at each flip), so state_dict(),
+zerokern.checkpoint (save reads them, load writes them), model_sync and stage 3's write-back
+read and write the files themselves, with no RAM copy. The step never touches the mappings:
+it reads and writes with O_DIRECT, which writes back dirty mapped pages before it reads a
+range and invalidates cached pages of a range it writes, so the two paths stay coherent and
+the page cache holds no second copy of the state.
+Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
+RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
+cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
 
 [Note: lazy state under offload="nvme"]
 The state of a model larger than the host's memory (2B params: 24 GB of fp32 master, m and v)
@@ -148,6 +160,14 @@ class DiskState(RuleState):
             views.append(m[off:off + self.n // b])
         self.master = views[0]
         self.states = dict(zip(self.names[1:], views[1:]))
+
+    def passes(self) -> List[Tuple[int, ...]]:
+        """The file indices each pass of this buffer's step streams, in order: all of them
+        once for a per-piece rule; a phased rule's `nvme_passes` (offload_nvme.py [Note: a
+        phased rule over NVMe])."""
+        if not self.rule.phased:
+            return [tuple(range(len(self.names)))]
+        return [tuple(self.names.index(n) for n in p) for p in self.rule.nvme_passes]
 
     def release(self) -> None:
         """Drop the mappings (the files are removed by offload_nvme's cleanup)."""

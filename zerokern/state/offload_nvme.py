@@ -50,24 +50,14 @@ allocate.
 [Note: direct I/O, chunk and depth, measured] is in aligned_io.py: O_DIRECT (buffered I/O,
 fadvise(DONTNEED), where it is refused), CHUNK_NUMEL and QUEUE_DEPTH, with the numbers.
 
-[Note: where the state is visible]
-The buffer's master and states (its DiskState's, nvme_state.py) are shared mmap
-views of the current half of the files (re-pointed at each flip), so state_dict(),
-zerokern.checkpoint (save reads them, load writes them), model_sync and stage 3's write-back
-read and write the files themselves, with no RAM copy. The step never touches the mappings:
-it reads and writes with O_DIRECT, which writes back dirty mapped pages before it reads a
-range and invalidates cached pages of a range it writes, so the two paths stay coherent and
-the page cache holds no second copy of the state.
-Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
-RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
-cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
+[Note: where the state is visible] is in nvme_state.py: the master and states are mmap views
+of the current half, re-pointed at each flip.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
-import math
 import os
 import time
 import uuid
@@ -80,14 +70,18 @@ import torch
 
 from zerokern.rules import Rule, adamw_rule, check_rule, rule_for
 from zerokern.state import aligned_io as aio
-from zerokern.state.nvme_pool import _Set, pool_chunk, set_bytes
-from zerokern.state.nvme_state import DiskState, cleanup, file_bytes, granule, names, specs
+from zerokern.state.nvme_pool import (  # noqa: F401 (CHUNK_NUMEL, QUEUE_DEPTH: re-exported)
+    CHUNK_NUMEL,
+    QUEUE_DEPTH,
+    NvmeBytes,
+    _Set,
+    pool_chunk,
+    rules_granule,
+)
+from zerokern.state.nvme_state import DiskState, cleanup, names
 from zerokern.state.offload import CopyPipeline
 
-CHUNK_NUMEL = 1 << 22
-QUEUE_DEPTH = 4
 MAX_DEPTH = 16
-_F32 = torch.float32
 
 
 class StepPhase(Enum):
@@ -99,7 +93,7 @@ class StepPhase(Enum):
     SKIPPED = "skipped"    # found_inf read, overflow: no I/O, nothing changes, no flip
 
 
-class NvmeOffloader(CopyPipeline):
+class NvmeOffloader(NvmeBytes, CopyPipeline):
     """offload="nvme": the state in files (DiskState per buffer, nvme_state.py); the update
     streams every piece of every buffer from and to disk (placement.py)."""
 
@@ -204,7 +198,7 @@ class NvmeOffloader(CopyPipeline):
         self.dirty = []       # (gi, k) whose device params this step wrote
         self.steps0 = [f.steps.clone() for f in self.files]
         self.plan = [(gi, lo, min(lo + self.chunk, f.n), files)
-                     for gi, f in enumerate(self.files) for files in _passes(f)
+                     for gi, f in enumerate(self.files) for files in f.passes()
                      for lo in range(0, f.n, self.chunk)]
         self.next_read = 0
         self.free = list(self.pool)
@@ -284,7 +278,7 @@ class NvmeOffloader(CopyPipeline):
 
         def work(s: _Set, x: int, y: int, gx: int) -> None:
             self._wait(self._copy(s.grad[x:y], grad[gx:gx + y - x]))
-            st = _cut(s, x, y)
+            st = s.cut(x, y)
             new_step[0] = self._host_update(st[0], st[1:], s.grad[x:y],
                                             None if s.param is None else s.param[x:y],
                                             step, hyper, backend, rule)
@@ -304,7 +298,7 @@ class NvmeOffloader(CopyPipeline):
         s0 = g.state_slice(k).start
 
         def work(s: _Set, x: int, y: int, gx: int) -> None:
-            views = _cut(s, x, y)
+            views = s.cut(x, y)
             fn(s0 + gx, s0 + gx + y - x, [views[i] for i in files])
             if params and s.param is not None:
                 s.param[x:y].copy_(views[0])  # round to nearest even: `.to(dtype)` bitwise
@@ -421,69 +415,3 @@ class NvmeOffloader(CopyPipeline):
                 h = g.publish_piece(self.comm.shard, k)
                 if h is not None:
                     h.wait()
-
-    # -- reports -------------------------------------------------------------------------------
-    def host_bytes(self) -> dict:
-        pool = sum(t.untyped_storage().nbytes() for s in self.pool for t in s.tensors())
-        return {**dict.fromkeys(self.names, 0),
-                "host_staging": pool + self.scalars.untyped_storage().nbytes()}
-
-    def disk_bytes(self) -> dict:
-        out = dict.fromkeys(self.names, 0)
-        for f in self.files:
-            for nm, h in zip(f.names, f.halves):
-                out[nm] += 2 * h
-        return out
-
-    # -- placement.py [Note: each placement reports its own bytes] ------------------------------
-    @staticmethod
-    def layout_bytes(rule: Rule, state_numel: int, state_padding: int, dtype: torch.dtype,
-                     grad_dtype: torch.dtype, master: str = "fp32") -> dict:
-        """One buffer's files: the master and each rule state, two aligned halves each."""
-        return {"device": {}, "host": dict.fromkeys(names(rule), 0),
-                "disk": {nm: file_bytes(state_numel, dt, b) for nm, dt, b in specs(rule)}}
-
-    @staticmethod
-    def fixed_bytes(rule: Rule, state_numels, dtype: torch.dtype,
-                    grad_dtype: torch.dtype) -> dict:
-        """The I/O pool (QUEUE_DEPTH sets at the default chunk) and the 2 host scalars.
-        `rule` may be a MixedRules (ZeroMuon): a set holds the largest of its rules' file sets."""
-        rules = list(getattr(rule, "rules", (rule,)))
-        chunk = pool_chunk(list(state_numels), CHUNK_NUMEL, rules_granule(rules))
-        param_e = 0 if dtype == torch.float32 else dtype.itemsize
-        pool = QUEUE_DEPTH * set_bytes(chunk, grad_dtype.itemsize, param_e, rules)
-        return {"device": {}, "host": {"host_staging": pool + 2 * 4}, "disk": None}
-
-    @classmethod
-    def disk_need(cls, rule, state_numels) -> int:
-        """Disk bytes of the state files for buffers of these state sizes (free-space check);
-        `rule` one Rule for all, or a list of one per buffer."""
-        state_numels = list(state_numels)
-        rules = list(rule) if isinstance(rule, (list, tuple)) else [rule] * len(state_numels)
-        return sum(sum(cls.layout_bytes(r, n, 0, _F32, _F32)["disk"].values())
-                   for r, n in zip(rules, state_numels))
-
-
-def rules_granule(rules) -> int:
-    """The chunk granule that aligns every state of every rule (nvme_state.granule)."""
-    g = 1
-    for r in rules:
-        g = math.lcm(g, granule(r))
-    return g
-
-
-def _passes(f: DiskState):
-    """The file indices each pass of buffer f's step streams, in order: all of them once for
-    a per-piece rule; a phased rule's `nvme_passes` (Note: a phased rule over NVMe)."""
-    if not f.rule.phased:
-        return [tuple(range(len(f.names)))]
-    return [tuple(f.names.index(n) for n in p) for p in f.rule.nvme_passes]
-
-
-def _cut(s: _Set, x: int, y: int):
-    """Every carved state's part for the set's param elements [x, y) (whole blocks: x and y
-    are bucket-piece bounds or chunk bounds, multiples of 128)."""
-    out = []
-    for t, (_, _, b) in zip(s.state, specs(s.rule)):
-        out.append(t[x // b:y // b])
-    return out
