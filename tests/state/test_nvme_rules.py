@@ -6,7 +6,7 @@ The NVMe file set holds any StateSpec (uint8 codes, per-block fp32 absmax: state
 Muon, with offload="cpu"), whose own parity with torch / bitsandbytes is tested in
 tests/rules/test_muon.py and test_adamw8bit.py: the same kernels on the same bytes, so the
 comparison is bit for bit. Per world size (1, 2; 3 slow), stages 1-3, bf16, with clipping on
-every step and an inf injected on rank 0 at step 1 (every rank skips):
+every step and an inf injected on rank 0 at step 1 (every rank skips), and fp32 at stage 2:
 - params after every step, the skipped flags, and at the end every rank's master and rule
   states (the 8-bit codes and absmax, Muon's momentum, the AdamW moments), all bitwise;
 - negative control: the device run with lr x 1.01 differs from the NVMe run;
@@ -77,13 +77,14 @@ def _train(model, opt, rank, ws, steps, start=0, inf_at=1):
     return rec
 
 
-def _local_state(opt) -> list:
+def _local_state(opt, master: bool = True) -> list:
     """This rank's master and rule states per buffer, as bits (read through the placement's
-    views: the NVMe files' current half)."""
+    views: the NVMe files' current half). master=False: without it (fp32 on the device has
+    none: the params, compared apart, are the master)."""
     out = []
     for g in opt.flat_groups:
         d = {k: _bits(t) for k, t in g.rule_states.items()}
-        if g.master is not None:
+        if master and g.master is not None:
             d["master"] = _bits(g.master)
         d["steps"] = g.steps.cpu().clone()
         out.append(d)
@@ -100,7 +101,7 @@ def _eq(x, y) -> bool:
     return x == y
 
 
-def _parity(rank, ws, kind, stage):
+def _parity(rank, ws, kind, stage, precision="bf16"):
     """The NVMe run against the device run (and Muon's offload="cpu" run), bitwise."""
     runs = {}
     with tempfile.TemporaryDirectory(prefix="zk_nvme_rules_") as d:
@@ -109,9 +110,9 @@ def _parity(rank, ws, kind, stage):
             if name == "cpu" and kind != "muon":
                 continue
             model = M.make_model()
-            opt = _opt(kind, model, stage, off, d, lr_scale=scale)
-            rec = _train(model, opt, rank, ws, STEPS)
-            rec["state"] = _local_state(opt)
+            opt = _opt(kind, model, stage, off, d, lr_scale=scale, precision=precision)
+            rec = _train(model, opt, rank, ws, STEPS, inf_at=1 if precision == "bf16" else -1)
+            rec["state"] = _local_state(opt, master=precision != "fp32")
             if off == "nvme":
                 rec["files"] = len(os.listdir(d))
                 opt.close()
@@ -266,6 +267,7 @@ def _worker(rank, ws, root):
     for kind in KINDS:
         for stage in STAGES:
             cases[f"{kind}-{stage}"] = lambda k=kind, s=stage: _parity(rank, ws, k, s)
+        cases[f"{kind}-fp32"] = lambda k=kind: _parity(rank, ws, k, 2, "fp32")
         if ws == 2:
             cases[f"save-{kind}"] = lambda k=kind: _save(rank, ws, root, k)
             cases[f"memory-{kind}"] = lambda k=kind: _memory(rank, ws, k, 2)
@@ -287,14 +289,16 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("nvme_rules"))
 
 
-def _check_parity(ws, root, kind, stage):
-    res = case(cached(_worker, ws, root), f"{kind}-{stage}")
+def _check_parity(ws, root, kind, stage, precision="bf16"):
+    name = f"{kind}-{stage}" if precision == "bf16" else f"{kind}-fp32"
+    res = case(cached(_worker, ws, root), name)
     for rank, r in enumerate(res):
         where = f"{kind} N={ws} stage {stage} rank {rank}"
         assert r["params"], f"{where}: params differ from the device run"
         assert r["state"], f"{where}: master/states differ from the device run"
         assert r.get("cpu", True), f"{where}: differs from offload='cpu'"
-        assert r["skipped"] == r["dev_skipped"] == [s == 1 for s in range(STEPS)], where
+        want = [s == 1 and precision == "bf16" for s in range(STEPS)]  # fp32: no inf step
+        assert r["skipped"] == r["dev_skipped"] == want, where
         assert r["moved"] and r["control_differs"], where
         assert r["files"] > 0, where
     names = set(res[0]["state_names"])
@@ -309,6 +313,13 @@ def _check_parity(ws, root, kind, stage):
 @pytest.mark.parametrize("ws", [1, 2])
 def test_nvme_equals_device_bitwise(ws, kind, stage, root):
     _check_parity(ws, root, kind, stage)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ws", [1, 2])
+def test_nvme_equals_device_bitwise_fp32(ws, kind, root):
+    """fp32 params (the master is the param on the device, a file here), stage 2."""
+    _check_parity(ws, root, kind, 2, "fp32")
 
 
 @pytest.mark.slow
