@@ -40,7 +40,7 @@ def _model_opt(path):
 
 def _step(m, opt, seed):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(8, 64, generator=g)
+    x = torch.randn(8, m[0].in_features, generator=g)
     opt.backward(m(x).square().mean())
     opt.step()
     opt.zero_grad()
@@ -90,25 +90,26 @@ def test_probe_replays_the_step_and_a_different_request_size_is_flagged(tmp_path
     pat = dp.pattern_for(numels, chunk_numel=CHUNK, queue_depth=DEPTH, direct=off.direct)
     dp.check_same(pat, dp.pattern_of(off))
     for gi, f in enumerate(off.files):  # the engine's own size function and its files
-        assert pat.file_bytes()[gi] == nvme_state.file_bytes(f.n)
-        assert {os.stat(p).st_size for p in f.paths} == {pat.file_bytes()[gi]}
+        assert pat.file_bytes()[gi] == tuple(nvme_state.file_bytes(f.n, dt, b)
+                                             for _, dt, b in f.specs)
+        assert tuple(os.stat(p).st_size for p in f.paths) == pat.file_bytes()[gi]
     assert pat.requests(0) == step_trace  # same requests, same order per kind
     assert pat.bytes_per_step == step_bytes
 
     files = dp.ProbeFiles.create(str(tmp_path / "probe"), pat)
     try:
-        assert [[os.stat(p).st_size for p in ps] for ps in files.paths] == \
-            [[b] * 3 for b in pat.file_bytes()]
+        assert tuple(tuple(os.stat(p).st_size for p in ps) for ps in files.paths) == \
+            pat.file_bytes()
         _take(trace)
         res = dp.replay(files, pat)
         assert _take(trace) == step_trace
         assert res["bytes"] == step_bytes and res["GBps"] > 0
         assert res["requests"] == sum(len(v) for v in step_trace.values())
 
-        # negative control: half the request size
-        other = dp.pattern_for(numels, chunk_numel=CHUNK // 2, queue_depth=DEPTH,
+        # negative control: twice the request size
+        other = dp.pattern_for(numels, chunk_numel=CHUNK * 2, queue_depth=DEPTH,
                                direct=off.direct)
-        with pytest.raises(ValueError, match="elements per request: probe 512, step 1024"):
+        with pytest.raises(ValueError, match="elements per request: probe 2048, step 1024"):
             dp.check_same(other, dp.pattern_of(off))
         dp.replay(files, other)
         other_trace = _take(trace)
@@ -157,6 +158,39 @@ def test_borrowing_the_step_files_leaves_training_unchanged(tmp_path, trace):
     ob.close()
     with pytest.raises(ValueError, match="inside a step or closed"):
         dp.replay(files, pat)  # its files are gone: refused, not an OSError mid-way
+
+
+def test_probe_replays_an_8bit_state_step(tmp_path, trace):
+    """8-bit AdamW over NVMe: five files per buffer in three dtypes and blocks (fp32 master,
+    uint8 codes, an fp32 absmax per 128 elements), each with its own half size and offsets."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "probe").mkdir()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 40))
+    opt = zk.ZeroAdamW(m, lr=1e-2, stage=2, precision="fp32", offload="nvme", state_bits=8,
+                       offload_path=str(tmp_path / "state"))
+    off = opt.offloader
+    off.configure(chunk_numel=1 << 17, queue_depth=DEPTH)  # the rule's granule: 3 chunks
+    _take(trace)
+    _step(m, opt, 1)
+    step_trace = _take(trace)
+    pat = dp.pattern_for([f.n for f in off.files], rule=off.files[0].rule,
+                         chunk_numel=1 << 17, queue_depth=DEPTH, direct=off.direct)
+    dp.check_same(pat, dp.pattern_of(off))
+    assert len(pat.specs[0]) == 5 and len(pat.plan()) == 3
+    assert tuple(os.stat(p).st_size for p in off.files[0].paths) == pat.file_bytes()[0]
+    assert pat.requests(0) == step_trace
+    files = dp.ProbeFiles.create(str(tmp_path / "probe"), pat)
+    try:
+        _take(trace)  # (create's zero fill)
+        dp.replay(files, pat)
+        assert _take(trace) == step_trace
+    finally:
+        files.close()
+    with pytest.raises(ValueError, match="files per buffer"):  # AdamW's files instead
+        dp.check_same(dp.pattern_for([f.n for f in off.files], chunk_numel=1 << 17,
+                                     queue_depth=DEPTH, direct=off.direct), pat)
+    opt.close()
 
 
 def test_fraction_explains_a_step_above_the_probe():

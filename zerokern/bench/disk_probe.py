@@ -43,7 +43,7 @@ import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,43 +52,61 @@ from zerokern.rules import Rule, adamw_rule
 from zerokern.state import aligned_io as aio
 from zerokern.state import nvme_state
 from zerokern.state import offload_nvme as nv
-from zerokern.state.nvme_pool import _Set, pool_chunk, request_span, step_plan
+from zerokern.state.nvme_pool import (
+    CHUNK_NUMEL,
+    QUEUE_DEPTH,
+    _Set,
+    pool_chunk,
+    request_span,
+    rules_granule,
+    step_plan,
+)
 
 _F32 = torch.float32
 _NAME = re.compile(r"-buf(\d+)-(\w+)\.bin$")
 
 
+Spec = Tuple[str, torch.dtype, int]  # (file name, dtype, block): nvme_state.specs
+
+
 @dataclass(frozen=True)
 class IOPattern:
-    """One offload="nvme" step's I/O: `numels` state elements per buffer (DiskState.n),
-    `names` files per buffer, `chunk` elements per request, `depth` buffer sets, `direct`
-    O_DIRECT (else buffered, dropped from the page cache)."""
+    """One offload="nvme" step's I/O: per buffer its state elements (`numels`, DiskState.n),
+    its files (`specs`: name, dtype, block) and passes (file indices per pass,
+    nvme_state.passes); `chunk` param elements per request, `depth` buffer sets, `direct`
+    O_DIRECT (else buffered, dropped from the page cache). `rules`: each buffer's rule (the
+    pool sets are carved for it; not compared)."""
 
     numels: Tuple[int, ...]
-    names: Tuple[str, ...]
+    specs: Tuple[Tuple[Spec, ...], ...]
+    passes: Tuple[Tuple[Tuple[int, ...], ...], ...]
     chunk: int
     depth: int
     direct: bool
+    rules: Tuple[Rule, ...] = field(compare=False, default=())
 
-    @property
-    def halves(self) -> Tuple[int, ...]:
-        return tuple(aio.align_up(n * 4) for n in self.numels)
+    def halves(self, gi: int) -> Tuple[int, ...]:
+        """Bytes of one half of each of buffer gi's files."""
+        return tuple(nvme_state.half_bytes(self.numels[gi], dt, b) for _, dt, b in self.specs[gi])
 
-    def file_bytes(self) -> Tuple[int, ...]:
-        """Bytes of each buffer's files (all of one buffer's files have this size)."""
-        return tuple(nvme_state.file_bytes(n) for n in self.numels)
+    def file_bytes(self) -> Tuple[Tuple[int, ...], ...]:
+        """Per buffer, the bytes of each of its files (both halves)."""
+        return tuple(tuple(nvme_state.file_bytes(n, dt, b) for _, dt, b in sp)
+                     for n, sp in zip(self.numels, self.specs))
 
-    def plan(self) -> List[Tuple[int, int, int]]:
-        return step_plan(list(self.numels), self.chunk)
+    def plan(self) -> List[Tuple[int, int, int, Tuple[int, ...]]]:
+        return step_plan(list(zip(self.numels, self.passes)), self.chunk)
 
     def requests(self, cur: int = 0) -> Dict[str, List[Tuple[int, str, int, int]]]:
         """{"read": [...], "write": [...]}: (buffer, file name, offset, bytes) per request, in
         the order the step submits each kind."""
         out: Dict[str, List[Tuple[int, str, int, int]]] = {"read": [], "write": []}
-        for gi, lo, hi in self.plan():
+        for gi, lo, hi, files in self.plan():
+            halves = self.halves(gi)
             for kind, half in (("read", cur), ("write", 1 - cur)):
-                off, n = request_span(self.halves[gi], half, lo, hi)
-                out[kind] += [(gi, nm, off, n) for nm in self.names]
+                for i in files:
+                    nm, dt, b = self.specs[gi][i]
+                    out[kind].append((gi, nm, *request_span(halves[i], half, lo, hi, dt, b)))
         return out
 
     @property
@@ -97,7 +115,8 @@ class IOPattern:
 
     @property
     def in_flight(self) -> int:
-        return self.depth * len(self.names)
+        """Requests in flight at most: depth sets of the widest pass."""
+        return self.depth * max(len(f) for ps in self.passes for f in ps)
 
 
 def pattern_of(offloader) -> IOPattern:
@@ -116,18 +135,20 @@ def pattern_of(offloader) -> IOPattern:
     if offloader.extra_files:
         raise ValueError("disk_probe replays the optimizer state files only; this offloader "
                          "also writes offload_params='nvme' param files")
-    return IOPattern(tuple(f.n for f in offloader.files), tuple(offloader.names),
-                     offloader.chunk, offloader.depth, offloader.direct)
+    fs = offloader.files
+    return IOPattern(tuple(f.n for f in fs), tuple(tuple(f.specs) for f in fs),
+                     tuple(tuple(f.passes()) for f in fs), offloader.chunk, offloader.depth,
+                     offloader.direct, tuple(f.rule for f in fs))
 
 
-def pattern_for(state_numels: Sequence[int], rule: Optional[Rule] = None,
-                chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None,
-                direct: bool = True) -> IOPattern:
+def pattern_for(state_numels: Sequence[int], rule=None, chunk_numel: Optional[int] = None,
+                queue_depth: Optional[int] = None, direct: bool = True) -> IOPattern:
     """The pattern ZeroAdamW(offload="nvme") would run for buffers of these state sizes.
 
     Args:
         state_numels: state elements per flat buffer (the buffers' `state_numel`).
-        rule: the update rule (its state names set the files; default AdamW's m and v).
+        rule: the update rule (its states set the files), or a list of one per buffer
+            (default AdamW's m and v).
         chunk_numel: elements per request before `pool_chunk` caps it (default CHUNK_NUMEL).
         queue_depth: buffer sets (default QUEUE_DEPTH).
         direct: O_DIRECT (what `aligned_io.direct_supported` says for the directory).
@@ -136,19 +157,22 @@ def pattern_for(state_numels: Sequence[int], rule: Optional[Rule] = None,
         The IOPattern.
     """
     numels = [int(n) for n in state_numels]
-    chunk = pool_chunk(numels, nv.CHUNK_NUMEL if chunk_numel is None else chunk_numel)
-    depth = nv.QUEUE_DEPTH if queue_depth is None else queue_depth
-    return IOPattern(tuple(numels), nvme_state.names(rule or adamw_rule()), chunk, depth,
-                     bool(direct))
+    rules = list(rule) if isinstance(rule, (list, tuple)) else [rule or adamw_rule()] * len(numels)
+    gran = rules_granule(list(dict.fromkeys(rules)))
+    chunk = pool_chunk(numels, CHUNK_NUMEL if chunk_numel is None else chunk_numel, gran)
+    return IOPattern(tuple(numels), tuple(tuple(nvme_state.specs(r)) for r in rules),
+                     tuple(tuple(nvme_state.passes(r)) for r in rules), chunk,
+                     QUEUE_DEPTH if queue_depth is None else queue_depth, bool(direct),
+                     tuple(rules))
 
 
 def differences(probe: IOPattern, step: IOPattern) -> List[str]:
     """What differs between a probe's pattern and the step's, one line each ([] if none)."""
     out = []
-    for field, what in (("numels", "state elements per buffer"), ("names", "files per buffer"),
-                        ("chunk", "elements per request"), ("depth", "buffer sets in flight"),
-                        ("direct", "O_DIRECT")):
-        a, b = getattr(probe, field), getattr(step, field)
+    for name, what in (("numels", "state elements per buffer"), ("specs", "files per buffer"),
+                       ("passes", "passes per buffer"), ("chunk", "elements per request"),
+                       ("depth", "buffer sets in flight"), ("direct", "O_DIRECT")):
+        a, b = getattr(probe, name), getattr(step, name)
         if a != b:
             out.append(f"{what}: probe {a}, step {b}")
     return out
@@ -179,14 +203,16 @@ class ProbeFiles:
         off = self._off
         if off is not None and (off.chunk, off.depth) == (pattern.chunk, pattern.depth):
             return off.pool, off.io
-        key = (pattern.chunk, pattern.depth, len(pattern.names))
+        rules = list(dict.fromkeys(pattern.rules))
+        key = (pattern.chunk, pattern.depth, tuple(pattern.specs))
         if key not in self._sets:
-            self._sets[key] = [_Set(pattern.chunk, _F32, _F32, False, len(pattern.names))
+            self._sets[key] = [_Set(pattern.chunk, _F32, _F32, False, rules)
                                for _ in range(pattern.depth)]
         if off is not None:
             return self._sets[key], off.io
-        if self._io is None:
-            self._io = ThreadPoolExecutor(max_workers=len(pattern.names) * nv.MAX_DEPTH,
+        if self._io is None:  # the offloader's size: one thread per request in flight at most
+            widest = max(len(sp) for sp in pattern.specs)
+            self._io = ThreadPoolExecutor(max_workers=widest * nv.MAX_DEPTH,
                                           thread_name_prefix="zk-probe")
         return self._sets[key], self._io
 
@@ -219,21 +245,21 @@ class ProbeFiles:
         if pattern.direct and not aio.direct_supported(root):
             raise ValueError(f"disk_probe: {root!r} refuses O_DIRECT; build the pattern with "
                              "direct=False (the step then falls back to buffered I/O too)")
-        nvme_state.check_free_space(root, len(pattern.names) * sum(pattern.file_bytes()))
+        nvme_state.check_free_space(root, sum(map(sum, pattern.file_bytes())))
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         files = cls([], [], True)
         zeros = memoryview(aio.aligned_empty(4 * pattern.chunk, pin=False).zero_().numpy())
         try:
-            for gi, half in enumerate(pattern.halves):
+            for gi, sizes in enumerate(pattern.file_bytes()):
                 files.fds.append([])
                 files.paths.append([])
-                for nm in pattern.names:
+                for (nm, _, _), size in zip(pattern.specs[gi], sizes):
                     p = os.path.join(root, f".zerokern-probe-{tag}-buf{gi}-{nm}.bin")
                     fd = aio.open_state(p, pattern.direct, create=True)
                     files.fds[gi].append(fd)
                     files.paths[gi].append(p)
-                    for off in range(0, 2 * half, len(zeros)):
-                        n = min(len(zeros), 2 * half - off)
+                    for off in range(0, size, len(zeros)):
+                        n = min(len(zeros), size - off)
                         aio.write_chunk(fd, zeros[:n], off, p, pattern.direct, None)
         except BaseException:
             files.close()
@@ -274,14 +300,18 @@ def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
 
     def submit(s: _Set, write: bool) -> None:
         nonlocal moved, count
-        gi, lo, hi = s.job
-        off, n = request_span(pattern.halves[gi], (1 - cur) if write else cur, lo, hi)
+        gi, lo, hi, which = s.job
+        halves, half = pattern.halves(gi), (1 - cur) if write else cur
         fn = aio.write_chunk if write else aio.read_chunk
         extra = (pattern.direct, None) if write else (pattern.direct,)
-        s.futs = [io.submit(fn, fd, mv[:n], off, p, *extra)
-                  for fd, mv, p in zip(files.fds[gi], s.mv, files.paths[gi])]
-        moved += n * len(s.futs)
-        count += len(s.futs)
+        s.futs = []
+        for i in which:  # offload_nvme.NvmeOffloader._submit's requests
+            _, dt, b = pattern.specs[gi][i]
+            off, n = request_span(halves[i], half, lo, hi, dt, b)
+            s.futs.append(io.submit(fn, files.fds[gi][i], s.mv[i][:n], off,
+                                    files.paths[gi][i], *extra))
+            moved += n
+            count += 1
 
     def settle(s: _Set) -> None:
         for fu in s.futs:
@@ -297,6 +327,7 @@ def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
         while free and nxt < len(plan):
             s = free.pop()
             s.job = plan[nxt]
+            s.carve(pattern.rules[s.job[0]])
             nxt += 1
             submit(s, write=False)
             loaded.append(s)

@@ -22,7 +22,7 @@ def summary(args, rows, pattern, psi, rep, rss, build_s, ram_gib, peak_gib) -> d
             "disk_bytes": rep.get("disk_measured_total"),
             "ram_GiB": ram_gib, "peak_rss_GiB": peak_gib, "rss_GiB": rss, "build_s": build_s,
             "bytes_per_step_GB": pattern.bytes_per_step / 1e9, "direct_io": pattern.direct,
-            "pattern": {"buffers": len(pattern.numels), "files_per_buffer": len(pattern.names),
+            "pattern": {"buffers": len(pattern.numels), "files_per_buffer": len(pattern.specs[0]),
                         "request_MiB": pattern.chunk * 4 / 2**20, "buffer_sets": pattern.depth,
                         "in_flight_max": pattern.in_flight},
             "probe_GBps": dp.spread([r["GBps"] for r in probes]),

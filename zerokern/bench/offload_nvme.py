@@ -91,7 +91,7 @@ def run(args, x, setup) -> dict:
     return {"row": row, "probe_GBps": dp.spread([p["GBps"] for p in probes]),
             "fraction": frac, "sweep": sweep, "direct": off.direct, "path": root,
             "pattern": {"request_MiB": pattern.chunk * 4 / 2**20, "in_flight": pattern.in_flight,
-                        "files": len(pattern.numels) * len(pattern.names)},
+                        "files": sum(map(len, pattern.specs))},
             "memory_report": rep}
 
 
