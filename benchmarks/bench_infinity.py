@@ -83,7 +83,8 @@ def main() -> int:
     off = opt.offloader
     pattern = dp.pattern_of(off)
     # the probe replays the defaults' pattern: refuse a step that runs another one
-    dp.check_same(dp.pattern_for(pattern.numels, off.rule, direct=off.direct), pattern)
+    dp.check_same(dp.pattern_for(pattern.numels, list(pattern.rules), direct=off.direct),
+                  pattern)
     seq = args.seq or min(128, model.config.seq)
     if not 1 <= seq <= model.config.seq:
         raise SystemExit(f"--seq must be in [1, {model.config.seq}] for GPT {args.model}")
