@@ -2,10 +2,11 @@
 disk moves the step's bytes, now, in the step's pattern.
 
 `IOPattern` is what one optimizer step reads and writes (zerokern/state/offload_nvme.py): per
-flat buffer one file per state tensor (`nvme_state.names`: the master, then the rule's states),
-each two halves of `align_up(S * 4)` bytes (`nvme_state.file_bytes`); the step reads every
-chunk of half `cur` and writes it to half `1 - cur`, in `nvme_pool.step_plan` order, one
-request per file per chunk (`nvme_pool.request_span`), through `depth` aligned buffer sets
+flat buffer one file per state (`nvme_state.specs`: the master, then the rule's states, each in
+its dtype and block), two halves each (`nvme_state.file_bytes`); each pass (`nvme_state.passes`)
+reads every chunk of its files' half `cur` and writes it to half `1 - cur`, in
+`nvme_pool.step_plan` order, one request per file per chunk (`nvme_pool.request_span`),
+through `depth` aligned buffer sets
 (`nvme_pool._Set`), so at most depth x files requests in flight, on the offloader's thread pool
 (borrowed files: its very sets and threads; `ProbeFiles.pool`), with `aligned_io.read_chunk` /
 `write_chunk` (O_DIRECT where the file system takes it, else buffered + fadvise(DONTNEED): the
