@@ -33,8 +33,9 @@ from ..optimizer_args import PRECISIONS
 from ..optimizer_lion import ZeroLion
 from ..optimizer_muon import ZeroMuon
 from .checkpointing import CheckpointMixin
-from .config import EngineConfig, optimizer_kind, optimizer_settings, parse_config
+from .config import EngineConfig, parse_config
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
+from .optimizer_types import optimizer_kind, optimizer_settings
 from .parallel import MpuGroups, hpz_mesh, mpu_groups
 from .schedulers import build_scheduler
 
