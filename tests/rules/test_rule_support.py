@@ -97,8 +97,8 @@ def test_estimate_asks_the_rule():
 
 
 def test_initialize_gives_muon_the_compact_master():
+    from zerokern.engine.build import _rules_take
     from zerokern.engine.config import EngineConfig  # noqa: F401 (the config type)
-    from zerokern.engine.engine import _rules_take
 
     class Cfg:
         optimizer = {"type": "Muon", "params": {}}
