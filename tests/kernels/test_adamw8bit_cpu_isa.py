@@ -84,7 +84,7 @@ def test_each_isa_grad_and_out_dtypes_with_a_skipped_step(cpu_isa, gdt, odt):
         assert torch.equal(_bits(a), _bits(b))
 
 
-def test_each_isa_edge_values(cpu_isa):
+def _edge_case():
     """NaN, +-inf and -0.0 grads (each in its own block, so the other blocks stay finite),
     moments that land exactly on a midpoint, an all-zero block (absmax 0)."""
     nb = 8
@@ -95,37 +95,41 @@ def test_each_isa_edge_values(cpu_isa):
     g[1 * BLOCK + 7] = float("inf")
     g[2 * BLOCK + 9] = float("-inf")
     g[3 * BLOCK:4 * BLOCK:2] = -0.0
-    # block 4: zero moments and zero grad -> m = v = 0 (absmax 0, codes of 0 / 1)
     zs = torch.zeros(BLOCK)
-    state[1][4 * BLOCK:5 * BLOCK] = quantize(zs, True)[0]
-    state[2][4] = 0.0
-    state[3][4 * BLOCK:5 * BLOCK] = quantize(zs, False)[0]
-    state[4][4] = 0.0
-    g[4 * BLOCK:5 * BLOCK] = 0.0
-    # block 5: m exactly on midpoints after the step: zero moments in, so m = (1-b1) * g; pick
-    # g so that m / absmax hits a midpoint exactly (absmax is m's own max, reached at j = 0).
+    for b in (4, 5):  # zero moments in: m = (1-b1) * g, v = (1-b2) * g * g
+        state[1][b * BLOCK:(b + 1) * BLOCK] = quantize(zs, True)[0]
+        state[2][b] = 0.0
+        state[3][b * BLOCK:(b + 1) * BLOCK] = quantize(zs, False)[0]
+        state[4][b] = 0.0
+    g[4 * BLOCK:5 * BLOCK] = 0.0  # block 4: m = v = 0 (absmax 0, codes of 0 / 1)
+    # block 5: m / absmax on a midpoint exactly for most elements (absmax reached at j = 0)
     s_mid = midpoints(True, "cpu")
-    state[1][5 * BLOCK:6 * BLOCK] = quantize(zs, True)[0]
-    state[2][5] = 0.0
-    state[3][5 * BLOCK:6 * BLOCK] = quantize(zs, False)[0]
-    state[4][5] = 0.0
     gs = torch.ones(BLOCK)
-    gs[1:] = s_mid[torch.randint(0, 255, (BLOCK - 1,))]  # m / max|m| == the midpoint, exactly
-    g[5 * BLOCK:6 * BLOCK] = gs / 0.5  # grad_scale 0.5 in _run: 2 * 0.5 is exact
-    grads = [g]
+    gs[1:] = s_mid[torch.randint(0, 255, (BLOCK - 1,))]
+    g[5 * BLOCK:6 * BLOCK] = gs / 0.5  # grad_scale 0.5 in _run: exact
+    m5 = torch.tensor(0.1, dtype=torch.float32) * gs  # (1-b1) rounded to fp32, times g
+    assert torch.isin(m5 / m5.abs().max(), s_mid).sum() > BLOCK // 2, "lost the midpoint hits"
+    return state, [g]
+
+
+def test_each_isa_edge_values(cpu_isa):
+    state, grads = _edge_case()
     want = _run("reference", state, grads, None, [False])
-    got = _run("cpu", state, grads, None, [False])
-    _assert_same(want, got)
-    m_block5 = (0.1 * gs)  # the ratio m / absmax may round; count exact midpoint hits
-    ratio = m_block5 / m_block5.abs().max()
-    hits = torch.isin(ratio, s_mid).sum()
-    assert hits > BLOCK // 2, "the midpoint case lost its exact hits"
-    assert torch.isnan(want[0][2][0]) and torch.isnan(want[0][4][0])  # NaN propagates to absmax
-    assert int(want[0][1][4 * BLOCK]) == int(torch.bucketize(torch.zeros(1), s_mid))
-    # a second step from this state reads NaN/inf absmax and codes 255 back
-    grads2 = [torch.randn(n)]
+    _assert_same(want, _run("cpu", state, grads, None, [False]))
+    assert torch.isnan(want[0][2][0]) and torch.isnan(want[0][4][0])  # NaN reaches the absmax
+    assert int(want[0][1][5]) == 255  # a NaN's code: torch.bucketize puts it above every midpoint
+    assert int(want[0][1][4 * BLOCK]) == int(torch.bucketize(torch.zeros(1), midpoints(True, "cpu")))
+    # a second step reads the NaN/inf absmax and the 255 codes back
+    grads2 = [torch.randn(state[0].numel())]
     _assert_same(_run("reference", want[0], grads2, None, [False]),
                  _run("cpu", want[0], grads2, None, [False]))
+
+
+def test_every_host_backend_edge_values(backend):
+    """The same edge values on the Triton interpreter (and the cpu op at its best ISA)."""
+    state, grads = _edge_case()
+    _assert_same(_run("reference", state, grads, None, [False]),
+                 _run(backend, state, grads, None, [False]))
 
 
 def test_lr_off_by_one_percent_is_caught(cpu_isa):
