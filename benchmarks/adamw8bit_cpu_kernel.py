@@ -7,7 +7,9 @@ bitsandbytes' CPU AdamW8bit, interleaved per repetition in one process.
 Providers (each one full step over n fp32 params, fp32 grads, no param_out):
 - `new`: this checkout's cpu op `adamw8bit_step` (ISA "auto"; `new-<isa>` rows for each forced
   ISA with --isas);
-- `old`: the same op from an older build's .so (--old-so), the same arguments;
+- `old`: the same op from an older build's .so (--old-so), the same arguments, run in a helper
+  process driven step by step over a pipe (Python caches an extension module by its name, so
+  two builds of zerokern_cpu_ops cannot live in one process); it times itself;
 - `fp32`: this checkout's fp32 `adam_step` (AdamW, fp32 m and v);
 - `bnb`: `bitsandbytes.optim.AdamW8bit([p]).step()` on CPU tensors (its own blocking).
 Each repetition runs every provider once, in a rotating order; the median of the repetitions
@@ -59,6 +61,48 @@ def _q8_provider(op, n, isa=None):
     return run
 
 
+class _OldProc:
+    """The old op in a helper process (this script with --serve-old): one step per request."""
+
+    def __init__(self, so: str):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-old", so, "--out", "-"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def provider(self, n: int):
+        assert self.ask(f"init {n}") == "ok"
+
+        def run():
+            wall, cpu = map(float, self.ask("run").split())
+            return wall, cpu
+        return run
+
+
+def _serve_old(so: str) -> int:
+    import sys
+
+    op = _load_so(so)
+    run = None
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "init":
+            run = _q8_provider(op, int(cmd[1]))
+            run()
+            print("ok", flush=True)
+        elif cmd[0] == "run":
+            c0, w0 = time.process_time(), time.perf_counter()
+            run()
+            print(time.perf_counter() - w0, time.process_time() - c0, flush=True)
+    return 0
+
+
 def _fp32_provider(op, n):
     p, m, v, g = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
     step, gsc, fi = torch.tensor(0), torch.tensor(1.0), torch.tensor(False)
@@ -85,13 +129,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--isas", nargs="*", default=[], help="also time these forced ISAs")
     ap.add_argument("--no-bnb", action="store_true")
+    ap.add_argument("--serve-old", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    if a.serve_old:
+        return _serve_old(a.serve_old)
 
     from zerokern.kernels.build import load_op
 
     new = load_op("cpu")
-    old = _load_so(a.old_so) if a.old_so else None
+    load0 = os.getloadavg()
+    old = _OldProc(a.old_so) if a.old_so else None
     rows = {}
     for lg in a.sizes:
         n = 1 << lg
@@ -99,7 +147,7 @@ def main(argv=None) -> int:
         for isa in a.isas:
             provs[f"new-{isa}"] = _q8_provider(new, n, isa)
         if old is not None:
-            provs["old"] = _q8_provider(old, n)
+            provs["old"] = old.provider(n)
         provs["fp32"] = _fp32_provider(new, n)
         if not a.no_bnb:
             provs["bnb"] = _bnb_provider(n)
@@ -110,8 +158,8 @@ def main(argv=None) -> int:
             for i in range(len(names)):
                 k = names[(i + rep) % len(names)]
                 c0, w0 = time.process_time(), time.perf_counter()
-                provs[k]()
-                dw, dc = time.perf_counter() - w0, time.process_time() - c0
+                own = provs[k]()  # the old op's helper returns its own (wall, cpu) seconds
+                dw, dc = own if own else (time.perf_counter() - w0, time.process_time() - c0)
                 if rep >= a.warmup:
                     wall[k].append(dw * 1e3)
                     cpu[k].append(dc * 1e3)
@@ -129,7 +177,7 @@ def main(argv=None) -> int:
             "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
             "threads": torch.get_num_threads(), "isa": new.selected_isa(),
             "torch": torch.__version__, "bitsandbytes": bnb_v,
-            "loadavg_at_end": os.getloadavg(), "reps": a.reps, "warmup": a.warmup,
+            "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(), "reps": a.reps, "warmup": a.warmup,
             "old_so": a.old_so}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

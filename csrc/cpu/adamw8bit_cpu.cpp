@@ -6,6 +6,18 @@
 // scalar path is here; AVX2 and AVX-512 paths (adamw8bit_avx2.cpp, adamw8bit_avx512.cpp) are
 // picked by the extension's ISA dispatch (op.force_isa). The code maps and midpoints come
 // from Python (the same fp32 tensors the reference uses).
+//
+// [Note: 8-bit CPU kernel speed] (issue 23; benchmarks/results/adamw8bit-cpu-kernel.md)
+// Measured 2026-11-26 on the shared 2-core AMD EPYC (Zen 4) dev box, load average ~2, 2 threads,
+// one step, fp32 grads, wall ms at n = 2^20 / 2^22 / 2^24 (median of 11, interleaved):
+//   this op, AVX-512   1.6 / 7.5 / 25.7      (AVX2 3.3 / 15.7 / 56.4; scalar 17.7 / 78.1 / 377)
+//   before (scalar, std::lower_bound)        36.7 / 124.8 / 935.5 (481 in a quieter run)
+//   bitsandbytes 0.50.2 AdamW8bit, CPU       18.7 / 58.2 / 278.3
+//   zerokern fp32 adam_step (memory-bound)   0.7 / 6.0 / 16.6
+// So ~20x the old loop and ~10x bitsandbytes; 1.3-4x the fp32 kernel, because the step is
+// compute-bound: of ~2.8 ns/element on one thread, the two searches take ~1.8 ([Note:
+// branchless nearest code] in adamw8bit_cpu.h). The old scalar loop lost to the branchless scalar
+// search by 1.6-2.5x, and to the vector paths by the rest.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
