@@ -177,7 +177,8 @@ def main(argv=None) -> int:
             "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
             "threads": torch.get_num_threads(), "isa": new.selected_isa(),
             "torch": torch.__version__, "bitsandbytes": bnb_v,
-            "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(), "reps": a.reps, "warmup": a.warmup,
+            "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(), "reps": a.reps,
+            "warmup": a.warmup,
             "old_so": a.old_so}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
