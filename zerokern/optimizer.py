@@ -53,7 +53,7 @@ from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
     check_arguments,
     check_groups,
-    check_phased,
+    check_rule_support,
     frozen_params,
 )
 from .optimizer_doc import ENGINE_ARGS
@@ -129,7 +129,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                              "param groups; give one per group")
         self.rules = per_group or [rule] * len(self.param_groups)
         trainable = check_groups(self.param_groups, dtype, self.rules)
-        check_phased(self.rules, offload, master)
+        check_rule_support(self.rules, offload, master)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         check_hpz(hpz, shape, stage, offload_params)
@@ -154,12 +154,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
             unit_list = check_stage3(params_or_model, units, trainable, dtype,
                                      comm.shard.world_size,
-                                     offload, offload_path, offload_params, rule)
+                                     offload, offload_path, offload_params,
+                                     per_group or rule)
         elif offload == "nvme":  # a disk too small for the state files: before any change
             from zerokern.state.nvme_state import check_free_space
             from zerokern.state.offload_nvme import NvmeOffloader
 
-            check_free_space(offload_path, NvmeOffloader.disk_need(rule, [
+            check_free_space(offload_path, NvmeOffloader.disk_need(per_group or rule, [
                 P.state_numel(FlatGroup.layout_of(ps, dtype, comm.shard.world_size,
                                                   bucket_mb * 2**20)) for ps in trainable]))
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
@@ -380,6 +381,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                 rule.group_step_(
                     g, [gs.grad_piece(gi, k) for k in range(g.layout.n_buckets)],
                     self._plans[gi], grad_scale=grad_scale, found_inf=found,
+                    place=place, gi=gi,
                     after_piece=lambda k, gi=gi, g=g, hyper=hyper: gathers.append(
                         self._after_piece(gi, g, k, hyper, grad_scale, found)),
                     **hyper)

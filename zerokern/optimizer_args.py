@@ -180,12 +180,8 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
         raise ValueError(f"offload_path is for offload='nvme' only (got offload={offload!r})")
     check_offload(offload, stage)
     check_master(master, precision, offload, stage)
-    from zerokern.rules import has_block_states
-
-    if offload == "nvme" and rule is not None and has_block_states(rule):
-        raise ValueError(f"offload='nvme' holds 4-byte per-element state files only; the "
-                         f"{rule.name!r} rule's states are not (zerokern.rules [Note: "
-                         "per-element and per-block states]): use offload=None or 'cpu'")
+    if rule is not None:
+        check_rule_support([rule], offload, master)
     if not isinstance(free_grads, bool):
         raise TypeError(f"free_grads must be a bool, got {type(free_grads).__name__}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real)
@@ -257,24 +253,12 @@ def check_offload_params(offload_params, stage, offload, where: str = "offload_p
                          f"with 6x that of optimizer state (got offload={offload!r})")
 
 
-def check_phased(rules, offload, master) -> None:
-    """A phased rule (Muon: zerokern.rules [Note: a rule per param group]) reads and writes its
-    buffers' state as plain fp32 tensors in memory, and several rules need a placement that
-    holds each buffer's own states: refuse the placements that cannot, before any change."""
-    phased = sorted({r.name for r in rules if r.phased})
-    if phased and offload == "nvme":
-        raise ValueError(f"offload='nvme' is not supported with the {phased[0]} rule (its "
-                         "update needs whole matrices, the NVMe placement streams pieces "
-                         "through a host pool): use offload=None or 'cpu'")
-    if phased and master == "compact":
-        raise ValueError(f"master='compact' is not supported with the {phased[0]} rule (its "
-                         "update reads the master as plain fp32): use master='fp32'")
-    from zerokern.rules import has_block_states
-
-    blocked = sorted({r.name for r in rules if has_block_states(r)})
-    if blocked and offload == "nvme":  # as check_arguments for one rule
-        raise ValueError(f"offload='nvme' holds 4-byte per-element state files only; the "
-                         f"{blocked[0]!r} rule's states are not: use offload=None or 'cpu'")
-    if offload == "nvme" and len({id(r) for r in rules}) > 1:
-        raise ValueError("offload='nvme' holds one optimizer rule for every param group; "
-                         f"these groups have {sorted({r.name for r in rules})}")
+def check_rule_support(rules, offload, master) -> None:
+    """Ask every group's rule whether it runs with `offload` and `master` (zerokern.rules
+    [Note: what a rule supports]); a ValueError naming the argument and the rule otherwise,
+    before anything changes."""
+    for r in dict.fromkeys(rules):
+        why = r.unsupported(offload=offload, master=master)
+        if why is not None:
+            arg, text = why
+            raise ValueError(f"{arg}: {text}")

@@ -121,9 +121,10 @@ class ZeroMuon(ZeroOptimizer):
     `torch.optim.AdamW` for the other params, each rank orthogonalizing a disjoint,
     FLOP-balanced set of whole matrices (zerokern.rules.muon [Note: the Muon group step]).
     Which params take Muon: zerokern.optimizer_muon [Note: which params Muon takes] (>= 2-D
-    and not an embedding; a param group's `use_muon` overrides). Not supported (ValueError):
-    offload="nvme" and master="compact" (the Muon update reads its state as plain fp32 in
-    memory).
+    and not an embedding; a param group's `use_muon` overrides). Every offload (None, "cpu",
+    "nvme": the momentum and the master streamed through the NVMe files in two passes) and
+    master="compact" (bf16) run Muon's update bit for bit as on the device with an fp32
+    master (zerokern.rules [Note: what a rule supports]).
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module (needed to
@@ -145,7 +146,8 @@ class ZeroMuon(ZeroOptimizer):
             AdamW default).""" + ENGINE_ARGS + """
     Raises:
         ValueError: a bad hyperparameter (naming it), a use_muon=True group holding a param
-            with fewer than 2 dims, offload="nvme" or master="compact".
+            with fewer than 2 dims, or an argument a group's rule does not support (naming
+            the argument and the rule).
     """
 
     def __init__(

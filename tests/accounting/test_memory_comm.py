@@ -13,7 +13,7 @@ training steps:
 
 Comm (N = 2, 3, 4): the bytes of one step equal, exactly, the ring volumes computed from the
 padded layout (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of each bucket, plus
-the 2-float stats all-reduce at stages 1-2), and are "about 2Ψ(N-1)/N" within the padding.
+the 2-float stats all-reduce at every stage), and are "about 2Ψ(N-1)/N" within the padding.
 """
 
 from __future__ import annotations
@@ -150,9 +150,10 @@ def _expected_comm(opt, micro: int) -> dict:
                 ag += int(Fraction(n - 1, n) * (hi - lo) * pb)
                 calls["reduce_scatter"] += reduces
                 calls["all_gather"] += 1
-    if opt.stage > 0:
-        ar += int(Fraction(2 * (n - 1), n) * STATS_BYTES)
-        calls["all_reduce"] += 1
+    # the 2-float stats all-reduce: every stage (stage 0 reads 1/N of each bucket for them,
+    # [Note: stage 0 reads 1/N for its stats] in grads/full_grads.py)
+    ar += int(Fraction(2 * (n - 1), n) * STATS_BYTES)
+    calls["all_reduce"] += 1
     return {
         "all_reduce": ar,
         "reduce_scatter": rs,

@@ -426,7 +426,6 @@ def test_the_formula_counts_6_0625_bytes_per_param():
     (dict(state_bits=16), "state_bits"),
     (dict(state_bits="8"), "state_bits"),
     (dict(state_bits=8, adamw=False), "adamw=False"),
-    (dict(state_bits=8, stage=2, offload="nvme", offload_path="."), "offload='nvme'"),
 ])
 def test_bad_combinations_are_errors_before_anything_changes(kw, match):
     model = M.make_model()

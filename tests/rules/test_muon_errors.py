@@ -3,8 +3,8 @@
 - which params take Muon (optimizer_muon.py [Note: which params Muon takes]): the default
   split, `use_muon` overriding it, and stage 3 re-created on a model whose params are already
   flat placeholders (the original shapes must still decide);
-- bad arguments, a use_muon=True group holding a 1-D param, a group key of the other rule,
-  offload="nvme" and master="compact": ValueError/TypeError naming it, before the model changes;
+- bad arguments, a use_muon=True group holding a 1-D param, a group key of the other rule:
+  ValueError/TypeError naming it, before the model changes;
 - found_inf (fp16 overflow): the step is skipped bit for bit (params, momentum, AdamW moments,
   step counters), as for ZeroAdamW;
 - checkpoints: ZeroMuon's into ZeroAdamW, ZeroAdamW's into ZeroMuon, and a Muon group's state
@@ -108,8 +108,9 @@ def test_stage3_recreated_uses_original_shapes():
     (dict(adamw_lr=-1.0), "adamw_lr"),
     (dict(adamw_betas=(0.9, 1.5)), "adamw_betas"),
     (dict(adamw_eps=-1.0), "adamw_eps"),
-    (dict(offload="nvme", stage=2), "nvme"),
-    (dict(master="compact", precision="bf16", stage=1), "compact"),
+    # offload="nvme" and master="compact" run since issue 23's remainders
+    # (tests/state/test_nvme_rules.py, test_compact_muon.py); what a rule still refuses is
+    # tests/rules/test_rule_support.py's
 ])
 def test_bad_arguments(kw, match):
     model = M.make_model()

@@ -75,7 +75,7 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
 from zerokern.layout.stages import pattern
 from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
 from zerokern.rules import adamw_rule, combine, rule_by_name
-from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk
+from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, rules_granule
 from zerokern.state.placement import placement_class
 
 
@@ -265,9 +265,6 @@ def _param_groups(spec: ModelSpec, rule, offload, master):
     if not spec.matrices:
         raise ValueError("optimizer='muon' needs a model (--model): which params take Muon "
                          "depends on their shapes and modules, which --params does not give")
-    from zerokern.optimizer_args import check_phased
-
-    check_phased([MUON], offload, master)  # as ZeroMuon: no nvme, no compact master
     mats = [j for j, m in enumerate(spec.matrices) if m]
     rest = [j for j, m in enumerate(spec.matrices) if not m]
     pairs = [(ix, r) for ix, r in ((mats, MUON), (rest, ADAMW)) if ix]
@@ -322,12 +319,11 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     PO.check_args(offload_params, stage, offload)
     check_master(master, precision, offload, stage)
     rule = rule_by_name(optimizer)
-    from zerokern.rules import has_block_states
-
-    if offload == "nvme" and has_block_states(rule):  # as the optimizer (optimizer_args.py)
-        raise ValueError(f"offload='nvme' holds 4-byte per-element state files only; the "
-                         f"{rule.name!r} rule's states are not: use offload=None or 'cpu'")
     idx, rules = _param_groups(spec, rule, offload, master)
+    from zerokern.optimizer_args import check_rule_support
+
+    check_rule_support(rules, offload, master)  # as the optimizer (zerokern.rules [Note:
+    # what a rule supports])
     rule = combine(rules)  # the categories: the union of the groups' states
     dtype = check_precision(precision)
     P = pattern(stage)  # what the stage keeps (stages.py)
@@ -397,9 +393,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     _add(b, host, disk, place.fixed_bytes(rule, [P.state_numel(L) for L in layouts], dtype,
                                           rdt))
     if offload == "nvme":
-        chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL)
-        notes.append(f"offload='nvme': master (fp32) and the {rule.name} states on disk, two "
-                     "halves each; the "
+        chunk = pool_chunk([P.state_numel(L) for L in layouts], CHUNK_NUMEL,
+                           rules_granule(rules))
+        notes.append(f"offload='nvme': master (fp32) and the {rule.name} states on disk (each "
+                     "in its dtype, padded to 4096 bytes), two halves each; the "
                      f"host holds an I/O pool of {QUEUE_DEPTH} sets of {chunk} elements and 2 "
                      f"scalars, {'pinned' if comm == 'nccl' else 'pageable'} ({comm})")
     elif offload:

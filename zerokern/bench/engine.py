@@ -17,6 +17,17 @@ loss.backward() only, timed in the same interleaving. `iter - bare` is what each
 (its backward hooks and reductions, its step); `overhead zk/DS` compares those. It matters
 where the model's own compute swamps both engines: on a CPU without AVX512-BF16/AMX torch
 emulates bf16 matmuls (~17x slower than fp32), so bf16 iterations are ~95% model compute.
+
+[Note: --optimizer muon]
+Both engines get `"optimizer": {"type": "Muon", ..., "ns_method": "standard"}` (zerokern runs
+only the standard Newton-Schulz; DeepSpeed's default "gram" is another algorithm) and, for
+DeepSpeed's stage 3, `reduce_scatter: false` (it refuses Muon otherwise). DeepSpeed picks the
+Muon params by name (no "embed" / "lm_head" in it), zerokern by module (nn.Embedding weights
+and the tied head take AdamW): this GPT's `tok` and `pos` embeddings would be Muon matrices in
+DeepSpeed only, an extra 44 GFLOP of Newton-Schulz per step at 20m. So that both run the same
+work, DeepSpeed's tagging is given zerokern's split (`_same_muon_split`); what is timed is
+the engines, not their choice of params (tests/engine/test_deepspeed_muon.py [Note: the
+model]).
 """
 
 from __future__ import annotations
@@ -39,18 +50,34 @@ from . import common
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def config(stage: int, precision: str, batch: int, bucket=None) -> dict:
+def config(stage: int, precision: str, batch: int, bucket=None,
+           optimizer: str = "adamw") -> dict:
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
            "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01,
                                                      "torch_adam": True}},
            "zero_optimization": {"stage": stage, "overlap_comm": True,
                                  "contiguous_gradients": True}}
+    if optimizer == "muon":  # [Note: --optimizer muon]
+        cfg["optimizer"] = {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-4,
+                                                       "weight_decay": 0.01,
+                                                       "ns_method": "standard"}}
+        cfg["zero_optimization"]["reduce_scatter"] = False
     if bucket:
         cfg["zero_optimization"]["reduce_bucket_size"] = int(bucket)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
+
+
+def _same_muon_split(config_class, model) -> None:
+    """DeepSpeed's set_optimizer_flags with zerokern's default Muon split ([Note: --optimizer
+    muon]): use_muon on the params ZeroMuon gives Muon, False on the rest."""
+    from ..rules.muon import embedding_weight_ids, takes_muon
+
+    emb = embedding_weight_ids(model)
+    for p in model.parameters():
+        p.use_muon = takes_muon(tuple(getattr(p, "ds_shape", p.shape)), id(p) in emb)
 
 
 def held_bytes() -> int:
@@ -87,10 +114,13 @@ def _worker(rank: int, world: int, args) -> dict:
 
     torch_linear = F.linear
     out: Dict[str, dict] = {}
+    if args.optimizer == "muon":
+        deepspeed.set_optimizer_flags = _same_muon_split  # deepspeed.initialize calls it
     try:
         for precision in args.precisions:
             for stage in args.stages:
-                cfg = config(stage, precision, args.batch, args.reduce_bucket_size)
+                cfg = config(stage, precision, args.batch, args.reduce_bucket_size,
+                             args.optimizer)
                 engines, mem, linear = {}, {}, {}
                 bare = build_gpt(args.model_size, seed=0)
                 if precision == "bf16":
@@ -168,6 +198,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--reduce-bucket-size", type=float, default=None,
                    help="zero_optimization.reduce_bucket_size in elements (default: absent)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="the config's optimizer: AdamW (default) or Muon (both engines; "
+                        "[Note: --optimizer muon])")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -200,7 +233,7 @@ def report(args, res) -> int:
         env["deepspeed"] = None
     env.update(world_size=args.nproc, backend="gloo", model_size=args.model_size,
                batch=args.batch, seq=args.seq, reps=args.reps,
-               reduce_bucket_size=args.reduce_bucket_size)
+               reduce_bucket_size=args.reduce_bucket_size, optimizer=args.optimizer)
     rows = []
     for key, r in res.items():
         z, d, b = (common.summarize(r["times"][n]) for n in ("zerokern", "deepspeed", "bare"))
@@ -220,11 +253,14 @@ def report(args, res) -> int:
     params = next(iter(res.values()))["params"]
     title = (f"engine benchmark: GPT {args.model_size} ({params / 1e6:.1f}M params), "
              f"{args.nproc} gloo ranks, batch {args.batch}x{args.seq}, medians of {args.reps}, "
-             f"reduce_bucket_size {args.reduce_bucket_size or 'absent'}")
+             f"reduce_bucket_size {args.reduce_bucket_size or 'absent'}, optimizer "
+             f"{args.optimizer}")
     common.print_table(rows, cols, title)
     stem = f"engine-{args.model_size}-n{args.nproc}"
     if args.reduce_bucket_size:
         stem += f"-bucket{int(args.reduce_bucket_size)}"
+    if args.optimizer != "adamw":
+        stem += f"-{args.optimizer}"
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / f"{stem}.json", {"env": env, "rows": rows})
     md = (f"# {title}\n\n{common.markdown_env(env)}\n\n{common.markdown_table(rows, cols)}\n\n"

@@ -31,16 +31,14 @@ before every timed call, so no provider inherits data warmed by the one before i
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 import torch
 
 from .. import kernels as zk
 from ..rules.adamw import ADAMW
-from . import common
+from . import common, kernel_rules, kernel_rules_ns
 from .kernel_cases import (  # noqa: F401 - re-exported: kernels.Case etc. are its API
     DTYPES,
     HYPER,
@@ -56,6 +54,7 @@ from .kernel_cases import (  # noqa: F401 - re-exported: kernels.Case etc. are i
     adam_bytes,
     make_case,
 )
+from .kernels_args import _flatten, build_parser  # noqa: F401 - kernels.build_parser is API
 
 RMW_FACTOR = 1.0000001  # rounds to 1 + 1 ulp: 100 reps change x by ~1e-5 relative, no overflow
 _BROKEN: set = set()  # zk backends that failed to build or run in this process
@@ -150,7 +149,9 @@ def bytes_needed_per_elem(cases: Sequence[Case], providers: Sequence[str], ref: 
 
 
 def build_timed(n: int, log2n: int, cases: Sequence[Case], providers: Sequence[str],
-                device: torch.device, explicit_ref: bool, skipped: List[dict]) -> List[Timed]:
+                device: torch.device, explicit_ref: bool, skipped: List[dict],
+                adam: bool = True) -> List[Timed]:
+    """The ceilings, then (adam=True) the adam_step_ / grad_stats_ rows, at n elements."""
     gen = torch.Generator(device=device).manual_seed(1234 + log2n)
 
     def rand(scale: float, positive: bool = False) -> torch.Tensor:
@@ -166,6 +167,8 @@ def build_timed(n: int, log2n: int, cases: Sequence[Case], providers: Sequence[s
     src, dst = rand(1.0), torch.empty(n, device=device)
     timed.append(Timed("ceiling", "fp32", "rmw", 8, lambda: x.mul_(RMW_FACTOR)))
     timed.append(Timed("ceiling", "fp32", "copy", 8, lambda: dst.copy_(src)))
+    if not adam:
+        return timed
 
     zks = [b for b in providers if b in ZK_BACKENDS
            and (b != "reference" or explicit_ref or log2n <= REFERENCE_MAX_LOG2)]
@@ -219,58 +222,6 @@ def build_timed(n: int, log2n: int, cases: Sequence[Case], providers: Sequence[s
 # ---------------------------------------------------------------------------- CLI
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        vals = [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
-    if not vals or any(not 1 <= x <= 40 for x in vals):
-        raise argparse.ArgumentTypeError(f"log2 sizes must be in 1..40, got {text!r}")
-    return vals
-
-
-def _choice_list(choices: Sequence[str]):
-    def parse(text: str) -> List[str]:
-        vals = [x for x in text.replace(",", " ").split() if x]
-        bad = [x for x in vals if x not in choices]
-        if bad or not vals:
-            raise argparse.ArgumentTypeError(f"{bad or text!r}: choose from {', '.join(choices)}")
-        return vals
-
-    return parse
-
-
-def _flatten(groups) -> List | None:
-    return None if groups is None else list(dict.fromkeys(x for g in groups for x in g))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench_kernels",
-        description="Time zerokern adam_step_ / grad_stats_ per backend against the torch "
-                    "paths and the measured copy / read-modify-write ceilings (DESIGN §6).")
-    p.add_argument("--sizes", type=_int_list, nargs="+", metavar="LOG2",
-                   help="log2 element counts, e.g. 20 22 or 20,22 (default: CPU 20 22 24 26; "
-                        "GPU 20 22 ... 30; --quick: 12 14)")
-    p.add_argument("--providers", type=_choice_list(PROVIDERS), nargs="+", metavar="P",
-                   help=f"subset of {', '.join(PROVIDERS)} (default: all that run on the "
-                        "device; triton on CPU only if named, under TRITON_INTERPRET=1)")
-    p.add_argument("--dtype-cases", type=_choice_list(tuple(DTYPES)), nargs="+", metavar="C",
-                   help="grad dtype cases: bf16/fp16 (16-bit grad + param_out), fp32 "
-                        "(no param_out) (default: bf16 fp32)")
-    p.add_argument("--reps", type=int, help="timed repetitions (default: CPU 15, GPU 50; "
-                                            "--quick: 2)")
-    p.add_argument("--warmup", type=int, help="untimed repetitions first (default 2; --quick: 1)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
-                   help="results folder (default: benchmarks/results)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sizes and 2 reps, for smoke tests (writes kernels-<kind>-quick.*)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
-    p.add_argument("--device", choices=("cpu", "cuda"),
-                   help="default: cuda if available, else cpu")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     # Rows, targets and output live in kernels_report (it imports this module's constants).
     from .kernels_report import (
@@ -305,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if p in reasons and reasons[p]:
             parser.error(f"provider {p!r} cannot run on {device.type}: {reasons[p]}")
     explicit_ref = bool(explicit and "reference" in explicit)
+    rules = _flatten(args.rules) or ["adamw", *kernel_rules.RULES]
+    other_rules = [r for r in rules if r != "adamw"]
 
     env = common.environment(device)
     print(f"zerokern kernel benchmark on {env['device_name']} ({env['usable_cpus']} CPUs, "
@@ -323,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for log2n in sizes:
         n = 1 << log2n
         ref = "reference" in providers and (explicit_ref or log2n <= REFERENCE_MAX_LOG2)
-        need = bytes_needed_per_elem(cases, providers, ref) * n
+        need = max(bytes_needed_per_elem(cases, providers, ref) if "adamw" in rules else 0,
+                   kernel_rules.BYTES_NEEDED if other_rules else 0) * n
         free = common.free_memory_bytes(device)
         if need > 0.85 * free:
             msg = f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
@@ -331,18 +285,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped.append({"log2n": log2n, "reason": msg})
             continue
         t0 = time.perf_counter()
-        timed = build_timed(n, log2n, cases, providers, device, explicit_ref, skipped)
+        timed = build_timed(n, log2n, cases, providers, device, explicit_ref, skipped,
+                            adam="adamw" in rules)
         times = common.round_robin([(t.key, t.fn) for t in timed], device, reps, warmup, flush)
         new = make_rows(timed, times, n, log2n)
         rows += new
         del timed, times
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        brief = ", ".join(f"{r['provider']} {r['gbps']:.0f}" for r in new
-                          if r["op"] == "adam_step_" and r["case"] == cases[0].name)
-        print(f"  2^{log2n}: {time.perf_counter() - t0:.1f} s  (adam_step_ {cases[0].name} "
-              f"GB/s: {brief})", flush=True)
+        if other_rules:  # their own round-robin, with its own ceilings (kept out of the rows)
+            zks = [b for b in providers if b in ZK_BACKENDS
+                   and (b != "reference" or explicit_ref or log2n <= REFERENCE_MAX_LOG2)]
+            timed = build_timed(n, log2n, cases, providers, device, explicit_ref, skipped,
+                                adam=False)
+            timed += kernel_rules.build_rule_timed(
+                n, log2n, cases, other_rules, zks, device, skipped,
+                peers=not explicit or bool(set(explicit) & set(TORCH_PROVIDERS)))
+            times = common.round_robin([(t.key, t.fn) for t in timed], device, reps, warmup,
+                                       flush)
+            rows += [r for r in make_rows(timed, times, n, log2n) if r["op"] != "ceiling"]
+            del timed, times
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        brief = ", ".join(f"{r['op']} {r['provider']} {r['gbps']:.0f}" for r in rows
+                          if r["log2n"] == log2n and r["case"] == cases[0].name
+                          and r["provider"] in ("cpu", "cuda", "triton", "zk-pieces"))
+        print(f"  2^{log2n}: {time.perf_counter() - t0:.1f} s  ({cases[0].name} GB/s: {brief})",
+              flush=True)
 
+    ns_rows = []
+    if "muon" in rules:
+        shapes = _flatten(args.ns_shapes) or list(
+            kernel_rules_ns.QUICK_SHAPES if args.quick else kernel_rules_ns.DEFAULT_SHAPES)
+        t0 = time.perf_counter()
+        ns_rows = kernel_rules_ns.run(shapes, device, reps, warmup, flush)
+        print(f"  Newton-Schulz {len(shapes)} shapes: {time.perf_counter() - t0:.1f} s",
+              flush=True)
     if not rows:
         print("nothing measured (every size skipped)")
         return 1
@@ -362,13 +340,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    warmup=warmup, hyper=HYPER, quick=args.quick,
                    byte_floors={c.name: {"adam_step_": adam_bytes(c.grad_dtype, c.param_out_dtype),
                                          "grad_stats_": c.grad_dtype.itemsize} for c in cases},
-                   targets=targets, skipped=skipped, warnings=warnings, rows=rows)
+                   targets=targets, skipped=skipped, warnings=warnings, rows=rows,
+                   rules=rules, ns_rows=ns_rows,
+                   rule_floors={r: {c.name: kernel_rules.rule_floor(kernel_rules.rule_of(r), c)
+                                    for c in cases} for r in other_rules})
     for title, sel in sections(rows, cases):
         common.print_table(sel, COLUMNS, title=f"\n{title}")
+    if ns_rows:
+        common.print_table(ns_rows, kernel_rules_ns.COLUMNS,
+                           title=f"\n{kernel_rules_ns.title()}")
     print()
     for t in targets:
         print(f"{t['status']:>5}  {t['target']}  (value {common.fmt_value(t['value'])})")
-    stem = f"kernels-{env['device_kind']}" + ("-quick" if args.quick else "")
+    stem = args.stem or f"kernels-{env['device_kind']}" + ("-quick" if args.quick else "")
     payload["wall_s"] = time.perf_counter() - wall0  # before plotting: measurement time only
     out = [common.write_json(args.out / f"{stem}.json", payload),
            common.write_text(args.out / f"{stem}.md", render_markdown(payload, cases))]

@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from . import common
+from . import common, kernel_rules, kernel_rules_ns
 from .kernel_cases import (
     HYPER,
     PROVIDERS,
@@ -99,7 +99,8 @@ def _display(rows: Sequence[dict]) -> List[dict]:
 
 def sections(rows: Sequence[dict], cases: Sequence[Case]):
     """(title, rows) groups in reading order: adam per case, grad_stats per case, ceilings."""
-    order = {p: i for i, p in enumerate(PROVIDERS + ("rmw", "copy"))}
+    peers = tuple(p for name in kernel_rules.RULES for p in kernel_rules.PEERS[name])
+    order = {p: i for i, p in enumerate(PROVIDERS + ("zk-pieces",) + peers + ("rmw", "copy"))}
     key = lambda r: (r["log2n"], order.get(r["provider"], 99))  # noqa: E731
     for op in ("adam_step_", "grad_stats_"):
         for c in cases:
@@ -110,6 +111,12 @@ def sections(rows: Sequence[dict], cases: Sequence[Case]):
             title = SECTIONS[op].format(desc=c.describe(), base=base, name=c.name,
                                         b=c.grad_dtype.itemsize)
             yield title, _display(sel)
+    for name in kernel_rules.RULES:  # [Note: the byte floor of a rule] (kernel_rules.py)
+        op = kernel_rules.OPS[name]
+        for c in cases:
+            sel = sorted((r for r in rows if r["op"] == op and r["case"] == c.name), key=key)
+            if sel:
+                yield kernel_rules.describe(name, c), _display(sel)
     yield SECTIONS["ceiling"], _display(sorted((r for r in rows if r["op"] == "ceiling"),
                                                key=key))
 
@@ -141,6 +148,9 @@ def render_markdown(payload: dict, cases: Sequence[Case]) -> str:
         lines.append(f"\nSkipped: {s}")
     for title, sel in sections(rows, cases):
         lines += ["", f"## {title}", "", common.markdown_table(sel, COLUMNS)]
+    if payload.get("ns_rows"):
+        lines += ["", f"## {kernel_rules_ns.title()}", "",
+                  common.markdown_table(payload["ns_rows"], kernel_rules_ns.COLUMNS)]
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..spawn import RankFailure, spawn_ranks
-from . import common
+from . import common, step_rules
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -102,6 +103,8 @@ def _make_providers(args, rank: int, world: int):
             box["bytes"] = max(box.get("bytes", 0), _torch_state_bytes(model, opt))
         return probe, box
 
+    if args.optimizer != "adamw":  # Muon, Lion, 8-bit AdamW: step_rules.py
+        return step_rules.make_providers(args, gpt, iteration, torch_probe, ddp_kw)
     for stage in args.stages:
         m = gpt()
         opt = zk.ZeroAdamW(m, stage=stage, precision=args.precision, backend=args.backend,
@@ -225,6 +228,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="zerokern precision (peers run fp32)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--backend", default="auto")
+    p.add_argument("--optimizer", default="adamw", choices=step_rules.OPTIMIZERS,
+                   help="zerokern's ZeroAdamW (default), ZeroMuon, ZeroLion or ZeroAdamW("
+                        "state_bits=8), against DDP + the single-process optimizer (step_rules)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--micro", type=int, default=1,
                    help="micro-batches per step, all but the last under no_sync() (DDP too)")
@@ -248,7 +254,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     a.nproc = a.nproc or 2
     if a.quick:
         a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16
-    a.fsdp2 = a.fsdp2 and 3 in a.stages
+    a.fsdp2 = a.fsdp2 and 3 in a.stages and a.optimizer == "adamw"
     if a.nproc < 1 or a.reps < 1 or a.batch < 1 or a.seq < 1:
         p.error("--nproc, --reps, --batch and --seq must be >= 1")
     return a
@@ -261,6 +267,10 @@ def _cuda_of(rank: int) -> torch.device:
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
     cuda = args.device == "cuda"
+    # How busy the machine was: others' share before (the ranks' own CPU cannot be told apart
+    # during the run, common.OtherLoad), and the 1-minute load average around the run.
+    load = {"other_cpu_load_before": common.other_load_now(), "loadavg_1min_before":
+            round(os.getloadavg()[0], 2)}
     try:
         res = spawn_ranks(_worker, args.nproc, args, backend="nccl" if cuda else "gloo",
                           threads=max(1, common.usable_cpus() // args.nproc),
@@ -268,6 +278,7 @@ def main(argv: List[str]) -> int:
     except RankFailure as e:  # a dead rank stops the others within seconds ([Note: no hangs])
         print(e, file=sys.stderr)
         raise SystemExit("a benchmark rank failed") from None
+    res["load"] = dict(load, loadavg_1min_after=round(os.getloadavg()[0], 2))
     return report(args, res)
 
 
@@ -276,9 +287,10 @@ def report(args, res) -> int:
     pg = "nccl" if args.device == "cuda" else "gloo"
     env.update(world_size=args.nproc, backend=pg, model_size=args.model_size,
                params=res["params"], batch=args.batch, seq=args.seq, precision=args.precision,
-               micro_batches=args.micro)
-    base = common.summarize(res["iters"]["DDP + AdamW(fused)"])["median_ms"] \
-        if "DDP + AdamW(fused)" in res["iters"] else None
+               micro_batches=args.micro, optimizer=args.optimizer)
+    env.update(res.get("load", {}))
+    ddp = step_rules.DDP_NAME[args.optimizer]
+    base = common.summarize(res["iters"][ddp])["median_ms"] if ddp in res["iters"] else None
     rows = []
     for name, ms in res["iters"].items():
         s = common.summarize(ms)
@@ -305,7 +317,8 @@ def report(args, res) -> int:
             ("formula_MiB", "formula MiB"),
             ("vs_formula", "meas/formula")]
     title = (f"step benchmark: GPT {args.model_size} ({res['params'] / 1e6:.1f}M params), "
-             f"{args.nproc} {pg} ranks, zerokern {args.precision}, peers fp32")
+             f"{args.nproc} {pg} ranks, optimizer {args.optimizer}, zerokern {args.precision}, "
+             "peers fp32")
     common.print_table(rows, cols, title)
     targets = []
     by = {r["provider"]: r for r in rows}
@@ -317,7 +330,7 @@ def report(args, res) -> int:
     for s in (0, 1, 2):
         if f"zerokern s{s}" in by and base:
             v = by[f"zerokern s{s}"]["vs_ddp"]
-            targets.append((f"stage {s} iteration ≤ 1.0× DDP + fused AdamW", f"{v:.2f}×", v <= 1.0))
+            targets.append((f"stage {s} iteration ≤ 1.0× {ddp}", f"{v:.2f}×", v <= 1.0))
     if "zerokern s3" in by:
         s3 = by["zerokern s3"]["iter_ms"]
         for peer, bound in (("zerokern s2", 1.3), ("FSDP2 + AdamW(fused)", 1.0)):
@@ -328,6 +341,7 @@ def report(args, res) -> int:
     for t, v, ok in targets:
         print(f"[{'PASS' if ok else 'MISS'}] {t}: {v}")
     stem = f"step-{args.model_size}-n{args.nproc}-{args.precision}" + \
+        (f"-{args.optimizer}" if args.optimizer != "adamw" else "") + \
         (f"-micro{args.micro}" if args.micro > 1 else "") + \
         ("-cuda" if args.device == "cuda" else "") + ("-quick" if args.quick else "")
     common.write_json(args.out / f"{stem}.json",

@@ -303,10 +303,10 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
     # 2 ranks, bf16 (benchmarks/results/engine-20m-n2-compact{,-run2}.md): held 156 MiB per
     # rank vs DeepSpeed's 177 (0.88x) at stages 1 and 2 (2Ψ + 12Ψ/N = 177 with an fp32 master);
     # the step costs about 5-20 ms more (compact_master.py [Note: chunk size and cost]).
-    # ZeroMuon keeps a plain fp32 master (its update reads it whole): not for a Muon config.
-    muon = cfg.optimizer is not None and optimizer is None and \
-        optimizer_kind(cfg.optimizer) == "muon"
-    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2 and not muon:
+    # Whether the optimizer's rules take a compact master is theirs to say (zerokern.rules
+    # [Note: what a rule supports]); the built-in ones all do (Muon through map_piece_).
+    if cfg.precision == "bf16" and cfg.offload is None and cfg.stage <= 2 and \
+            _rules_take(cfg, optimizer, master="compact"):
         zero_kw["master"] = "compact"
     if cfg.offload == "nvme":
         zero_kw["offload_path"] = cfg.offload_path
@@ -331,6 +331,21 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
     cls = {"adamw": ZeroAdamW, "lion": ZeroLion,
            "muon": ZeroMuon}[optimizer_kind(cfg.optimizer)]
     return cls(model, **hyper, **zero_kw, param_groups=groups)
+
+
+def _rules_take(cfg: EngineConfig, optimizer, **kw) -> bool:
+    """Every rule the config's optimizer section builds runs with `kw` (offload=, master=):
+    ZeroMuon's Muon and AdamW rules, ZeroLion's, ZeroAdamW's (zerokern.rules [Note: what a
+    rule supports]). A client optimizer (optimizer=) is converted with the AdamW or Lion rule."""
+    from zerokern.rules.adamw import ADAMW
+    from zerokern.rules.lion import LION
+    from zerokern.rules.muon import MUON
+
+    rules = [ADAMW]
+    if optimizer is None and cfg.optimizer is not None:
+        rules = {"adamw": [ADAMW], "lion": [LION],
+                 "muon": [MUON, ADAMW]}[optimizer_kind(cfg.optimizer)]
+    return all(r.unsupported(**kw) is None for r in rules)
 
 
 def _check_given(opt: ZeroOptimizer, mpu: Optional[MpuGroups], cfg: EngineConfig) -> None:

@@ -46,9 +46,24 @@ elements starting at a multiple of 128 (partition.py), and `block` must divide A
 would cut a block, so a mis-layout (a block straddling two ranks' pieces) is an error, never a
 silently wrong scale. The dtypes a state may have: fp32, or uint8 codes (1 byte per element);
 `bytes_per_elem` must be itemsize / block (the formula's K term, exact). The NVMe files hold
-4-byte per-element states only: offload="nvme" with any other state raises before anything
-changes (optimizer_args.check_arguments), as do the other paths that would cut a block
-(a param frozen after construction, frozen_slots.py).
+any such state, each in its own dtype and padded to aligned I/O (state/nvme_state.py [Note:
+any StateSpec in a file, aligned]). The paths that would cut a block raise (a param frozen
+after construction, frozen_slots.py).
+
+[Note: what a rule supports]
+Whether a rule runs with a placement or a master is the rule's to say, not the engine's to
+guess from a type: `rule.unsupported(offload=, master=)` gives (argument, why) for the first
+it cannot run with, or None. The engine (optimizer_args.check_rule_support, for every group's
+rule, before anything changes), zerokern.initialize and the estimate ask it. A per-piece rule
+runs everywhere: its `step_` is what the NVMe pool and the compact master's chunks call. A
+phased rule says so with:
+- `nvme_passes`: the states each pass of its group step reads and writes per piece through
+  `placement.map_piece_`, in order (Muon: ("momentum_buffer",) then ("master",)); the NVMe
+  placement plans its reads from it (state/offload_nvme.py [Note: a phased rule over NVMe]).
+  None (the default): offload="nvme" is refused.
+- `compact_master_ok`: its group step reads and writes the master only through
+  `map_piece_` (which expands and compacts a compact master chunk by chunk); False (the
+  default for a phased rule): master="compact" is refused.
 """
 
 from __future__ import annotations
@@ -92,6 +107,31 @@ class Rule:
     # False: the update ignores the step count (frozen_slots.py need not re-run it for a
     # param whose count lags).
     counts_steps: bool = True
+    # [Note: what a rule supports]: a phased rule's passes over its states (None: no NVMe),
+    # and whether its group step handles a compact master (None: True unless phased).
+    nvme_passes: Optional[Tuple[Tuple[str, ...], ...]] = None
+    compact_master_ok: Optional[bool] = None
+
+    def unsupported(self, offload=None, master: str = "fp32") -> Optional[Tuple[str, str]]:
+        """What this rule cannot run with ([Note: what a rule supports]).
+
+        Args:
+            offload: None, "cpu" or "nvme" (the engine's offload=).
+            master: "fp32" or "compact" (the engine's master=).
+
+        Returns:
+            None if the rule runs with both, else (the argument's name, why not).
+        """
+        if offload == "nvme" and self.phased and self.nvme_passes is None:
+            return ("offload", f"offload='nvme' is not supported by the {self.name!r} rule: "
+                               "its phased update declares no nvme_passes (the states it "
+                               "streams per piece); use offload=None or 'cpu'")
+        ok = self.compact_master_ok
+        if master == "compact" and (self.phased if ok is None else not ok):
+            return ("master", f"master='compact' is not supported by the {self.name!r} rule: "
+                              "its update reads the master other than through the placement's "
+                              "map_piece_; use master='fp32'")
+        return None
 
     @property
     def state_names(self) -> Tuple[str, ...]:
@@ -266,6 +306,19 @@ def rule_by_name(name: str) -> Rule:
         raise ValueError(f"optimizer must be one of {tuple(rules)} (or a zerokern.rules.Rule), "
                          f"got {name!r}")
     return rules[name]
+
+
+def map_in_memory_(g, k: int, names, fn, params: bool) -> None:
+    """A placement's map_piece_ (state/placement.py) where the state is in memory (device or
+    host): one call `fn(a, b, views)` on bucket k's views of `names`, state elements [a, b);
+    with params the master piece is cast into the params (`.to(dtype)` bitwise). "master" at
+    fp32 on the device is the params themselves."""
+    sl = g.state_slice(k)
+    views = [g.master_piece(k) if n == "master" else g.rule_states[n][sl] for n in names]
+    fn(sl.start, sl.stop, views)
+    out = g.param_out_piece(k) if params else None
+    if out is not None:
+        out.copy_(views[names.index("master")])
 
 
 def rule_for(placement, buf) -> Rule:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from zerokern.rules import Rule, StateSpec
+from zerokern.rules import Rule, StateSpec, map_in_memory_
 from zerokern.rules.muon_orthogonalize import (
     ADJUST_LR_FNS,
     EPS,
@@ -58,6 +58,9 @@ class MuonRule(Rule):
                     adjust_lr_fn=None)
     phased = True
     counts_steps = False
+    # zerokern.rules [Note: what a rule supports]: pass 1 the momentum, pass 2 the master
+    nvme_passes = (("momentum_buffer",), ("master",))
+    compact_master_ok = True
 
     def check_group(self, group: Dict[str, Any], where: str = "") -> None:
         sfx = f" (in {where})" if where else ""
@@ -103,8 +106,11 @@ class MuonRule(Rule):
 
     def group_step_(self, g, grads: List[torch.Tensor], orth: ShardedOrthogonalizer, *,
                     grad_scale: torch.Tensor, found_inf: torch.Tensor,
-                    after_piece: Callable[[int], None], **hyper) -> None:
-        """[Note: the Muon group step] over buffer g (its state in memory: device or host).
+                    after_piece: Callable[[int], None], place=None, gi: int = 0,
+                    **hyper) -> None:
+        """[Note: the Muon group step] over buffer g, its state read and written through the
+        placement's passes (`place.map_piece_`, placement.py: in memory on the device or the
+        host, chunked through a compact master, or streamed from the NVMe files).
 
         Args:
             g: the buffer (shard_buffer.ShardBuffer) of a Muon param group.
@@ -112,6 +118,8 @@ class MuonRule(Rule):
             orth: g's ShardedOrthogonalizer (`orthogonalizer(g, comm.shard)`).
             grad_scale, found_inf: this step's 0-d device tensors (engine Note steps 2-3).
             after_piece: called with k once bucket k's params are written.
+            place: the optimizer's placement (None: g's state in memory).
+            gi: g's index among the placement's buffers.
             **hyper: `hyper(group)`.
         """
         L = g.layout
@@ -119,11 +127,18 @@ class MuonRule(Rule):
         sdev = buf.device
         found = found_inf.to(sdev) != 0  # the engine's found_inf is a 0/1 float
         scale = grad_scale.to(sdev)
+        run = (lambda k, names, fn, params=False: map_in_memory_(g, k, names, fn, params)) \
+            if place is None else \
+            (lambda k, names, fn, params=False: place.map_piece_(gi, k, names, fn, params))
         upd = torch.zeros(g.state_numel, dtype=torch.float32, device=sdev)
         for k in range(L.n_buckets):
-            sl = g.state_slice(k)
-            upd[sl] = momentum_(buf[sl], grads[k].to(sdev), momentum=hyper["momentum"],
-                                nesterov=hyper["nesterov"], grad_scale=scale, found_inf=found)
+            s0 = g.state_slice(k).start
+
+            def mom(a, b, views, k=k, s0=s0):
+                upd[a:b] = momentum_(views[0], grads[k][a - s0:b - s0].to(sdev),
+                                     momentum=hyper["momentum"], nesterov=hyper["nesterov"],
+                                     grad_scale=scale, found_inf=found)
+            run(k, ("momentum_buffer",), mom)
         orth.coefficients = tuple(hyper["ns_coefficients"])
         orth.steps, orth.eps = hyper["ns_steps"], hyper["eps"]
         work = upd.to(g.device)
@@ -131,17 +146,18 @@ class MuonRule(Rule):
         upd = work.to(sdev)
         not_found = (~found).to(torch.int64)
         for k in range(L.n_buckets):
-            sl = g.state_slice(k)
             lo, hi = g.state_range(k)
-            segments = [(a - lo, b - lo, orth.matrix_shape(i)) for i, a, b in L.overlaps(lo, hi)]
-            master = g.master_piece(k)
-            apply_(master, upd[sl], segments, lr=hyper["lr"],
-                   weight_decay=hyper["weight_decay"], adjust_lr_fn=hyper["adjust_lr_fn"],
-                   found_inf=found)
+            s0 = g.state_slice(k).start
+            segs = [(a - lo, b - lo, orth.matrix_shape(i)) for i, a, b in L.overlaps(lo, hi)]
+
+            def upd_(a, b, views, s0=s0, segs=segs):  # the segments cut to [a, b)
+                part = [(max(x, a - s0) - (a - s0), min(y, b - s0) - (a - s0), shape)
+                        for x, y, shape in segs if x < b - s0 and y > a - s0]
+                apply_(views[0], upd[a:b], part, lr=hyper["lr"],
+                       weight_decay=hyper["weight_decay"], adjust_lr_fn=hyper["adjust_lr_fn"],
+                       found_inf=found.to(views[0].device))
+            run(k, ("master",), upd_, True)
             g.steps[k].add_(not_found.to(g.steps.device))
-            out = g.param_out_piece(k)
-            if out is not None:
-                out.copy_(master)
             after_piece(k)
 
 

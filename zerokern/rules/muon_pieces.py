@@ -11,6 +11,13 @@ where the inputs are (tests/rules/test_muon_pieces.py).
 
 Skipped steps (fp16 overflow) change nothing, without a host sync: the new values are
 selected with `torch.where(found_inf, old, new)` on the device, as the fused kernels do.
+
+[Note: selected in place]
+The selection writes straight into the state (`torch.where(..., out=buf)`: elementwise, so the
+output may alias an input) instead of into a temporary copied back, and phase 1 returns its
+fresh `new` without a clone: two passes fewer per phase. momentum_ + apply_ on 2^22 elements,
+one thread, interleaved 9 times on the loaded 2-core VM: median 46.4 ms before, 29.7 ms after
+(the bench --kernels Muon rows had measured these parts at 0.24-0.57x plain torch ops).
 """
 
 from __future__ import annotations
@@ -39,11 +46,13 @@ def momentum_(buf: torch.Tensor, grad: torch.Tensor, *, momentum: float, nestero
     if grad_scale is not None:
         g = g * grad_scale
     new = buf.lerp(g, 1 - momentum)
+    # [Note: selected in place] where(..., out=buf): one pass, no temporary and no copy back
+    # (elementwise, so the output may be an input); `new` is ours to return uncloned.
     if found_inf is None:
         buf.copy_(new)
     else:
-        buf.copy_(torch.where(found_inf, buf, new))
-    return g.lerp(new, momentum) if nesterov else new.clone()
+        torch.where(found_inf, buf, new, out=buf)
+    return g.lerp(new, momentum) if nesterov else new
 
 
 def apply_(master: torch.Tensor, ortho: torch.Tensor,
@@ -63,4 +72,7 @@ def apply_(master: torch.Tensor, ortho: torch.Tensor,
         p = master[lo:hi]
         new = p.mul(1 - lr * weight_decay)
         new.add_(ortho[lo:hi], alpha=-adjusted_lr(lr, adjust_lr_fn, shape))
-        p.copy_(new if found_inf is None else torch.where(found_inf, p, new))
+        if found_inf is None:
+            p.copy_(new)
+        else:  # [Note: selected in place]
+            torch.where(found_inf, p, new, out=p)

@@ -38,11 +38,11 @@ def _shard_bytes(numel: int, world_size: int, e: int) -> int:
 def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int,
                 offload_params, rule=None) -> None:
     """offload="nvme" at stage 3: the bytes this rank's files will take (state: what
-    NvmeOffloader.disk_need says for `rule` (the master and each rule state, 2 halves of fp32
-    per trainable buffer); offload_params="nvme": 2 halves of the shard, one
-    for a frozen buffer) against the free space of `path`, before the model is touched. The
-    files are preallocated at construction all the same, which catches what this misses
-    (other writers, file systems that count blocks differently)."""
+    NvmeOffloader.disk_need says for `rule`, one Rule or a list of one per param group (the
+    master and each rule state, 2 aligned halves per trainable buffer); offload_params="nvme":
+    2 halves of the shard, one for a frozen buffer) against the free space of `path`, before
+    the model is touched. The files are preallocated at construction all the same, which
+    catches what this misses (other writers, file systems that count blocks differently)."""
     from zerokern.rules import adamw_rule
     from zerokern.state.offload_nvme import NvmeOffloader
 
@@ -54,7 +54,8 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
         for gi in range(len(trainable)):
             n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
             if n:
-                need += NvmeOffloader.disk_need(rule, [_shard_numel(n, world_size)])
+                r = rule[gi] if isinstance(rule, (list, tuple)) else rule  # one per group
+                need += NvmeOffloader.disk_need(r, [_shard_numel(n, world_size)])
                 if offload_params == "nvme":
                     need += 2 * _shard_bytes(n, world_size, e)
         if u.frozen and offload_params == "nvme":

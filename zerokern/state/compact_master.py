@@ -238,6 +238,35 @@ class CompactState(RuleState):
         step.copy_(s)
         self.compact_pieces += 1
 
+    def map_piece_(self, g, k: int, names, fn, params: bool, scratch: torch.Tensor) -> None:
+        """A phased rule's pass over bucket k's piece (placement.py; Muon's update): each chunk
+        of the master expanded into `scratch`, `fn(a, b, views)` on it and the named states,
+        the params cast from it (`.to(bf16)` bitwise) and the chunk compacted back, as
+        update_piece does around a fused kernel (so the master stays the fp32 one bit for
+        bit; Note: the compact master)."""
+        if not params:
+            raise ValueError("a pass that writes the compact master must write the params "
+                             "(params=True): the master's high half is the bf16 param")
+        sl = g.state_slice(k)
+        s0, n = sl.start, sl.stop - sl.start
+        param = g.param_values(*g.state_range(k))
+        if self._nan is None:
+            self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
+        for lo in range(0, n, scratch.numel()):
+            hi = min(n, lo + scratch.numel())
+            x = scratch[:hi - lo]
+            low, ties = self.low[s0 + lo:s0 + hi], self.ties[(s0 + lo) // 8:(s0 + hi) // 8]
+            expand_(x, low, ties, param[lo:hi])
+            views = []
+            for nm in names:
+                b = self.blocks.get(nm, 1)
+                views.append(x if nm == "master" else
+                             self.states[nm][(s0 + lo) // b:(s0 + hi) // b])
+            fn(s0 + lo, s0 + hi, views)
+            param[lo:hi].copy_(x)
+            compact_(low, ties, x, self._nan)
+        self.compact_pieces += 1
+
     def finish(self) -> None:
         if self._nan is not None:
             self._nan_flag = _HostFlag(self._nan)

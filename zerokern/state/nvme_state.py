@@ -2,10 +2,37 @@
 own (`DiskState`; `names(rule)`: "master" then the rule's state names, zerokern.rules), made
 without ever holding them in memory. The step that streams them is offload_nvme.py.
 
-Each file has two halves of `align_up(S * 4)` bytes (S = the buffer's state elements; a step
-reads one half and writes the other, offload_nvme.py [Note: all or nothing]). `master` and
-`states[name]` are shared mmap views of the current half
-(offload_nvme.py [Note: where the state is visible]).
+Each file has two halves of `align_up(numel * itemsize)` bytes (a step reads one half and
+writes the other, offload_nvme.py [Note: all or nothing]); numel and itemsize are the state's
+(zerokern.rules.StateSpec: the master and AdamW's moments S fp32 elements, S = the buffer's
+state elements; 8-bit AdamW's codes S bytes, its absmax S/128 fp32). `master` and
+`states[name]` are shared mmap views of the current half, in the state's dtype (Note: where
+the state is visible).
+
+[Note: any StateSpec in a file, aligned]
+A step moves chunks of `chunk` param elements (offload_nvme.py); chunk lo of a state with
+block b and itemsize i starts at byte lo / b * i of its half. O_DIRECT needs that offset to be a
+multiple of 4096 (aligned_io.ALIGN), so the chunk is a multiple of every state's `granule`,
+4096 * b / i param elements: 1024 for fp32 per element, 4096 for uint8 codes, 131072 for an
+fp32 absmax per 128 elements (`granule(rule)`, the least common multiple). Each state's half is
+padded up to 4096 bytes, so the last chunk's request (its length rounded up to 4096) stays
+inside the half, and in the host pool every state's region of a set starts 4096-aligned
+(nvme_pool.py). The padding is zeros that no view reaches. 8-bit AdamW moves 12.125 bytes per
+element per step instead of AdamW's 24; its step over NVMe took 4.4 s against 3.6 s on the device
+(median, 23.2M GPT, 1 process, stage 2, bf16, 2 loaded cores; benchmarks/results/
+nvme-rules-step.md): the same cpu kernel plus the I/O.
+
+[Note: where the state is visible]
+The buffer's master and states (its DiskState's, nvme_state.py) are shared mmap
+views of the current half of the files (re-pointed at each flip), so state_dict(),
+zerokern.checkpoint (save reads them, load writes them), model_sync and stage 3's write-back
+read and write the files themselves, with no RAM copy. The step never touches the mappings:
+it reads and writes with O_DIRECT, which writes back dirty mapped pages before it reads a
+range and invalidates cached pages of a range it writes, so the two paths stay coherent and
+the page cache holds no second copy of the state.
+Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
+RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
+cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
 
 [Note: lazy state under offload="nvme"]
 The state of a model larger than the host's memory (2B params: 24 GB of fp32 master, m and v)
@@ -21,12 +48,13 @@ measures it in a fresh process).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Tuple
 
 import torch
 
-from zerokern.rules import Rule, RuleState
+from zerokern.rules import Rule, RuleState, block_map
 from zerokern.state import aligned_io as aio
 
 WRITE_CHUNK = 1 << 22  # elements per master write at creation (16 MiB; aligned_io's Note)
@@ -38,14 +66,44 @@ def names(rule: Rule) -> Tuple[str, ...]:
     return ("master", *rule.state_names)
 
 
+def specs(rule: Rule) -> List[Tuple[str, torch.dtype, int]]:
+    """(name, dtype, block) of each file of one buffer, in `names` order."""
+    return [("master", _F32, 1)] + [(s.name, s.dtype, s.block) for s in rule.states]
+
+
+def half_bytes(state_numel: int, dtype: torch.dtype, block: int) -> int:
+    """Bytes of one half of a state's file (Note: any StateSpec in a file, aligned)."""
+    return aio.align_up(state_numel // block * dtype.itemsize)
+
+
+def granule(rule: Rule) -> int:
+    """The param elements every chunk is a multiple of, so every state's chunk offset is
+    4096-aligned (Note: any StateSpec in a file, aligned)."""
+    g = 1
+    for _, dt, b in specs(rule):
+        g = math.lcm(g, aio.ALIGN * b // dt.itemsize)
+    return g
+
+
+def region_bytes(rule: Rule, chunk: int) -> List[int]:
+    """Bytes of each state's region in a pool set of `chunk` param elements (4096-aligned)."""
+    return [half_bytes(chunk, dt, b) for _, dt, b in specs(rule)]
+
+
 class DiskState(RuleState):
     """One buffer's master and rule states in files (`names(rule)`); steps (n_buckets,) int64
-    on the host. `n` state elements, `half` bytes per half."""
+    on the host. `n` state elements; `halves[i]` bytes per half of file i (`half`: the
+    master's)."""
 
     def __init__(self, buf, index: int, rank: int, root: str, tag: str, rule: Rule) -> None:
         self.n = buf.state_numel
-        self.half = aio.align_up(self.n * 4)  # bytes; O_DIRECT offsets of half 1 stay aligned
+        self.rule = rule
+        self.specs = specs(rule)
+        # bytes; O_DIRECT offsets of half 1 stay aligned
+        self.halves = [half_bytes(self.n, dt, b) for _, dt, b in self.specs]
+        self.half = self.halves[0]
         self.names = names(rule)
+        self.blocks = block_map(rule)
         self.paths = [os.path.join(root, f"zerokern-{tag}-rank{rank}-buf{index}-{nm}.bin")
                       for nm in self.names]
         self.fds: List[int] = []
@@ -64,7 +122,7 @@ class DiskState(RuleState):
             fd = aio.open_state(p, False, create=True)
             self.fds.append(fd)
             try:
-                os.posix_fallocate(fd, 0, 2 * self.half)  # zeros, both halves
+                os.posix_fallocate(fd, 0, 2 * self.halves[i])  # zeros, both halves
             except OSError as e:
                 raise OSError(e.errno, e.strerror, p) from e
             if direct:  # the master's writes bypass the page cache too
@@ -91,21 +149,31 @@ class DiskState(RuleState):
         afresh and drop their clean cached pages (offload_nvme.py [Note: where the state is
         visible])."""
         if remap or not self.maps:
-            self.maps = [torch.from_file(p, shared=True, size=2 * self.half // 4, dtype=_F32)
-                         for p in self.paths]
+            self.maps = [torch.from_file(p, shared=True, size=2 * h // dt.itemsize, dtype=dt)
+                         for p, h, (_, dt, _b) in zip(self.paths, self.halves, self.specs)]
         if remap:
             for fd in self.fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        off = cur * self.half // 4
-        views = [m[off:off + self.n] for m in self.maps]
+        views = []
+        for m, h, (_, dt, b) in zip(self.maps, self.halves, self.specs):
+            off = cur * h // dt.itemsize
+            views.append(m[off:off + self.n // b])
         self.master = views[0]
         self.states = dict(zip(self.names[1:], views[1:]))
+
+    def passes(self) -> List[Tuple[int, ...]]:
+        """The file indices each pass of this buffer's step streams, in order: all of them
+        once for a per-piece rule; a phased rule's `nvme_passes` (offload_nvme.py [Note: a
+        phased rule over NVMe])."""
+        if not self.rule.phased:
+            return [tuple(range(len(self.names)))]
+        return [tuple(self.names.index(n) for n in p) for p in self.rule.nvme_passes]
 
     def release(self) -> None:
         """Drop the mappings (the files are removed by offload_nvme's cleanup)."""
         self.maps = []
         self.master = torch.empty(0, dtype=_F32)
-        self.states = {nm: torch.empty(0, dtype=_F32) for nm in self.names[1:]}
+        self.states = {nm: torch.empty(0, dtype=dt) for nm, dt, _ in self.specs[1:]}
 
 
 def cleanup(files: List[DiskState], pool, pid: int) -> None:
@@ -129,9 +197,9 @@ def cleanup(files: List[DiskState], pool, pid: int) -> None:
                 pass
 
 
-def file_bytes(state_numel: int) -> int:
+def file_bytes(state_numel: int, dtype: torch.dtype = _F32, block: int = 1) -> int:
     """Bytes of one state file (two halves), as DiskState preallocates it."""
-    return 2 * aio.align_up(state_numel * 4)
+    return 2 * half_bytes(state_numel, dtype, block)
 
 
 def check_free_space(path: str, need: int) -> None:

@@ -45,6 +45,7 @@ from zerokern.rules import (
     alloc_states,
     block_map,
     check_rule,
+    map_in_memory_,
     rule_for,
 )
 from zerokern.state import pinned
@@ -208,6 +209,10 @@ class Offloader(CopyPipeline):
             self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
         step.copy_(new_step)
         self.end()  # bucket k's params are on the device before its all-gather is issued
+
+    def map_piece_(self, gi: int, k: int, names, fn, params: bool = False) -> None:
+        """A phased rule's pass over bucket k's piece (placement.py): on the host views."""
+        map_in_memory_(self.buffers[gi], k, names, fn, params)
 
     def finish(self) -> None:
         """After every piece (offload_nvme commits here; the host state needs nothing)."""

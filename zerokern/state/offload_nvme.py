@@ -1,8 +1,9 @@
 """ZeRO-Infinity's optimizer half (`offload="nvme"`): the master and the rule's states on disk.
 
 Per rank and flat buffer (group) there is one file under `offload_path` per state tensor
-(the master, then the rule's states: nvme_state.names), each two halves of `align_up(S * 4)`
-bytes (S = the buffer's state elements). One step
+(the master, then the buffer's rule's states: nvme_state.names), each two halves of
+`align_up(numel * itemsize)` bytes (nvme_state [Note: any StateSpec in a file, aligned]: fp32
+per element, uint8 codes, fp32 per-block absmax). One step
 streams every buffer through a bounded pool of aligned host buffer sets, in chunks of
 `chunk_numel` elements over the buffer's whole state range (not per bucket piece, so every
 O_DIRECT offset is aligned; a chunk that straddles two bucket pieces is updated piece by piece
@@ -15,6 +16,21 @@ and written once both are done):
 Reads and writes run in a thread pool (os.preadv / os.pwritev release the GIL) while the main
 thread runs the same fused cpu kernel as offload="cpu". `finish()` (after the last piece)
 waits for the writes and commits.
+
+[Note: a phased rule over NVMe]
+A phased rule (Muon: rules/muon.py [Note: the Muon group step]) does not update a piece in one
+call: it reads and writes some of its states per piece in one pass (Muon: the momentum, then
+after the cross-rank Newton-Schulz the master), through `map_piece_(gi, k, names, fn)`, which
+every placement offers (in memory: one call on the piece's views). Here each pass streams only
+the files it names (the rule's `nvme_passes`, in order: the step's read plan is known at
+begin()), chunk by chunk, reading the current half and writing the other one, so the journal
+holds as for a per-piece rule: every file of every buffer has its other half written whole by
+the step's passes (Muon: momentum in pass 1, master in pass 2) before the flip. The
+orthogonalizer's whole-matrix update is an fp32 scratch of the buffer's state size in host
+memory for the step (as with offload="cpu"); the state never is. Measured
+(benchmarks/results/nvme-rules-step.md, 1 process, stage 2, bf16, the shared 2-core VM at load
+~13): a Muon step is dominated by bf16 Newton-Schulz on the CPU (1.6-23 s), and device / "cpu"
+/ "nvme" medians differ by less than the run-to-run spread (23.2M GPT: 22.7 / 24.2 / 16.6 s).
 
 [Note: all or nothing]
 A step never writes the half it reads. The current half is `self.cur`, one index for every
@@ -34,17 +50,8 @@ allocate.
 [Note: direct I/O, chunk and depth, measured] is in aligned_io.py: O_DIRECT (buffered I/O,
 fadvise(DONTNEED), where it is refused), CHUNK_NUMEL and QUEUE_DEPTH, with the numbers.
 
-[Note: where the state is visible]
-The buffer's master and states (its DiskState's, nvme_state.py) are shared mmap
-views of the current half of the files (re-pointed at each flip), so state_dict(),
-zerokern.checkpoint (save reads them, load writes them), model_sync and stage 3's write-back
-read and write the files themselves, with no RAM copy. The step never touches the mappings:
-it reads and writes with O_DIRECT, which writes back dirty mapped pages before it reads a
-range and invalidates cached pages of a range it writes, so the two paths stay coherent and
-the page cache holds no second copy of the state.
-Pages that a checkpoint or state_dict() touched through the mappings would stay mapped (in
-RSS, up to the whole state); each flip therefore maps the files afresh and drops their clean
-cached pages (fadvise DONTNEED), so they leave RSS and the page cache at the next step.
+[Note: where the state is visible] is in nvme_state.py: the master and states are mmap views
+of the current half, re-pointed at each flip.
 """
 
 from __future__ import annotations
@@ -61,16 +68,20 @@ from typing import List, Optional
 
 import torch
 
-from zerokern.rules import Rule, adamw_rule, check_rule
+from zerokern.rules import Rule, adamw_rule, check_rule, rule_for
 from zerokern.state import aligned_io as aio
-from zerokern.state.nvme_pool import _Set, pool_chunk, set_bytes
-from zerokern.state.nvme_state import DiskState, cleanup, file_bytes, names
+from zerokern.state.nvme_pool import (  # noqa: F401 (CHUNK_NUMEL, QUEUE_DEPTH: re-exported)
+    CHUNK_NUMEL,
+    QUEUE_DEPTH,
+    NvmeBytes,
+    _Set,
+    pool_chunk,
+    rules_granule,
+)
+from zerokern.state.nvme_state import DiskState, cleanup, names
 from zerokern.state.offload import CopyPipeline
 
-CHUNK_NUMEL = 1 << 22
-QUEUE_DEPTH = 4
 MAX_DEPTH = 16
-_F32 = torch.float32
 
 
 class StepPhase(Enum):
@@ -82,7 +93,7 @@ class StepPhase(Enum):
     SKIPPED = "skipped"    # found_inf read, overflow: no I/O, nothing changes, no flip
 
 
-class NvmeOffloader(CopyPipeline):
+class NvmeOffloader(NvmeBytes, CopyPipeline):
     """offload="nvme": the state in files (DiskState per buffer, nvme_state.py); the update
     streams every piece of every buffer from and to disk (placement.py)."""
 
@@ -91,9 +102,13 @@ class NvmeOffloader(CopyPipeline):
 
     def __init__(self, grad_dtype: torch.dtype, offload_path: str, comm,
                  chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None,
-                 rule: Optional[Rule] = None) -> None:
+                 rule: Optional[Rule] = None, rules: Optional[List[Rule]] = None) -> None:
         self.rule = check_rule(adamw_rule() if rule is None else rule)
-        self.names = names(self.rule)
+        # one rule per param group (zerokern.rules [Note: a rule per param group]), or None
+        self.rules = None if rules is None else [check_rule(r) for r in rules]
+        self.distinct = list(dict.fromkeys(self.rules or [self.rule]))
+        self.names = tuple(dict.fromkeys(n for r in self.distinct for n in names(r)))
+        max_files = max(len(names(r)) for r in self.distinct)
         self.comm = comm
         self.root = offload_path
         self.grad_dtype = grad_dtype
@@ -102,7 +117,7 @@ class NvmeOffloader(CopyPipeline):
         self.tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.files: List[DiskState] = []
         # Threads start on demand, one per request in flight: at most one per file per set.
-        self.io = ThreadPoolExecutor(max_workers=len(self.names) * MAX_DEPTH,
+        self.io = ThreadPoolExecutor(max_workers=max_files * MAX_DEPTH,
                                      thread_name_prefix="zk-nvme")
         self._finalizer = weakref.finalize(self, cleanup, self.files, self.io, os.getpid())
         self.cur = 0
@@ -121,7 +136,7 @@ class NvmeOffloader(CopyPipeline):
         """The buffer's state files, the master streamed from its params (Note: lazy state)."""
         # file names: the world rank (HSDP replicas hold the same shard rank)
         f = DiskState(buf, len(self.files), self.comm.world.rank, self.root, self.tag,
-                      self.rule)
+                      rule_for(self, buf))
         self.files.append(f)
         try:
             f.create(buf, self.direct)
@@ -151,19 +166,22 @@ class NvmeOffloader(CopyPipeline):
     # -- the pool ------------------------------------------------------------------------------
     def configure(self, chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None
                   ) -> None:
-        """Set the chunk (a multiple of 1024 elements: 4096-byte O_DIRECT requests) and the
-        number of buffer sets; between steps."""
+        """Set the chunk (a multiple of the rules' granule, 1024 elements for fp32 states:
+        4096-byte O_DIRECT requests, nvme_state [Note: any StateSpec in a file, aligned]) and
+        the number of buffer sets; between steps."""
         chunk = CHUNK_NUMEL if chunk_numel is None else chunk_numel
         depth = QUEUE_DEPTH if queue_depth is None else queue_depth
-        if not (isinstance(chunk, int) and chunk >= 1024 and chunk % 1024 == 0):
-            raise ValueError(f"offload='nvme' chunk_numel must be a positive multiple of 1024, "
-                             f"got {chunk!r}")
+        gran = rules_granule(self.distinct)
+        if not (isinstance(chunk, int) and chunk >= gran and chunk % gran == 0):
+            raise ValueError(f"offload='nvme' chunk_numel must be a positive multiple of {gran} "
+                             f"(the {'/'.join(r.name for r in self.distinct)} states' aligned "
+                             f"I/O granule), got {chunk!r}")
         if not (isinstance(depth, int) and 2 <= depth <= MAX_DEPTH):
             raise ValueError(f"offload='nvme' queue_depth must be an int in [2, {MAX_DEPTH}], "
                              f"got {depth!r}")
-        self.chunk = pool_chunk([f.n for f in self.files], chunk)
+        self.chunk = pool_chunk([f.n for f in self.files], chunk, gran)
         self.depth = depth
-        self.pool = [_Set(self.chunk, self.grad_dtype, self.dtype, self.pin, len(self.names))
+        self.pool = [_Set(self.chunk, self.grad_dtype, self.dtype, self.pin, self.distinct)
                      for _ in range(depth)]
 
     # -- one step ------------------------------------------------------------------------------
@@ -179,34 +197,40 @@ class NvmeOffloader(CopyPipeline):
         self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
         self.steps0 = [f.steps.clone() for f in self.files]
-        self.plan = [(gi, lo, min(lo + self.chunk, f.n)) for gi, f in enumerate(self.files)
+        self.plan = [(gi, lo, min(lo + self.chunk, f.n), files)
+                     for gi, f in enumerate(self.files) for files in f.passes()
                      for lo in range(0, f.n, self.chunk)]
         self.next_read = 0
         self.free = list(self.pool)
         self.loaded = collections.deque()
         self.writing = collections.deque()
         for f in self.files + self.extra_files:  # a truncated file fails here, before
-            for fd, p in zip(f.fds, f.paths):   # anything changed
+            halves = getattr(f, "halves", None)  # anything changed
+            if not isinstance(halves, list):  # the param files: one size
+                halves = [f.half] * len(f.paths)
+            for fd, p, h in zip(f.fds, f.paths, halves):
                 size = os.fstat(fd).st_size
-                if size < 2 * f.half and self.error is None:
+                if size < 2 * h and self.error is None:
                     self.error = OSError(errno.EIO, f"zerokern offload='nvme': state file {p} "
-                                                    f"is {size} bytes, expected {2 * f.half} "
+                                                    f"is {size} bytes, expected {2 * h} "
                                                     "(truncated?)", p)
         if self.error is None:
             self._refill()
         return ev
 
     def _submit(self, s: _Set, write: bool) -> None:
-        gi, lo, hi = s.job
+        gi, lo, hi, files = s.job
         f = self.files[gi]
-        n = aio.align_up((hi - lo) * 4)
         half = (1 - self.cur) if write else self.cur
-        off = half * f.half + lo * 4
         fn = aio.write_chunk if write else aio.read_chunk
         extra = (self.direct, self.fault_hook) if write else (self.direct,)
-        s.futs = [self.io.submit(fn, fd, mv[:n], off, p, *extra)
-                  for fd, mv, p in zip(f.fds, s.mv, f.paths)]
-        self.bytes_moved += len(self.names) * n
+        s.futs = []
+        for i in files:  # nvme_state [Note: any StateSpec in a file, aligned]
+            _, dt, b = f.specs[i]
+            n = aio.align_up((hi - lo) // b * dt.itemsize)
+            off = half * f.halves[i] + lo // b * dt.itemsize
+            s.futs.append(self.io.submit(fn, f.fds[i], s.mv[i][:n], off, f.paths[i], *extra))
+            self.bytes_moved += n
 
     def _settle(self, s: _Set) -> None:
         """Wait for s's I/O; the first failure is recorded (the step then rolls back)."""
@@ -231,6 +255,7 @@ class NvmeOffloader(CopyPipeline):
             self._wait(s.h2d)  # (GPU) its last param copy has left the buffer
             s.h2d = None
             s.job = self.plan[self.next_read]
+            s.carve(self.files[s.job[0]].rule)
             self.next_read += 1
             self._submit(s, write=False)
             self.loaded.append(s)
@@ -247,15 +272,53 @@ class NvmeOffloader(CopyPipeline):
         """Update bucket k's piece of group gi chunk by chunk; write its params back. Any
         failure is recorded, not raised, so that every rank still issues the step's
         collectives; finish() rolls back and raises (Note: all or nothing)."""
+        rule = self.files[gi].rule
+        step = self.groups[gi].steps[k]
+        new_step = [step]
+
+        def work(s: _Set, x: int, y: int, gx: int) -> None:
+            self._wait(self._copy(s.grad[x:y], grad[gx:gx + y - x]))
+            st = s.cut(x, y)
+            new_step[0] = self._host_update(st[0], st[1:], s.grad[x:y],
+                                            None if s.param is None else s.param[x:y],
+                                            step, hyper, backend, rule)
+
+        if self._stream(gi, k, tuple(range(len(self.files[gi].names))), work, params=True):
+            step.copy_(new_step[0])
+
+    def map_piece_(self, gi: int, k: int, names_: tuple, fn, params: bool = False) -> None:
+        """A phased rule's pass over bucket k's piece of buffer gi (Note: a phased rule over
+        NVMe): `fn(a, b, views)` on state elements [a, b) with the named states' views (read
+        from the current half, written to the other one), chunk by chunk; with params, the
+        16-bit params are cast from the new master ("master" first in `names_`) and copied to
+        the device. Failures are recorded as in update_piece."""
+        f = self.files[gi]
+        files = tuple(f.names.index(n) for n in names_)
+        g = self.groups[gi]
+        s0 = g.state_slice(k).start
+
+        def work(s: _Set, x: int, y: int, gx: int) -> None:
+            views = s.cut(x, y)
+            fn(s0 + gx, s0 + gx + y - x, [views[i] for i in files])
+            if params and s.param is not None:
+                s.param[x:y].copy_(views[0])  # round to nearest even: `.to(dtype)` bitwise
+
+        self._stream(gi, k, files, work, params)
+
+    def _stream(self, gi: int, k: int, files: tuple, work, params: bool) -> bool:
+        """Run `work(set, x, y, gx)` over bucket k's piece of buffer gi, chunk by chunk (x, y
+        the chunk's range in the set, gx its offset in the piece), the chunks' files `files`
+        written behind; with params the set's param (or master, at fp32) range goes to the
+        device after each work. True if it ran (not skipped, no failure)."""
         try:
-            self._update_piece(gi, k, grad, hyper, backend)
+            return self._stream_piece(gi, k, files, work, params)
         except Exception as e:  # noqa: BLE001 - re-raised by finish() on this rank
             if self.error is None:
                 self.error = e
             self._drain()
+            return False
 
-    def _update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
-                      backend: str) -> None:
+    def _stream_piece(self, gi: int, k: int, files: tuple, work, params: bool) -> bool:
         if self.phase is StepPhase.STARTED:  # the first piece reads found_inf
             self._wait(self.scalars_ev)
             self.phase = StepPhase.UPDATING
@@ -263,46 +326,40 @@ class NvmeOffloader(CopyPipeline):
                 self.phase = StepPhase.SKIPPED
                 self._drain()
         if self.phase is StepPhase.SKIPPED or self.error is not None:
-            return  # after a failure the rest of the step does nothing; finish() rolls back
+            return False  # after a failure the rest of the step does nothing; finish() rolls back
         g = self.groups[gi]
         sl = g.state_slice(k)
         plo, phi = sl.start, sl.stop
-        dev_out = g.param_out_piece(k)
-        step = g.steps[k]
-        new_step = step
-        self.dirty.append((gi, k))
+        dev_out = g.param_out_piece(k) if params else None
+        if params:
+            self.dirty.append((gi, k))
         while plo < phi:
             if not self.loaded:
                 self._refill(need=True)  # (a failed write it waits for stops the reads)
             if self.error is not None:
                 self._drain()
-                return
+                return False
             s = self.loaded[0]
             self._settle(s)
             if self.error is not None:
                 self._drain()
-                return
-            cg, lo, hi = s.job
-            assert cg == gi and lo <= plo < hi, (s.job, gi, plo)
+                return False
+            cg, lo, hi, fs = s.job
+            assert cg == gi and fs == files and lo <= plo < hi, (s.job, gi, files, plo)
             a, b = plo, min(phi, hi)
-            grad_src = grad[a - sl.start:b - sl.start]
-            self._wait(self._copy(s.grad[a - lo:b - lo], grad_src))
             self._wait(s.h2d)  # the set's param buffer is free again
-            new_step = self._host_update(s.state[0][a - lo:b - lo],
-                                         [t[a - lo:b - lo] for t in s.state[1:]],
-                                         s.grad[a - lo:b - lo],
-                                         None if s.param is None else s.param[a - lo:b - lo],
-                                         step, hyper, backend)
-            src = s.state[0] if s.param is None else s.param
-            s.h2d = self._copy(dev_out[a - sl.start:b - sl.start], src[a - lo:b - lo])
+            work(s, a - lo, b - lo, a - sl.start)
+            if params:
+                src = s.state[0] if s.param is None else s.param
+                s.h2d = self._copy(dev_out[a - sl.start:b - sl.start], src[a - lo:b - lo])
             plo = b
             if b == hi:  # the chunk is complete: write it behind, read further ahead
                 self.loaded.popleft()
                 self._submit(s, write=True)
                 self.writing.append(s)
                 self._refill()
-        step.copy_(new_step)
         self.end()  # bucket k's params are on the device before its all-gather
+        return True
 
     def finish(self) -> None:
         """Commit the step, or roll it back everywhere (Note: all or nothing)."""
@@ -358,35 +415,3 @@ class NvmeOffloader(CopyPipeline):
                 h = g.publish_piece(self.comm.shard, k)
                 if h is not None:
                     h.wait()
-
-    # -- reports -------------------------------------------------------------------------------
-    def host_bytes(self) -> dict:
-        pool = sum(t.untyped_storage().nbytes() for s in self.pool for t in s.tensors())
-        return {**dict.fromkeys(self.names, 0),
-                "host_staging": pool + self.scalars.untyped_storage().nbytes()}
-
-    def disk_bytes(self) -> dict:
-        return {nm: sum(2 * f.half for f in self.files) for nm in self.names}
-
-    # -- placement.py [Note: each placement reports its own bytes] ------------------------------
-    @staticmethod
-    def layout_bytes(rule: Rule, state_numel: int, state_padding: int, dtype: torch.dtype,
-                     grad_dtype: torch.dtype, master: str = "fp32") -> dict:
-        """One buffer's files: the master and each rule state, two aligned halves each."""
-        return {"device": {}, "host": dict.fromkeys(names(rule), 0),
-                "disk": dict.fromkeys(names(rule), file_bytes(state_numel))}
-
-    @staticmethod
-    def fixed_bytes(rule: Rule, state_numels, dtype: torch.dtype,
-                    grad_dtype: torch.dtype) -> dict:
-        """The I/O pool (QUEUE_DEPTH sets at the default chunk) and the 2 host scalars."""
-        chunk = pool_chunk(list(state_numels), CHUNK_NUMEL)
-        param_e = 0 if dtype == torch.float32 else dtype.itemsize
-        pool = QUEUE_DEPTH * set_bytes(chunk, grad_dtype.itemsize, param_e, len(names(rule)))
-        return {"device": {}, "host": {"host_staging": pool + 2 * 4}, "disk": None}
-
-    @classmethod
-    def disk_need(cls, rule: Rule, state_numels) -> int:
-        """Disk bytes of the state files for buffers of these state sizes (free-space check)."""
-        return sum(sum(cls.layout_bytes(rule, n, 0, _F32, _F32)["disk"].values())
-                   for n in state_numels)

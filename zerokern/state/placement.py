@@ -17,6 +17,12 @@ calls the update one way, whatever the placement and the rule:
                                     then the buffer publishes its piece (stages 1-2)
     placement.finish()          # nvme: commit the step, or roll it back and raise
 
+A phased rule (Muon) reads and writes some states per piece in passes instead:
+`placement.map_piece_(gi, k, names, fn, params)` runs `fn(a, b, views)` on the named states
+(and "master") of bucket k's piece, state elements [a, b), and with params casts the new master
+into the 16-bit params: in memory one call (`map_in_memory_`), with a compact master chunk by
+chunk through an expanded scratch (compact_master.py), on disk streamed through the pool
+(offload_nvme.py [Note: a phased rule over NVMe]).
 The reports ask it what it holds: `state.device_buffers()` per buffer (memory_report's
 device categories), `host_bytes()` and `disk_bytes()` (None where it keeps nothing there).
 
@@ -42,6 +48,7 @@ from zerokern.rules import (
     alloc_states,
     block_map,
     check_rule,
+    map_in_memory_,
     rule_for,
 )
 
@@ -167,6 +174,25 @@ class DevicePlacement:
                         grad_scale=self.grad_scale, found_inf=self.found_inf, backend=backend,
                         **hyper)
 
+    def map_piece_(self, gi: int, k: int, names, fn, params: bool = False) -> None:
+        """A phased rule's pass over bucket k's piece (see the module Note)."""
+        from zerokern.state.compact_master import CompactState
+
+        g = self.buffers[gi]
+        st = g.state
+        if isinstance(st, CompactState) and not st.expanded and "master" in names:
+            st.map_piece_(g, k, names, fn, params, self._scratch)
+            return
+        if isinstance(st, CompactState):  # expanded: the step works on the fp32 tensor
+            sl = g.state_slice(k)
+            views = [st.expanded_piece(g, k) if n == "master" else st.states[n][sl]
+                     for n in names]
+            fn(sl.start, sl.stop, views)
+            if params:
+                g.param_values(*g.state_range(k)).copy_(views[names.index("master")])
+            return
+        map_in_memory_(g, k, names, fn, params)
+
     def finish(self) -> None:
         self._scratch = None
         if self.master == "compact":
@@ -202,8 +228,7 @@ def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path
                    rules: Optional[Sequence[Rule]] = None):
     """The placement for the optimizer's `offload=` and `master=` (validated by it), holding
     `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default), or with `rules` (one
-    per param group; `rule` then their `combine`) each buffer its group's rule's state.
-    offload="nvme" takes one rule (the optimizer refuses several before it gets here)."""
+    per param group; `rule` then their `combine`) each buffer its group's rule's state."""
     rule = adamw_rule() if rule is None else rule
     if offload is None:
         return DevicePlacement(master, rule, rules)
@@ -213,6 +238,4 @@ def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path
         return Offloader(grad_dtype, rule=rule, rules=rules)
     from zerokern.state.offload_nvme import NvmeOffloader
 
-    if rules is not None and any(r is not rule for r in rules):
-        raise ValueError("offload='nvme' holds one optimizer rule for every param group")
-    return NvmeOffloader(grad_dtype, offload_path, comm, rule=rule)
+    return NvmeOffloader(grad_dtype, offload_path, comm, rule=rule, rules=rules)
