@@ -456,15 +456,6 @@ def test_estimate_cli_offload_nvme():
     assert "disk: master (fp32, 2 halves)" in table and "total on disk" in table
 
 
-def test_bench_disk_bandwidth(tmp_path):
-    """The bench's floor measurement: positive figures, and its scratch file removed."""
-    from zerokern.bench.offload_nvme import disk_bandwidth
-
-    d = disk_bandwidth(str(tmp_path), 3 << 20, 1 << 20, 2)
-    assert d["bytes"] == 3 << 20 and min(d["read_GBps"], d["write_GBps"], d["rw_GBps"]) > 0
-    assert os.listdir(tmp_path) == []
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_disk_too_small_is_refused_before_the_model_changes(tmp_path, stage):
     """Stages 1-2: a disk without room for the state files (both halves) is a ValueError naming

@@ -7,7 +7,7 @@ depth, measured]."""
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -33,6 +33,25 @@ def pool_chunk(state_numels: List[int], chunk_numel: int, gran: int = aio.ALIGN 
     """The chunk actually used: never more than the largest buffer needs (small models), a
     multiple of `gran` (nvme_state.granule: every state's chunk offset stays aligned)."""
     return min(chunk_numel, aio.align_up(max(state_numels), gran))
+
+
+def step_plan(buffers: Sequence[Tuple[int, Sequence[Tuple[int, ...]]]], chunk: int
+              ) -> List[Tuple[int, int, int, Tuple[int, ...]]]:
+    """The chunks one step streams, in order: (buffer, lo, hi, files) for `buffers` given as
+    (state elements, passes: the file indices each pass streams, DiskState.passes), every pass
+    over the buffer's whole range in `chunk`-element requests (offload_nvme.py;
+    zerokern.bench.disk_probe replays the same list)."""
+    return [(gi, lo, min(lo + chunk, n), files) for gi, (n, passes) in enumerate(buffers)
+            for files in passes for lo in range(0, n, chunk)]
+
+
+def request_span(half_bytes: int, half: int, lo: int, hi: int, dtype: torch.dtype,
+                 block: int) -> Tuple[int, int]:
+    """(file offset, bytes) of one state file's request for param elements [lo, hi) in half
+    `half`: both 4096-aligned (O_DIRECT; nvme_state [Note: any StateSpec in a file, aligned]),
+    the last request rounded up into the half's padding."""
+    return (half * half_bytes + lo // block * dtype.itemsize,
+            aio.align_up((hi - lo) // block * dtype.itemsize))
 
 
 def state_set_bytes(rules: Sequence[Rule], chunk: int) -> int:

@@ -90,6 +90,16 @@ def region_bytes(rule: Rule, chunk: int) -> List[int]:
     return [half_bytes(chunk, dt, b) for _, dt, b in specs(rule)]
 
 
+def passes(rule: Rule) -> List[Tuple[int, ...]]:
+    """The file indices each pass of a buffer's step streams, in order: all of them once for a
+    per-piece rule; a phased rule's `nvme_passes` (offload_nvme.py [Note: a phased rule over
+    NVMe])."""
+    nms = names(rule)
+    if not rule.phased:
+        return [tuple(range(len(nms)))]
+    return [tuple(nms.index(n) for n in p) for p in rule.nvme_passes]
+
+
 class DiskState(RuleState):
     """One buffer's master and rule states in files (`names(rule)`); steps (n_buckets,) int64
     on the host. `n` state elements; `halves[i]` bytes per half of file i (`half`: the
@@ -162,12 +172,8 @@ class DiskState(RuleState):
         self.states = dict(zip(self.names[1:], views[1:]))
 
     def passes(self) -> List[Tuple[int, ...]]:
-        """The file indices each pass of this buffer's step streams, in order: all of them
-        once for a per-piece rule; a phased rule's `nvme_passes` (offload_nvme.py [Note: a
-        phased rule over NVMe])."""
-        if not self.rule.phased:
-            return [tuple(range(len(self.names)))]
-        return [tuple(self.names.index(n) for n in p) for p in self.rule.nvme_passes]
+        """The file indices each pass of this buffer's step streams (`passes(rule)`)."""
+        return passes(self.rule)
 
     def release(self) -> None:
         """Drop the mappings (the files are removed by offload_nvme's cleanup)."""

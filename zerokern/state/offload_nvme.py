@@ -76,7 +76,9 @@ from zerokern.state.nvme_pool import (  # noqa: F401 (CHUNK_NUMEL, QUEUE_DEPTH: 
     NvmeBytes,
     _Set,
     pool_chunk,
+    request_span,
     rules_granule,
+    step_plan,
 )
 from zerokern.state.nvme_state import DiskState, cleanup, names
 from zerokern.state.offload import CopyPipeline
@@ -197,9 +199,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
         self.steps0 = [f.steps.clone() for f in self.files]
-        self.plan = [(gi, lo, min(lo + self.chunk, f.n), files)
-                     for gi, f in enumerate(self.files) for files in f.passes()
-                     for lo in range(0, f.n, self.chunk)]
+        self.plan = step_plan([(f.n, f.passes()) for f in self.files], self.chunk)
         self.next_read = 0
         self.free = list(self.pool)
         self.loaded = collections.deque()
@@ -227,8 +227,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         s.futs = []
         for i in files:  # nvme_state [Note: any StateSpec in a file, aligned]
             _, dt, b = f.specs[i]
-            n = aio.align_up((hi - lo) // b * dt.itemsize)
-            off = half * f.halves[i] + lo // b * dt.itemsize
+            off, n = request_span(f.halves[i], half, lo, hi, dt, b)
             s.futs.append(self.io.submit(fn, f.fds[i], s.mv[i][:n], off, f.paths[i], *extra))
             self.bytes_moved += n
 
