@@ -31,9 +31,10 @@ def ext_modules():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
+    # The JIT build's flags (kernels/build.py OPS["cpu"]; -ffp-contract=off is load-bearing).
     cpu_src = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
     exts = [CppExtension("zerokern._ops_cpu", cpu_src,
-                         extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
+                         extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"],
                          extra_link_args=["-fopenmp"])]
     if CUDA_HOME is not None and (torch.cuda.is_available()
                                   or os.environ.get("TORCH_CUDA_ARCH_LIST")):

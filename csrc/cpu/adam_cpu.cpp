@@ -29,8 +29,6 @@ constexpr int64_t kParallelMin = 32768;
 // sysconf reports in VMs is unreliable (it claims 320 MiB on this 32 MiB box).
 constexpr int64_t kStreamMin = int64_t(1) << 21;
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
 // __builtin_cpu_init() first: g_isa is initialised from a static constructor, which may run
 // before libgcc's own CPU-model constructor.
 bool cpu_has_avx512() {
@@ -264,6 +262,8 @@ void force_isa(const std::string& name) {
   }
   g_isa.store(isa);
 }
+
+int current_isa() { return g_isa.load(std::memory_order_relaxed); }
 
 }  // namespace zk_cpu
 

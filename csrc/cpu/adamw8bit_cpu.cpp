@@ -1,9 +1,23 @@
 // zerokern CPU 8-bit AdamW step (issue 23): dequantize, AdamW update, requantize, one pass per
 // 128-element block, numerics exactly zerokern/kernels/adamw8bit.py [Note: the 8-bit step, bit
 // for bit]: every operation an IEEE-rounded fp32 add/mul/div/sqrt in the reference's order (no
-// -march and ISO C++17, so no FMA contraction); the nearest code is the count of midpoints
-// strictly below the value (torch.bucketize(right=False)). The code maps and midpoints come
+// FMA: the op builds with -ffp-contract=off, kernels/build.py); the nearest code is the count of
+// midpoints strictly below the value, a NaN above all (torch.bucketize(right=False)). The
+// scalar path is here; AVX2 and AVX-512 paths (adamw8bit_avx2.cpp, adamw8bit_avx512.cpp) are
+// picked by the extension's ISA dispatch (op.force_isa). The code maps and midpoints come
 // from Python (the same fp32 tensors the reference uses).
+//
+// [Note: 8-bit CPU kernel speed] (issue 23; benchmarks/results/adamw8bit-cpu-kernel.md)
+// Measured 2026-11-26 on the shared 2-core AMD EPYC (Zen 4) dev box, load average ~2, 2 threads,
+// one step, fp32 grads, wall ms at n = 2^20 / 2^22 / 2^24 (median of 11, interleaved):
+//   this op, AVX-512   1.6 / 7.5 / 25.7      (AVX2 3.3 / 15.7 / 56.4; scalar 17.7 / 78.1 / 377)
+//   before (scalar, std::lower_bound)        36.7 / 124.8 / 935.5 (481 in a quieter run)
+//   bitsandbytes 0.50.2 AdamW8bit, CPU       18.7 / 58.2 / 278.3
+//   zerokern fp32 adam_step (memory-bound)   0.7 / 6.0 / 16.6
+// So ~20x the old loop and ~10x bitsandbytes; 1.3-4x the fp32 kernel, because the step is
+// compute-bound: of ~2.8 ns/element on one thread, the two searches take ~1.8 ([Note:
+// branchless nearest code] in adamw8bit_cpu.h). The old scalar loop lost to the branchless scalar
+// search by 1.6-2.5x, and to the vector paths by the rest.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -12,24 +26,12 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cpu_kernels.h"
+#include "adamw8bit_cpu.h"
 
 namespace zk_cpu {
 namespace {
 
-constexpr int64_t kBlock = 128;
 constexpr int64_t kBlocksPerItem = 64;  // 8192 elements per work item, as lion_cpu.cpp
-
-struct Q8Scalars {
-  float gs, decay, b1, omb1, b2, omb2, step_size, rsqrt_bc2, eps;
-};
-
-struct Q8Maps {
-  const float* code_s;  // 256 signed codes
-  const float* code_u;  // 256 unsigned codes
-  const float* mid_s;   // 255 midpoints
-  const float* mid_u;
-};
 
 template <int G>
 inline float load_g(const void* g, int64_t i) {
@@ -38,61 +40,81 @@ inline float load_g(const void* g, int64_t i) {
   return G == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
+// [Note: branchless nearest code] in adamw8bit_cpu.h.
 inline uint8_t nearest(const float* mids, float x) {
-  return static_cast<uint8_t>(std::lower_bound(mids, mids + 255, x) - mids);
+  int pos = 0;
+  for (int s = 128; s >= 1; s >>= 1) pos += !(mids[pos + s - 1] >= x) ? s : 0;
+  return static_cast<uint8_t>(pos);
 }
 
 template <int G, int O>
-void q8_blocks(float* p, uint8_t* mq, float* ma, uint8_t* vq, float* va, const void* grad,
-               void* out, const Q8Scalars& s, const Q8Maps& mp, int64_t b0, int64_t b1) {
-  float m[kBlock], v[kBlock];
+void q8_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
+  float m[kQ8Block], v[kQ8Block];
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t base = b * kBlock;
-    const float am = ma[b], av = va[b];
+    const int64_t base = b * kQ8Block;
+    const float am = a.ma[b], av = a.va[b];
     float mmax = 0.f, vmax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
+    bool nan_m = false, nan_v = false;
+    for (int64_t j = 0; j < kQ8Block; ++j) {
       const int64_t i = base + j;
-      const float g = load_g<G>(grad, i) * s.gs;
-      float mj = mp.code_s[mq[i]] * am;
-      float vj = mp.code_u[vq[i]] * av;
-      float x = p[i] * s.decay;
-      const float t1 = s.b1 * mj;
-      const float t2 = s.omb1 * g;
+      const float g = load_g<G>(a.grad, i) * a.gs;
+      float mj = a.code_s[a.mq[i]] * am;
+      float vj = a.code_u[a.vq[i]] * av;
+      float x = a.p[i] * a.decay;
+      const float t1 = a.b1 * mj;
+      const float t2 = a.omb1 * g;
       mj = t1 + t2;
       const float gg = g * g;
-      const float t3 = s.b2 * vj;
-      const float t4 = s.omb2 * gg;
+      const float t3 = a.b2 * vj;
+      const float t4 = a.omb2 * gg;
       vj = t3 + t4;
-      const float den = std::sqrt(vj) * s.rsqrt_bc2 + s.eps;
+      const float den = std::sqrt(vj) * a.rsqrt_bc2 + a.eps;
       const float r = mj / den;
-      x = x - s.step_size * r;
-      p[i] = x;
-      if (O == kOutF16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
-      if (O == kOutBF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16(x);
+      x = x - a.step_size * r;
+      a.p[i] = x;
+      if (O == kOutF16) static_cast<uint16_t*>(a.out)[i] = f32_to_f16(x);
+      if (O == kOutBF16) static_cast<uint16_t*>(a.out)[i] = f32_to_bf16(x);
       m[j] = mj;
       v[j] = vj;
       mmax = std::max(mmax, std::fabs(mj));
       vmax = std::max(vmax, std::fabs(vj));
+      nan_m |= mj != mj;
+      nan_v |= vj != vj;
     }
-    ma[b] = mmax;
-    va[b] = vmax;
-    const float sm = mmax > 0.f ? mmax : 1.f, sv = vmax > 0.f ? vmax : 1.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      mq[base + j] = nearest(mp.mid_s, m[j] / sm);
-      vq[base + j] = nearest(mp.mid_u, v[j] / sv);
+    if (nan_m) mmax = q8_nan_absmax(m);
+    if (nan_v) vmax = q8_nan_absmax(v);
+    a.ma[b] = mmax;
+    a.va[b] = vmax;
+    const float sm = mmax > 0.f ? mmax : 1.f, sv = vmax > 0.f ? vmax : 1.f;  // NaN: 1, as torch
+    for (int64_t j = 0; j < kQ8Block; ++j) {
+      a.mq[base + j] = nearest(a.mid_s, m[j] / sm);
+      a.vq[base + j] = nearest(a.mid_u, v[j] / sv);
     }
   }
 }
 
-template <int G>
-void q8_run(int otype, float* p, uint8_t* mq, float* ma, uint8_t* vq, float* va,
-            const void* grad, void* out, const Q8Scalars& s, const Q8Maps& mp, int64_t nb) {
-  at::parallel_for(0, (nb + kBlocksPerItem - 1) / kBlocksPerItem, 1, [&](int64_t c0, int64_t c1) {
-    const int64_t b = c0 * kBlocksPerItem, e = std::min(nb, c1 * kBlocksPerItem);
-    if (otype == kOutF16) q8_blocks<G, kOutF16>(p, mq, ma, vq, va, grad, out, s, mp, b, e);
-    else if (otype == kOutBF16) q8_blocks<G, kOutBF16>(p, mq, ma, vq, va, grad, out, s, mp, b, e);
-    else q8_blocks<G, kOutNone>(p, mq, ma, vq, va, grad, out, s, mp, b, e);
-  });
+struct ScalarQ8 {
+  Q8Kernels k;
+  ScalarQ8() {
+    fill<kF32>();
+    fill<kF16>();
+    fill<kBF16>();
+  }
+  template <int G>
+  void fill() {
+    k.blocks[G][kOutNone] = &q8_blocks<G, kOutNone>;
+    k.blocks[G][kOutF16] = &q8_blocks<G, kOutF16>;
+    k.blocks[G][kOutBF16] = &q8_blocks<G, kOutBF16>;
+  }
+};
+
+const Q8Kernels& q8_kernels() {
+  static const ScalarQ8 scalar;
+  switch (current_isa()) {
+    case kAvx512: return q8_avx512_kernels();
+    case kAvx2: return q8_avx2_kernels();
+    default: return scalar.k;
+  }
 }
 
 void q8_check(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dt) {
@@ -110,8 +132,8 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
                     at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf,
                     at::Tensor code_s, at::Tensor code_u, at::Tensor mid_s, at::Tensor mid_u) {
   const int64_t n = master.numel();
-  TORCH_CHECK(n % kBlock == 0, "master must have a multiple of 128 elements, got ", n);
-  const int64_t nb = n / kBlock;
+  TORCH_CHECK(n % kQ8Block == 0, "master must have a multiple of 128 elements, got ", n);
+  const int64_t nb = n / kQ8Block;
   q8_check(master, "master", n, at::kFloat);
   q8_check(m_q, "m_q", n, at::kByte);
   q8_check(v_q, "v_q", n, at::kByte);
@@ -151,20 +173,21 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
   }
   // float64, rounded once: reference.bias_corrections and adamw8bit._scalars.
   const double bc1 = 1.0 - std::pow(beta1, t), bc2 = 1.0 - std::pow(beta2, t);
-  const Q8Scalars s{*grad_scale.data_ptr<float>(), float(1.0 - lr * weight_decay),
-                    float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
-                    float(lr / bc1), float(1.0 / std::sqrt(bc2)), float(eps)};
-  const Q8Maps mp{code_s.data_ptr<float>(), code_u.data_ptr<float>(), mid_s.data_ptr<float>(),
-                  mid_u.data_ptr<float>()};
-  float* p = master.data_ptr<float>();
-  uint8_t* mq = m_q.data_ptr<uint8_t>();
-  uint8_t* vq = v_q.data_ptr<uint8_t>();
-  float* ma = m_absmax.data_ptr<float>();
-  float* va = v_absmax.data_ptr<float>();
-  const void* g = grad.data_ptr();
-  if (gt == at::kFloat) q8_run<kF32>(otype, p, mq, ma, vq, va, g, out, s, mp, nb);
-  else if (gt == at::kHalf) q8_run<kF16>(otype, p, mq, ma, vq, va, g, out, s, mp, nb);
-  else q8_run<kBF16>(otype, p, mq, ma, vq, va, g, out, s, mp, nb);
+  Q8Search search_s, search_u;  // [Note: branchless nearest code]
+  q8_fill_search(search_s, mid_s.data_ptr<float>());
+  q8_fill_search(search_u, mid_u.data_ptr<float>());
+  const Q8Args a{master.data_ptr<float>(), m_q.data_ptr<uint8_t>(), m_absmax.data_ptr<float>(),
+                 v_q.data_ptr<uint8_t>(), v_absmax.data_ptr<float>(), grad.data_ptr(), out,
+                 *grad_scale.data_ptr<float>(), float(1.0 - lr * weight_decay), float(beta1),
+                 float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(lr / bc1),
+                 float(1.0 / std::sqrt(bc2)), float(eps), code_s.data_ptr<float>(),
+                 code_u.data_ptr<float>(), mid_s.data_ptr<float>(), mid_u.data_ptr<float>(),
+                 &search_s, &search_u};
+  const int gtype = gt == at::kFloat ? kF32 : gt == at::kHalf ? kF16 : kBF16;
+  const Q8BlocksFn fn = q8_kernels().blocks[gtype][otype];
+  at::parallel_for(0, (nb + kBlocksPerItem - 1) / kBlocksPerItem, 1, [&](int64_t c0, int64_t c1) {
+    fn(a, c0 * kBlocksPerItem, std::min(nb, c1 * kBlocksPerItem));
+  });
   switch (step.scalar_type()) {
     case at::kLong: *step.data_ptr<int64_t>() += 1; break;
     case at::kInt: *step.data_ptr<int32_t>() += 1; break;

@@ -77,6 +77,10 @@ struct IsaKernels {
     k.sumsq[G] = &sumsq_chunk<G>;                                       \
   }
 
+// The instruction set in use (adam_cpu.cpp's dispatch, op.force_isa): every op reads it.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+int current_isa();
+
 const IsaKernels& scalar_kernels();
 const IsaKernels& avx2_kernels();
 const IsaKernels& avx512_kernels();

@@ -97,8 +97,9 @@ ZK_Q8_FN float zk_q8_sqrt(float a) {
 #endif
 }
 
-// std::max(acc, x) (the CPU op's running absmax): exact, so any order gives the same bits.
-ZK_Q8_FN float zk_q8_max(float acc, float x) { return acc < x ? x : acc; }
+// The running absmax: exact, so any order gives the same bits; a NaN propagates, as torch's
+// amax in the reference (the CPU op likewise; csrc/cpu/adamw8bit_cpu.h q8_nan_absmax).
+ZK_Q8_FN float zk_q8_max(float acc, float x) { return (acc < x || x != x) && acc == acc ? x : acc; }
 
 ZK_Q8_FN float zk_q8_abs(float x) {
 #if defined(__CUDA_ARCH__)
@@ -124,15 +125,16 @@ ZK_Q8_FN float zk_q8_update(float p, float graw, float& m, float& v, const ZkQ8S
 ZK_Q8_FN float zk_q8_safe(float absmax) { return absmax > 0.f ? absmax : 1.f; }
 
 // The nearest code of x (already divided by the block's absmax): the count of the 255 sorted
-// midpoints strictly below x, as std::lower_bound and torch.bucketize(right=False); a NaN gives 0
-// as both do. Eight branch-free steps; the largest index read is 254.
+// midpoints strictly below x, as torch.bucketize(right=False); a NaN gives 255 as it does
+// (!(mid >= x): csrc/cpu/adamw8bit_cpu.h [Note: branchless nearest code]). Eight branch-free
+// steps; the largest index read is 254.
 ZK_Q8_FN uint8_t zk_q8_nearest(const float* mids, float x) {
   int pos = 0;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int step = 128; step > 0; step >>= 1) {
-    if (mids[pos + step - 1] < x) pos += step;
+    if (!(mids[pos + step - 1] >= x)) pos += step;
   }
   return static_cast<uint8_t>(pos);
 }

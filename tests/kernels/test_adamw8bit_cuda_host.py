@@ -132,3 +132,17 @@ def test_negative_control_fused_multiply_add_is_caught(libs):
     want = _steps("reference", state, grads, HP)
     bad = _mismatches(want, _steps(libs["fused"], state, grads, HP))
     assert "master" in bad, bad
+
+
+def test_nan_inf_and_midpoint_edge_values_equal_the_reference(libs):
+    """NaN/inf grads, -0.0, moments exactly on a midpoint, a zero block: a NaN moment gives code
+    255 and a NaN absmax as the reference's torch.bucketize/amax (the header used to give 0)."""
+    from .test_adamw8bit_cpu_isa import _edge_case
+
+    state, grads = _edge_case()
+    want = _steps("reference", state, grads, HP)
+    got = _steps(libs["exact"], state, grads, HP)
+    bits = [t.view(torch.int32) if t.dtype == torch.float32 else t for t in want]
+    gbits = [t.view(torch.int32) if t.dtype == torch.float32 else t for t in got]
+    assert _mismatches(bits, gbits) == {}
+    assert int(got[1][5]) == 255 and torch.isnan(got[2][0])

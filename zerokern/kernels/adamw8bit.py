@@ -17,7 +17,9 @@ scalars of kernels/reference.py's AdamW (formed in float64, rounded once to floa
     m_absmax[block] = max |m| over the block; m_q = nearest code of m / m_absmax (division;
         an all-zero block: absmax 0 and m / 1); the nearest code is the count of the map's 255
         fp32 midpoints (c[i] + c[i+1]) / 2 strictly below the value (ties to the lower code);
-        v likewise with the unsigned map
+        v likewise with the unsigned map. A NaN moment (a NaN/inf grad with found_inf unset):
+        the block's absmax is NaN (torch's amax propagates it), the divisor 1, and a NaN's code
+        255 (bucketize puts NaN above every midpoint); every backend does the same
     param_out = round-to-nearest-even(p)
 
 Every operation is IEEE-rounded fp32 (add, mul, div, sqrt), so the only freedom a backend has

@@ -11,7 +11,8 @@ TRITON_INTERPRET=1 (tests).
   could move m by an ulp and so flip a quantization code. sqrt is `sqrt_rn` (IEEE).
 - Dequantize is a gather from the 256-entry code map; the nearest code is a branch-free binary
   search over the 255 midpoints (8 gathers): the count of midpoints strictly below the value,
-  as torch.bucketize(right=False) and std::lower_bound.
+  a NaN counting as above all (255), as torch.bucketize(right=False) gives the reference
+  (csrc/cpu/adamw8bit_cpu.h [Note: branchless nearest code]).
 - 16-bit cast-back: triton_kernels' explicit round-to-nearest-even on the interpreter (which
   truncates), the hardware conversion on the GPU.
 """
@@ -31,14 +32,21 @@ ROWS_INTERP = 256     # the interpreter runs programs one by one: few, large pro
 
 @triton.jit
 def _nearest(x, mids_ptr):
-    """Count of the 255 sorted midpoints strictly below x (0..255), by binary search."""
+    """Count of the 255 sorted midpoints strictly below x (0..255; NaN: 255), by binary search."""
     pos = tl.zeros(x.shape, dtype=tl.int32)
     for s in tl.static_range(8):
         step = 128 >> s
         cand = pos + step
         mid = tl.load(mids_ptr + cand - 1)
-        pos = tl.where(mid < x, cand, pos)
+        pos = tl.where((mid < x) | (x != x), cand, pos)
     return pos
+
+
+@triton.jit
+def _absmax_nan(x):
+    """Each row's max |x|, NaN when the row holds one, as torch's amax (tl.max may drop it)."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=1))
 
 
 @triton.jit
@@ -74,8 +82,8 @@ def _q8_step_kernel(master_ptr, mq_ptr, ma_ptr, vq_ptr, va_ptr, grad_ptr, out_pt
     m = b1 * m + omb1 * g
     v = b2 * v + omb2 * (g * g)
     p = p - step_size * (m / (tl.sqrt_rn(v) * rsqrt_bc2 + eps))
-    m_max = tl.max(tl.abs(m), axis=1)
-    v_max = tl.max(tl.abs(v), axis=1)
+    m_max = _absmax_nan(m)
+    v_max = _absmax_nan(v)
     m_safe = tl.where(m_max > 0, m_max, 1.0)
     v_safe = tl.where(v_max > 0, v_max, 1.0)
     new_mq = _nearest(m / m_safe[:, None], mid_s_ptr)
