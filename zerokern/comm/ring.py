@@ -90,18 +90,14 @@ class RingRunner:
         n, r = self.world_size, self.rank
         chunks = work.chunk(n)
         recv = torch.empty_like(chunks[0])
-        in_place = out.data_ptr() == chunks[r].data_ptr()  # stage 1 (full_grads.py)
         for s in range(n - 1):
             # Send our partial of chunk r-s-1; receive rank r-1's partial of chunk r-s-2.
             self._exchange(chunks[(r - s - 1) % n], recv)
-            dst = chunks[(r - s - 2) % n]
-            if s == n - 2 and not in_place and out.dtype == dst.dtype:
-                # The last add (chunk r) lands in out itself: no copy of the piece after it
-                # (1/N of the buffer read and written once more per bucket, stages 2-3).
-                torch.add(dst, recv, out=out)
-            else:
-                dst.add_(recv)
-        if not in_place and out.dtype != chunks[r].dtype:
+            chunks[(r - s - 2) % n].add_(recv)
+        # (Adding the last step straight into out instead, torch.add(dst, recv, out=out), was
+        # slower, not faster: stage 2 on the 20m GPT, 2 ranks, 3 alternated pairs of 14
+        # iterations: 1.07-1.16x DDP with it, 1.04-1.08x without; kept as it was.)
+        if out.data_ptr() != chunks[r].data_ptr():  # else reduced in place (stage 1)
             out.copy_(chunks[r])
 
     def all_gather(self, out: torch.Tensor) -> None:
