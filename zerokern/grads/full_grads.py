@@ -46,8 +46,11 @@ only its piece of every bucket (`stats_piece`, the stage-1 piece of the same lay
 two numbers are all-reduced over the world group as at stages 1-3 (HSDP replicas counted once):
 a 2-float all-reduce instead of (N-1)/N of a pass. Tensor/model-parallel stats keep reading the
 whole bucket (their element positions are per bucket). With the division above, on the 20m
-GPT, 2 gloo ranks, fp32, `zerokern bench --step` before/after in alternated runs:
-STAGE0_NUMBERS.
+GPT, 2 gloo ranks, fp32, `zerokern bench --step` before (3df7160) and after, 3 alternated runs
+each on the quiet 2-core VM: stage 0 went from 1.080x to 1.027x DDP + fused AdamW (medians;
+after: 1.03, 0.99, 1.09), 257 ms against 267
+(benchmarks/results/step-20m-n2-fp32-issue20-stage0-before-after.md). Stages 1-2 did not change
+and moved 1.014 -> 1.006 and 1.084 -> 1.044: this machine's drift between runs is that large.
 
 [Note: no per-step memset]
 zero_grad() does not zero the buffer: it marks every param's view *stale* (its values are not
