@@ -383,7 +383,10 @@ def test_peft_adapters_disabled_and_enabled_as_torch(ws, stage):
         assert r["rel"] <= TOL, r
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+# the N=3 spawn of this module runs in CI's -m slow pass ([Note: the slow mark]); N=2 (one rank
+# takes the branch / wraps differently) stays in the default run. The N=3 spawn took 59 s / 23 s
+# of the default run (durations on 2026-11-26, default run 661 s against the 10-minute target).
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", STAGES)
 def test_branch_taken_on_some_ranks_only_as_ddp(ws, stage):
     for r in case(_res(ws), f"branch_s{stage}"):
