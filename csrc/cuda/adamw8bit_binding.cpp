@@ -11,21 +11,9 @@
 #include <optional>
 
 #include "adamw8bit.cuh"
+#include "torch_dtype.h"
 
 namespace {
-
-zk_dtype_t q8_dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ZK_DTYPE_F32;
-    case at::kHalf: return ZK_DTYPE_F16;
-    case at::kBFloat16: return ZK_DTYPE_BF16;
-    case at::kDouble: return ZK_DTYPE_F64;
-    case at::kInt: return ZK_DTYPE_I32;
-    case at::kLong: return ZK_DTYPE_I64;
-    case at::kBool: return ZK_DTYPE_BOOL;
-    default: return ZK_DTYPE_NONE;
-  }
-}
 
 // On `dev`; with n >= 0 also contiguous with n elements of dtype `dt`.
 void q8_check(const at::Tensor& t, const char* name, const at::Device& dev, int64_t n,
@@ -73,7 +61,7 @@ void zk_adamw8bit_step(const at::Tensor& master, const at::Tensor& m_q,
                 "zerokern cuda: param_out must be float16 or bfloat16, got ", ot);
     q8_check(*param_out, "param_out", dev, n, ot);
     out_ptr = param_out->data_ptr();
-    out_dtype = q8_dtype_of(*param_out);
+    out_dtype = zk_dtype_of(*param_out);
   }
   q8_check(step, "step", dev, -1, at::kLong);  // scalars: the device only (n < 0)
   q8_check(grad_scale, "grad_scale", dev, -1, at::kFloat);
@@ -95,10 +83,10 @@ void zk_adamw8bit_step(const at::Tensor& master, const at::Tensor& m_q,
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = zk_adamw8bit_step_launch(
       master.data_ptr<float>(), m_q.data_ptr<uint8_t>(), m_absmax.data_ptr<float>(),
-      v_q.data_ptr<uint8_t>(), v_absmax.data_ptr<float>(), grad.data_ptr(), q8_dtype_of(grad),
+      v_q.data_ptr<uint8_t>(), v_absmax.data_ptr<float>(), grad.data_ptr(), zk_dtype_of(grad),
       out_ptr, out_dtype, n, lr, beta1, beta2, eps, weight_decay, step.data_ptr(),
-      q8_dtype_of(step), grad_scale.data_ptr<float>(), found_inf.data_ptr(),
-      q8_dtype_of(found_inf), hp_ptr, code_s.data_ptr<float>(), code_u.data_ptr<float>(),
+      zk_dtype_of(step), grad_scale.data_ptr<float>(), found_inf.data_ptr(),
+      zk_dtype_of(found_inf), hp_ptr, code_s.data_ptr<float>(), code_u.data_ptr<float>(),
       mid_s.data_ptr<float>(), mid_u.data_ptr<float>(), stream);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

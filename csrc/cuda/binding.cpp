@@ -12,21 +12,9 @@
 #include <string>
 
 #include "zk_kernels.cuh"
+#include "torch_dtype.h"
 
 namespace {
-
-zk_dtype_t zk_dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ZK_DTYPE_F32;
-    case at::kHalf: return ZK_DTYPE_F16;
-    case at::kBFloat16: return ZK_DTYPE_BF16;
-    case at::kDouble: return ZK_DTYPE_F64;
-    case at::kInt: return ZK_DTYPE_I32;
-    case at::kLong: return ZK_DTYPE_I64;
-    case at::kBool: return ZK_DTYPE_BOOL;
-    default: return ZK_DTYPE_NONE;
-  }
-}
 
 void check_device(const at::Tensor& t, const char* name, const at::Device& dev) {
   TORCH_CHECK(t.is_cuda(), "zerokern cuda: ", name, " must be a CUDA tensor, got ", t.device());

@@ -11,21 +11,9 @@
 #include <optional>
 
 #include "lion.cuh"
+#include "torch_dtype.h"
 
 namespace {
-
-zk_dtype_t lion_dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ZK_DTYPE_F32;
-    case at::kHalf: return ZK_DTYPE_F16;
-    case at::kBFloat16: return ZK_DTYPE_BF16;
-    case at::kDouble: return ZK_DTYPE_F64;
-    case at::kInt: return ZK_DTYPE_I32;
-    case at::kLong: return ZK_DTYPE_I64;
-    case at::kBool: return ZK_DTYPE_BOOL;
-    default: return ZK_DTYPE_NONE;
-  }
-}
 
 void lion_check(const at::Tensor& t, const char* name, const at::Device& dev, int64_t n) {
   TORCH_CHECK(t.is_cuda() && t.device() == dev, "zerokern cuda: ", name, " must be on ", dev,
@@ -53,7 +41,7 @@ void zk_lion_step(const at::Tensor& master, const at::Tensor& exp_avg, const at:
   if (param_out.has_value()) {
     lion_check(*param_out, "param_out", dev, n);
     out_ptr = param_out->data_ptr();
-    out_dtype = lion_dtype_of(*param_out);
+    out_dtype = zk_dtype_of(*param_out);
   }
   lion_check(step, "step", dev, -1);
   lion_check(grad_scale, "grad_scale", dev, -1);
@@ -67,10 +55,10 @@ void zk_lion_step(const at::Tensor& master, const at::Tensor& exp_avg, const at:
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = zk_lion_step_launch(
-      master.data_ptr<float>(), exp_avg.data_ptr<float>(), grad.data_ptr(), lion_dtype_of(grad),
+      master.data_ptr<float>(), exp_avg.data_ptr<float>(), grad.data_ptr(), zk_dtype_of(grad),
       out_ptr, out_dtype, n, lr, beta1, beta2, weight_decay, step.data_ptr(),
-      lion_dtype_of(step), grad_scale.data_ptr<float>(), found_inf.data_ptr(),
-      lion_dtype_of(found_inf), hp_ptr, stream);
+      zk_dtype_of(step), grad_scale.data_ptr<float>(), found_inf.data_ptr(),
+      zk_dtype_of(found_inf), hp_ptr, stream);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
