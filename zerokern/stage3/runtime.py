@@ -32,13 +32,10 @@ make the order independent of which params a rank used:
    rank. A unit called again after the schedule passed it (a block used twice) is gathered
    again if freed: that is consistent only if every rank calls it again, as with FSDP.
 2. Reduce-scatters go in one static order (the reversed schedule, the root last) on a process
-   group of their own (Comm.split). A rank that waits for a reduce-scatter (bounded staging,
-   MAX_IN_FLIGHT) then never blocks a gather its peers wait on: on one group, gathers and
-   reduce-scatters in different interleavings would pair a gather with a reduce-scatter of
-   the same size (gloo's ring: silently wrong) or hang (NCCL). On a GPU the gathers are
-   issued from a stream of their own, so no gather waits (through the compute stream) for a
-   reduce-scatter whatever the two orders' interleaving ([Note: stage-3 gather stream] in
-   gather_stream.py, which also says what that leaves open).
+   group of their own (Comm.split), so gloo's ring threads and NCCL's streams run the two
+   concurrently. On a GPU the gathers are issued from a stream of their own, so no gather
+   waits (through the compute stream) for a reduce-scatter ([Note: stage-3 gather stream] in
+   gather_stream.py).
 3. A unit is reduced once its backward is done on this rank: all its params have grads, or
    the grad of its inputs has been computed (FSDP2's post-backward: autograd runs a param's
    AccumulateGrad, which has the highest priority, as soon as it is ready, so a param without
@@ -46,9 +43,25 @@ make the order independent of which params a rank used:
    used on this rank). Unused params count as zero. Without rule 3 a rank where one param of
    a unit was unused would hold back every later reduce-scatter until the end of backward,
    while its peers wait on those with gathers still to come: a deadlock.
+4. The two orders interleave the same way on every rank (issue 24, item 3: NCCL asks for one
+   order across communicators). Rule 3's moment differs between ranks, so it no longer decides
+   *where* a reduce-scatter goes, only *what* it carries. The unit at position j of the
+   reversed schedule is reduce-scattered in a window: after gather step j + 2 is launched and
+   before gather step j + 3 is (backward.py, WINDOW_OPENS; gather steps are launched in the
+   schedule's order on every rank, whether as a prefetch or when the cursor moves). Inside its
+   window a unit goes as soon as its backward is over here. In a model whose units run in
+   schedule order it always is: step j + 2 is the prefetch taken when the cursor reaches unit
+   j + 1, whose output grad is unit j's input grad, and its AccumulateGrads run before that
+   hook. If the window closes first on a rank (a unit called out of schedule order, or one
+   called with no input that requires grad whose params go partly unused), that rank sends
+   zeros in the window and keeps the unit's grads: the unit is late. At the end of every synced
+   backward the ranks agree on the late units (a gloo all-reduce of one flag per unit over the
+   world: comm/host_agree.py, no device sync) and reduce-scatter each again in the static
+   order, the late ranks sending what they kept and the others zeros: the sums are exact.
+   Cost: one small host all-reduce per backward, and one extra reduce-scatter per late unit.
 A param whose grad arrives after its unit was reduced (a param outside its unit's input
 path) raises a RuntimeError naming the fix. ZEROKERN_DEBUG_COLLECTIVES=1 checks the whole
-record across ranks at every step() (comm/debug.py).
+record across ranks at every step(), in issue order over both groups (comm/debug.py).
 
 Activation checkpointing (non-reentrant): the recompute runs the unit's forward inside
 backward, after the output hook gathered it; the hooks see `in_backward` and neither free nor
@@ -64,6 +77,7 @@ from typing import Dict, List
 
 import torch
 
+from zerokern.comm.host_agree import HostAgreement
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.grads.weak_hook import weak_hook
 
@@ -135,6 +149,8 @@ class Stage3Runtime(Stage3Backward):
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked in reduce()
         self.hpz = None if comm.hpz is None else HpzSecondary(comm.hpz)  # stage3/hpz.py
         super().__init__(flats, comm, reduce_dtype, rs_comm=comm.split())
+        self._agree = HostAgreement(comm.world)  # rule 4's catch-up, over every rank
+        self.late_units = 0  # units reduced late and caught up, since construction (rule 4)
         self.guard = guards.ModelGuard(self, model)
         for u in self.active_units:
             self._hooks.append(u.module.register_forward_pre_hook(
@@ -154,6 +170,8 @@ class Stage3Runtime(Stage3Backward):
         self._staging: Dict[int, torch.Tensor] = {}
         self._done: set = set()       # units whose backward is over on this rank (rule 3)
         self._reduced: set = set()
+        self._late: set = set()       # units whose window closed before their backward was over
+        self._gstep = 0               # gather steps of the reversed schedule launched (rule 4)
         self._bcur = 0
         self._next = 0
 
