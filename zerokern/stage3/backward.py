@@ -16,10 +16,30 @@ from zerokern.state import huge_pages
 from . import param_offload
 from .units import Unit
 
-# Rule 4 of [Note: stage-3 collective order]: the unit at position j of the reversed schedule
-# is reduce-scattered after gather step j + WINDOW_OPENS and before gather step j + 3. With 2,
-# a sequential model's unit is over by the time its window opens: step j + 2 is the prefetch
-# taken when the cursor reaches unit j + 1, whose output grad is unit j's input grad.
+# [Note: reduce-scatter windows] (rule 4 of [Note: stage-3 collective order], issue 24 item 3)
+# When a unit's backward is over (rule 3) differs between ranks, so it must not decide where a
+# reduce-scatter goes between the gathers, only what it carries. The unit at position j of the
+# reversed schedule is reduce-scattered in a window: after gather step j + WINDOW_OPENS is
+# launched and before gather step j + 3 is (gather steps are launched in the schedule's order
+# on every rank, as a prefetch or when the cursor moves; for the last units and the root the
+# window opens after the last step). Inside its window a unit goes as soon as its backward is
+# over here. In a model whose units run in schedule order it always is: step j + 2 is the
+# prefetch taken when the cursor reaches unit j + 1, whose output grad is unit j's input grad,
+# and its AccumulateGrads run before that hook. Measured (test_stage3_users' models, N = 2, 4
+# steps, late units caught up): WINDOW_OPENS = 1 makes the "stall" model (a param of a block
+# unused on one rank: that block is over only at its input-grad hook, which runs after the
+# next unit's output hook on the same tensor) late at every step (4) and DynLM (dropped blocks,
+# branches, MoE experts as units) late 11 times; 2: 0 and 6; 3: 0 and 0, but every unit's
+# grads would wait one more unit's backward (more staging, less overlap at the end of
+# backward) for models that are never late. If the window closes first on a rank (a unit called out
+# of schedule order; one called with no input that requires grad whose params go partly
+# unused), that rank sends zeros in the window and keeps the unit's grads: the unit is late.
+# At the end of every synced backward the ranks agree on the late units (a gloo all-reduce of
+# one flag per unit over the world: comm/host_agree.py, no device sync) and reduce-scatter
+# each again in the static order, the late ranks sending what they kept and the others zeros:
+# the sums are exact. Cost: that host all-reduce per backward, one extra reduce-scatter per
+# late unit (`late_units` counts them), and a unit's reduce-scatter may wait from its last
+# AccumulateGrad to the next unit's output hook (no compute runs between the two).
 WINDOW_OPENS = 2
 
 

@@ -19,7 +19,7 @@ Backward:
 
 [Note: stage-3 collective order]
 Every rank must issue the same collectives in the same order, also when ranks use different
-params in a step (a branch inside a unit, a unit skipped on one rank, MoE routing). Three rules
+params in a step (a branch inside a unit, a unit skipped on one rank, MoE routing). Four rules
 make the order independent of which params a rank used:
 1. Gathers follow a static schedule, not the calls. The schedule is the units in module
    registration order (the same on every rank). Each forward gathers every unit of it once,
@@ -36,29 +36,17 @@ make the order independent of which params a rank used:
    concurrently. On a GPU the gathers are issued from a stream of their own, so no gather
    waits (through the compute stream) for a reduce-scatter ([Note: stage-3 gather stream] in
    gather_stream.py).
-3. A unit is reduced once its backward is done on this rank: all its params have grads, or
-   the grad of its inputs has been computed (FSDP2's post-backward: autograd runs a param's
-   AccumulateGrad, which has the highest priority, as soon as it is ready, so a param without
-   a grad by then was not used), or the schedule passed it without its backward running (not
-   used on this rank). Unused params count as zero. Without rule 3 a rank where one param of
-   a unit was unused would hold back every later reduce-scatter until the end of backward,
-   while its peers wait on those with gathers still to come: a deadlock.
+3. A unit's backward is over on this rank once all its params have grads, or the grad of its
+   inputs has been computed (FSDP2's post-backward: autograd runs a param's AccumulateGrad,
+   which has the highest priority, as soon as it is ready, so a param without a grad by then
+   was not used), or the schedule passed it without its backward running (not used on this
+   rank). Unused params count as zero. Without this a unit with one param unused on a rank
+   would be late there (rule 4) at every step.
 4. The two orders interleave the same way on every rank (issue 24, item 3: NCCL asks for one
-   order across communicators). Rule 3's moment differs between ranks, so it no longer decides
-   *where* a reduce-scatter goes, only *what* it carries. The unit at position j of the
-   reversed schedule is reduce-scattered in a window: after gather step j + 2 is launched and
-   before gather step j + 3 is (backward.py, WINDOW_OPENS; gather steps are launched in the
-   schedule's order on every rank, whether as a prefetch or when the cursor moves). Inside its
-   window a unit goes as soon as its backward is over here. In a model whose units run in
-   schedule order it always is: step j + 2 is the prefetch taken when the cursor reaches unit
-   j + 1, whose output grad is unit j's input grad, and its AccumulateGrads run before that
-   hook. If the window closes first on a rank (a unit called out of schedule order, or one
-   called with no input that requires grad whose params go partly unused), that rank sends
-   zeros in the window and keeps the unit's grads: the unit is late. At the end of every synced
-   backward the ranks agree on the late units (a gloo all-reduce of one flag per unit over the
-   world: comm/host_agree.py, no device sync) and reduce-scatter each again in the static
-   order, the late ranks sending what they kept and the others zeros: the sums are exact.
-   Cost: one small host all-reduce per backward, and one extra reduce-scatter per late unit.
+   order across communicators): each unit is reduce-scattered in a window between two gathers
+   of the reversed schedule, carrying this rank's grads if its backward is over (rule 3), else
+   zeros, the grads following in a catch-up at the end of backward that every rank joins
+   ([Note: reduce-scatter windows] in backward.py).
 A param whose grad arrives after its unit was reduced (a param outside its unit's input
 path) raises a RuntimeError naming the fix. ZEROKERN_DEBUG_COLLECTIVES=1 checks the whole
 record across ranks at every step(), in issue order over both groups (comm/debug.py).
@@ -72,7 +60,6 @@ no_grad): the recompute's pre-hook moves the backward cursor instead.
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
@@ -87,6 +74,7 @@ from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
 from .units import Unit
+from .whole_params import WholeParams
 
 
 def _tensors(obj, out: list) -> list:
@@ -102,7 +90,7 @@ def _tensors(obj, out: list) -> list:
     return out
 
 
-class Stage3Runtime(Stage3Backward):
+class Stage3Runtime(WholeParams, Stage3Backward):
     """Stage 3's runtime: gathers, frees and prefetches the units' params around forward and
     backward, and reduce-scatters their grads into the shards (the GradSync of stage 3)."""
 
@@ -378,47 +366,6 @@ class Stage3Runtime(Stage3Backward):
     def _hpz_invalidate(self) -> None:
         if self.hpz is not None:  # the params may change from here ([Note: hpZ secondary])
             self.hpz.invalidate()
-
-    def gather_all(self) -> None:
-        param_offload.new_pass(self)
-        self._hpz_invalidate()
-        for u in self.active_units:
-            self._refs[u.index] += 1
-        self._gather([u.index for u in self.active_units], exact=True)
-
-    def release_all(self, write_back: bool) -> None:
-        for u in self.active_units:
-            self._refs[u.index] -= 1
-        if write_back:
-            for f in list(self.groups) + self.frozen:
-                f.write_back_()
-        self._free_unreferenced()
-
-    @contextmanager
-    def frozen_whole(self, write_back: bool = False):
-        """Between steps: the frozen params whole inside the block (collective), e.g. for a
-        checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
-        param_offload.new_pass(self)
-        self._hpz_invalidate()
-        for f in self.frozen:
-            if f.quantized:  # left from a forward with qwZ pieces: exact here
-                self._drop(f)
-            f.start_gather(self.comm.shard, self._label(f))
-        for f in self.frozen:
-            f.finish_gather()
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            for f in self.frozen:
-                if ok and write_back:
-                    f.write_back_()
-                f.free()
-
-    @property
-    def all_gathered(self) -> bool:
-        return all(f.gathered for f in list(self.groups) + self.frozen)
 
     def live_bound(self) -> int:
         """Bytes of full params that can be gathered at once: the root and its dependencies,
