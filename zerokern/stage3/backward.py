@@ -25,13 +25,14 @@ from .units import Unit
 # window opens after the last step). Inside its window a unit goes as soon as its backward is
 # over here. In a model whose units run in schedule order it always is: step j + 2 is the
 # prefetch taken when the cursor reaches unit j + 1, whose output grad is unit j's input grad,
-# and its AccumulateGrads run before that hook. Measured (test_stage3_users' models, N = 2, 4
-# steps, late units caught up): WINDOW_OPENS = 1 makes the "stall" model (a param of a block
-# unused on one rank: that block is over only at its input-grad hook, which runs after the
-# next unit's output hook on the same tensor) late at every step (4) and DynLM (dropped blocks,
-# branches, MoE experts as units) late 11 times; 2: 0 and 6; 3: 0 and 0, but every unit's
-# grads would wait one more unit's backward (more staging, less overlap at the end of
-# backward) for models that are never late. If the window closes first on a rank (a unit called out
+# and its AccumulateGrads run before that hook; so does its input-grad hook, since the cursor
+# moves in a node pre-hook that runs after the tensor's hooks ([Note: the cursor hook runs
+# last on its tensor] in runtime.py). Measured late units (test_stage3_users' models, N = 2,
+# 4 steps) with the cursor on a tensor hook: WINDOW_OPENS = 1: 4 for the "stall" model (a
+# block's param unused on one rank), 11 for DynLM (dropped blocks, branches, MoE experts as
+# units); 2: 0 and 6; 3: 0 and 0. With the node pre-hook: 0 and 0 for 1 and 2. 2 keeps one
+# unit of slack at no cost for models in schedule order (their reduce-scatters go at the
+# same moment with 1 or 2). If the window closes first on a rank (a unit called out
 # of schedule order; one called with no input that requires grad whose params go partly
 # unused), that rank sends zeros in the window and keeps the unit's grads: the unit is late.
 # At the end of every synced backward the ranks agree on the late units (a gloo all-reduce of
@@ -70,14 +71,19 @@ class Stage3Backward(ShardedGrads):
         """Move the backward cursor to pos. A unit passed over that the forward did not call
         (with grad) on this rank is unused here: gathered for its peers, freed, done (rule 3);
         one it did call (out of schedule order) stays gathered for its backward to come."""
-        skipped = self._bsched[self._bcur:pos]
+        unused = [ui for ui in self._bsched[self._bcur:pos]
+                  if self._calls[ui] == 0 and ui not in self._unsignalled]
+        # Over here already (rule 3): a window that closes during these gather steps carries
+        # their zeros as a reduced unit, not as a late one; they are freed below, once their
+        # gathers have landed (not by _reduce_unit: a freed unit's gather would be re-issued).
+        self._passing = set(unused)
         self._gather_steps(pos)
         self._reach(self._bsched, self._bcur, pos, free_skipped=False)
         self._bcur = pos + 1
-        for ui in skipped:
-            if self._calls[ui] == 0 and ui not in self._unsignalled:
-                self._release(ui)
-                self._unit_done(ui)
+        self._passing = set()
+        for ui in unused:
+            self._release(ui)
+            self._unit_done(ui)
 
     def _gather_steps(self, upto: int) -> None:
         """Launch the gathers of the reversed schedule up to position `upto` in order, each
@@ -186,7 +192,7 @@ class Stage3Backward(ShardedGrads):
         return self._gstep > min(self._rs_pos(ui) + WINDOW_OPENS, len(self._bsched) - 1)
 
     def _ready(self, ui: int) -> bool:
-        return self._pending[ui] == 0 or ui in self._done
+        return self._pending[ui] == 0 or ui in self._done or ui in self._passing
 
     def _launch_ready(self, flush: bool) -> None:
         """Reduce-scatter, in the static order, the units whose window is open and whose
@@ -236,7 +242,7 @@ class Stage3Backward(ShardedGrads):
                 self._complete_oldest()
             self._reduce_async(fi, staging, self.grad_shards[fi])
         self._reduced.add(ui)
-        if not flush:
+        if not flush and ui not in self._passing:  # (a unit passed is freed by _skip_backward)
             self._maybe_free(ui)
 
     def _reduce_zeros(self, ui: int) -> None:

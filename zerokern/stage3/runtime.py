@@ -160,6 +160,7 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         self._reduced: set = set()
         self._late: set = set()       # units whose window closed before their backward was over
         self._gstep = 0               # gather steps of the reversed schedule launched (rule 4)
+        self._passing: set = set()    # unused units the cursor is passing (_skip_backward)
         self._bcur = 0
         self._next = 0
 
@@ -309,10 +310,24 @@ class Stage3Runtime(WholeParams, Stage3Backward):
             if self._refs[ui] == 0 and ui not in keep:
                 self._free(ui)
         if torch.is_grad_enabled():
+            # [Note: the cursor hook runs last on its tensor] The backward cursor moves in a
+            # pre-hook of the output's grad_fn, not a hook on the output tensor: the engine
+            # runs a node's tensor hooks first, and the next unit's input-grad hooks (rule 3)
+            # sit on this very tensor. As a tensor hook (registered first, so run first) the
+            # cursor moved before the next unit knew its backward was over, so the window that
+            # move closed found it not over: late (rule 4). Measured on test_stage3_users'
+            # DynLM at N=2 over 4 steps: 6 late units before, 0 after.
             hook = weak_hook(self, "_pre_backward")
+            seen = set()
             for t in _tensors(out, []):
-                if t.requires_grad:
+                if not t.requires_grad:
+                    continue
+                fn = t.grad_fn
+                if fn is None:  # a leaf returned as is: its own hook
                     t.register_hook(lambda grad, u=u: hook(u))
+                elif id(fn) not in seen:
+                    seen.add(id(fn))
+                    fn.register_prehook(lambda grads, u=u: hook(u))
         if u.is_root:
             self.fwd_order = self._recording
             if self._fcur < len(self.schedule):  # units this rank skipped at the end
