@@ -264,7 +264,9 @@ class GroupComm:
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                     label: Optional[str] = None):
-        """out[rank*n:(rank+1)*n] = inp of each rank; inp may be that slice of out (in place)."""
+        """out[rank*n:(rank+1)*n] = inp of each rank; inp may be that slice of out (in place).
+        On the gloo ring inp is read when the ring thread runs the gather: keep it unchanged
+        until the handle is waited for."""
         if self.world_size == 1:
             return self._local(out, inp)
         self._record("all_gather", out, label)
@@ -272,6 +274,14 @@ class GroupComm:
                        self.dim)
         if self._ring_for(out) is not None:
             n = inp.numel()
-            self._local(out[self.rank * n:(self.rank + 1) * n], inp)
+            mine = out[self.rank * n:(self.rank + 1) * n]
+            if mine.data_ptr() != inp.data_ptr() and inp.device == out.device and \
+                    inp.dtype == out.dtype and inp.dim() == out.dim() == 1 and \
+                    inp.is_contiguous() and \
+                    out.numel() == n * self.world_size:
+                # copied on the ring thread during the first send ([Note: the gather copies
+                # its input while sending], ring.py): inp must stay unchanged until waited
+                return self._on_ring(async_op, self.ring.all_gather, out, inp)
+            self._local(mine, inp)
             return self._on_ring(async_op, self.ring.all_gather, out)
         return self._issue(async_op, _all_gather, out, inp, group=self.group)

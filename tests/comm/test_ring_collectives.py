@@ -1,4 +1,8 @@
-"""The gloo ring's reduce-scatter ([Note: the ring's last step lands in out], comm/ring.py) against
+"""The gloo ring's all-gather ([Note: the gather copies its input while sending], comm/ring.py):
+from an input apart from out (stage 3's shard) and in place (stages 1-2), at N = 2 and 3, equal
+to every rank's seeded input laid side by side, exactly (a gather is a copy).
+
+The gloo ring's reduce-scatter ([Note: the ring's last step lands in out], comm/ring.py) against
 an independent reference: every rank's input is rebuilt from its seed and summed in float64.
 Out apart from the input (stages 2-3: the last step lands in out), out as the input's own chunk
 (stage 1: in place), and an out of another dtype (copied at the end), at N = 2 and 3; over 2
@@ -70,3 +74,32 @@ def test_ring_reduce_scatter_matches_float64_sum(ws):
             exact = (_inp(0, 2) + _inp(1, 2))[r * PER:(r + 1) * PER]
             assert torch.equal(res[r]["apart"], exact)
             assert torch.equal(res[r]["in_place"], exact)
+
+
+def _gather(rank, ws):
+    comm = GroupComm()
+    out = {}
+    full = torch.full((ws * PER,), float("nan"))
+    shard = _inp(rank, ws)[:PER].clone()
+    h = comm.all_gather_(full, shard, async_op=True)
+    h.wait()
+    out["apart"] = full
+    out["shard_after"] = shard
+    inplace = torch.full((ws * PER,), float("nan"))
+    inplace[rank * PER:(rank + 1) * PER] = _inp(rank, ws)[:PER]
+    comm.all_gather_(inplace, inplace[rank * PER:(rank + 1) * PER])
+    out["in_place"] = inplace
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_ring_all_gather_from_apart_and_in_place(ws):
+    res = cached(_gather, ws)
+    ref = torch.cat([_inp(r, ws)[:PER] for r in range(ws)])
+    for r in range(ws):
+        assert torch.equal(res[r]["apart"], ref), r
+        assert torch.equal(res[r]["in_place"], ref), r
+        assert torch.equal(res[r]["shard_after"], _inp(r, ws)[:PER])  # the input untouched
+    wrong = ref.clone()
+    wrong[:PER] = _inp(1, ws)[:PER]  # negative control: another rank's piece in chunk 0
+    assert not torch.equal(res[0]["apart"], wrong)
