@@ -1,5 +1,5 @@
-"""The gloo ring's all-gather ([Note: the gather copies its input while sending], comm/ring.py):
-from an input apart from out (stage 3's shard) and in place (stages 1-2), at N = 2 and 3, equal
+"""The gloo ring's all-gather (comm/ring.py, through GroupComm.all_gather_): from an input apart
+from out (stage 3's shard) and in place (stages 1-2), at N = 2 and 3, equal
 to every rank's seeded input laid side by side, exactly (a gather is a copy).
 
 The gloo ring's reduce-scatter ([Note: the ring's last step lands in out], comm/ring.py) against

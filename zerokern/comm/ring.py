@@ -74,7 +74,7 @@ class RingRunner:
             except Exception:  # noqa: BLE001 - reported by the handle that owns the job
                 pass
 
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, during=None) -> None:
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         if send.device.type != "cpu" or recv.device.type != "cpu":
             # gloo's send/recv would read a device address as a host pointer ([Note: the ring
             # is for CPU tensors] in collectives.py): refuse rather than crash.
@@ -82,10 +82,7 @@ class RingRunner:
                              f"{send.device} and {recv.device}")
         ops = [dist.P2POp(dist.isend, send, self._next, self.group),
                dist.P2POp(dist.irecv, recv, self._prev, self.group)]
-        works = dist.batch_isend_irecv(ops)
-        if during is not None:  # local work while the transfer is in flight
-            during()
-        for w in works:
+        for w in dist.batch_isend_irecv(ops):
             w.wait()
 
     def reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
@@ -119,23 +116,11 @@ class RingRunner:
         if out.data_ptr() != chunks[r].data_ptr():  # else reduced in place (stage 1)
             out.copy_(chunks[r])
 
-    def all_gather(self, out: torch.Tensor, inp: Optional[torch.Tensor] = None) -> None:
-        """Chunk `rank` of out is ours (or `inp`'s values); fill the others from the ring.
-
-        [Note: the gather copies its input while sending] With `inp` apart from out (stage
-        3's param shard), the first step sends straight from inp and copies inp into out's
-        chunk `rank` while that transfer is in flight, here on the ring thread: the caller
-        (stage 3's forward and backward, launching the next unit's prefetch) no longer
-        copies the shard synchronously (the 20m GPT, 2 ranks: 46 MB of copy_ per forward
-        and 31 MB per backward off the main thread, benchmarks/step_profile.py). inp is read
-        when the ring runs, so it must stay unchanged until the handle is waited for (stage
-        3's shards change only in step(), with no gather in flight)."""
+    def all_gather(self, out: torch.Tensor) -> None:
+        """Chunk `rank` of out is ours; fill the others from the ring, in place."""
         n, r = self.world_size, self.rank
         chunks = out.chunk(n)
         for s in range(n - 1):
-            if s == 0 and inp is not None:
-                self._exchange(inp, chunks[(r - 1) % n], during=lambda: chunks[r].copy_(inp))
-                continue
             self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
 
 
