@@ -11,6 +11,9 @@ AdamW reference on the same global batch (each rank holds its slice; DDP semanti
 * stage 3: gathers on the main communicator, reduce-scatters on the second one (Comm.split),
   with ZEROKERN_DEBUG_COLLECTIVES=1 checking at every step that every rank issued the same
   collectives in the same order on both ([Note: stage-3 collective order]);
+* stage 3 under data-dependent control flow (ranks take different paths; units reduced late
+  and caught up): both communicators in one interleaving on every rank (the strict debug check
+  at every step()), parity with DDP(find_unused_parameters=True) over NCCL (issue 24, item 3);
 * every case asserts that NCCL calls were really made (comm_stats calls > 0), so none passes
   vacuously, and the stage-3 optimizer really holds a second process group.
 Skipped, with the reason, on a machine with fewer than 2 GPUs or a torch without NCCL.
@@ -24,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import zerokern as zk
 from zerokern import spawn as zk_spawn
 
 from ..support import models as M
@@ -100,3 +104,63 @@ def test_nccl_collectives_match_torch_adamw(cuda_backend, ws):
             if name == "s2_clip":
                 assert c["all_reduce"] > 0, c  # the stats all-reduce ran over NCCL
         assert res["s3"]["second_group"] is True  # reduce-scatters on their own communicator
+
+
+# ---- stage 3 under data-dependent control flow: one order on both communicators (item 3) ----
+def _ddp_reference_cuda(make, rank, ws, dev):
+    """DDP(find_unused_parameters=True) over NCCL + torch AdamW; unused params get zero grads."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..stage3.test_stage3_users import _adamw
+    model = make().to(dev)
+    net = DDP(model, device_ids=None if dev.index is None else [dev.index],
+              find_unused_parameters=True)
+    opt = _adamw(model)
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        M.loss_fn(net, _tokens(s, rank, ws, dev)).backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    return {k: v.cpu() for k, v in M.snapshot(model).items()}
+
+
+def _flow_rank(rank, ws, backend, device_type="cuda"):
+    """Stage 3 over NCCL on models whose ranks take different paths (test_stage3_users' DynLM)
+    or reduce units late (test_stage3_order's SideLM, EncDecLM), under the strict debug check:
+    every step() compares the ranks' collectives in issue order over both communicators."""
+    from ..stage3.test_stage3_order import _make
+    from ..stage3.test_stage3_users import make_dyn
+    dev = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    os.environ["ZEROKERN_DEBUG_COLLECTIVES"] = "1"
+    out = {}
+    for name, make in (("dyn", make_dyn), ("side", lambda: _make("side")),
+                       ("encdec", lambda: _make("encdec"))):
+        ref = _ddp_reference_cuda(make, rank, ws, dev)
+        model = make().to(dev)
+        opt = zk.ZeroAdamW(model, stage=3, precision="fp32", lr=M.LR, betas=M.BETAS, eps=M.EPS,
+                           weight_decay=M.WD, backend=backend)
+        for s in range(STEPS):
+            opt.zero_grad()
+            M.loss_fn(model, _tokens(s, rank, ws, dev)).backward()
+            opt.step()
+        snap = {k: v.cpu() for k, v in M.full_snapshot(model, opt).items()}
+        out[name] = dict(rel=M.rel_err(snap, ref), late=opt.grad_sync.late_units,
+                         checks=opt.comm.log.checks, calls=opt.comm_stats()["calls"],
+                         trace=list(model.trace))
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_nccl_stage3_one_order_under_data_dependent_flow(cuda_backend, ws):
+    _need(ws)
+    results = zk_spawn.spawn_ranks(_flow_rank, ws, cuda_backend, backend="nccl",
+                                   device_of=lambda r: torch.device("cuda", r), timeout=600)
+    for r, res in enumerate(results):
+        for name, x in res.items():
+            assert x["rel"] <= TOL["fp32"], f"rank {r} {name}: vs DDP {x['rel']:.3g}"
+            assert x["checks"] == STEPS, (name, x["checks"])  # no divergence was raised
+            assert x["calls"]["reduce_scatter"] > 0 and x["calls"]["all_gather"] > 0, x
+        assert res["side"]["late"] > 0 and res["encdec"]["late"] > 0, res  # the catch-up ran
+    assert len({tuple(res["dyn"]["trace"]) for res in results}) == ws  # different paths

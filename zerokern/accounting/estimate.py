@@ -113,6 +113,10 @@ class _InstantComm:
         # hpZ: the node group (size, rank) the secondary copies are sharded over
         self.hpz = None if node is None else _InstantComm(*node)
         self.qwz = False  # quantized gathers hold the same buffers (their payloads are transient)
+        self.backend = "gloo"  # a host agreement (comm/host_agree.py) takes agree_ below
+
+    def agree_(self, t, op, label, host_group=None) -> None:
+        pass
 
     def reduce_scatter_(self, out, inp, async_op=False, label=None):
         return self._Done()
@@ -221,8 +225,18 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
         # hpZ: the secondaries the forward kept (a run's backward frees the root while in
         # backward, which keeps none; this replay has no autograd to do that)
         secondary = sum(t.numel() * t.element_size() for t in sync.held().get("hpz", []))
+        # The backward cursor moves as in a run (a unit's output hook fires before its params'
+        # grads): it opens the reduce-scatter windows ([Note: stage-3 collective order], 4).
+        # (_in_backward: no autograd callback to queue here; end_backward is called below)
+        sync._in_backward = True
+        sync._pre_backward(units[0])
+        reached = {0}
         for j in spec.grad_order:
             fi, slot = where[j]
+            ui = flats[fi].unit_index
+            if ui not in reached:
+                reached.add(ui)
+                sync._pre_backward(units[ui])
             sync.on_grad(fi, slot, _GradOf(torch.empty(spec.shapes[j], dtype=dtype,
                                                        device="meta")))
         sync.end_backward()

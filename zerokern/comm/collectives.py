@@ -226,6 +226,22 @@ class GroupComm:
             out.copy_(inp)
         return _Done()
 
+    def agree_(self, t: torch.Tensor, op, label: str, host_group=None) -> None:
+        """All-reduce a small CPU tensor of host facts over this group's ranks, on this group
+        (gloo) or on `host_group` (a gloo group over the same ranks): recorded in debug mode,
+        not counted in comm_stats, which counts the data path ([Note: agreeing on host facts]
+        in host_agree.py). Blocking."""
+        if self.world_size == 1:
+            return
+        self._record("all_reduce", t, label)
+        if host_group is not None:
+            self.abort.next_index()
+            dist.all_reduce(t, op=op, group=host_group)
+        elif self._ring_for(t) is not None:
+            self._on_ring(False, dist.all_reduce, t, op, self.group)
+        else:
+            self._issue(False, dist.all_reduce, t, op=op, group=self.group)
+
     def all_reduce_(self, t: torch.Tensor, op=None, async_op: bool = False,
                     label: Optional[str] = None):
         if self.world_size == 1:

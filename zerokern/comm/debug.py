@@ -4,12 +4,12 @@
 A rank that issues its collectives in another order than its peers does not always fail: two
 collectives with equal byte counts exchange each other's data (the gloo ring, and NCCL when the
 sizes match) and training goes on, wrong. In debug mode every Comm records, per collective,
-(kind, dtype, shape, label), where the label names the buffer (e.g. "unit 3 group 0"), so a
-reorder of two same-shaped units shows too. Records are compared per process group: stage 3
-reduce-scatters on a group of its own, and ranks may interleave the two groups differently (only
-the order within a group must agree; on a GPU no gather waits for a reduce-scatter, [Note:
-stage-3 gather stream] in stage3/gather_stream.py, which names the NCCL caveat left). `check()`,
-called at every stage-3 step(), exchanges a 64-bit hash and the count of each rank's records
+(group, kind, dtype, shape, label), where the label names the buffer (e.g. "unit 3 group 0"), so
+a reorder of two same-shaped units shows too. Records are compared in the order this rank issued
+them over all of the optimizer's groups, not per group: NCCL asks for one order across
+communicators too, and stage 3, whose gathers and reduce-scatters run on two groups, keeps one
+([Note: stage-3 collective order], rule 4, in stage3/runtime.py). `check()`, called at every
+step(), exchanges a 64-bit hash and the count of each rank's records
 since the last check over the world group (every data-parallel rank, comm/groups.py [Note: two
 groups, named by role]; with a 1-D mesh it is the shard group), with plain torch.distributed
 collectives that are not recorded themselves. On a mismatch it gathers the records
@@ -54,9 +54,6 @@ class CollectiveLog:
         self.checks += 1
         if group is None or dist.get_world_size(group) == 1:
             return
-        # Per group: only the order within one group must agree (ranks may interleave the
-        # groups differently, [Note: stage-3 collective order]).
-        records = sorted(records, key=lambda r: r[0])  # stable: each group's order is kept
         mine = torch.tensor([len(records), self._digest_of(records)], dtype=torch.int64)
         n = dist.get_world_size(group)
         dev = _device_of(group)
@@ -90,20 +87,17 @@ def _fmt(r: Optional[Record]) -> str:
 
 
 def _first_divergence(every: List[List[Record]], where: str, check_no: int) -> str:
-    tags = sorted({r[0] for recs in every for r in recs})
-    for tag in tags:
-        per_rank = [[r for r in recs if r[0] == tag] for recs in every]
-        longest = max(len(r) for r in per_rank)
-        for i in range(longest):
-            seen = [r[i] if i < len(r) else None for r in per_rank]
-            if all(s == seen[0] for s in seen):
-                continue
-            ranks = "; ".join(f"rank {k}: {_fmt(s)}" for k, s in enumerate(seen))
-            return (f"zerokern ({ENV}=1): the ranks issued different collectives before "
-                    f"{where} (check {check_no}); the first difference is collective #{i} of "
-                    f"the {tag} group: {ranks}. Every rank must issue the same collectives in "
-                    "the same order on each group "
-                    "(same modules called in the same order on every rank, or units skipped "
-                    "through zerokern's schedule; see [Note: stage-3 collective order] in "
-                    "zerokern/stage3/runtime.py)")
+    longest = max(len(r) for r in every)
+    for i in range(longest):  # in issue order, over all groups ([Note: collective fingerprints])
+        seen = [r[i] if i < len(r) else None for r in every]
+        if all(s == seen[0] for s in seen):
+            continue
+        ranks = "; ".join(f"rank {k}: {_fmt(s)}" for k, s in enumerate(seen))
+        return (f"zerokern ({ENV}=1): the ranks issued different collectives before {where} "
+                f"(check {check_no}); the first difference is collective #{i} (over all "
+                f"groups, in issue order): {ranks}. Every rank must issue the same collectives "
+                "in the same order "
+                "(same modules called in the same order on every rank, or units skipped "
+                "through zerokern's schedule; see [Note: stage-3 collective order] in "
+                "zerokern/stage3/runtime.py)")
     return f"zerokern ({ENV}=1): collective records differ across ranks before {where}"

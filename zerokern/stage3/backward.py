@@ -16,6 +16,32 @@ from zerokern.state import huge_pages
 from . import param_offload
 from .units import Unit
 
+# [Note: reduce-scatter windows] (rule 4 of [Note: stage-3 collective order], issue 24 item 3)
+# When a unit's backward is over (rule 3) differs between ranks, so it must not decide where a
+# reduce-scatter goes between the gathers, only what it carries. The unit at position j of the
+# reversed schedule is reduce-scattered in a window: after gather step j + WINDOW_OPENS is
+# launched and before gather step j + 3 is (gather steps are launched in the schedule's order
+# on every rank, as a prefetch or when the cursor moves; for the last units and the root the
+# window opens after the last step). Inside its window a unit goes as soon as its backward is
+# over here. In a model whose units run in schedule order it always is: step j + 2 is the
+# prefetch taken when the cursor reaches unit j + 1, whose output grad is unit j's input grad,
+# and its AccumulateGrads run before that hook. Measured (test_stage3_users' models, N = 2, 4
+# steps, late units caught up): WINDOW_OPENS = 1 makes the "stall" model (a param of a block
+# unused on one rank: that block is over only at its input-grad hook, which runs after the
+# next unit's output hook on the same tensor) late at every step (4) and DynLM (dropped blocks,
+# branches, MoE experts as units) late 11 times; 2: 0 and 6; 3: 0 and 0, but every unit's
+# grads would wait one more unit's backward (more staging, less overlap at the end of
+# backward) for models that are never late. If the window closes first on a rank (a unit called out
+# of schedule order; one called with no input that requires grad whose params go partly
+# unused), that rank sends zeros in the window and keeps the unit's grads: the unit is late.
+# At the end of every synced backward the ranks agree on the late units (a gloo all-reduce of
+# one flag per unit over the world: comm/host_agree.py, no device sync) and reduce-scatter
+# each again in the static order, the late ranks sending what they kept and the others zeros:
+# the sums are exact. Cost: that host all-reduce per backward, one extra reduce-scatter per
+# late unit (`late_units` counts them), and a unit's reduce-scatter may wait from its last
+# AccumulateGrad to the next unit's output hook (no compute runs between the two).
+WINDOW_OPENS = 2
+
 
 class Stage3Backward(ShardedGrads):
     def _pre_backward(self, u: Unit) -> None:
@@ -37,7 +63,7 @@ class Stage3Backward(ShardedGrads):
                 self._skip_backward(pos)
             self._gather(self._need(u))
         if self._bcur < len(self._bsched):  # prefetch the next unit of the reversed schedule
-            self._gather(self._need(self.units[self._bsched[self._bcur]]), wait=False)
+            self._gather_steps(self._bcur)
             param_offload.read_ahead(self, self._bsched, self._bcur + 1)  # (nvme: its read)
 
     def _skip_backward(self, pos: int) -> None:
@@ -45,12 +71,22 @@ class Stage3Backward(ShardedGrads):
         (with grad) on this rank is unused here: gathered for its peers, freed, done (rule 3);
         one it did call (out of schedule order) stays gathered for its backward to come."""
         skipped = self._bsched[self._bcur:pos]
+        self._gather_steps(pos)
         self._reach(self._bsched, self._bcur, pos, free_skipped=False)
         self._bcur = pos + 1
         for ui in skipped:
             if self._calls[ui] == 0 and ui not in self._unsignalled:
                 self._release(ui)
                 self._unit_done(ui)
+
+    def _gather_steps(self, upto: int) -> None:
+        """Launch the gathers of the reversed schedule up to position `upto` in order, each
+        after the reduce-scatters whose window it closes (rule 4), opening the next windows."""
+        for k in range(self._gstep, upto + 1):
+            self._close_windows(k - WINDOW_OPENS - 1)
+            self._gather(self._need(self.units[self._bsched[k]]), wait=False)
+            self._gstep = k + 1
+            self._launch_ready(flush=False)
 
     def _input_grad(self, u: Unit, left: list) -> None:
         left[0] -= 1
@@ -140,37 +176,107 @@ class Stage3Backward(ShardedGrads):
                                                self.groups[fi].device)
         return self._local[fi]
 
+    # ---- rule 4: reduce-scatter windows -----------------------------------------------------
+    def _rs_pos(self, ui: int) -> int:
+        """The unit's position in the reversed schedule (the root: after all of them)."""
+        return self._bpos.get(ui, len(self._bsched))
+
+    def _window_open(self, ui: int) -> bool:
+        """Gather step pos + WINDOW_OPENS was launched (or the schedule's last one was)."""
+        return self._gstep > min(self._rs_pos(ui) + WINDOW_OPENS, len(self._bsched) - 1)
+
+    def _ready(self, ui: int) -> bool:
+        return self._pending[ui] == 0 or ui in self._done
+
     def _launch_ready(self, flush: bool) -> None:
+        """Reduce-scatter, in the static order, the units whose window is open and whose
+        backward is over on this rank (flush: every unit left, at the end of backward)."""
         if not self.sync:
             return
         while self._next < len(self._rs_order):
             ui = self._rs_order[self._next]
-            if not flush and self._pending[ui] > 0 and ui not in self._done:
+            if not flush and not (self._window_open(ui) and self._ready(ui)):
                 return
-            for fi in self.unit_flats[ui]:
-                f = self.groups[fi]
-                staging = self._acquire(fi)
-                local = None if self._local is None else self._local[fi]
-                if self._pending[ui] > 0:  # params without a grad count as zero
-                    for i, s in enumerate(f.layout.slots):
-                        if not self._arrived[fi][i]:
-                            sl = slice(s.offset, s.offset + s.numel)
-                            if local is None:
-                                staging[sl].zero_()
-                            else:  # ...plus what no_sync() accumulated for them
-                                staging[sl].copy_(local[sl])
-                if local is not None:
-                    self._local[fi] = None
-                while len(self._in_flight) >= MAX_IN_FLIGHT:
-                    self._complete_oldest()
-                self._reduce_async(fi, staging, self.grad_shards[fi])
-            self._reduced.add(ui)
-            if not flush:
-                self._maybe_free(ui)
+            self._reduce_unit(ui, flush)
             self._next += 1
 
+    def _close_windows(self, upto: int) -> None:
+        """Before the gather that closes their windows: the units at positions <= upto go now,
+        reduced if their backward is over on this rank, else late (rule 4)."""
+        if not self.sync:
+            return
+        while self._next < len(self._rs_order):
+            ui = self._rs_order[self._next]
+            if self._rs_pos(ui) > upto:
+                return
+            if self._ready(ui):
+                self._reduce_unit(ui, flush=False)
+            else:
+                self._reduce_zeros(ui)
+                self._late.add(ui)
+            self._next += 1
+
+    def _reduce_unit(self, ui: int, flush: bool) -> None:
+        """Reduce-scatter this rank's grads of unit ui into the shards."""
+        for fi in self.unit_flats[ui]:
+            f = self.groups[fi]
+            staging = self._acquire(fi)
+            local = None if self._local is None else self._local[fi]
+            if self._pending[ui] > 0:  # params without a grad count as zero
+                for i, s in enumerate(f.layout.slots):
+                    if not self._arrived[fi][i]:
+                        sl = slice(s.offset, s.offset + s.numel)
+                        if local is None:
+                            staging[sl].zero_()
+                        else:  # ...plus what no_sync() accumulated for them
+                            staging[sl].copy_(local[sl])
+            if local is not None:
+                self._local[fi] = None
+            while len(self._in_flight) >= MAX_IN_FLIGHT:
+                self._complete_oldest()
+            self._reduce_async(fi, staging, self.grad_shards[fi])
+        self._reduced.add(ui)
+        if not flush:
+            self._maybe_free(ui)
+
+    def _reduce_zeros(self, ui: int) -> None:
+        """Unit ui's reduce-scatter with zeros for this rank's part (a late unit here, or a
+        peer's late unit in the catch-up): the same collectives, labels and shapes as a real
+        one, so the order stays the same on every rank."""
+        for fi in self.unit_flats[ui]:
+            key = (fi, "zeros")
+            L = self.groups[fi].layout
+            pool = self._pool[L.padded_numel]
+            if pool:
+                buf = pool.pop().zero_()
+            else:
+                buf = huge_pages.zeros(L.padded_numel, self.reduce_dtype,
+                                       self.groups[fi].device)
+                self.staging_allocated += 1
+            self._staging[key] = buf
+            while len(self._in_flight) >= MAX_IN_FLIGHT:
+                self._complete_oldest()
+            self._reduce_async(key, buf, self.grad_shards[fi])
+
+    def _catch_up(self) -> None:
+        """End of a synced backward, after every window: the ranks agree on the units any of
+        them reduced late, then reduce those again in the static order, each rank sending its
+        held-back grads where it was late and zeros where it was not (rule 4)."""
+        late = self._agree.any_set([ui in self._late for ui in self._rs_order],
+                                   label="stage-3 late units")
+        units = [ui for ui, x in zip(self._rs_order, late) if x]
+        if not units:
+            return
+        self._drain()  # (the window's reduction landed: the catch-up adds to the shards)
+        for ui in units:
+            if ui in self._late:
+                self._reduce_unit(ui, flush=True)
+            else:
+                self._reduce_zeros(ui)
+        self.late_units += len(units)
+
     def _reduce_label(self, key) -> str:
-        return self._label(self.groups[key])
+        return self._label(self.groups[key[0] if isinstance(key, tuple) else key])
 
     def _recycle(self, staging: torch.Tensor) -> None:
         self._pool[staging.numel()].append(staging)
@@ -181,6 +287,8 @@ class Stage3Backward(ShardedGrads):
             self._release(self._bsched[-1])
             self._bcur = len(self._bsched)
         self._launch_ready(flush=True)  # (not under no_sync(): nothing is reduced then)
+        if self.sync:
+            self._catch_up()
         self._drain()
         self.in_backward = False
         self._free_unreferenced()

@@ -2,9 +2,8 @@
 
 [Note: stage-3 gather stream] (issue 24, items 3 and 5)
 Stage 3 issues its all-gathers on one process group and its reduce-scatters on another
-([Note: stage-3 collective order], rule 2), each in a static order; how the two interleave on a
-rank depends on when that rank's units finish their backward (rule 3), which differs between
-ranks under data-dependent control flow. What must not happen is a wait that makes a gather
+([Note: stage-3 collective order], rule 2), each in a static order, interleaved the same way on
+every rank (rule 4). What must not happen is a wait that makes a gather
 depend on a reduce-scatter: the compute stream waits for reduce-scatters (bounded staging,
 MAX_IN_FLIGHT), and a gather issued from the compute stream makes NCCL's stream wait for the
 compute stream, so rank A's gather G could wait for its reduce-scatter R while rank B's R waits
@@ -23,15 +22,16 @@ compute stream, so rank A's gather G could wait for its reduce-scatter R while r
    their blocks back to this stream only after the compute stream is done with them.
 Gathers then depend only on earlier gathers (the same static sequence on every rank) and on
 the pass start; reduce-scatters depend on the compute stream and earlier reduce-scatters (one
-static order). No cycle is left through streams or waits, whatever the interleaving. What stays
-rank-dependent is only the interleaving of the two communicators' kernels on the GPU. NCCL
-asks for one order because a CUDA call that synchronises the device (cudaFree, and possibly
-cudaMalloc) can block a rank's host while one of its kernels waits for a peer whose matching
-call is behind the other communicator. zerokern's own code makes no explicit one; the caching
-allocator calls cudaMalloc on a cache miss (mostly the first step, until the cache is warm) and
-cudaFree when it releases memory (torch.cuda.empty_cache(), an allocation retry near OOM). The
-remedy (one communicator with a rank-independent interleaving) needs the ranks to agree on each
-unit's readiness, which rule 3 decides per rank: not done (docs_drafts/gpu.md).
+static order). No cycle is left through streams or waits. The host issues the two groups'
+collectives in one interleaving on every rank (rule 4), which is what NCCL asks of several
+communicators: a device-synchronising CUDA call (cudaFree, and possibly cudaMalloc: the caching
+allocator's cache misses, torch.cuda.empty_cache(), an allocation retry near OOM) blocks a
+rank's host until its queued kernels finish. If rank A stops at position X of the common
+sequence and rank B at Y >= X, every kernel A queued has its partner queued on B, and nothing
+B queued before X depends on work queued after it (streams are FIFO, and every wait above
+points to earlier work), so A's kernels finish, A's host goes on and reaches Y too. With
+rank-dependent interleavings A could wait on a kernel whose partner B queues only after the
+call that blocks B: a hang.
 On the CPU (gloo) there are no streams: nothing here runs.
 """
 

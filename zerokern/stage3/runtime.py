@@ -19,7 +19,7 @@ Backward:
 
 [Note: stage-3 collective order]
 Every rank must issue the same collectives in the same order, also when ranks use different
-params in a step (a branch inside a unit, a unit skipped on one rank, MoE routing). Three rules
+params in a step (a branch inside a unit, a unit skipped on one rank, MoE routing). Four rules
 make the order independent of which params a rank used:
 1. Gathers follow a static schedule, not the calls. The schedule is the units in module
    registration order (the same on every rank). Each forward gathers every unit of it once,
@@ -32,23 +32,24 @@ make the order independent of which params a rank used:
    rank. A unit called again after the schedule passed it (a block used twice) is gathered
    again if freed: that is consistent only if every rank calls it again, as with FSDP.
 2. Reduce-scatters go in one static order (the reversed schedule, the root last) on a process
-   group of their own (Comm.split). A rank that waits for a reduce-scatter (bounded staging,
-   MAX_IN_FLIGHT) then never blocks a gather its peers wait on: on one group, gathers and
-   reduce-scatters in different interleavings would pair a gather with a reduce-scatter of
-   the same size (gloo's ring: silently wrong) or hang (NCCL). On a GPU the gathers are
-   issued from a stream of their own, so no gather waits (through the compute stream) for a
-   reduce-scatter whatever the two orders' interleaving ([Note: stage-3 gather stream] in
-   gather_stream.py, which also says what that leaves open).
-3. A unit is reduced once its backward is done on this rank: all its params have grads, or
-   the grad of its inputs has been computed (FSDP2's post-backward: autograd runs a param's
-   AccumulateGrad, which has the highest priority, as soon as it is ready, so a param without
-   a grad by then was not used), or the schedule passed it without its backward running (not
-   used on this rank). Unused params count as zero. Without rule 3 a rank where one param of
-   a unit was unused would hold back every later reduce-scatter until the end of backward,
-   while its peers wait on those with gathers still to come: a deadlock.
+   group of their own (Comm.split), so gloo's ring threads and NCCL's streams run the two
+   concurrently. On a GPU the gathers are issued from a stream of their own, so no gather
+   waits (through the compute stream) for a reduce-scatter ([Note: stage-3 gather stream] in
+   gather_stream.py).
+3. A unit's backward is over on this rank once all its params have grads, or the grad of its
+   inputs has been computed (FSDP2's post-backward: autograd runs a param's AccumulateGrad,
+   which has the highest priority, as soon as it is ready, so a param without a grad by then
+   was not used), or the schedule passed it without its backward running (not used on this
+   rank). Unused params count as zero. Without this a unit with one param unused on a rank
+   would be late there (rule 4) at every step.
+4. The two orders interleave the same way on every rank (issue 24, item 3: NCCL asks for one
+   order across communicators): each unit is reduce-scattered in a window between two gathers
+   of the reversed schedule, carrying this rank's grads if its backward is over (rule 3), else
+   zeros, the grads following in a catch-up at the end of backward that every rank joins
+   ([Note: reduce-scatter windows] in backward.py).
 A param whose grad arrives after its unit was reduced (a param outside its unit's input
 path) raises a RuntimeError naming the fix. ZEROKERN_DEBUG_COLLECTIVES=1 checks the whole
-record across ranks at every step() (comm/debug.py).
+record across ranks at every step(), in issue order over both groups (comm/debug.py).
 
 Activation checkpointing (non-reentrant): the recompute runs the unit's forward inside
 backward, after the output hook gathered it; the hooks see `in_backward` and neither free nor
@@ -59,11 +60,11 @@ no_grad): the recompute's pre-hook moves the backward cursor instead.
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
 
+from zerokern.comm.host_agree import HostAgreement
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.grads.weak_hook import weak_hook
 
@@ -73,6 +74,7 @@ from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
 from .units import Unit
+from .whole_params import WholeParams
 
 
 def _tensors(obj, out: list) -> list:
@@ -88,7 +90,7 @@ def _tensors(obj, out: list) -> list:
     return out
 
 
-class Stage3Runtime(Stage3Backward):
+class Stage3Runtime(WholeParams, Stage3Backward):
     """Stage 3's runtime: gathers, frees and prefetches the units' params around forward and
     backward, and reduce-scatters their grads into the shards (the GradSync of stage 3)."""
 
@@ -135,6 +137,8 @@ class Stage3Runtime(Stage3Backward):
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked in reduce()
         self.hpz = None if comm.hpz is None else HpzSecondary(comm.hpz)  # stage3/hpz.py
         super().__init__(flats, comm, reduce_dtype, rs_comm=comm.split())
+        self._agree = HostAgreement(comm.world)  # rule 4's catch-up, over every rank
+        self.late_units = 0  # units reduced late and caught up, since construction (rule 4)
         self.guard = guards.ModelGuard(self, model)
         for u in self.active_units:
             self._hooks.append(u.module.register_forward_pre_hook(
@@ -154,6 +158,8 @@ class Stage3Runtime(Stage3Backward):
         self._staging: Dict[int, torch.Tensor] = {}
         self._done: set = set()       # units whose backward is over on this rank (rule 3)
         self._reduced: set = set()
+        self._late: set = set()       # units whose window closed before their backward was over
+        self._gstep = 0               # gather steps of the reversed schedule launched (rule 4)
         self._bcur = 0
         self._next = 0
 
@@ -360,47 +366,6 @@ class Stage3Runtime(Stage3Backward):
     def _hpz_invalidate(self) -> None:
         if self.hpz is not None:  # the params may change from here ([Note: hpZ secondary])
             self.hpz.invalidate()
-
-    def gather_all(self) -> None:
-        param_offload.new_pass(self)
-        self._hpz_invalidate()
-        for u in self.active_units:
-            self._refs[u.index] += 1
-        self._gather([u.index for u in self.active_units], exact=True)
-
-    def release_all(self, write_back: bool) -> None:
-        for u in self.active_units:
-            self._refs[u.index] -= 1
-        if write_back:
-            for f in list(self.groups) + self.frozen:
-                f.write_back_()
-        self._free_unreferenced()
-
-    @contextmanager
-    def frozen_whole(self, write_back: bool = False):
-        """Between steps: the frozen params whole inside the block (collective), e.g. for a
-        checkpoint's extras; write_back: keep changes made inside (on a normal exit only)."""
-        param_offload.new_pass(self)
-        self._hpz_invalidate()
-        for f in self.frozen:
-            if f.quantized:  # left from a forward with qwZ pieces: exact here
-                self._drop(f)
-            f.start_gather(self.comm.shard, self._label(f))
-        for f in self.frozen:
-            f.finish_gather()
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            for f in self.frozen:
-                if ok and write_back:
-                    f.write_back_()
-                f.free()
-
-    @property
-    def all_gathered(self) -> bool:
-        return all(f.gathered for f in list(self.groups) + self.frozen)
 
     def live_bound(self) -> int:
         """Bytes of full params that can be gathered at once: the root and its dependencies,
