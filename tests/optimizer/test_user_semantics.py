@@ -302,8 +302,8 @@ def _param_replaced(rank, ws, stage):
 
 def _debug_reorder(rank, ws, stage, inject):
     """ZEROKERN_DEBUG_COLLECTIVES=1 at stages 0-2: rank 1 launches two same-sized buckets (units
-    at stage 0) in swapped order (an injected bug: they would pair silently on gloo's ring). Every rank
-    must raise at step() naming the divergence; without the injection it trains."""
+    at stage 0) in swapped order (an injected bug: they would pair silently on gloo's ring).
+    Every rank must raise at step() naming the divergence; without the injection it trains."""
     os.environ["ZEROKERN_DEBUG_COLLECTIVES"] = "1"
     try:
         model = M.make_model()
