@@ -17,9 +17,12 @@ in reverse order): the embedding is a unit of its own (16.8 MB launched after th
 benchmarks/step_profile.py `tail`), the rest is reduced while backward runs. Same bytes, more
 calls (18 all-reduces per step instead of 4 on the 20m GPT). Measured with
 benchmarks/step_paired_ab.py (both sides in one pair of ranks, iterations alternated, the
-unsplit schedule restored on one side; the median of B/A over 16-20 pairs): split by 4 against
-unsplit 0.923, 0.940, 0.946; by 2 against by 4 1.008, 0.991 (the same); by 4 against by 8 0.978;
-by 4 against itself (an A/A run: the noise) 1.003. The params stay bit-equal (2 ranks).
+unsplit schedule restored on one side; the median of B/A over 16-24 pairs): split by 4 against
+unsplit 0.923, 0.940, 0.946, then (load average 4-5) 0.989, 1.027, 0.986, 0.922: median 0.946;
+by 2 against by 4 1.008, 0.991 (the same); by 4 against by 8 0.978; by 4 against itself (A/A:
+the noise) 1.003, 1.004. The gain needs spare CPU at the end of backward (the tail's transfer
+is what the main thread waited for), so it shrinks on a loaded machine. The params stay
+bit-equal (2 ranks).
 """
 
 from __future__ import annotations
