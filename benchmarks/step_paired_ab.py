@@ -6,11 +6,13 @@ optimizer's own objects (the code before it, re-created here), B as shipped. Per
 iterations the ratio B/A; the median over pairs and its spread are printed. On a shared machine
 this is far steadier than two benchmark runs minutes apart.
 
-    PYTHONPATH=. nice python benchmarks/step_paired_ab.py --change units --stage 0 --pairs 20
+    PYTHONPATH=. nice python benchmarks/step_paired_ab.py --change rs --stage 2 --pairs 60
 
-Changes: `units` (stage 0 all-reduces in units, grads/comm_units.py), `rs` (the ring
-reduce-scatter's last step into out, stages 2-3). (A third, the ring all-gather copying stage 3's
-shard on the ring thread, measured 1.014-1.035x and was reverted: comm/collectives.py.)
+Changes: `rs` (the ring reduce-scatter's last step into out, stages 2-3). Two others were
+measured and reverted: the ring all-gather copying stage 3's shard on the ring thread
+(1.014-1.035x: comm/collectives.py), and stage 0 all-reducing in quarter-bucket units (quiet
+machine: paired 1.006 and 0.983, but `zerokern bench --step` put stage 0 at 1.126x DDP against
+1.036x without it, 5 alternated runs: benchmarks/results/step-20m-n2-fp32-issue20-perf20.md).
 """
 
 from __future__ import annotations
@@ -38,12 +40,7 @@ def _old_reduce_scatter(self, out, work):
 
 def _switch_off(opt, change: str) -> None:
     gs = opt.grad_sync
-    if change == "units":
-        from zerokern.grads.comm_units import units_for
-        from zerokern.grads.grad_sync import Schedule
-        gs._units = units_for(gs.groups, split=False)
-        gs._sched = Schedule(gs.groups, gs._units)
-    elif change == "rs":  # the grad reductions' ring (stage 3 has its own group) and comm's
+    if change == "rs":  # the grad reductions' ring (stage 3 has its own group) and comm's
         comms = [opt.comm, getattr(gs, "rs_comm", opt.comm)]
         for ring in {id(c.shard.ring): c.shard.ring for c in comms}.values():
             ring.reduce_scatter = types.MethodType(_old_reduce_scatter, ring)
@@ -88,7 +85,7 @@ def _worker(rank: int, world: int, args):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--change", choices=("units", "rs"), required=True)
+    p.add_argument("--change", choices=("rs",), required=True)
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--pairs", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern.grads.comm_units import units_for
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.grads.released_grad import ReleasedGrad
 from zerokern.layout.partition import ALIGN
@@ -141,17 +140,16 @@ def _expected_comm(opt, micro: int) -> dict:
     calls = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
     reduces = 1  # micro-batches but the last run under no_sync() (train_zero): one reduction
     for g in opt.flat_groups:
-        if opt.stage == 0:  # one all-reduce per unit ([Note: stage 0 reduces in smaller units])
-            for lo, hi in units_for([g], split=True)[0].ranges:
-                ar += int(Fraction(2 * (n - 1), n) * (hi - lo) * rb)
-                calls["all_reduce"] += 1
-            continue
         for k in range(g.layout.n_buckets):
             lo, hi = g.layout.bucket_range(k)
-            rs += reduces * int(Fraction(n - 1, n) * (hi - lo) * rb)
-            ag += int(Fraction(n - 1, n) * (hi - lo) * pb)
-            calls["reduce_scatter"] += reduces
-            calls["all_gather"] += 1
+            if opt.stage == 0:
+                ar += int(Fraction(2 * (n - 1), n) * (hi - lo) * rb)
+                calls["all_reduce"] += 1
+            else:
+                rs += reduces * int(Fraction(n - 1, n) * (hi - lo) * rb)
+                ag += int(Fraction(n - 1, n) * (hi - lo) * pb)
+                calls["reduce_scatter"] += reduces
+                calls["all_gather"] += 1
     # the 2-float stats all-reduce: every stage (stage 0 reads 1/N of each bucket for them,
     # [Note: stage 0 reads 1/N for its stats] in grads/full_grads.py)
     ar += int(Fraction(2 * (n - 1), n) * STATS_BYTES)

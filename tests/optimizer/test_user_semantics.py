@@ -301,25 +301,18 @@ def _param_replaced(rank, ws, stage):
 
 
 def _debug_reorder(rank, ws, stage, inject):
-    """ZEROKERN_DEBUG_COLLECTIVES=1 at stages 0-2: rank 1 launches two same-sized buckets (units
-    at stage 0) in swapped order (an injected bug: they would pair silently on gloo's ring).
-    Every rank must raise at step() naming the divergence; without the injection it trains."""
+    """ZEROKERN_DEBUG_COLLECTIVES=1 at stages 0-2: rank 1 launches two buckets in swapped
+    order (an injected bug: same-sized buckets would pair silently on gloo's ring). Every rank
+    must raise at step() naming the divergence; without the injection it trains."""
     os.environ["ZEROKERN_DEBUG_COLLECTIVES"] = "1"
     try:
         model = M.make_model()
         opt = M.zero_opt(model, stage, bucket_mb=M.BUCKET_MB)
     finally:
         os.environ.pop("ZEROKERN_DEBUG_COLLECTIVES", None)
-    sched = opt.grad_sync._sched
-    order = sched.order
+    order = opt.grad_sync._sched.order
     if inject and rank == 1:
-        # The first two launch items of one size (stage 0 launches units of unequal sizes,
-        # grads/comm_units.py; a swap of two sizes makes gloo abort the process instead)
-        size = [sched.layouts[gi].bucket_range(k) for gi, k in order]
-        size = [hi - lo for lo, hi in size]
-        i, j = next((i, j) for i in range(len(order)) for j in range(i + 1, len(order))
-                    if size[i] == size[j])
-        order[i], order[j] = order[j], order[i]
+        order[0], order[1] = order[1], order[0]
     try:
         for s in range(2):
             opt.zero_grad()

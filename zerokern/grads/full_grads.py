@@ -29,7 +29,7 @@ in place only a grad that was accumulated into the bucket view (`div_`); zeroker
 a separate `/ N` pass over every bucket on landing: a read and a write of the whole buffer per
 step that DDP does not make. Now a fresh grad is multiplied by 1/N as it is copied into its view
 (`on_grad`, outside no_sync() only), a view that holds a sum (no_sync() accumulation, an
-assigned p.grad) is divided over its part of the unit just before the unit is reduced
+assigned p.grad) is divided over its part of the bucket just before the bucket is reduced
 (`_zero_stale`), and the landing does nothing: DDP's order of operations, so p.grad equals DDP's
 up to the order gloo adds the N terms. `_divided` says which params were divided on the way in;
 it is reset at every backward and once a reduction lands, so a reduction relaunched without a
@@ -74,7 +74,6 @@ from typing import List, Optional
 
 import torch
 
-from zerokern.grads.comm_units import units_for
 from zerokern.grads.grad_sync import GradSync, Schedule
 from zerokern.layout.dtensor_params import like_param
 from zerokern.state import huge_pages
@@ -124,9 +123,7 @@ class FullGrads(GradSync):
         # divides as DDP does]); reset at every backward
         self._divided: List[List[bool]] = [[False] * len(g.params) for g in groups]
         self._alloc(groups)
-        # stage 0: [Note: stage 0 reduces in smaller units] (comm_units.py); else the buckets
-        self._units = units_for(groups, split=not self.mode.scatters)
-        self._sched = Schedule(groups, self._units)
+        self._sched = Schedule(groups)
         self._handles: List[tuple] = []
         # per group, only in its mode, from the reducing backward to the step:
         self._shard: List[Optional[torch.Tensor]] = [None] * len(groups)  # (S,) TO_SHARD
@@ -154,13 +151,13 @@ class FullGrads(GradSync):
     def _mark_stale(self, groups=None) -> None:
         self._stale = [[True] * len(g.params) for g in groups or self.groups]
 
-    def _zero_stale(self, gi: int, u: int) -> None:
-        """Before unit u is reduced: the stale params in it got no grad; they count as 0.
+    def _zero_stale(self, gi: int, k: int) -> None:
+        """Before bucket k is reduced: the stale params in it got no grad; they count as 0.
         Stage 0 in place: a param's sum not divided while copied in is divided now."""
         stale, buf = self._stale[gi], self.grads[gi]
         n = self.comm.world.world_size
         divide = self._divide_first and n > 1
-        for i, a, b in self._sched.overlaps[gi][u]:
+        for i, a, b in self._sched.overlaps[gi][k]:
             if stale[i]:
                 buf[a:b].zero_()
             elif divide and not self._divided[gi][i]:
@@ -290,12 +287,10 @@ class FullGrads(GradSync):
         for gk in self._sched.ready(flush=False):
             self._launch(*gk)
 
-    def _launch(self, gi: int, u: int) -> None:  # unit u: bucket u if the mode scatters
+    def _launch(self, gi: int, k: int) -> None:
         g, buf = self.groups[gi], self.grads[gi]
-        self._zero_stale(gi, u)
-        lo, hi = self._units[gi].bucket_range(u)
-        k = self._units[gi].bucket[u]
-        b = buf[lo:hi]
+        self._zero_stale(gi, k)
+        b = g.bucket(buf, k)
         if not self.mode.scatters:
             src = b
             if self.mode is Reduction.ALL_REDUCE_WIDE:
@@ -304,13 +299,13 @@ class FullGrads(GradSync):
                 if self._wide[gi] is None:
                     self._wide[gi] = huge_pages.zeros(buf.numel(), self.reduce_dtype,
                                                      buf.device)
-                src = self._wide[gi][lo:hi]
+                src = g.bucket(self._wide[gi], k)
                 src.copy_(b)
             # fp32 in place: each param's part was divided by N before (DDP's order, [Note:
             # stage 0 divides as DDP does]); else SUM, then / N on landing.
             h = self.comm.all_reduce_grads_(src, async_op=True,
-                                            label=f"group {gi} bucket {k} unit {u}")
-            self._handles.append((gi, u, h, b if src is not b else None,
+                                            label=f"group {gi} bucket {k}")
+            self._handles.append((gi, k, h, b if src is not b else None,
                                   src if src is not b else None))
             return
         self.held_now = Held.REDUCING
@@ -323,26 +318,20 @@ class FullGrads(GradSync):
                                                   g.device)
             out = self._shard[gi][g.state_slice(k)]
         h = self.comm.reduce_grads_(out, src, async_op=True, label=f"group {gi} bucket {k}")
-        self._handles.append((gi, u, h, None, None))
+        self._handles.append((gi, k, h, None, None))
 
     def _wait_all(self):
-        """Wait for the units in launch order; yield (group, bucket) once all of it landed."""
         n = self.comm.world.world_size  # stage 0 averages over every data-parallel rank
-        left = [list(U.per_bucket) for U in self._units]
-        for gi, u, h, back, src in self._handles:
+        for gi, k, h, back, src in self._handles:
             h.wait()
-            k = self._units[gi].bucket[u]
             if not self.mode.scatters and not self._divide_first and n > 1:
-                lo, hi = self._units[gi].bucket_range(u)
-                (src if src is not None else self.grads[gi][lo:hi]).div_(n)
+                (src if src is not None else self.groups[gi].bucket(self.grads[gi], k)).div_(n)
             if back is not None:
                 back.copy_(src)
             if self._carry[gi] is not None:  # set aside since the last in-place reduction
-                g = self.groups[gi]  # (a scattering mode: the unit is bucket k)
+                g = self.groups[gi]
                 g.piece(self.grads[gi], k).add_(self._carry[gi][g.state_slice(k)])
-            left[gi][k] -= 1
-            if left[gi][k] == 0:
-                yield gi, k
+            yield gi, k
         self._handles = []
         self._carry = [None] * len(self.groups)
         self._mark_stale_none()

@@ -52,12 +52,10 @@ from zerokern.layout.flat_group import FlatGroup
 MAX_IN_FLIGHT = 2
 
 
-def launch_order(groups, layouts=None) -> List[Tuple[int, int]]:
-    """(group, bucket) in the fixed launch order of [Note: collective order]; with `layouts`
-    (one per group, e.g. comm_units.CommUnits), (group, unit) over those."""
-    layouts = layouts or [g.layout for g in groups]
-    key = [(L.bucket_range(k)[0] / max(L.numel, 1), gi, k)
-           for gi, L in enumerate(layouts) for k in range(L.n_buckets)]
+def launch_order(groups) -> List[Tuple[int, int]]:
+    """(group, bucket) in the fixed launch order of [Note: collective order]."""
+    key = [(g.layout.bucket_range(k)[0] / max(g.layout.numel, 1), gi, k)
+           for gi, g in enumerate(groups) for k in range(g.layout.n_buckets)]
     return [(gi, k) for _, gi, k in sorted(key, reverse=True)]
 
 
@@ -303,15 +301,13 @@ class GradSync:
 
 
 class Schedule:
-    """Which buckets (or comm units, `layouts`) are complete in this backward, launched in the
-    fixed order."""
+    """Which buckets are complete in this backward, launched in the fixed order."""
 
-    def __init__(self, groups, layouts=None) -> None:
+    def __init__(self, groups) -> None:
         self.groups = groups
-        self.layouts = layouts or [g.layout for g in groups]
-        self.order = launch_order(groups, self.layouts)
-        self.overlaps = [[L.overlaps(*L.bucket_range(k)) for k in range(L.n_buckets)]
-                         for L in self.layouts]
+        self.order = launch_order(groups)
+        self.overlaps = [[g.layout.overlaps(*g.layout.bucket_range(k))
+                          for k in range(g.layout.n_buckets)] for g in groups]
         self.reset()
 
     def reset(self) -> None:
@@ -321,7 +317,7 @@ class Schedule:
 
     def arrive(self, gi: int, i: int) -> None:
         self.arrived[gi][i] = True
-        for k in self.layouts[gi].buckets_of_slot(i):
+        for k in self.groups[gi].layout.buckets_of_slot(i):
             self.pending[gi][k] -= 1
 
     def ready(self, flush: bool):
@@ -335,4 +331,4 @@ class Schedule:
 
     def launched(self, gi: int, i: int) -> bool:
         done = set(self.order[:self.next])
-        return any((gi, k) in done for k in self.layouts[gi].buckets_of_slot(i))
+        return any((gi, k) in done for k in self.groups[gi].layout.buckets_of_slot(i))
