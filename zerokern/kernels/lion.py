@@ -7,7 +7,7 @@ bitwise, step included; param_out bitwise `master.to(dtype)`):
     if found_inf: return
     p = p * (1 - lr*wd)                       # decoupled weight decay, scalar rounded once
     c = beta1*m + (1-beta1)*g                 # the interpolation whose sign is the update
-    p = p - lr * sign(c)                      # sign(0) = 0, as torch.sign
+    p = p - lr * sign(c)                      # torch.sign: sign(+-0) = sign(NaN) = +0
     m = beta2*m + (1-beta2)*g
     param_out = round-to-nearest-even(p)
 

@@ -78,7 +78,7 @@ def _lion_step_kernel(master_ptr, exp_avg_ptr, grad_ptr, out_ptr, n, sc_ptr,
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     p = p * decay
     c = b1 * m + omb1 * g
-    sgn = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, c))  # torch.sign: 0 stays 0, NaN NaN
+    sgn = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: NaN and -0 give +0
     p = p - lr * sgn
     m = b2 * m + omb2 * g
     tl.store(master_ptr + offs, p, mask=mask)
