@@ -227,16 +227,14 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
         secondary = sum(t.numel() * t.element_size() for t in sync.held().get("hpz", []))
         # The backward cursor moves as in a run (a unit's output hook fires before its params'
         # grads): it opens the reduce-scatter windows ([Note: stage-3 collective order], 4).
-        # (_in_backward: no autograd callback to queue here; end_backward is called below)
-        sync._in_backward = True
-        sync._pre_backward(units[0])
+        sync.replay_output_grad(units[0])
         reached = {0}
         for j in spec.grad_order:
             fi, slot = where[j]
             ui = flats[fi].unit_index
             if ui not in reached:
                 reached.add(ui)
-                sync._pre_backward(units[ui])
+                sync.replay_output_grad(units[ui])
             sync.on_grad(fi, slot, _GradOf(torch.empty(spec.shapes[j], dtype=dtype,
                                                        device="meta")))
         sync.end_backward()

@@ -46,6 +46,12 @@ WINDOW_OPENS = 2
 
 
 class Stage3Backward(ShardedGrads):
+    def replay_output_grad(self, u: Unit) -> None:
+        """u's output hook outside autograd (accounting/estimate.py's replay, which calls
+        end_backward itself: there is no backward-end callback to queue)."""
+        self._in_backward = True
+        self._pre_backward(u)
+
     def _pre_backward(self, u: Unit) -> None:
         """The grad of u's output is ready: u's backward is about to run."""
         self._bwd_reach(u)
@@ -123,17 +129,19 @@ class Stage3Backward(ShardedGrads):
         self._done.add(ui)
         self._launch_ready(flush=False)
 
+    def _pooled(self, fi: int) -> torch.Tensor:
+        """A staging buffer for unit buffer fi from the pool (or a new one), contents stale."""
+        L = self.groups[fi].layout
+        pool = self._pool[L.padded_numel]
+        if pool:
+            return pool.pop()
+        self.staging_allocated += 1
+        return huge_pages.zeros(L.padded_numel, self.reduce_dtype, self.groups[fi].device)
+
     def _acquire(self, fi: int) -> torch.Tensor:
         if fi not in self._staging:
-            L = self.groups[fi].layout
-            pool = self._pool[L.padded_numel]
-            if pool:
-                buf = pool.pop()
-            else:
-                buf = huge_pages.zeros(L.padded_numel, self.reduce_dtype,
-                                       self.groups[fi].device)
-                self.staging_allocated += 1
-            buf[L.numel:].zero_()  # padding; param regions are overwritten by their grads
+            buf = self._pooled(fi)
+            buf[self.groups[fi].layout.numel:].zero_()  # padding; params get their grads
             self._staging[fi] = buf
         return self._staging[fi]
 
@@ -252,15 +260,7 @@ class Stage3Backward(ShardedGrads):
         one, so the order stays the same on every rank."""
         for fi in self.unit_flats[ui]:
             key = (fi, "zeros")
-            L = self.groups[fi].layout
-            pool = self._pool[L.padded_numel]
-            if pool:
-                buf = pool.pop().zero_()
-            else:
-                buf = huge_pages.zeros(L.padded_numel, self.reduce_dtype,
-                                       self.groups[fi].device)
-                self.staging_allocated += 1
-            self._staging[key] = buf
+            buf = self._staging[key] = self._pooled(fi).zero_()
             while len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._complete_oldest()
             self._reduce_async(key, buf, self.grad_shards[fi])
