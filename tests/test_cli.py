@@ -62,14 +62,18 @@ def test_bad_usage_exits_2_with_usage(args):
 
 
 def test_bench_step_quick_writes_json_markdown_and_plot(tmp_path):
-    r = zk("bench", "--step", "--quick", "--no-peers", "--stages", "0", "2", "--reps", "2",
-           "--out", str(tmp_path), timeout=300)
+    r = zk("bench", "--step", "--quick", "--no-peers", "--no-fsdp2", "--stages", "0", "2", "3",
+           "--reps", "2", "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     stem = tmp_path / "step-tiny-n2-fp32-quick"
     data = json.loads(stem.with_suffix(".json").read_text())
-    names = [row["provider"] for row in data["rows"]]
-    assert names == ["zerokern s0", "zerokern s2"]
+    rows = {row["provider"]: row for row in data["rows"]}
+    assert list(rows) == ["zerokern s0", "zerokern s2", "zerokern s3", "zerokern s3 keep all"]
     assert all(row["iter_ms"] > 0 and row["state_MiB"] > 0 for row in data["rows"])
+    # stage 3 shows what keeping every unit for the backward costs (the tiny GPT: 2 blocks,
+    # all live at once either way)
+    assert rows["zerokern s3 keep all"]["live_MiB"] >= rows["zerokern s3"]["live_MiB"] > 0
+    assert "iteration ≤ 1.1× zerokern s2" in r.stdout
     assert "| provider |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

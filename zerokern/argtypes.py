@@ -19,6 +19,17 @@ def int_at_least(lo: int):
     return parse
 
 
+def mib_or_inf(text: str) -> float:
+    """argparse type: a number of MiB >= 0, or "inf"."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (or inf), got {text}")
+    return v
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite float > 0."""
     try:

@@ -32,7 +32,7 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p) -> None:
-    from .argtypes import int_at_least, mesh_shape, positive_float
+    from .argtypes import int_at_least, mesh_shape, mib_or_inf, positive_float
 
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, metavar="N",
@@ -73,6 +73,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hpz", action="store_true",
                    help="with --mesh at stage 3: ZeRO++'s hpZ (sharded over all ranks plus a "
                         "secondary copy over S)")
+    p.add_argument("--keep-for-backward-mb", type=mib_or_inf, default=0.0, metavar="MIB",
+                   help="stage 3: ZeroAdamW keep_for_backward_mb, MiB of units a forward "
+                        "leaves gathered for the backward (inf: every unit; default 0)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -226,7 +229,8 @@ def main(args) -> int:
         stages = [1, 2, 3] if offload else [0, 1, 2, 3]
     results = [estimate(spec, args.world_size, s, args.precision, args.bucket_mb, offload,
                         args.rank, args.comm, offload_params, args.master,
-                        optimizer=args.optimizer, mesh=args.mesh, hpz=args.hpz)
+                        optimizer=args.optimizer, mesh=args.mesh, hpz=args.hpz,
+                        keep_for_backward_mb=args.keep_for_backward_mb if s == 3 else 0.0)
                for s in stages]
     if args.json:
         print(json.dumps({"results": results}, indent=1))

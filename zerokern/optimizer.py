@@ -106,6 +106,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         hpz: bool = False,
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
+        keep_for_backward_mb: float = 0.0,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
         per_group = None
@@ -121,7 +122,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
             param_groups=param_groups, process_group=process_group, free_grads=free_grads,
-            offload_params=offload_params, master=master)
+            offload_params=offload_params, master=master,
+            keep_for_backward_mb=keep_for_backward_mb)
         self.rule = rule  # the one rule, or the groups' MixedRules (reports, checkpoints)
         super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
         if per_group is not None and len(per_group) != len(self.param_groups):
@@ -198,7 +200,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             self.units = unit_list
             self.flat_groups, self.grad_sync, self.param_homes = build_stage3(
                 params_or_model, unit_list, trainable, dtype, comm, self.placement,
-                self.reduce_dtype, offload, offload_path, offload_params)
+                self.reduce_dtype, offload, offload_path, offload_params,
+                keep_for_backward_mb * 2**20)
         else:
             self.flat_groups: List[FlatGroup] = [
                 FlatGroup(ps, dtype, comm.shard.world_size, comm.shard.rank, self.pattern,

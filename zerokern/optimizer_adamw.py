@@ -63,6 +63,7 @@ class ZeroAdamW(ZeroOptimizer):
         state_bits: int = 32,
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
+        keep_for_backward_mb: float = 0.0,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
@@ -78,5 +79,6 @@ class ZeroAdamW(ZeroOptimizer):
                          units=units, offload_path=offload_path, free_grads=free_grads,
                          offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
                          quantized_weights=quantized_weights,
-                         quantized_gradients=quantized_gradients)
+                         quantized_gradients=quantized_gradients,
+                         keep_for_backward_mb=keep_for_backward_mb)
         self.state_bits = state_bits

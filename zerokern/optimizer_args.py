@@ -162,10 +162,23 @@ def check_groups(param_groups, dtype: torch.dtype, rule) -> List[List[torch.nn.P
     return out
 
 
+def check_keep_for_backward(keep_for_backward_mb, stage: int) -> None:
+    """ZeroAdamW(keep_for_backward_mb=): a number >= 0 (math.inf: every unit), stage 3 only."""
+    if isinstance(keep_for_backward_mb, bool) or not isinstance(keep_for_backward_mb,
+                                                                numbers.Real):
+        raise TypeError(f"keep_for_backward_mb must be a number of MiB, got "
+                        f"{type(keep_for_backward_mb).__name__}")
+    if not keep_for_backward_mb >= 0:  # (NaN too)
+        raise ValueError(f"keep_for_backward_mb must be >= 0 (math.inf: every unit), got "
+                         f"{keep_for_backward_mb!r}")
+    if keep_for_backward_mb and stage != 3:
+        raise ValueError(f"keep_for_backward_mb applies to stage=3 only (got stage={stage})")
+
+
 def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_grad_norm,
                     offload, offload_path, bucket_mb, reduce_dtype, backend, units,
                     param_groups, process_group, free_grads=False, offload_params=None,
-                    master="fp32"):
+                    master="fp32", keep_for_backward_mb=0.0):
     """The engine's checks that come before its param groups exist (DESIGN §1: before the
     model is touched); `rule.check_group(defaults)` checks the rule's hyperparameters.
     Returns (the precision's dtype, offload_path checked, the params or group dicts to build
@@ -198,6 +211,7 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
     validate.check_backend(backend)
     if units is not None and stage != 3:
         raise ValueError(f"units applies to stage=3 only (got stage={stage})")
+    check_keep_for_backward(keep_for_backward_mb, stage)
     if param_groups is not None and not isinstance(params_or_model, torch.nn.Module):
         raise ValueError("param_groups is for a model (params_or_model=model); with bare "
                          "params pass the group dicts as params_or_model")

@@ -63,4 +63,11 @@ ENGINE_ARGS = """
             only: which submodules are gathered together. None: each child of
             every nn.ModuleList, plus the root for the rest; or module classes; or a callable
             `(module) -> bool`. The root is always a unit.
+        keep_for_backward_mb (float): (keyword) stage 3 only: MiB of full units a
+            grad-enabled forward may leave gathered for the backward, besides the root and the
+            last unit (always kept). Whole units from the end of the forward's schedule (the
+            first the backward needs) while they fit; math.inf keeps every unit (FSDP2's
+            reshard_after_forward=False). Each kept unit saves its backward all-gather and
+            adds its full bytes to the peak at the end of forward (`live_units_bound` in
+            memory_report() counts them). Default 0: lowest memory.
 """

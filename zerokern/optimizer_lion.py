@@ -50,6 +50,7 @@ class ZeroLion(ZeroOptimizer):
         hpz: bool = False,
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
+        keep_for_backward_mb: float = 0.0,
     ) -> None:
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1], got {betas!r}")
@@ -60,4 +61,5 @@ class ZeroLion(ZeroOptimizer):
                          units=units, offload_path=offload_path, free_grads=free_grads,
                          offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
                          quantized_weights=quantized_weights,
-                         quantized_gradients=quantized_gradients)
+                         quantized_gradients=quantized_gradients,
+                         keep_for_backward_mb=keep_for_backward_mb)

@@ -185,6 +185,7 @@ class ZeroMuon(ZeroOptimizer):
         hpz: bool = False,
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
+        keep_for_backward_mb: float = 0.0,
     ) -> None:
         if not isinstance(adamw_betas, (tuple, list)):
             raise ValueError(f"adamw_betas must be a pair of numbers in [0, 1), got "
@@ -230,4 +231,5 @@ class ZeroMuon(ZeroOptimizer):
                          param_groups=param_groups, units=units, offload_path=offload_path,
                          free_grads=free_grads, offload_params=offload_params, master=master,
                          mesh=mesh, hpz=hpz, quantized_weights=quantized_weights,
-                         quantized_gradients=quantized_gradients)
+                         quantized_gradients=quantized_gradients,
+                         keep_for_backward_mb=keep_for_backward_mb)

@@ -73,7 +73,13 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
     stage3_units,
 )
 from zerokern.layout.stages import pattern
-from zerokern.optimizer_args import check_master, check_offload, check_precision, check_stage
+from zerokern.optimizer_args import (
+    check_keep_for_backward,
+    check_master,
+    check_offload,
+    check_precision,
+    check_stage,
+)
 from zerokern.rules import adamw_rule, combine, rule_by_name
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, rules_granule
 from zerokern.state.placement import placement_class
@@ -189,7 +195,7 @@ class _GradOf:
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype,
-                   idx=None, node=None):
+                   idx=None, node=None, keep_bytes: float = 0):
     """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
     One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
@@ -218,7 +224,7 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
     where = {j: (fi, slot) for fi, (_, _, js) in enumerate(members)
              for slot, j in enumerate(js)}
     sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank, node), reduce_dtype,
-                         stubs[0], frozen)
+                         stubs[0], frozen, keep_bytes)
     try:
         stubs[0].calls = [stubs[i] for i in spec.fwd_units]
         stubs[0]()
@@ -287,7 +293,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
              bucket_mb: float = 25.0, offload: Optional[str] = None, rank: int = 0,
              comm: str = "nccl", offload_params: Optional[str] = None,
              master: str = "fp32", optimizer="adamw", mesh=None,
-             hpz: bool = False) -> Dict[str, Any]:
+             hpz: bool = False, keep_for_backward_mb: float = 0.0) -> Dict[str, Any]:
     """Bytes per rank per category for zerokern at `stage`, with both formulas beside them.
 
     Args:
@@ -310,6 +316,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
         mesh: None, or (R, S): ZeroAdamW(mesh=) a 2-D (replicate, shard) mesh with
             R * S = world_size; [Note: per-rank bytes on a mesh] in accounting/mesh.py.
         hpz: stage 3 with a mesh: ZeroAdamW(hpz=True); adds `hpz_secondary`.
+        keep_for_backward_mb: stage 3: as ZeroAdamW; the kept units raise
+            `live_units_bound`.
 
     Returns a dict: `bytes` (category -> bytes on the device; equal to
     `memory_report()["measured"]` after a training step), `device_total`, `host` (with offload:
@@ -320,6 +328,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     had to be guessed), and notes.
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
+    check_keep_for_backward(keep_for_backward_mb, stage)  # as ZeroAdamW
     from zerokern.accounting.mesh import mesh_dims
 
     dims = mesh_dims(mesh, hpz, world_size, stage, offload_params)  # ValueError naming mesh
@@ -366,7 +375,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                              f"{spec.order_source}")
     else:
         flats, frozen, b["buckets"], live_bound, secondary = _stage3_replay(
-            spec, dtype, world_size, rank, dtype, idx, node)
+            spec, dtype, world_size, rank, dtype, idx, node, keep_for_backward_mb * 2**20)
         if hpz:
             b["hpz_secondary"] = secondary
         layouts = [f.layout for f in flats]

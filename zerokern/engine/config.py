@@ -46,7 +46,8 @@ NO_EFFECT_ZERO = {
     "stage3_prefetch_bucket_size": "stage 3 prefetches one unit ahead (module units)",
     "stage3_param_persistence_threshold": "stage 3 shards every unit; the root stays resident",
     "stage3_max_live_parameters": "stage 3 bounds live params by units (live_units_bound)",
-    "stage3_max_reuse_distance": "stage 3 frees a unit after its use",
+    "stage3_max_reuse_distance": "stage 3 keeps the root and the last unit for the backward; "
+                                 "ZeroAdamW(keep_for_backward_mb=) keeps more",
     "load_from_fp32_weights": "checkpoints always hold fp32 masters",
     "elastic_checkpoint": "zerokern checkpoints load at any world size",
 }

@@ -36,8 +36,8 @@ def check_stage3(model: torch.nn.Module, units, trainable: List[List[torch.nn.Pa
 def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
                  trainable: List[List[torch.nn.Parameter]], dtype: torch.dtype, comm,
                  placement, reduce_dtype: torch.dtype, offload: Optional[str], offload_path,
-                 offload_params: Optional[str]) -> Tuple[List[ShardedFlat], Stage3Runtime,
-                                                         Optional[object]]:
+                 offload_params: Optional[str], keep_for_backward_bytes: float = 0
+                 ) -> Tuple[List[ShardedFlat], Stage3Runtime, Optional[object]]:
     """One ShardedFlat per (unit, param group) with params, the frozen buffers, the param
     homes (offload_params, else None) and the runtime over them."""
     group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
@@ -58,5 +58,6 @@ def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
               for u in unit_list if u.frozen]
     if homes is not None:
         homes.finalize()
-    runtime = Stage3Runtime(buffers, unit_list, comm, reduce_dtype, model, frozen)
+    runtime = Stage3Runtime(buffers, unit_list, comm, reduce_dtype, model, frozen,
+                            keep_for_backward_bytes)
     return buffers, runtime, homes

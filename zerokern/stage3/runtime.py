@@ -73,7 +73,7 @@ from .backward import Stage3Backward
 from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
-from .units import Unit
+from .units import Unit, kept_for_backward
 from .whole_params import WholeParams
 
 
@@ -98,7 +98,7 @@ class Stage3Runtime(WholeParams, Stage3Backward):
 
     def __init__(self, flats: List[ShardedFlat], units: List[Unit], comm,
                  reduce_dtype: torch.dtype, model: torch.nn.Module,
-                 frozen: List[ShardedFlat] = ()) -> None:
+                 frozen: List[ShardedFlat] = (), keep_for_backward_bytes: float = 0) -> None:
         self.units = units
         self.frozen = list(frozen)
         self.unit_flats: Dict[int, List[int]] = defaultdict(list)   # trainable, by index
@@ -119,6 +119,9 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         self._bsched = list(reversed(self.schedule))
         self._bpos = {ui: k for k, ui in enumerate(self._bsched)}
         self._held_deps = {d for u in self.active_units for d in u.deps}
+        self.kept_units = kept_for_backward(  # [Note: kept units] in units.py
+            self.schedule, lambda ui: self._need(self.units[ui]),
+            lambda ui: sum(f.full_bytes for f in self._bufs(ui)), keep_for_backward_bytes)
         self.fwd_order: List[int] = []       # units (not the root) in the last forward's order
         self._recording: List[int] = []
         self._fcur = 0
@@ -233,18 +236,16 @@ class Stage3Runtime(WholeParams, Stage3Backward):
     def _release(self, ui: int) -> None:
         """Free unit ui and its deps if nothing references them (deps of other units are held
         until the end of backward: whether they are gathered must not depend on the data)."""
+        keep = self.kept_units if self._fwd_grad and not self.in_backward else ()
         for uj in self._need(self.units[ui]):
-            if self._refs[uj] == 0 and uj not in self._held_deps:
+            if self._refs[uj] == 0 and uj not in self._held_deps and uj not in keep:
                 self._free(uj)
 
     # ---- forward -----------------------------------------------------------------------------
     def _kept_for_backward(self) -> List[int]:
-        """Units a grad-enabled forward leaves gathered for the backward: the root and the
-        last unit of the schedule, with their deps ([Note: the root stays gathered])."""
-        kept = self._need(self.units[0])
-        if self.schedule:
-            kept = kept + self._need(self.units[self.schedule[-1]])
-        return kept
+        """Units a grad-enabled forward leaves gathered for the backward ([Note: kept
+        units])."""
+        return self.kept_units
 
     def _pre_forward_hook(self, module, args, kwargs):
         self._pre_forward(self.units[self._unit_of[id(module)]], args, kwargs)
@@ -384,7 +385,8 @@ class Stage3Runtime(WholeParams, Stage3Backward):
 
     def live_bound(self) -> int:
         """Bytes of full params that can be gathered at once: the root and its dependencies,
-        plus two other units with theirs (the running one and the prefetched one)."""
+        plus two other units with theirs (the running one and the prefetched one), or the
+        kept units ([Note: kept units]) and one unit prefetched beside them."""
         def unit_bytes(ui: int) -> int:
             return sum(f.full_bytes for f in self._bufs(ui))
 
@@ -393,7 +395,11 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         others = sorted((sum(unit_bytes(ui) for ui in self._need(u) if ui not in
                              self._need(root))
                          for u in self.active_units if not u.is_root), reverse=True)
-        return base + sum(others[:2])
+        kept = [ui for ui in self.kept_units if ui not in self._need(root)]
+        beside = max((sum(unit_bytes(ui) for ui in self._need(u) if ui not in kept and
+                          ui not in self._need(root))
+                      for u in self.active_units if not u.is_root), default=0)
+        return base + max(sum(others[:2]), sum(unit_bytes(ui) for ui in kept) + beside)
 
     def detach(self) -> None:
         super().detach()
