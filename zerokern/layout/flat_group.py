@@ -19,6 +19,7 @@ from zerokern.layout.param_alias import own_storage_view
 from zerokern.layout.partition import bucket_numel_for, make_layout
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import StagePattern, pattern
+from zerokern.state import huge_pages
 
 
 class FlatGroup(ShardBuffer):
@@ -45,7 +46,8 @@ class FlatGroup(ShardBuffer):
         # fp32 masters are taken from the original values, before the cast (issue 3).
         self.state = placement.allocate(self)
         L = self.layout
-        self.flat = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
+        # page-aligned, like the grads and the state ([Note: streams at one page offset])
+        self.flat = huge_pages.zeros(L.padded_numel, dtype, self.device)
         for p, s in zip(params, L.slots):
             self.flat[s.offset:s.offset + s.numel].copy_(local(p).detach().reshape(-1))
         for p, s in zip(params, L.slots):  # [Note: one storage per param] in layout/param_alias.py

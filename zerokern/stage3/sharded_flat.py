@@ -34,6 +34,7 @@ from zerokern.layout.partition import make_layout, one_bucket_numel
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import pattern
 from zerokern.stage3 import gather_stream
+from zerokern.state import huge_pages
 
 
 class Residency(Enum):
@@ -64,7 +65,8 @@ class ShardedFlat(ShardBuffer):
                 placement = DevicePlacement()
             self.state = placement.allocate(self)
         # (S,) the resident param shard, flat range [lo, hi) of the unit (the master at fp32)
-        self.param_shard = torch.zeros(L.shard_numel, dtype=dtype, device=self.device)
+        # page-aligned, like the grad shards and the state ([Note: streams at one page offset])
+        self.param_shard = huge_pages.zeros(L.shard_numel, dtype, self.device)
         self.copy_params_(self.param_shard, lo, hi)
         self.full = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
         self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]

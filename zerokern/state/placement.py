@@ -51,6 +51,7 @@ from zerokern.rules import (
     map_in_memory_,
     rule_for,
 )
+from zerokern.state import huge_pages
 
 
 def _cats(rule: Rule) -> Dict[str, int]:
@@ -67,9 +68,9 @@ class DeviceState(RuleState):
         n, dev, fp32 = buf.state_numel, buf.device, torch.float32
         self.master: Optional[torch.Tensor] = None
         if buf.dtype != fp32:
-            self.master = torch.zeros(n, dtype=fp32, device=dev)
+            self.master = huge_pages.zeros(n, fp32, dev)  # [Note: streams at one page offset]
             buf.fill_master_(self.master)
-        self.states = alloc_states(rule, n, lambda m, dt: torch.empty(m, dtype=dt, device=dev))
+        self.states = alloc_states(rule, n, lambda m, dt: huge_pages.zeros(m, dt, dev))
         self.blocks = block_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
 
