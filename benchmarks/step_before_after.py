@@ -81,7 +81,12 @@ def main(argv=None) -> int:
     shas = {s: runs[s][0]["env"].get("git_sha") for s in sides}
     shas["before"] = a.before_label or shas["before"]
     shas["after"] = a.after_label or shas["after"]
-    names = [r["provider"] for r in runs["after"][0]["rows"]]
+    def has(run, name):
+        return any(r["provider"] == name for r in run["rows"])
+    after_names = [r["provider"] for r in runs["after"][0]["rows"]]
+    # providers on both sides; one the old code lacks (a new option) is shown after the table
+    names = [n for n in after_names if all(has(r, n) for s in sides for r in runs[s])]
+    new_only = [n for n in after_names if n not in names and "zerokern s2" in names]
     table = []
     for name in names:
         row = {"provider": name}
@@ -129,6 +134,14 @@ def main(argv=None) -> int:
         md += ["", "stage 3 / stage 2 (same run): before "
                f"{statistics.median(s3['before']):.3f} ({_fmt(s3['before'], 2)}), after "
                f"{statistics.median(s3['after']):.3f} ({_fmt(s3['after'], 2)})"]
+    for name in new_only:  # after only: against stage 2 and DDP of the same run
+        vs2 = [next(r["iter_ms"] for r in run["rows"] if r["provider"] == name)
+               / next(r["iter_ms"] for r in run["rows"] if r["provider"] == "zerokern s2")
+               for run in runs["after"]]
+        vsd = [next(r["vs_ddp"] for r in run["rows"] if r["provider"] == name)
+               for run in runs["after"]]
+        md += ["", f"{name} (after only) / stage 2 (same run): {statistics.median(vs2):.3f} "
+               f"({_fmt(vs2, 2)}); x DDP {statistics.median(vsd):.3f} ({_fmt(vsd, 2)})"]
     md.append("")
     common.write_text(a.out / f"{stem}.md", "\n".join(md))
     print("\n".join(md))

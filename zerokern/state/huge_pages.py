@@ -20,10 +20,13 @@ The update kernels stream over several buffers in lockstep: the grads, the maste
 params at fp32), the rule's states. The grads came from here (page-aligned) and the others from
 torch's allocator, whose large blocks start 64 bytes into a page; so at stage 0 each iteration's
 grad load (16 fp32 lanes = 64 bytes) had the low 12 address bits of the previous iteration's
-stores, and a load that matches a pending store's low 12 bits waits for it (4K aliasing). Measured on this
-2-core AMD EPYC, the 20m GPT's fp32 stage-0 update (4 buckets, one thread): 18.7 ms on the
-optimizer's buffers, 14.1-15.5 ms with only the grads swapped for copies at another offset;
-shifting the grad buffer by 64 bytes alone took step() from 23.0 to 20.0 ms. So the flat param
+stores, and a load that matches a pending store's low 12 bits waits for it (4K aliasing).
+Measured on this 2-core AMD EPYC, the 20m GPT's fp32 stage-0 update (4 buckets, one thread):
+18.7 ms on the optimizer's buffers, 14.1-15.5 ms with only the grads swapped for copies at
+another offset; shifting the grad buffer by 64 bytes alone took step() from 23.0 to 20.0 ms.
+At stages 1-2 the master pieces sit in the full flat buffer, a multiple of 512 bytes (ALIGN
+fp32 elements) from the grad-shard and state pieces (on the 20m GPT: 0 mod 4 KiB at N = 2, 4,
+8; 1-3 KiB at N = 3, a store 16 or more iterations back). So the flat param
 buffer (layout/flat_group.py), the master and the states (placement.py) and stage 3's param
 shards (sharded_flat.py) come from here too: every large stream starts on a page (and gets
 2 MiB pages, fewer TLB misses). step() at world size 1: 23.0 -> 17.0 ms (torch's fused AdamW
