@@ -8,6 +8,8 @@ the backward ([Note: kept units] in zerokern/stage3/units.py).
   model of test_stage3_users (dropped blocks, branches, MoE experts: a rank that skipped a
   kept unit keeps it too, so the strict ZEROKERN_DEBUG_COLLECTIVES=1 check of one collective
   order on every rank runs at every step), bitwise equal to the default budget's run.
+- Once the forward reaches the kept units it gathers all of them at once (with every unit
+  kept, all are launched by the root's forward pre-hook), within the same bound.
 - What it buys and costs, exactly: comm_stats()'s all-gather bytes are one gather per kept unit
   buffer and two per other one, from the padded layout (fewer bytes as the budget grows); the
   peak of gathered unit bytes stays within live_units_bound, which counts the kept units and
@@ -53,6 +55,9 @@ def _run(rank, ws, model_name, budget_name):
     mb = _budget_mb(budget_name, model_fn, ws)
     model = model_fn()
     opt = _with_debug(lambda: _zero3(model, keep_for_backward_mb=mb))
+    sync = opt.grad_sync
+    launched = []  # gathered or in flight once the root's forward pre-hook has run
+    hook = model.register_forward_pre_hook(lambda m, a: launched.append(sync.live_bytes))
     steps = 3
     for s in range(steps):  # train3's steps, its snapshot (a gather of everything) after
         if s == steps - 1:
@@ -61,6 +66,7 @@ def _run(rank, ws, model_name, budget_name):
         M.loss_fn(model, M.rank_tokens(s, rank, ws)).backward()
         opt.step()
     all_gather = opt.comm_stats()["all_gather"]
+    hook.remove()
     rep = opt.memory_report()
     got = M.full_snapshot(model, opt)
     ref = ddp_reference(model_fn(), rank, ws, steps=steps)
@@ -71,7 +77,7 @@ def _run(rank, ws, model_name, budget_name):
         "rel": M.rel_err(got, ref), "moved": M.rel_err(got, M.snapshot(model_fn())),
         "params": {k: v.clone() for k, v in got.items()},
         "kept": sorted(kept), "schedule": list(sync.schedule), "checks": opt.comm.log.checks,
-        "steps": steps, "all_gather": all_gather,
+        "steps": steps, "all_gather": all_gather, "launched_at_root": max(launched),
         # one gather per kept unit buffer, two for the others ((N-1)/N of each, padded)
         "expected_all_gather": sum((1 if f.unit_index in kept else 2)
                                    * int(frac * f.layout.padded_numel * e)
@@ -114,6 +120,10 @@ def test_kept_units_train_as_ddp_and_save_their_gathers(ws, model):
     if len(sched) > 2:  # (the test GPT has 2 blocks: one more is every unit)
         assert sched[-3] not in one["kept"], one["kept"]
     assert set(every["kept"]) >= set(sched), every["kept"]
+    # every unit kept: all launched as the forward starts (they stay gathered until their
+    # backward anyway: [Note: kept units]); by default the root and the next unit only
+    assert every["launched_at_root"] == every["all_units"], every
+    assert d["launched_at_root"] < d["all_units"], d
     if ws > 1:  # the saving is real: fewer bytes gathered as the budget grows
         assert every["all_gather"] <= one["all_gather"] < d["all_gather"]
         assert every["all_gather"] < one["all_gather"] or len(sched) == 2

@@ -189,6 +189,11 @@ def _homes(sync):
     return getattr(bufs[0], "homes", None) if bufs else None
 
 
+def has_homes(sync) -> bool:
+    """Whether the shards live on the host or disk between uses (offload_params)."""
+    return _homes(sync) is not None
+
+
 def new_pass(sync) -> None:
     """A forward, a backward, gather_all or frozen_whole starts: read-aheads issued before it
     are dropped (only one issued and used within one pass is known to be current), and on a

@@ -73,7 +73,7 @@ from .backward import Stage3Backward
 from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
-from .units import Unit, kept_for_backward
+from .units import Unit, kept_for_backward, live_units_bound
 from .whole_params import WholeParams
 
 
@@ -242,6 +242,14 @@ class Stage3Runtime(WholeParams, Stage3Backward):
                 self._free(uj)
 
     # ---- forward -----------------------------------------------------------------------------
+    def _prefetch_ahead(self) -> List[int]:
+        """The next unit of the schedule; once that is a kept unit of a grad-enabled forward,
+        every unit left ([Note: kept units]; not with param offload, whose gathers read)."""
+        nxt = self.schedule[self._fcur]
+        if not (self._fwd_grad and nxt in self.kept_units) or param_offload.has_homes(self):
+            return [nxt]
+        return self.schedule[self._fcur:]
+
     def _kept_for_backward(self) -> List[int]:
         """Units a grad-enabled forward leaves gathered for the backward ([Note: kept
         units])."""
@@ -276,7 +284,8 @@ class Stage3Runtime(WholeParams, Stage3Backward):
             self._fcur = pos + 1
         self._gather(need)
         if self._fcur < len(self.schedule):  # prefetch the next unit of the schedule
-            self._gather(self._need(self.units[self.schedule[self._fcur]]), wait=False)
+            for ui in self._prefetch_ahead():
+                self._gather(self._need(self.units[ui]), wait=False)
             param_offload.read_ahead(self, self.schedule, self._fcur + 1)  # (nvme: its read)
         if torch.is_grad_enabled() and not u.is_root:  # rule 3: post-backward on the inputs
             ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
@@ -387,19 +396,10 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         """Bytes of full params that can be gathered at once: the root and its dependencies,
         plus two other units with theirs (the running one and the prefetched one), or the
         kept units ([Note: kept units]) and one unit prefetched beside them."""
-        def unit_bytes(ui: int) -> int:
-            return sum(f.full_bytes for f in self._bufs(ui))
-
-        root = self.units[0]
-        base = sum(unit_bytes(ui) for ui in self._need(root))
-        others = sorted((sum(unit_bytes(ui) for ui in self._need(u) if ui not in
-                             self._need(root))
-                         for u in self.active_units if not u.is_root), reverse=True)
-        kept = [ui for ui in self.kept_units if ui not in self._need(root)]
-        beside = max((sum(unit_bytes(ui) for ui in self._need(u) if ui not in kept and
-                          ui not in self._need(root))
-                      for u in self.active_units if not u.is_root), default=0)
-        return base + max(sum(others[:2]), sum(unit_bytes(ui) for ui in kept) + beside)
+        return live_units_bound(
+            self._need(self.units[0]), [self._need(u) for u in self.active_units
+                                        if not u.is_root],
+            self.kept_units, lambda ui: sum(f.full_bytes for f in self._bufs(ui)))
 
     def detach(self) -> None:
         super().detach()

@@ -119,8 +119,10 @@ def kept_for_backward(schedule: List[int], need: Callable[[int], List[int]],
     stays gathered from its forward to its backward: live_bound() counts them. Fixed at
     construction and the same on every rank (rule 1: whether a unit is gathered when the
     schedule reaches it must not depend on the data). Measured on the 20m GPT over 2 gloo
-    ranks, fp32, paired in one process: every unit kept 0.940x the iteration of the default
-    (root + last), the last two 0.996x (benchmarks/results/step-20m-n2-fp32-keep.md)."""
+    ranks, fp32, paired in one process: every unit kept 0.919-0.940x the iteration of the
+    default (root + last), the last two 0.996x. Once a forward reaches the kept units it
+    launches all their gathers (Stage3Runtime._prefetch_ahead): 0.962-0.971x again with every
+    unit kept (30-40 pairs; benchmarks/results/step-20m-n2-fp32-issue20-paired.md)."""
     kept = list(need(0))
     if schedule:
         kept += [ui for ui in need(schedule[-1]) if ui not in kept]
@@ -133,3 +135,19 @@ def kept_for_backward(schedule: List[int], need: Callable[[int], List[int]],
         used += cost
         kept += extra
     return kept
+
+
+def live_units_bound(root: List[int], others: List[List[int]], kept: List[int],
+                     unit_bytes: Callable[[int], int]) -> int:
+    """Bytes of full units gathered at once, at most (Stage3Runtime.live_bound): the root and
+    its deps (`root`), plus two other units with theirs (`others`: each non-root unit's need;
+    the running one and the prefetched one), or the kept units ([Note: kept units]) and one
+    more beside them (a forward gathers every kept unit once it reaches them)."""
+    def need_bytes(need, skip) -> int:
+        return sum(unit_bytes(ui) for ui in need if ui not in skip)
+
+    base = need_bytes(root, ())
+    two = sum(sorted((need_bytes(n, root) for n in others), reverse=True)[:2])
+    held = [ui for ui in kept if ui not in root]
+    beside = max((need_bytes(n, set(root) | set(held)) for n in others), default=0)
+    return base + max(two, sum(unit_bytes(ui) for ui in held) + beside)
