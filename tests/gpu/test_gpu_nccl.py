@@ -21,6 +21,7 @@ Skipped, with the reason, on a machine with fewer than 2 GPUs or a torch without
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -129,18 +130,22 @@ def _ddp_reference_cuda(make, rank, ws, dev):
 def _flow_rank(rank, ws, backend, device_type="cuda"):
     """Stage 3 over NCCL on models whose ranks take different paths (test_stage3_users' DynLM)
     or reduce units late (test_stage3_order's SideLM, EncDecLM), under the strict debug check:
-    every step() compares the ranks' collectives in issue order over both communicators."""
+    every step() compares the ranks' collectives in issue order over both communicators.
+    "dyn_keep": DynLM with every unit kept for the backward (keep_for_backward_mb=inf: a rank
+    that skipped a kept unit keeps it too, and the forward launches the kept units' gathers
+    together on the gather stream)."""
     from ..stage3.test_stage3_order import _make
     from ..stage3.test_stage3_users import make_dyn
     dev = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     os.environ["ZEROKERN_DEBUG_COLLECTIVES"] = "1"
     out = {}
     for name, make in (("dyn", make_dyn), ("side", lambda: _make("side")),
-                       ("encdec", lambda: _make("encdec"))):
+                       ("encdec", lambda: _make("encdec")), ("dyn_keep", make_dyn)):
         ref = _ddp_reference_cuda(make, rank, ws, dev)
         model = make().to(dev)
         opt = zk.ZeroAdamW(model, stage=3, precision="fp32", lr=M.LR, betas=M.BETAS, eps=M.EPS,
-                           weight_decay=M.WD, backend=backend)
+                           weight_decay=M.WD, backend=backend,
+                           keep_for_backward_mb=math.inf if name == "dyn_keep" else 0.0)
         for s in range(STEPS):
             opt.zero_grad()
             M.loss_fn(model, _tokens(s, rank, ws, dev)).backward()
