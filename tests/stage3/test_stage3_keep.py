@@ -14,6 +14,7 @@ the backward ([Note: kept units] in zerokern/stage3/units.py).
   buffer and two per other one, from the padded layout (fewer bytes as the budget grows); the
   peak of gathered unit bytes stays within live_units_bound, which counts the kept units and
   equals `zerokern.estimate(..., keep_for_backward_mb=)`'s.
+- With offload_params="cpu" training is bitwise the default budget's.
 - Bad values raise before the model is touched.
 """
 
@@ -90,9 +91,23 @@ def _run(rank, ws, model_name, budget_name):
     }
 
 
+def _offload(rank, ws, mb):
+    """offload_params="cpu": the kept units stay on the device from forward to backward."""
+    model = M.make_model()
+    opt = _zero3(model, offload_params="cpu", keep_for_backward_mb=mb)
+    for s in range(3):
+        opt.zero_grad()
+        M.loss_fn(model, M.rank_tokens(s, rank, ws)).backward()
+        opt.step()
+    return M.full_snapshot(model, opt)
+
+
 def _worker(rank, ws):
-    return run_cases({f"{m}_{b}": functools.partial(_run, rank, ws, m, b)
-                      for m in ("gpt", "dyn") for b in BUDGETS})
+    cases = {f"{m}_{b}": functools.partial(_run, rank, ws, m, b)
+             for m in ("gpt", "dyn") for b in BUDGETS}
+    cases.update({f"offload_{b}": functools.partial(_offload, rank, ws, mb)
+                  for b, mb in (("default", 0.0), ("all", math.inf))})
+    return run_cases(cases)
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])
@@ -130,6 +145,13 @@ def test_kept_units_train_as_ddp_and_save_their_gathers(ws, model):
     # the cost is counted: the bound with every unit kept holds every unit
     assert every["bound"] >= every["all_units"] >= d["bound"]
     assert every["all_units"] > d["bound"] or len(sched) == 2
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_kept_units_with_param_offload_train_bitwise_the_same(ws):
+    for r, (d, every) in enumerate(zip(case(cached(_worker, ws), "offload_default"),
+                                       case(cached(_worker, ws), "offload_all"))):
+        assert all(torch.equal(d[k], every[k]) for k in d), f"rank {r}"
 
 
 def test_bad_keep_for_backward_mb_raises_before_the_model_changes():
