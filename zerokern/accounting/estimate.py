@@ -394,8 +394,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                          f"pool replays Stage3Runtime over the forward and grad order of "
                          f"{spec.order_source}")
         notes.append("live units (bound): full units gathered at once in a step (root and "
-                     "its ties + the two largest other units); 0 between steps, so not in the "
-                     "device total")
+                     "its ties + the two largest other units"
+                     + (", or + the units kept for the backward and one more"
+                        if keep_for_backward_mb else "")
+                     + "); 0 between steps, so not in the device total")
     for L, lrule in zip(layouts, layout_rules):
         # Sharded per-rank state (stages 1-3; the whole buffer at stage 0): this rank's pieces.
         state = P.state_numel(L)
