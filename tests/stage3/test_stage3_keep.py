@@ -35,6 +35,35 @@ from ..support.harness import cached, case, run_cases
 from .test_stage3_users import TOL, _with_debug, _zero3, ddp_reference, make_dyn
 
 BUDGETS = ("default", "one_more", "all")
+D = 32
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class TiedLM(torch.nn.Module):
+    """The last block uses block 1's weight: unit 6 depends on unit 2, which is then held
+    from its forward gather to the end of backward, and kept whenever unit 6 is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(M.MODEL_SEED)
+        self.emb = torch.nn.Embedding(M.VOCAB, D)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(6))
+        self.head = torch.nn.Linear(D, M.VOCAB)
+        self.blocks[5].fc.weight = self.blocks[1].fc.weight
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
 
 
 def _budget_mb(name: str, model_fn, ws: int) -> float:
@@ -52,7 +81,7 @@ def _budget_mb(name: str, model_fn, ws: int) -> float:
 
 
 def _run(rank, ws, model_name, budget_name):
-    model_fn = {"gpt": M.make_model, "dyn": make_dyn}[model_name]
+    model_fn = {"gpt": M.make_model, "dyn": make_dyn, "tied": TiedLM}[model_name]
     mb = _budget_mb(budget_name, model_fn, ws)
     model = model_fn()
     opt = _with_debug(lambda: _zero3(model, keep_for_backward_mb=mb))
@@ -104,14 +133,14 @@ def _offload(rank, ws, mb):
 
 def _worker(rank, ws):
     cases = {f"{m}_{b}": functools.partial(_run, rank, ws, m, b)
-             for m in ("gpt", "dyn") for b in BUDGETS}
+             for m in ("gpt", "dyn", "tied") for b in BUDGETS}
     cases.update({f"offload_{b}": functools.partial(_offload, rank, ws, mb)
                   for b, mb in (("default", 0.0), ("all", math.inf))})
     return run_cases(cases)
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])
-@pytest.mark.parametrize("model", ["gpt", "dyn"])
+@pytest.mark.parametrize("model", ["gpt", "dyn", "tied"])
 def test_kept_units_train_as_ddp_and_save_their_gathers(ws, model):
     res = {b: case(cached(_worker, ws), f"{model}_{b}") for b in BUDGETS}
     for b in BUDGETS:

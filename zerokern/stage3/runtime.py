@@ -122,6 +122,10 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         self.kept_units = kept_for_backward(  # [Note: kept units] in units.py
             self.schedule, lambda ui: self._need(self.units[ui]),
             lambda ui: sum(f.full_bytes for f in self._bufs(ui)), keep_for_backward_bytes)
+        kept = set(self.kept_units)  # where the schedule's kept end starts (_prefetch_ahead)
+        self._kept_from = next((j for j in range(len(self.schedule))
+                                if all(ui in kept for ui in self.schedule[j:])),
+                               len(self.schedule))
         self.fwd_order: List[int] = []       # units (not the root) in the last forward's order
         self._recording: List[int] = []
         self._fcur = 0
@@ -243,11 +247,11 @@ class Stage3Runtime(WholeParams, Stage3Backward):
 
     # ---- forward -----------------------------------------------------------------------------
     def _prefetch_ahead(self) -> List[int]:
-        """The next unit of the schedule; once that is a kept unit of a grad-enabled forward,
-        every unit left ([Note: kept units]; not with param offload, whose gathers read)."""
-        nxt = self.schedule[self._fcur]
-        if not (self._fwd_grad and nxt in self.kept_units) or param_offload.has_homes(self):
-            return [nxt]
+        """The next unit of the schedule; once the rest of it is kept units, in a grad-enabled
+        forward, all of it ([Note: kept units]; a unit kept only as another's dep does not
+        count; not with param offload, whose gathers read)."""
+        if not self._fwd_grad or self._fcur < self._kept_from or param_offload.has_homes(self):
+            return [self.schedule[self._fcur]]
         return self.schedule[self._fcur:]
 
     def _kept_for_backward(self) -> List[int]:
@@ -399,7 +403,8 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         return live_units_bound(
             self._need(self.units[0]), [self._need(u) for u in self.active_units
                                         if not u.is_root],
-            self.kept_units, lambda ui: sum(f.full_bytes for f in self._bufs(ui)))
+            self.kept_units, lambda ui: sum(f.full_bytes for f in self._bufs(ui)),
+            sorted(self._held_deps))
 
     def detach(self) -> None:
         super().detach()

@@ -19,7 +19,7 @@ precision and stay resident (`persistent`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Set, Union
+from typing import Callable, Dict, List, Sequence, Set, Union
 
 import torch.nn as nn
 
@@ -138,14 +138,18 @@ def kept_for_backward(schedule: List[int], need: Callable[[int], List[int]],
 
 
 def live_units_bound(root: List[int], others: List[List[int]], kept: List[int],
-                     unit_bytes: Callable[[int], int]) -> int:
+                     unit_bytes: Callable[[int], int], held: Sequence[int] = ()) -> int:
     """Bytes of full units gathered at once, at most (Stage3Runtime.live_bound): the root and
-    its deps (`root`), plus two other units with theirs (`others`: each non-root unit's need;
-    the running one and the prefetched one), or the kept units ([Note: kept units]) and one
-    more beside them (a forward gathers every kept unit once it reaches them)."""
+    its deps (`root`) and the units others depend on (`held`: kept from their first gather to
+    the end of backward), plus two other units with theirs (`others`: each non-root unit's
+    need; the running one and the prefetched one), or the kept units ([Note: kept units]) and
+    one more beside them (a forward gathers every kept unit once it reaches them). (`held`
+    was left out before 2026-11-26: a block tied to the last one peaked at 28672 bytes
+    against a bound of 24576.)"""
     def need_bytes(need, skip) -> int:
         return sum(unit_bytes(ui) for ui in need if ui not in skip)
 
+    root = list(dict.fromkeys(list(root) + list(held)))
     base = need_bytes(root, ())
     two = sum(sorted((need_bytes(n, root) for n in others), reverse=True)[:2])
     held = [ui for ui in kept if ui not in root]
