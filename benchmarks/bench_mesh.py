@@ -62,7 +62,7 @@ def _formula(name, opt) -> tuple:
     element of the precision (4 fp32, 2 bf16)."""
     e = opt.dtype.itemsize
     E = [f.layout.padded_numel for f in opt.flat_groups]
-    kept = set(opt.grad_sync._kept_for_backward())  # the root and the last unit
+    kept = set(opt.grad_sync.kept_units)  # the root and the last unit
     held = sum(f.layout.padded_numel for f in opt.flat_groups if f.unit_index in kept)
     tot = sum(E)
     if name == "plain":  # ring over 4: half the bytes cross; gathers 2x but the kept once

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import types
 
 import torch
-import torch.distributed as dist
+from step_paired_sides import alternate  # (this folder: run as a script)
 
 
 def _old_reduce_scatter(self, out, work):
@@ -62,22 +61,8 @@ def _worker(rank: int, world: int, args):
         opt = zk.ZeroAdamW(m, stage=args.stage, **hp)
         if name == "A":
             _switch_off(opt, args.change)
-        sides[name] = (m, opt)
-    times = {"A": [], "B": []}
-    for rep in range(args.warmup + args.pairs):
-        order = ("A", "B") if rep % 2 == 0 else ("B", "A")
-        for name in order:
-            m, opt = sides[name]
-            x = data[rep % len(data)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            m.loss(x[:, :-1], x[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
-            dt = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if rep >= args.warmup:
-                times[name].append(float(dt) * 1e3)
+        sides[name] = (m, opt, lambda x, m=m: m.loss(x[:, :-1], x[:, 1:]))
+    times = alternate(sides, data, args.warmup, args.pairs)
     same = all(torch.equal(a, b) for a, b in zip(sides["A"][0].parameters(),
                                                  sides["B"][0].parameters()))
     return {"times": times, "same_params": same} if rank == 0 else None

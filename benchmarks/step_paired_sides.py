@@ -52,9 +52,16 @@ def _side(spec: str):
 def _worker(rank: int, world: int, args):
     gen = torch.Generator().manual_seed(1234 + rank)
     data = [torch.randint(0, 8192, (2, 33), generator=gen) for _ in range(4)]
-    sides = {"A": _side(args.a), "B": _side(args.b)}
+    times = alternate({"A": _side(args.a), "B": _side(args.b)}, data, args.warmup, args.pairs)
+    return times if rank == 0 else None
+
+
+def alternate(sides, data, warmup: int, pairs: int):
+    """Iterations of sides {"A"|"B": (model, optimizer, loss of a batch)} alternated (A, B,
+    then B, A, ...), each timed on every rank between barriers (the slowest rank's time);
+    the ms per side after `warmup` rounds. Also used by step_paired_ab.py."""
     times = {"A": [], "B": []}
-    for rep in range(args.warmup + args.pairs):
+    for rep in range(warmup + pairs):
         for name in (("A", "B") if rep % 2 == 0 else ("B", "A")):
             _, opt, loss_of = sides[name]
             x = data[rep % len(data)]
@@ -65,9 +72,9 @@ def _worker(rank: int, world: int, args):
             opt.zero_grad()
             dt = torch.tensor(time.perf_counter() - t0)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if rep >= args.warmup:
+            if rep >= warmup:
                 times[name].append(float(dt) * 1e3)
-    return times if rank == 0 else None
+    return times
 
 
 def main() -> None:

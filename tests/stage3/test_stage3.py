@@ -219,7 +219,7 @@ def _comm(rank, ws, prec):
     # are kept from their forward for their backward ([Note: the root stays gathered for
     # backward]): one. Frozen params (the model's `pos`) are sharded with their unit and
     # gathered with it.
-    kept = set(opt.grad_sync._kept_for_backward())
+    kept = set(opt.grad_sync.kept_units)
     ag = sum((1 if f.unit_index in kept else 2) * int(frac * f.layout.padded_numel * e)
              for f in opt.flat_groups + opt.grad_sync.frozen)
     rs = sum(int(frac * f.layout.padded_numel * e) for f in opt.flat_groups)

@@ -254,11 +254,6 @@ class Stage3Runtime(WholeParams, Stage3Backward):
             return [self.schedule[self._fcur]]
         return self.schedule[self._fcur:]
 
-    def _kept_for_backward(self) -> List[int]:
-        """Units a grad-enabled forward leaves gathered for the backward ([Note: kept
-        units])."""
-        return self.kept_units
-
     def _pre_forward_hook(self, module, args, kwargs):
         self._pre_forward(self.units[self._unit_of[id(module)]], args, kwargs)
 
@@ -318,7 +313,7 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         # Every rank keeps it, whether it called the unit or reached it as skipped (below),
         # so whether backward gathers it does not depend on the data (rule 1).
         # (the root's grad mode decides, not this call's: the same on every rank)
-        keep = set(self._kept_for_backward()) if self._fwd_grad else set()
+        keep = set(self.kept_units) if self._fwd_grad else set()
         for ui in self._need(u):
             self._refs[ui] -= 1
             if self._refs[ui] == 0 and ui not in keep:

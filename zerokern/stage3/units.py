@@ -149,9 +149,8 @@ def live_units_bound(root: List[int], others: List[List[int]], kept: List[int],
     def need_bytes(need, skip) -> int:
         return sum(unit_bytes(ui) for ui in need if ui not in skip)
 
-    root = list(dict.fromkeys(list(root) + list(held)))
-    base = need_bytes(root, ())
-    two = sum(sorted((need_bytes(n, root) for n in others), reverse=True)[:2])
-    held = [ui for ui in kept if ui not in root]
-    beside = max((need_bytes(n, set(root) | set(held)) for n in others), default=0)
-    return base + max(two, sum(unit_bytes(ui) for ui in held) + beside)
+    always = set(root) | set(held)  # gathered whatever else runs
+    two = sum(sorted((need_bytes(n, always) for n in others), reverse=True)[:2])
+    kept_rest = [ui for ui in kept if ui not in always]
+    beside = max((need_bytes(n, always | set(kept_rest)) for n in others), default=0)
+    return need_bytes(always, ()) + max(two, need_bytes(kept_rest, ()) + beside)
