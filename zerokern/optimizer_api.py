@@ -136,8 +136,10 @@ class OptimizerApiMixin:
             one per state of the rule (by its name), padding, and at stage 3 frozen and live_units),
             `measured_total`, `formula`, `formula_total`, `allowed_slack`; with offload
             `host_measured` / `disk_measured` and their totals, `host_pinned_total`,
-            `host_pageable_total`; at stage 3 `peak_live_units` and `live_units_bound`; and
-            num_params, world_size, stage, precision. Equal to `zerokern estimate`.
+            `host_pageable_total`; at stage 3 `peak_live_units` and `live_units_bound`;
+            `comm_buffers` (this rank's shared-memory segments for CPU collectives between
+            ranks on one host: a transport buffer, not a model state); and num_params,
+            world_size, stage, precision. Equal to `zerokern estimate`.
         """
         return memory_report(self)
 

@@ -295,30 +295,32 @@ void blockquant_dequantize(at::Tensor codes, at::Tensor scale, at::Tensor out, i
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
+  // [Note: the kernels release the GIL] (zerokern/kernels/native.py)
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.doc() = "zerokern CPU kernels (OpenMP + AVX-512/AVX2/F16C chosen at run time, scalar fallback)";
-  m.def("adam_step", &zk_cpu::adam_step, "Fused Adam/AdamW step with cast-back (DESIGN §3)",
+  m.def("adam_step", &zk_cpu::adam_step, nogil, "Fused Adam/AdamW step with cast-back (DESIGN §3)",
         "master"_a, "exp_avg"_a, "exp_avg_sq"_a, "grad"_a, "param_out"_a, "lr"_a, "beta1"_a,
         "beta2"_a, "eps"_a, "weight_decay"_a, "adamw"_a, "step"_a, "grad_scale"_a, "found_inf"_a);
-  m.def("grad_stats", &zk_cpu::grad_stats, "found_inf |= any(!isfinite(grad)); sumsq += sum(grad^2)",
+  m.def("grad_stats", &zk_cpu::grad_stats, nogil, "found_inf |= any(!isfinite(grad)); sumsq += sum(grad^2)",
         "grad"_a, "found_inf"_a, "sumsq"_a);
-  m.def("compact_expand", &zk_cpu::compact_expand,
+  m.def("compact_expand", &zk_cpu::compact_expand, nogil,
         "master='compact': out = the fp32 master of (low halves, tie bits, bf16 params)",
         "out"_a, "low"_a, "ties"_a, "param"_a);
-  m.def("compact_store", &zk_cpu::compact_store,
+  m.def("compact_store", &zk_cpu::compact_store, nogil,
         "master='compact': low halves and tie bits of an fp32 master; nan_flag |= any NaN",
         "low"_a, "ties"_a, "master"_a, "nan_flag"_a);
-  m.def("lion_step", &zk_cpu::lion_step, "Fused Lion step with cast-back (kernels/lion.py)",
+  m.def("lion_step", &zk_cpu::lion_step, nogil, "Fused Lion step with cast-back (kernels/lion.py)",
         "master"_a, "exp_avg"_a, "grad"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a,
         "weight_decay"_a, "step"_a, "grad_scale"_a, "found_inf"_a);
-  m.def("adamw8bit_step", &zk_cpu::adamw8bit_step,
+  m.def("adamw8bit_step", &zk_cpu::adamw8bit_step, nogil,
         "Fused AdamW step with 8-bit block-quantized moments (kernels/adamw8bit.py)",
         "master"_a, "m_q"_a, "m_absmax"_a, "v_q"_a, "v_absmax"_a, "grad"_a, "param_out"_a,
         "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a,
         "found_inf"_a, "code_s"_a, "code_u"_a, "mid_s"_a, "mid_u"_a);
-  m.def("blockquant_quantize", &zk_cpu::blockquant_quantize,
+  m.def("blockquant_quantize", &zk_cpu::blockquant_quantize, nogil,
         "codes and fp32 scales of x per block (kernels/blockquant.py's contract)",
         "x"_a, "codes"_a, "scale"_a, "block"_a, "bits"_a);
-  m.def("blockquant_dequantize", &zk_cpu::blockquant_dequantize,
+  m.def("blockquant_dequantize", &zk_cpu::blockquant_dequantize, nogil,
         "out = codes * scale per block, rounded to out's dtype", "codes"_a, "scale"_a, "out"_a,
         "block"_a, "bits"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");

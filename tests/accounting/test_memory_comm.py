@@ -26,6 +26,7 @@ import torch
 
 import zerokern as zk
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+from zerokern.comm import shm
 from zerokern.grads.released_grad import ReleasedGrad
 from zerokern.layout.partition import ALIGN
 
@@ -69,6 +70,8 @@ def _walk_bytes(opt) -> int:
         visited.add(id(obj))
         if isinstance(obj, ReleasedGrad):
             continue  # what p.grad shows at stages 1-3: no storage
+        if isinstance(obj, shm._Segment):  # a transport buffer: checked on its own below
+            continue
         if isinstance(obj, torch.Tensor):
             st = obj.untyped_storage()
             # (uint8: a compact master's tie bitmap, S/8 bytes, small for this tiny model)
@@ -91,6 +94,26 @@ def _walk_bytes(opt) -> int:
         elif hi > end:
             total += hi - end
             end = hi
+    return total
+
+
+def _walk_own_segments(opt) -> int:
+    """Bytes of this rank's own shared-memory segments among the objects reachable from the
+    optimizer (comm/shm.py; the peers' segments it maps are theirs)."""
+    total, stack, visited = 0, [opt.flat_groups, opt.grad_sync.__dict__], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited or isinstance(obj, torch.Tensor):
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, shm.ShmExchange):
+            total += len(obj.segs[obj.rank].map)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("zerokern"):
+            stack.extend(vars(obj).values())
     return total
 
 
@@ -121,6 +144,8 @@ def _memory(rank, ws, prec, stage):
         "slack": rep["allowed_slack"],
         "padding_term": _padding_term(opt),
         "walked": _walk_bytes(opt),
+        "comm_buffers": rep["comm_buffers"],
+        "own_segments": _walk_own_segments(opt),
         "psi": rep["num_params"],
         "unique_psi": psi,
         "estimate": zk.estimate_memory(psi, ws, stage, prec, master=master)["total"],
@@ -237,6 +262,18 @@ def test_memory_report_is_a_measurement(ws, prec, stage):
         assert res["walked"] == res["measured"], (
             f"rank {r}: tensors held {res['walked']} B, report says {res['measured']} B"
         )
+
+
+@pytest.mark.parametrize("ws,prec,stage", MEM_CASES)
+def test_memory_report_counts_the_shared_memory_segments(ws, prec, stage):
+    """comm_buffers: this rank's own segments, one per ring group that used shared memory
+    (stage 3: two groups), 8 MiB + a 4 KiB header each."""
+    for r, res in enumerate(case(_results(ws), f"mem_{prec}_{stage}")):
+        assert res["comm_buffers"] == res["own_segments"], f"rank {r}"
+        if shm.supported():
+            seg = 2 * shm.SLOT_BYTES + 4096
+            groups = 2 if stage == 3 else 1
+            assert res["comm_buffers"] == groups * seg, f"rank {r}: {res['comm_buffers']}"
 
 
 @pytest.mark.parametrize("ws,prec,stage", [c for c in MEM_CASES if c[2] != 1])

@@ -37,7 +37,7 @@ class _RecordingRing:
     def reduce_scatter(self, out, work):  # submitted, never run by this mock
         raise AssertionError
 
-    all_gather = reduce_scatter
+    all_gather = all_reduce = reduce_scatter
 
 
 class _CountingChannel:

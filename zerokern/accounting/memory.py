@@ -62,7 +62,9 @@ def memory_report(opt) -> Dict[str, Any]:
     which is reported on its own line; measured_total is the sum of all of them.
     Stage 3 adds peak_live_units (the most full-unit bytes gathered at once so far) and
     live_units_bound (root + its dependencies + the two largest other units: the running one
-    and the prefetched one), and peak_live_units <= live_units_bound.
+    and the prefetched one), and peak_live_units <= live_units_bound. comm_buffers: this
+    rank's shared-memory segments for CPU collectives between ranks on one host
+    (comm/shm.py; 8 MiB per process group once used), not a model state.
 
     allowed_slack = staging buckets + gathered stage-3 units (live_units, 0 between steps)
     + each buffer's whole padding (< N*128 elements, DESIGN §4).
@@ -123,6 +125,11 @@ def memory_report(opt) -> Dict[str, Any]:
         out.setdefault("host_measured", dict.fromkeys(("master", *opt.rule.state_names,
                                                        "host_staging"), 0))
         opt.param_homes.report(out, formula)
+    # Transport buffers, not model states (as NCCL's own are not): this rank's shared-memory
+    # segments for same-host CPU collectives (comm/shm.py), set up at the first collective.
+    comms = [opt.comm] + [c for c in [getattr(opt.grad_sync, "rs_comm", None)]
+                          if c is not None and c is not opt.comm]
+    out["comm_buffers"] = sum(c.transport_bytes() for c in comms)
     if opt.pattern.shards_params:  # stage 3: units gathered in a step
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())

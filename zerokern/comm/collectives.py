@@ -251,7 +251,7 @@ class GroupComm:
                        self.dim)
         op = op or dist.ReduceOp.SUM
         if self._ring_for(t) is not None:
-            return self._on_ring(async_op, dist.all_reduce, t, op, self.group)
+            return self._on_ring(async_op, self.ring.all_reduce, t, op)
         return self._issue(async_op, dist.all_reduce, t, op=op, group=self.group)
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,

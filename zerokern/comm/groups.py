@@ -120,6 +120,23 @@ class Comm:
             return self.q_gather.all_gather_(full, src, self.codec_for, label)
         return all_gather_quantized_(self.shard, full, src, self.codec_for, label)
 
+    def group_comms(self):
+        """Every GroupComm this Comm runs collectives on, once each (qgZ's hops and qwZ's
+        gathers included)."""
+        out = {}
+        gcs = [self.shard, self.replicate, self.world, self.hpz]
+        gcs += [lv.gc for lv in self.q_levels or ()]
+        if self.q_gather is not None:
+            gcs += [self.q_gather.cross, self.q_gather.node]
+        for gc in gcs:
+            if gc is not None:
+                out[id(gc)] = gc
+        return list(out.values())
+
+    def transport_bytes(self) -> int:
+        """Bytes of this rank's shared-memory segments for these groups (comm/shm.py)."""
+        return sum(gc.ring.shm_bytes for gc in self.group_comms() if gc.ring is not None)
+
     # -- what the optimizer reads ---------------------------------------------------------------
     @property
     def stats(self) -> CommStats:
