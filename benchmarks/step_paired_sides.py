@@ -7,8 +7,9 @@ measured far more steadily than two `zerokern bench --step` rows on a shared mac
     PYTHONPATH=. python benchmarks/step_paired_sides.py --a ddp --b 0 --pairs 30
 
 A side is `ddp` (DDP(gradient_as_bucket_view=True, bucket_cap_mb=25) + torch AdamW(fused=True),
-as `zerokern bench --step` builds it), a zerokern stage `0`-`3`, or `3:keep-all` (stage 3 with
-keep_for_backward_mb=inf). The 20m GPT, fp32, batch 2x32, one torch thread per rank, the same
+as `zerokern bench --step` builds it), a zerokern stage `0`-`3`, `3:keep-all` (stage 3 with
+keep_for_backward_mb=inf), or `<stage>:tcp` (that stage over the send/recv rings instead of
+shared memory, comm/shm.py). The 20m GPT, fp32, batch 2x32, one torch thread per rank, the same
 init and data on both sides; per pair of iterations the ratio B/A, and the median over pairs with
 its quartiles. `--json` appends the result to a file.
 """
@@ -42,10 +43,15 @@ def _side(spec: str):
         return m, torch.optim.AdamW(m.parameters(), fused=True, **hp), (
             lambda x: _ddp_loss(ddp, x))
     stage, _, variant = spec.partition(":")
-    if variant not in ("", "keep-all") or (variant and stage != "3"):
-        raise ValueError(f"a side is ddp, 0-3 or 3:keep-all, got {spec!r}")
+    if variant not in ("", "keep-all", "tcp") or (variant == "keep-all" and stage != "3"):
+        raise ValueError(f"a side is ddp, 0-3, 3:keep-all or <stage>:tcp, got {spec!r}")
     opt = zk.ZeroAdamW(m, stage=int(stage), precision="fp32",
-                       keep_for_backward_mb=math.inf if variant else 0.0, **hp)
+                       keep_for_backward_mb=math.inf if variant == "keep-all" else 0.0, **hp)
+    if variant == "tcp":  # the send/recv rings, not shared memory (comm/shm.py)
+        for c in (opt.comm, getattr(opt.grad_sync, "rs_comm", opt.comm)):
+            for gc in c.group_comms():
+                if gc.ring is not None:
+                    gc.ring._shm = False
     return m, opt, (lambda x: m.loss(x[:, :-1], x[:, 1:]))
 
 
@@ -79,8 +85,8 @@ def alternate(sides, data, warmup: int, pairs: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--a", required=True, help="ddp, 0-3 or 3:keep-all")
-    p.add_argument("--b", required=True, help="ddp, 0-3 or 3:keep-all")
+    p.add_argument("--a", required=True, help="ddp, 0-3, 3:keep-all or <stage>:tcp")
+    p.add_argument("--b", required=True, help="ddp, 0-3, 3:keep-all or <stage>:tcp")
     p.add_argument("--pairs", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="append the result to this file")

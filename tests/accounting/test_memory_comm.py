@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import zerokern as zk
-from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.comm import shm
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.grads.released_grad import ReleasedGrad
 from zerokern.layout.partition import ALIGN
 

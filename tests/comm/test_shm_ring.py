@@ -25,11 +25,13 @@ import time
 import pytest
 import torch
 
-from zerokern.comm import GroupComm
-from zerokern.comm import shm
+from zerokern.comm import GroupComm, shm
 
 from ..support.harness import cached, case, run_cases
 from ..support.models import make_model, train_zero, zero_opt
+
+# x86-64 Linux with /dev/shm (CI's machines): elsewhere every group keeps the TCP rings
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared-memory ring here")
 
 PER = 5000  # elements per rank's chunk: 20 KB of fp32, 5 rounds of a 4 KiB slot
 
@@ -80,8 +82,6 @@ def _collectives(rank, ws):
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_shm_collectives_match_references(ws):
-    if not shm.supported():
-        pytest.skip("no shared memory ring on this platform (x86-64 Linux only)")
     res = cached(_collectives, ws)
     full = sum(_inp(r, ws).double() for r in range(ws))
     missing = sum(_inp(r, ws).double() for r in range(ws - 1))
@@ -129,8 +129,6 @@ def _one_rank_cannot(rank, ws):
 
 
 def test_one_rank_without_shared_memory_keeps_every_rank_on_tcp():
-    if not shm.supported():
-        pytest.skip("no shared memory ring on this platform (x86-64 Linux only)")
     res = cached(_one_rank_cannot, 2)
     full = _inp(0, 2) + _inp(1, 2)
     for r in range(2):
@@ -168,46 +166,34 @@ def _stuck_peer(rank, ws):
     ex = comm.ring._shm
     assert ex
 
-    def gone():  # rank 1 "exits": rank 0 waits for a round it never writes
-        if rank == 0:
-            ex.pids[1] = _dead_pid()
-            t0 = time.monotonic()
-            try:
-                ex.all_gather(torch.ones(8 * ws))
-            except RuntimeError as e:
-                return str(e), time.monotonic() - t0
-            return "no error", 0.0
-        return None
+    def rank0_waits(prepare):
+        """Rank 0 starts an all-gather rank 1 never joins: (error, seconds to raise)."""
+        if rank != 0:
+            return None
+        prepare()
+        t0 = time.monotonic()
+        try:
+            ex.all_gather(torch.ones(8 * ws))
+        except RuntimeError as e:
+            return str(e), time.monotonic() - t0
+        return "no error", 0.0
 
-    def timeout():  # rank 1 never comes: the group's timeout (here 0.3 s)
-        if rank == 0:
-            ex.timeout_s = 0.3
-            ex.pids[1] = os.getpid()  # alive
-            t0 = time.monotonic()
-            try:
-                ex.all_gather(torch.ones(8 * ws))
-            except RuntimeError as e:
-                return str(e), time.monotonic() - t0
-            return "no error", 0.0
-        return None
+    def gone():  # rank 1 "exits": its pid names no process
+        ex.pids[1] = _dead_pid()
+
+    def late():  # rank 1 is alive but never comes: the group's timeout (here 0.3 s)
+        ex.timeout_s = 0.3
+        ex.pids[1] = os.getpid()
 
     def stopped():  # the ring was stopped (a failure elsewhere on the group)
-        if rank == 0:
-            comm.ring.stop("a peer's error")
-            try:
-                ex.all_gather(torch.ones(8 * ws))
-            except RuntimeError as e:
-                return str(e), 0.0
-            return "no error", 0.0
-        return None
+        comm.ring.stop("a peer's error")
 
-    res.update(run_cases({"gone": gone, "timeout": timeout, "stopped": stopped}))
+    res.update(run_cases({"gone": lambda: rank0_waits(gone), "timeout": lambda: rank0_waits(late),
+                          "stopped": lambda: rank0_waits(stopped)}))
     return res
 
 
 def test_a_peer_gone_late_or_stopped_raises_instead_of_waiting():
-    if not shm.supported():
-        pytest.skip("no shared memory ring on this platform (x86-64 Linux only)")
     res = cached(_stuck_peer, 2)
     for r in range(2):
         assert "issued different collectives" in res[r]["mismatch"], res[r]["mismatch"]
@@ -234,8 +220,6 @@ def _train(rank, ws):
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_zero_adamw_trains_alike_through_shared_memory_and_tcp(ws):
-    if not shm.supported():
-        pytest.skip("no shared memory ring on this platform (x86-64 Linux only)")
     res = cached(_train, ws)
     for r in range(ws):
         for stage in (0, 2, 3):

@@ -19,8 +19,11 @@ s + 1, reads, publishes consumed. Each counter has one writer, and x86-64 keeps 
 (the data is visible before the counter that announces it): shared memory is used on x86-64
 Linux only. A wait spins briefly, then sleeps on the counter with futex (woken by the writer),
 waking every 50 ms to check that the ring was not stopped (comm/ring.py [Note: a failed ring
-stops]), that every peer process still exists, and the group's timeout: a peer that died or
-never comes is an error, never a hang.
+stops]), that every peer process still exists (peers in this pid namespace: a container may
+share /dev/shm but not its pids), and the group's timeout: a peer that died or never comes is
+an error, never a hang. Each round also says what it carries (kind, bytes, offset), checked by
+its readers: ranks that issued different collectives raise instead of mixing the data (gloo's
+TCP path aborts on a size mismatch; this one must not be quieter).
 
 The sums. Reduce-scatter: rank r writes its input's chunks for the others into slot regions
 (one per destination); the owner adds them to its own chunk in rank order (its own first), so
@@ -85,6 +88,14 @@ def supported() -> bool:
     return (os.environ.get("ZEROKERN_SHM", "1") != "0" and sys.platform.startswith("linux")
             and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
             and os.access("/dev/shm", os.W_OK))
+
+
+def _pid_ns() -> int:
+    """This process's pid namespace (its inode), 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _reached(value: int, target: int) -> bool:
@@ -153,7 +164,8 @@ class ShmExchange:
         # is checked for those, tests/optimizer/test_no_host_sync.py)
         info = np.zeros(_INFO, dtype=np.uint8)
         if ok:
-            raw = bytes([1]) + os.getpid().to_bytes(4, "little") + cookie + path.encode()
+            raw = bytes([1]) + os.getpid().to_bytes(4, "little") + _pid_ns().to_bytes(
+                8, "little") + cookie + path.encode()
             info[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         infos = [np.zeros(_INFO, dtype=np.uint8) for _ in range(n)]
         dist.all_gather([torch.from_numpy(x) for x in infos], torch.from_numpy(info),
@@ -165,19 +177,22 @@ class ShmExchange:
             if not ok or raw[0] != 1:
                 ok = False
                 break
-            pids[q] = int.from_bytes(raw[1:5], "little")
+            # a peer's pid says whether it lives only within the same pid namespace (a
+            # container may share /dev/shm but not its pids): elsewhere only the timeout
+            pids[q] = int.from_bytes(raw[1:5], "little") if int.from_bytes(
+                raw[5:13], "little") == _pid_ns() else 0
             if q == rank:
                 segs[q] = own
                 continue
             try:
-                qfd = os.open(raw[21:].rstrip(b"\0").decode(), os.O_RDWR)
+                qfd = os.open(raw[29:].rstrip(b"\0").decode(), os.O_RDWR)
                 try:
                     if os.fstat(qfd).st_size != size:
                         raise OSError("a segment of another size")
                     seg = _Segment(qfd, size)
                 finally:
                     os.close(qfd)
-                if seg.map[_HDR - 32:_HDR - 16] != raw[5:21]:
+                if seg.map[_HDR - 32:_HDR - 16] != raw[13:29]:
                     raise OSError("not the peer's segment")  # another host's file
                 segs[q] = seg
             except (OSError, UnicodeDecodeError, ValueError):
@@ -226,7 +241,8 @@ class ShmExchange:
                 raise RuntimeError("zerokern: an earlier collective on this process group "
                                    f"failed ({why}); this one was stopped")
             try:
-                os.kill(self.pids[q], 0)
+                if self.pids[q]:
+                    os.kill(self.pids[q], 0)
             except ProcessLookupError:
                 raise RuntimeError(f"zerokern: rank {q} of this process group (pid "
                                    f"{self.pids[q]}) exited during a collective") from None
