@@ -10,8 +10,9 @@
   rank cannot, all of them keep the TCP ring, and the collectives stay right. No segment is left
   in /dev/shm.
 - A peer that is gone, one that never comes (the group's timeout) and a stopped ring raise at
-  once instead of waiting; ranks that issue collectives of different sizes raise (each round
-  says what it carries) instead of mixing the data.
+  once instead of waiting; ranks that issue collectives of different sizes, or reduce-scatters
+  of different dtypes, raise (each round says what it carries) instead of mixing the data, and
+  the exchange refuses every later collective.
 - ZeroAdamW stages 0, 2 and 3 train to the same bits through shared memory as through the TCP
   ring at N = 2 (every sum has two terms), within 1e-6 at N = 3.
 """
@@ -145,32 +146,45 @@ def _dead_pid() -> int:
 
 
 def _mismatch(rank, ws):
-    """The ranks disagree on a collective's size: every rank raises, none mixes the data."""
-    comm = GroupComm()
-    t = torch.ones(8 * ws)
-    comm.all_gather_(t, t[rank * 8:(rank + 1) * 8])  # sets the segments up
-    n = 16 if rank == 0 else 8
-    out = torch.zeros(n * ws)
-    try:
-        comm.ring._shm.all_gather(out)
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    """The ranks disagree on a collective (its size; the dtype a reduce-scatter sums): every
+    rank raises, none mixes the data, and the exchange refuses what comes after."""
+    out = {}
+    for what in ("size", "dtype"):
+        comm = GroupComm()
+        t = torch.ones(8 * ws)
+        comm.all_gather_(t, t[rank * 8:(rank + 1) * 8])  # sets the segments up
+        ex = comm.ring._shm
+        try:
+            if what == "size":
+                ex.all_gather(torch.zeros((16 if rank == 0 else 8) * ws))
+            else:
+                dt = torch.float16 if rank == 0 else torch.bfloat16
+                ex.reduce_scatter(torch.zeros(8, dtype=dt), torch.ones(8 * ws, dtype=dt))
+            out[what] = "no error"
+        except RuntimeError as e:
+            out[what] = str(e)
+        try:
+            ex.all_gather(torch.zeros(8 * ws))
+            out[what + "_after"] = "no error"
+        except RuntimeError as e:
+            out[what + "_after"] = str(e)
+    return out
 
 
 def _stuck_peer(rank, ws):
     res = {"mismatch": _mismatch(rank, ws)}
-    comm = GroupComm()
-    t = torch.ones(8 * ws)
-    comm.all_gather_(t, t[rank * 8:(rank + 1) * 8])  # sets the segments up
-    ex = comm.ring._shm
-    assert ex
 
     def rank0_waits(prepare):
-        """Rank 0 starts an all-gather rank 1 never joins: (error, seconds to raise)."""
+        """A fresh exchange (set up by both ranks); then rank 0 starts an all-gather rank 1
+        never joins: (error, seconds to raise)."""
+        comm = GroupComm()
+        t = torch.ones(8 * ws)
+        comm.all_gather_(t, t[rank * 8:(rank + 1) * 8])  # sets the segments up
+        ex = comm.ring._shm
+        assert ex
         if rank != 0:
             return None
-        prepare()
+        prepare(comm, ex)
         t0 = time.monotonic()
         try:
             ex.all_gather(torch.ones(8 * ws))
@@ -178,14 +192,14 @@ def _stuck_peer(rank, ws):
             return str(e), time.monotonic() - t0
         return "no error", 0.0
 
-    def gone():  # rank 1 "exits": its pid names no process
+    def gone(comm, ex):  # rank 1 "exits": its pid names no process
         ex.pids[1] = _dead_pid()
 
-    def late():  # rank 1 is alive but never comes: the group's timeout (here 0.3 s)
+    def late(comm, ex):  # rank 1 is alive but never comes: the group's timeout (here 0.3 s)
         ex.timeout_s = 0.3
         ex.pids[1] = os.getpid()
 
-    def stopped():  # the ring was stopped (a failure elsewhere on the group)
+    def stopped(comm, ex):  # the ring was stopped (a failure elsewhere on the group)
         comm.ring.stop("a peer's error")
 
     res.update(run_cases({"gone": lambda: rank0_waits(gone), "timeout": lambda: rank0_waits(late),
@@ -196,7 +210,10 @@ def _stuck_peer(rank, ws):
 def test_a_peer_gone_late_or_stopped_raises_instead_of_waiting():
     res = cached(_stuck_peer, 2)
     for r in range(2):
-        assert "issued different collectives" in res[r]["mismatch"], res[r]["mismatch"]
+        for what in ("size", "dtype"):
+            got = res[r]["mismatch"]
+            assert "issued different collectives" in got[what], got
+            assert "earlier shared-memory collective" in got[what + "_after"], got
     msg, took = case(res, "gone")[0]
     assert "exited during a collective" in msg and took < 5.0
     msg, took = case(res, "timeout")[0]

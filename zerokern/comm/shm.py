@@ -6,9 +6,9 @@ On one host, gloo's TCP loopback moves 1-2 GB/s per direction: the 20m GPT's sta
 way), and one 20 MB exchange took 10.4 ms alone; a copy of those bytes runs at 10-45 GB/s on
 the same cores. Through these segments the step takes 23 ms, and the iteration, paired against
 the same stage over TCP, 0.843x (stage 0), 0.859x (stage 2), 0.879x (stage 3)
-(benchmarks/results/step-20m-n2-fp32-shm-paired.md). So ranks whose segments under /dev/shm can all see each other exchange
-through them: each rank owns one segment (a header and two slots of SLOT_BYTES), writes what
-its peers need into its own slot, and reads theirs.
+(benchmarks/results/step-20m-n2-fp32-shm-paired.md). So ranks whose segments under /dev/shm
+can all see each other exchange through them: each rank owns one segment (a header and two
+slots of SLOT_BYTES), writes what its peers need into its own slot, and reads theirs.
 
 Rounds. Every collective is cut into rounds of at most one slot; every rank runs the same
 rounds in the same order (their number depends only on the sizes), counted by `_round`.
@@ -23,9 +23,10 @@ Linux only. A wait spins briefly, then sleeps on the counter with futex (woken b
 waking every 50 ms to check that the ring was not stopped (comm/ring.py [Note: a failed ring
 stops]), that every peer process still exists (peers in this pid namespace: a container may
 share /dev/shm but not its pids), and the group's timeout: a peer that died or never comes is
-an error, never a hang. Each round also says what it carries (kind, bytes, offset), checked by
-its readers: ranks that issued different collectives raise instead of mixing the data (gloo's
-TCP path aborts on a size mismatch; this one must not be quieter).
+an error, never a hang. Each round also says what it carries (kind and summed dtype, bytes,
+offset), checked by its readers: ranks that issued different collectives raise instead of
+mixing the data (gloo's TCP path aborts on a size mismatch; this one must not be quieter), and
+after any collective raised the exchange refuses every later one (its rounds are out of step).
 
 The sums. Reduce-scatter: rank r writes its input's chunks for the others into slot regions
 (one per destination); the owner adds them to its own chunk in rank order (its own first), so
@@ -63,6 +64,8 @@ _HDR = 4096
 _WRITTEN, _CONSUMED = 0, 16  # uint32 indices into the header (64 bytes apart)
 _DESC = 32  # uint32 index: per slot, what its round carries (kind, bytes, offset)
 _AG, _RS = 1, 2
+# a round's kind also names the dtype it sums (a table: Python's str hash differs per process)
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _INFO = 512  # bytes each rank sends at set-up: ok, pid, cookie, path
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -138,6 +141,7 @@ class ShmExchange:
         self.timeout_s, self._stopped = timeout_s, stopped
         self._round = 0
         self._lock = threading.Lock()  # one collective at a time (callers on two threads)
+        self._failed: Optional[str] = None  # a collective raised: the rounds are out of step
         self._syscall = _syscall()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -288,63 +292,81 @@ class ShmExchange:
         return s
 
     # -- collectives -----------------------------------------------------------------------------
+    def _run(self, fn, *args) -> None:
+        """One collective at a time; after one raised, every later one raises at once (its
+        rounds would no longer line up with the peers')."""
+        with self._lock:
+            if self._failed is not None:
+                raise RuntimeError("zerokern: an earlier shared-memory collective on this "
+                                   f"process group failed ({self._failed}); this one was not run")
+            try:
+                fn(*args)
+            except BaseException as e:
+                self._failed = f"{type(e).__name__}: {e}"[:300]
+                raise
+
     def all_gather(self, out: torch.Tensor) -> None:
         """out's n equal chunks: ours is chunk rank; the others are filled from the peers."""
-        with self._lock:
-            b = out.view(-1).view(torch.uint8)
-            S = b.numel() // self.n
-            r = self.rank
-            for a in range(0, S, SLOT_BYTES):
-                L = min(SLOT_BYTES, S - a)
-                s = self._begin()
-                self.segs[r].slot(s)[:L].copy_(b[r * S + a:r * S + a + L])
-                desc = (_AG, b.numel(), a)
-                self._write(s, desc)
-                for q in self._peers():
-                    self._read(q, s, desc)
-                    b[q * S + a:q * S + a + L].copy_(self.segs[q].slot(s)[:L])
-                self._publish(_CONSUMED, s + 1)
+        self._run(self._all_gather, out)
 
     def reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
         """out = sum over ranks of chunk `rank` of work (summed into that chunk when out is it
         or cannot take the sum directly, then copied)."""
-        with self._lock:
-            n, r = self.n, self.rank
-            w = work.view(-1)
-            S = w.numel() // n
-            chunks = [w[q * S:(q + 1) * S] for q in range(n)]
-            dst = out.view(-1) if (out.is_contiguous() and out.dtype == w.dtype
-                                   and out.numel() == S and _apart_or_same(out, chunks[r], w)) \
-                else chunks[r]
-            esz = w.element_size()
-            region = (SLOT_BYTES // n) // _ALIGN * _ALIGN // esz  # elements per destination
-            if region < 1:
-                raise ValueError(f"ZEROKERN_SHM_SLOT_BYTES={SLOT_BYTES} is too small for "
-                                 f"{n} ranks")
-            for a in range(0, S, region):
-                L = min(region, S - a)
-                s = self._begin()
-                slot = self.segs[r].slot(s)
-                for d in self._peers():
-                    slot[d * region * esz:(d * region + L) * esz].view(w.dtype).copy_(
-                        chunks[d][a:a + L])
-                desc = (_RS + 16 * esz, w.numel() * esz, a * esz)
-                self._write(s, desc)
-                acc, first = dst[a:a + L], True
-                for q in range(n):  # ours first, then the peers in rank order
-                    if q == r:
-                        continue
-                    self._read(q, s, desc)
-                    theirs = self.segs[q].slot(s)[r * region * esz:(r * region + L) * esz] \
-                        .view(w.dtype)
-                    if first:
-                        torch.add(chunks[r][a:a + L], theirs, out=acc)
-                        first = False
-                    else:
-                        acc.add_(theirs)
-                self._publish(_CONSUMED, s + 1)
-            if dst.data_ptr() != out.data_ptr() or dst.dtype != out.dtype:
-                out.copy_(dst.view(out.shape))
+        self._run(self._reduce_scatter, out, work)
+
+    def _all_gather(self, out: torch.Tensor) -> None:
+        b = out.view(-1).view(torch.uint8)
+        S = b.numel() // self.n
+        r = self.rank
+        for a in range(0, S, SLOT_BYTES):
+            L = min(SLOT_BYTES, S - a)
+            s = self._begin()
+            self.segs[r].slot(s)[:L].copy_(b[r * S + a:r * S + a + L])
+            desc = (_AG, b.numel(), a)
+            self._write(s, desc)
+            for q in self._peers():
+                self._read(q, s, desc)
+                b[q * S + a:q * S + a + L].copy_(self.segs[q].slot(s)[:L])
+            self._publish(_CONSUMED, s + 1)
+
+    def _reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
+        n, r = self.n, self.rank
+        w = work.view(-1)
+        S = w.numel() // n
+        chunks = [w[q * S:(q + 1) * S] for q in range(n)]
+        dst = out.view(-1) if (out.is_contiguous() and out.dtype == w.dtype
+                               and out.numel() == S and _apart_or_same(out, chunks[r], w)) \
+            else chunks[r]
+        esz = w.element_size()
+        region = (SLOT_BYTES // n) // _ALIGN * _ALIGN // esz  # elements per destination
+        if region < 1:
+            raise ValueError(f"ZEROKERN_SHM_SLOT_BYTES={SLOT_BYTES} is too small for "
+                             f"{n} ranks")
+        for a in range(0, S, region):
+            L = min(region, S - a)
+            s = self._begin()
+            slot = self.segs[r].slot(s)
+            for d in self._peers():
+                slot[d * region * esz:(d * region + L) * esz].view(w.dtype).copy_(
+                    chunks[d][a:a + L])
+            desc = (_RS + 16 * _DTYPE_CODE.get(w.dtype, 16 + esz), w.numel() * esz,
+                    a * esz)
+            self._write(s, desc)
+            acc, first = dst[a:a + L], True
+            for q in range(n):  # ours first, then the peers in rank order
+                if q == r:
+                    continue
+                self._read(q, s, desc)
+                theirs = self.segs[q].slot(s)[r * region * esz:(r * region + L) * esz] \
+                    .view(w.dtype)
+                if first:
+                    torch.add(chunks[r][a:a + L], theirs, out=acc)
+                    first = False
+                else:
+                    acc.add_(theirs)
+            self._publish(_CONSUMED, s + 1)
+        if dst.data_ptr() != out.data_ptr() or dst.dtype != out.dtype:
+            out.copy_(dst.view(out.shape))
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """SUM in place: reduce-scatter into our chunk, then all-gather (the same bits on every
