@@ -139,6 +139,31 @@ def test_one_rank_without_shared_memory_keeps_every_rank_on_tcp():
         assert torch.equal(res[r]["all_reduce"], res[0]["all_reduce"])
 
 
+def _connect_raises(rank, ws):
+    """A collective of the set-up raises (here the last one, on every rank): the segment this
+    rank created is unlinked all the same."""
+    real = shm.dist.all_reduce
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    shm.dist.all_reduce = boom
+    try:
+        shm.ShmExchange.connect(None, rank, ws, lambda: None)
+        err = "no error"
+    except RuntimeError as e:
+        err = str(e)
+    finally:
+        shm.dist.all_reduce = real
+    return err, glob.glob(f"/dev/shm/zerokern-ring-{os.getpid()}-*")
+
+
+def test_a_set_up_that_raises_leaves_nothing_in_dev_shm():
+    for r, (err, left) in enumerate(cached(_connect_raises, 2)):
+        assert err == "boom", f"rank {r}: {err}"
+        assert left == [], f"rank {r}: {left}"
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

@@ -166,50 +166,52 @@ class ShmExchange:
                 own.map[_HDR - 32:_HDR - 16] = cookie
             except OSError:
                 ok = False
-        # numpy arrays under the tensors: read back without a tensor host read (the step path
-        # is checked for those, tests/optimizer/test_no_host_sync.py)
-        info = np.zeros(_INFO, dtype=np.uint8)
-        if ok:
-            raw = bytes([1]) + os.getpid().to_bytes(4, "little") + _pid_ns().to_bytes(
-                8, "little") + cookie + path.encode()
-            info[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        infos = [np.zeros(_INFO, dtype=np.uint8) for _ in range(n)]
-        dist.all_gather([torch.from_numpy(x) for x in infos], torch.from_numpy(info),
-                        group=group)
-        segs: List[Optional[_Segment]] = [None] * n
-        pids = [0] * n
-        for q, t in enumerate(infos):
-            raw = t.tobytes()
-            if not ok or raw[0] != 1:
-                ok = False
-                break
-            # a peer's pid says whether it lives only within the same pid namespace (a
-            # container may share /dev/shm but not its pids): elsewhere only the timeout
-            pids[q] = int.from_bytes(raw[1:5], "little") if int.from_bytes(
-                raw[5:13], "little") == _pid_ns() else 0
-            if q == rank:
-                segs[q] = own
-                continue
-            try:
-                qfd = os.open(raw[29:].rstrip(b"\0").decode(), os.O_RDWR)
+        try:
+            # numpy arrays under the tensors: read back without a tensor host read (the step path
+            # is checked for those, tests/optimizer/test_no_host_sync.py)
+            info = np.zeros(_INFO, dtype=np.uint8)
+            if ok:
+                raw = bytes([1]) + os.getpid().to_bytes(4, "little") + _pid_ns().to_bytes(
+                    8, "little") + cookie + path.encode()
+                info[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            infos = [np.zeros(_INFO, dtype=np.uint8) for _ in range(n)]
+            dist.all_gather([torch.from_numpy(x) for x in infos], torch.from_numpy(info),
+                            group=group)
+            segs: List[Optional[_Segment]] = [None] * n
+            pids = [0] * n
+            for q, t in enumerate(infos):
+                raw = t.tobytes()
+                if not ok or raw[0] != 1:
+                    ok = False
+                    break
+                # a peer's pid says whether it lives only within the same pid namespace (a
+                # container may share /dev/shm but not its pids): elsewhere only the timeout
+                pids[q] = int.from_bytes(raw[1:5], "little") if int.from_bytes(
+                    raw[5:13], "little") == _pid_ns() else 0
+                if q == rank:
+                    segs[q] = own
+                    continue
                 try:
-                    if os.fstat(qfd).st_size != size:
-                        raise OSError("a segment of another size")
-                    seg = _Segment(qfd, size)
-                finally:
-                    os.close(qfd)
-                if seg.map[_HDR - 32:_HDR - 16] != raw[13:29]:
-                    raise OSError("not the peer's segment")  # another host's file
-                segs[q] = seg
-            except (OSError, UnicodeDecodeError, ValueError):
-                ok = False
-                break
-        flag = np.array([1 if ok else 0], dtype=np.int32)
-        dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MIN, group=group)
-        if fd >= 0:
-            os.close(fd)
-        if path is not None:
-            os.unlink(path)  # every rank has mapped it (or none will use it)
+                    qfd = os.open(raw[29:].rstrip(b"\0").decode(), os.O_RDWR)
+                    try:
+                        if os.fstat(qfd).st_size != size:
+                            raise OSError("a segment of another size")
+                        seg = _Segment(qfd, size)
+                    finally:
+                        os.close(qfd)
+                    if seg.map[_HDR - 32:_HDR - 16] != raw[13:29]:
+                        raise OSError("not the peer's segment")  # another host's file
+                    segs[q] = seg
+                except (OSError, UnicodeDecodeError, ValueError):
+                    ok = False
+                    break
+            flag = np.array([1 if ok else 0], dtype=np.int32)
+            dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MIN, group=group)
+        finally:  # also when a collective here raised: nothing is left in /dev/shm
+            if fd >= 0:
+                os.close(fd)
+            if path is not None:
+                os.unlink(path)  # every rank has mapped it (or none will use it)
         if flag[0] != 1:
             return None
         return cls(segs, pids, rank, _timeout_s(group), stopped)
