@@ -164,7 +164,7 @@ class ShmExchange:
                 os.posix_fallocate(fd, 0, size)  # the pages exist: no SIGBUS later
                 own = _Segment(fd, size)
                 own.map[_HDR - 32:_HDR - 16] = cookie
-            except OSError:
+            except (OSError, ValueError):  # (the file, if made, is unlinked below)
                 ok = False
         try:
             # numpy arrays under the tensors: read back without a tensor host read (the step path
