@@ -301,6 +301,10 @@ def report(args, res) -> int:
                params=res["params"], batch=args.batch, seq=args.seq, precision=args.precision,
                micro_batches=args.micro, optimizer=args.optimizer)
     env.update(res.get("load", {}))
+    shm_bytes = [m.get("comm_buffers", 0) for m in res["mem"].values() if isinstance(m, dict)]
+    if shm_bytes and pg == "gloo":  # how zerokern's CPU collectives travelled (comm/shm.py)
+        env["zerokern_collectives"] = ("shared memory (ranks on one host)" if any(shm_bytes)
+                                       else "gloo send/recv rings")
     ddp = step_rules.DDP_NAME[args.optimizer]
     base = common.summarize(res["iters"][ddp])["median_ms"] if ddp in res["iters"] else None
     rows = []
