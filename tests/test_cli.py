@@ -74,6 +74,13 @@ def test_bench_step_quick_writes_json_markdown_and_plot(tmp_path):
     # all live at once either way)
     assert rows["zerokern s3 keep all"]["live_MiB"] >= rows["zerokern s3"]["live_MiB"] > 0
     assert "iteration ≤ 1.1× zerokern s2" in r.stdout
+    # how zerokern's collectives travelled, and what that held (comm/shm.py)
+    from zerokern.comm import shm
+
+    shared = shm.supported()
+    assert data["env"]["zerokern_collectives"] == (
+        "shared memory (ranks on one host)" if shared else "gloo send/recv rings")
+    assert (rows["zerokern s2"]["memory_report"]["comm_buffers"] > 0) == shared
     assert "| provider |" in stem.with_suffix(".md").read_text()
     assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
