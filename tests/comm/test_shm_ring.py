@@ -164,6 +164,30 @@ def test_a_set_up_that_raises_leaves_nothing_in_dev_shm():
         assert left == [], f"rank {r}: {left}"
 
 
+def _small_dev_shm(rank, ws):
+    """Rank 1's /dev/shm is a container's 64 MB with 36 MB in use: one more segment would leave
+    less than half of it free, so every rank keeps TCP (and the collectives stay right)."""
+    if rank == 1:
+        real = os.statvfs
+
+        class _Small:
+            f_frsize, f_blocks, f_bavail = 4096, 64 * 256, 28 * 256
+
+        shm.os.statvfs = lambda path: _Small() if path == "/dev/shm" else real(path)
+    comm = GroupComm()
+    out = _calls(comm, rank, ws)
+    out["uses_shm"] = comm.ring.uses_shm
+    return out
+
+
+def test_a_nearly_half_full_dev_shm_keeps_every_rank_on_tcp():
+    res = cached(_small_dev_shm, 2)
+    full = _inp(0, 2) + _inp(1, 2)
+    for r in range(2):
+        assert res[r]["uses_shm"] is False
+        assert torch.equal(res[r]["rs_in_place"], full[r * PER:(r + 1) * PER])
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

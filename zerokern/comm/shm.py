@@ -36,9 +36,10 @@ theirs + ours (IEEE addition commutes).
 
 Set-up is collective and lazy: the first collective that can use the segments (CPU, contiguous,
 divisible into equal chunks: the same on every rank) creates them; if any rank cannot open every
-peer's (another host, no /dev/shm, too little space there, ZEROKERN_SHM=0), the group keeps the
-TCP ring for good. Each segment is unlinked once every rank has mapped it, so nothing is left in
-/dev/shm after a crash. Memory: 2 slots of SLOT_BYTES (4 MiB) per rank and ring group.
+peer's (another host, no /dev/shm, a segment that would leave less than half of /dev/shm free,
+ZEROKERN_SHM=0), the group keeps the TCP ring for good. Each segment is unlinked once every
+rank has mapped it, so nothing is left in /dev/shm after a crash. Memory: 2 slots of SLOT_BYTES
+(4 MiB) per rank and ring group.
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ class ShmExchange:
         if ok:
             try:
                 st = os.statvfs("/dev/shm")
-                if st.f_bavail * st.f_frsize < 2 * size:
-                    raise OSError("/dev/shm is nearly full")
+                # At most half of /dev/shm: DataLoader workers and others live there too (a
+                # container's default is 64 MB): past that, TCP, slower but not an error.
+                if st.f_bavail * st.f_frsize - size < st.f_blocks * st.f_frsize / 2:
+                    raise OSError("/dev/shm would be more than half full")
                 path = f"/dev/shm/zerokern-ring-{os.getpid()}-{secrets.token_hex(8)}"
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 os.ftruncate(fd, size)
