@@ -279,7 +279,9 @@ def _train(rank, ws):
             model = make_model()
             opt = zero_opt(model, stage)
             rec = train_zero(model, opt, rank, ws, steps=3)
-            out[(stage, mode)] = (rec["params"][-1], rec["grad_norm"], opt.comm.shard.ring.uses_shm)
+            out[(stage, mode)] = (rec["params"][-1], rec["grad_norm"],
+                                  opt.comm.shard.ring.uses_shm,
+                                  opt.memory_report()["comm_buffers"])
     os.environ["ZEROKERN_SHM"] = "1"
     return out
 
@@ -289,9 +291,13 @@ def test_zero_adamw_trains_alike_through_shared_memory_and_tcp(ws):
     res = cached(_train, ws)
     for r in range(ws):
         for stage in (0, 2, 3):
-            p_shm, norms_shm, used = res[r][(stage, "shm")]
-            p_tcp, norms_tcp, used_tcp = res[r][(stage, "tcp")]
+            p_shm, norms_shm, used, held = res[r][(stage, "shm")]
+            p_tcp, norms_tcp, used_tcp, held_tcp = res[r][(stage, "tcp")]
             assert used and not used_tcp, stage
+            # this rank's segments, each group once: stage 3's reduce-scatters have a group
+            # of their own; its Comm shares the world group with the optimizer's
+            seg = 2 * shm.SLOT_BYTES + 4096
+            assert held == (2 if stage == 3 else 1) * seg and held_tcp == 0, (stage, held)
             for k in p_shm:
                 if ws == 2:
                     assert torch.equal(p_shm[k], p_tcp[k]), (stage, k)

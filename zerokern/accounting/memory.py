@@ -127,9 +127,11 @@ def memory_report(opt) -> Dict[str, Any]:
         opt.param_homes.report(out, formula)
     # Transport buffers, not model states (as NCCL's own are not): this rank's shared-memory
     # segments for same-host CPU collectives (comm/shm.py), set up at the first collective.
-    comms = [opt.comm] + [c for c in [getattr(opt.grad_sync, "rs_comm", None)]
-                          if c is not None and c is not opt.comm]
-    out["comm_buffers"] = sum(c.transport_bytes() for c in comms)
+    # Stage 3's reduce-scatter Comm shares the world (and replicate) group with opt.comm:
+    # each group once.
+    comms = [opt.comm, getattr(opt.grad_sync, "rs_comm", opt.comm)]
+    groups = {id(gc): gc for c in comms for gc in c.group_comms() if gc.ring is not None}
+    out["comm_buffers"] = sum(gc.ring.shm_bytes for gc in groups.values())
     if opt.pattern.shards_params:  # stage 3: units gathered in a step
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())

@@ -133,10 +133,6 @@ class Comm:
                 out[id(gc)] = gc
         return list(out.values())
 
-    def transport_bytes(self) -> int:
-        """Bytes of this rank's shared-memory segments for these groups (comm/shm.py)."""
-        return sum(gc.ring.shm_bytes for gc in self.group_comms() if gc.ring is not None)
-
     # -- what the optimizer reads ---------------------------------------------------------------
     @property
     def stats(self) -> CommStats:
