@@ -133,14 +133,14 @@ class RingRunner:
         0.979, 0.968; stage 3 0.951, 0.985, 0.882; the params bit-equal. An earlier variant,
         torch.add(chunk, recv, out=out), kept the scratch and measured within noise (stage 2,
         3 alternated pairs: 1.07-1.16x DDP with it, 1.04-1.08x without)."""
-        ex = self._shm_for(work)
-        if ex is not None:
-            ex.reduce_scatter(out, work)
-            return
         n, r = self.world_size, self.rank
         chunks = work.chunk(n)
         into_out = _apart(out, work) and out.dtype == work.dtype and \
             out.shape == chunks[r].shape and out.is_contiguous()
+        ex = self._shm_for(work)
+        if ex is not None:  # the same choice: summed into out, or into chunk r, then copied
+            ex.reduce_scatter(out, work, into_out)
+            return
         recv = torch.empty_like(chunks[0]) if (n > 2 or not into_out) else None
         for s in range(n - 1):
             # Send our partial of chunk r-s-1; receive rank r-1's partial of chunk r-s-2 (on

@@ -314,10 +314,13 @@ class ShmExchange:
         """out's n equal chunks: ours is chunk rank; the others are filled from the peers."""
         self._run(self._all_gather, out)
 
-    def reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
-        """out = sum over ranks of chunk `rank` of work (summed into that chunk when out is it
-        or cannot take the sum directly, then copied)."""
-        self._run(self._reduce_scatter, out, work)
+    def reduce_scatter(self, out: torch.Tensor, work: torch.Tensor,
+                       into_out: bool = False) -> None:
+        """out = sum over ranks of chunk `rank` of work: summed straight into out where
+        `into_out` (out shares no memory with work, has chunk rank's dtype and shape and is
+        contiguous: the ring's own test), else into that chunk, then copied unless out is
+        it."""
+        self._run(self._reduce_scatter, out, work, into_out)
 
     def _all_gather(self, out: torch.Tensor) -> None:
         b = out.view(-1).view(torch.uint8)
@@ -334,14 +337,12 @@ class ShmExchange:
                 b[q * S + a:q * S + a + L].copy_(self.segs[q].slot(s)[:L])
             self._publish(_CONSUMED, s + 1)
 
-    def _reduce_scatter(self, out: torch.Tensor, work: torch.Tensor) -> None:
+    def _reduce_scatter(self, out: torch.Tensor, work: torch.Tensor, into_out: bool) -> None:
         n, r = self.n, self.rank
         w = work.view(-1)
         S = w.numel() // n
         chunks = [w[q * S:(q + 1) * S] for q in range(n)]
-        dst = out.view(-1) if (out.is_contiguous() and out.dtype == w.dtype
-                               and out.numel() == S and _apart_or_same(out, chunks[r], w)) \
-            else chunks[r]
+        dst = out.view(-1) if into_out else chunks[r]
         esz = w.element_size()
         region = (SLOT_BYTES // n) // _ALIGN * _ALIGN // esz  # elements per destination
         if region < 1:
@@ -380,16 +381,6 @@ class ShmExchange:
         S = flat.numel() // self.n
         self.reduce_scatter(flat[self.rank * S:(self.rank + 1) * S], flat)
         self.all_gather(flat)
-
-
-def _apart_or_same(out: torch.Tensor, own: torch.Tensor, work: torch.Tensor) -> bool:
-    """out is our chunk of work itself, or shares no memory with work."""
-    if out.data_ptr() == own.data_ptr():
-        return True
-    o0, w0 = out.data_ptr(), work.data_ptr()
-    return (out.untyped_storage().data_ptr() != work.untyped_storage().data_ptr()
-            or o0 + out.numel() * out.element_size() <= w0
-            or w0 + work.numel() * work.element_size() <= o0)
 
 
 def usable(t: torch.Tensor, n: int) -> bool:
