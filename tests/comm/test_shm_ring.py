@@ -119,9 +119,19 @@ def test_shm_collectives_match_references(ws):
             assert torch.equal(got["rs_in_place"], exact)
 
 
-def _one_rank_cannot(rank, ws):
-    if rank == 1:  # this rank cannot share memory (another host, no /dev/shm)
-        shm.supported = lambda: False  # noqa: E731 - this child process only
+class _SmallDevShm:
+    """A container's 64 MB /dev/shm with 36 MB in use: one more segment would leave less than
+    half of it free."""
+    f_frsize, f_blocks, f_bavail = 4096, 64 * 256, 28 * 256
+
+
+def _one_rank_cannot(rank, ws, why):
+    if rank == 1:  # this child process only
+        if why == "unsupported":  # another host, no /dev/shm, ZEROKERN_SHM=0
+            shm.supported = lambda: False  # noqa: E731
+        else:  # "small /dev/shm"
+            real = os.statvfs
+            shm.os.statvfs = lambda path: _SmallDevShm() if path == "/dev/shm" else real(path)
     comm = GroupComm()
     out = _calls(comm, rank, ws)
     out["uses_shm"] = comm.ring.uses_shm
@@ -129,8 +139,9 @@ def _one_rank_cannot(rank, ws):
     return out
 
 
-def test_one_rank_without_shared_memory_keeps_every_rank_on_tcp():
-    res = cached(_one_rank_cannot, 2)
+@pytest.mark.parametrize("why", ["unsupported", "small /dev/shm"])
+def test_one_rank_without_shared_memory_keeps_every_rank_on_tcp(why):
+    res = cached(_one_rank_cannot, 2, why)
     full = _inp(0, 2) + _inp(1, 2)
     for r in range(2):
         assert res[r]["uses_shm"] is False
@@ -162,30 +173,6 @@ def test_a_set_up_that_raises_leaves_nothing_in_dev_shm():
     for r, (err, left) in enumerate(cached(_connect_raises, 2)):
         assert err == "boom", f"rank {r}: {err}"
         assert left == [], f"rank {r}: {left}"
-
-
-def _small_dev_shm(rank, ws):
-    """Rank 1's /dev/shm is a container's 64 MB with 36 MB in use: one more segment would leave
-    less than half of it free, so every rank keeps TCP (and the collectives stay right)."""
-    if rank == 1:
-        real = os.statvfs
-
-        class _Small:
-            f_frsize, f_blocks, f_bavail = 4096, 64 * 256, 28 * 256
-
-        shm.os.statvfs = lambda path: _Small() if path == "/dev/shm" else real(path)
-    comm = GroupComm()
-    out = _calls(comm, rank, ws)
-    out["uses_shm"] = comm.ring.uses_shm
-    return out
-
-
-def test_a_nearly_half_full_dev_shm_keeps_every_rank_on_tcp():
-    res = cached(_small_dev_shm, 2)
-    full = _inp(0, 2) + _inp(1, 2)
-    for r in range(2):
-        assert res[r]["uses_shm"] is False
-        assert torch.equal(res[r]["rs_in_place"], full[r * PER:(r + 1) * PER])
 
 
 def _dead_pid() -> int:
