@@ -21,12 +21,17 @@ Everything here reads host metadata only.
 
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
 
 
+@functools.cache
 def _dtensor_cls():
+    """DTensor, or None (torch without distributed). Cached: asked for every param at every
+    gather, free and grad (576 times per stage-3 iteration of the 20m GPT); the import
+    statement took 0.32 us a call, the cached lookup 0.03 us."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch without distributed
