@@ -452,6 +452,109 @@ def test_a_rule_whose_blocks_could_straddle_pieces_is_refused():
             check_rule(rule)
 
 
+def _renamed_rule():
+    """8-bit AdamW under state names no zerokern module knows: a per-block rule written outside
+    the package, which says through its StateSpecs which codes each scale belongs to."""
+    from zerokern.rules import StateSpec
+    from zerokern.rules.adamw8bit import AdamW8bitRule
+
+    scale = 4.0 / BLOCK
+
+    class Renamed(AdamW8bitRule):
+        name = "adamw8bit_renamed"
+        states = (StateSpec("m_codes", torch.uint8, 1.0),
+                  StateSpec("m_scale", torch.float32, scale, block=BLOCK, scales="m_codes"),
+                  StateSpec("v_codes", torch.uint8, 1.0),
+                  StateSpec("v_scale", torch.float32, scale, block=BLOCK, scales="v_codes",
+                            signed=False))
+
+    return Renamed()
+
+
+def test_a_per_block_rule_outside_zerokern_checkpoints_through_its_statespecs(tmp_path):
+    """The checkpoint rebuilds per-block states from the rule's StateSpecs (`scales`, `signed`),
+    not from a table of 8-bit AdamW's names: saved at stage 0, loaded at stage 0 (same blocks:
+    codes and scales bit for bit) and stage 3 (per-unit buffers: re-blocked, within half a code
+    gap x absmax of the saved moments). Before StateSpec.scales the load raised KeyError
+    'm_scale' (checkpoint/block_states.py's PAIRS named exp_avg_absmax and exp_avg_sq_absmax
+    only). The renamed rule trains bit for bit as ZeroAdamW(state_bits=8) (the control that it
+    is the per-block rule it claims)."""
+    from zerokern.kernels.quant8 import code_map
+    from zerokern.optimizer import ZeroOptimizer
+
+    rule = _renamed_rule()
+    hp = dict(rule.defaults, lr=2e-3, weight_decay=0.01)
+
+    def make(stage, seed=None):
+        model = M.make_model() if seed is None else M.make_model(seed=seed)
+        return model, ZeroOptimizer(model, rule, hp, stage=stage, precision="fp32",
+                                    backend="cpu")
+
+    model, opt = make(0)
+    M.train_zero(model, opt, 0, 1, 3)
+    ref_model = M.make_model()
+    ref = zk.ZeroAdamW(ref_model, stage=0, precision="fp32", backend="cpu", state_bits=8,
+                       **{k: v for k, v in hp.items() if k != "adamw"})
+    M.train_zero(ref_model, ref, 0, 1, 3)
+    assert M.bitwise_equal(M.snapshot(model), M.snapshot(ref_model))
+    for ours, theirs in zip(opt.flat_groups, ref.flat_groups):
+        for a, b in zip(ours.rule_states.values(), theirs.rule_states.values()):
+            assert torch.equal(a, b)
+    zk.checkpoint.save(str(tmp_path / "ck"), model, opt)
+
+    def moments(o, mdl):
+        """Per param name: its dequantized (m, v)."""
+        names = {id(p): n for n, p in mdl.named_parameters()}
+        out = {}
+        for g in o.flat_groups:
+            st = g.rule_states
+            vals = [(code_map(signed, st[c].device)[st[c].long()].view(-1, BLOCK)
+                     * st[a][:, None]).view(-1)
+                    for c, a, signed in (("m_codes", "m_scale", True),
+                                         ("v_codes", "v_scale", False))]
+            for p, sl in zip(g.params, g.layout.slots):  # (N=1: the shard is the buffer)
+                out[names[id(p)]] = torch.stack([v[sl.offset:sl.offset + sl.numel]
+                                                 for v in vals])
+        return out
+
+    saved = moments(opt, model)
+    top = [max(t[i].abs().max().item() for t in saved.values()) for i in range(2)]
+    for stage in (0, 3):
+        m2, o2 = make(stage, seed=1)
+        zk.checkpoint.load(str(tmp_path / "ck"), m2, o2)
+        got = moments(o2, m2)
+        assert set(got) == set(saved)
+        for name, t in saved.items():
+            if stage == 0:
+                assert torch.equal(got[name], t), name
+            else:
+                d = (got[name] - t).abs()
+                assert d[0].max() <= 0.0071 * top[0] and d[1].max() <= 0.0036 * top[1], name
+        if stage == 0:
+            for a, b in zip(o2.flat_groups, opt.flat_groups):
+                for x, y in zip(a.rule_states.values(), b.rule_states.values()):
+                    assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("spec,match", [
+    (dict(name="s", dtype=torch.float32, bytes_per_elem=4 / 128, block=128), "names, as `scales`"),
+    (dict(name="s", dtype=torch.float32, bytes_per_elem=4 / 128, block=128, scales="nope"),
+     "names, as `scales`"),
+    (dict(name="s", dtype=torch.float32, bytes_per_elem=4.0, scales="c"), "names none"),
+])
+def test_a_per_block_state_must_name_the_codes_it_scales(spec, match):
+    """A per-block state without the code state it scales (or a per-element one claiming one)
+    would leave a checkpoint unable to rebuild it: refused when the rule is checked."""
+    from zerokern.rules import Rule, StateSpec, check_rule
+
+    class R(Rule):
+        name = "r"
+        states = (StateSpec("c", torch.uint8, 1.0), StateSpec(**spec))
+
+    with pytest.raises(ValueError, match=match):
+        check_rule(R())
+
+
 def test_a_param_frozen_after_construction_is_an_error_not_a_cut_block():
     """fp32 AdamW skips a param frozen mid-training (frozen_slots.py); with 8-bit states its
     blocks are shared with its neighbours, so step() raises, with nothing changed."""

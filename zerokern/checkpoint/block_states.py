@@ -29,9 +29,6 @@ import torch
 from zerokern.kernels.adamw8bit import quantize_blocks
 from zerokern.kernels.quant8 import code_map
 
-# The code states and the map each one uses, by the absmax state's name (rules/adamw8bit.py).
-PAIRS = {"exp_avg_absmax": ("exp_avg", True), "exp_avg_sq_absmax": ("exp_avg_sq", False)}
-
 
 def expanded(g, k: int, lo: int, hi: int) -> Dict[str, torch.Tensor]:
     """Per-element copies of the block states for flat range [lo, hi) (block-aligned, held by
@@ -55,7 +52,7 @@ def fixup(g, k: int, lo: int, hi: int, temps: Dict[str, torch.Tensor]) -> Callab
         s0 = g.state_slice(k).start + lo - g.state_range(k)[0]
         real = torch.arange(lo, hi, device=g.device) < g.layout.numel
         for name, scales in temps.items():
-            code_name, signed = PAIRS[name]
+            code_name, signed = g.state.scaled[name]  # the rule's StateSpec.scales
             b = g.state.blocks[name]
             codes = g.rule_states[code_name][s0:s0 + hi - lo]
             absmax = g.rule_states[name][s0 // b:(s0 + hi - lo) // b]

@@ -21,8 +21,8 @@ r-th piece of every bucket). A loader at any world size and stage maps its own e
 onto segments and reads just those bytes: no conversion step.
 
 [Note: sparse sections]
-With a rule per param group (ZeroMuon: Muon's `momentum_buffer`, AdamW's `exp_avg` and
-`exp_avg_sq`) the sections are the union of the rules' states (`sections(MixedRules)`), and a
+With a rule per param group (ZeroMuon: Muon's one momentum state, AdamW's two moments) the
+sections are the union of the rules' states (`sections(MixedRules)`), and a
 segment is written only into the sections of its param group's rule: no zeros for the states
 a param does not have. Such a section's segments then start elsewhere than `elem_off`: the rank
 file lists them in `section_offsets[name]` (one per segment, -1 where the segment has none).

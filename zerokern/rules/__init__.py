@@ -83,6 +83,8 @@ class StateSpec:
     bytes_per_elem: float = 4.0         # bytes per state element (the formula's K term)
     sharded: bool = True                # sharded like the param
     block: int = 1                      # param elements per state element (Note: per-block)
+    scales: Optional[str] = None        # a per-block state: the uint8 code state it scales
+    signed: bool = True                 # ...whose codes use the signed map (kernels/quant8.py)
 
     def numel(self, n: int) -> int:
         """State elements for `n` param elements (n a multiple of `block`)."""
@@ -178,6 +180,15 @@ def check_rule(rule) -> Rule:
                              f"be fp32 or uint8, hold one element per `block` param elements "
                              f"with block dividing {ALIGN}, and declare bytes_per_elem = "
                              "itemsize / block ([Note: per-element and per-block states])")
+        # A checkpoint stores a per-block state expanded and rebuilds it with the codes it
+        # scales (checkpoint/block_states.py): it must say which.
+        codes = {c.name: c for c in rule.states}.get(s.scales)
+        if (s.block == 1) != (s.scales is None) or (s.scales is not None and (
+                codes is None or codes.dtype != torch.uint8 or codes.block != 1)):
+            raise ValueError(f"rule {rule.name!r}: state {s.name!r}: a per-block state (block "
+                             "> 1) is a scale and names, as `scales`, the per-element uint8 code "
+                             "state of the same rule it scales; a per-element state names none "
+                             f"(got block={s.block}, scales={s.scales!r})")
     return rule
 
 
@@ -216,6 +227,7 @@ class RuleState:
     states: Dict[str, torch.Tensor]
     steps: torch.Tensor
     blocks: Dict[str, int] = {}  # name -> block, for the per-block states (others: 1)
+    scaled: Dict[str, Tuple[str, bool]] = {}  # per-block scale -> (its codes, signed map)
 
     def views(self, sl: slice) -> List[torch.Tensor]:
         """The rule's states for state elements `sl` (per-element coordinates), in order;
@@ -245,6 +257,12 @@ class RuleState:
 def block_map(rule) -> Dict[str, int]:
     """name -> block of `rule`'s per-block states (RuleState.blocks)."""
     return {s.name: s.block for s in rule.states if s.block != 1}
+
+
+def scale_map(rule) -> Dict[str, Tuple[str, bool]]:
+    """name -> (the code state it scales, whether their map is signed), for `rule`'s per-block
+    scales (RuleState.scaled: how a checkpoint rebuilds them, checkpoint/block_states.py)."""
+    return {s.name: (s.scales, s.signed) for s in rule.states if s.scales is not None}
 
 
 def alloc_states(rule, n: int, make) -> Dict[str, torch.Tensor]:

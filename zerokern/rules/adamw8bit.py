@@ -32,9 +32,11 @@ _SCALE = 4.0 / BLOCK
 class AdamW8bitRule(Rule):
     name = "adamw8bit"
     states = (StateSpec("exp_avg", _U8, 1.0),
-              StateSpec("exp_avg_absmax", torch.float32, _SCALE, block=BLOCK),
+              StateSpec("exp_avg_absmax", torch.float32, _SCALE, block=BLOCK,
+                        scales="exp_avg", signed=True),
               StateSpec("exp_avg_sq", _U8, 1.0),
-              StateSpec("exp_avg_sq_absmax", torch.float32, _SCALE, block=BLOCK))
+              StateSpec("exp_avg_sq_absmax", torch.float32, _SCALE, block=BLOCK,
+                        scales="exp_avg_sq", signed=False))
     defaults = dict(AdamWRule.defaults)
 
     def check_group(self, group: Dict[str, Any], where: str = "") -> None:

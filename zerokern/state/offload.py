@@ -47,6 +47,7 @@ from zerokern.rules import (
     check_rule,
     map_in_memory_,
     rule_for,
+    scale_map,
 )
 from zerokern.state import pinned
 
@@ -68,6 +69,7 @@ class HostState(RuleState):
         buf.fill_master_(self.master)
         self.states = alloc_states(rule, n, lambda m, dt: pinned.host_empty(m, dt, self.pin))
         self.blocks = block_map(rule)
+        self.scaled = scale_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
         self.fp32 = buf.dtype == fp32
         self.grad = pinned.host_empty(n, grad_dtype, self.pin)

@@ -50,6 +50,7 @@ from zerokern.rules import (
     check_rule,
     map_in_memory_,
     rule_for,
+    scale_map,
 )
 from zerokern.state import huge_pages
 
@@ -72,6 +73,7 @@ class DeviceState(RuleState):
             buf.fill_master_(self.master)
         self.states = alloc_states(rule, n, lambda m, dt: huge_pages.zeros(m, dt, dev))
         self.blocks = block_map(rule)
+        self.scaled = scale_map(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
 
     def to_(self, device) -> None:
