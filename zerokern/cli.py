@@ -210,6 +210,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry() -> None:
+    """The `zerokern` command and `python -m zerokern`: main(), then the process ends.
+
+    [Note: leaving a torchrun rank]
+    A torchrun rank ends with `os._exit` after the atexit handlers, not through interpreter
+    shutdown. Its gloo process group lives on after `destroy_process_group()`:
+    - the first torch optimizer built after `init_process_group` imports torch._dynamo, which
+      imports torch.distributed.nn.functional;
+    - that module's functions take `group=group.WORLD` as a default argument, so they hold the
+      group for good (10 references).
+    Its gloo worker threads therefore outlive the run. One of them may release its last finished
+    work while the main thread finalizes. The release takes the GIL, gets pthread_exit, and its
+    unwind through a noexcept destructor aborts the process with "terminate called without an
+    active exception" (SIGABRT, exit code -6). That happened to rank 1 of `zerokern train` under
+    torchrun in 7 of 170 runs of its test's command (core dump: pt_gloo_runloop in ~AsyncWork ->
+    gil_scoped_acquire -> take_gil -> pthread_exit, main thread in Py_FinalizeEx's last GC).
+    So the rank runs what an orderly exit runs first, the atexit handlers (weakref finalizers:
+    NVMe state files, tqdm), flushes its output, and leaves without finalizing. Spawned ranks
+    do the same (spawn.py). `main()` called from Python returns as before.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not a torchrun rank
+        sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as e:  # a usage error (its message is printed) or --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     t0 = _process_start()  # train reports its wall time from here
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
