@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .abort import AbortChannel
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
+from .exit_guard import guard_gloo_exit
 from .ring import FutureWork, RingRunner
 
 # One extra group per parent group for stage 3's reduce-scatters ([Note: stage-3 collective
@@ -136,9 +137,10 @@ class GroupComm:
         # for CPU tensors only ([Note: the ring is for CPU tensors], _ring_for).
         self.ring = None
         self.backend = dist.get_backend(self.group) if self.world_size > 1 else None
-        if self.world_size > 1 and self.backend == "gloo" and \
-                os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
-            self.ring = RingRunner(self.group, self.rank, self.world_size)
+        if self.world_size > 1 and self.backend == "gloo":
+            guard_gloo_exit()  # [Note: the gloo exit race] in exit_guard.py
+            if os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
+                self.ring = RingRunner(self.group, self.rank, self.world_size)
 
     def split(self) -> GroupComm:
         """A Comm over a second process group with the same ranks (the same group object for
