@@ -29,8 +29,9 @@ So the first GroupComm on a gloo group registers an atexit handler. The handler 
 GIL released: 20 ms, then on in steps of 10 ms while a `pt_gloo_runloop` thread is running or
 runnable, at most 1 s. A worker finishing its release gets the GIL now, while the interpreter is
 whole. The same plain DDP script with a 50 ms atexit sleep crashed in 0 of 40 runs. Cost: about
-20 ms at exit, once per process that used gloo. Ranks that leave with `os._exit` after the atexit
-handlers (cli.py, spawn.py) run it too.
+20 ms at exit, once per process that used gloo. The torchrun ranks of `zerokern train` run it too:
+they run the atexit handlers before `os._exit` (cli.py [Note: leaving a torchrun rank]). spawn.py's
+ranks skip interpreter teardown, and with it this wait, altogether.
 """
 
 from __future__ import annotations
