@@ -228,7 +228,9 @@ def entry() -> None:
     gil_scoped_acquire -> take_gil -> pthread_exit, main thread in Py_FinalizeEx's last GC).
     So the rank runs what an orderly exit runs first, the atexit handlers (weakref finalizers:
     NVMe state files, tqdm), flushes its output, and leaves without finalizing. Spawned ranks
-    do the same (spawn.py). `main()` called from Python returns as before.
+    do the same (spawn.py). `main()` called from Python returns as before. The library's own
+    guard (comm/exit_guard.py [Note: the gloo exit race]) is a bounded wait for processes it
+    does not own; this process is ours, so it skips the finalization outright.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not a torchrun rank
         sys.exit(main())

@@ -229,6 +229,11 @@ class RuleState:
     blocks: Dict[str, int] = {}  # name -> block, for the per-block states (others: 1)
     scaled: Dict[str, Tuple[str, bool]] = {}  # per-block scale -> (its codes, signed map)
 
+    def index_states(self, rule: Rule) -> None:
+        """`blocks` and `scaled` from `rule`'s StateSpecs (every placement's state calls it)."""
+        self.blocks = {s.name: s.block for s in rule.states if s.block != 1}
+        self.scaled = {s.name: (s.scales, s.signed) for s in rule.states if s.scales is not None}
+
     def views(self, sl: slice) -> List[torch.Tensor]:
         """The rule's states for state elements `sl` (per-element coordinates), in order;
         ValueError if `sl` cuts a block ([Note: per-element and per-block states])."""
@@ -252,17 +257,6 @@ class RuleState:
         the tail of a rank's state)."""
         for cat, t in self.device_tensors().items():
             yield cat, t, padding // self.blocks.get(cat, 1)
-
-
-def block_map(rule) -> Dict[str, int]:
-    """name -> block of `rule`'s per-block states (RuleState.blocks)."""
-    return {s.name: s.block for s in rule.states if s.block != 1}
-
-
-def scale_map(rule) -> Dict[str, Tuple[str, bool]]:
-    """name -> (the code state it scales, whether their map is signed), for `rule`'s per-block
-    scales (RuleState.scaled: how a checkpoint rebuilds them, checkpoint/block_states.py)."""
-    return {s.name: (s.scales, s.signed) for s in rule.states if s.scales is not None}
 
 
 def alloc_states(rule, n: int, make) -> Dict[str, torch.Tensor]:

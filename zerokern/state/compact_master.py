@@ -64,7 +64,7 @@ from zerokern.kernels.compact_bits import (
     unpack_ties,
     verify,
 )
-from zerokern.rules import Rule, RuleState, alloc_states, block_map, scale_map
+from zerokern.rules import Rule, RuleState, alloc_states
 from zerokern.rules.adamw import AdamWRule
 
 CHUNK_NUMEL = 1 << 20
@@ -114,8 +114,7 @@ class CompactState(RuleState):
         self._expanded: Optional[torch.Tensor] = torch.zeros(n, dtype=fp32, device=dev)
         buf.fill_master_(self._expanded)  # the original values; compacted at attach
         self.states = alloc_states(rule, n, lambda m, dt: torch.empty(m, dtype=dt, device=dev))
-        self.blocks = block_map(rule)
-        self.scaled = scale_map(rule)
+        self.index_states(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
         self._gen = 0            # `master` accesses so far
         self._pending = None     # (gen, _HostFlag): a compaction of the expanded, verified

@@ -54,7 +54,7 @@ from typing import List, Tuple
 
 import torch
 
-from zerokern.rules import Rule, RuleState, block_map, scale_map
+from zerokern.rules import Rule, RuleState
 from zerokern.state import aligned_io as aio
 
 WRITE_CHUNK = 1 << 22  # elements per master write at creation (16 MiB; aligned_io's Note)
@@ -113,8 +113,7 @@ class DiskState(RuleState):
         self.halves = [half_bytes(self.n, dt, b) for _, dt, b in self.specs]
         self.half = self.halves[0]
         self.names = names(rule)
-        self.blocks = block_map(rule)
-        self.scaled = scale_map(rule)
+        self.index_states(rule)
         self.paths = [os.path.join(root, f"zerokern-{tag}-rank{rank}-buf{index}-{nm}.bin")
                       for nm in self.names]
         self.fds: List[int] = []

@@ -43,11 +43,9 @@ from zerokern.rules import (
     RuleState,
     adamw_rule,
     alloc_states,
-    block_map,
     check_rule,
     map_in_memory_,
     rule_for,
-    scale_map,
 )
 from zerokern.state import pinned
 
@@ -68,8 +66,7 @@ class HostState(RuleState):
         self.master = pinned.host_empty(n, fp32, self.pin).zero_()
         buf.fill_master_(self.master)
         self.states = alloc_states(rule, n, lambda m, dt: pinned.host_empty(m, dt, self.pin))
-        self.blocks = block_map(rule)
-        self.scaled = scale_map(rule)
+        self.index_states(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
         self.fp32 = buf.dtype == fp32
         self.grad = pinned.host_empty(n, grad_dtype, self.pin)

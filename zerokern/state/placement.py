@@ -46,11 +46,9 @@ from zerokern.rules import (
     RuleState,
     adamw_rule,
     alloc_states,
-    block_map,
     check_rule,
     map_in_memory_,
     rule_for,
-    scale_map,
 )
 from zerokern.state import huge_pages
 
@@ -72,8 +70,7 @@ class DeviceState(RuleState):
             self.master = huge_pages.zeros(n, fp32, dev)  # [Note: streams at one page offset]
             buf.fill_master_(self.master)
         self.states = alloc_states(rule, n, lambda m, dt: huge_pages.zeros(m, dt, dev))
-        self.blocks = block_map(rule)
-        self.scaled = scale_map(rule)
+        self.index_states(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64, device=dev)
 
     def to_(self, device) -> None:
