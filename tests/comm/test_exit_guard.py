@@ -73,3 +73,29 @@ def _rank(rank, world):
 
 def test_a_gloo_optimizer_registers_the_wait():
     assert spawn_ranks(_rank, 2, backend="gloo", timeout=120) == [(False, True)] * 2
+
+
+def test_the_gloo_side_group_of_an_nccl_group_registers_the_wait(monkeypatch):
+    """Stage 3's host agreement (comm/host_agree.py) makes a gloo group next to an NCCL group:
+    that process uses gloo too, so it needs the wait (GPU checklist). One process, the NCCL
+    group faked: what is checked is that making the side group registers the guard."""
+    import types
+
+    from zerokern.comm import host_agree
+
+    calls, made = [], []
+    monkeypatch.setattr(exit_guard.atexit, "register", calls.append)
+    monkeypatch.setattr(exit_guard, "_registered", False)
+    monkeypatch.setattr(host_agree, "_HOST_GROUPS", {})
+    monkeypatch.setattr(host_agree.dist, "get_process_group_ranks", lambda g: [0, 1])
+    monkeypatch.setattr(host_agree.dist, "new_group",
+                        lambda ranks, **kw: made.append((ranks, kw)) or object())
+    gc = types.SimpleNamespace(world_size=2, backend="nccl", group=object())
+    host_agree.HostAgreement(gc)
+    assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})]
+    assert calls == [exit_guard.let_gloo_workers_finish]
+    # a gloo main group makes no side group (its GroupComm registered the wait already)
+    calls.clear()
+    monkeypatch.setattr(exit_guard, "_registered", False)
+    host_agree.HostAgreement(types.SimpleNamespace(world_size=2, backend="gloo", group=None))
+    assert len(made) == 1 and calls == []

@@ -16,6 +16,8 @@ backward. So:
 - on an NCCL group through a gloo group over the same ranks, made once per group (creating it is
   collective: every rank builds its optimizer, so every rank makes it at the same point); a
   peer's failure ends its wait at the process group's timeout, as for the NCCL collectives.
+  Making it registers the exit wait of [Note: the gloo exit race] (exit_guard.py): the process
+  then has gloo workers that may release their last work while Python finalizes.
 The collective is recorded on the group it agrees for in debug mode (ZEROKERN_DEBUG_COLLECTIVES
 checks its place in the order), but not counted in comm_stats(), which counts the data path:
 the bytes DESIGN §6's formulas predict (this one is 4 bytes per unit per backward, on the host).
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import GroupComm
+from .exit_guard import guard_gloo_exit
 
 _HOST_GROUPS: dict = {}  # an NCCL process group -> a gloo group over the same ranks
 
@@ -44,6 +47,8 @@ class HostAgreement:
                 ranks = dist.get_process_group_ranks(gc.group)
                 _HOST_GROUPS[gc.group] = dist.new_group(ranks, backend="gloo",
                                                         use_local_synchronization=True)
+                # this process now runs gloo workers too: [Note: the gloo exit race]
+                guard_gloo_exit()
             self.group = _HOST_GROUPS[gc.group]
 
     def any_set(self, flags: List[bool], label: str) -> List[bool]:
