@@ -57,12 +57,29 @@ re-gathers come from the hpZ secondary (exact, inside the node).
 [Note: where the quantized ops run]
 On a gloo ring group (CPU tensors) the whole op runs on that group's ring thread, in the
 order of every other collective on it, and overlaps backward; elsewhere (NCCL, CUDA tensors)
-the all-to-alls are issued at once on the caller's thread (NCCL queues them on its stream).
+the all-to-alls are issued at once on the caller's thread ([Note: qgZ issued async]).
+
+[Note: qgZ issued async]
+Off the ring every all-to-all of a reduce-scatter is issued by the call itself, with
+async_op=True: a fixed point of the schedule, the same on every rank (never from wait(), which
+ranks may reach at different points). The last hop's decode and sum run in the handle's wait(),
+so the compute stream waits for the all-to-all only there, as for a plain reduce-scatter.
+With hpZ's two hops the second one sends the first one's sum, so the first hop is waited for,
+decoded and summed at the call: on a GPU on a side stream (one per device) that waited for the
+compute stream, so the compute stream never waits for hop 1; wait() makes the compute stream
+wait for an event recorded on the side stream after hop 2 was issued, and marks the tensors
+made there as used by the compute stream (record_stream). The side stream only ever waits for
+the compute stream at earlier points and for these all-to-alls: no cycle with the gather
+stream ([Note: stage-3 gather stream]). On the CPU there is no stream: hop 1 is waited for on
+the host at the call. The arithmetic is the ring's, bit for bit.
+Index tensors (hop 1's chunk regrouping, qwZ's two-hop row order) are built once, at
+construction, on the group's device (DeviceIndex): never from host memory inside a step.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from contextlib import nullcontext
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +99,42 @@ def _check_piece(numel: int, block: int) -> None:
     if numel % block:
         raise ValueError(f"quantized collectives need pieces of a multiple of {block} "
                          f"elements, got {numel}")
+
+
+def _check_device(gc: GroupComm, t: torch.Tensor) -> None:
+    """CPU tensors never go to an NCCL group (its error would name neither the op nor why)."""
+    if gc.backend == "nccl" and t.device.type == "cpu":
+        raise ValueError("quantized collectives: a CPU tensor for an NCCL group; NCCL moves "
+                         "CUDA tensors only (put the model on the GPU, or use gloo on the CPU)")
+
+
+def _group_device(gc: GroupComm) -> torch.device:
+    """Where a group's tensors live: the current CUDA device for NCCL (only that one: GPU
+    checklist), else the CPU."""
+    if gc.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DeviceIndex:
+    """A small index tensor (hpZ's chunk regrouping, qwZ's row order) built once per device: at
+    construction on its group's device, at its first use on any other, never per call (a
+    tensor made from a list, or a CPU tensor's .to(device), is a copy from pageable host
+    memory that synchronizes the stream)."""
+
+    def __init__(self, values: Sequence[int], device: torch.device) -> None:
+        self.values = [int(v) for v in values]
+        self._on: Dict[torch.device, torch.Tensor] = {}
+        self.on(device)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = torch.tensor(self.values, dtype=torch.int64, device=device)
+        return t
+
+    def __len__(self) -> int:
+        return len(self.values)
 
 
 def pack_(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
@@ -139,8 +192,8 @@ class _DequantizeOnWait:
             full = self._full.view(n, c)
             if self._order is None:
                 full.copy_(vals)
-            else:  # row k of the payload is world rank order[k]'s piece
-                full.index_copy_(0, self._order.to(full.device), vals)
+            else:  # row k of the payload is world rank order[k]'s piece (on full's device)
+                full.index_copy_(0, self._order, vals)
             _keep_own(full, self._rank, self._src)
             if self._payload.device.type == "cuda":  # used by this (the compute) stream
                 self._payload.record_stream(torch.cuda.current_stream(self._payload.device))
@@ -172,6 +225,7 @@ def all_gather_quantized_(gc: GroupComm, full: torch.Tensor, src: torch.Tensor, 
     """
     if gc.world_size == 1:
         return gc._local(full, src)
+    _check_device(gc, src)
     c = src.numel()
     _check_piece(c, block)
     n = gc.world_size
@@ -196,12 +250,22 @@ class HierGather:
         R, n = len(node_ranks), len(node_ranks[0])
         world_rank = {dist.get_global_rank(world.group, w): w for w in range(world.world_size)}
         # row j·R + i of the gathered payloads is the piece of world rank world_rank[(i, j)]
-        self.order = torch.tensor([world_rank[node_ranks[i][j]] for j in range(n)
-                                   for i in range(R)])
+        self.order = [world_rank[node_ranks[i][j]] for j in range(n) for i in range(R)]
+
+    @property
+    def order(self) -> torch.Tensor:
+        """The row order (on the CPU, to read; the gathers use the copy on their device)."""
+        return self._order.on(torch.device("cpu"))
+
+    @order.setter
+    def order(self, values) -> None:
+        self._order = DeviceIndex(values, _group_device(self.cross))
 
     def all_gather_(self, full: torch.Tensor, src: torch.Tensor, codec_for,
                     label: Optional[str] = None, block: int = BLOCK):
         """As all_gather_quantized_ over the world, in the two hops."""
+        _check_device(self.cross, src)
+        _check_device(self.node, src)
         c = src.numel()
         _check_piece(c, block)
         R, n = self.cross.world_size, self.node.world_size
@@ -221,7 +285,8 @@ class HierGather:
                 self.cross.abort.next_index()
             _two_gathers(self, hop1, out)
             h = _Done()
-        return _DequantizeOnWait(h, out, full, src, self.world.rank, codec, block, self.order)
+        return _DequantizeOnWait(h, out, full, src, self.world.rank, codec, block,
+                                 self._order.on(src.device))
 
 
 def _gather_on(gc: GroupComm, out: torch.Tensor, mine: torch.Tensor) -> None:
@@ -242,28 +307,57 @@ def _two_gathers(hg: HierGather, hop1: torch.Tensor, out: torch.Tensor) -> None:
 # ---- qgZ: the reduce-scatter ---------------------------------------------------------------------
 class Level:
     """One hop of a quantized reduce-scatter: a group, and the order (by destination) in which
-    the chunks of this hop's input are laid out (None: already in the group's rank order)."""
+    the chunks of this hop's input are laid out (None: already in the group's rank order),
+    with its index tensor built here, on the group's device (DeviceIndex)."""
 
-    def __init__(self, gc: GroupComm, perm: Optional[List[int]] = None) -> None:
+    def __init__(self, gc: GroupComm, perm: Optional[List[int]] = None,
+                 _index: Optional[DeviceIndex] = None) -> None:
         self.gc, self.perm = gc, perm
+        self.index = _index
+        if perm is not None and _index is None:
+            self.index = DeviceIndex(perm, _group_device(gc))
 
     def split(self) -> Level:
-        return Level(self.gc.split(), self.perm)
+        return Level(self.gc.split(), self.perm, self.index)
+
+    def rows(self, x: torch.Tensor, c: int) -> torch.Tensor:
+        """x (N·c,) -> (k, N·c/k): this hop's send rows, by destination rank of the group."""
+        rows = x.view(-1, c)
+        if self.index is not None:  # regroup the chunks by this hop's destination
+            rows = rows.index_select(0, self.index.on(rows.device))
+        return rows.reshape(self.gc.world_size, -1)
 
 
-def _a2a_reduce(gc: GroupComm, send: torch.Tensor, codec, bits: int, block: int,
-                label: Optional[str]) -> torch.Tensor:
-    """send (k, L) rows by destination rank of gc -> (L,) fp32: the sum over the group of
-    the rows this rank is the destination of; the own row exact ([Note: qgZ reduces ...])."""
-    k, L = send.shape
-    if k == 1:
-        return send[0].float()
-    payload = _encode(codec, send, k, bits, block)
-    recv = torch.empty_like(payload)
-    dist.all_to_all_single(recv, payload, group=gc.group)
-    vals = _decode(codec, recv, L, bits, block, torch.float32)
-    vals[gc.rank].copy_(send[gc.rank])
-    return vals.sum(dim=0)
+class _Hop:
+    """One all-to-all of a quantized reduce-scatter, issued at construction; finish() decodes
+    what arrived and sums it ([Note: qgZ reduces in fp32 after an all-to-all]).
+
+    send (k, L): rows by destination rank of gc."""
+
+    def __init__(self, gc: GroupComm, send: torch.Tensor, codec, bits: int, block: int,
+                 async_op: bool) -> None:
+        self.gc, self.send, self.codec, self.bits, self.block = gc, send, codec, bits, block
+        self.work = self.payload = self.recv = None
+        if send.shape[0] > 1:
+            self.payload = _encode(codec, send, send.shape[0], bits, block)
+            self.recv = torch.empty_like(self.payload)
+            self.work = dist.all_to_all_single(self.recv, self.payload, group=gc.group,
+                                               async_op=async_op)
+
+    def finish(self) -> torch.Tensor:
+        """(L,) fp32: the sum over the group of the rows this rank is the destination of; the
+        own row exact. Waits for the all-to-all (on a GPU: the current stream waits)."""
+        if self.recv is None:
+            return self.send[0].float()
+        if self.work is not None:
+            self.work.wait()
+        L = self.send.shape[1]
+        vals = _decode(self.codec, self.recv, L, self.bits, self.block, torch.float32)
+        vals[self.gc.rank].copy_(self.send[self.gc.rank])
+        return vals.sum(dim=0)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [t for t in (self.send, self.payload, self.recv) if t is not None]
 
 
 def _account(gc: GroupComm, k: int, L: int, bits: int, block: int, label) -> None:
@@ -275,14 +369,76 @@ def _account(gc: GroupComm, k: int, L: int, bits: int, block: int, label) -> Non
 
 def _reduce_levels(levels: Sequence[Level], out: torch.Tensor, inp: torch.Tensor, codec,
                    bits: int, block: int, label) -> None:
+    """The whole reduction, synchronously (on the gloo ring's thread)."""
     x = inp
     for lv in levels:
-        k = lv.gc.world_size
-        rows = x.view(-1, out.numel())
-        if lv.perm is not None:  # regroup the chunks by this hop's destination
-            rows = rows.index_select(0, torch.as_tensor(lv.perm, device=rows.device))
-        x = _a2a_reduce(lv.gc, rows.reshape(k, -1), codec, bits, block, label)
+        x = _Hop(lv.gc, lv.rows(x, out.numel()), codec, bits, block, False).finish()
     out.copy_(x)
+
+
+_SIDE_STREAMS: Dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    """The stream qgZ's first hops run on, one per CUDA device ([Note: qgZ issued async])."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+def _side_stream_for(levels: Sequence[Level], inp: torch.Tensor):
+    """The side stream when hops run before the last one, on a GPU; else None."""
+    if len(levels) > 1 and inp.device.type == "cuda":
+        return _side_stream(inp.device)
+    return None
+
+
+class _SumOnWait:
+    """The handle of a reduce-scatter issued off the ring: wait() waits for the last hop's
+    all-to-all, then decodes and sums it into out ([Note: qgZ issued async])."""
+
+    def __init__(self, hop: _Hop, out: torch.Tensor, side_done=None) -> None:
+        self._hop, self._out, self._side_done = hop, out, side_done
+
+    def wait(self) -> bool:
+        if self._hop is not None:
+            hop, side_done = self._hop, self._side_done
+            if side_done is not None:  # the first hops, on the side stream, are done
+                torch.cuda.current_stream(self._out.device).wait_event(side_done)
+            self._out.copy_(hop.finish())
+            if side_done is not None:
+                # made on the side stream, read here: their blocks go back to the side stream
+                # only after this (the compute) stream is done with them
+                cur = torch.cuda.current_stream(self._out.device)
+                for t in hop.tensors():
+                    t.record_stream(cur)
+            self._hop = self._side_done = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._hop is None
+
+
+def _reduce_levels_async(levels: Sequence[Level], out: torch.Tensor, inp: torch.Tensor,
+                         codec, bits: int, block: int) -> _SumOnWait:
+    """Issue every hop now; the last one's decode and sum in the handle's wait()."""
+    c = out.numel()
+    side = _side_stream_for(levels, inp)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(inp.device))  # inp is written there
+        inp.record_stream(side)  # read there: the caller may drop it before wait()
+    with nullcontext() if side is None else torch.cuda.stream(side):
+        x = inp
+        for lv in levels[:-1]:  # on the side stream on a GPU, on this host on the CPU
+            x = _Hop(lv.gc, lv.rows(x, c), codec, bits, block, True).finish()
+        last = _Hop(levels[-1].gc, levels[-1].rows(x, c), codec, bits, block, True)
+        side_done = None
+        if side is not None:
+            side_done = torch.cuda.Event()
+            side_done.record(side)
+    return _SumOnWait(last, out, side_done)
 
 
 def reduce_scatter_quantized_(levels: Sequence[Level], out: torch.Tensor, inp: torch.Tensor,
@@ -296,7 +452,8 @@ def reduce_scatter_quantized_(levels: Sequence[Level], out: torch.Tensor, inp: t
         levels: the hops (one for a flat group; node then cross-node with hpZ); the product
             of their sizes is the number of chunks in inp.
         out: (c,) the reduced chunk (may alias inp's own chunk: stage 1 reduces in place).
-        inp: (N·c,) this rank's contribution, chunk r for rank r of the flat layout.
+        inp: (N·c,) this rank's contribution, chunk r for rank r of the flat layout; read
+            until the handle's wait().
         bits: 8 or 4.
         codec_for: device -> codec module.
 
@@ -306,6 +463,8 @@ def reduce_scatter_quantized_(levels: Sequence[Level], out: torch.Tensor, inp: t
     first = levels[0].gc
     if all(lv.gc.world_size == 1 for lv in levels):
         return first._local(out, inp)
+    for lv in levels:
+        _check_device(lv.gc, inp)
     _check_piece(out.numel(), block)
     codec = codec_for(inp.device)
     left = inp.numel()
@@ -322,8 +481,11 @@ def reduce_scatter_quantized_(levels: Sequence[Level], out: torch.Tensor, inp: t
             lv.gc.ring.drain()
     if first.abort is not None:
         first.abort.next_index()
-    _reduce_levels(levels, out, inp, codec, bits, block, label)
-    return _Done()
+    h = _reduce_levels_async(levels, out, inp, codec, bits, block)
+    if not async_op:
+        h.wait()
+        return _Done()
+    return h
 
 
 def hierarchical_levels(world: GroupComm, node: GroupComm, cross: GroupComm,
