@@ -8,7 +8,7 @@ import os
 import uuid
 import weakref
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -49,12 +49,18 @@ class ParamHomes:
         self.root = root
         self.offloader = None
         self.bounce = self.stage_buf = None
-        # "nvme" read-ahead ([Note: param offload choices] 1): id(flat) -> (read in flight,
-        # buffer index, pass); valid only within the pass that issued it (new_pass drops it).
-        self.ahead: Dict[int, Tuple[object, int, int]] = {}
+        # "nvme" reads ([Note: param offload choices] 1): every read runs on the I/O thread
+        # (`io`, one worker: reads run in the order issued) into a pinned read buffer, and the
+        # host waits for a shard's read only where it copies the shard to the device (`load`).
+        # `ahead`: id(flat) -> (read in flight, buffer index), valid only within the pass that
+        # issued it (new_pass drops it). Buffer 0 is the bounce buffer (a read issued at use),
+        # 1.. the read-ahead buffers; `copied[i]`: the event of the last H2D copy out of buffer
+        # i (None on the CPU), which the next read into it waits for, on the I/O thread.
+        self.ahead: Dict[int, Tuple[Future, int]] = {}
         self.ahead_bufs: List[torch.Tensor] = []
         self.free_ahead: List[int] = []
-        self.pass_id = 0
+        self.copied: List[Optional[object]] = []
+        self._unit_flats: Dict[int, List[OffloadedShardedFlat]] = {}
         self.read_ahead_hits = 0
         if kind == "nvme":
             self.direct = aio.direct_supported(root)
@@ -119,7 +125,10 @@ class ParamHomes:
         # read-ahead: one buffer per buffer of the unit with the most (groups + frozen)
         n = max(Counter(f.unit_index for f in self.flats).values())
         self.ahead_bufs = [aio.aligned_empty(self.bounce.numel(), self.pin) for _ in range(n)]
-        self.free_ahead = list(range(n))
+        self.free_ahead = list(range(1, n + 1))
+        self.copied = [None] * (n + 1)
+        for f in self.flats:
+            self._unit_flats.setdefault(f.unit_index, []).append(f)
 
     def attach(self, offloader) -> None:
         """"nvme": journal the trainable param files with the optimizer's state files."""
@@ -137,24 +146,49 @@ class ParamHomes:
         return gather_stream.for_device(device) if self.pin else None
 
     def load(self, f: OffloadedShardedFlat, dev: torch.Tensor) -> None:
+        """Copy f's shard from its home into `dev` (the unit's gather is issued next). "nvme":
+        from the read issued ahead for it, else from a read issued now; either way the host
+        waits here, where the bytes are needed, and nowhere else ([Note: param offload
+        choices] 1)."""
         if self.kind == "cpu":
             dev.copy_(f.param_shard, non_blocking=self.pin)  # stream-ordered before the all-gather
             return
-        pf = f.file
         entry = self.ahead.pop(id(f), None)
-        if entry is not None:
-            fut, i, pid = entry
-            try:
-                fut.result()  # (a failed read raises here, as the read below would)
-            finally:
+        if entry is None:  # not issued ahead (a pass's first units): read it now, and the
+            fut, i = self._read(f, 0), 0  # rest of its unit behind it
+            for g in self._unit_flats.get(f.unit_index, ()):
+                if g is not f:
+                    self.read_ahead(g)
+        else:
+            fut, i = entry
+            self.read_ahead_hits += 1
+        try:
+            fut.result()  # the one wait: f's bytes are needed now (a failed read raises here)
+        finally:
+            if i:
                 self.free_ahead.append(i)
-            if pid == self.pass_id:
-                self.read_ahead_hits += 1
-                dev.copy_(self.ahead_bufs[i][:f._dev_bytes].view(dev.dtype))
-                return
-        mv = memoryview(self.bounce.numpy())[:pf.half]
-        aio.read_chunk(pf.fds[0], mv, pf.cur * pf.half, pf.paths[0], self.direct)
-        dev.copy_(self.bounce[:f._dev_bytes].view(dev.dtype))
+        # Pinned buffer, non_blocking: queued on the current (gather) stream before the
+        # all-gather that reads dev; the buffer is read again only after the copy's event.
+        dev.copy_(self._buf(i)[:f._dev_bytes].view(dev.dtype), non_blocking=self.pin)
+        self.copied[i] = self._copy_event()
+
+    def _buf(self, i: int) -> torch.Tensor:
+        return self.bounce if i == 0 else self.ahead_bufs[i - 1]
+
+    def _copy_event(self):
+        """An event after the H2D copy just queued on the current stream (a GPU), else None."""
+        if not self.pin:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _read(self, f: OffloadedShardedFlat, i: int) -> Future:
+        """Issue the read of f's current half into buffer i on the I/O thread."""
+        pf = f.file
+        mv = memoryview(self._buf(i).numpy())[:pf.half]
+        return self.io.submit(_read_into, self.copied[i], pf.fds[0], mv, pf.cur * pf.half,
+                              pf.paths[0], self.direct)
 
     def read_ahead(self, f: OffloadedShardedFlat) -> None:
         """Start reading f's shard in the background (a unit the schedule gathers next)."""
@@ -162,21 +196,15 @@ class ParamHomes:
                 or f.handle is not None or id(f) in self.ahead or not self.free_ahead):
             return
         i = self.free_ahead.pop()
-        pf = f.file
-        mv = memoryview(self.ahead_bufs[i].numpy())[:pf.half]
-        fut = self.io.submit(aio.read_chunk, pf.fds[0], mv, pf.cur * pf.half, pf.paths[0],
-                             self.direct)
-        self.ahead[id(f)] = (fut, i, self.pass_id)
+        self.ahead[id(f)] = (self._read(f, i), i)
 
     def new_pass(self) -> None:
         """Drop every read-ahead: user code may have written a home since it was issued
-        (a checkpoint load writes the files through their mappings, unseen here)."""
-        self.pass_id += 1
-        for fut, i, _ in self.ahead.values():
-            try:
-                fut.result()
-            except OSError:
-                pass  # (the read that uses the shard will raise it)
+        (a checkpoint load writes the files through their mappings, unseen here). Nothing is
+        waited for: the one I/O thread runs reads in the order issued, so a later read into a
+        dropped read's buffer starts after it, and a dropped read's error is left unread (the
+        read that uses the shard raises it)."""
+        for _, i in self.ahead.values():
             self.free_ahead.append(i)
         self.ahead.clear()
 
@@ -259,3 +287,11 @@ class ParamHomes:
             out["disk_measured"] = disk
             out["disk_measured_total"] = sum(disk.values())
             out["disk_formula_total"] = formula["disk"]
+
+
+def _read_into(copied, fd: int, buf, off: int, path: str, direct: bool) -> None:
+    """On the I/O thread: once the last H2D copy out of the buffer has run (its event; the
+    host's main thread never waits for it), read the shard into it."""
+    if copied is not None:
+        copied.synchronize()
+    aio.read_chunk(fd, buf, off, path, direct)

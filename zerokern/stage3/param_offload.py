@@ -34,6 +34,13 @@ tensors, param files, the "nvme" buffers and read-ahead, the journal's commit, t
    gather_all, frozen_whole) that issued it and is dropped when the next one starts, and by
    any write of a home the code sees (step commit, write-back): between passes user code may
    write a home through its file mapping (checkpoint load, load_state_dict), unseen here.
+   The host waits for a read in one place, the fetch that copies the shard to the device, and
+   never reads the disk itself: a shard not read ahead (a pass's first units) is read on the
+   I/O thread too (with the rest of its unit issued behind it), a dropped read-ahead is not
+   waited for, and the H2D copy out of a pinned read buffer is non_blocking; the next read into
+   that buffer waits for the copy's event on the I/O thread (param_homes.py). A blocking
+   copy there would synchronize the gather stream, i.e. wait for every all-gather queued
+   before it, once per buffer per unit.
 2. What moves. Only the model-dtype param shard. The fp32 master is optimizer state and stays
    where `offload=` puts it (device, host or disk), as DeepSpeed splits offload_param and
    offload_optimizer: the knobs stay orthogonal, and moving the master with the params would
@@ -203,10 +210,8 @@ def new_pass(sync) -> None:
     if gs is not None:
         gs.new_epoch()
     homes = _homes(sync)
-    if homes is not None and homes.ahead:
+    if homes is not None:
         homes.new_pass()
-    elif homes is not None:
-        homes.pass_id += 1
 
 
 def read_ahead(sync, sched: List[int], pos: int) -> None:
