@@ -19,8 +19,24 @@ Per buffer (one param group's, at stage 3 one unit's), with this rank's state pi
    state restored, the piece published: stages 1-2 all-gather it).
 A skipped step (found_inf) changes nothing: every write is `torch.where(found_inf, old, new)`
 on the device (muon_pieces.py), no host read. The orthogonalization runs on the params' device;
-with offload="cpu" the momentum and the update run on the host where the state is, the update
-goes to the device for step 2 and comes back (one copy each way per buffer and step).
+with offload="cpu"/"nvme" the momentum and the update run on the host where the state is, the
+update goes to the device for step 2 and comes back (one copy each way per buffer and step).
+
+[Note: Muon's host copies]
+With the state on the host and the params on a GPU, every copy between the two goes through
+one pinned fp32 staging buffer (`HostStaging`, reserved at construction for the largest Muon
+buffer of the process: the group steps run one at a time and each has drained its copies
+when it returns), queued non_blocking on the current stream:
+    grads --D2H--> staging (as fp32: exact), one event, waited: the momentum pass reads them
+    momentum pass on the host: staging <- the update
+    staging --H2D--> a device buffer; orthogonalized there; --D2H--> staging, one event, waited:
+    the update pass reads it
+and this step's [grad_scale, found_inf] are the ones the placement shipped to pinned host memory
+(`place.scalars`, waited for through `place._wait`, offload.py [Note: the one blocking wait]).
+The two waits are the host's own reads of device results; nothing pageable crosses (a pageable
+copy is a blocking cudaMemcpy that also syncs the stream: 5 of them per buffer and step before).
+The staging costs 4 bytes per element of the largest Muon buffer, page-locked through torch's
+pinned allocator (zerokern.state.pinned sits above the rules).
 """
 
 from __future__ import annotations
@@ -99,10 +115,18 @@ class MuonRule(Rule):
 
     @staticmethod
     def orthogonalizer(g, comm_shard) -> ShardedOrthogonalizer:
-        """The plan of buffer g (every slot a matrix) over the shard group."""
-        return ShardedOrthogonalizer(g.layout, comm_shard.rank, comm_shard.world_size,
+        """The plan of buffer g (every slot a matrix) over the shard group, made at
+        construction; with g's state on the host and its params on a GPU it also reserves the
+        pinned staging of [Note: Muon's host copies] (`plan.host_staging`)."""
+        plan = ShardedOrthogonalizer(g.layout, comm_shard.rank, comm_shard.world_size,
                                      g.pattern.replicated_state, range(len(g.layout.slots)),
                                      comm_shard.group)
+        buf = g.rule_states.get("momentum_buffer")
+        plan.host_staging = None
+        if g.device.type == "cuda" and buf is not None and buf.device.type == "cpu":
+            STAGING.reserve(g.state_numel)
+            plan.host_staging = STAGING
+        return plan
 
     def group_step_(self, g, grads: List[torch.Tensor], orth: ShardedOrthogonalizer, *,
                     grad_scale: torch.Tensor, found_inf: torch.Tensor,
@@ -125,25 +149,42 @@ class MuonRule(Rule):
         L = g.layout
         buf = g.rule_states["momentum_buffer"]
         sdev = buf.device
-        found = found_inf.to(sdev) != 0  # the engine's found_inf is a 0/1 float
-        scale = grad_scale.to(sdev)
         run = (lambda k, names, fn, params=False: map_in_memory_(g, k, names, fn, params)) \
             if place is None else \
             (lambda k, names, fn, params=False: place.map_piece_(gi, k, names, fn, params))
-        upd = torch.zeros(g.state_numel, dtype=torch.float32, device=sdev)
+        staging = getattr(orth, "host_staging", None) if sdev != g.device else None
+        if staging is None:  # the state on the params' device (or a CPU-only machine)
+            found = found_inf.to(sdev) != 0  # the engine's found_inf is a 0/1 float
+            scale = grad_scale.to(sdev)
+            upd = torch.zeros(g.state_numel, dtype=torch.float32, device=sdev)
+            grad_of = lambda k, a, b: grads[k][a:b].to(sdev)  # noqa: E731
+        else:  # [Note: Muon's host copies]
+            place._wait(place.scalars_ev)  # (shipped by place.begin)
+            scale, found = place.scalars[0], place.scalars[1] != 0
+            upd = staging.take(g.state_numel)
+            self._grads_to_host_(g, grads, upd, place)
+            grad_of = lambda k, a, b: upd[a + g.state_slice(k).start:  # noqa: E731
+                                          b + g.state_slice(k).start]
         for k in range(L.n_buckets):
             s0 = g.state_slice(k).start
 
             def mom(a, b, views, k=k, s0=s0):
-                upd[a:b] = momentum_(views[0], grads[k][a - s0:b - s0].to(sdev),
+                upd[a:b] = momentum_(views[0], grad_of(k, a - s0, b - s0),
                                      momentum=hyper["momentum"], nesterov=hyper["nesterov"],
                                      grad_scale=scale, found_inf=found)
             run(k, ("momentum_buffer",), mom)
         orth.coefficients = tuple(hyper["ns_coefficients"])
         orth.steps, orth.eps = hyper["ns_steps"], hyper["eps"]
-        work = upd.to(g.device)
-        orth.orthogonalize_(work)
-        upd = work.to(sdev)
+        if staging is None:
+            work = upd.to(g.device)
+            orth.orthogonalize_(work)
+            upd = work.to(sdev)
+        else:
+            work = torch.empty(upd.shape, dtype=upd.dtype, device=g.device)
+            work.copy_(upd, non_blocking=True)
+            orth.orthogonalize_(work)
+            upd.copy_(work, non_blocking=True)
+            place._wait(_recorded(g.device))  # the update pass reads it on the host
         not_found = (~found).to(torch.int64)
         for k in range(L.n_buckets):
             lo, hi = g.state_range(k)
@@ -160,7 +201,46 @@ class MuonRule(Rule):
             g.steps[k].add_(not_found.to(g.steps.device))
             after_piece(k)
 
+    @staticmethod
+    def _grads_to_host_(g, grads: List[torch.Tensor], upd: torch.Tensor, place) -> None:
+        """Every bucket's grad piece into its state range of `upd` (pinned, fp32: exact), queued
+        at once; the rest of `upd` zeroed; the host waits once, for the momentum pass."""
+        end = 0
+        for k in range(g.layout.n_buckets):
+            sl = g.state_slice(k)
+            upd[end:sl.start].zero_()
+            upd[sl].copy_(grads[k][:sl.stop - sl.start], non_blocking=True)
+            end = sl.stop
+        upd[end:].zero_()
+        place._wait(_recorded(g.device))
 
+
+def _recorded(device: torch.device):
+    """An event after the copies queued on `device`'s current stream (a GPU), else None."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+class HostStaging:
+    """[Note: Muon's host copies]: one pinned fp32 buffer, grown at construction (`reserve`)
+    to the largest Muon buffer whose state is on the host and params on a GPU."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def reserve(self, n: int) -> None:
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.float32, pin_memory=True)
+
+    def take(self, n: int) -> torch.Tensor:
+        """(n,) fp32, pinned: the first n elements (n <= the reserved size)."""
+        return self.buf[:n]
+
+
+STAGING = HostStaging()
 MUON = MuonRule()
 
 
