@@ -150,3 +150,30 @@ def test_a_skipped_step_changes_nothing():
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of 128"):
         quantize(torch.randn(100), True)
+
+
+def test_an_optimizer_makes_the_maps_at_construction_not_in_a_step(monkeypatch):
+    """The code maps and midpoints exist on the state's device once ZeroAdamW(state_bits=8) is
+    built, and a step makes none (on a GPU making one is a pageable host->device copy inside
+    the step). Failed on the old code: the first step built them (dynamic_map called)."""
+    import zerokern as zk
+    from zerokern.kernels import quant8
+
+    from ..support import models as M
+
+    monkeypatch.setattr(quant8, "_MAPS", {})
+    monkeypatch.setattr(quant8, "_MIDS", {})
+    model = M.make_model()
+    opt = zk.ZeroAdamW(model, lr=1e-3, state_bits=8, stage=2, precision="fp32",
+                       backend="reference")
+    cpu = str(torch.device("cpu"))
+    assert set(quant8._MAPS) == {(True, cpu), (False, cpu)}
+    assert set(quant8._MIDS) == {(True, cpu), (False, cpu)}
+
+    def made_in_step(signed):
+        raise AssertionError("a code map was made inside step()")
+
+    monkeypatch.setattr(quant8, "dynamic_map", made_in_step)
+    before = M.snapshot(model)
+    M.train_zero(model, opt, 0, 1, 2)
+    assert not M.bitwise_equal(M.snapshot(model), before)  # control: the steps ran

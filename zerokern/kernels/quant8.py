@@ -60,14 +60,26 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return out
 
 
+# [Note: the maps are made at construction] The maps (and their midpoints, below) per device,
+# made once. They are built on the host and copied to the device, a blocking host->device copy
+# from pageable memory: an optimizer makes them when it is built (`prepare_maps`, from the
+# 8-bit rule's group set-up, rules/adamw8bit.py), so its steps only look them up. A kernel
+# called directly on a device without them makes them at that first call.
 _MAPS = {}
 
 
 def code_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 256 codes of `dynamic_map(signed)` on `device` (made there once)."""
     key = (signed, str(device))
     if key not in _MAPS:
         _MAPS[key] = dynamic_map(signed).to(device)
     return _MAPS[key]
+
+
+def prepare_maps(device: torch.device) -> None:
+    """Make both code maps and their midpoints on `device` now, not in a step (Note above)."""
+    for signed in (True, False):
+        midpoints(signed, device)
 
 
 def _midpoints(codes: torch.Tensor) -> torch.Tensor:

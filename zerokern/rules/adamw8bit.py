@@ -21,7 +21,7 @@ from typing import Any, Dict
 import torch
 
 from zerokern.kernels.adamw8bit import adamw8bit_step_
-from zerokern.kernels.quant8 import BLOCK
+from zerokern.kernels.quant8 import BLOCK, prepare_maps
 from zerokern.rules import Rule, StateSpec
 from zerokern.rules.adamw import AdamWRule
 
@@ -40,12 +40,21 @@ class AdamW8bitRule(Rule):
     defaults = dict(AdamWRule.defaults)
 
     def check_group(self, group: Dict[str, Any], where: str = "") -> None:
+        """The group's checks (AdamW's, and no adamw=False); for a group of params (the
+        engine's construction) the code maps on their device and the host's, so that no step
+        copies a lookup table (kernels/quant8.py [Note: the maps are made at construction];
+        the state is on the params' device, or on the host with offload)."""
         AdamWRule.check_group(self, group, where)
         if not group.get("adamw", True):
             sfx = f" (in {where})" if where else ""
             raise ValueError(f"adamw=False (Adam with L2) is not offered with state_bits=8"
                              f"{sfx}: the 8-bit rule is decoupled AdamW, as bitsandbytes' "
                              "AdamW8bit")
+        params = group.get("params")
+        first = next(iter(params), None) if isinstance(params, (list, tuple)) else None
+        if isinstance(first, torch.Tensor) and first.device.type != "meta":
+            for dev in dict.fromkeys((first.device, torch.device("cpu"))):
+                prepare_maps(dev)
 
     def hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         b1, b2 = group["betas"]
