@@ -64,7 +64,8 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 # made once. They are built on the host and copied to the device, a blocking host->device copy
 # from pageable memory: an optimizer makes them when it is built (`prepare_maps`, from the
 # 8-bit rule's group set-up, rules/adamw8bit.py), so its steps only look them up. A kernel
-# called directly on a device without them makes them at that first call.
+# called directly on a device without them makes them at that first call, and so does the
+# first step after model.to(another device) (stages 0-2 follow a moved model).
 _MAPS = {}
 
 
