@@ -42,6 +42,7 @@ from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
 from . import kernels
+from .comm.device_check import check_params_backend
 from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
 from .comm.quantized import check_quantized
 from .comm.tp import check_tensor_parallel, make_tensor_parallel
@@ -134,6 +135,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         check_rule_support(self.rules, offload, master)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
+        # CPU params on an NCCL group, CUDA params on a gloo one: a ValueError naming the fix
+        check_params_backend(trainable[0][0].device, process_group, mesh, type(self).__name__)
         check_hpz(hpz, shape, stage, offload_params)
         qwz, qgz_bits = check_quantized(quantized_weights, quantized_gradients, stage,
                                         offload_params)
