@@ -131,18 +131,44 @@ def require_backend(name: str, on_cpu: bool = False) -> None:
 
 @pytest.fixture(params=HOST_BACKENDS)
 def backend(request) -> str:
-    """A backend on CPU tensors. Narrow it with parametrize("backend", [...], indirect=True)."""
+    """A backend on CPU tensors. Narrow it with parametrize("backend", [...], indirect=True);
+    a "cuda" value marked gpu goes through it too, and so gets the cuda toolchain skip."""
     require_backend(request.param, on_cpu=True)
     return request.param
 
 
 @pytest.fixture(params=CUDA_BACKENDS or [pytest.param("none", marks=pytest.mark.skip("no CUDA"))])
 def cuda_backend(request) -> str:
-    """A backend on CUDA tensors (compiled triton, cuda); skipped without a GPU. Only for tests
-    marked `gpu` (elsewhere the interpreter would run the Triton kernels on CUDA tensors)."""
+    """A backend on CUDA tensors (compiled triton, cuda); skipped without a GPU, and the cuda
+    backend skipped where it cannot be built (cuda_toolchain_skip). Only for tests marked `gpu`
+    (elsewhere the interpreter would run the Triton kernels on CUDA tensors). Other values go
+    through it too: parametrize("cuda_backend", ["reference", "triton", "cuda"],
+    indirect=True); a "cuda" listed directly would bypass the skip
+    (tests/test_gpu_static_checks.py checks)."""
     assert request.node.get_closest_marker("gpu") is not None, "mark this test gpu"
     require_backend(request.param)
     return request.param
+
+
+@pytest.fixture
+def cuda_op(request):
+    """The CUDA extension module, for a test marked `gpu` that calls backend="cuda" itself;
+    skipped where it cannot be built (no nvcc, or a CUDA major other than torch's)."""
+    assert request.node.get_closest_marker("gpu") is not None, "mark this test gpu"
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    require_backend("cuda")
+    return zk.load_op("cuda")
+
+
+@pytest.fixture
+def cuda_device(request) -> torch.device:
+    """The current CUDA device, for a test marked `gpu` that runs no cuda-backend kernel
+    (compiled Triton, torch's own ops, NCCL): it needs no nvcc. Skipped without a GPU."""
+    assert request.node.get_closest_marker("gpu") is not None, "mark this test gpu"
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -141,10 +142,16 @@ void grad_stats(const at::Tensor& grad, const at::Tensor& found_inf, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// "" if this build has a kernel image the given device can run, else CUDA's error text (a
+// "" if this build has a kernel image the current device can run, else CUDA's error text (a
 // prebuilt op compiled for other GPUs: zerokern.kernels.build checks before first use).
-std::string kernel_image_error(int64_t device) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+// The current device only: switching to another one would create a CUDA context there
+// (several hundred MB, on every rank of a node). `device`, when given, must be the current one
+// (callers from older zerokern versions pass it).
+std::string kernel_image_error(const std::optional<int64_t>& device) {
+  const int64_t current = c10::cuda::current_device();
+  TORCH_CHECK(!device.has_value() || *device == current,
+              "zerokern cuda: kernel_image_error probes the current device (cuda:", current,
+              ") only, got cuda:", device.value_or(current));
   const cudaError_t e = zk_probe_kernel_image();
   return e == cudaSuccess ? std::string() : std::string(cudaGetErrorString(e));
 }
@@ -201,6 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("step"), py::arg("grad_scale"), py::arg("found_inf"), py::arg("code_s"),
         py::arg("code_u"), py::arg("mid_s"), py::arg("mid_u"), py::arg("hp") = py::none());
   m.def("kernel_image_error", &kernel_image_error,
-        "'' if this build runs on the given CUDA device, else why not (no kernel image).",
-        py::arg("device"));
+        "'' if this build runs on the current CUDA device, else why not (no kernel image). "
+        "device: None or the current device's index (no other device is touched).",
+        py::arg("device") = py::none());
 }

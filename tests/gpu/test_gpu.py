@@ -189,7 +189,7 @@ def test_offload_on_cuda_matches_device_update(cuda_backend, stage, precision):
         assert frac <= TOL["offload_16bit_frac"], f"{name}: {frac:.3g} of elements differ"
 
 
-def test_offload_pinned_bytes_are_the_reported_bytes():
+def test_offload_pinned_bytes_are_the_reported_bytes(cuda_device):
     """(4) The page-locked host memory is exactly what memory_report() lists, and none of it
     comes from the caching host allocator's power-of-two blocks."""
     host_stats = getattr(torch.cuda, "host_memory_stats", lambda: {})

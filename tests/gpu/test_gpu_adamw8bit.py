@@ -32,9 +32,7 @@ HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
 NAMES = ("master", "m_q", "m_absmax", "v_q", "v_absmax")
 
 
-@pytest.fixture
-def cuda_op():
-    conftest.require_backend("cuda")  # skips with the reason when it cannot be built here
+# cuda_op (tests/conftest.py): the extension, skipped with the reason where it cannot be built
 
 
 def _state(n, dev):

@@ -5,7 +5,7 @@
   tensors, and ZeroAdamW(master="compact") bit for bit master="fp32" on CUDA;
 * item 5: stage 3 with offload_params="cpu" (the copy stream) against torch AdamW;
 * item 8: _HostFlag for a flag on cuda:1 with cuda:0 current (>= 2 GPUs) waits for its copy;
-  the CUDA op's kernel-image probe answers "" on this GPU.
+  the CUDA op's kernel-image probe answers "" on this GPU, and for the current device only.
 The CPU-side twins are named in each module's issue-24 tests (test_compact_triton_step.py,
 test_stage3_gather_stream.py, test_gpu_order_mocks.py, tests/test_train.py).
 """
@@ -32,7 +32,7 @@ TOL = {"fp32": 1e-6}
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_train_command_on_cuda(tmp_path, nproc):
+def test_train_command_on_cuda(cuda_device, tmp_path, nproc):
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"--nproc {nproc} needs {nproc} GPUs (one rank per GPU)")
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -49,7 +49,7 @@ def test_train_command_on_cuda(tmp_path, nproc):
     assert m["memory"]["estimate_matches_rank0"] is True
 
 
-def test_fused_compact_step_is_the_unfused_chain_on_cuda():
+def test_fused_compact_step_is_the_unfused_chain_on_cuda(cuda_device):
     from zerokern.kernels import compact_triton as CT
     from zerokern.kernels import triton_kernels as tk
 
@@ -83,7 +83,7 @@ def test_fused_compact_step_is_the_unfused_chain_on_cuda():
     assert not bool(got["nan"])
 
 
-def test_compact_master_trains_as_fp32_master_on_cuda():
+def test_compact_master_trains_as_fp32_master_on_cuda(cuda_device):
     models = [M.make_model().cuda().to(torch.bfloat16) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     opts = [zk.ZeroAdamW(m, stage=2, precision="bf16", master=mm, backend="triton")
@@ -97,13 +97,16 @@ def test_compact_master_trains_as_fp32_master_on_cuda():
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_param_offload_copy_stream_matches_torch_adamw():
+def test_param_offload_copy_stream_matches_torch_adamw(cuda_backend):
+    """The grad statistics run on the device (cuda_backend); offload's host update runs the
+    cpu kernel. (M.zero_opt's default backend="cpu" refuses the CUDA grads: ValueError.)"""
     from zerokern.stage3 import gather_stream
 
     ref = M.make_model().cuda()
     ref_opt = M.torch_adamw(ref)
     model = M.make_model().cuda()
-    opt = M.zero_opt(model, 3, "fp32", offload="cpu", offload_params="cpu")
+    opt = M.zero_opt(model, 3, "fp32", offload="cpu", offload_params="cpu",
+                     backend=cuda_backend)
     for s in range(5):
         for m, o in ((ref, None), (model, opt)):
             loss = M.loss_fn(m, M.rank_tokens(s, 0, 1).cuda())
@@ -121,7 +124,7 @@ def test_param_offload_copy_stream_matches_torch_adamw():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_host_flag_on_another_device_waits_for_its_copy():
+def test_host_flag_on_another_device_waits_for_its_copy(cuda_device):
     torch.cuda.set_device(0)
     for _ in range(3):
         with torch.cuda.device(1):
@@ -131,10 +134,11 @@ def test_host_flag_on_another_device_waits_for_its_copy():
         assert hf.read(wait=True) is True
 
 
-def test_cuda_op_has_a_kernel_image_for_this_gpu():
-    from tests import conftest
-
-    conftest.cuda_toolchain_skip()
-    op = zk.kernels.load_op("cuda")
-    for d in range(torch.cuda.device_count()):
-        assert op.kernel_image_error(d) == ""
+def test_cuda_op_has_a_kernel_image_for_this_gpu(cuda_op):
+    """The probe answers for the current device only (issue 34: a probe per visible GPU made a
+    CUDA context on each), and refuses another one rather than switching to it."""
+    cur = torch.cuda.current_device()
+    assert cuda_op.kernel_image_error() == "" and cuda_op.kernel_image_error(cur) == ""
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(RuntimeError, match="current device"):
+            cuda_op.kernel_image_error((cur + 1) % torch.cuda.device_count())

@@ -205,7 +205,8 @@ def _edge_case_inputs(n_copies: int = 37):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton",
-                                     pytest.param("cuda", marks=pytest.mark.gpu)])
+                                     pytest.param("cuda", marks=pytest.mark.gpu)],
+                         indirect=True)  # the backend fixture: the cuda toolchain skip
 def test_sign_edges_match_the_reference_bitwise(backend):
     """The cpu kernel's branchless sign (csrc/cpu/lion_cpu.cpp: sign_of on the bits) and the
     Triton kernel compute torch.sign as the reference backend does, (c > 0) - (c < 0): +-1,

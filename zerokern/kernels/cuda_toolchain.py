@@ -9,8 +9,11 @@
 * A prebuilt `zerokern._ops_cuda` (ZEROKERN_BUILD_OPS=1 pip install) was compiled for the GPUs
   of the build machine or TORCH_CUDA_ARCH_LIST. Imported on another GPU model it loads fine
   and fails at the first launch ("no kernel image is available"). `prebuilt_problem(mod)` asks
-  the module itself (cudaFuncGetAttributes on one of its kernels, per visible device) and the
-  loader then JIT-builds for the GPUs present instead.
+  the module itself (cudaFuncGetAttributes on one of its kernels, on the current device) and
+  the loader then JIT-builds for the GPUs present instead. Only the current device: probing
+  each visible GPU created a CUDA context (several hundred MB) on every one of them, ~7 extra
+  contexts per rank on an 8-GPU node (issue 34). A rank runs the op on its own device, which is
+  current once it has called torch.cuda.set_device.
 * A prebuilt op from an older zerokern may lack a newer op's function (the 8-bit AdamW step,
   issue 23): it would load and then fail with AttributeError mid-training. `OP_FUNCTIONS` names
   what the current sources define; a module missing one is rebuilt the same way.
@@ -76,8 +79,8 @@ OP_FUNCTIONS = ("adam_step", "grad_stats", "lion_step", "adamw8bit_step", "kerne
 
 
 def prebuilt_problem(mod) -> Optional[str]:
-    """None if the prebuilt CUDA op has every function and runs on every visible GPU, else why
-    not."""
+    """None if the prebuilt CUDA op has every function and runs on the current CUDA device, else
+    why not. Touches no other device ([Note: CUDA toolchain checks])."""
     import torch
 
     missing = [f for f in OP_FUNCTIONS if f != "kernel_image_error" and not hasattr(mod, f)]
@@ -89,10 +92,12 @@ def prebuilt_problem(mod) -> Optional[str]:
     if probe is None:
         return ("it has no kernel-image check (built by an older zerokern); rebuild it with "
                 "`zerokern build` or ZEROKERN_BUILD_OPS=1 pip install")
-    for dev in range(torch.cuda.device_count()):
-        err = probe(dev)
-        if err:
-            cap = torch.cuda.get_device_capability(dev)
-            return (f"it has no kernel image for cuda:{dev} (compute capability "
-                    f"{cap[0]}.{cap[1]}): {err}")
+    if not torch.cuda.is_available():
+        return None  # nothing to probe; the op cannot run here either way
+    dev = torch.cuda.current_device()
+    err = probe(dev)  # the binding refuses any other device (csrc/cuda/binding.cpp)
+    if err:
+        cap = torch.cuda.get_device_capability(dev)
+        return (f"it has no kernel image for cuda:{dev} (compute capability "
+                f"{cap[0]}.{cap[1]}): {err}")
     return None
