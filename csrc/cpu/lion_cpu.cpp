@@ -10,6 +10,23 @@
 
 #include "cpu_kernels.h"
 
+// [Note: Lion rounds every product] c = b1*m + (1-b1)*g is rounded as torch ops round it (the
+// reference backend, and lion-pytorch's exp_avg.clone().mul_(b1).add(g, alpha=1-b1) on torch's
+// DEFAULT CPU kernels; its AVX2 / AVX-512 kernels fuse add(alpha=) into an FMA, so lion-pytorch's
+// bits depend on the host): each product rounded, then the sum; the momentum likewise. Contracted
+// into an FMA, b1*m + (1-b1)*g where the rounded products cancel to exactly 0 comes out as the
+// product's rounding error instead, and sign() gives +-1 against 0: the parameter moves by lr
+// (tests/kernels/test_lion_cancellation.py). The build passes -ffp-contract=off (build.py,
+// setup.py); these pragmas keep the contraction off where the file is built with other flags
+// (GCC honors the optimize pragma per function, Clang the STDC one; GCC ignores the latter).
+// Measured: under -march=x86-64-v3 -ffp-contract=fast lion_chunk had 3-33 FMAs per variant
+// without them, none with them, still vectorized; under the project's flags the code is the same.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace zk_cpu {
 namespace {
 
@@ -46,7 +63,7 @@ inline float sign_of(float c) {
 // __restrict__), sign_of has no branch, and noinline keeps the loop a function of its own
 // (inlined into parallel_for's lambda, GCC reported "control flow in loop" and left it
 // scalar). The per-element operations and their order are unchanged, so are the bits
-// (-ffp-contract=off keeps the products and sums apart).
+// (-ffp-contract=off and the pragmas above keep the products and sums apart).
 template <int G, int O>
 __attribute__((noinline)) void lion_chunk(float* __restrict__ p, float* __restrict__ m,
                                           const void* __restrict__ grad,

@@ -5,6 +5,9 @@
 // .to(dtype). A grid-stride loop with one element per thread-iteration: coalesced 32/16-bit
 // accesses, not the 128-bit vector loads zk_adam_kernel uses (a later step of the kernel ladder;
 // Lion moves 14 bytes/element against Adam's 28, so it is further from the floor per launch).
+// Rounding: every product and sum is an explicit _rn intrinsic, which nvcc never contracts into
+// an FMA (its default --fmad=true turned b1*m + (1-b1)*g into fma.rn.f32): csrc/cpu/lion_cpu.cpp
+// [Note: Lion rounds every product]; checked on the PTX by tests/kernels/test_lion_cancellation.py.
 #include "lion.cuh"
 
 #include <cuda_bf16.h>
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(kLionThreads)
     skip = lion_flag(a.found_inf, a.found_inf_dtype);
     const double lr = a.hp ? a.hp[0] : a.lr, b1 = a.hp ? a.hp[1] : a.beta1;
     const double b2 = a.hp ? a.hp[2] : a.beta2, wd = a.hp ? a.hp[3] : a.weight_decay;
-    sc[0] = float(1.0 - lr * wd);
+    sc[0] = float(__dsub_rn(1.0, __dmul_rn(lr, wd)));  // as the reference: two roundings
     sc[1] = float(lr);
     sc[2] = float(b1);
     sc[3] = float(1.0 - b1);
@@ -69,14 +72,14 @@ __global__ void __launch_bounds__(kLionThreads)
   const float gs = sc[6];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float g = lion_to_f32(grad[i]) * gs;
+    const float g = __fmul_rn(lion_to_f32(grad[i]), gs);
     const float m = exp_avg[i];
-    float p = master[i] * decay;
-    const float c = b1 * m + omb1 * g;
+    float p = __fmul_rn(master[i], decay);
+    const float c = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(omb1, g));  // each product rounded
     const float sgn = c > 0.f ? 1.f : (c < 0.f ? -1.f : 0.f);  // torch.sign: NaN and -0 give +0
-    p = p - lr * sgn;
+    p = __fsub_rn(p, __fmul_rn(lr, sgn));
     master[i] = p;
-    exp_avg[i] = b2 * m + omb2 * g;
+    exp_avg[i] = __fadd_rn(__fmul_rn(b2, m), __fmul_rn(omb2, g));
     lion_store(out, i, p);
   }
 }

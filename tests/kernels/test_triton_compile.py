@@ -16,10 +16,20 @@ misaligned view compile to (defect 7), the aligned kernel capped at 32 registers
 fp64 prologue (fp64), and a reduction with tl.atomic_add (atomics).
 A last check patches the kernels' launch to record Triton's JIT cache key: changing lr, step,
 grad_scale or found_inf between calls must not change it (nothing recompiles, DESIGN §6).
+
+Every kernel (the last section): a second child finds every @triton.jit kernel of every module
+of zerokern.kernels by itself, records each launch the package's launchers make (meta tensors:
+the GPU path, exact signatures, constexprs and options) and compiles each distinct one once for
+sm_90; a kernel no launcher reaches is compiled from a signature read off its parameter names.
+Checked: no approximate division or sqrt (`div.full`, `*.approx`; a plain `/` compiles to
+div.full.f32), every launch pins enable_fp_fusion, and the Lion kernels carry no FMA. Negative
+controls: a planted kernel that divides with `/` (its tl.div_rn twin passes) and the Lion kernel
+compiled with FP fusion on.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import itertools
 import json
@@ -309,9 +319,14 @@ def atomics(ops: dict) -> list:
     return sorted(op for op in ops if op.startswith(("atom.", "red.")))
 
 
+def approximations(ops: dict) -> list:
+    """Approximate division and sqrt: div.full.f32 (a plain `/`), div/sqrt/rcp/ex2 .approx."""
+    return sorted(op for op in ops if "approx" in op or op.startswith("div.full"))
+
+
 def _common_checks(r: dict) -> None:
     ops, usage = r["ops"], r["ptxas"]
-    assert not [op for op in ops if "approx" in op or op.startswith("div.full")], sorted(ops)
+    assert not approximations(ops), sorted(ops)
     assert spill_free(usage), usage
 
 
@@ -428,3 +443,263 @@ def test_per_step_values_do_not_recompile(compiled):
     assert len(set(adam_keys.values())) == 2, "the main kernel's key ignores adamw"
     pro_keys = {name: dict(seen[0])["_adam_scalars_kernel"] for name, seen in layouts.items()}
     assert len(set(pro_keys.values())) == 2, "the prologue's key ignores HP_FROM_PTR"
+
+
+# ---- every kernel: discovered, launched as the package launches it, compiled once ------------
+
+CHILD_ALL = r'''import ast, contextlib, importlib, inspect, io, json, pkgutil, re, sys, textwrap, time, traceback
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+OPCODE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", re.M)
+extra_modules, out_path = json.loads(sys.argv[1]), sys.argv[2]
+
+
+def discover():
+    """{qualname: JITFunction} of the kernels (not helpers: those return a value) defined in
+    every module of zerokern.kernels and in the extra modules."""
+    import zerokern.kernels as pkg
+    names = [f"zerokern.kernels.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
+    found = {}
+    for name in names + list(extra_modules):
+        mod = importlib.import_module(name)
+        for attr, obj in vars(mod).items():
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == name:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(obj.fn)))
+                if not any(isinstance(n, ast.Return) and n.value is not None
+                           for n in ast.walk(tree)):
+                    found[f"{name}.{obj.fn.__name__}"] = obj
+    return found
+
+
+KERNELS = discover()
+assert KERNELS, "no kernels found"
+RECORDED = {}   # qualname -> {variant key: (signature, constexprs, attrs, options)}
+
+
+def record(qual, jf):
+    binder = create_function_from_signature(jf.signature, jf.params, BACKEND)
+    sigkeys = [p.name for p in jf.params]
+
+    def run(*args, grid, warmup, **kwargs):
+        bound, spec, opts = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = jf._pack_args(BACKEND, kwargs, bound, spec, opts)
+        user = {k: v for k, v in kwargs.items() if k not in sigkeys}
+        key = repr((sorted(signature.items()), sorted(constexprs.items()), sorted(user.items())))
+        RECORDED.setdefault(qual, {}).setdefault(key, (signature, constexprs, attrs, user))
+    jf.run = run
+
+
+for q, jf in KERNELS.items():
+    record(q, jf)
+
+
+def exercise():
+    """Run every launcher the way a GPU run would (meta tensors take the GPU path: 16-byte
+    aligned pointers, GPU block sizes), in each layout whose constexprs change the code."""
+    from zerokern.kernels import compact_triton as ct, triton_adamw8bit as q8
+    from zerokern.kernels import triton_blockquant as bq, triton_kernels as tk, triton_lion as tl_
+    meta = dict(device="meta")
+    n = 4096
+    t = lambda dt=torch.float32, k=n: torch.empty(k, dtype=dt, **meta)
+    zero = lambda dt: torch.zeros((), dtype=dt, **meta)
+    step, flag, gs = zero(torch.int64), zero(torch.bool), torch.ones((), **meta)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    hp_t = {k: torch.tensor(v, dtype=torch.float64, **meta) for k, v in hp.items()}
+    for adamw, out, h in ((True, t(torch.bfloat16), hp), (False, None, hp_t)):
+        tk.adam_step_(t(), t(), t(), t(torch.bfloat16), out, adamw=adamw, step=step,
+                      grad_scale=gs, found_inf=flag, eps=1e-8, **h)
+        ct.compact_adam_step_(t(torch.int16), t(torch.uint8, n // 8), t(torch.bfloat16), t(),
+                              t(), t(torch.bfloat16), zero(torch.bool), adamw=adamw, step=step,
+                              grad_scale=gs, found_inf=flag, eps=1e-8, **h)
+        tl_.lion_step_(t(), t(), t(torch.bfloat16), out, step=step, grad_scale=gs,
+                       found_inf=flag, **h)
+        q8.adamw8bit_step_(t(), t(torch.uint8), t(k=n // 128), t(torch.uint8), t(k=n // 128),
+                           t(torch.bfloat16), out, step=step, grad_scale=gs, found_inf=flag,
+                           eps=1e-8, **h)
+    tk.grad_stats_(t(torch.bfloat16), flag, torch.zeros((), **meta))
+    for bits in (8, 4):
+        bq.quantize(t(), 128, bits)
+    for bits, dt in ((8, torch.float32), (4, torch.bfloat16), (8, torch.float16)):
+        bq.dequantize(t(torch.int8 if bits == 8 else torch.uint8, n if bits == 8 else n // 2),
+                      t(k=n // 128), 128, bits, dt)
+
+
+def synthesize(jf):
+    """A signature from the parameter names alone (STYLE: pointers `x_ptr`, constexprs in
+    CAPS), for a kernel no launcher above reaches: fp32 pointers, int32 scalars, block-like
+    constexprs 64, the other constexprs 0 (False)."""
+    sig, const = {}, {}
+    for p in jf.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            const[(p.num,)] = 64 if re.search("BLOCK|ROWS|SIZE|^QB$", p.name) else 0
+        else:
+            sig[p.name] = "*fp32" if p.name.endswith("_ptr") else "i32"
+    return sig, const, {}, dict(num_warps=4)
+
+
+results = {}
+t0 = time.time()
+try:
+    exercise()
+except Exception:  # noqa: BLE001 - reported, the test fails on it
+    results["__exercise_error__"] = traceback.format_exc()
+
+
+def compile_one(jf, sig, const, attrs, user):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        k = triton.compile(ASTSource(jf, sig, const, attrs), target=TARGET, options=dict(user))
+    ops = {}
+    for op in OPCODE.findall(k.asm["ptx"]):
+        ops[op] = ops.get(op, 0) + 1
+    return ops
+
+
+for qual, jf in KERNELS.items():
+    variants = list(RECORDED.get(qual, {}).values())
+    how = "launch" if variants else "synthesized"
+    variants = variants or [synthesize(jf)]
+    entry = results.setdefault(qual, dict(how=how, variants=[]))
+    for sig, const, attrs, user in variants:
+        v = dict(constexprs={str(k): repr(c) for k, c in const.items()},
+                 options={k: repr(x) for k, x in user.items()})
+        try:
+            v["ops"] = compile_one(jf, sig, const, attrs, user)
+        except Exception:  # noqa: BLE001
+            v["error"] = traceback.format_exc()[-3000:]
+        entry["variants"].append(v)
+        if qual.endswith("triton_lion._lion_step_kernel") and "control" not in entry:
+            # negative control of the no-fma check: the same launch with FP fusion on
+            entry["control"] = compile_one(jf, sig, const, attrs,
+                                           dict(user, enable_fp_fusion=True))
+results["__seconds__"] = time.time() - t0
+json.dump(results, open(out_path, "w"))
+'''
+
+# A planted module (written into a temporary directory on the child's path): a kernel that
+# divides with `/`, which the check must reject, and its tl.div_rn twin, which must pass. No
+# launcher calls them: they are compiled from their parameter names, as a new kernel would be.
+PLANTED = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _planted_slash_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+    tl.store(y_ptr + offs, x / (x + 1.0), mask=offs < n)
+
+
+@triton.jit
+def _planted_div_rn_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+    tl.store(y_ptr + offs, tl.div_rn(x, x + 1.0), mask=offs < n)
+'''
+PLANTED_MODULE = "zk_planted_kernels"
+
+
+def _static_kernels() -> list:
+    """Kernel qualnames found by reading the sources (test_triton_static's scan): the
+    parametrization, which the child's own discovery (by import) must match."""
+    from .test_triton_static import is_kernel, jit_functions, kernel_sources
+
+    return sorted(f"zerokern.kernels.{name[:-3]}.{fn.name}" for name, src in kernel_sources()
+                  for fn in jit_functions(ast.parse(src)) if is_kernel(fn))
+
+
+@pytest.fixture(scope="module")
+def every_kernel(tmp_path_factory):
+    """{kernel qualname: dict(how, variants=[dict(ops | error, constexprs, options)])}: one
+    compile per distinct launch, for the whole module."""
+    why = _triton_and_ptxas_present()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("every_kernel")
+    (tmp / f"{PLANTED_MODULE}.py").write_text(PLANTED)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp / "cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(tmp),
+                                                        env.get("PYTHONPATH")])))
+    script = tmp / "child_all.py"
+    script.write_text(CHILD_ALL)
+    out = tmp / "result.json"
+    r = subprocess.run([sys.executable, str(script), json.dumps([PLANTED_MODULE]), str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"compile child failed:\n{(r.stdout + r.stderr)[-6000:]}"
+    res = json.loads(out.read_text())
+    assert "__exercise_error__" not in res, res["__exercise_error__"]
+    return res
+
+
+def test_every_kernel_is_found_and_compiled(every_kernel):
+    """The child's discovery (by import) finds what the source scan finds, plus the planted
+    kernels; every launcher ran on meta tensors (an error there is reported, not hidden)."""
+    found = sorted(k for k in every_kernel if k.startswith("zerokern."))
+    assert found == _static_kernels()
+    assert {f"{PLANTED_MODULE}._planted_slash_kernel",
+            f"{PLANTED_MODULE}._planted_div_rn_kernel"} <= set(every_kernel)
+    print(f"compiled in {every_kernel['__seconds__']:.1f} s:",
+          {k.rsplit(".", 1)[1]: (e["how"], len(e["variants"])) for k, e in every_kernel.items()
+           if not k.startswith("__")})
+
+
+@pytest.mark.parametrize("qual", _static_kernels())
+def test_kernel_has_no_approximate_division(every_kernel, qual):
+    """(GPU_CHECKLIST, Kernels) `/` compiles to div.full.f32: tl.div_rn wherever the result
+    must equal the reference bit for bit; likewise no *.approx sqrt, rcp, ex2."""
+    entry = every_kernel[qual]
+    assert entry["variants"]
+    for v in entry["variants"]:
+        assert "error" not in v, f"{qual} ({entry['how']}) did not compile:\n{v.get('error')}"
+        assert not approximations(v["ops"]), (qual, v["constexprs"], approximations(v["ops"]))
+
+
+@pytest.mark.parametrize("qual", _static_kernels())
+def test_every_launch_pins_fp_fusion(every_kernel, qual):
+    """[Note: fp fusion pinned] (triton_kernels.py): each launch passes enable_fp_fusion, so
+    the code does not change with Triton's default (3.10 turns it off)."""
+    entry = every_kernel[qual]
+    if entry["how"] != "launch":
+        pytest.skip(f"{qual}: no launcher reaches it")
+    for v in entry["variants"]:
+        assert "enable_fp_fusion" in v["options"], (qual, v["constexprs"], v["options"])
+
+
+def test_planted_slash_division_is_caught(every_kernel):
+    """Negative control: the planted `/` kernel fails the check; its tl.div_rn twin passes."""
+    slash = every_kernel[f"{PLANTED_MODULE}._planted_slash_kernel"]
+    twin = every_kernel[f"{PLANTED_MODULE}._planted_div_rn_kernel"]
+    assert slash["how"] == twin["how"] == "synthesized"
+    assert all("div.full.f32" in approximations(v["ops"]) for v in slash["variants"]), slash
+    assert all(not approximations(v["ops"]) and _count(v["ops"], "div.rn.f32")
+               for v in twin["variants"]), twin
+
+
+def fmas(ops: dict) -> list:
+    return sorted(op for op in ops if op.startswith("fma."))
+
+
+@pytest.mark.parametrize("kernel", ["_lion_step_kernel", "_lion_scalars_kernel"])
+def test_lion_kernels_round_every_product(every_kernel, kernel):
+    """(issue 36, item 4) No FMA in the Lion kernels: b1*m + (1-b1)*g rounds each product, as
+    the reference (triton_lion.py's docstring); a contracted one flips sign(c) where the
+    rounded products cancel (tests/kernels/test_lion_cancellation.py)."""
+    entry = every_kernel[f"zerokern.kernels.triton_lion.{kernel}"]
+    for v in entry["variants"]:
+        assert not fmas(v["ops"]), (kernel, v["options"], fmas(v["ops"]))
+
+
+def test_lion_fma_check_fails_with_fp_fusion_on(every_kernel):
+    """Negative control: the Lion step kernel compiled with enable_fp_fusion=True (what it was
+    launched with before) has fma.rn.f32."""
+    control = every_kernel["zerokern.kernels.triton_lion._lion_step_kernel"]["control"]
+    assert "fma.rn.f32" in fmas(control), control

@@ -8,7 +8,10 @@ TRITON_INTERPRET=1 (tests).
   the very same scalars and a new lr never recompiles.
 - FP fusion is OFF for this kernel (unlike adam's [Note: fp fusion pinned]): the 8-bit step's
   contract is bit-for-bit the reference (each product rounded), and a contracted b1*m + (1-b1)*g
-  could move m by an ulp and so flip a quantization code. sqrt is `sqrt_rn` (IEEE).
+  could move m by an ulp and so flip a quantization code. sqrt is `sqrt_rn` and every division
+  `div_rn` (IEEE, as torch's): a plain `/` lowers to the approximate div.full.f32 on NVIDIA GPUs
+  (the interpreter's numpy `/` is IEEE, so only the sm_90 PTX check sees it:
+  tests/kernels/test_triton_compile.py, every kernel).
 - Dequantize is a gather from the 256-entry code map; the nearest code is a branch-free binary
   search over the 255 midpoints (8 gathers): the count of midpoints strictly below the value,
   a NaN counting as above all (255), as torch.bucketize(right=False) gives the reference
@@ -81,13 +84,13 @@ def _q8_step_kernel(master_ptr, mq_ptr, ma_ptr, vq_ptr, va_ptr, grad_ptr, out_pt
     p = p * decay
     m = b1 * m + omb1 * g
     v = b2 * v + omb2 * (g * g)
-    p = p - step_size * (m / (tl.sqrt_rn(v) * rsqrt_bc2 + eps))
+    p = p - step_size * tl.div_rn(m, tl.sqrt_rn(v) * rsqrt_bc2 + eps)
     m_max = _absmax_nan(m)
     v_max = _absmax_nan(v)
     m_safe = tl.where(m_max > 0, m_max, 1.0)
     v_safe = tl.where(v_max > 0, v_max, 1.0)
-    new_mq = _nearest(m / m_safe[:, None], mid_s_ptr)
-    new_vq = _nearest(v / v_safe[:, None], mid_u_ptr)
+    new_mq = _nearest(tl.div_rn(m, m_safe[:, None]), mid_s_ptr)
+    new_vq = _nearest(tl.div_rn(v, v_safe[:, None]), mid_u_ptr)
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(mq_ptr + offs, new_mq.to(tl.uint8), mask=mask)
     tl.store(vq_ptr + offs, new_vq.to(tl.uint8), mask=mask)

@@ -9,6 +9,11 @@ plain `/` lowers to an approximation on NVIDIA GPUs), round half to even written
 floor (no libdevice rint: the interpreter has none; the operands come from a division, so
 nothing can be contracted into an FMA), and the cast-back rounded explicitly (the interpreter
 truncates fp32 -> bf16 casts, DESIGN §3).
+Offsets are int64 (the block index is cast before it is multiplied by the block size: a
+quantized bucket can pass 2^31 elements), and each launch runs under the tensors' device
+(triton_kernels [Note: launch plan] (2)). FP fusion is pinned off ([Note: fp fusion pinned]
+there): left to Triton 3.9's default it contracted _rne's r - 2*floor(r/2) into an FMA (exact
+there, the same bits), and the code must not move with the default, which 3.10 changes.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from zerokern.kernels.triton_kernels import _cast_bits_rne
+from zerokern.kernels.triton_kernels import _cast_bits_rne, _on_device
 from zerokern.kernels.validate import BITS_Q, check_blockquant
 
 ROWS = 16  # blocks per program: 16 x 128 fp32 = 8 KiB of x per program
+FP_FUSION = False
 
 
 @triton.jit
@@ -43,7 +49,7 @@ def _codes(x, scale, Q: tl.constexpr):
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, nblocks, BLOCK: tl.constexpr,
                      ROWS_: tl.constexpr, Q: tl.constexpr, PACK4: tl.constexpr):
-    rows = tl.program_id(0) * ROWS_ + tl.arange(0, ROWS_)
+    rows = tl.program_id(0).to(tl.int64) * ROWS_ + tl.arange(0, ROWS_)
     rmask = rows < nblocks
     if PACK4:
         j = tl.arange(0, BLOCK // 2)
@@ -70,7 +76,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, nblocks, BLOCK: tl.constexpr,
 def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, nblocks, BLOCK: tl.constexpr,
                        ROWS_: tl.constexpr, PACK4: tl.constexpr, OUT_KIND: tl.constexpr):
     # OUT_KIND: 0 fp32, 1 bf16, 2 fp16
-    rows = tl.program_id(0) * ROWS_ + tl.arange(0, ROWS_)
+    rows = tl.program_id(0).to(tl.int64) * ROWS_ + tl.arange(0, ROWS_)
     rmask = rows < nblocks
     scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
     k = tl.arange(0, BLOCK)
@@ -95,9 +101,11 @@ def quantize(x: torch.Tensor, block: int = 128, bits: int = 8):
     codes = torch.empty(x.numel() // 2 if bits == 4 else x.numel(),
                         dtype=torch.uint8 if bits == 4 else torch.int8, device=x.device)
     scale = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(triton.cdiv(nblocks, ROWS),)](x, codes, scale, nblocks, BLOCK=block,
-                                                    ROWS_=ROWS, Q=BITS_Q[bits],
-                                                    PACK4=bits == 4)
+    with _on_device(x.device):
+        _quantize_kernel[(triton.cdiv(nblocks, ROWS),)](x, codes, scale, nblocks, BLOCK=block,
+                                                        ROWS_=ROWS, Q=BITS_Q[bits],
+                                                        PACK4=bits == 4,
+                                                        enable_fp_fusion=FP_FUSION)
     return codes, scale
 
 
@@ -113,8 +121,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, block: int = 128, bits:
     out = torch.empty(n, dtype=dtype, device=codes.device)
     # 16-bit outputs are written as the int16 bit patterns _cast_bits_rne makes
     dst = out if dtype == torch.float32 else out.view(torch.int16)
-    _dequantize_kernel[(triton.cdiv(scale.numel(), ROWS),)](codes, scale, dst, scale.numel(),
-                                                            BLOCK=block, ROWS_=ROWS,
-                                                            PACK4=bits == 4,
-                                                            OUT_KIND=_OUT[dtype])
+    with _on_device(codes.device):
+        _dequantize_kernel[(triton.cdiv(scale.numel(), ROWS),)](codes, scale, dst, scale.numel(),
+                                                                BLOCK=block, ROWS_=ROWS,
+                                                                PACK4=bits == 4,
+                                                                OUT_KIND=_OUT[dtype],
+                                                                enable_fp_fusion=FP_FUSION)
     return out

@@ -7,6 +7,14 @@ explicit round-to-nearest-even for the interpreter. The float64 set-up is tiny h
 correction): a one-program prologue writes the fp32 scalars [1 - lr*wd, lr, b1, 1-b1, b2, 1-b2,
 grad_scale, skip] to a device buffer, so every per-step value stays a runtime value (never a
 constexpr: changing lr never recompiles) and a device-tensor lr is read on the device.
+
+FP fusion is OFF for both Lion kernels (unlike adam's [Note: fp fusion pinned]; as the 8-bit
+step's): the contract is the reference's rounding, each product rounded, then the sum
+(csrc/cpu/lion_cpu.cpp [Note: Lion rounds every product]). Contracted, b1*m + (1-b1)*g became
+fma.rn.f32 on sm_90: where the rounded products cancel to exactly 0 the fma returns one
+product's rounding error, and sign() gives +-1 against the reference's 0 (a parameter moved by
+lr; tests/kernels/test_lion_cancellation.py). The fp64 prologue's 1 - lr*wd likewise. The
+interpreter (numpy) never fuses, so only the PTX shows it (tests/kernels/test_triton_compile.py).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from .triton_kernels import (
     _segments,
     _split_f64,
 )
+
+LION_FP_FUSION = False  # module docstring: every product rounded, as the reference
 
 
 @triton.jit
@@ -110,7 +120,7 @@ def lion_step_(master, exp_avg, grad, param_out, *, lr, beta1, beta2, weight_dec
             sc = torch.empty(SC_LEN, dtype=torch.float32, device=dev)
             _lion_scalars_kernel[(1,)](sc, *split, hp, grad_scale, found_inf,
                                        HP_FROM_PTR=hp_from_ptr, num_warps=1,
-                                       enable_fp_fusion=FP_FUSION)
+                                       enable_fp_fusion=LION_FP_FUSION)
             explicit = on_cpu  # the interpreter truncates fp32->bf16: round in the kernel
             out = master if param_out is None else (param_out.view(torch.int16) if explicit
                                                     else param_out)
@@ -122,7 +132,7 @@ def lion_step_(master, exp_avg, grad, param_out, *, lr, beta1, beta2, weight_dec
                 a = arrays if length == n else [t[start:start + length] for t in arrays]
                 block = _block(length, on_cpu) if vector or length >= ALIGN else BLOCK_EDGE
                 warps = _num_warps(on_cpu) if block > BLOCK_EDGE else 1
-                _lion_step_kernel[(triton.cdiv(length, block),)](  # [Note: fp fusion pinned]
-                    *a, length, sc, BLOCK=block, num_warps=warps, enable_fp_fusion=FP_FUSION,
-                    **const)
+                _lion_step_kernel[(triton.cdiv(length, block),)](
+                    *a, length, sc, BLOCK=block, num_warps=warps,
+                    enable_fp_fusion=LION_FP_FUSION, **const)
         _advance_step_kernel[(1,)](step, found_inf, num_warps=1, enable_fp_fusion=FP_FUSION)
