@@ -45,6 +45,8 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(tokens, batch_size=8, shuffle=True, drop_last=True,
                                          generator=g)
 
+    # prepare puts the model on accelerator.device (the rank's GPU; the CPU with cpu=True)
+    # before it builds the ZeroAdamW, and the prepared loader moves every batch there.
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     step, micro = 0, 0
     while step < args.steps:

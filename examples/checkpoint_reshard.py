@@ -37,11 +37,14 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         zk.init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # one GPU per rank (LOCAL_RANK), the CPU without CUDA: the model and the batches go there
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
 
-    model = build_gpt("tiny", seed=0)
+    model = build_gpt("tiny", seed=0).to(device)
     cfg = model.config
     start = torch.randint(0, cfg.vocab, (4, 8, 1), generator=torch.Generator().manual_seed(rank))
-    data = (start + torch.arange(cfg.seq + 1)) % cfg.vocab          # counting sequences
+    data = ((start + torch.arange(cfg.seq + 1)) % cfg.vocab).to(device)  # counting sequences
 
     if args.check:   # a consolidated file is a plain state dict: no zerokern needed to use it
         if args.check.endswith(".safetensors"):

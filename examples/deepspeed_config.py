@@ -16,6 +16,7 @@ is touched (see docs/guides/deepspeed.md for the key table).
 
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,11 @@ def main() -> None:
     if args.lr is not None and "optimizer" in config:
         config["optimizer"].setdefault("params", {})["lr"] = args.lr
 
-    model = build_gpt(args.model, seed=0)
+    # One GPU per rank (LOCAL_RANK), the CPU without CUDA. The model goes there before
+    # initialize builds the optimizer on its params; the batches follow engine.device below.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    model = build_gpt(args.model, seed=0).to(device)
     client_optimizer = client_scheduler = None
     if "optimizer" not in config:   # the seed-002 shape: the script brings its optimizer
         client_optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr or 3e-3)

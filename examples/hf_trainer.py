@@ -75,6 +75,8 @@ def main() -> None:
         weight_decay=0.1, warmup_steps=3, max_grad_norm=1.0, logging_steps=1,
         bf16=args.bf16, use_cpu=not torch.cuda.is_available(), report_to=[],
         save_strategy="no", disable_tqdm=True, dataloader_drop_last=True)
+    # Trainer puts the model on args.device (the rank's GPU, LOCAL_RANK; the CPU with use_cpu)
+    # before ZeroTrainer builds the optimizer, and moves every batch there.
     trainer = ZeroTrainer(model=make_model(args.lora), args=training_args,  # was: Trainer(...)
                           train_dataset=Counting(), callbacks=[PrintLoss()],
                           zero_stage=args.zero_stage)

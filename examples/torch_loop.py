@@ -41,8 +41,10 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         zk.init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    # One GPU per rank (torchrun's LOCAL_RANK), the CPU without CUDA. The model and every batch
+    # go there: the optimizer is built on the params where they are (NCCL takes CUDA tensors).
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
 
     model = build_gpt(args.model, seed=0).to(device)  # the same initial weights on every rank
     # The one changed line (was: torch.optim.AdamW(model.parameters(), lr=..., ...)).

@@ -40,8 +40,9 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         zk.init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    # one GPU per rank (LOCAL_RANK), the CPU without CUDA: the model and the batches go there
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
     os.makedirs(args.path, exist_ok=True)
 
     # Build the model in bf16: a 2B model's fp32 weights (8.5 GB) never exist in RAM.

@@ -12,6 +12,15 @@ equal, and the check fails.
 These tests check that the scripts run and learn; the numbers (parity with DDP, DeepSpeed,
 Trainer) are checked by tests/optimizer, tests/stage3, tests/engine and tests/integrations.
 
+[Note: every example puts its model and batches on the device]
+On a GPU machine an example that leaves its model on the CPU fails (NCCL refuses CPU params)
+and one that leaves its batches there fails in the forward; on these CPU ranks both would run.
+So each Python example runs under placement_probe.py, which fails the script when a zerokern
+optimizer is built on params, or its model is given inputs, that the script never moved with
+`.to(device)` (the frameworks' own moves count: Trainer, Accelerate), and prints what it
+checked (`assert_placed`). Before the examples were fixed, checkpoint_reshard.py (model and
+data never moved) and deepspeed_config.py (model never moved) failed here.
+
 [Note: examples are slow-marked]
 Each test starts fresh interpreters (torchrun, transformers, DeepSpeed imports), about 140 s of
 CPU for the 12 (measured per test, process tree included, on the shared 2-core VM: 5.5 s for
@@ -37,6 +46,9 @@ import pytest
 pytestmark = pytest.mark.slow     # [Note: examples are slow-marked]
 REPO = Path(__file__).resolve().parents[2]
 EX = REPO / "examples"
+PROBE = str(Path(__file__).resolve().parent / "placement_probe.py")
+PLACED = re.compile(r"^placement probe: (\d+) optimizer\(s\), (\d+) forward\(s\) checked",
+                    re.M)
 MIN_DROP = 0.02          # see [Note: what "the loss falls" means here]
 TIMEOUT = 600            # seconds per command: a hung rank fails the test, never the suite
 LOSS = re.compile(r"^step (\d+) loss ([0-9.]+)", re.M)
@@ -86,6 +98,17 @@ def assert_falls(out: str) -> List[float]:
     return ls
 
 
+def assert_placed(out: str) -> None:
+    """Every rank's probe checked an optimizer and forwards ([Note: every example puts ...])."""
+    seen = [(int(a), int(b)) for a, b in PLACED.findall(out)]
+    assert seen and all(a >= 1 and b >= 1 for a, b in seen), f"probe: {seen}\n{out[-2000:]}"
+
+
+def ex(name: str) -> List[str]:
+    """An example script, run under the placement probe."""
+    return [PROBE, str(EX / name)]
+
+
 def test_falls_check_can_fail():
     assert falls([5.56, 5.50, 5.30, 5.10])
     assert not falls([5.56, 5.55, 5.56])          # flat
@@ -94,9 +117,10 @@ def test_falls_check_can_fail():
 
 
 def test_torch_loop_one_process_and_lr0_control(tmp_path):
-    out = run([sys.executable, str(EX / "torch_loop.py"), "--stage", "0", "--steps", "8",
+    out = run([sys.executable, *ex("torch_loop.py"), "--stage", "0", "--steps", "8",
                "--precision", "fp32"], tmp_path)
     assert_falls(out)
+    assert_placed(out)
     # Negative control: lr 0 trains nothing; batch 4 is batch 0 again, the check must fail.
     out = run([sys.executable, str(EX / "torch_loop.py"), "--stage", "0", "--steps", "5",
                "--precision", "fp32", "--lr", "0"], tmp_path)
@@ -105,9 +129,10 @@ def test_torch_loop_one_process_and_lr0_control(tmp_path):
 
 
 def test_torch_loop_torchrun_stage3_fp16(tmp_path):
-    out = run(torchrun(2, str(EX / "torch_loop.py"), "--stage", "3", "--precision", "fp16",
+    out = run(torchrun(2, *ex("torch_loop.py"), "--stage", "3", "--precision", "fp16",
                        "--steps", "10"), tmp_path)
     assert_falls(out)
+    assert_placed(out)
     assert "(stage 3, 2 rank(s))" in out
 
 
@@ -123,54 +148,61 @@ def test_two_simulated_nodes(tmp_path):
     ("zero3_offload_cpu.json", ["--micro-batch", "8"]),  # seed 002: stage 3, both offloads
 ])
 def test_deepspeed_configs(tmp_path, config, extra):
-    out = run(torchrun(2, str(EX / "deepspeed_config.py"), "--config",
+    out = run(torchrun(2, *ex("deepspeed_config.py"), "--config",
                        str(EX / "configs" / config), "--steps", "10", *extra), tmp_path)
     assert_falls(out)
+    assert_placed(out)
 
 
 def test_hf_trainer(tmp_path):
-    out = run(torchrun(2, str(EX / "hf_trainer.py"), "--zero-stage", "2", "--steps", "10",
+    out = run(torchrun(2, *ex("hf_trainer.py"), "--zero-stage", "2", "--steps", "10",
                        "--out", str(tmp_path / "out")), tmp_path)
     assert_falls(out)
+    assert_placed(out)
     assert (tmp_path / "out" / "config.json").is_file()
 
 
 def test_peft_lora_stage3(tmp_path):
-    out = run(torchrun(2, str(EX / "hf_trainer.py"), "--zero-stage", "3", "--lora",
+    out = run(torchrun(2, *ex("hf_trainer.py"), "--zero-stage", "3", "--lora",
                        "--steps", "10", "--out", str(tmp_path / "out")), tmp_path)
     assert_falls(out)
+    assert_placed(out)
     assert (tmp_path / "out" / "adapter_config.json").is_file()
 
 
 def test_accelerate(tmp_path):
-    out = run(torchrun(2, str(EX / "accelerate_loop.py"), "--zero-stage", "3", "--steps", "10"),
+    out = run(torchrun(2, *ex("accelerate_loop.py"), "--zero-stage", "3", "--steps", "10"),
               tmp_path)
     assert_falls(out)
+    assert_placed(out)
     assert "full state dict: 29 tensors" in out
 
 
 def test_zero_infinity(tmp_path):
     state = tmp_path / "nvme"
-    out = run([sys.executable, str(EX / "zero_infinity.py"), "--path", str(state),
+    out = run([sys.executable, *ex("zero_infinity.py"), "--path", str(state),
                "--steps", "10"], tmp_path)
     assert_falls(out)
+    assert_placed(out)
     m = re.search(r"device ([0-9.]+) MiB, host ([0-9.]+) MiB, disk ([0-9.]+) MiB", out)
     assert m and float(m.group(1)) == 0 and float(m.group(3)) > 0, out[-2000:]
     assert list(state.iterdir()) == [], "opt.close() left state files behind"
 
 
 def test_checkpoint_save_reshard_consolidate(tmp_path):
-    script = str(EX / "checkpoint_reshard.py")
-    a = run(torchrun(2, script, "--stage", "2", "--steps", "6", "--save", "ckpt/a"), tmp_path)
-    b = run([sys.executable, script, "--stage", "3", "--resume", "ckpt/a", "--save", "ckpt/b",
+    script = ex("checkpoint_reshard.py")
+    a = run(torchrun(2, *script, "--stage", "2", "--steps", "6", "--save", "ckpt/a"), tmp_path)
+    b = run([sys.executable, *script, "--stage", "3", "--resume", "ckpt/a", "--save", "ckpt/b",
              "--steps", "6"], tmp_path)
     assert "saved at world size 2, stage 2, step 6" in b
+    assert_placed(a)
+    assert_placed(b)
     ls = losses(a) + losses(b)
     assert [int(m.group(1)) for m in LOSS.finditer(b)] == list(range(6, 12))
     assert falls(ls), ls
     run([sys.executable, "-m", "zerokern", "consolidate", "ckpt/b", "model.safetensors",
          "--dtype", "bf16"], tmp_path)
-    c = run([sys.executable, script, "--check", "model.safetensors"], tmp_path)
+    c = run([sys.executable, *script, "--check", "model.safetensors"], tmp_path)
     # The consolidated weights are the trained ones: their loss is below the first step's.
     assert losses(c)[0] < ls[0] - MIN_DROP, (ls, c)
 
