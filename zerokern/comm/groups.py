@@ -36,8 +36,29 @@ from .abort import Watch
 from .collectives import CommStats, GroupComm, _Done
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
-from .quantized import Level, all_gather_quantized_, reduce_scatter_quantized_
+from .quantized import Level, _side_stream, all_gather_quantized_, reduce_scatter_quantized_
 from .ring import FutureWork
+
+
+def _replicate_after(h, out: torch.Tensor, issue):
+    """Issue the replicate all-reduce now, right after its reduce-scatter, ordered after it.
+
+    [Note: HSDP all-reduce at a fixed point] NCCL needs one order of collectives across both
+    groups on every rank, so the all-reduce is issued where its reduce-scatter is, not when a
+    caller waits for the handle: when that happens follows the staging pool and the buckets'
+    readiness, which differ by rank (issue 34 finding 8; the fake-CUDA run of HSDP 2x4 at
+    stage 2 with rank-dependent skips saw the orders differ). On a GPU the wait for the
+    reduce-scatter and the issue run on a side stream, so the compute stream goes on with the
+    backward; the returned handle is the all-reduce's. On the host the reduce-scatter is
+    waited for first (gloo's own collectives, ZEROKERN_GLOO_RING=0)."""
+    if out.device.type != "cuda":
+        h.wait()
+        return issue()
+    side = _side_stream(out.device)
+    side.wait_stream(torch.cuda.current_stream(out.device))
+    with torch.cuda.stream(side):
+        h.wait()  # this stream waits for the reduce-scatter (and qgZ's decode runs here)
+        return issue()  # the replicate group's stream waits for this one
 
 
 class _Then:
@@ -204,7 +225,8 @@ class Comm:
                               (rep.abort, rep.abort.next_index() if rep.abort else 0))
                 h = FutureWork(fut, watch, 0)
             else:
-                h = _Then(h, lambda: rep.all_reduce_(out, async_op=True, label=label))
+                h = _replicate_after(h, out, lambda: rep.all_reduce_(out, async_op=True,
+                                                                      label=label))
         if not async_op:
             h.wait()
             return _Done()

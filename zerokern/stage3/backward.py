@@ -289,9 +289,18 @@ class Stage3Backward(ShardedGrads):
         self._pool[staging.numel()].append(staging)
 
     def end_backward(self) -> None:
-        if self._bcur < len(self._bsched):  # units this rank did not use: their gathers
-            self._reach(self._bsched, self._bcur, len(self._bsched) - 1)
-            self._release(self._bsched[-1])
+        if self._bcur < len(self._bsched):  # units this rank did not reach: their gathers,
+            # through _gather_steps as when the cursor passes units (rule 4: the windows order
+            # these gathers against the reduce-scatters as on the ranks that reached them; a
+            # plain _reach here issued them back to back, and the fake-CUDA run at world 8 saw
+            # a rank that skipped the first two of six blocks swap a gather and a
+            # reduce-scatter against its peers: tests/gpu_control)
+            last = len(self._bsched) - 1
+            self._skip_backward(last)
+            tail = self._bsched[-1]
+            self._release(tail)
+            if self._calls[tail] == 0 and tail not in self._unsignalled:
+                self._unit_done(tail)
             self._bcur = len(self._bsched)
         self._launch_ready(flush=True)  # (not under no_sync(): nothing is reduced then)
         if self.sync:
