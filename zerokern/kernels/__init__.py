@@ -4,6 +4,10 @@
                weight_decay, adamw=True, step, grad_scale, found_inf, backend="auto")
     grad_stats_(grad, found_inf, sumsq, *, backend="auto")
     available_backends() -> list[str]
+
+Calls on tensors off the CPU, on fake tensors and under torch.compile go through the custom ops
+torch.ops.zerokern.* (custom_ops.py [Note: kernels as custom ops]), whose fake impls run under
+FakeTensorMode; real CPU tensors call the backend directly.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from . import reference
 from .build import BuildError, load_op
+from .custom_ops import hyper_args, use_op
 from .dispatch import available_backends, backend_status, resolve
 from .validate import Scalar, check_adam_args, check_backend, check_grad_stats_args
 
@@ -80,6 +85,11 @@ def adam_step_(
                     beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, step=step,
                     grad_scale=grad_scale, found_inf=found_inf)
     kind = resolve(backend, master.device)
+    if use_op(master):  # [Note: kernels as custom ops] (custom_ops.py)
+        hyper, hyper_t = hyper_args((lr, beta1, beta2, eps, weight_decay))
+        torch.ops.zerokern.adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, hyper,
+                                      hyper_t, adamw, step, grad_scale, found_inf, kind)
+        return
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
               step=step, grad_scale=grad_scale, found_inf=found_inf)
     if kind == "reference":
@@ -111,6 +121,9 @@ def grad_stats_(grad: torch.Tensor, found_inf: torch.Tensor, sumsq: torch.Tensor
     check_backend(backend)
     check_grad_stats_args(grad, found_inf, sumsq)
     kind = resolve(backend, grad.device)
+    if use_op(grad):  # [Note: kernels as custom ops] (custom_ops.py)
+        torch.ops.zerokern.grad_stats_(grad, found_inf, sumsq, kind)
+        return
     if kind == "reference":
         reference.grad_stats_(grad, found_inf, sumsq)
     elif kind == "triton":

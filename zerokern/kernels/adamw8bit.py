@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from .custom_ops import hyper_args, use_op
 from .dispatch import resolve
 from .quant8 import BLOCK, code_map, midpoints, step_scalars
 from .reference import advance_step_
@@ -113,9 +114,14 @@ def adamw8bit_step_(master: torch.Tensor, m_q: torch.Tensor, m_absmax: torch.Ten
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          step=step, grad_scale=grad_scale, found_inf=found_inf)
     kind = resolve(backend, master.device)
+    args = (master, m_q, m_absmax, v_q, v_absmax, grad, param_out)
+    if use_op(master):  # [Note: kernels as custom ops] (custom_ops.py)
+        hyper, hyper_t = hyper_args((lr, beta1, beta2, eps, weight_decay))
+        torch.ops.zerokern.adamw8bit_step_(*args, hyper, hyper_t, step, grad_scale, found_inf,
+                                           kind)
+        return
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
               grad_scale=grad_scale, found_inf=found_inf)
-    args = (master, m_q, m_absmax, v_q, v_absmax, grad, param_out)
     if kind == "reference":
         reference_adamw8bit_step_(*args, **kw)
     elif kind == "triton":

@@ -23,6 +23,7 @@ from typing import Tuple
 
 import torch
 
+from .custom_ops import use_op
 from .validate import BITS_Q, check_blockquant
 
 
@@ -88,6 +89,12 @@ class NativeCodec:
     def quantize(self, x: torch.Tensor, block: int = 128, bits: int = 8):
         """As `quantize` (the module function)."""
         check_blockquant(x, block, bits)
+        if use_op(x):  # a fake tensor, or torch.compile tracing (custom_ops.py)
+            return torch.ops.zerokern.blockquant_quantize(x, block, bits, "cpu")
+        return self.quantize_now(x, block, bits)
+
+    def quantize_now(self, x: torch.Tensor, block: int, bits: int):
+        """The C++ kernel itself, on real CPU tensors (the op's real impl calls this)."""
         x = x.contiguous()
         n = x.numel()
         codes = torch.empty(n if bits == 8 else n // 2,
@@ -99,9 +106,37 @@ class NativeCodec:
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, block: int = 128,
                    bits: int = 8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """As `dequantize` (the module function)."""
+        if use_op(codes):
+            return torch.ops.zerokern.blockquant_dequantize(codes, scale, block, bits, dtype,
+                                                            "cpu")
+        return self.dequantize_now(codes, scale, block, bits, dtype)
+
+    def dequantize_now(self, codes: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """The C++ kernel itself, on real CPU tensors (the op's real impl calls this)."""
         out = torch.empty(scale.numel() * block, dtype=dtype)
         self.op.blockquant_dequantize(codes.contiguous(), scale.contiguous(), out, block, bits)
         return out
+
+
+class OpCodec:
+    """This contract through torch.ops.zerokern.blockquant_* on `backend`'s kernels (Triton
+    on CUDA tensors): the op's fake impl runs under FakeTensorMode and torch.compile, the
+    kernel otherwise ([Note: kernels as custom ops] in custom_ops.py)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def quantize(self, x: torch.Tensor, block: int = 128, bits: int = 8):
+        """As `quantize` (the module function)."""
+        check_blockquant(x, block, bits)
+        return torch.ops.zerokern.blockquant_quantize(x, block, bits, self.backend)
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, block: int = 128,
+                   bits: int = 8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """As `dequantize` (the module function)."""
+        return torch.ops.zerokern.blockquant_dequantize(codes, scale, block, bits, dtype,
+                                                        self.backend)
 
 
 def codec_for(device: torch.device, backend: str = "auto"):
@@ -123,7 +158,7 @@ def codec_for(device: torch.device, backend: str = "auto"):
 
     Returns:
         an object with `quantize(x, block, bits)` and `dequantize(codes, scale, block, bits,
-        dtype)`.
+        dtype)`: on CUDA an `OpCodec` (the Triton kernels through torch.ops.zerokern).
 
     Raises:
         ValueError: a CUDA device without Triton.
@@ -135,11 +170,11 @@ def codec_for(device: torch.device, backend: str = "auto"):
     device = torch.device(device)
     if device.type == "cuda":
         try:
-            from zerokern.kernels import triton_blockquant
+            from zerokern.kernels import triton_blockquant  # noqa: F401 (the op's kernels)
         except ImportError as e:
             raise ValueError("quantized collectives on CUDA tensors need Triton "
                              f"(zerokern.kernels.triton_blockquant): {e}") from e
-        return triton_blockquant
+        return OpCodec("triton")
     if device.type == "cpu" and resolve(backend, device) == "cpu":
         from .build import load_op
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .custom_ops import hyper_args, use_op
 from .dispatch import resolve
 from .reference import _f64, advance_step_
 from .validate import (
@@ -82,6 +83,11 @@ def lion_step_(master: torch.Tensor, exp_avg: torch.Tensor, grad: torch.Tensor,
                     weight_decay=weight_decay, step=step, grad_scale=grad_scale,
                     found_inf=found_inf)
     kind = resolve(backend, master.device)
+    if use_op(master):  # [Note: kernels as custom ops] (custom_ops.py)
+        hyper, hyper_t = hyper_args((lr, beta1, beta2, weight_decay))
+        torch.ops.zerokern.lion_step_(master, exp_avg, grad, param_out, hyper, hyper_t, step,
+                                      grad_scale, found_inf, kind)
+        return
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, step=step,
               grad_scale=grad_scale, found_inf=found_inf)
     if kind == "reference":

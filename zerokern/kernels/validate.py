@@ -11,6 +11,7 @@ import numbers
 from typing import Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -126,14 +127,37 @@ def check_grad_stats_args(grad, found_inf, sumsq) -> None:
     check_scalar_tensor("sumsq", sumsq, SUMSQ_DTYPES, grad.device)
 
 
+def _span(t: torch.Tensor):
+    """(address space, first byte, end byte) of t's elements, or None (meta: no memory).
+
+    A real tensor: its data pointers. A fake one (FakeTensorMode, where the kernels' fake impls
+    run, custom_ops.py) has no pointers (data_ptr() is 0 for every tensor): its storage stands
+    in as the address space and its storage offset as the address, so views of one fake
+    buffer that overlap are still caught."""
+    if t.device.type == "meta":
+        return None
+    nbytes = t.numel() * t.element_size()
+    if type(t) is torch.Tensor or not is_fake(t):
+        lo = t.data_ptr()
+        return None, lo, lo + nbytes
+    lo = t.storage_offset() * t.element_size()
+    return t.untyped_storage()._cdata, lo, lo + nbytes
+
+
 def check_no_overlap(bufs: dict) -> None:
     """ValueError naming two of `bufs` (name -> tensor) that share memory: the kernels update in
-    place element by element, so an overlap would be read after write. Meta tensors have none."""
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-             for name, t in bufs.items() if t.numel() and t.device.type != "meta"]
-    for i, (lo, hi, name) in enumerate(spans):
-        for lo2, hi2, name2 in spans[:i]:
-            if lo < hi2 and lo2 < hi:
+    place element by element, so an overlap would be read after write. Meta tensors have none;
+    under torch.compile there are no pointers to compare (the check is not traced)."""
+    if torch.compiler.is_compiling():
+        return
+    spans = []
+    for name, t in bufs.items():
+        span = _span(t) if t.numel() else None
+        if span is not None:
+            spans.append((*span, name))
+    for i, (sp, lo, hi, name) in enumerate(spans):
+        for sp2, lo2, hi2, name2 in spans[:i]:
+            if sp == sp2 and lo < hi2 and lo2 < hi:
                 raise ValueError(f"{name} overlaps {name2} in memory; each buffer must be "
                                  "distinct")
 

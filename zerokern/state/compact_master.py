@@ -64,6 +64,7 @@ from zerokern.kernels.compact_bits import (
     unpack_ties,
     verify,
 )
+from zerokern.kernels.custom_ops import hyper_args, use_op
 from zerokern.rules import Rule, RuleState, alloc_states
 from zerokern.rules.adamw import AdamWRule
 
@@ -215,12 +216,18 @@ class CompactState(RuleState):
                 kernels.resolve(backend, self.low.device) == "triton":
             # [Note: fused compact step] in kernels/compact_triton.py (AdamW's fused kernel;
             # other rules take the chunked path below)
-            from zerokern.kernels import compact_triton
-
             m, v = states
-            compact_triton.compact_adam_step_(
-                self.low[sl], self.ties[s0 // 8:sl.stop // 8], param, m, v, grad, self._nan,
-                step=step, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+            args = (self.low[sl], self.ties[s0 // 8:sl.stop // 8], param, m, v, grad, self._nan)
+            if use_op(self.low):  # [Note: kernels as custom ops] (kernels/custom_ops.py)
+                h, h_t = hyper_args([hyper[k] for k in ("lr", "beta1", "beta2", "eps",
+                                                        "weight_decay")])
+                torch.ops.zerokern.compact_adam_step_(*args, h, h_t, hyper["adamw"], step,
+                                                      grad_scale, found_inf)
+            else:
+                from zerokern.kernels import compact_triton
+
+                compact_triton.compact_adam_step_(*args, step=step, grad_scale=grad_scale,
+                                                  found_inf=found_inf, **hyper)
             self.compact_pieces += 1
             return
         s = step.clone()  # every chunk is the same step: advance a copy, store it once
