@@ -59,10 +59,11 @@ from .optimizer_args import (
 )
 from .optimizer_doc import ENGINE_ARGS
 from .optimizer_state import StateDictMixin
-from .rules import Rule, check_rule, combine
+from .rules import Rule, check_defaults_keys, check_rule, combine
 
 
 class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
+    _group_keys = ()  # param-group keys the optimizer reads besides its rules' (ZeroMuon's)
     __doc__ = """The ZeRO engine with an optimizer rule (zerokern.rules): `ZeroAdamW`, `ZeroLion`,
     or a rule of your own (`ZeroOptimizer(model, rule=MyRule(), defaults={...}, stage=2, ...)`).
 
@@ -125,13 +126,17 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             param_groups=param_groups, process_group=process_group, free_grads=free_grads,
             offload_params=offload_params, master=master,
             keep_for_backward_mb=keep_for_backward_mb)
+        if per_group is not None:  # zerokern.rules [Note: a rule's keys]
+            check_defaults_keys(per_group, defaults)
         self.rule = rule  # the one rule, or the groups' MixedRules (reports, checkpoints)
+        self._given_keys = []  # each group's own keys, before the defaults fill it
         super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
         if per_group is not None and len(per_group) != len(self.param_groups):
             raise ValueError(f"rule: {len(per_group)} rules for {len(self.param_groups)} "
                              "param groups; give one per group")
         self.rules = per_group or [rule] * len(self.param_groups)
-        trainable = check_groups(self.param_groups, dtype, self.rules)
+        trainable = check_groups(self.param_groups, dtype, self.rules, self._given_keys,
+                                 self._group_keys)
         check_rule_support(self.rules, offload, master)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
@@ -259,6 +264,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                                       "construction: "
                                       "the flat buffers are laid out once; pass all groups "
                                       "to the constructor")
+        if isinstance(param_group, dict):  # checked against the group's rule (check_groups)
+            self._given_keys.append([k for k in param_group if k != "params"])
         super().add_param_group(param_group)
 
     # ---- the step --------------------------------------------------------------------------

@@ -126,12 +126,18 @@ def frozen_params(param_groups, params_or_model, dtype: torch.dtype, stage: int)
             out.append(p)
     return out
 
-def check_groups(param_groups, dtype: torch.dtype, rule) -> List[List[torch.nn.Parameter]]:
-    """rule: one Rule for every group, or a list of one per group."""
+def check_groups(param_groups, dtype: torch.dtype, rule, given_keys=None,
+                 allowed_keys=()) -> List[List[torch.nn.Parameter]]:
+    """rule: one Rule for every group, or a list of one per group. given_keys: per group, the
+    keys its dict held before the defaults filled it (checked against its rule: zerokern.rules
+    [Note: a rule's keys]); allowed_keys: group keys the optimizer itself reads."""
     seen, out, device = set(), [], None
     for gi, group in enumerate(param_groups):
-        (rule[gi] if isinstance(rule, list) else rule).check_group(group,
-                                                                   where=f"param group {gi}")
+        r = rule[gi] if isinstance(rule, list) else rule
+        if given_keys is not None:
+            r.check_group_keys(given_keys[gi], where=f"param group {gi}",
+                               allowed=allowed_keys)
+        r.check_group(group, where=f"param group {gi}")
         ps = []
         for p in group["params"]:
             if not p.requires_grad or id(p) in seen:
@@ -219,6 +225,7 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
         raise TypeError(f"defaults must be a dict of the rule's hyperparameters, got "
                         f"{type(defaults).__name__}")
     if rule is not None:  # None: a rule per group, each group checked by its own
+        rule.check_defaults(defaults)  # zerokern.rules [Note: a rule's keys]
         rule.check_group(defaults)
     check_distributed_env(process_group)
     check_offload_params(offload_params, stage, offload)

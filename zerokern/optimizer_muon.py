@@ -117,6 +117,7 @@ def split_groups(groups: List[Dict[str, Any]], model: Optional[torch.nn.Module],
 
 
 class ZeroMuon(ZeroOptimizer):
+    _group_keys = ("use_muon",)  # [Note: which params Muon takes]
     __doc__ = """Muon with ZeRO sharding: `torch.optim.Muon` for the matrices and
     `torch.optim.AdamW` for the other params, each rank orthogonalizing a disjoint,
     FLOP-balanced set of whole matrices (zerokern.rules.muon [Note: the Muon group step]).

@@ -21,6 +21,17 @@ The indirection costs one Python call per bucket: AdamW through `ADAMW.step_(...
 interleaved 7 x 2000 calls on the shared 2-core VM (load ~20): medians 349 vs 338 us per
 call, minima 174 vs 206 us, i.e. within the noise of the kernel call's own argument checks.
 
+[Note: a rule's keys]
+A rule's `defaults` names its hyperparameters: `ZeroOptimizer(defaults=...)` may hold those keys
+only (`check_defaults`: `ZeroOptimizer(rule=LION, defaults={..., "eps": 1e-8})` is a ValueError
+naming "eps" and the rule, never a hyperparameter silently unused). A param group may carry
+other keys, as torch's optimizers allow (a "name", a scheduler's "initial_lr", Megatron's
+"lr_mult"), but not one that names a hyperparameter this rule does not have
+(`check_group_keys`): a key of another optimizer (`OTHER_HYPERPARAMETERS`: torch's, Muon's,
+lion-pytorch's, zerokern's) or a near-miss of one of its own ("weight_decy"), either of which
+the user meant to change the update. A rule whose `defaults` is empty declares no keys and
+is not checked.
+
 [Note: a rule per param group]
 An engine holds one rule per param group (`ZeroOptimizer(rule=[...])`; ZeroMuon: Muon for the
 matrices' groups, AdamW for the rest). Each buffer belongs to one group (`buffer.group_index`)
@@ -148,6 +159,57 @@ class Rule:
         """ValueError/TypeError naming a bad hyperparameter of `group` (before any change)."""
         raise NotImplementedError
 
+    def _takes(self) -> str:
+        return f"it takes {', '.join(self.defaults)}"
+
+    def check_defaults(self, defaults: Dict[str, Any], where: str = "defaults") -> None:
+        """Every key of `defaults` is one of this rule's hyperparameters ([Note: a rule's
+        keys]).
+
+        Args:
+            defaults: the engine's `defaults=` dict.
+            where: what to call it in the error.
+
+        Raises:
+            ValueError: naming the first other key and the rule.
+        """
+        if not self.defaults:
+            return
+        for k in defaults:
+            if k not in self.defaults:
+                raise ValueError(f"{where}: {k!r} is not a hyperparameter of the {self.name!r} "
+                                 f"rule ({self._takes()}): the update would not use it")
+
+    def check_group_keys(self, keys, where: str = "", allowed=()) -> None:
+        """No key of a param group names a hyperparameter this rule does not have: another
+        optimizer's, or a near-miss of one of its own ([Note: a rule's keys]).
+
+        Args:
+            keys: the keys the user gave in the group ("params" is skipped).
+            where: e.g. "param group 2".
+            allowed: further keys the optimizer itself reads from a group (ZeroMuon's
+                use_muon).
+
+        Raises:
+            ValueError: naming the key, the group and the rule.
+        """
+        if not self.defaults:
+            return
+        import difflib
+
+        own = tuple(self.defaults)
+        for k in keys:
+            if k == "params" or k in own or k in allowed or not isinstance(k, str):
+                continue
+            near = difflib.get_close_matches(k, own, n=1, cutoff=0.85)
+            if k in OTHER_HYPERPARAMETERS or near:
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(f"{where + ': ' if where else ''}{k!r} is not a "
+                                 f"hyperparameter of the {self.name!r} rule ({self._takes()})"
+                                 f"{hint}: the update would not use it (torch's optimizers "
+                                 "ignore unknown group keys; zerokern refuses a key that "
+                                 "names a hyperparameter)")
+
     def hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """The keyword arguments of `step_` taken from a param group."""
         raise NotImplementedError
@@ -158,6 +220,40 @@ class Rule:
               **hyper) -> None:
         """One fused update of a flat piece, in place (DESIGN §3 contract for every rule)."""
         raise NotImplementedError
+
+
+# Hyperparameter names of other optimizers ([Note: a rule's keys]): zerokern's rules (AdamW's
+# `adamw`, ZeroMuon's `use_muon`), torch.optim's (Adam/AdamW, SGD, Muon, RMSprop, Adagrad,
+# Adadelta, NAdam, Rprop, ASGD; not the implementation switches foreach / fused / capturable /
+# differentiable, which change no value) and lion-pytorch's. In a param group of a rule that
+# lacks one, such a key is an error.
+OTHER_HYPERPARAMETERS = frozenset((
+    "lr", "betas", "eps", "weight_decay", "adamw", "use_muon", "amsgrad", "maximize",
+    "decoupled_weight_decay", "momentum", "dampening", "nesterov", "ns_coefficients",
+    "ns_steps", "adjust_lr_fn", "alpha", "centered", "rho", "lr_decay",
+    "initial_accumulator_value", "momentum_decay", "etas", "step_sizes", "lambd", "t0",
+    "cautious_factor"))
+
+
+def check_defaults_keys(rules, defaults: Dict[str, Any]) -> None:
+    """`defaults` of an engine with a rule per param group: each key is a hyperparameter of
+    at least one of the rules (it fills the groups that lack it; [Note: a rule's keys]).
+
+    Args:
+        rules: the groups' rules.
+        defaults: the engine's `defaults=` dict.
+
+    Raises:
+        ValueError: naming the key and the rules.
+    """
+    rules = [r for r in dict.fromkeys(rules) if r.defaults]
+    if not rules:
+        return
+    for k in defaults:
+        if not any(k in r.defaults for r in rules):
+            names = ", ".join(repr(r.name) for r in rules)
+            raise ValueError(f"defaults: {k!r} is not a hyperparameter of any of the rules "
+                             f"({names}): the update would not use it")
 
 
 def check_rule(rule) -> Rule:
