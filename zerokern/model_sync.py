@@ -21,14 +21,31 @@ is followed or refused here, at the next backward or step, before anything is co
   exact fp32 values. (`p.data.copy_()` bypasses the counter, as it bypasses autograd.)
 
 All checks read host metadata only (data_ptr, shape, dtype, device, _version): no host sync.
+
+[Note: ranks start from the first rank's weights]
+Ranks that build a model from different seeds (or load different files) would otherwise train
+different models silently: at stage 0 each rank keeps its own, at stages 1-2 the first step
+publishes a mix of each rank's pieces, at stage 3 the shards are that mix from the start. So,
+as DDP's constructor and DeepSpeed's initialize do, the optimizer copies the params (trainable
+and frozen) and the model's buffers of the data-parallel group's first rank (group rank 0) to
+the other ranks at construction (`sync_from_first_rank`), before anything copies them into
+flat buffers or shards them. Over the data-parallel ranks only (the `world` group of
+comm/groups.py: a 2-D mesh's shard and replicate groups together, an mpu's data-parallel
+group): a DTensor param contributes its local tensor, so tensor-parallel shards stay as they
+are. Coalesced per (device, dtype) in buckets of at most BROADCAST_BUCKET_MB, like DDP: one
+model's worth of bytes once per construction. `broadcast_params=False` skips the copy and
+checks instead (`check_same_on_ranks`): one int64 fingerprint per tensor (the bits of every
+element, position-weighted, summed with int64 wrap-around), one all-reduce of those, and a
+ValueError on every rank naming the first tensor that differs and `broadcast_params`.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from zerokern.layout.dtensor_params import local
 
@@ -224,3 +241,176 @@ def _refuse_ddp(opt_ref, module) -> None:
             f"stage={opt.stage}) reduces the gradients itself. Pass the bare model to your "
             "training loop (no DDP wrapper); use opt.no_sync() where you used DDP's no_sync() "
             "and opt.clip_grad_norm_() for clipping")
+
+
+# ---- [Note: ranks start from the first rank's weights] -----------------------------------------
+BROADCAST_BUCKET_MB = 32.0  # per coalesced broadcast (DDP's default is 250 MiB; memory, not speed)
+
+
+def model_tensors(params_or_groups: Iterable, model: Optional[torch.nn.Module]
+                  ) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of what the ranks must agree on: with a model, its params (frozen ones
+    included; a tied param once) and its buffers, by name; with bare params, the params of
+    `params_or_groups` (param-group dicts: "param i of param group g"). A DTensor gives its
+    local tensor (the tensor-parallel shard stays as it is); meta and empty tensors are left
+    out (nothing to copy).
+
+    Args:
+        params_or_groups: the optimizer's param groups (dicts with "params") or params; used
+            only without a model.
+        model: the nn.Module, or None.
+    """
+    out, seen = [], set()
+
+    def add(name, t):
+        if t is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        lt = local(t)
+        if lt.device.type != "meta" and lt.numel():
+            out.append((name, lt))
+
+    if model is not None:
+        for name, p in model.named_parameters():
+            add(name, p)
+        for name, b in model.named_buffers():
+            add(f"buffer {name}", b)
+        return out
+    for gi, g in enumerate(params_or_groups):
+        ps = g["params"] if isinstance(g, dict) else [g]
+        ps = [ps] if isinstance(ps, torch.Tensor) else ps
+        for i, p in enumerate(ps):
+            add(f"param {i} of param group {gi}", p)
+    return out
+
+
+def _first_rank(group) -> int:
+    """The global rank of `group`'s rank 0 (the broadcast source)."""
+    return dist.get_global_rank(group, 0) if group is not None and \
+        group is not dist.group.WORLD else 0
+
+
+def _collective(gc, fn, t: torch.Tensor, *args, label: str) -> None:
+    """Run `fn(t, *args, group)` (dist.broadcast / dist.all_reduce, blocking) on gc's group in
+    gc's order of collectives: on its gloo ring thread for a CPU tensor (where its other
+    collectives run), else on this thread, counted for the abort channel (comm/abort.py). gc is
+    a GroupComm, or a bare ProcessGroup (the forward-only engine), used directly."""
+    if isinstance(gc, dist.ProcessGroup):
+        fn(t, *args, gc)
+        return
+    gc._record(fn.__name__, t, label)  # ZEROKERN_DEBUG_COLLECTIVES=1 (not in comm_stats)
+    if gc._ring_for(t) is not None:
+        gc._on_ring(False, fn, t, *args, gc.group)
+    else:
+        gc._issue(False, fn, t, *args, group=gc.group)
+
+
+def _size_rank(gc) -> Tuple[int, int, object]:
+    if isinstance(gc, dist.ProcessGroup):
+        return dist.get_world_size(gc), dist.get_rank(gc), gc
+    return gc.world_size, gc.rank, gc.group
+
+
+def sync_from_first_rank(tensors: Sequence[Tuple[str, torch.Tensor]], gc,
+                         bucket_mb: float = BROADCAST_BUCKET_MB) -> int:
+    """Copy every tensor of the group's rank 0 into the same tensor on the other ranks, in
+    place ([Note: ranks start from the first rank's weights]); every rank passes the same
+    names, shapes and dtypes in the same order. Returns the number of broadcasts issued.
+
+    Args:
+        tensors: `model_tensors(...)`.
+        gc: the data-parallel GroupComm (the optimizer's `comm.world`), or a ProcessGroup.
+        bucket_mb: the most MiB one coalesced broadcast carries (a larger tensor goes alone).
+    """
+    n, rank, group = _size_rank(gc)
+    if n <= 1 or not tensors:
+        return 0
+    src = _first_rank(group)
+    limit = int(bucket_mb * 2**20)
+    buckets: Dict[tuple, List[List[torch.Tensor]]] = {}
+    for _, t in tensors:  # (device, dtype) -> buckets, in the given order (same on every rank)
+        bs = buckets.setdefault((str(t.device), t.dtype), [[]])
+        used = sum(x.numel() * x.element_size() for x in bs[-1])
+        if bs[-1] and used + t.numel() * t.element_size() > limit:
+            bs.append([])
+        bs[-1].append(t)
+    issued = 0
+    with torch.no_grad():
+        for (_, _), bs in buckets.items():
+            for ts in bs:
+                numel = sum(t.numel() for t in ts)
+                flat = torch.cat([t.detach().reshape(-1) for t in ts]) if rank == 0 else \
+                    torch.empty(numel, dtype=ts[0].dtype, device=ts[0].device)
+                _collective(gc, dist.broadcast, flat, src, label="initial params")
+                issued += 1
+                if rank == 0:
+                    continue  # the source's tensors are the values
+                off = 0
+                for t in ts:
+                    t.detach().copy_(flat[off:off + t.numel()].view(t.shape))
+                    off += t.numel()
+    return issued
+
+
+_CHUNK = 1 << 22  # elements per fingerprint pass (a 32 MiB int64 temporary)
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """An int64 fingerprint of t's bits: sum over elements of bits(x_i) * w(i) with int64
+    wrap-around, w(i) in [1, 2^31) a pseudo-random function of the position, so a changed
+    bit, a swap of two elements or a sign of zero changes it (barring a 2^-64-ish collision).
+    Bitwise equal tensors give the same value on every rank (integer sums do not depend on the
+    order). One pass over t on its device.
+
+    Args:
+        t: any dense tensor (a float, integer, bool or complex dtype).
+    """
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    x = x.contiguous()
+    es = x.element_size()
+    # the bits as integers of at most 4 bytes (8-byte elements: two int32 each)
+    x = x.view(torch.uint8 if es == 1 else torch.int16 if es == 2 else torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for lo in range(0, x.numel(), _CHUNK):
+        v = x[lo:lo + _CHUNK].to(torch.int64)
+        i = torch.arange(lo, lo + v.numel(), dtype=torch.int64, device=x.device)
+        w = (i % 2147483629) * 48271 % 2147483647 + 1  # < 2^31: v * w never overflows
+        total += (v * w).sum()
+    return int(total)
+
+
+def check_same_on_ranks(tensors: Sequence[Tuple[str, torch.Tensor]], gc,
+                        flag: str = "broadcast_params=False") -> None:
+    """ValueError on every rank if some tensor differs across the group's ranks
+    ([Note: ranks start from the first rank's weights]): one all-reduce of fingerprints.
+
+    Args:
+        tensors: `model_tensors(...)`, the same names, shapes and dtypes on every rank.
+        gc: the data-parallel GroupComm (the optimizer's `comm.world`), or a ProcessGroup.
+        flag: the argument named in the error.
+
+    Raises:
+        ValueError: naming the first tensor that differs (in `tensors`' order) and `flag`.
+    """
+    n, rank, group = _size_rank(gc)
+    if n <= 1 or not tensors:
+        return
+    fp = torch.tensor([fingerprint(t) for _, t in tensors], dtype=torch.int64)
+    # MAX of -x is -MIN of x (int64 wrap-around included): one all-reduce gives both
+    both = torch.cat([fp, -fp]).to(tensors[0][1].device)
+    _collective(gc, dist.all_reduce, both, dist.ReduceOp.MAX, label="param fingerprints")
+    both = both.cpu()
+    k = fp.numel()
+    differ = torch.nonzero(both[:k] != -both[k:]).reshape(-1).tolist()
+    if differ:
+        names = [tensors[i][0] for i in differ]
+        raise ValueError(
+            f"{flag}: the params and buffers differ across the {n} data-parallel ranks "
+            f"({len(names)} of {k} tensors, first {names[0]!r}"
+            f"{', then ' + ', '.join(map(repr, names[1:4])) if len(names) > 1 else ''}"
+            f"{' ...' if len(names) > 4 else ''}), so the ranks would train different models. "
+            "Leave broadcast_params=True (the default: every rank starts from the first "
+            "rank's values, as DDP and DeepSpeed do), or make them equal before building the "
+            "optimizer (the same seed, or load the same weights); nothing was changed")

@@ -49,7 +49,7 @@ from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, UnfreezeWatch
 from .kernels import blockquant
 from .loss_scale import make_loss_scaler
-from .model_sync import ModelWatch
+from .model_sync import ModelWatch, check_same_on_ranks, model_tensors, sync_from_first_rank
 from .optimizer_api import OptimizerApiMixin
 from .optimizer_args import (
     check_arguments,
@@ -109,8 +109,12 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
+        broadcast_params: bool = True,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
+        if not isinstance(broadcast_params, bool):
+            raise TypeError(f"broadcast_params must be True or False, got "
+                            f"{type(broadcast_params).__name__}")
         per_group = None
         if isinstance(rule, (list, tuple)):  # one rule per param group
             if not rule:
@@ -155,6 +159,12 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         check_same_everywhere(mesh, process_group, hpz, stage, quantized_weights=qwz,
                               quantized_gradients=qgz_bits)
         comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, codec_for)
+        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
+        # [Note: ranks start from the first rank's weights] (model_sync.py): opted out, the
+        # ranks' params and buffers must agree already (a ValueError before any change)
+        listed = [{"params": list(g["params"])} for g in self.param_groups]  # frozen too
+        if not broadcast_params:
+            check_same_on_ranks(model_tensors(listed, model), comm.world)
         self.tp = make_tensor_parallel(tp_checked, comm.stats)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
@@ -183,7 +193,6 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.comm = comm
         self.scaler = scaler
         self.reduce_dtype = reduce_dtype or dtype
-        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
         self._unfrozen = UnfreezeWatch(self, model, self.param_groups)  # before frozen ones leave
         self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, trainable):
@@ -194,6 +203,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                 old = ref() if ref is not None else None
                 if old is not None and not old.detached:
                     old.detach()  # (stage 3: gathers them whole again first)
+        if broadcast_params:  # every dp rank starts from the first one's params and buffers,
+            # before the buffers copy them or stage 3 shards them (model_sync.py [Note: ranks
+            # start from the first rank's weights])
+            sync_from_first_rank(model_tensors(listed, model), comm.world)
         # Where the master and the rule's state live and the update that runs there
         # (placement.py [Note: offload is a placement of the state]): made first, so the
         # buffers allocate through it.

@@ -64,6 +64,7 @@ class ZeroAdamW(ZeroOptimizer):
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
+        broadcast_params: bool = True,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
@@ -80,5 +81,6 @@ class ZeroAdamW(ZeroOptimizer):
                          offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
                          quantized_weights=quantized_weights,
                          quantized_gradients=quantized_gradients,
-                         keep_for_backward_mb=keep_for_backward_mb)
+                         keep_for_backward_mb=keep_for_backward_mb,
+                         broadcast_params=broadcast_params)
         self.state_bits = state_bits

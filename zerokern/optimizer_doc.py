@@ -52,6 +52,15 @@ ENGINE_ARGS = """
             all-to-all and reduces them in fp32 (this rank's own chunk exact); with hpz=True in
             two hops, inside the node then across nodes. Error per element <= the sum over the
             other ranks of absmax(block) / 254 (int8) or / 14 (int4).
+        broadcast_params (bool): (keyword) True (default): at construction every rank of the
+            data-parallel group (process_group / mesh: its shard and replicate ranks
+            together) takes the params (trainable and frozen) and the model's buffers of the
+            group's first rank, as DDP's constructor and DeepSpeed's initialize do, before
+            anything is flattened or sharded; a DTensor param's tensor-parallel shard stays
+            as it is (see zerokern.model_sync, [Note: ranks start from the first rank's
+            weights]). False: no copy; the ranks' params and buffers are checked to agree
+            (one all-reduce of a fingerprint per tensor), a ValueError naming the first that
+            differs otherwise. With bare params (no model) there are no buffers to copy.
         backend: kernel backend, "auto" | "triton" | "cuda" | "cpu" | "reference".
         param_groups: with a model: param-group dicts over its params (e.g. no weight decay
             for biases and norms); every trainable param of the model must be in one.

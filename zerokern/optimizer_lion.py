@@ -51,6 +51,7 @@ class ZeroLion(ZeroOptimizer):
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
+        broadcast_params: bool = True,
     ) -> None:
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1], got {betas!r}")
@@ -62,4 +63,5 @@ class ZeroLion(ZeroOptimizer):
                          offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
                          quantized_weights=quantized_weights,
                          quantized_gradients=quantized_gradients,
-                         keep_for_backward_mb=keep_for_backward_mb)
+                         keep_for_backward_mb=keep_for_backward_mb,
+                         broadcast_params=broadcast_params)

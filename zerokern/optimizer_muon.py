@@ -187,6 +187,7 @@ class ZeroMuon(ZeroOptimizer):
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
+        broadcast_params: bool = True,
     ) -> None:
         if not isinstance(adamw_betas, (tuple, list)):
             raise ValueError(f"adamw_betas must be a pair of numbers in [0, 1), got "
@@ -233,4 +234,5 @@ class ZeroMuon(ZeroOptimizer):
                          free_grads=free_grads, offload_params=offload_params, master=master,
                          mesh=mesh, hpz=hpz, quantized_weights=quantized_weights,
                          quantized_gradients=quantized_gradients,
-                         keep_for_backward_mb=keep_for_backward_mb)
+                         keep_for_backward_mb=keep_for_backward_mb,
+                         broadcast_params=broadcast_params)

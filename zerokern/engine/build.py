@@ -131,8 +131,17 @@ def _attach_mpu(opt: ZeroOptimizer, mpu: MpuGroups) -> None:
     opt.model_parallel = ModelParallelStats(mpu.mp_group, mpu.tp_rank == 0, opt.flat_groups)
 
 
-def _forward_only(model: nn.Module, cfg: EngineConfig) -> None:
-    """[Note: forward-only engine]: the model in the config's precision, as DeepSpeed."""
+def _forward_only(model: nn.Module, cfg: EngineConfig,
+                  mpu: Optional[MpuGroups] = None) -> None:
+    """[Note: forward-only engine]: the model in the config's precision, as DeepSpeed, with
+    the data-parallel group's first rank's params and buffers on every rank (DeepSpeed's
+    initialize broadcasts them with or without an optimizer; zerokern's optimizer does it at
+    construction: zerokern.model_sync [Note: ranks start from the first rank's weights])."""
+    if dist.is_available() and dist.is_initialized():
+        from ..model_sync import model_tensors, sync_from_first_rank
+
+        group = mpu.dp_group if mpu is not None else dist.group.WORLD
+        sync_from_first_rank(model_tensors((), model), group)
     if cfg.stage == 3 and _world()[0] == 0:
         log.warning("zerokern.initialize with no optimizer: stage 3 does not shard the model "
                     "here (zerokern shards through ZeroAdamW); every rank holds all of it")

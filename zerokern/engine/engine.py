@@ -279,6 +279,11 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     torch optimizer given (rebound to the ZeroAdamW). A client optimizer or lr_scheduler is
     used even when the config names one, as in DeepSpeed ([Note: client objects win]).
     With no optimizer at all the engine is forward-only ([Note: forward-only engine]).
+    As DeepSpeed's, every data-parallel rank (mpu's data-parallel group, else the world)
+    starts from the first rank's params and buffers: the optimizer copies them at
+    construction (`broadcast_params`, zerokern.model_sync [Note: ranks start from the first
+    rank's weights]), the forward-only engine here; a ZeroAdamW given as optimizer= with
+    broadcast_params=False has checked that they agree instead.
 
     Args:
         args: an argparse namespace; its `deepspeed_config` is an alias of `config`.
@@ -358,7 +363,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         if lr_scheduler is not None or cfg.scheduler is not None:
             raise ValueError("initialize: a scheduler (lr_scheduler= or config key scheduler) "
                              "needs an optimizer (config key optimizer or optimizer=)")
-        _forward_only(model, cfg)
+        _forward_only(model, cfg, mp)
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     sched = None if opt is None else _build_scheduler(cfg, opt, lr_scheduler, client_opt)
     loader = None
