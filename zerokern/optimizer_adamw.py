@@ -29,7 +29,9 @@ class ZeroAdamW(ZeroOptimizer):
         state_bits: (keyword) 32 (default): fp32 moments; 8: m and v block-quantized to one
             byte per element plus an fp32 absmax per 128 elements (bitsandbytes' AdamW8bit
             scheme; zerokern.rules.adamw8bit), 6.06 instead of 12 bytes of state per param
-            element. Decoupled weight decay only (adamw=True); offload None or "cpu".""" + \
+            element. Decoupled weight decay only (adamw=True); every offload (None, "cpu",
+            "nvme": the codes and absmax in their own aligned files, bit for bit the device's
+            update, tests/state/test_nvme_rules.py).""" + \
         ENGINE_ARGS + """
     Gradients have torch's and DDP's semantics (see ZeroOptimizer).
     """
