@@ -426,7 +426,13 @@ def map_in_memory_(g, k: int, names, fn, params: bool) -> None:
     fn(sl.start, sl.stop, views)
     out = g.param_out_piece(k) if params else None
     if out is not None:
-        out.copy_(views[names.index("master")])
+        master = views[names.index("master")]
+        # Host state (offload="cpu"): the pinned master goes to the device params without a
+        # host wait, ordered on the current stream (the host next writes this master after
+        # the next step's grads landed, which that stream computes after this copy). Found by
+        # the fake-CUDA run of ZeroMuon with offload="cpu" (tests/gpu_control): a blocking
+        # H2D copy per piece.
+        out.copy_(master, non_blocking=master.device != out.device and master.is_pinned())
 
 
 def rule_for(placement, buf) -> Rule:

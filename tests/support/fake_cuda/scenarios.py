@@ -137,5 +137,7 @@ SCENARIOS["stage3-hpz-qwz-qgz"] = _run(3, mesh=True, hpz=True, quantized_weights
                                         quantized_gradients=True)
 SCENARIOS["stage2-muon"] = _run(2, opt_cls=zk.ZeroMuon)
 SCENARIOS["stage3-muon"] = _run(3, opt_cls=zk.ZeroMuon)
+SCENARIOS["stage2-muon-offload-cpu"] = _run(2, opt_cls=zk.ZeroMuon, offload="cpu")
+SCENARIOS["stage3-muon-offload-cpu"] = _run(3, opt_cls=zk.ZeroMuon, offload="cpu")
 SCENARIOS["stage2-8bit"] = _run(2, state_bits=8)
 SCENARIOS["stage3-8bit"] = _run(3, state_bits=8)
