@@ -73,6 +73,7 @@ from .validate import (
     OUT_DTYPES,
     STEP_DTYPES,
     SUMSQ_DTYPES,
+    check_adam_buffers,
     check_blockquant,
     check_buffer,
     check_scalar_tensor,
@@ -186,13 +187,7 @@ def adam_step_(master, exp_avg, exp_avg_sq, grad, param_out, hyper, hyper_t, ada
 @_fake("adam_step_")
 def _(master, exp_avg, exp_avg_sq, grad, param_out, hyper, hyper_t, adamw, step, grad_scale,
       found_inf, backend) -> None:
-    check_buffer("master", master, (torch.float32,), None, None)
-    dev, n = master.device, master.numel()
-    check_buffer("exp_avg", exp_avg, (torch.float32,), dev, n)
-    check_buffer("exp_avg_sq", exp_avg_sq, (torch.float32,), dev, n)
-    check_buffer("grad", grad, GRAD_DTYPES, dev, n)
-    if param_out is not None:
-        check_buffer("param_out", param_out, OUT_DTYPES, dev, n)
+    dev, _ = check_adam_buffers(master, exp_avg, exp_avg_sq, grad, param_out)
     _check_step_scalars(dev, step, grad_scale, found_inf)
     _check_hyper_t(hyper, hyper_t, dev, _ADAM_HYPER)
 

@@ -91,9 +91,8 @@ def check_backend(backend) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, beta2, eps,
-                    weight_decay, adamw, step, grad_scale, found_inf) -> None:
-    """Validate `adam_step_` arguments. Raises TypeError/ValueError naming the argument."""
+def check_adam_buffers(master, exp_avg, exp_avg_sq, grad, param_out):
+    """The five buffers of an Adam step (dtypes, one device, one size); returns (device, n)."""
     check_buffer("master", master, (torch.float32,), None, None)
     dev, n = master.device, master.numel()
     check_buffer("exp_avg", exp_avg, (torch.float32,), dev, n)
@@ -101,6 +100,13 @@ def check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, 
     check_buffer("grad", grad, GRAD_DTYPES, dev, n)
     if param_out is not None:
         check_buffer("param_out", param_out, OUT_DTYPES, dev, n)
+    return dev, n
+
+
+def check_adam_args(master, exp_avg, exp_avg_sq, grad, param_out, *, lr, beta1, beta2, eps,
+                    weight_decay, adamw, step, grad_scale, found_inf) -> None:
+    """Validate `adam_step_` arguments. Raises TypeError/ValueError naming the argument."""
+    dev, n = check_adam_buffers(master, exp_avg, exp_avg_sq, grad, param_out)
     # The kernels update in place element by element (and the CUDA kernel reads grad through
     # the read-only cache): overlapping buffers would be read after write.
     bufs = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
