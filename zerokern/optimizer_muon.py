@@ -20,7 +20,7 @@ each group has `use_muon` set. Params with more than 2 dims are orthogonalized a
 (shape[0], prod(shape[1:])) matrix, the lr scaled by that matrix's shape (torch.optim.Muon
 takes 2-D params only; this is the usual reshape for convs).
 Hyperparameters: a Muon group's keys are torch.optim.Muon's (lr, weight_decay, momentum,
-nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn), an AdamW group's torch.optim.AdamW's
+nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, and ns_method), an AdamW group's torch.optim.AdamW's
 (lr, betas, eps, weight_decay), defaulting to `adamw_lr`, `adamw_betas`, `adamw_eps`,
 `adamw_weight_decay`. A key of the other rule in a group is a ValueError, never ignored.
 """
@@ -140,6 +140,9 @@ class ZeroMuon(ZeroOptimizer):
         ns_steps: Newton-Schulz iterations (default 5, < 100); per group.
         adjust_lr_fn: None / "original" (lr·sqrt(max(1, A/B))) or "match_rms_adamw"
             (lr·0.2·sqrt(max(A, B))), torch's; per group.
+        ns_method: "standard" (torch.optim.Muon's iteration in bf16, the default) or "gram"
+            (DeepSpeed 0.19's default: its Gram Newton-Schulz, fp16 on CUDA, fp32 elsewhere;
+            zerokern.rules.muon_orthogonalize [Note: Newton-Schulz methods]); per group.
         adamw_lr: lr of the AdamW groups (default 1e-3).
         adamw_betas: betas of the AdamW groups (default (0.9, 0.999)).
         adamw_eps: eps of the AdamW groups (default 1e-8).
@@ -162,6 +165,7 @@ class ZeroMuon(ZeroOptimizer):
         eps: float = EPS,
         ns_steps: int = NS_STEPS,
         adjust_lr_fn: Optional[str] = None,
+        ns_method: str = "standard",
         adamw_lr: float = 1e-3,
         adamw_betas=(0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -195,7 +199,8 @@ class ZeroMuon(ZeroOptimizer):
         muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                              nesterov=nesterov, ns_coefficients=tuple(ns_coefficients)
                              if isinstance(ns_coefficients, (tuple, list)) else ns_coefficients,
-                             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+                             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                             ns_method=ns_method)
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=adamw_weight_decay, adamw=True)
         # the defaults' own checks name ZeroMuon's arguments (before any group exists)

@@ -212,9 +212,10 @@ def test_config_type_muon_trains_as_zero_muon():
     assert _rel(got, by_hand(1.01)) > 100 * TOL  # negative control
 
 
-def test_config_muon_defaults_are_deepspeeds_and_gram_raises():
-    """Omitted params take DeepSpeed's MuonWithAuxAdam defaults (read from its source file);
-    DeepSpeed's default ns_method "gram" is another algorithm: a ValueError naming the key."""
+def test_config_muon_defaults_are_deepspeeds():
+    """Omitted params take DeepSpeed's MuonWithAuxAdam defaults (read from its source file),
+    ns_method its "gram" (tests/engine/test_deepspeed_muon_gram.py); a method DeepSpeed does
+    not have is a ValueError naming the key."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from pathlib import Path
 
@@ -231,7 +232,10 @@ def test_config_muon_defaults_are_deepspeeds_and_gram_raises():
     assert (m["lr"], m["momentum"], m["weight_decay"]) == (0.02, 0.95, 0.0)
     assert (a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"]) == \
         (3e-4, (0.9, 0.95), 1e-10, 0.0)
-    for params in ({}, {"ns_method": "gram"}):
+    assert m["ns_method"] == "standard"
+    _, opt, _, _ = zk.initialize(model=C.gpt2(), config=_cfg({"type": "muon", "params": {}}))
+    assert {g["ns_method"] for g in opt.param_groups if g["use_muon"]} == {"gram"}
+    for params in ({"ns_method": "newton"}, {"ns_method": None}):
         with pytest.raises(ValueError, match=r"optimizer\.params\.ns_method"):
             parse_config(_cfg({"type": "Muon", "params": params}), world_size=1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from ..rules.muon_orthogonalize import NS_METHODS
 from .config_values import _bool, _num, _unknown
 
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
@@ -17,11 +18,12 @@ OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_
 # (0.9, 0.99)), Muon -> ZeroMuon with DeepSpeed's MuonWithAuxAdam defaults (Muon half: lr
 # 0.02, momentum 0.95, weight_decay 0; Adam half: lr 3e-4, betas (0.9, 0.95), eps 1e-10,
 # weight_decay 0; `lr`/`weight_decay` set both halves, `muon_lr`/`adam_lr` one) and its update
-# (Nesterov, lr scaled by sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original"). DeepSpeed
-# runs the "gram" Newton-Schulz variant unless ns_method is "standard"; zerokern implements the
-# standard quintic one (torch.optim.Muon's), so ns_method must say "standard": a config left at
-# DeepSpeed's default raises rather than run another algorithm unannounced. Any other type is
-# a ValueError naming it: never a silent AdamW.
+# (Nesterov, lr scaled by sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original"). ns_method
+# is DeepSpeed's: "gram" (its default: Gram Newton-Schulz, fp16 on CUDA, fp32 elsewhere) or
+# "standard" (the quintic in bf16, torch.optim.Muon's bits); both are zerokern's
+# (zerokern.rules.muon_orthogonalize [Note: Newton-Schulz methods]), so a DeepSpeed Muon config
+# runs unchanged; any other method is a ValueError naming the key. Any other type is a
+# ValueError naming it: never a silent AdamW.
 OPTIMIZER_TYPES = ("adam", "adamw", "lion", "muon")
 LION_PARAMS = ("lr", "betas", "weight_decay")
 MUON_PARAMS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "betas", "eps",
@@ -51,11 +53,11 @@ def optimizer_kind(opt_cfg: Dict[str, Any]) -> str:
 def _muon_settings(p: Dict[str, Any]) -> Dict[str, Any]:
     """DeepSpeed's Muon params -> ZeroMuon's keyword arguments ([Note: optimizer types])."""
     _unknown(p, set(MUON_PARAMS), "optimizer.params.")
-    if p.get("ns_method", "gram") != "standard":
-        raise ValueError("config key optimizer.params.ns_method must be \"standard\" (got "
-                         f"{p.get('ns_method', 'gram (DeepSpeed default)')!r}): zerokern's Muon "
-                         "runs the standard quintic Newton-Schulz iteration (torch.optim.Muon's),"
-                         " not DeepSpeed's default 'gram' variant")
+    ns_method = p.get("ns_method", "gram")  # DeepSpeed 0.19's default
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"config key optimizer.params.ns_method must be one of {NS_METHODS} "
+                         f"(DeepSpeed's Newton-Schulz methods; default 'gram'), got "
+                         f"{ns_method!r}")
     lr, wd = p.get("lr"), p.get("weight_decay")
 
     def num(key, default):
@@ -64,7 +66,7 @@ def _muon_settings(p: Dict[str, Any]) -> Dict[str, Any]:
     return {"lr": num("muon_lr", p.get("muon_lr", 0.02 if lr is None else lr)),
             "momentum": num("momentum", p.get("momentum", 0.95)),
             "weight_decay": num("weight_decay", 0.0 if wd is None else wd),
-            "nesterov": True, "adjust_lr_fn": "original",
+            "nesterov": True, "adjust_lr_fn": "original", "ns_method": ns_method,
             "adamw_lr": num("adam_lr", p.get("adam_lr", 3e-4 if lr is None else lr)),
             "adamw_betas": _betas(p, (0.9, 0.95)),
             "adamw_eps": num("eps", p.get("eps", 1e-10)),

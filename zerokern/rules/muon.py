@@ -52,6 +52,7 @@ from zerokern.rules.muon_orthogonalize import (
     ADJUST_LR_FNS,
     EPS,
     NS_COEFFICIENTS,
+    NS_METHODS,
     NS_STEPS,
     ShardedOrthogonalizer,
 )
@@ -59,7 +60,7 @@ from zerokern.rules.muon_pieces import apply_, momentum_
 
 # The group keys of each rule (ZeroMuon refuses a key of the other rule in a group).
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps",
-             "ns_steps", "adjust_lr_fn")
+             "ns_steps", "adjust_lr_fn", "ns_method")
 
 
 def _real(x) -> bool:
@@ -71,7 +72,7 @@ class MuonRule(Rule):
     states = (StateSpec("momentum_buffer"),)
     defaults = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                     ns_coefficients=NS_COEFFICIENTS, eps=EPS, ns_steps=NS_STEPS,
-                    adjust_lr_fn=None)
+                    adjust_lr_fn=None, ns_method="standard")
     phased = True
     counts_steps = False
     # zerokern.rules [Note: what a rule supports]: pass 1 the momentum, pass 2 the master
@@ -105,6 +106,9 @@ class MuonRule(Rule):
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}{sfx}, got "
                              f"{group['adjust_lr_fn']!r}")
+        if group["ns_method"] not in NS_METHODS:  # [Note: Newton-Schulz methods]
+            raise ValueError(f"ns_method must be one of {NS_METHODS}{sfx}, got "
+                             f"{group['ns_method']!r}")
 
     def hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         return {k: group[k] for k in MUON_KEYS}
@@ -175,6 +179,7 @@ class MuonRule(Rule):
             run(k, ("momentum_buffer",), mom)
         orth.coefficients = tuple(hyper["ns_coefficients"])
         orth.steps, orth.eps = hyper["ns_steps"], hyper["eps"]
+        orth.method = hyper["ns_method"]
         if staging is None:
             work = upd.to(g.device)
             orth.orthogonalize_(work)

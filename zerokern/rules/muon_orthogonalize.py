@@ -40,6 +40,12 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 EPS = 1e-7
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# [Note: Newton-Schulz methods] "standard": torch.optim.Muon's quintic iteration in bf16
+# (`newton_schulz`, bitwise torch's). "gram": DeepSpeed 0.19's default (its
+# `zeropower_via_gram_newtonschulz`, runtime/zero/muon/original_muon.py; `newton_schulz_gram`):
+# the same quintic, mathematically equal, iterated on the small Gram matrix R = X X^T with a
+# restart at iteration 2, and in fp16 where DeepSpeed's accelerator has fp16, else fp32.
+NS_METHODS = ("standard", "gram")
 
 
 def newton_schulz(update: torch.Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS,
@@ -75,6 +81,97 @@ def newton_schulz(update: torch.Tensor, coefficients: Sequence[float] = NS_COEFF
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def gram_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the "gram" iteration runs in on `device` ([Note: Newton-Schulz methods]).
+
+    DeepSpeed's `ns_compute_dtype("gram")` is fp16 when its accelerator supports fp16, fp32
+    otherwise. zerokern: fp16 on CUDA (what DeepSpeed runs on a GPU), fp32 on any other device
+    (what DeepSpeed runs on an accelerator without fp16; its CPU accelerator reports fp16 when
+    oneDNN has it, zerokern keeps fp32 on the CPU, the more accurate of the two)."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def newton_schulz_gram(update: torch.Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS,
+                       steps: int = NS_STEPS, eps: float = EPS,
+                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """DeepSpeed 0.19's Gram Newton-Schulz (`zeropower_via_gram_newtonschulz`), op for op.
+
+    The input is normalized in its own dtype (fp32 for an fp16 input), X / (||X||_F + eps) --
+    DeepSpeed's form, not torch's clamp --, then cast to the compute dtype. A square matrix
+    runs the standard quintic in that dtype; a rectangular one (wide after the transpose of a
+    tall one) iterates on R = X X^T: Q accumulates the polynomial, R is advanced except at the
+    last step and before the restart at iteration 2 (X <- Q X, R <- X X^T), and the result is
+    Q X (tall: X^T Q^T). With steps == 0 the normalized matrix is returned (DeepSpeed fails).
+
+    Args:
+        update: (A, B) matrix, any float dtype.
+        coefficients: (a, b, c) of the quintic (DeepSpeed fixes torch's defaults).
+        steps: iterations (< 100).
+        eps: added to the Frobenius norm the input is divided by.
+        dtype: the compute dtype; default `gram_dtype(update.device)`.
+
+    Returns:
+        (A, B) matrix in the compute dtype.
+
+    Raises:
+        ValueError: update not 2-D, steps out of range, or not three coefficients.
+    """
+    if update.ndim != 2:
+        raise ValueError(f"update must be a 2-D matrix, got shape {tuple(update.shape)}")
+    if not 0 <= steps < 100:
+        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
+    if len(coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coefficients}")
+    a, b, c = coefficients
+    compute = dtype if dtype is not None else gram_dtype(update.device)
+    norm_dtype = torch.float32 if update.dtype == torch.float16 else update.dtype
+    x = update.to(norm_dtype)
+    tall = update.size(-2) > update.size(-1)
+    if tall:
+        x = x.mT
+    n, m = x.size(-2), x.size(-1)
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + eps)).to(compute)
+    if m <= n or steps == 0:  # square: no gain from the Gram form, DeepSpeed's standard loop
+        for _ in range(steps):
+            A = x @ x.mT
+            B = b * A + c * A @ A
+            x = a * x + B @ x
+        return x.mT if tall else x
+    R = x @ x.mT
+    Q = None
+    restart_at = 2
+    for i in range(steps):
+        if i == restart_at:
+            x = Q @ x
+            R = x @ x.mT
+            Q = None
+        Z = b * R + c * R @ R
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal().add_(a)
+        else:
+            Q = a * Q + Z @ Q
+        if i < steps - 1 and (i + 1) != restart_at:
+            RZ = a * R + Z @ R
+            R = a * RZ + Z @ RZ
+    return x.mT @ Q.mT if tall else Q @ x
+
+
+def orthogonalize(update: torch.Tensor, method: str = "standard",
+                  coefficients: Sequence[float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
+                  eps: float = EPS) -> torch.Tensor:
+    """`update` orthogonalized by the Newton-Schulz `method` ([Note: Newton-Schulz methods]).
+
+    Raises:
+        ValueError: an unknown method (and as `newton_schulz` / `newton_schulz_gram`).
+    """
+    if method == "standard":
+        return newton_schulz(update, coefficients, steps, eps)
+    if method == "gram":
+        return newton_schulz_gram(update, coefficients, steps, eps)
+    raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
@@ -154,12 +251,13 @@ class ShardedOrthogonalizer:
     def __init__(self, layout: FlatLayout, rank: int, world_size: int, replicated: bool,
                  matrix_slots: Sequence[int], group=None,
                  coefficients: Sequence[float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
-                 eps: float = EPS) -> None:
+                 eps: float = EPS, method: str = "standard") -> None:
         if world_size != layout.world_size:
             raise ValueError(f"world_size {world_size} != layout.world_size {layout.world_size}")
         self.layout, self.rank, self.world_size = layout, rank, world_size
         self.replicated, self.group = replicated, group
         self.coefficients, self.steps, self.eps = tuple(coefficients), steps, eps
+        self.method = method  # [Note: Newton-Schulz methods]
         self.slots = list(matrix_slots)
         for i in self.slots:
             if len(layout.slots[i].shape) < 2:
@@ -204,7 +302,8 @@ class ShardedOrthogonalizer:
                 for p, vals in zip(recv[q], got[q]):
                     if p.slot == i:
                         full[self._in_matrix(p)] = vals
-            out = newton_schulz(full.view(self.shapes[i]), self.coefficients, self.steps, self.eps)
+            out = orthogonalize(full.view(self.shapes[i]), self.method, self.coefficients,
+                                self.steps, self.eps)
             results[i] = out.reshape(-1).to(state.dtype)
         # 3. results -> every holder of each piece; the owner writes its own pieces directly
         for p in self.pieces[r]:
