@@ -41,6 +41,11 @@ class NoOptimizerError(RuntimeError, AssertionError):
     too, because that is what DeepSpeed raises there (its tests catch it)."""
 
 
+class NoSyncError(RuntimeError, AssertionError):
+    """`engine.step()` inside `no_sync()`, or `no_sync()` re-entered ([Note: no_sync in the
+    engine]). An AssertionError too, because that is what DeepSpeed raises there."""
+
+
 def _env_int(*names: str) -> Optional[int]:
     for n in names:
         v = os.environ.get(n)
@@ -129,6 +134,7 @@ class ZeroEngine(CheckpointMixin, nn.Module):
         self.skipped_steps = 0
         self._times: Dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_loss = None
+        self._in_no_sync = False  # [Note: no_sync in the engine]
 
     # ---- DeepSpeed's accessors ----------------------------------------------------------------
     def _need_optimizer(self, what: str) -> None:
@@ -178,10 +184,31 @@ class ZeroEngine(CheckpointMixin, nn.Module):
         """True when the coming `step()` is an optimizer step."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
+    @contextlib.contextmanager
     def no_sync(self):
-        """The optimizer's `no_sync()`: backward passes inside do not communicate."""
+        """The optimizer's `no_sync()`: backward passes inside do not communicate; the first
+        backward at an accumulation boundary outside it (or the step) reduces everything.
+
+        [Note: no_sync in the engine] As DeepSpeed's: `step()` inside raises, and so does a
+        second `no_sync()` inside the first (NoSyncError, an AssertionError), before anything
+        changes. Unlike DeepSpeed, zerokern allows it at stages 2-3 (DeepSpeed forbids it
+        there: its gradient partitioning needs the reduction; zerokern keeps a full local
+        accumulator meanwhile, optimizer_api.no_sync).
+
+        Raises:
+            NoSyncError: already inside this engine's no_sync().
+            NoOptimizerError: a forward-only engine.
+        """
         self._need_optimizer("no_sync")
-        return self.optimizer.no_sync()
+        if self._in_no_sync:
+            raise NoSyncError("no_sync context manager reentry is unsupported (as in "
+                              "DeepSpeed): this engine is already inside no_sync()")
+        self._in_no_sync = True
+        try:
+            with self.optimizer.no_sync():
+                yield
+        finally:
+            self._in_no_sync = False
 
     def zero_grad(self) -> None:
         """Clear the gradients (`step()` does it at each boundary)."""
@@ -230,8 +257,16 @@ class ZeroEngine(CheckpointMixin, nn.Module):
 
         Args:
             lr_kwargs: keyword arguments for the scheduler's step().
+
+        Raises:
+            NoSyncError: inside `no_sync()` (the engine's or the optimizer's), before anything
+                changes ([Note: no_sync in the engine]).
         """
         self._need_optimizer("step")
+        if self._in_no_sync or not self.optimizer.grad_sync.sync:
+            raise NoSyncError("It is illegal to call engine.step() inside no_sync context "
+                              "manager (as in DeepSpeed): call it after the with block; "
+                              "nothing was stepped")
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             opt = self.optimizer
