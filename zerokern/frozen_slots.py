@@ -30,6 +30,29 @@ cost of its own update, only for such params). The lag is not in optimizer check
 A frozen param with its state elsewhere (offload="cpu"/"nvme", master="compact"), where the
 update does not run in place on the device: a clear error instead of a wrong step.
 
+[Note: a param no rank used]
+torch's AdamW also skips a trainable param whose grad is None, which is what
+DistributedDataParallel(find_unused_parameters=True) leaves on every rank for a param no rank
+used in the step (an MoE expert that got no tokens anywhere); a param some rank used gets DDP's
+average, zeros counted for the others. Which params no rank used is known on the device only:
+each rank sets one flag per param, 1 where it got a gradient since zero_grad() (`p.grad` not
+None, host state), into the step's stats tensor (optimizer.py `_set_used_flags`: filled on the
+device run by run, no host->device copy), and the agreement all-reduce that sums found_inf and
+sumsq sums them too (at stage 0 with tp / an mpu, which have no such all-reduce over the dp
+ranks, the flags alone are all-reduced). A flag summed to 0: no rank used the param.
+The params that may be skipped are those without a gradient on this rank (host state; a param
+no rank used is one of them on every rank). For them the step works as for a frozen param
+above, with the restore selected on the device: saved before the update, and after it
+`torch.where(unused, saved, updated)`. A rule that counts steps gives each such param a lag
+(a device counter, + 1 on a step that really runs where the flag says unused), and the param
+is from then on updated again from its saved state with step t - lag (bitwise the bucket's
+update where the lag is 0), so when it is used again its bias correction is torch's. A lag is
+kept for every param that once had no gradient on this rank (whether it lags is on the
+device); `check_savable` reads them on the host at save time and refuses only a lag > 0.
+Where the state is not updated in place on the device (offload, master="compact",
+offload_params) or a rule keeps per-block state (8-bit), such a param still counts as a zero
+gradient (docs/concepts/stages.md says so).
+
 [Note: a param frozen at construction]
 Params frozen when ZeroAdamW was built are not in its buffers (DESIGN §2). torch's AdamW,
 given the same params (the whole model, or a list that includes them), would start training
@@ -117,21 +140,39 @@ class FrozenSkip:
     def check_savable(self, where: str) -> None:
         """The lags are not in optimizer checkpoints: refuse to save one that would resume
         those params with the bucket's step count (a silently different bias correction)."""
-        if self._lag:
+        # a lag starts for every param without a gradient on this rank: the ones that lag
+        # (a host read: saving is not on the step path)
+        lagging = [key for key, lag in self._lag.items() if int(lag) != 0]
+        if lagging:
             raise RuntimeError(
-                f"zerokern: {where} cannot save this optimizer: {len(self._lag)} param(s) "
-                "were frozen for some steps after it was built, so their own step count lags "
+                f"zerokern: {where} cannot save this optimizer: {len(lagging)} param(s) "
+                "were frozen for some steps (or used by no rank in some steps) after it was "
+                "built, so their "
+                "own step count lags "
                 "their bucket's (frozen_slots.py), which the checkpoint format does not hold. "
                 "Save before freezing params mid-training")
 
-    def begin(self, opt, found: torch.Tensor) -> None:
+    def begin(self, opt, found: torch.Tensor, unused: Optional[torch.Tensor] = None) -> None:
         """Host: which params to skip this step, which to redo with their own step count;
-        save their state (before any update). found: the step's found_inf (device)."""
+        save their state (before any update). found: the step's found_inf (device); unused:
+        a device bool per param (opt._flag_index), True where no rank used it ([Note: a param
+        no rank used])."""
         self._saved, self._redo, self._steps = {}, {}, {}
         skip = [(gi, i) for gi, g in enumerate(opt.flat_groups) for i, p in enumerate(g.params)
                 if not p.requires_grad and p.grad is None]
-        redo = [(gi, i) for (gi, i) in self._lag if (gi, i) not in skip]
-        if not skip and not redo:
+        # trainable, no gradient on this rank: skipped where no rank used it (a device flag)
+        maybe = {}
+        if unused is not None and _in_place(opt):
+            maybe = {(gi, i): unused[opt._flag_index[(gi, i)]]
+                     for gi, g in enumerate(opt.flat_groups) for i, p in enumerate(g.params)
+                     if p.requires_grad and p.grad is None
+                     and not _has_blocks(_rule_of(opt, gi))}
+        skip_set = set(skip)
+        redo = [(gi, i) for (gi, i) in self._lag if (gi, i) not in skip_set]
+        redo += [key for key in maybe if key not in self._lag and key not in skip_set
+                 and _rule_of(opt, key[0]).counts_steps]  # its lag starts below
+        redo_set = set(redo)
+        if not skip and not redo and not maybe:
             return
         from zerokern.rules import has_block_states
         from zerokern.state.placement import DevicePlacement
@@ -155,9 +196,14 @@ class FrozenSkip:
                 f"master='fp32' (this optimizer: offload={opt.offload!r}, "
                 f"master={getattr(opt, 'master', 'fp32')!r}). Freeze params before building "
                 "ZeroAdamW, or save with zerokern.checkpoint and build a new one")
-        for gi, i in skip + redo:
+        for key in skip + redo + [key for key in maybe if key not in redo_set]:
+            gi, i = key
             g = opt.flat_groups[gi]
             s = g.layout.slots[i]
+            # a frozen param: restored; redone: restored, then its own update (selected with
+            # its flag where it may be unused); only maybe unused: selected with its flag
+            restore = key in skip_set or key in redo_set
+            flag = None if key in skip_set else maybe.get(key)
             for k in g.layout.buckets_of_slot(i):
                 lo, hi = g.state_range(k)
                 a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
@@ -168,10 +214,14 @@ class FrozenSkip:
                 out = g.param_out_piece(k)
                 if out is not None:
                     views.append(out[a - lo:b - lo])
-                self._saved.setdefault((gi, k), []).extend((v, v.clone()) for v in views)
-                if (gi, i) in redo:
-                    self._redo.setdefault((gi, k), []).append((a - lo, b - lo,
-                                                                self._lag[(gi, i)]))
+                self._saved.setdefault((gi, k), []).extend(
+                    (v, v.clone(), None if restore else flag) for v in views)
+                if key in redo_set:
+                    lag = self._lag.get(key)
+                    if lag is None:
+                        lag = self._lag[key] = torch.zeros((), dtype=torch.int64,
+                                                           device=found.device)
+                    self._redo.setdefault((gi, k), []).append((a - lo, b - lo, lag, flag))
                     self._steps[(gi, k)] = g.steps[k].clone()
         for key in skip:  # a step that really runs (no inf/NaN) is one this param misses
             if not _rule_of(opt, key[0]).counts_steps:
@@ -180,21 +230,29 @@ class FrozenSkip:
             if lag is None:
                 lag = self._lag[key] = torch.zeros((), dtype=torch.int64, device=found.device)
             lag.add_((found == 0).to(torch.int64))
+        for key, flag in maybe.items():  # ...and one a param no rank used misses
+            if key in self._lag:
+                self._lag[key].add_(((found == 0) & flag).to(torch.int64))
 
     def after_update_(self, opt, gi: int, k: int, grad: torch.Tensor, hyper: dict,
                       grad_scale: torch.Tensor, found: torch.Tensor) -> None:
         """Right after bucket k's update (before it is published): the skipped params' state
-        back; a param whose step count lags updated again from its saved state with its own
-        count (the rule's kernel on copies: a region of a bucket need not be aligned for it)."""
-        for view, old in self._saved.pop((gi, k), ()):
-            view.copy_(old)
+        back (a param that may be unused: where its flag says no rank used it); a param whose
+        step count lags updated again from its saved state with its own count (the rule's
+        kernel on copies: a region of a bucket need not be aligned for it), kept where it was
+        used."""
+        for view, old, flag in self._saved.pop((gi, k), ()):
+            if flag is None:
+                view.copy_(old)
+            else:
+                view.copy_(torch.where(flag, old, view))
         redo = self._redo.pop((gi, k), ())
         if not redo:
             return
         g = opt.flat_groups[gi]
         states_all = g.moments(k)  # the rule's states, in its order
         out_all = g.param_out_piece(k)
-        for a, b, lag in redo:
+        for a, b, lag, flag in redo:
             views = [g.master_piece(k)[a:b], *(t[a:b] for t in states_all)]
             if out_all is not None:
                 views.append(out_all[a:b])
@@ -204,8 +262,22 @@ class FrozenSkip:
                            work[1 + n_states] if out_all is not None else None,
                            step=self._steps[(gi, k)] - lag, grad_scale=grad_scale,
                            found_inf=found, backend=opt.backend, **hyper)
-            for t, w in zip(views, work):
-                t.copy_(w)
+            for t, w in zip(views, work):  # t holds the saved state here
+                t.copy_(w if flag is None else torch.where(flag, t, w))
+
+
+def _in_place(opt) -> bool:
+    """The state is updated in place on the device (no offload, fp32 master, no param homes):
+    where a param no rank used is skipped ([Note: a param no rank used])."""
+    from zerokern.state.placement import DevicePlacement
+
+    place = opt.placement
+    return isinstance(place, DevicePlacement) and place.master == "fp32" and \
+        getattr(opt, "param_homes", None) is None
+
+
+def _has_blocks(rule) -> bool:
+    return any(s.block != 1 for s in rule.states)
 
 
 def _rule_of(opt, gi: int):

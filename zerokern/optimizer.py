@@ -245,7 +245,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._built = True
         dev = self.flat_groups[0].device
         # [found_inf, sumsq] (+ the tp-replicated part's sumsq with tensor parallelism)
-        self._stats = torch.zeros(2 if self.tp is None else 3, dtype=torch.float32, device=dev)
+        # + one "used on this rank" flag per param, summed by the same all-reduce ([Note: a
+        # param no rank used] in frozen_slots.py): the flags start at _flag_base
+        self._flag_base = 2 if self.tp is None else 3
+        self._flag_index = {(gi, i): j for j, (gi, i) in enumerate(
+            (gi, i) for gi, g in enumerate(self.flat_groups) for i in range(len(g.params)))}
+        self._stats = torch.zeros(self._flag_base + len(self._flag_index), dtype=torch.float32,
+                                  device=dev)
         self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
         # grads/model_parallel.py: set by zerokern.initialize(mpu=...), else None
         self.model_parallel = None
@@ -330,7 +336,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             return
         gs.check_collectives()  # ZEROKERN_DEBUG_COLLECTIVES=1 only
         stats = self._stats
+        base = self._flag_base
         stats.zero_()
+        self._set_used_flags(stats[base:])
         found, sumsq = stats[0], stats[1]
         mp = self.model_parallel
         averaged = self.pattern.grads_averaged
@@ -345,17 +353,38 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                 piece = gs.stats_piece(gi, k) if split else gs.grad_piece(gi, k)
                 kernels.grad_stats_(piece, found, sumsq, backend=self.backend)
         if not averaged or split:  # each rank read a shard / piece: combine the stats
-            self.comm.count_once_(stats[1:])  # HSDP: replicas hold the same shard
-            self.comm.world.all_reduce_(stats)  # agreement: every rank skips and clips alike
+            self.comm.count_once_(stats[1:base])  # HSDP: replicas hold the same shard
+            # agreement: every rank skips and clips alike, and knows which params no rank used
+            self.comm.world.all_reduce_(stats)
+        else:  # stage 0 with tp / mpu: only the used flags need the data-parallel ranks
+            self.comm.world.all_reduce_(stats[base:])
         if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)
             self.tp.combine_(stats)
-        if mp is not None:  # the other slices of the model (tensor / pipeline ranks)
-            mp.all_reduce_(stats)
+        if mp is not None:  # the other slices of the model (tensor / pipeline ranks): their
+            mp.all_reduce_(stats[:base])  # params are others, so not their flags
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
+
+    def _set_used_flags(self, flags: torch.Tensor) -> None:
+        """flags (zeroed, on the device) := 1 for every param that got a gradient on this rank
+        since zero_grad() (`p.grad` not None, host state), 0 for the others; filled on the
+        device run by run (one fill, plus one per run of unused params: no host->device copy).
+        The step's all-reduce then sums them over the ranks ([Note: a param no rank used] in
+        frozen_slots.py)."""
+        flags.fill_(1.0)
+        start = None
+        for (gi, i), j in self._flag_index.items():
+            unused = self.flat_groups[gi].params[i].grad is None
+            if unused and start is None:
+                start = j
+            elif not unused and start is not None:
+                flags[start:j].zero_()
+                start = None
+        if start is not None:
+            flags[start:].zero_()
 
     def _grad_stats(self, grad, found, sumsq) -> None:
         kernels.grad_stats_(grad, found, sumsq, backend=self.backend)
@@ -398,7 +427,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
-        self._frozen_skip.begin(self, found)  # params frozen since: left as they are
+        # params frozen since, and params no rank used: left as they are (frozen_slots.py)
+        self._frozen_skip.begin(self, found, self._stats[self._flag_base:] == 0)
         place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             rule = self.rules[g.group_index]

@@ -4,8 +4,9 @@ stage 1: the partial sums the in-place reduce-scatter left) until a grad overwri
 bucket's reduction zeroes it. These cases make such stale values reachable and compare against
 an independent reference, DDP's rule written out (`_reference`): a per-param buffer B, zeroed by
 zero_grad, each backward adds the local grad (0 for a param it did not use), a synced backward
-replaces B by the mean over ranks, and torch.optim.AdamW steps with p.grad = B (as DDP with
-gradient_as_bucket_view steps an unused param with zeros).
+replaces B by the mean over ranks, and torch.optim.AdamW steps with p.grad = B, or with
+p.grad None (skipped) for a param no rank used since zero_grad(set_to_none=True) (as DDP with
+find_unused_parameters=True leaves it; frozen_slots.py [Note: a param no rank used]).
 
 The usage pattern changes every step and differs between ranks: params used in one step and
 not the next (their view holds last step's values), a param no rank uses in a step, no_sync()
@@ -96,23 +97,30 @@ def _reference(rank, ws):
     model = Branches()
     opt = torch.optim.AdamW(model.parameters(), **HP)
     buf = [torch.zeros_like(p) for p in model.parameters()]
+    seen = torch.zeros(len(buf))  # p.grad not None here since zero_grad(set_to_none=True)
     params = []
     for s, (zero, micros) in enumerate(PLAN):
         if zero != "keep":
             for b in buf:
                 b.zero_()
+            seen.fill_(0.0 if zero == "none" else 1.0)  # set_to_none=False: p.grad zeros
         for m, use in enumerate(micros):
             model.zero_grad(set_to_none=True)
             model(_data(s, m, rank), use(rank)).backward()
-            for b, p in zip(buf, model.parameters()):
+            for i, (b, p) in enumerate(zip(buf, model.parameters())):
                 if p.grad is not None:
                     b.add_(p.grad)
+                    seen[i] = 1.0
             if m == len(micros) - 1:  # the synced backward: DDP's mean over ranks
                 for b in buf:
                     dist.all_reduce(b)
                     b.div_(ws)
-        for p, b in zip(model.parameters(), buf):
-            p.grad = b.clone()
+        anywhere = seen.clone()
+        dist.all_reduce(anywhere)
+        for i, (p, b) in enumerate(zip(model.parameters(), buf)):
+            # no rank used it since zero_grad(set_to_none=True): grad None, AdamW skips it
+            # (DDP with find_unused_parameters=True; issue 36, item 1)
+            p.grad = b.clone() if anywhere[i] > 0 else None
         opt.step()
         params.append([p.detach().clone() for p in model.parameters()])
     return {"params": params}

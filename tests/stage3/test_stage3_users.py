@@ -141,15 +141,13 @@ def _zero3(model: nn.Module, precision: str = "fp32", **kw) -> zk.ZeroAdamW:
 def ddp_reference(model: nn.Module, rank: int, ws: int, steps: int = STEPS, betas=M.BETAS,
                   loss=M.loss_fn) -> dict:
     """DDP(find_unused_parameters=True) + torch AdamW; a param without a grad after backward
-    (unused on every rank) gets a zero grad, ZeroAdamW's rule for unused params."""
+    (unused on every rank) keeps grad None and AdamW skips it, as ZeroAdamW does (issue 36,
+    item 1; frozen_slots.py [Note: a param no rank used])."""
     net = model if ws == 1 else DDP(model, find_unused_parameters=True)
     opt = _adamw(model, betas)
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
         loss(net, M.rank_tokens(s, rank, ws)).backward()
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
         opt.step()
     return M.snapshot(model)
 
