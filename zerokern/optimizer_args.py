@@ -168,6 +168,46 @@ def check_groups(param_groups, dtype: torch.dtype, rule, given_keys=None,
     return out
 
 
+def _named_params(params_or_model):
+    """(name, param) of a model, a list/tuple of params or of group dicts; nothing for an
+    iterator (it would be consumed here)."""
+    if isinstance(params_or_model, torch.nn.Module):
+        return list(params_or_model.named_parameters())
+    out = []
+    if isinstance(params_or_model, (list, tuple)):
+        for i, x in enumerate(params_or_model):
+            if isinstance(x, dict):
+                ps = x.get("params", [])
+                ps = [ps] if isinstance(ps, torch.Tensor) else ps
+                if isinstance(ps, (list, tuple)):
+                    out += [(f"param group {i}, param {j}", p) for j, p in enumerate(ps)]
+            elif isinstance(x, torch.Tensor):
+                out.append((f"param {i}", x))
+    return out
+
+
+def check_not_deepspeed_partitioned(params_or_model, where: str = "params_or_model") -> None:
+    """[Note: DeepSpeed-partitioned params] A model built under `deepspeed.zero.Init` holds
+    params DeepSpeed has partitioned: each param's data is this rank's flat 1-D shard (or
+    empty), the layer's shape only in `ds_shape`, gathered by DeepSpeed's hooks. zerokern
+    cannot shard or train those (they crashed inside F.linear: "mat2 must be a matrix"), so
+    they are refused before anything changes, naming zero.Init and what to do instead.
+
+    Raises:
+        ValueError: a param with DeepSpeed's `ds_id` / `ds_status` attributes.
+    """
+    for name, p in _named_params(params_or_model):
+        if hasattr(p, "ds_id") and hasattr(p, "ds_status"):
+            raise ValueError(
+                f"{where}: param {name} was built under deepspeed.zero.Init (DeepSpeed has "
+                f"partitioned it: ds_status {getattr(p, 'ds_status', None)}, its data "
+                f"{tuple(p.shape)} of the layer's {tuple(getattr(p, 'ds_shape', ()))}); "
+                "zerokern cannot take DeepSpeed's partitions. Build the model without "
+                "deepspeed.zero.Init: normally (zerokern's stage 3 shards it when the optimizer "
+                "is built), or on the meta device, materialized with module.to_empty(device=) "
+                "and its init before zerokern; nothing was changed")
+
+
 def check_keep_for_backward(keep_for_backward_mb, stage: int) -> None:
     """ZeroAdamW(keep_for_backward_mb=): a number >= 0 (math.inf: every unit), stage 3 only."""
     if isinstance(keep_for_backward_mb, bool) or not isinstance(keep_for_backward_mb,
@@ -190,6 +230,7 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
     Returns (the precision's dtype, offload_path checked, the params or group dicts to build
     the param groups from)."""
     check_stage(stage)
+    check_not_deepspeed_partitioned(params_or_model)
     if stage == 3:
         if not isinstance(params_or_model, torch.nn.Module):
             raise ValueError("stage=3 needs the nn.Module (params_or_model=model), not bare "

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..optimizer import ZeroOptimizer
+from ..optimizer_args import check_not_deepspeed_partitioned
 from .build import _attach_mpu, _build_optimizer, _build_scheduler, _forward_only, _world
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
@@ -350,12 +351,18 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
 
     Raises:
         TypeError: an mpu without the methods zerokern reads.
-        ValueError: no model or no config, different configs given twice, mesh_param, or
-            a config key zerokern cannot honour (naming the key), before the model is
-            touched.
+        ValueError: no model or no config, different configs given twice, mesh_param, a
+            model built under deepspeed.zero.Init (zerokern.optimizer_args [Note:
+            DeepSpeed-partitioned params]), or a config key zerokern cannot honour (naming
+            the key), before the model is touched.
     """
     if model is None:
         raise ValueError("initialize: model is required")
+    # zerokern.optimizer_args [Note: DeepSpeed-partitioned params]: before anything is touched
+    check_not_deepspeed_partitioned(model, "initialize: model")
+    check_not_deepspeed_partitioned(model_parameters if isinstance(model_parameters,
+                                                                   (list, tuple)) else (),
+                                    "initialize: model_parameters")
     if mesh_param is not None:
         raise ValueError("initialize: mesh_param (DeepSpeed's AutoTP mesh) is not supported; "
                          "for tensor parallelism pass mpu=")
