@@ -13,7 +13,7 @@ training steps:
 
 Comm (N = 2, 3, 4): the bytes of one step equal, exactly, the ring volumes computed from the
 padded layout (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of each bucket, plus
-the 2-float stats all-reduce at every stage), and are "about 2Ψ(N-1)/N" within the padding.
+the stats all-reduce at every stage: [found_inf, sumsq] and a flag per param tensor), and are "about 2Ψ(N-1)/N" within the padding.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ STAGES = [0, 1, 2]
 PRECISIONS = ["fp32", "bf16"]
 MEM_PRECISIONS = PRECISIONS + ["compact"]  # compact: bf16 with master="compact"
 ELEM = {"fp32": 4, "bf16": 2}
-STATS_BYTES = 2 * 4  # the [found_inf, sumsq] fp32 pair all-reduced at stages 1-2
+
+
+def stats_bytes(opt) -> int:
+    """The step's stats all-reduce: [found_inf, sumsq] and one fp32 "used" flag per param
+    tensor ([Note: a param no rank used] in frozen_slots.py), at every stage."""
+    return opt._stats.numel() * opt._stats.element_size()
+
 
 # Tolerances (bytes). Memory is compared with the slack terms below, comm exactly.
 TOL = {
@@ -175,9 +181,9 @@ def _expected_comm(opt, micro: int) -> dict:
                 ag += int(Fraction(n - 1, n) * (hi - lo) * pb)
                 calls["reduce_scatter"] += reduces
                 calls["all_gather"] += 1
-    # the 2-float stats all-reduce: every stage (stage 0 reads 1/N of each bucket for them,
+    # the stats all-reduce: every stage (stage 0 reads 1/N of each bucket for them,
     # [Note: stage 0 reads 1/N for its stats] in grads/full_grads.py)
-    ar += int(Fraction(2 * (n - 1), n) * STATS_BYTES)
+    ar += int(Fraction(2 * (n - 1), n) * stats_bytes(opt))
     calls["all_reduce"] += 1
     return {
         "all_reduce": ar,
@@ -205,6 +211,7 @@ def _comm(rank, ws, prec, stage, micro=1, reduce_dtype=None):
         "zero_after_reset": zero_after_reset,
         "psi": psi,
         "pad": pad,
+        "stats_bytes": stats_bytes(opt),
     }
 
 
@@ -332,5 +339,5 @@ def test_comm_volume_about_2psi(ws, name):
     frac = (ws - 1) / ws
     for res in case(_results(ws), name):
         about = 2 * frac * res["psi"] * elem
-        slack = 2 * frac * res["pad"] * elem + STATS_BYTES * 2
+        slack = 2 * frac * res["pad"] * elem + res["stats_bytes"] * 2
         assert about <= res["got"]["total"] <= about + slack

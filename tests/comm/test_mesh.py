@@ -152,7 +152,8 @@ def _stats(rank, memo):
             "mem_ws": mem["world_size"], "mem_mesh": mem["mesh"],
             "opt_bytes": mem["measured"]["exp_avg"], "psi": mem["num_params"],
             "mem_gap": abs(mem["measured_total"] - mem["formula_total"]),
-            "slack": mem["allowed_slack"], "n_groups": len(opt.flat_groups)}
+            "slack": mem["allowed_slack"], "n_groups": len(opt.flat_groups),
+            "stats_bytes": opt._stats.numel() * opt._stats.element_size()}
 
 
 class _FakeMesh(DeviceMesh):
@@ -295,8 +296,10 @@ def test_comm_stats_per_dim_and_memory_report():
         # Replicate group (2 ranks): all-reduce 2(N-1)/N of each shard.
         assert d["replicate"] == {"all_reduce": v["shard"], "reduce_scatter": 0,
                                   "all_gather": 0, "total": v["shard"]}, (r, d)
-        # World (4 ranks): only the 2-float stats all-reduce, 2 * 3/4 * 8 bytes.
-        assert d["world"]["all_reduce"] == 12 and d["world"]["total"] == 12, (r, d)
+        # World (4 ranks): only the stats all-reduce ([found_inf, sumsq] and one "used" flag
+        # per param tensor, [Note: a param no rank used]), 2 * 3/4 of its bytes.
+        ar = int(2 * 3 / 4 * v["stats_bytes"])
+        assert d["world"]["all_reduce"] == ar and d["world"]["total"] == ar, (r, d)
         assert v["total"] == sum(x["total"] for x in d.values())
         # memory: sharded by the shard dim (2), not the world (4)
         assert v["mem_ws"] == 2 and v["mem_mesh"] == {"shard": 2, "replicate": 2, "world": 4}
