@@ -87,7 +87,7 @@ class CheckpointMixin:
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[Dict[str, Any]] = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective. `save_dir/tag/` holds a zerokern checkpoint (any world size loads it)
         and the engine's counters, scheduler state and client_state.
 
@@ -96,16 +96,26 @@ class CheckpointMixin:
             tag: the sub-directory; default `global_step<N>`.
             client_state: a picklable dict, returned by `load_checkpoint`.
             save_latest: write `save_dir/latest` with the tag.
+            exclude_frozen_parameters: must be False: a zerokern checkpoint holds the frozen
+                params (its extras) and loads them back, so leaving them out (DeepSpeed's
+                True) raises NotImplementedError before anything is written.
 
         Returns:
             True.
 
         Raises:
+            NotImplementedError: exclude_frozen_parameters=True, on every rank, nothing
+                written.
             ValueError: save_dir None or "" on any rank, or (tag_validation "Fail") tags that
                 differ across ranks: on every rank, before anything is written.
         """
         self._need_optimizer("save_checkpoint")
         self._no_mpu("save_checkpoint")
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True) is not supported: a zerokern "
+                "checkpoint holds the frozen params and load_checkpoint restores them; save "
+                "without it (the frozen params cost their own bytes once); nothing written")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         tag = self._agreed_tag(save_dir, tag)
         save_dir = os.fspath(save_dir)

@@ -136,9 +136,30 @@ class ZeroEngine(CheckpointMixin, nn.Module):
         self._times: Dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_loss = None
         self._in_no_sync = False  # [Note: no_sync in the engine]
+        self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary
+        self._destroyed = False
+
+    def __getattr__(self, name: str):
+        """DeepSpeed's pass-through: an attribute the engine does not have is the model's
+        (`engine.config` stays the engine's EngineConfig; the model's is `engine.module.config`).
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute "
+                                 f"'{name}'") from None
 
     # ---- DeepSpeed's accessors ----------------------------------------------------------------
     def _need_optimizer(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"{what}: this engine was destroyed (engine.destroy()); build a "
+                               "new one with zerokern.initialize")
         if self.optimizer is None:
             raise NoOptimizerError(f"{what}: this engine has no optimizer (forward only: "
                                    "give config key optimizer or optimizer= to train)")
@@ -181,9 +202,53 @@ class ZeroEngine(CheckpointMixin, nn.Module):
         """The current loss scale (a host read; 1.0 unless fp16 or a static scale)."""
         return 1.0 if self.optimizer is None else float(self.optimizer.loss_scale)
 
+    def gradient_clipping(self) -> float:
+        """The config's gradient_clipping (the global norm `step()` clips to; 0: off;
+        DeepSpeed 0.19's default 1.0 when the key is absent)."""
+        return self.config.gradient_clipping
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the coming `step()` is an optimizer step."""
+        """True when the coming `step()` is an optimizer step: every
+        gradient_accumulation_steps-th micro-step, or what `set_gradient_accumulation_boundary`
+        set last."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual boundary: from now on `is_gradient_accumulation_boundary()` is
+        `is_boundary` (not the micro-step count), until set again. Backward passes while it is
+        False accumulate without communication; the backward and `step()` with it True reduce
+        and step, e.g. gradient_accumulation_steps - 1 backward passes with False, then one
+        with True and a single `step()`.
+
+        Args:
+            is_boundary: whether the coming backward/step is at the accumulation boundary.
+
+        Raises:
+            TypeError: is_boundary not a bool.
+        """
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary: is_boundary must be a bool, "
+                            f"got {type(is_boundary).__name__}")
+        self._boundary = is_boundary
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the gathered params stage 3 holds between passes (every unit
+        no forward/backward still needs is freed to its shard). Stages 0-2 hold whole params
+        by design and cache nothing, as in DeepSpeed, whose stage 1-2 optimizers have no
+        partition cache."""
+        if self.optimizer is not None and self.optimizer.stage == 3:
+            self.optimizer.grad_sync._free_unreferenced()
+
+    def destroy(self) -> None:
+        """DeepSpeed's: release what the engine holds beyond the model (the optimizer's
+        `close()`: offload files, param homes). Idempotent. The engine cannot train or save
+        afterwards (RuntimeError naming destroy); its module stays usable for forward passes
+        at stages 0-2."""
+        if not self._destroyed and self.optimizer is not None:
+            self.optimizer.close()
+        self._destroyed = True
 
     @contextlib.contextmanager
     def no_sync(self):
