@@ -21,7 +21,7 @@ import torch
 
 from ..optimizer_args import PRECISIONS
 from .config_file import load_config
-from .config_values import _bool, _check_auto, _int, _num, _unknown
+from .config_values import ConfigError, _bool, _check_auto, _int, _num, _unknown
 from .optimizer_types import optimizer_settings
 from .parallel import hpz_setting
 
@@ -166,7 +166,7 @@ def batch_sizes(cfg: Dict[str, Any], world_size: int) -> Tuple[int, int, int]:
     mb = None if mb is None else _int("train_micro_batch_size_per_gpu", mb)
     gas = None if gas is None else _int("gradient_accumulation_steps", gas)
     if tb is None and mb is None:
-        raise ValueError("config needs train_batch_size or train_micro_batch_size_per_gpu "
+        raise ConfigError("config needs train_batch_size or train_micro_batch_size_per_gpu "
                          "(DeepSpeed: either, with gradient_accumulation_steps optional)")
     if tb is not None and mb is not None and gas is not None:
         pass
@@ -183,7 +183,7 @@ def batch_sizes(cfg: Dict[str, Any], world_size: int) -> Tuple[int, int, int]:
     if tb != mb * gas * world_size:
         given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                              "gradient_accumulation_steps") if k in cfg]
-        raise ValueError(
+        raise ConfigError(
             f"config key train_batch_size: {tb} != train_micro_batch_size_per_gpu ({mb}) * "
             f"gradient_accumulation_steps ({gas}) * world size ({world_size}) (given: {given})")
     return tb, mb, gas
@@ -191,11 +191,11 @@ def batch_sizes(cfg: Dict[str, Any], world_size: int) -> Tuple[int, int, int]:
 
 def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     if not isinstance(z, dict):
-        raise ValueError(f"config key zero_optimization must be a dict, got {z!r}")
+        raise ConfigError(f"config key zero_optimization must be a dict, got {z!r}")
     _unknown(z, set(HONOURED_ZERO) | set(NO_EFFECT_ZERO), "zero_optimization.")
     stage = z.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"config key zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        raise ConfigError(f"config key zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     out.stage = int(stage)
     if "reduce_bucket_size" in z:
         out.reduce_bucket_elements = _int("zero_optimization.reduce_bucket_size",
@@ -219,13 +219,13 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     if oo is not None:
         key, dev = _offload_section(oo, "offload_optimizer", {*NO_EFFECT_OFFLOAD, "ratio"})
         if "ratio" in oo and oo["ratio"] != 1.0:
-            raise ValueError(f"config key {key}.ratio: partial offload is not supported (1.0 only)")
+            raise ConfigError(f"config key {key}.ratio: partial offload is not supported (1.0 only)")
         if dev == "nvme" and not isinstance(oo.get("nvme_path"), str):
-            raise ValueError(f"config key {key}.nvme_path: device 'nvme' needs the directory "
+            raise ConfigError(f"config key {key}.nvme_path: device 'nvme' needs the directory "
                              "for the state files (ZeroAdamW(offload_path=))")
         if dev in ("cpu", "nvme"):
             if out.stage == 0:
-                raise ValueError(f"config key {key}.device={dev!r} needs "
+                raise ConfigError(f"config key {key}.device={dev!r} needs "
                                  "zero_optimization.stage 1, 2 or 3")
             out.offload = dev
             out.offload_path = oo.get("nvme_path")
@@ -246,15 +246,15 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
                 # ZeroAdamW journals the param files with the optimizer state's files in one
                 # directory (zerokern.stage3.param_offload [Note: param offload choices] 3).
                 if not isinstance(op.get("nvme_path"), str):
-                    raise ValueError(f"config key {key}.nvme_path: device 'nvme' needs the "
+                    raise ConfigError(f"config key {key}.nvme_path: device 'nvme' needs the "
                                      "directory for the param files")
                 if out.offload != "nvme":
-                    raise ValueError(f"config key {key}.device='nvme' needs "
+                    raise ConfigError(f"config key {key}.device='nvme' needs "
                                      "zero_optimization.offload_optimizer.device 'nvme' too "
                                      "(zerokern keeps params on disk only with the optimizer "
                                      "state, so that a failed step changes neither)")
                 if os.path.abspath(op["nvme_path"]) != os.path.abspath(out.offload_path):
-                    raise ValueError(f"config key {key}.nvme_path {op['nvme_path']!r} must be "
+                    raise ConfigError(f"config key {key}.nvme_path {op['nvme_path']!r} must be "
                                      "zero_optimization.offload_optimizer.nvme_path "
                                      f"({out.offload_path!r}): zerokern keeps both in one "
                                      "directory (ZeroAdamW(offload_path=))")
@@ -275,12 +275,12 @@ def _quantized(z: Dict[str, Any], out: EngineConfig) -> None:
         out.quantized_weights = _bool("zero_optimization.zero_quantized_weights",
                                       z["zero_quantized_weights"])
         if out.quantized_weights and out.stage != 3:
-            raise ValueError("config key zero_optimization.zero_quantized_weights=true needs "
+            raise ConfigError("config key zero_optimization.zero_quantized_weights=true needs "
                              f"zero_optimization.stage 3 (got {out.stage})")
     if "zero_quantized_gradients" in z:
         on = _bool("zero_optimization.zero_quantized_gradients", z["zero_quantized_gradients"])
         if on and out.stage == 0:
-            raise ValueError("config key zero_optimization.zero_quantized_gradients=true needs "
+            raise ConfigError("config key zero_optimization.zero_quantized_gradients=true needs "
                              "zero_optimization.stage 1, 2 or 3")
         out.quantized_gradients = "int4" if on else False
 
@@ -289,11 +289,11 @@ def _checkpoint(sec: Any) -> str:
     """The `checkpoint` section: tag_validation only (the other DeepSpeed keys, e.g.
     load_universal or use_node_local_storage, raise as unknown)."""
     if not isinstance(sec, dict):
-        raise ValueError(f"config key checkpoint must be a dict, got {sec!r}")
+        raise ConfigError(f"config key checkpoint must be a dict, got {sec!r}")
     _unknown(sec, {"tag_validation"}, "checkpoint.")
     mode = sec.get("tag_validation", "Warn")
     if not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION_MODES:
-        raise ValueError(f"config key checkpoint.tag_validation must be one of Warn, Ignore, "
+        raise ConfigError(f"config key checkpoint.tag_validation must be one of Warn, Ignore, "
                          f"Fail (any case), got {mode!r}")
     return mode.upper()
 
@@ -303,14 +303,14 @@ def _offload_section(sec, name: str, extra_keys) -> tuple:
     (the key's full name, its device: 'cpu', 'nvme', 'none' or None)."""
     key = f"zero_optimization.{name}"
     if not isinstance(sec, dict):
-        raise ValueError(f"config key {key} must be a dict, got {sec!r}")
+        raise ConfigError(f"config key {key} must be a dict, got {sec!r}")
     _unknown(sec, {"device", "nvme_path", *extra_keys}, key + ".")
     dev = sec.get("device", "none")
     if dev not in ("cpu", "nvme", "none", None):
-        raise ValueError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
+        raise ConfigError(f"config key {key}.device must be 'cpu', 'nvme' or 'none', "
                          f"got {dev!r}")
     if "nvme_path" in sec and dev != "nvme":
-        raise ValueError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
+        raise ConfigError(f"config key {key}.nvme_path is for device 'nvme', got {dev!r}")
     return key, dev
 
 
@@ -318,18 +318,18 @@ def _precision(cfg: Dict[str, Any], out: EngineConfig) -> None:
     fp16, bf16 = cfg.get("fp16", {}), cfg.get("bf16", {})
     for name, d in (("fp16", fp16), ("bf16", bf16)):
         if not isinstance(d, dict):
-            raise ValueError(f"config key {name} must be a dict, got {d!r}")
+            raise ConfigError(f"config key {name} must be a dict, got {d!r}")
     _unknown(bf16, {"enabled"}, "bf16.")
     _unknown(fp16, set(FP16_KEYS), "fp16.")
     f_on = _bool("fp16.enabled", fp16.get("enabled", False))
     b_on = _bool("bf16.enabled", bf16.get("enabled", False))
     if f_on and b_on:
-        raise ValueError("config keys fp16.enabled and bf16.enabled are both true; pick one")
+        raise ConfigError("config keys fp16.enabled and bf16.enabled are both true; pick one")
     if fp16.get("auto_cast", False):
-        raise ValueError("config key fp16.auto_cast=true (casting inputs) is not supported; "
+        raise ConfigError("config key fp16.auto_cast=true (casting inputs) is not supported; "
                          "cast the inputs in the model")
     if fp16.get("consecutive_hysteresis", False):
-        raise ValueError("config key fp16.consecutive_hysteresis=true is not supported")
+        raise ConfigError("config key fp16.consecutive_hysteresis=true is not supported")
     out.precision = "fp16" if f_on else "bf16" if b_on else "fp32"
     if not f_on:
         return
@@ -382,7 +382,7 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
     if "communication_data_type" in cfg:
         cdt = cfg["communication_data_type"]
         if cdt not in COMM_DTYPES:
-            raise ValueError(f"config key communication_data_type must be one of "
+            raise ConfigError(f"config key communication_data_type must be one of "
                              f"{sorted(COMM_DTYPES)}, got {cdt!r}")
         out.reduce_dtype = COMM_DTYPES[cdt]
     _precision(cfg, out)
@@ -392,10 +392,10 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
         if d is None:
             continue
         if not isinstance(d, dict) or "type" not in d:
-            raise ValueError(f"config key {key} must be a dict with 'type', got {d!r}")
+            raise ConfigError(f"config key {key} must be a dict with 'type', got {d!r}")
         _unknown(d, {"type", "params"}, f"{key}.")
         if not isinstance(d.get("params", {}), dict):
-            raise ValueError(f"config key {key}.params must be a dict")
+            raise ConfigError(f"config key {key}.params must be a dict")
         setattr(out, key, {"type": d["type"], "params": dict(d.get("params", {}))})
     if out.optimizer is not None:
         optimizer_settings(out.optimizer)  # validate now, before anything is built

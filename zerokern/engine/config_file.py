@@ -18,12 +18,14 @@ import json
 import os
 from typing import Any, Dict, List, Tuple
 
+from .config_values import ConfigError
+
 
 def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"config has the key {k!r} twice (DeepSpeed rejects duplicates)")
+            raise ConfigError(f"config has the key {k!r} twice (DeepSpeed rejects duplicates)")
         out[k] = v
     return out
 
@@ -36,13 +38,13 @@ def _parse(text: str, where: str) -> Dict[str, Any]:
     try:
         import hjson
     except ImportError:
-        raise ValueError(f"config {where} is not valid JSON ({json_error}); DeepSpeed also "
+        raise ConfigError(f"config {where} is not valid JSON ({json_error}); DeepSpeed also "
                          "reads hjson (comments, unquoted keys, trailing commas): pip install "
                          "hjson to read it") from None
     try:
         return hjson.loads(text, object_pairs_hook=_no_duplicates)
     except hjson.HjsonDecodeError as e:
-        raise ValueError(f"config {where} is neither JSON ({json_error}) nor hjson ({e})") \
+        raise ConfigError(f"config {where} is neither JSON ({json_error}) nor hjson ({e})") \
             from None
 
 
@@ -64,9 +66,9 @@ def load_config(config: Any) -> Dict[str, Any]:
                 text = base64.urlsafe_b64decode(config).decode("utf-8")
                 config = _parse(text, "(base64)")
             except (binascii.Error, UnicodeDecodeError, ValueError):
-                raise ValueError(f"config {config!r}: no such file, and not base64-encoded "
+                raise ConfigError(f"config {config!r}: no such file, and not base64-encoded "
                                  "JSON") from None
     if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, a path to a JSON/hjson file or base64 JSON, "
+        raise ConfigError(f"config must be a dict, a path to a JSON/hjson file or base64 JSON, "
                          f"got {type(config).__name__}")
     return config

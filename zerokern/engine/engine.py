@@ -32,6 +32,7 @@ from ..optimizer_args import check_not_deepspeed_partitioned
 from .build import _attach_mpu, _build_optimizer, _build_scheduler, _forward_only, _world
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
+from .config_values import ConfigError
 from .parallel import mpu_groups
 
 log = logging.getLogger("zerokern.engine")
@@ -442,10 +443,10 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         args_config = deepscale
     sources = [c for c in (config, config_params, args_config) if c is not None]
     if not sources:
-        raise ValueError("initialize: give config= (or config_params=, or "
+        raise ConfigError("initialize: give config= (or config_params=, or "
                          "args.deepspeed_config)")
     if len(sources) > 1 and any(s is not sources[0] and s != sources[0] for s in sources):
-        raise ValueError("initialize: config, config_params and args.deepspeed_config differ; "
+        raise ConfigError("initialize: config, config_params and args.deepspeed_config differ; "
                          "give one")
     if not dist.is_initialized() and dist_init_required is not False and \
             (_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE") or 1) > 1:

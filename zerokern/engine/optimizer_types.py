@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..rules.muon_orthogonalize import NS_METHODS
-from .config_values import _bool, _num, _unknown
+from .config_values import ConfigError, _bool, _num, _unknown
 
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
                     "bias_correction", "amsgrad")
@@ -44,7 +44,7 @@ def optimizer_kind(opt_cfg: Dict[str, Any]) -> str:
     """
     t = str(opt_cfg["type"]).lower()
     if t not in OPTIMIZER_TYPES:
-        raise ValueError(f"config key optimizer.type {opt_cfg['type']!r} is not supported: "
+        raise ConfigError(f"config key optimizer.type {opt_cfg['type']!r} is not supported: "
                          "zerokern has Adam and AdamW (ZeroAdamW), Lion (ZeroLion) and Muon "
                          "(ZeroMuon)")
     return t if t in ("lion", "muon") else "adamw"
@@ -55,7 +55,7 @@ def _muon_settings(p: Dict[str, Any]) -> Dict[str, Any]:
     _unknown(p, set(MUON_PARAMS), "optimizer.params.")
     ns_method = p.get("ns_method", "gram")  # DeepSpeed 0.19's default
     if ns_method not in NS_METHODS:
-        raise ValueError(f"config key optimizer.params.ns_method must be one of {NS_METHODS} "
+        raise ConfigError(f"config key optimizer.params.ns_method must be one of {NS_METHODS} "
                          f"(DeepSpeed's Newton-Schulz methods; default 'gram'), got "
                          f"{ns_method!r}")
     lr, wd = p.get("lr"), p.get("weight_decay")
@@ -76,7 +76,7 @@ def _muon_settings(p: Dict[str, Any]) -> Dict[str, Any]:
 def _betas(p: Dict[str, Any], default) -> tuple:
     betas = p.get("betas", default)
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
-        raise ValueError(f"config key optimizer.params.betas must be a pair, got {betas!r}")
+        raise ConfigError(f"config key optimizer.params.betas must be a pair, got {betas!r}")
     return tuple(float(b) for b in betas)
 
 
@@ -112,9 +112,9 @@ def optimizer_settings(opt_cfg: Dict[str, Any]) -> Dict[str, Any]:
     torch_adam = _bool("optimizer.params.torch_adam", p.get("torch_adam", False))
     adam_w_mode = _bool("optimizer.params.adam_w_mode", p.get("adam_w_mode", True))
     if not _bool("optimizer.params.bias_correction", p.get("bias_correction", True)):
-        raise ValueError("config key optimizer.params.bias_correction=false is not supported")
+        raise ConfigError("config key optimizer.params.bias_correction=false is not supported")
     if _bool("optimizer.params.amsgrad", p.get("amsgrad", False)):
-        raise ValueError("config key optimizer.params.amsgrad=true is not supported")
+        raise ConfigError("config key optimizer.params.amsgrad=true is not supported")
     adamw = True if t == "adamw" else adam_w_mode
     wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
     return {"lr": _num("optimizer.params.lr", p.get("lr", 1e-3)),

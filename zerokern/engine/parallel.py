@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .config_values import ConfigError
+
 _MESHES: dict = {}  # (device type, R, S) -> DeviceMesh (hpz_mesh)
 
 
@@ -112,11 +114,11 @@ def hpz_setting(h: int, out) -> None:
         out.no_effect.append((f"{key}={h}", f"one hpZ group spans all {out.world_size} ranks: "
                                             "the secondary copy would be the primary"))
     elif out.world_size % h:
-        raise ValueError(f"config key {key}={h} must divide the world size "
+        raise ConfigError(f"config key {key}={h} must divide the world size "
                          f"({out.world_size}): the secondary copies are sharded over groups "
                          "of h consecutive ranks")
     elif out.offload_params is not None:
-        raise ValueError(f"config key {key}={h} does not support "
+        raise ConfigError(f"config key {key}={h} does not support "
                          "zero_optimization.offload_param (the secondary copy lives on the "
                          "device)")
     else:

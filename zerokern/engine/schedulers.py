@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from .config_values import ConfigError
+
 Floats = Union[float, Sequence[float]]
 
 
@@ -371,15 +373,15 @@ def build_scheduler(sched_cfg: Dict[str, Any], optimizer) -> LRScheduler:
 
     t = sched_cfg["type"]
     if t not in SCHEDULERS:
-        raise ValueError(f"config key scheduler.type {t!r} is not supported; one of "
+        raise ConfigError(f"config key scheduler.type {t!r} is not supported; one of "
                          f"{sorted(SCHEDULERS)}")
     cls = SCHEDULERS[t]
     allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "optimizer"}
     for k in sched_cfg.get("params", {}):
         if k not in allowed:
-            raise ValueError(f"config key scheduler.params.{k} is not a {t} parameter "
+            raise ConfigError(f"config key scheduler.params.{k} is not a {t} parameter "
                              f"({sorted(allowed)})")
     try:
         return cls(optimizer, **sched_cfg.get("params", {}))
     except TypeError as e:
-        raise ValueError(f"config key scheduler.params: {e}") from None
+        raise ConfigError(f"config key scheduler.params: {e}") from None
