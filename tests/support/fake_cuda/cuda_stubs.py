@@ -149,6 +149,10 @@ def install(record, shim=None) -> None:
             cudaHostUnregister=lambda p: shim.zk_fake_cuda_host_unregister(p),
             cudaGetErrorString=lambda e: f"fake cuda error {e}")
         stubs["cudart"] = lambda: cudart
+        # torch answers is_pinned() False for every pointer until the CUDA context was lazily
+        # initialised (the first pinned allocation does it), as on a GPU where a registered
+        # buffer comes after torch's first CUDA use: initialise it now.
+        torch.empty(1, pin_memory=True)
     for k, v in stubs.items():
         setattr(cuda, k, v)
 
