@@ -41,7 +41,9 @@ def groups_for_model(model: torch.nn.Module, model_parameters, defaults: Dict[st
     if missing:
         raise ValueError(f"model_parameters leaves out {len(missing)} trainable param(s) of the "
                          "model; ZeroAdamW lays out every trainable param: freeze them "
-                         "(requires_grad=False) or list them")
+                         "(requires_grad=False) or list them (DeepSpeed would leave them "
+                         "untrained with their gradients computed; docs/guides/deepspeed.md "
+                         "'model_parameters that leave out trainable params')")
     return groups
 
 
