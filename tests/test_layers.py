@@ -1,4 +1,5 @@
-"""The layering contract in pyproject.toml ([tool.importlinter]) holds, and can fail.
+"""The layering contract in pyproject.toml ([tool.importlinter]) holds, and can fail; the code
+map's list of layers (docs/code-map.md, "The layering contract") is the contract's, row by row.
 
 `lint-imports` (import-linter) builds the import graph of the package, lazy imports inside
 functions included, and checks that no module imports from a layer above its own. Negative
@@ -10,8 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,3 +42,37 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     out = _lint(tmp_path)
     assert out.returncode != 0, out.stdout
     assert "zerokern.state is not allowed to import zerokern.optimizer" in out.stdout
+
+
+def contract_layers() -> list:
+    """The contract's layers, top first, each a set of module names without `zerokern.`."""
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())
+    layers = cfg["tool"]["importlinter"]["contracts"][0]["layers"]
+    return [{m.strip().removeprefix("zerokern.") for m in row.split("|")} for row in layers]
+
+
+def code_map_layers(text: str) -> list:
+    """The numbered list under "## The layering contract" in the code map: one set a row."""
+    section = text.split("## The layering contract", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\d+\. (.+)$", section, flags=re.M)
+    return [{m.removeprefix("zerokern.") for m in re.findall(r"`([^`]+)`", row)} for row in rows]
+
+
+def test_the_code_map_lists_the_contracts_layers():
+    want = contract_layers()
+    got = code_map_layers((REPO / "docs" / "code-map.md").read_text())
+    assert len(got) == len(want), (len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want), 1):
+        assert g == w, f"code map row {i}: {sorted(g)} vs the contract's {sorted(w)}"
+
+
+def test_a_code_map_row_that_drifts_is_caught():
+    text = (REPO / "docs" / "code-map.md").read_text()
+    drifted = text.replace("1. `zerokern.cli`", "1. `zerokern.cli`, `zerokern.spawn`", 1)
+    assert drifted != text
+    got, want = code_map_layers(drifted), contract_layers()
+    assert got[0] != want[0] and got[1:] == want[1:]
