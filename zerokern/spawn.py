@@ -33,7 +33,26 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+TIMEOUT_ENV = "ZEROKERN_SPAWN_TIMEOUT_S"  # overrides spawn_ranks(timeout=)
+GRACE_ENV = "ZEROKERN_SPAWN_GRACE_S"      # overrides spawn_ranks(grace=)
+PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # overrides spawn_ranks(pg_timeout=) (comm/abort.py)
+
 _out_path: Optional[str] = None  # child: this rank's result file
+
+
+def _env_s(name: str, default: Optional[float]) -> Optional[float]:
+    """Seconds from the environment variable `name` when set (a busy machine needs more than
+    the caller's default: [Note: timeouts under load]), else `default`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds")
+    return value
 _partial: Dict[str, Any] = {}
 
 
@@ -132,9 +151,12 @@ def spawn_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo",
     Args:
         backend: the process group's ("gloo"; "nccl" with device_of giving each rank's GPU).
         threads: torch intra-op threads per rank (None: torch's default).
-        timeout: seconds before still-running ranks are killed (None: no limit).
-        grace: seconds the others get after a rank failed ([Note: no hangs]).
-        pg_timeout: seconds a collective waits before raising (a mismatch, not a hang).
+        timeout: seconds before still-running ranks are killed (None: no limit);
+            $ZEROKERN_SPAWN_TIMEOUT_S overrides it.
+        grace: seconds the others get after a rank failed ([Note: no hangs]);
+            $ZEROKERN_SPAWN_GRACE_S overrides it.
+        pg_timeout: seconds a collective waits before raising (a mismatch, or a peer slower
+            than that: the error says so); $ZEROKERN_PG_TIMEOUT_S overrides it.
         context: a multiprocessing context (default "spawn": fork would copy this process's
             OpenMP/CUDA state), e.g. a forkserver with preloaded modules.
         exit_codes: {exception class: exit code} for what a rank raises (default 1).
@@ -142,6 +164,10 @@ def spawn_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo",
 
     Returns every rank's return value, in rank order; raises RankFailure otherwise.
     """
+    # [Note: timeouts under load] every time limit here can be raised from outside
+    timeout = _env_s(TIMEOUT_ENV, timeout)
+    grace = _env_s(GRACE_ENV, grace)
+    pg_timeout = _env_s(PG_TIMEOUT_ENV, pg_timeout)
     ctx = context or mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout))
@@ -163,10 +189,13 @@ def spawn_ranks(fn: Callable, world_size: int, *args, backend: str = "gloo",
                     why = "stopped: another rank refused the run"
                     break
                 if timeout is not None and now - start > timeout:
-                    why = f"timed out after {timeout:.0f} s"
+                    why = (f"timed out after {timeout:g} s (spawn_ranks(timeout=); raise it, "
+                           f"or set {TIMEOUT_ENV}=<seconds>) and killed")
                     break
                 if failed_at is not None and now - failed_at > grace:
-                    why = f"killed {grace:.0f} s after another rank failed"
+                    why = (f"killed {grace:g} s after another rank failed, still running "
+                           f"(spawn_ranks(grace=); raise it, or set {GRACE_ENV}=<seconds>, to "
+                           "let it report its own error)")
                     break
                 time.sleep(0.02)
         finally:  # also on Ctrl-C: no rank outlives the caller

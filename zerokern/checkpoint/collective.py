@@ -9,10 +9,12 @@ on any rank.
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any, List, Optional
 
 import torch.distributed as dist
 
+from ..comm.abort import is_timeout, timeout_error
 from .format import CheckpointError
 
 
@@ -26,7 +28,15 @@ class Collective:
         if self.world_size == 1:
             return [obj]
         out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        t0 = time.monotonic()
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo's timeout: say what to raise
+            if is_timeout(e):
+                raise timeout_error("the other ranks at a step of checkpoint save/load "
+                                    "(one rank may still be writing or reading its files)",
+                                    time.monotonic() - t0, e) from e
+            raise
         return out
 
     def from_rank0(self, obj: Any) -> Any:

@@ -53,6 +53,39 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 POLL_S = 0.05  # s between store checks while a collective has not landed
+PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # spawn.py and `zerokern train`: the group's timeout
+PG_TIMEOUT_KNOB = (
+    "raise the process group's timeout: init_process_group(..., timeout=datetime.timedelta("
+    "seconds=...)) in your script (zerokern.init_distributed(timeout=...)), or "
+    f"{PG_TIMEOUT_ENV}=<seconds> for `zerokern train` and zerokern.spawn.spawn_ranks")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of ours waited the process group's timeout for a peer and gave up
+    ([Note: timeouts under load] in docs/troubleshooting.md): the message names the wait, the
+    seconds waited and the setting to raise (PG_TIMEOUT_KNOB)."""
+
+
+def is_timeout(error: BaseException) -> bool:
+    """gloo's (or the store's) own timeout error: 'Timed out waiting 60000ms for recv ...'."""
+    if isinstance(error, CollectiveTimeout) or str(error).startswith("zerokern:"):
+        return False  # ours, already explained (e.g. "an earlier collective ... failed (...)")
+    text = str(error).lower()
+    return isinstance(error, (RuntimeError, TimeoutError)) and (
+        "timed out" in text or "timeout" in text)
+
+
+def timeout_error(what: str, waited_s: float, error: Optional[BaseException] = None
+                  ) -> CollectiveTimeout:
+    """The error for a wait that reached the process group's timeout: what it waited for, how
+    long, the two causes (a slow peer on a busy machine, or ranks that issued different
+    collectives), and the setting to raise."""
+    cause = f" ({type(error).__name__}: {str(error)[:300]})" if error is not None else ""
+    return CollectiveTimeout(
+        f"zerokern: timed out after {waited_s:.0f} s (the process group's timeout) waiting for "
+        f"{what}{cause}. Either a peer rank is slower than that (a busy machine, a long step "
+        "or checkpoint on one rank) or the ranks issued different collectives. If the ranks "
+        f"are only slow, {PG_TIMEOUT_KNOB}")
 _ALL: list = []  # every AbortChannel of this process ([Note: aborts cross groups])
 _ON_ABORT: list = []  # called with the reason when this rank raises RankAborted (ring.py)
 

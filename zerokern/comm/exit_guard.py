@@ -27,7 +27,9 @@ Measured on the 2-core VM, runs that crashed at exit under torchrun (2 ranks):
 
 So the first GroupComm on a gloo group registers an atexit handler. The handler sleeps with the
 GIL released: 20 ms, then on in steps of 10 ms while a `pt_gloo_runloop` thread is running or
-runnable, at most 1 s. A worker finishing its release gets the GIL now, while the interpreter is
+runnable, at most 10 s ($ZEROKERN_GLOO_EXIT_WAIT_S; it was 1 s, which a runnable worker could
+miss on a busy machine: at the limit it says so on stderr, naming the variable). A worker
+finishing its release gets the GIL now, while the interpreter is
 whole. The same plain DDP script with a 50 ms atexit sleep crashed in 0 of 40 runs. Cost: about
 20 ms at exit, once per process that used gloo. The torchrun ranks of `zerokern train` run it too:
 they run the atexit handlers before `os._exit` (cli.py [Note: leaving a torchrun rank]). spawn.py's
@@ -38,12 +40,25 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 
 _registered = False
 _FIRST_S = 0.02
 _STEP_S = 0.01
-_MAX_S = 1.0
+MAX_ENV = "ZEROKERN_GLOO_EXIT_WAIT_S"
+
+
+def _max_s() -> float:
+    """The most seconds the exit wait lasts ($ZEROKERN_GLOO_EXIT_WAIT_S, default 10)."""
+    raw = os.environ.get(MAX_ENV, "").strip()
+    try:
+        return float(raw) if raw else 10.0
+    except ValueError:
+        return 10.0  # (at exit: nothing to raise to; the warning below names the variable)
+
+
+_MAX_S = _max_s()
 
 
 def guard_gloo_exit() -> None:
@@ -74,8 +89,19 @@ def _gloo_workers_running() -> bool:
 
 def let_gloo_workers_finish() -> None:
     """Sleep (the GIL released) until gloo's workers are idle: 20 ms, then while one runs,
-    at most 1 s in all."""
-    deadline = time.monotonic() + _MAX_S
+    at most _MAX_S in all; past that, say on stderr that it timed out and what to raise (at
+    exit there is no caller to raise to: [Note: timeouts under load])."""
+    t0 = time.monotonic()
+    deadline = t0 + _MAX_S
     time.sleep(_FIRST_S)
-    while time.monotonic() < deadline and _gloo_workers_running():
+    while _gloo_workers_running():
+        if time.monotonic() >= deadline:
+            sys.stderr.write(
+                f"zerokern: timed out after {time.monotonic() - t0:.1f} s waiting at exit for "
+                "torch's gloo worker threads to go idle ([Note: the gloo exit race] in "
+                "zerokern/comm/exit_guard.py); this process may abort while Python finalizes "
+                f"(SIGABRT after its work is done). On a busy machine raise {MAX_ENV} "
+                f"(now {_MAX_S:g})\n")
+            sys.stderr.flush()
+            return
         time.sleep(_STEP_S)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import shm
-from .abort import on_abort, polled
+from .abort import is_timeout, on_abort, polled, timeout_error
 
 
 class RingRunner:
@@ -64,6 +64,11 @@ class RingRunner:
             return fn(*args)
         except BaseException as e:
             self.stop(f"{type(e).__name__}: {e}"[:500])
+            if is_timeout(e):  # gloo's 'Timed out waiting ...ms': say what to raise
+                what = getattr(fn, "__name__", "a collective").lstrip("_")
+                raise timeout_error(
+                    f"the peers of rank {self.rank} (of {self.world_size}) in a {what} on "
+                    "this process group's ring", shm._timeout_s(self.group), e) from e
             raise
 
     def submit(self, fn, *args) -> Future:

@@ -23,10 +23,12 @@ Linux only. A wait spins briefly, then sleeps on the counter with futex (woken b
 waking every 50 ms to check that the ring was not stopped (comm/ring.py [Note: a failed ring
 stops]), that every peer process still exists (peers in this pid namespace: a container may
 share /dev/shm but not its pids), and the group's timeout: a peer that died or never comes is
-an error, never a hang. Each round also says what it carries (kind and summed dtype, bytes,
-offset), checked by its readers: ranks that issued different collectives raise instead of
-mixing the data (gloo's TCP path aborts on a size mismatch; this one must not be quieter), and
-after any collective raised the exchange refuses every later one (its rounds are out of step).
+an error, never a hang (at the timeout a CollectiveTimeout that says how long it waited and what
+to raise: a peer merely slow on a busy machine looks the same from here). Each round also says
+what it carries (kind and summed dtype, bytes, offset), checked by its readers: ranks that
+issued different collectives raise instead of mixing the data (gloo's TCP path aborts on a size
+mismatch; this one must not be quieter), and after any collective raised the exchange refuses
+every later one (its rounds are out of step).
 
 The sums. Reduce-scatter: rank r writes its input's chunks for the others into slot regions
 (one per destination); the owner adds them to its own chunk in rank order (its own first), so
@@ -58,6 +60,8 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .abort import timeout_error
 
 SLOT_BYTES = int(os.environ.get("ZEROKERN_SHM_SLOT_BYTES", 4 << 20))
 _ALIGN = 64
@@ -260,9 +264,10 @@ class ShmExchange:
             except PermissionError:
                 pass
             if time.monotonic() - t0 > self.timeout_s:
-                raise RuntimeError(f"zerokern: rank {q} did not reach the same collective "
-                                   f"within {self.timeout_s:.0f} s (the process group's "
-                                   "timeout): the ranks issued different collectives")
+                # [Note: timeouts under load] a slow peer and a mismatched one look alike here
+                raise timeout_error(
+                    f"rank {q} in a shared-memory collective (rank {q} did not reach the same "
+                    "collective)", time.monotonic() - t0)
 
     def _write(self, s: int, desc) -> None:
         """Round s's data is in our slot: say what it is, then that it is there."""

@@ -28,12 +28,21 @@ import subprocess
 from typing import Optional, Tuple
 
 
+def _nvcc_timeout_s() -> float:
+    """Seconds `nvcc --version` may take ($ZEROKERN_NVCC_TIMEOUT_S, default 60)."""
+    try:
+        return float(os.environ.get("ZEROKERN_NVCC_TIMEOUT_S", "") or 60)
+    except ValueError:
+        raise ValueError("ZEROKERN_NVCC_TIMEOUT_S: expected a number of seconds") from None
+
+
 @functools.cache
 def nvcc_version(nvcc: str) -> Optional[Tuple[int, int]]:
     """(major, minor) from `nvcc --version`, or None if it does not run."""
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             timeout=_nvcc_timeout_s())
+    except (OSError, subprocess.SubprocessError):  # (a timeout too: toolchain_problem says so)
         return None
     m = re.search(r"release (\d+)\.(\d+)", out.stdout)
     return (int(m.group(1)), int(m.group(2))) if m else None
@@ -64,7 +73,8 @@ def toolchain_problem() -> Optional[str]:
     nvcc = os.path.join(home, "bin", "nvcc")
     ver = nvcc_version(nvcc)
     if ver is None:
-        return f"{nvcc} --version did not run or printed no release"
+        return (f"{nvcc} --version did not run, printed no release, or timed out after "
+                f"{_nvcc_timeout_s():g} s (a busy machine: raise ZEROKERN_NVCC_TIMEOUT_S)")
     want = int(torch_cuda.split(".")[0])
     if ver[0] != want:
         return (f"nvcc {ver[0]}.{ver[1]} ({nvcc}) does not match torch's CUDA {torch_cuda}: "

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..host import usable_cpus
-from ..spawn import RankFailure, spawn_ranks
+from ..spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_ranks
 from .config import TrainConfig
 from .loop import run_rank
 
@@ -124,8 +124,9 @@ def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     check_mesh(cfg, int(os.environ["WORLD_SIZE"]))
     torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     device = _device(dev_type, local_rank)
-    dist.init_process_group("nccl" if dev_type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group("nccl" if dev_type == "cuda" else "gloo",  # (the env var wins)
+                            timeout=datetime.timedelta(seconds=_env_s(PG_TIMEOUT_ENV,
+                                                                      PG_TIMEOUT_S)))
     try:
         res = run_rank(cfg, device)
         return res if dist.get_rank() == 0 else None
@@ -173,7 +174,8 @@ def run_spawned(cfg: TrainConfig, dev_type: str, nproc: int,
             if o.error is not None:
                 lines.append(f"--- rank {o.rank} raised:\n{o.error.rstrip()}")
             elif not o.ok:
-                how = ("killed: it was still running after another rank failed"
-                       if e.why and o.exitcode == -9 else f"exit code {o.exitcode}, no result")
+                how = (e.why  # killed: after a timeout or another rank's failure, which
+                       if e.why and o.exitcode == -9  # and the setting to raise (spawn.py)
+                       else f"exit code {o.exitcode}, no result")
                 lines.append(f"--- rank {o.rank}: {how}")
         raise RankError("a rank failed:\n" + "\n".join(lines), 1) from None
