@@ -2,7 +2,7 @@
 
 from zerokern.accounting.formula import estimate_memory
 
-from . import checkpoint, kernels
+from . import checkpoint, checkpointing, kernels
 from .engine import init_distributed, initialize
 from .optimizer import ZeroOptimizer
 from .optimizer_adamw import ZeroAdamW
@@ -10,6 +10,6 @@ from .optimizer_lion import ZeroLion
 from .optimizer_muon import ZeroMuon
 from .version import __version__
 
-__all__ = ["ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint", "estimate_memory",
-           "init_distributed", "initialize",
+__all__ = ["ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint", "checkpointing",
+           "estimate_memory", "init_distributed", "initialize",
            "kernels", "__version__"]

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..checkpointing.settings import parse_section as _activation_checkpointing
 from ..optimizer_args import PRECISIONS
 from .config_file import load_config
 from .config_values import ConfigError, _bool, _check_auto, _int, _num, _unknown
@@ -71,7 +72,8 @@ HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_pa
 HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
-                "zero_optimization", "communication_data_type", "checkpoint")
+                "zero_optimization", "communication_data_type", "checkpoint",
+                "activation_checkpointing")
 # [Note: gradient_clipping default] DeepSpeed 0.19 clips at 1.0 when the key is absent
 # (deepspeed/runtime/constants.py GRADIENT_CLIPPING_DEFAULT = 1.0, since its PR #8068; 0.0
 # before). zerokern follows the DeepSpeed this config format targets (0.19.8, the installed
@@ -117,6 +119,9 @@ class EngineConfig:
         tag_validation: checkpoint.tag_validation: "IGNORE", "WARN" (default) or "FAIL".
         hpz_partition_size: zero_hpz_partition_size when it takes effect (stage 3, > 1,
             < world size: hpZ on a (world / h, h) mesh, engine/parallel.py), else 1.
+        activation_checkpointing: the `activation_checkpointing` section as
+            `zerokern.checkpointing.configure` keywords, or None without one (initialize
+            configures zerokern.checkpointing with it).
         ignored: (key, why) of the keys ignored with a warning, as DeepSpeed ignores them.
         no_effect: (key, why) of the accepted keys with no effect in zerokern.
         raw: the config as given.
@@ -144,6 +149,7 @@ class EngineConfig:
     quantized_gradients: Any = False              # zero_quantized_gradients: False | "int4"
     tag_validation: str = "WARN"                  # checkpoint.tag_validation
     hpz_partition_size: int = 1                   # [Note: hpz_partition_size] (parallel.py)
+    activation_checkpointing: Optional[Dict[str, Any]] = None  # configure() keywords
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
     ignored: List[Tuple[str, str]] = field(default_factory=list)    # (key, why): a warning
     raw: Dict[str, Any] = field(default_factory=dict)
@@ -374,6 +380,9 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
     out.gradient_clipping = _num("gradient_clipping",
                                  cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     out.tag_validation = _checkpoint(cfg.get("checkpoint", {}))
+    if "activation_checkpointing" in cfg:  # zerokern/checkpointing/settings.py's keys
+        out.activation_checkpointing = _activation_checkpointing(cfg["activation_checkpointing"],
+                                                                 ConfigError)
     out.steps_per_print = _int("steps_per_print", cfg.get("steps_per_print", 10))
     out.wall_clock_breakdown = _bool("wall_clock_breakdown", cfg.get("wall_clock_breakdown", False))
     for k, why in NO_EFFECT_TOP.items():

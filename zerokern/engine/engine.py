@@ -387,6 +387,12 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     rank's weights]), the forward-only engine here; a ZeroAdamW given as optimizer= with
     broadcast_params=False has checked that they agree instead.
 
+    [Note: activation_checkpointing in initialize] A config with an `activation_checkpointing`
+    section configures `zerokern.checkpointing` with it and with `mpu` (checked before the
+    model is touched, in effect once the engine is built), as Megatron-DeepSpeed's own
+    `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)` call does: the model's
+    `zerokern.checkpointing.checkpoint` calls then partition / offload as the section says.
+
     Args:
         args: an argparse namespace; its `deepspeed_config` is an alias of `config`.
         model: the nn.Module to train (required).
@@ -460,6 +466,11 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         raise ValueError("initialize: mpu= with zero_optimization.zero_hpz_partition_size is "
                          "not supported (DeepSpeed builds its hpZ groups over the whole world, "
                          "across model-parallel ranks)")
+    ac_plan = None
+    if cfg.activation_checkpointing is not None:  # checked now, in effect at the end
+        from ..checkpointing import api as ac_api
+
+        ac_plan = ac_api.prepare(mpu, section=cfg.activation_checkpointing, error=ConfigError)
     if deepscale is not None:  # what DeepSpeed leaves in args
         args.deepspeed_config, args.deepscale_config = deepscale, None
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -482,6 +493,8 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
                                              sampler=sampler, collate_fn=collate_fn)
     engine = ZeroEngine(model, opt, cfg, sched, loader)
     engine.mpu = mpu
+    if ac_plan is not None:  # [Note: activation_checkpointing in initialize]
+        ac_api.apply(ac_plan)
     if rank == 0:
         log.info("zerokern.initialize: stage %d, %s, micro-batch %d x accumulation %d x %d "
                  "rank(s) = %d, bucket %.1f MiB (reduce_bucket_size %s elements)", cfg.stage,
