@@ -134,6 +134,8 @@ class Model(nn.Module):
                 b.b_proj.normal_(0, 0.1)
                 b.b_fc2.normal_(0, 0.1)
         self.head = nn.Linear(D, D)
+        self.inp = nn.Linear(D, D)  # so the first block's input requires grad (DeepSpeed's
+        # reentrant checkpoint needs one that does, as Megatron's embedding output does)
         blocks = full if tp == 1 else [TPBlock(b, tp_group, tp, tp_rank) for b in full]
         self.blocks = nn.ModuleList(blocks)
         for b in self.blocks:
@@ -141,6 +143,7 @@ class Model(nn.Module):
         self.ckpt = ckpt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
         for b in self.blocks:
             x = b(x) if self.ckpt is None else self.ckpt(b, x)
         return self.head(x)
