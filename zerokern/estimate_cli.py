@@ -77,6 +77,24 @@ def add_arguments(p) -> None:
                    help="stage 3: ZeroAdamW keep_for_backward_mb, MiB of units a forward "
                         "leaves gathered for the backward (inf: every unit; default 0)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    act = p.add_argument_group("activations (ZeRO-R; need --model, --batch and --seq)")
+    act.add_argument("--batch", type=int_at_least(1), default=None, metavar="B",
+                     help="micro-batch per rank: adds the activations of one B x S forward")
+    act.add_argument("--seq", type=int_at_least(1), default=None, metavar="S",
+                     help="sequence length of the micro-batch")
+    act.add_argument("--activation-checkpointing",
+                     choices=["none", "full", "selective", "offload"], default="none",
+                     help="ZeroAdamW activation_checkpointing= on the model's units (default "
+                          "none)")
+    act.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
+                     help="tensor-parallel degree: activations inside the units / T "
+                          "(Megatron with sequence parallelism; not measured here)")
+    act.add_argument("--partition-activations", action="store_true",
+                     help="DeepSpeed's partition_activations: the checkpointed inputs split "
+                          "over the --tp ranks")
+    act.add_argument("--cpu-checkpointing", action="store_true",
+                     help="DeepSpeed's cpu_checkpointing: the checkpointed inputs in host "
+                          "memory")
 
 
 def human_bytes(n: Optional[float]) -> str:
@@ -155,6 +173,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         table.append(("hpZ secondary (16-bit, over S)",
                       [human_bytes(r["bytes"].get("hpz_secondary", 0)) for r in results]))
     table.append(("total on the device", [human_bytes(r["device_total"]) for r in results]))
+    table += _activation_rows(results)
     poff = any(r.get("offload_params") for r in results)
     if any(r["offload"] for r in results) or poff:
         for key, label in _host_rows(r0) + (_PARAM_HOST_ROWS if poff else []):
@@ -196,12 +215,61 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _activations(args, model):
+    """The activation estimate (zerokern.accounting.activations), or None without --batch."""
+    given = (args.batch, args.seq)
+    flags = (args.activation_checkpointing != "none" or args.tp != 1
+             or args.partition_activations or args.cpu_checkpointing)
+    if given == (None, None) and not flags:
+        return None
+    if None in given:
+        raise ValueError("the activation estimate needs both --batch and --seq")
+    if model is None:
+        raise ValueError("the activation estimate needs --model (a model to trace), not "
+                         "--params")
+    from zerokern.accounting.activations import activation_estimate
+
+    from .optimizer_args import PRECISIONS as dtypes
+
+    return activation_estimate(model, args.batch, args.seq, args.activation_checkpointing,
+                               dtype=dtypes[args.precision], tp=args.tp,
+                               partition_activations=args.partition_activations,
+                               cpu_checkpointing=args.cpu_checkpointing)
+
+
+def whole_peak(r) -> int:
+    """Per-rank device peak: the model states (`device_total`), stage 3's gathered units
+    (`live_units_bound`), the activations held at the end of forward and the recompute's
+    working set in backward."""
+    a = r.get("activations") or {"device": 0, "recompute": 0}
+    return (r["device_total"] + (r["live_units_bound"] or 0 if r["stage"] == 3 else 0)
+            + a["device"] + a["recompute"])
+
+
+def _activation_rows(results) -> list:
+    a = results[0].get("activations")
+    if a is None:
+        return []
+    n = len(results)
+    rows = [(f"activations ({a['policy']}, {a['batch']}x{a['seq']}"
+             + (f", tp {a['tp']}" if a["tp"] > 1 else "") + ")", [human_bytes(a["device"])] * n),
+            ("activations: recompute working set", [human_bytes(a["recompute"])] * n)]
+    if a["host"]:
+        rows.append(("activations on the host", [human_bytes(a["host"])] * n))
+    # model states + (stage 3) the units gathered in a step + activations + the recompute
+    rows.append(("whole peak on the device",
+                 [human_bytes(whole_peak(r)) for r in results]))
+    return rows
+
+
 def main(args) -> int:
+    model = None
     if args.params is not None:
         spec = spec_from_numel(args.params)
     else:
         model, desc = load_model(args.model)
         spec = spec_from_model(model, desc)
+    act = _activations(args, model)
     if args.mesh is not None:  # the mesh's ranks are the world
         n = args.mesh[0] * args.mesh[1]
         if args.world_size not in (1, n):
@@ -232,6 +300,10 @@ def main(args) -> int:
                         optimizer=args.optimizer, mesh=args.mesh, hpz=args.hpz,
                         keep_for_backward_mb=args.keep_for_backward_mb if s == 3 else 0.0)
                for s in stages]
+    if act is not None:
+        for r in results:
+            r["activations"] = act
+            r["whole_peak"] = whole_peak(r)
     if args.json:
         print(json.dumps({"results": results}, indent=1))
     else:

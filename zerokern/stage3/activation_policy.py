@@ -1,0 +1,276 @@
+"""Activation checkpointing policies on the model's units (issue 37, ZeRO-R's activations).
+
+`ZeroOptimizer(..., activation_checkpointing=...)` applies one policy to every unit: the
+stage-3 units (each child of every `nn.ModuleList` by default, or the `units=` policy's
+modules; never the root), and at stages 0-2 each child of every `nn.ModuleList`:
+
+    "full"       non-reentrant `torch.utils.checkpoint` around the unit's forward: only the
+                 unit's inputs are held for backward; the whole unit is recomputed there.
+    "selective"  the same, with torch's selective-checkpoint contexts
+                 (`create_selective_checkpoint_contexts`): the outputs of the matmuls
+                 (aten.mm / addmm / bmm / linear) and of attention
+                 (scaled_dot_product_attention's kernels) are kept, the elementwise ops
+                 (norms, activations, residual adds, softmax, dropout) are recomputed.
+    "offload"    nothing is recomputed: every tensor the unit saves for backward (params
+                 excepted) goes to host memory (`torch.autograd.graph.save_on_cpu`'s
+                 semantics; pinned on a GPU, so the copies are asynchronous) and comes back
+                 in the unit's backward. On a CPU-only machine host memory is the device, so
+                 the tensors stay where they are (nothing to move).
+    None         nothing (the default).
+
+[Note: policies and stage-3 gathers]
+The policy replaces the unit module's `forward` (an instance attribute), so stage 3's module
+hooks run around it as before: the pre-hook gathers the unit, the checkpointed forward runs,
+the post-hook frees it and hooks its outputs. In backward the pre-hook on the output's grad_fn
+re-gathers the unit before any node of the unit runs; the recompute starts at the first
+unpack of a saved tensor of that node, so it runs on the gathered params. The recompute calls
+the original `forward` directly (not the module), so no stage-3 hook runs twice; a unit nested
+inside a unit is not wrapped (its outer unit's checkpoint covers it) and its own hooks see
+`in_backward` ([Note: stage-3 collective order] in runtime.py). Dropout and other random ops
+are replayed with the RNG state of the first forward (`preserve_rng_state=True`), so every
+policy trains bit for bit as no checkpointing does on a deterministic backend.
+
+[Note: what the activation rows count]
+`report()` (memory_report()'s `activations` rows) counts what the units hold for backward:
+"full" their inputs; "selective" their inputs and the outputs the policy kept; "offload" the
+host copies. Each is tracked by a weak reference to its storage (unique storages, dropped
+when autograd frees them), sampled after each unit's forward, where the peak is (the end of
+forward). The root's own saved tensors (embeddings, head, loss) are not the units'; the
+estimate (`zerokern.accounting.activations`) counts them too.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+MODES = ("full", "selective", "offload")
+
+
+def check_mode(mode: Any) -> Optional[str]:
+    """`activation_checkpointing`'s value: None or one of MODES ("none" reads as None)."""
+    if mode is None or mode == "none":
+        return None
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"activation_checkpointing must be None, 'full', 'selective' or "
+                         f"'offload', got {mode!r}")
+    return mode
+
+
+def _aten_ops(names: Sequence[str]) -> frozenset:
+    ops = set()
+    for n in names:
+        packet = getattr(torch.ops.aten, n, None)
+        if packet is not None:
+            ops.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(ops)
+
+
+# The ops whose outputs "selective" keeps: matmuls, and attention's fused kernels (the
+# composite scaled_dot_product_attention itself never reaches the dispatcher; its math
+# fallback is bmm + softmax, whose bmm outputs are kept and softmax recomputed).
+SAVED_OPS = _aten_ops([
+    "mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward",
+])
+
+
+def selective_policy(ctx, func, *args, **kwargs):
+    """The "selective" policy: keep matmul and attention outputs, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _storages(obj, out: list) -> list:
+    obj = getattr(obj, "val", obj)  # the selective cache's entries (torch's _VersionWrapper)
+    if isinstance(obj, torch.Tensor):
+        out.append(obj.untyped_storage())
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _storages(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _storages(x, out)
+    return out
+
+
+class _Held:
+    """Unique storages by weak reference: the bytes of those still alive."""
+
+    def __init__(self) -> None:
+        self.refs: Dict[int, tuple] = {}
+
+    def add(self, storage) -> None:
+        if storage.nbytes() == 0:
+            return
+        key = storage._cdata
+        old = self.refs.get(key)
+        if old is None or old[0].expired():
+            self.refs[key] = (StorageWeakRef(storage), storage.nbytes())
+
+    def bytes(self) -> int:
+        dead = [k for k, (w, _) in self.refs.items() if w.expired()]
+        for k in dead:
+            del self.refs[k]
+        return sum(n for _, n in self.refs.values())
+
+
+class ActivationPolicy:
+    """One activation policy applied to modules (see the module's docstring)."""
+
+    def __init__(self, modules: Sequence[nn.Module], mode: str,
+                 pin_memory: Optional[bool] = None, preserve_rng_state: bool = True) -> None:
+        self.mode = check_mode(mode)
+        if self.mode is None:
+            raise ValueError("ActivationPolicy needs a mode; None applies nothing")
+        self.modules: List[nn.Module] = list(modules)
+        self.pin_memory = pin_memory
+        self.preserve_rng_state = preserve_rng_state
+        self._held = _Held()   # inputs and kept outputs (full / selective)
+        self._host = _Held()   # host copies (offload)
+        self._records: List[list] = []  # per checkpoint taken: [input refs, recomputed]
+        self.checkpoints_taken = 0
+        self.recomputes = 0
+        self.peak_saved_bytes = 0
+        self.peak_host_bytes = 0
+        self.peak_checkpoints_held = 0
+        self._own: List[tuple] = []
+        for m in self.modules:
+            had = "forward" in m.__dict__
+            orig = m.__dict__["forward"] if had else m.forward
+            m.forward = functools.wraps(orig)(functools.partial(self._run, orig))
+            self._own.append((m, had, orig))
+
+    # ---- the wrapped forward --------------------------------------------------------------
+    def _run(self, orig, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        if self.mode == "offload":
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = orig(*args, **kwargs)
+            self._sample()
+            return out
+        record = [[StorageWeakRef(s) for s in _storages((args, kwargs), [])], False]
+
+        def fn(*a, **k):
+            if record[1] is None:  # the first call is the forward
+                record[1] = False
+            else:
+                record[1] = True
+                self.recomputes += 1
+            return orig(*a, **k)
+
+        record[1] = None
+        ctx = noop_context_fn
+        cache = None
+        if self.mode == "selective":
+            fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+            cache = getattr(fwd, "storage", None)
+            ctx = lambda: (fwd, rec)  # noqa: E731
+        out = checkpoint(fn, *args, use_reentrant=False, context_fn=ctx,
+                         preserve_rng_state=self.preserve_rng_state, **kwargs)
+        self.checkpoints_taken += 1
+        for s in _storages((args, kwargs), []):
+            self._held.add(s)
+        if cache is not None:  # the outputs the selective policy kept
+            for outs in list(cache.values()):
+                for s in _storages(outs, []):
+                    self._held.add(s)
+        self._records.append(record)
+        self._sample()
+        return out
+
+    def _pack(self, t: torch.Tensor):
+        param = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+        if param or t.device.type == "cpu":  # params (and their views, weight.t()) stay
+            if not param:  # host memory is the device: kept as is
+                self._host.add(t.untyped_storage())
+            return None, t
+        pin = t.is_cuda if self.pin_memory is None else self.pin_memory
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+        host.copy_(t, non_blocking=pin)
+        self._host.add(host.untyped_storage())
+        return t.device, host
+
+    def _unpack(self, packed):
+        dev, t = packed
+        return t if dev is None else t.to(dev, non_blocking=t.is_pinned())
+
+    # ---- the report -------------------------------------------------------------------------
+    def checkpoints_held(self) -> int:
+        """Checkpoints taken whose recompute has not run, and whose inputs are still alive."""
+        self._records = [r for r in self._records if r[1] is not True and
+                         any(not w.expired() for w in r[0])]
+        return len(self._records)
+
+    def _sample(self) -> None:
+        self.peak_saved_bytes = max(self.peak_saved_bytes, self._held.bytes()
+                                    + self._host.bytes())
+        self.peak_host_bytes = max(self.peak_host_bytes, self._host.bytes())
+        self.peak_checkpoints_held = max(self.peak_checkpoints_held, self.checkpoints_held())
+
+    def reset_peak(self) -> None:
+        self.peak_saved_bytes = self.peak_host_bytes = self.peak_checkpoints_held = 0
+
+    def report(self) -> Dict[str, Any]:
+        """memory_report()'s activation rows ([Note: what the activation rows count])."""
+        return {"policy": self.mode, "units": len(self.modules),
+                "checkpoints_held": self.checkpoints_held(),
+                "checkpoints_peak": self.peak_checkpoints_held,
+                "checkpoints_taken": self.checkpoints_taken, "recomputes": self.recomputes,
+                "saved_bytes": self._held.bytes() + self._host.bytes(),
+                "saved_peak": self.peak_saved_bytes,
+                "host_bytes": self._host.bytes(), "host_peak": self.peak_host_bytes}
+
+    def remove(self) -> None:
+        """Restore the modules' own forward."""
+        for m, had, orig in self._own:
+            if had:
+                m.forward = orig
+            else:
+                m.__dict__.pop("forward", None)
+        self._own = []
+
+
+def outermost(modules: Sequence[nn.Module]) -> List[nn.Module]:
+    """The modules not inside another of them (a nested unit is covered by its outer one)."""
+    inner = set()
+    for m in modules:
+        for sub in m.modules():
+            if sub is not m:
+                inner.add(id(sub))
+    return [m for m in modules if id(m) not in inner]
+
+
+def policy_modules(model: nn.Module, units=None) -> List[nn.Module]:
+    """The modules a policy wraps: the non-root units of `find_units(model, units)` (each
+    child of every nn.ModuleList by default), outermost first."""
+    from .units import find_units
+
+    return outermost([u.module for u in find_units(model, units) if not u.is_root])
+
+
+def apply_policy(model: nn.Module, mode: Optional[str], units=None, modules=None,
+                 **kw) -> Optional[ActivationPolicy]:
+    """Apply `mode` to the model's units (or to `modules`); None for mode None."""
+    mode = check_mode(mode)
+    if mode is None:
+        return None
+    mods = outermost(modules) if modules is not None else policy_modules(model, units)
+    if not mods:
+        raise ValueError(f"activation_checkpointing={mode!r}: the model has no units to "
+                         "checkpoint (no nn.ModuleList children, and no units= policy that "
+                         "names submodules)")
+    return ActivationPolicy(mods, mode, **kw)
