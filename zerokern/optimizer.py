@@ -110,8 +110,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
         broadcast_params: bool = True,
+        activation_checkpointing: Optional[str] = None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
+        from .stage3.activation_policy import check_policy_target
+
+        act_mode = check_policy_target(activation_checkpointing, params_or_model,
+                                       units if stage == 3 else None)
         if not isinstance(broadcast_params, bool):
             raise TypeError(f"broadcast_params must be True or False, got "
                             f"{type(broadcast_params).__name__}")
@@ -267,6 +272,12 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             self.model_watch = ModelWatch(self, model)
             ref = weakref.ref(self)
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
+        self.activations = None  # activation_checkpointing (stage3/activation_policy.py)
+        if act_mode is not None:
+            from .stage3.activation_policy import apply_policy
+
+            self.activations = apply_policy(model, act_mode, modules=[
+                u.module for u in self.units if not u.is_root] if P.shards_params else None)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Only during construction (torch.optim.Optimizer calls it for each group).

@@ -67,6 +67,7 @@ class ZeroAdamW(ZeroOptimizer):
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
         broadcast_params: bool = True,
+        activation_checkpointing: Optional[str] = None,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
@@ -84,5 +85,6 @@ class ZeroAdamW(ZeroOptimizer):
                          quantized_weights=quantized_weights,
                          quantized_gradients=quantized_gradients,
                          keep_for_backward_mb=keep_for_backward_mb,
-                         broadcast_params=broadcast_params)
+                         broadcast_params=broadcast_params,
+                         activation_checkpointing=activation_checkpointing)
         self.state_bits = state_bits

@@ -79,4 +79,15 @@ ENGINE_ARGS = """
             reshard_after_forward=False). Each kept unit saves its backward all-gather and
             adds its full bytes to the peak at the end of forward (`live_units_bound` in
             memory_report() counts them). Default 0: lowest memory.
+        activation_checkpointing (str | None): (keyword) None (default), "full", "selective"
+            or "offload": an activation policy applied to the model's units (the stage-3 units
+            but the root; at stages 0-2 each child of every nn.ModuleList; needs the model).
+            "full": non-reentrant torch.utils.checkpoint around each unit (its inputs held, the
+            unit recomputed in backward); "selective": torch's selective-checkpoint contexts,
+            keeping matmul and attention outputs and recomputing the elementwise ops;
+            "offload": every tensor a unit saves for backward (params excepted) goes to
+            (pinned) host memory and back in its backward. Composes with stage 3's gathers and
+            trains bit for bit as without it on a deterministic backend; memory_report()
+            gains an "activations" row (see zerokern.stage3.activation_policy), and
+            `zerokern estimate --batch --seq --activation-checkpointing` estimates the bytes.
 """

@@ -52,6 +52,7 @@ class ZeroLion(ZeroOptimizer):
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
         broadcast_params: bool = True,
+        activation_checkpointing: Optional[str] = None,
     ) -> None:
         if not isinstance(betas, (tuple, list)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1], got {betas!r}")
@@ -64,4 +65,5 @@ class ZeroLion(ZeroOptimizer):
                          quantized_weights=quantized_weights,
                          quantized_gradients=quantized_gradients,
                          keep_for_backward_mb=keep_for_backward_mb,
-                         broadcast_params=broadcast_params)
+                         broadcast_params=broadcast_params,
+                         activation_checkpointing=activation_checkpointing)

@@ -192,6 +192,7 @@ class ZeroMuon(ZeroOptimizer):
         quantized_gradients: Union[bool, str] = False,
         keep_for_backward_mb: float = 0.0,
         broadcast_params: bool = True,
+        activation_checkpointing: Optional[str] = None,
     ) -> None:
         if not isinstance(adamw_betas, (tuple, list)):
             raise ValueError(f"adamw_betas must be a pair of numbers in [0, 1), got "
@@ -240,4 +241,5 @@ class ZeroMuon(ZeroOptimizer):
                          mesh=mesh, hpz=hpz, quantized_weights=quantized_weights,
                          quantized_gradients=quantized_gradients,
                          keep_for_backward_mb=keep_for_backward_mb,
-                         broadcast_params=broadcast_params)
+                         broadcast_params=broadcast_params,
+                         activation_checkpointing=activation_checkpointing)

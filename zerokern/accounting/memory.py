@@ -65,6 +65,10 @@ def memory_report(opt) -> Dict[str, Any]:
     and the prefetched one), and peak_live_units <= live_units_bound. comm_buffers: this
     rank's shared-memory segments for CPU collectives between ranks on one host
     (comm/shm.py; 8 MiB per process group once used), not a model state.
+    activations (with activation_checkpointing): the units' activation rows, apart from the
+    model states: checkpoints_held / checkpoints_peak (checkpoints whose recompute is still
+    to come), saved_bytes / saved_peak (bytes the units hold for backward: checkpointed
+    inputs, kept outputs, host copies; unique storages), host_bytes / host_peak ("offload").
 
     allowed_slack = staging buckets + gathered stage-3 units (live_units, 0 between steps)
     + each buffer's whole padding (< N*128 elements, DESIGN §4).
@@ -132,6 +136,9 @@ def memory_report(opt) -> Dict[str, Any]:
     comms = [opt.comm, getattr(opt.grad_sync, "rs_comm", opt.comm)]
     groups = {id(gc): gc for c in comms for gc in c.group_comms() if gc.ring is not None}
     out["comm_buffers"] = sum(gc.ring.shm_bytes for gc in groups.values())
+    acts = getattr(opt, "activations", None)
+    if acts is not None:  # activation_checkpointing: what the units hold for backward
+        out["activations"] = acts.report()  # ([Note: what the activation rows count])
     if opt.pattern.shards_params:  # stage 3: units gathered in a step
         sync = opt.grad_sync
         out.update(peak_live_units=sync.peak_live_bytes, live_units_bound=sync.live_bound())

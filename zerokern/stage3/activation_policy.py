@@ -150,7 +150,12 @@ class ActivationPolicy:
         for m in self.modules:
             had = "forward" in m.__dict__
             orig = m.__dict__["forward"] if had else m.forward
-            m.forward = functools.wraps(orig)(functools.partial(self._run, orig))
+            old = getattr(orig, "_zerokern_policy", None)
+            if old is not None:  # a newer optimizer on the same model: its policy replaces
+                had, orig = old          # the older one (no checkpoint inside a checkpoint)
+            wrapper = functools.wraps(orig)(functools.partial(self._run, orig))
+            wrapper._zerokern_policy = (had, orig)
+            m.forward = wrapper
             self._own.append((m, had, orig))
 
     # ---- the wrapped forward --------------------------------------------------------------
@@ -274,3 +279,16 @@ def apply_policy(model: nn.Module, mode: Optional[str], units=None, modules=None
                          "checkpoint (no nn.ModuleList children, and no units= policy that "
                          "names submodules)")
     return ActivationPolicy(mods, mode, **kw)
+
+
+def check_policy_target(mode: Any, params_or_model, units=None) -> Optional[str]:
+    """The optimizer's check, before anything changes: the mode, and a model to apply it to."""
+    mode = check_mode(mode)
+    if mode is not None and not isinstance(params_or_model, nn.Module):
+        raise ValueError(f"activation_checkpointing={mode!r} needs the model (an nn.Module) as "
+                         "the first argument, not its params: it wraps the model's units")
+    if mode is not None and not policy_modules(params_or_model, units):
+        raise ValueError(f"activation_checkpointing={mode!r}: the model has no units to "
+                         "checkpoint (no nn.ModuleList children, and no units= policy that "
+                         "names submodules)")
+    return mode
