@@ -171,3 +171,49 @@ def test_eval_forward_and_a_newer_optimizer(one_thread):
     assert opt2.activations.checkpoints_taken == 3 and opt.activations.checkpoints_taken == 0
     opt2.activations.remove()
     assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+# ---- the same switch in `zerokern train` and ZeroTrainer -----------------------------------
+def test_train_command_flag(tmp_path, capsys):
+    import json
+
+    from zerokern import cli
+
+    out = tmp_path / "sel"
+    rc = cli.main(["train", "--model-size", "tiny", "--seq", "32", "--batch", "4", "--steps",
+                   "2", "--device", "cpu", "--nproc", "1", "--stage", "3", "--precision",
+                   "fp32", "--activation-checkpointing", "selective", "--out", str(out)])
+    assert rc == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["config"]["activation_checkpointing"] == "selective"
+
+
+def test_zero_trainer_switch(tmp_path, one_thread):
+    from transformers import TrainingArguments
+
+    from tests.engine import common as C
+    from zerokern.integrations.transformers import ZeroTrainer
+
+    ds = [{"input_ids": C.tokens(s, 0, 0)[0], "labels": C.tokens(s, 0, 0)[0]} for s in range(4)]
+
+    def args(**kw):
+        return TrainingArguments(output_dir=str(tmp_path), learning_rate=3e-3,
+                                 per_device_train_batch_size=2, max_steps=2, report_to=[],
+                                 use_cpu=True, save_strategy="no", logging_strategy="no", **kw)
+
+    finals = {}
+    for pol in (None, "selective"):
+        model = C.gpt2()
+        tr = ZeroTrainer(model=model, args=args(), train_dataset=ds, zero_stage=3,
+                         zero_options={"precision": "fp32"}, activation_checkpointing=pol)
+        tr.train()
+        z = tr.zero_optimizer
+        assert (z.activations is None) == (pol is None)
+        with z.gathered_params():
+            finals[pol] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(finals[None], finals["selective"]))
+    with pytest.raises(ValueError, match="activation_checkpointing must be"):
+        ZeroTrainer(model=C.gpt2(), args=args(), train_dataset=ds, activation_checkpointing="x")
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        ZeroTrainer(model=C.gpt2(), args=args(gradient_checkpointing=True), train_dataset=ds,
+                    activation_checkpointing="full")

@@ -51,6 +51,9 @@ class ZeroTrainer(Trainer):
     Args:
         zero_stage: the ZeRO stage.
         zero_options: further ZeroAdamW keyword arguments (bucket_mb, offload, units, ...).
+        activation_checkpointing: ZeroAdamW's activation_checkpointing (None, "full",
+            "selective", "offload") on the model's units (its decoder layers), in place of
+            TrainingArguments.gradient_checkpointing (both at once is a ValueError).
         *args: as `transformers.Trainer`.
         **kwargs: as `transformers.Trainer` (TrainingArguments' bf16/fp16 become ZeroAdamW's
             precision, max_grad_norm its global clipping).
@@ -61,12 +64,21 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args, zero_stage: int = 2, zero_options: Optional[Dict[str, Any]] = None,
-                 **kwargs) -> None:
+                 activation_checkpointing: Optional[str] = None, **kwargs) -> None:
+        from ..stage3.activation_policy import check_mode
+
         self.zero_stage = zero_stage
         self.zero_options = dict(zero_options or {})
+        mode = check_mode(activation_checkpointing)  # ValueError before anything is built
+        if mode is not None:
+            self.zero_options["activation_checkpointing"] = mode
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("ZeroTrainer replaces DeepSpeed/FSDP: remove --deepspeed/--fsdp")
+        if self.zero_options.get("activation_checkpointing") and \
+                self.args.gradient_checkpointing:
+            raise ValueError("ZeroTrainer: activation_checkpointing and TrainingArguments."
+                             "gradient_checkpointing both checkpoint the layers; use one")
         optim = str(getattr(self.args.optim, "value", self.args.optim))
         if self.optimizer is None and optim not in OPTIM_NAMES:
             raise ValueError(f"ZeroTrainer: TrainingArguments.optim={optim!r} has no zerokern "

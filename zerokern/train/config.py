@@ -53,6 +53,7 @@ class TrainConfig:
     mesh: Optional[Tuple[int, int]] = None  # (replicate, shard): HSDP (launch.py check_mesh)
     hpz: bool = False                 # stage 3 on the mesh: ZeRO++'s hpZ
     quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
+    activation_checkpointing: str = "none"  # "none" | "full" | "selective" | "offload"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZeRO++ quantized collectives: weights (qwZ, int8 param gathers, "
                         "--stage 3), grads (qgZ, int8 gradient reduce-scatter, --stage 1-3) "
                         "or both (default none)")
+    p.add_argument("--activation-checkpointing", choices=["none", "full", "selective",
+                                                          "offload"], default="none",
+                   help="ZeroAdamW activation_checkpointing= on the GPT's blocks: full "
+                        "recompute, selective (matmul and attention outputs kept), offload "
+                        "(saved tensors in host memory); default none")
 
 
 # --quantize: ZeroAdamW's quantized_weights / quantized_gradients
@@ -127,4 +133,5 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
                        bucket_mb=args.bucket_mb, quantize=args.quantize,
-                       state_bits=args.state_bits, mesh=args.mesh, hpz=args.hpz)
+                       state_bits=args.state_bits, mesh=args.mesh, hpz=args.hpz,
+                       activation_checkpointing=args.activation_checkpointing)

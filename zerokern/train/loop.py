@@ -98,6 +98,7 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
                        offload=cfg.offload if stage > 0 else None, max_grad_norm=MAX_GRAD_NORM,
                        bucket_mb=cfg.bucket_mb, state_bits=cfg.state_bits, mesh=mesh,
                        hpz=cfg.hpz and stage == 3, **HYPER,
+                       activation_checkpointing=cfg.activation_checkpointing,
                        **(QUANTIZE[cfg.quantize] if stage > 0 else {}))  # (--compare: exact)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
     batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank)
