@@ -49,9 +49,44 @@ is from then on updated again from its saved state with step t - lag (bitwise th
 update where the lag is 0), so when it is used again its bias correction is torch's. A lag is
 kept for every param that once had no gradient on this rank (whether it lags is on the
 device); `check_savable` reads them on the host at save time and refuses only a lag > 0.
-Where the state is not updated in place on the device (offload, master="compact",
-offload_params) or a rule keeps per-block state (8-bit), such a param still counts as a zero
-gradient (docs/concepts/stages.md says so).
+Where the state is not updated in place on the device, see the next Note (offload) and
+[Note: a param no rank used, compact and 8-bit].
+
+[Note: a param no rank used, on the host]
+offload="cpu"/"nvme": the update runs on the host, after the step's one blocking wait for its
+[grad_scale, found_inf] (state/offload.py [Note: the one blocking wait]). The used flags travel
+in the same pinned copy (`CopyPipeline._ship_scalars`), so once the host has waited it knows
+which params no rank used, in host memory: `HostUnused.plan_` (once per step, at the first
+piece) takes them and adds 1 to the host lag of each such param of a rule that counts steps on
+a step that runs. Then, per chunk that the cpu kernel updates (in pinned memory or in an NVMe
+pool set, before the set is written behind and before its params are copied to the device),
+`HostUnused.update_`: the regions of params no rank used are saved before the kernel and
+written back after it (master and states; the 16-bit param cast again from the restored master,
+bitwise the value the device holds, as the kernel's cast-back is `.to(dtype)`), and a used
+param whose lag is > 0 is updated again from its saved state with step t - lag. A phased rule's
+passes (Muon: `map_piece_`) restore the regions of the states they name the same way (Muon
+counts no steps). With offload_params the params' home is the host tensor the kernel writes
+(or the NVMe staging), so the same restore covers it. The lags are host ints, checked by
+`check_savable` with the device ones.
+
+[Note: a param no rank used, compact and 8-bit]
+master="compact" (bf16, state on the device): the step is the device path above, with the
+master's region read and written as fp32 through its compact form (`_CompactRegion`: expand
+the 8-aligned span around the region, since the tie bits are packed 8 to a byte; write back by
+compacting the span and casting it into the bf16 params), so the master stays compact (it is
+never expanded, which `master` would do) and the params, low halves and tie bits of a skipped
+param are bit for bit what they were; `torch.where` with the device flag selects as above, no
+host read. offload_params with offload=None is the device path too (the update's master and
+param views are the fetched device shard, stored home after the skip's restore, since the
+restore runs before the piece is published); with offload="cpu"/"nvme" the host path.
+state_bits=8: NOT skipped; such a param still counts as a zero gradient (it moves by weight
+decay and momentum). Its moments are codes scaled per 128-element block, and a block is shared
+with the neighbouring params in the flat buffer (slots are not block-aligned): when a neighbour
+is updated, the block's absmax changes, so the skipped param's codes would have to be
+re-quantized under the new scale and could not stay bit for bit as they were (nor their
+dequantized values exactly). Only params whose elements fill whole blocks could be skipped
+exactly; that, or a block-aligned layout for 8-bit states, is left to do
+(docs/concepts/stages.md says so).
 
 [Note: a param frozen at construction]
 Params frozen when ZeroAdamW was built are not in its buffers (DESIGN §2). torch's AdamW,
@@ -132,10 +167,11 @@ class FrozenSkip:
         self._saved: Dict[Tuple[int, int], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         self._redo: Dict[Tuple[int, int], List[Tuple[int, int, torch.Tensor]]] = {}
         self._steps: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.host: Optional[HostUnused] = None  # offload placements (optimizer.py)
 
     def lagging(self) -> bool:
         """Some param skipped steps (its own step count lags its bucket's)."""
-        return bool(self._lag)
+        return bool(self._lag) or (self.host is not None and bool(self.host.lag))
 
     def check_savable(self, where: str) -> None:
         """The lags are not in optimizer checkpoints: refuse to save one that would resume
@@ -143,6 +179,9 @@ class FrozenSkip:
         # a lag starts for every param without a gradient on this rank: the ones that lag
         # (a host read: saving is not on the step path)
         lagging = [key for key, lag in self._lag.items() if int(lag) != 0]
+        host = getattr(self, "host", None)  # offload: host lags ([Note: ... on the host])
+        if host is not None:
+            lagging += host.lagging()
         if lagging:
             raise RuntimeError(
                 f"zerokern: {where} cannot save this optimizer: {len(lagging)} param(s) "
@@ -204,16 +243,21 @@ class FrozenSkip:
             # its flag where it may be unused); only maybe unused: selected with its flag
             restore = key in skip_set or key in redo_set
             flag = None if key in skip_set else maybe.get(key)
+            cst = _compact_state(g)
             for k in g.layout.buckets_of_slot(i):
                 lo, hi = g.state_range(k)
                 a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if a >= b:
                     continue
-                views = [g.master_piece(k)[a - lo:b - lo], *(t[a - lo:b - lo]
-                                                             for t in g.moments(k))]
-                out = g.param_out_piece(k)
-                if out is not None:
-                    views.append(out[a - lo:b - lo])
+                if cst is not None:  # [Note: a param no rank used, compact and 8-bit]
+                    views = [_CompactRegion(cst, g, k, a - lo, b - lo),
+                             *(t[a - lo:b - lo] for t in g.moments(k))]
+                else:
+                    views = [_master_piece(g, k)[a - lo:b - lo],
+                             *(t[a - lo:b - lo] for t in g.moments(k))]
+                    out = _param_out_piece(g, k)
+                    if out is not None:
+                        views.append(out[a - lo:b - lo])
                 self._saved.setdefault((gi, k), []).extend(
                     (v, v.clone(), None if restore else flag) for v in views)
                 if key in redo_set:
@@ -245,15 +289,18 @@ class FrozenSkip:
             if flag is None:
                 view.copy_(old)
             else:
-                view.copy_(torch.where(flag, old, view))
+                view.copy_(torch.where(flag, old, _value(view)))
         redo = self._redo.pop((gi, k), ())
         if not redo:
             return
         g = opt.flat_groups[gi]
         states_all = g.moments(k)  # the rule's states, in its order
-        out_all = g.param_out_piece(k)
+        cst = _compact_state(g)
+        out_all = None if cst is not None else _param_out_piece(g, k)
         for a, b, lag, flag in redo:
-            views = [g.master_piece(k)[a:b], *(t[a:b] for t in states_all)]
+            master = _CompactRegion(cst, g, k, a, b) if cst is not None else \
+                _master_piece(g, k)[a:b]
+            views = [master, *(t[a:b] for t in states_all)]
             if out_all is not None:
                 views.append(out_all[a:b])
             work = [t.clone() for t in views]
@@ -263,7 +310,161 @@ class FrozenSkip:
                            step=self._steps[(gi, k)] - lag, grad_scale=grad_scale,
                            found_inf=found, backend=opt.backend, **hyper)
             for t, w in zip(views, work):  # t holds the saved state here
-                t.copy_(w if flag is None else torch.where(flag, t, w))
+                t.copy_(w if flag is None else torch.where(flag, _value(t), w))
+
+
+class HostUnused:
+    """Params no rank used, skipped where the host runs the update ([Note: a param no rank
+    used, on the host]). Made by the optimizer for an offload placement (`place.unused`)."""
+
+    def __init__(self, opt) -> None:
+        self.buffers = opt.flat_groups
+        self.index = dict(opt._flag_index)  # (gi, i) -> flag position
+        self.counts = [_rule_of(opt, gi).counts_steps for gi in range(len(self.buffers))]
+        self.blocks = [_has_blocks(_rule_of(opt, gi)) for gi in range(len(self.buffers))]
+        self.lag: Dict[Tuple[int, int], int] = {}
+        self.unused: set = set()
+
+    def plan_(self, flags, ran: bool) -> None:
+        """This step's params no rank used, from the flags' host copy (after the wait); ran:
+        the step runs (no inf/NaN)."""
+        # a per-block rule (8-bit): not skipped ([Note: a param no rank used, compact and
+        # 8-bit]): such a param counts as a zero gradient, as before
+        self.unused = {key for key, j in self.index.items()
+                       if flags[j] == 0 and not self.blocks[key[0]]}
+        if not ran:
+            return
+        for key in self.unused:
+            if self.counts[key[0]]:
+                self.lag[key] = self.lag.get(key, 0) + 1
+
+    def lagging(self) -> List[Tuple[int, int]]:
+        return [key for key, lag in self.lag.items() if lag]
+
+    def regions(self, gi: int, f_lo: int, n: int) -> List[Tuple[int, int, int, bool]]:
+        """(a, b, lag, unused) for chunk elements [a, b) (flat f_lo + a .. f_lo + b) of params
+        no rank used, or used with a lag > 0."""
+        out = []
+        if not self.unused and not self.lag:
+            return out
+        for i, a, b in self.buffers[gi].layout.overlaps(f_lo, f_lo + n):
+            key = (gi, i)
+            if key in self.unused:
+                out.append((a - f_lo, b - f_lo, 0, True))
+            elif self.lag.get(key):
+                out.append((a - f_lo, b - f_lo, self.lag[key], False))
+        return out
+
+    def update_(self, gi: int, f_lo: int, master: torch.Tensor, states: List[torch.Tensor],
+                grad: torch.Tensor, param_out: Optional[torch.Tensor], step: torch.Tensor,
+                run) -> torch.Tensor:
+        """One chunk's update `run(master, states, grad, param_out, step) -> new step` (the
+        cpu kernel), with the params no rank used left as they were and lagging ones redone
+        with their own count. Returns the chunk's new step."""
+        regions = self.regions(gi, f_lo, master.numel())  # (none for a per-block rule)
+        saved = [(a, b, lag, unused, [master[a:b].clone(), *(_cut(t, a, b).clone()
+                                                              for t in states)])
+                 for a, b, lag, unused in regions]
+        new_step = run(master, states, grad, param_out, step)
+        for a, b, lag, unused, old in saved:
+            if unused:
+                master[a:b].copy_(old[0])
+                for t, o in zip(states, old[1:]):
+                    _cut(t, a, b).copy_(o)
+                if param_out is not None:
+                    param_out[a:b].copy_(master[a:b])  # RNE: what the device holds
+                continue
+            work = [o.clone() for o in old]
+            pout = None if param_out is None else torch.empty_like(param_out[a:b])
+            run(work[0], work[1:], grad[a:b].clone(), pout, step - lag)
+            master[a:b].copy_(work[0])
+            for t, w in zip(states, work[1:]):
+                _cut(t, a, b).copy_(w)
+            if pout is not None:
+                param_out[a:b].copy_(pout)
+        return new_step
+
+    def map_(self, gi: int, f_lo: int, views: List[torch.Tensor], fn) -> None:
+        """A phased rule's pass `fn()` over a chunk whose views (per-element states or the
+        master, chunk elements from 0) start at flat f_lo: the regions of params no rank used
+        written back after it (a phased rule counts no steps: Muon)."""
+        regions = [(a, b) for a, b, _, unused in self.regions(gi, f_lo, views[0].numel())
+                   if unused]
+        saved = [(a, b, [v[a:b].clone() for v in views]) for a, b in regions]
+        fn()
+        for a, b, old in saved:
+            for v, o in zip(views, old):
+                v[a:b].copy_(o)
+
+
+def _value(view):
+    """A view's values (a _CompactRegion's expanded into a new fp32 tensor)."""
+    return view if isinstance(view, torch.Tensor) else view.clone()
+
+
+def _compact_state(g):
+    """g's CompactState while its master is compact (not expanded), else None."""
+    from zerokern.state.compact_master import CompactState
+
+    st = g.state
+    return st if isinstance(st, CompactState) and not st.expanded else None
+
+
+def _master_piece(g, k: int) -> torch.Tensor:
+    """Bucket k's master for the step, without an outside access of a compact master (whose
+    `master` would expand it and keep it expanded: compact_master.py)."""
+    from zerokern.state.compact_master import CompactState
+
+    if isinstance(g.state, CompactState):
+        return g.state.expanded_piece(g, k)
+    return g.master_piece(k)
+
+
+def _param_out_piece(g, k: int):
+    from zerokern.state.compact_master import CompactState
+
+    if isinstance(g.state, CompactState):
+        return g.param_values(*g.state_range(k))
+    return g.param_out_piece(k)
+
+
+class _CompactRegion:
+    """Piece elements [a, b) of bucket k's compact master, read and written as fp32
+    ([Note: a param no rank used, compact and 8-bit]): `clone()` expands them (a fresh fp32
+    tensor), `copy_(m)` writes m's low halves, tie bits and bf16 values back. The tie bits are
+    packed 8 to a byte, so both work on the 8-aligned span around [a, b) (the piece starts at a
+    multiple of 128): its other elements are expanded and compacted back unchanged (exact,
+    compact_master.py [Note: the compact master])."""
+
+    def __init__(self, st, g, k: int, a: int, b: int) -> None:
+        self.st, self.g, self.k, self.a, self.b = st, g, k, a, b
+        self.a8, self.b8 = a // 8 * 8, -(-b // 8) * 8
+        self.s0 = g.state_slice(k).start
+
+    def _span(self):
+        from zerokern.state.compact_master import expand_
+
+        lo, hi = self.s0 + self.a8, self.s0 + self.b8
+        param = self.g.param_values(*self.g.state_range(self.k))[self.a8:self.b8]
+        out = torch.empty(self.b8 - self.a8, dtype=torch.float32, device=param.device)
+        expand_(out, self.st.low[lo:hi], self.st.ties[lo // 8:hi // 8], param)
+        return out
+
+    def clone(self) -> torch.Tensor:
+        return self._span()[self.a - self.a8:self.b - self.a8].clone()
+
+    def copy_(self, m: torch.Tensor) -> None:
+        from zerokern.state.compact_master import compact_
+
+        span = self._span()
+        span[self.a - self.a8:self.b - self.a8].copy_(m)
+        lo, hi = self.s0 + self.a8, self.s0 + self.b8
+        compact_(self.st.low[lo:hi], self.st.ties[lo // 8:hi // 8], span)
+        self.g.param_values(*self.g.state_range(self.k))[self.a8:self.b8].copy_(span)
+
+
+def _cut(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return t[a:b]  # per-element states only (a per-block rule has no regions)
 
 
 def _in_place(opt) -> bool:
@@ -272,8 +473,7 @@ def _in_place(opt) -> bool:
     from zerokern.state.placement import DevicePlacement
 
     place = opt.placement
-    return isinstance(place, DevicePlacement) and place.master == "fp32" and \
-        getattr(opt, "param_homes", None) is None
+    return isinstance(place, DevicePlacement)
 
 
 def _has_blocks(rule) -> bool:

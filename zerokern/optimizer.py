@@ -46,7 +46,7 @@ from .comm.device_check import check_params_backend
 from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
 from .comm.quantized import check_quantized
 from .comm.tp import check_tensor_parallel, make_tensor_parallel
-from .frozen_slots import FrozenSkip, UnfreezeWatch
+from .frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
 from .kernels import blockquant
 from .loss_scale import make_loss_scaler
 from .model_sync import ModelWatch, check_same_on_ranks, model_tensors, sync_from_first_rank
@@ -257,6 +257,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             (gi, i) for gi, g in enumerate(self.flat_groups) for i in range(len(g.params)))}
         self._stats = torch.zeros(self._flag_base + len(self._flag_index), dtype=torch.float32,
                                   device=dev)
+        if self.placement.offload is not None:  # the host skips params no rank used
+            self._frozen_skip.host = self.placement.unused = HostUnused(self)
         self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
         # grads/model_parallel.py: set by zerokern.initialize(mpu=...), else None
         self.model_parallel = None
@@ -438,9 +440,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
-        # params frozen since, and params no rank used: left as they are (frozen_slots.py)
+        place.begin(grad_scale, found, self._stats[self._flag_base:])  # (offload: the flags)
+        # params frozen since, and params no rank used: left as they are (frozen_slots.py;
+        # after place.begin, which settles whether a compact master is expanded)
         self._frozen_skip.begin(self, found, self._stats[self._flag_base:] == 0)
-        place.begin(grad_scale, found)
         for gi, g in enumerate(self.flat_groups):
             rule = self.rules[g.group_index]
             hyper = rule.hyper(self.param_groups[g.group_index])

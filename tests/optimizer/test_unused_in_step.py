@@ -24,6 +24,7 @@ by weight decay and stale momentum) and so did "rel" (1e-3).
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ class MoE(nn.Module):
         self.head = nn.Linear(16, 4)
 
     def forward(self, x, route):
-        h = torch.relu(self.inp(x))
+        h = torch.relu(self.inp(x.to(self.inp.weight.dtype)))
         out = sum(self.experts[e](h) for e in route)
         return self.head(torch.relu(out))
 
@@ -69,30 +70,54 @@ def _expert(name: str):
 
 
 def _state(opt, model):
-    """master / moments by name where the rule keeps them (gathered)."""
+    """master / moments by name where the rule keeps them (gathered; 8-bit: the codes)."""
     out = {}
-    for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+    if getattr(opt, "master", None) == "compact":  # its low halves and tie bits, this rank's
+        from zerokern.state.compact_master import unpack_ties  # (reading `master` expands it)
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        for key in ("low", "ties"):
+            out[key] = {}
+            for g in opt.flat_groups:
+                t = g.state.low if key == "low" else unpack_ties(g.state.ties)
+                for i, p in enumerate(g.params):
+                    out[key][names[id(p)]] = torch.cat(
+                        [t[a:b] for a, b in g.state_spans(i)] + [t[:0]]).clone()
+    for key in ("master", "exp_avg", "exp_avg_sq", "momentum_buffer"):
+        if key == "master" and out:
+            continue
         shim = type("S", (), dict(comm=opt.comm, stage=opt.stage, flat_groups=[
-            g for g in opt.flat_groups if key in g.rule_states]))()
+            g for g in opt.flat_groups if key in g.rule_states or
+            (key == "master" and g.master is not None)]))()
         if shim.flat_groups:
             out[key] = M.gather_state(shim, model, key)
     return out
 
 
-def _run(rank, ws, stage, kind="adamw", **kw):
-    model = MoE()
+def _opt(model, stage, kind, precision="fp32", **kw):
     if kind == "adamw":
-        opt = zk.ZeroAdamW(model, stage=stage, precision="fp32", backend="cpu", lr=LR,
+        return zk.ZeroAdamW(model, stage=stage, precision=precision, backend="cpu", lr=LR,
+                            weight_decay=WD, bucket_mb=0.002, **kw)
+    if kind == "lion":
+        return zk.ZeroLion(model, stage=stage, precision=precision, backend="cpu", lr=1e-3,
                            weight_decay=WD, bucket_mb=0.002, **kw)
-    elif kind == "lion":
-        opt = zk.ZeroLion(model, stage=stage, precision="fp32", backend="cpu", lr=1e-3,
-                          weight_decay=WD, bucket_mb=0.002, **kw)
-    else:
-        opt = zk.ZeroMuon(model, stage=stage, precision="fp32", backend="cpu", lr=0.02,
-                          weight_decay=WD, adamw_lr=LR, adamw_weight_decay=WD,
-                          bucket_mb=0.002, **kw)
+    return zk.ZeroMuon(model, stage=stage, precision=precision, backend="cpu", lr=0.02,
+                       weight_decay=WD, adamw_lr=LR, adamw_weight_decay=WD,
+                       bucket_mb=0.002, **kw)
+
+
+def _run(rank, ws, stage, kind="adamw", twin=None, **kw):
+    """twin: the kwargs of a zerokern run to compare with bit for bit (master="compact"
+    against master="fp32"), instead of DDP + torch's AdamW."""
+    model = MoE()
+    opt = _opt(model, stage, kind, **kw)
     ref = ropt = None
-    if kind == "adamw":
+    if twin is not None:
+        ref_model = MoE()
+        ropt = _opt(ref_model, stage, kind, **twin)
+        ref = lambda x, r: ref_model(x, r)  # noqa: E731
+        ref.module = ref_model
+    elif kind == "adamw":
         ref_model = MoE()
         ref = nn.parallel.DistributedDataParallel(ref_model, find_unused_parameters=True)
         ropt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD,
@@ -122,8 +147,13 @@ def _run(rank, ws, stage, kind="adamw", **kw):
             ropt.step()
             ropt.zero_grad()
     out = dict(skip=skip_bad, control=control_still)
+    if kw.get("master") == "compact":  # the skips kept the master compact (never expanded)
+        out["expanded"] = [gi for gi, g in enumerate(opt.flat_groups)
+                           if g.state.expanded or not g.state.compact_pieces]
     if ref is not None:
-        got, want = M.full_snapshot(model, opt), M.snapshot(ref.module)
+        got = M.full_snapshot(model, opt)
+        want = M.full_snapshot(ref.module, ropt) if twin is not None else \
+            M.snapshot(ref.module)
         out["rel"] = M.rel_err(got, want)
         out["rel_unused"] = max(
             float((got[n] - want[n]).abs().max() / want[n].abs().max())
@@ -133,10 +163,46 @@ def _run(rank, ws, stage, kind="adamw", **kw):
 
 CASES = [(kind, stage) for stage in range(4) for kind in ("adamw", "lion", "muon")]
 
+# Where the state is not updated in place on the device (issue 36, item 1, the rest):
+# config -> (kwargs, stages, kinds). "nvme" gets a temporary offload_path in the worker.
+BF16 = dict(precision="bf16")
+CONFIGS = {
+    "cpu": (dict(offload="cpu"), range(1, 4), ("adamw", "lion", "muon")),
+    "nvme": (dict(offload="nvme"), range(1, 4), ("adamw", "lion", "muon")),
+    "compact": (dict(BF16, master="compact"), range(3), ("adamw", "lion", "muon")),
+    "params-cpu": (dict(offload_params="cpu"), (3,), ("adamw", "muon")),
+    "params-cpu-cpu": (dict(offload_params="cpu", offload="cpu"), (3,), ("adamw", "muon")),
+    "params-nvme": (dict(offload_params="nvme", offload="nvme"), (3,), ("adamw",)),
+}
+CFG_CASES = [(cfg, kind, stage) for cfg, (_, stages, kinds) in CONFIGS.items()
+             for stage in stages for kind in kinds]
+
+
+def _cfg_run(rank, ws, cfg, kind, stage):
+    kw = dict(CONFIGS[cfg][0])
+    twin = None
+    if kw.get("master") == "compact":  # bitwise master="fp32" (state/compact_master.py)
+        twin = dict(kw, master="fp32")
+    elif kind != "adamw":  # no torch Lion here; Muon's twin: the same run on the device
+        twin = dict(kw)
+        twin.pop("offload", None)
+        twin.pop("offload_params", None)
+    if "nvme" in (kw.get("offload"), kw.get("offload_params")):
+        with tempfile.TemporaryDirectory(prefix="zk_unused_") as d:
+            kw["offload_path"] = d
+            if twin is not None and "nvme" in (twin.get("offload"),
+                                               twin.get("offload_params")):
+                twin["offload_path"] = d
+            return _run(rank, ws, stage, kind, twin=twin, **kw)
+    return _run(rank, ws, stage, kind, twin=twin, **kw)
+
 
 def _worker(rank, ws):
     cases = {f"{kind}-s{stage}": (lambda kind=kind, stage=stage: _run(rank, ws, stage, kind))
              for kind, stage in CASES}
+    cases.update({f"{cfg}-{kind}-s{stage}": (lambda c=cfg, kind=kind, stage=stage:
+                                              _cfg_run(rank, ws, c, kind, stage))
+                  for cfg, kind, stage in CFG_CASES})
     return run_cases(cases)
 
 
@@ -156,3 +222,20 @@ def test_param_no_rank_used_is_skipped(results, kind, stage):
             assert got["rel"] <= TOL, f"rank {r}: params vs DDP+AdamW rel {got['rel']:.3g}"
             assert got["rel_unused"] <= TOL, \
                 f"rank {r}: the unused experts vs DDP+AdamW {got['rel_unused']:.3g}"
+
+
+@pytest.mark.parametrize("cfg,kind,stage", CFG_CASES)
+def test_param_no_rank_used_is_skipped_offload_compact(results, cfg, kind, stage):
+    """offload="cpu"/"nvme", master="compact" (bf16, bitwise its master="fp32" twin),
+    offload_params (stage 3): skipped bit for bit, the rest as the reference (DDP + AdamW, or
+    for Lion / Muon the same run with the state on the device, bitwise)."""
+    ws, res = results
+    for r, got in enumerate(case(res, f"{cfg}-{kind}-s{stage}")):
+        assert not got["skip"], f"rank {r}: moved while no rank used it: {got['skip'][:4]}"
+        if ws >= 2:
+            assert not got["control"], f"rank {r}: expert 3 did not move: {got['control']}"
+        assert not got.get("expanded"), f"rank {r}: compact master expanded {got['expanded']}"
+        tol = TOL if kind == "adamw" and "compact" not in cfg else 0.0
+        assert got["rel"] <= tol, f"rank {r}: params vs the reference rel {got['rel']:.3g}"
+        assert got["rel_unused"] <= tol, \
+            f"rank {r}: the unused experts vs the reference {got['rel_unused']:.3g}"

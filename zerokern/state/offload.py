@@ -90,6 +90,15 @@ class CopyPipeline:
         # device sync), to skip an overflowed step's copies.
         self.scalars = pinned.host_empty(2, torch.float32, self.cuda)
         self.scalars_np = self.scalars.numpy()
+        # the used flags' host copy (frozen_slots.HostUnused, set by the optimizer as
+        # `self.unused`): one fp32 per param of the buffers, read through its numpy view
+        bufs = getattr(self, "buffers", None) or getattr(self, "groups", None) or []
+        n_flags = sum(len(g.params) for g in bufs)
+        self.flags_host = pinned.host_empty(max(n_flags, 1), torch.float32, self.cuda)
+        self.flags_np = self.flags_host.numpy()
+        self.unused = getattr(self, "unused", None)
+        self._planned = False
+        self._flags_shipped = False
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
         # perf_counter reads the host clock, not a device value).
@@ -113,12 +122,43 @@ class CopyPipeline:
             ev.synchronize()  # [Note: the one blocking wait]
             self.wait_s += time.perf_counter() - t0
 
-    def _ship_scalars(self, grad_scale: torch.Tensor, found_inf: torch.Tensor):
-        """Copy this step's scalars to the host (after the device computed them)."""
+    def _ship_scalars(self, grad_scale: torch.Tensor, found_inf: torch.Tensor,
+                      used: Optional[torch.Tensor] = None):
+        """Copy this step's scalars to the host (after the device computed them), and the
+        params' used flags (summed over the ranks) behind them in the same stream: the one
+        wait covers them (frozen_slots.py [Note: a param no rank used, on the host])."""
+        self._planned = False
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self._flags_shipped = used is not None and self.unused is not None and \
+            used.numel() == self.flags_host.numel()
+        if self._flags_shipped:
+            self._copy(self.flags_host, used)
         self._copy(self.scalars[0:1], grad_scale.reshape(1).float())
         return self._copy(self.scalars[1:2], found_inf.reshape(1).float())
+
+    def _plan_unused(self) -> None:
+        """Once per step, after the wait for the scalars: which params no rank used (host
+        memory), their host lags advanced on a step that runs."""
+        if self._planned or self.unused is None:
+            return
+        self._planned = True
+        if not self._flags_shipped:
+            self.unused.unused = set()
+            return
+        self.unused.plan_(self.flags_np, self.scalars_np[1] == 0)
+
+    def _chunk_update(self, gi: int, f_lo: int, master, states, grad, param_out,
+                      step: torch.Tensor, hyper: dict, backend: str, rule: Rule):
+        """_host_update of one chunk starting at flat f_lo of buffer gi, params no rank used
+        left as they were (frozen_slots.HostUnused)."""
+        if self.unused is None:
+            return self._host_update(master, states, grad, param_out, step, hyper, backend,
+                                     rule)
+        self._plan_unused()
+        return self.unused.update_(
+            gi, f_lo, master, states, grad, param_out, step,
+            lambda m, st, gr, po, s: self._host_update(m, st, gr, po, s, hyper, backend, rule))
 
     def _host_update(self, master, states, grad, param_out, step: torch.Tensor, hyper: dict,
                      backend: str, rule: Optional[Rule] = None) -> torch.Tensor:
@@ -170,9 +210,11 @@ class Offloader(CopyPipeline):
         self.buffers = buffers
         self._init_copies(buffers[0].device)
 
-    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> Optional[object]:
-        """Ship this step's scalars to the host (after the device computed them)."""
-        self.scalars_ev = self._ship_scalars(grad_scale, found_inf)
+    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor,
+              used: Optional[torch.Tensor] = None) -> Optional[object]:
+        """Ship this step's scalars (and the params' used flags) to the host (after the
+        device computed them)."""
+        self.scalars_ev = self._ship_scalars(grad_scale, found_inf, used)
         return self.scalars_ev
 
     def update_piece(self, gi: int, k: int, grad: torch.Tensor, hyper: dict,
@@ -189,6 +231,7 @@ class Offloader(CopyPipeline):
         dev_out = g.param_out_piece(k)  # the device params (fp32 too: master is on the host)
         step = st.steps[k]
         n = master.numel()
+        f_lo = g.state_range(k)[0]  # flat index of the piece's first element
         # D2H of every chunk is queued at once (the copy stream runs ahead of the CPU).
         evs = [self._copy(hgrad[lo:lo + self.chunk], grad[lo:lo + self.chunk])
                for lo in range(0, n, self.chunk)]
@@ -201,17 +244,28 @@ class Offloader(CopyPipeline):
             hi = min(lo + self.chunk, n)
             self._wait(evs[i])
             states = st.views(slice(sl.start + lo, sl.start + hi))  # chunks: whole blocks
-            new_step = self._host_update(master[lo:hi], states, hgrad[lo:hi],
-                                         None if hparam is None else hparam[lo:hi], step,
-                                         hyper, backend, rule)
+            new_step = self._chunk_update(gi, f_lo + lo, master[lo:hi], states,
+                                          hgrad[lo:hi],
+                                          None if hparam is None else hparam[lo:hi], step,
+                                          hyper, backend, rule)
             src = master[lo:hi] if hparam is None else hparam[lo:hi]
             self._copy(dev_out[lo:hi], src)  # H2D while the CPU does the next chunk
         step.copy_(new_step)
         self.end()  # bucket k's params are on the device before its all-gather is issued
 
     def map_piece_(self, gi: int, k: int, names, fn, params: bool = False) -> None:
-        """A phased rule's pass over bucket k's piece (placement.py): on the host views."""
-        map_in_memory_(self.buffers[gi], k, names, fn, params)
+        """A phased rule's pass over bucket k's piece (placement.py): on the host views
+        (the params no rank used left as they were: frozen_slots.HostUnused.map_)."""
+        g = self.buffers[gi]
+        if self.unused is not None:
+            self._wait(self.scalars_ev)
+            self._plan_unused()
+            f_lo, s0 = g.state_range(k)[0], g.state_slice(k).start
+            inner = fn
+
+            def fn(a, b, views):
+                self.unused.map_(gi, f_lo + a - s0, views, lambda: inner(a, b, views))
+        map_in_memory_(g, k, names, fn, params)
 
     def finish(self) -> None:
         """After every piece (offload_nvme commits here; the host state needs nothing)."""

@@ -187,14 +187,16 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
                      for _ in range(depth)]
 
     # -- one step ------------------------------------------------------------------------------
-    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor):
-        """Ship this step's scalars to the host; start reading ahead."""
+    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor,
+              used: Optional[torch.Tensor] = None):
+        """Ship this step's scalars (and the params' used flags: frozen_slots.py [Note: a
+        param no rank used, on the host]) to the host; start reading ahead."""
         if not self._finalizer.alive:
             raise RuntimeError("zerokern offload='nvme': this optimizer was closed (its state "
                                "files are removed); build a new one or load a checkpoint")
         if self.phase is not StepPhase.IDLE:  # a step that raised before finish(): let its
             self._drain()                     # I/O land
-        ev = self.scalars_ev = self._ship_scalars(grad_scale, found_inf)
+        ev = self.scalars_ev = self._ship_scalars(grad_scale, found_inf, used)
         self.error: Optional[BaseException] = None
         self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
@@ -274,13 +276,14 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         rule = self.files[gi].rule
         step = self.groups[gi].steps[k]
         new_step = [step]
+        f_lo = self.groups[gi].state_range(k)[0]  # flat index of the piece's first element
 
         def work(s: _Set, x: int, y: int, gx: int) -> None:
             self._wait(self._copy(s.grad[x:y], grad[gx:gx + y - x]))
             st = s.cut(x, y)
-            new_step[0] = self._host_update(st[0], st[1:], s.grad[x:y],
-                                            None if s.param is None else s.param[x:y],
-                                            step, hyper, backend, rule)
+            new_step[0] = self._chunk_update(gi, f_lo + gx, st[0], st[1:], s.grad[x:y],
+                                             None if s.param is None else s.param[x:y],
+                                             step, hyper, backend, rule)
 
         if self._stream(gi, k, tuple(range(len(self.files[gi].names))), work, params=True):
             step.copy_(new_step[0])
@@ -296,9 +299,17 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         g = self.groups[gi]
         s0 = g.state_slice(k).start
 
+        f_lo = g.state_range(k)[0]
+
         def work(s: _Set, x: int, y: int, gx: int) -> None:
             views = s.cut(x, y)
-            fn(s0 + gx, s0 + gx + y - x, [views[i] for i in files])
+            mine = [views[i] for i in files]
+            if self.unused is None:
+                fn(s0 + gx, s0 + gx + y - x, mine)
+            else:  # params no rank used: as they were (frozen_slots.HostUnused.map_)
+                self._plan_unused()
+                self.unused.map_(gi, f_lo + gx, mine,
+                                 lambda: fn(s0 + gx, s0 + gx + y - x, mine))
             if params and s.param is not None:
                 s.param[x:y].copy_(views[0])  # round to nearest even: `.to(dtype)` bitwise
 

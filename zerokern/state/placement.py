@@ -144,7 +144,9 @@ class DevicePlacement:
             st.compact_expanded()
             st.settle(wait=True)
 
-    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    def begin(self, grad_scale: torch.Tensor, found_inf: torch.Tensor,
+              used: Optional[torch.Tensor] = None) -> None:
+        # used (the params' flags): the device path's skips are FrozenSkip's (frozen_slots.py)
         self.grad_scale, self.found_inf = grad_scale, found_inf
         states = self._compact_states() if self.master == "compact" else []
         for st in states:
