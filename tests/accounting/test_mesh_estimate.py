@@ -48,7 +48,8 @@ def _one(rank, mesh, stage, precision, hpz):
             "bound": (rep.get("live_units_bound"), est["live_units_bound"]),
             "formula": (rep["formula_total"], est["formula"]["total"]),
             "dims": (rep["mesh"], est["mesh"]), "flat": flat["bytes"],
-            "comm": comm, "padded": padded, "elem": torch.empty((), dtype=opt.dtype).itemsize}
+            "comm": comm, "padded": padded, "elem": torch.empty((), dtype=opt.dtype).itemsize,
+            "stats_bytes": opt._stats.numel() * opt._stats.element_size()}
 
 
 def _worker(rank, ws):
@@ -100,8 +101,8 @@ def test_cli_mesh_prints_dims_and_formulas(capsys):
 
 @pytest.mark.parametrize("stage, precision", [(s, p) for s in (1, 2, 3) for p in ("bf16", "fp32")])
 def test_inter_node_bytes_equal_the_printed_formula(stage, precision):
-    """HSDP: comm_stats()["nodes"]["inter_node"] is the replicate all-reduce plus the 12-byte
-    agreement, and the replicate bytes equal `zerokern estimate --mesh`'s 2(Ψ/S)(R-1)/R line
+    """HSDP: comm_stats()["nodes"]["inter_node"] is the replicate all-reduce plus the
+    agreement (found_inf, sumsq and a flag per param tensor), and the replicate bytes equal `zerokern estimate --mesh`'s 2(Ψ/S)(R-1)/R line
     (Ψ the padded elements the shards are cut from) times the element size, to the byte."""
     from zerokern.accounting.mesh import comm_formulas
 
@@ -112,6 +113,7 @@ def test_inter_node_bytes_equal_the_printed_formula(stage, precision):
         assert rep == rows["replicate (across nodes)"]["elements"] * r["elem"]
         assert c["nodes"] == {"inter_node": rep + c["dims"]["world"]["total"],
                               "intra_node": c["dims"]["shard"]["total"]}
-        assert c["dims"]["world"]["total"] == 12  # found_inf + sumsq, fp32, 2(N-1)/N
+        # found_inf + sumsq and one "used" flag per param tensor, fp32, 2(N-1)/N
+        assert c["dims"]["world"]["total"] == int(2 * 3 / 4 * r["stats_bytes"])
     for r in case(cached(_worker, WS), f"3-{precision}-True"):  # hpZ: the node group inside
         assert r["comm"]["nodes"]["intra_node"] == r["comm"]["dims"]["hpz"]["total"] > 0

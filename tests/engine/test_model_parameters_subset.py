@@ -58,6 +58,13 @@ def _ds_worker(rank, ws):
     return _run("deepspeed", rank, freeze=False)
 
 
+def _zk_worker(rank, ws):
+    # A rank of its own: _run sets the launcher's environment (RANK, WORLD_SIZE, ...) and
+    # starts a process group, which in the pytest process leaked into later tests (an
+    # accelerate TrainingArguments then tried an env:// rendezvous).
+    return _run("zerokern", rank, freeze=True)
+
+
 def test_zerokern_refuses_and_says_why():
     model = C.gpt2()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -74,7 +81,7 @@ def test_freezing_gives_deepspeeds_result():
     from tests.support.harness import cached
 
     ds = cached(_ds_worker, 1)[0]
-    ours = _run("zerokern", 0, freeze=True)
+    ours = cached(_zk_worker, 1)[0]
     assert ds["left_out_moved"] == 0.0 and ours["left_out_moved"] == 0.0
     rel = float((ours["rest"] - ds["rest"]).abs().max() / ds["rest"].abs().max())
     assert rel <= 1e-5, rel

@@ -223,7 +223,9 @@ def _comm(rank, ws, prec):
     ag = sum((1 if f.unit_index in kept else 2) * int(frac * f.layout.padded_numel * e)
              for f in opt.flat_groups + opt.grad_sync.frozen)
     rs = sum(int(frac * f.layout.padded_numel * e) for f in opt.flat_groups)
-    ar = int(2 * frac * 8) if n > 1 else 0
+    # the stats all-reduce: [found_inf, sumsq] and one fp32 "used" flag per param tensor
+    # ([Note: a param no rank used] in frozen_slots.py)
+    ar = int(2 * frac * opt._stats.numel() * opt._stats.element_size()) if n > 1 else 0
     psi = sum(f.layout.numel for f in opt.flat_groups)
     n_root = sum(f.unit_index in kept for f in opt.flat_groups)
     return {"got": got, "expected": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar},
