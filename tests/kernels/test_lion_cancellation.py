@@ -306,6 +306,7 @@ CXX = shutil.which("g++")
 
 @pytest.mark.skipif(CXX is None or sys.platform != "linux" or "x86_64" not in os.uname().machine,
                     reason="needs g++ on x86-64 Linux")
+@pytest.mark.slow  # (25 s of g++ builds; the built op's flags are checked by default)
 def test_cpu_lion_has_no_fma_even_where_contraction_is_allowed(tmp_path):
     """csrc/cpu/lion_cpu.cpp compiled for x86-64-v3 (FMA available) with -ffp-contract=fast,
     i.e. without the project's -ffp-contract=off: the pragmas keep every lion_chunk FMA-free,
