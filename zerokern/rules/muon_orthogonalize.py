@@ -64,12 +64,7 @@ def newton_schulz(update: torch.Tensor, coefficients: Sequence[float] = NS_COEFF
     Raises:
         ValueError: update not 2-D, steps out of range, or not three coefficients.
     """
-    if update.ndim != 2:
-        raise ValueError(f"update must be a 2-D matrix, got shape {tuple(update.shape)}")
-    if not 0 <= steps < 100:
-        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
-    if len(coefficients) != 3:
-        raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coefficients}")
+    _check_ns_args(update, coefficients, steps)
     a, b, c = coefficients
     x = update.bfloat16()
     tall = update.size(0) > update.size(1)
@@ -81,6 +76,16 @@ def newton_schulz(update: torch.Tensor, coefficients: Sequence[float] = NS_COEFF
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def _check_ns_args(update: torch.Tensor, coefficients, steps: int) -> None:
+    """The arguments both Newton-Schulz methods take, checked alike."""
+    if update.ndim != 2:
+        raise ValueError(f"update must be a 2-D matrix, got shape {tuple(update.shape)}")
+    if not 0 <= steps < 100:
+        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
+    if len(coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coefficients}")
 
 
 def gram_dtype(device: torch.device) -> torch.dtype:
@@ -118,12 +123,7 @@ def newton_schulz_gram(update: torch.Tensor, coefficients: Sequence[float] = NS_
     Raises:
         ValueError: update not 2-D, steps out of range, or not three coefficients.
     """
-    if update.ndim != 2:
-        raise ValueError(f"update must be a 2-D matrix, got shape {tuple(update.shape)}")
-    if not 0 <= steps < 100:
-        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
-    if len(coefficients) != 3:
-        raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coefficients}")
+    _check_ns_args(update, coefficients, steps)
     a, b, c = coefficients
     compute = dtype if dtype is not None else gram_dtype(update.device)
     norm_dtype = torch.float32 if update.dtype == torch.float16 else update.dtype
