@@ -54,6 +54,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from .units import tensors_in
+
 MODES = ("full", "selective", "offload")
 
 
@@ -94,15 +96,7 @@ def selective_policy(ctx, func, *args, **kwargs):
 
 
 def _storages(obj, out: list) -> list:
-    obj = getattr(obj, "val", obj)  # the selective cache's entries (torch's _VersionWrapper)
-    if isinstance(obj, torch.Tensor):
-        out.append(obj.untyped_storage())
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _storages(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _storages(x, out)
+    out.extend(t.untyped_storage() for t in tensors_in(obj, []))
     return out
 
 

@@ -74,20 +74,9 @@ from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
 from .units import Unit, kept_for_backward, live_units_bound
+from .units import tensors_in as _tensors
 from .whole_params import WholeParams
 
-
-def _tensors(obj, out: list) -> list:
-    """Tensors in a (nested) module output: tensor, tuple/list, dict (HF ModelOutput too)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _tensors(x, out)
-    return out
 
 
 class Stage3Runtime(WholeParams, Stage3Backward):

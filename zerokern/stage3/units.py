@@ -21,7 +21,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Set, Union
 
+import torch
 import torch.nn as nn
+
+
+def tensors_in(obj, out: list) -> list:
+    """Tensors in a (nested) module input or output: tensor, tuple/list, dict (HF ModelOutput
+    too), and the `.val` of torch's selective-checkpoint cache entries (_VersionWrapper)."""
+    obj = getattr(obj, "val", obj) if not isinstance(obj, torch.Tensor) else obj
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            tensors_in(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            tensors_in(x, out)
+    return out
 
 Policy = Union[None, type, Set[type], tuple, list, frozenset, Callable[[nn.Module], bool]]
 
