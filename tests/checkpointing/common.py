@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from ..support.tp_ops import CopyToTP as _CopyToTP
+from ..support.tp_ops import ReduceFromTP as _ReduceFromTP
 
 D, HEADS, MLP, N_LAYERS, SEQ, BATCH = 16, 2, 24, 3, 6, 4
 P_ATTN, P_OUT = 0.2, 0.1
@@ -63,31 +65,6 @@ class Block(nn.Module):
         h = F.gelu(self.fc1(self._into(self.ln2(x))))
         out = self._out(self.fc2(h)) + self.b_fc2
         return x + F.dropout(out, P_OUT, self.training)  # replicated: the default stream
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
 
 
 class TPBlock(Block):

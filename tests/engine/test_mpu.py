@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.support.harness import cached, case, run_cases
+from ..support.tp_ops import CopyToTP as _CopyToTP
+from ..support.tp_ops import ReduceFromTP as _ReduceFromTP
 
 WS, TP, DP = 4, 2, 2
 D, H, B = 8, 16, 6     # model width, hidden width (split over tp), rows per dp rank
@@ -31,36 +33,7 @@ LR, CLIP = 2e-2, 0.05  # the grad norm here is ~0.5: every step is clipped
 TOL = {"param": 1e-6, "norm": 1e-5, "negative": 1e-4}
 
 
-# ---- the tensor-parallel model (Megatron's f / g operators) ------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce of the input grad over tp backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward over tp, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
+# ---- the tensor-parallel model (Megatron's f / g operators: tests/support/tp_ops.py) -----------
 class FullMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
