@@ -66,6 +66,7 @@ def cmd_info(_: argparse.Namespace) -> int:
 
     from .kernels import backend_status
     from .kernels.build import cache_root
+    from .platform.device import accelerator
     from .version import __version__
 
     try:
@@ -78,9 +79,10 @@ def cmd_info(_: argparse.Namespace) -> int:
     print(f"torch    {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     print(f"triton   {triton_v}")
     print(f"nvcc     {_nvcc_version()}")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            print(f"gpu {i}    {torch.cuda.get_device_name(i)}")
+    acc = accelerator()
+    if acc.is_accelerator:
+        for i in range(acc.device_count()):
+            print(f"gpu {i}    {acc.name(i)}")
     else:
         print("gpu      none visible to torch")
     feats = _cpu_features()
@@ -106,11 +108,10 @@ def cmd_info(_: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    import torch
-
     from .kernels.build import BuildError, load_op
+    from .platform.device import handle
 
-    ops = args.ops or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    ops = args.ops or (["cpu", "cuda"] if handle("cuda").is_available() else ["cpu"])
     rc = 0
     for op in ops:
         try:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from zerokern.platform.device import handle
 
 TIMEOUT_ENV = "ZEROKERN_SPAWN_TIMEOUT_S"  # overrides spawn_ranks(timeout=)
 GRACE_ENV = "ZEROKERN_SPAWN_GRACE_S"      # overrides spawn_ranks(grace=)
@@ -122,8 +123,8 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable
         kw = {}
         if device_of is not None:
             dev = device_of(rank)
-            if dev.type == "cuda":
-                torch.cuda.set_device(dev)
+            if dev.type != "cpu":
+                handle(dev).set_device(dev.index)
                 kw["device_id"] = dev
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, **kw)

@@ -36,6 +36,7 @@ import torch
 # Host facts and tables live below the bench layer (train/ uses them too); re-exported here.
 from ..host import cpu_llc_bytes, cpu_model, usable_cpus  # noqa: F401
 from ..tables import Column, fmt_value, format_rows, markdown_table, print_table  # noqa: F401
+from zerokern.platform.device import handle
 
 TimedFn = Tuple[str, Callable[[], None]]  # (name, zero-argument callable)
 
@@ -48,7 +49,7 @@ CUDA_FLUSH_BYTES = 256 << 20
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return handle(device).name(device)
     return cpu_model()
 
 
@@ -102,7 +103,7 @@ def environment(device: torch.device) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
+        props = handle(device).properties(device)
         env.update(cuda=torch.version.cuda, gpu_memory_bytes=props.total_memory,
                    sm_count=props.multi_processor_count,
                    l2_bytes=getattr(props, "L2_cache_size", None))
@@ -172,7 +173,7 @@ def busy_warning(load: float | None, when: str) -> str | None:
 def free_memory_bytes(device: torch.device) -> int:
     """Memory a benchmark may still allocate on `device` (CPU: MemAvailable)."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
+        free, _total = handle(device).mem_get_info(device)
         return int(free)
     try:
         with open("/proc/meminfo") as fh:
@@ -211,8 +212,7 @@ class CacheFlusher:
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    handle(device).synchronize(device)
 
 
 def round_robin(fns: Sequence[TimedFn], device: torch.device, reps: int, warmup: int,
@@ -231,13 +231,13 @@ def round_robin(fns: Sequence[TimedFn], device: torch.device, reps: int, warmup:
             events = []
             for name, fn in order:
                 flush()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
+                start = handle(device).event(enable_timing=True)
+                end = handle(device).event(enable_timing=True)
                 start.record()
                 fn()
                 end.record()
                 events.append((name, start, end))
-            torch.cuda.synchronize(device)
+            handle(device).synchronize(device)
             if rep >= warmup:
                 for name, start, end in events:
                     times[name].append(start.elapsed_time(end))

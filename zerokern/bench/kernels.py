@@ -55,6 +55,7 @@ from .kernel_cases import (  # noqa: F401 - re-exported: kernels.Case etc. are i
     make_case,
 )
 from .kernels_args import _flatten, build_parser  # noqa: F401 - kernels.build_parser is API
+from zerokern.platform.device import handle
 
 RMW_FACTOR = 1.0000001  # rounds to 1 + 1 ulp: 100 reps change x by ~1e-5 relative, no overflow
 _BROKEN: set = set()  # zk backends that failed to build or run in this process
@@ -236,9 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     wall0 = time.perf_counter()
-    if args.device == "cuda" and not torch.cuda.is_available():
+    cuda = handle("cuda")
+    if args.device == "cuda" and not cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or ("cuda" if cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(common.usable_cpus())  # all cores this process may use
     if args.reps is not None and args.reps < 1 or args.warmup is not None and args.warmup < 0:
@@ -291,8 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         new = make_rows(timed, times, n, log2n)
         rows += new
         del timed, times
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        handle(device).empty_cache()
         if other_rules:  # their own round-robin, with its own ceilings (kept out of the rows)
             zks = [b for b in providers if b in ZK_BACKENDS
                    and (b != "reference" or explicit_ref or log2n <= REFERENCE_MAX_LOG2)]
@@ -305,8 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        flush)
             rows += [r for r in make_rows(timed, times, n, log2n) if r["op"] != "ceiling"]
             del timed, times
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            handle(device).empty_cache()
         brief = ", ".join(f"{r['op']} {r['provider']} {r['gbps']:.0f}" for r in rows
                           if r["log2n"] == log2n and r["case"] == cases[0].name
                           and r["provider"] in ("cpu", "cuda", "triton", "zk-pieces"))

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..spawn import RankFailure, spawn_ranks
 from . import common, step_rules
+from zerokern.platform.device import handle
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # stage 3 with every unit kept gathered from its forward to its backward ([Note: kept units])
@@ -176,8 +177,7 @@ def _device(args, rank: int) -> torch.device:
 def _timer(dev: torch.device):
     """perf_counter around the work; on a GPU, after the queued kernels have finished."""
     def now() -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        handle(dev).synchronize(dev)
         return time.perf_counter()
     return now
 
@@ -258,11 +258,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     a = p.parse_args(argv)
     if a.device == "cuda":
-        if not torch.cuda.is_available():
+        cuda = handle("cuda")
+        if not cuda.is_available():
             p.error("--device cuda: no CUDA device visible to torch")
-        a.nproc = a.nproc or torch.cuda.device_count()
-        if a.nproc > torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
-            p.error(f"--nproc {a.nproc} > {torch.cuda.device_count()} visible GPUs")
+        a.nproc = a.nproc or cuda.device_count()
+        if a.nproc > cuda.device_count():  # NCCL refuses two ranks on one GPU
+            p.error(f"--nproc {a.nproc} > {cuda.device_count()} visible GPUs")
     a.nproc = a.nproc or 2
     if a.quick:
         a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16

@@ -37,6 +37,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import groups, rng
 from .settings import Settings, check_value, parse_section, section_of
 from .store import Store
+from zerokern.platform.device import accelerator, has_accelerator
 
 log = logging.getLogger("zerokern.checkpointing")
 
@@ -88,7 +89,7 @@ def prepare(mpu_: Any = None, deepspeed_config: Any = None, section: Optional[Di
         notes.append("partition_activations is on but there is no model-parallel group "
                      "(mpu_ is None): a no-op, checkpoints are kept whole; pass an mpu, a "
                      "DeviceMesh or a ProcessGroup to split them over its ranks")
-    if s.checkpoint_in_cpu and not torch.cuda.is_available():
+    if s.checkpoint_in_cpu and not has_accelerator():
         notes.append("cpu_checkpointing is on but host memory is the device here (no CUDA): "
                      "checkpoints are copied into host buffers, which saves no memory")
     return Plan(s, tp, mpu_, tuple(notes))
@@ -190,8 +191,7 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
 
 
 def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    accelerator().synchronize()
 
 
 @contextlib.contextmanager

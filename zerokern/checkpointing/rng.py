@@ -33,6 +33,7 @@ import copy
 from typing import Dict, Iterator, Optional
 
 import torch
+from zerokern.platform.device import accelerator
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 SEED_OFFSET = 2718  # Megatron's / DeepSpeed's: the tracker's seed is seed + 2718 + tp_rank
@@ -40,27 +41,19 @@ SEED_OFFSET = 2718  # Megatron's / DeepSpeed's: the tracker's seed is seed + 271
 
 def _device_type() -> str:
     """[Note: the tracker's device]."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator().type
 
 
 def _get_state() -> torch.Tensor:
-    if _device_type() == "cuda":
-        return torch.cuda.get_rng_state()
-    return torch.get_rng_state()
+    return accelerator().get_rng_state()
 
 
 def _set_state(state: torch.Tensor) -> None:
-    if _device_type() == "cuda":
-        torch.cuda.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
+    accelerator().set_rng_state(state)
 
 
 def _manual_seed(seed: int) -> None:
-    if _device_type() == "cuda":
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
+    accelerator().manual_seed(seed)
 
 
 class RNGStatesTracker:

@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from zerokern.platform.device import handle
 
 ENV = "ZEROKERN_DEBUG_COLLECTIVES"
 
@@ -75,7 +76,7 @@ class CollectiveLog:
 def _device_of(group) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return handle("cuda").current_device()
     return torch.device("cpu")
 
 

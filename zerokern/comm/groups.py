@@ -38,6 +38,7 @@ from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .quantized import Level, _side_stream, all_gather_quantized_, reduce_scatter_quantized_
 from .ring import FutureWork
+from zerokern.platform.device import handle
 
 
 def _replicate_after(h, out: torch.Tensor, issue):
@@ -55,8 +56,9 @@ def _replicate_after(h, out: torch.Tensor, issue):
         h.wait()
         return issue()
     side = _side_stream(out.device)
-    side.wait_stream(torch.cuda.current_stream(out.device))
-    with torch.cuda.stream(side):
+    dev = handle(out)
+    side.wait_stream(dev.current_stream(out.device))
+    with dev.use_stream(side):
         h.wait()  # this stream waits for the reduce-scatter (and qgZ's decode runs here)
         return issue()  # the replicate group's stream waits for this one
 

@@ -78,13 +78,13 @@ construction, on the group's device (DeviceIndex): never from host memory inside
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .collectives import GroupComm, _all_gather, _Done
+from zerokern.platform.device import handle
 
 BLOCK = 128
 BITS_Q = {8: 127, 4: 7}
@@ -112,7 +112,7 @@ def _group_device(gc: GroupComm) -> torch.device:
     """Where a group's tensors live: the current CUDA device for NCCL (only that one: GPU
     checklist), else the CPU."""
     if gc.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return handle("cuda").current_device()
     return torch.device("cpu")
 
 
@@ -195,8 +195,9 @@ class _DequantizeOnWait:
             else:  # row k of the payload is world rank order[k]'s piece (on full's device)
                 full.index_copy_(0, self._order, vals)
             _keep_own(full, self._rank, self._src)
-            if self._payload.device.type == "cuda":  # used by this (the compute) stream
-                self._payload.record_stream(torch.cuda.current_stream(self._payload.device))
+            if self._payload.device.type != "cpu":  # used by this (the compute) stream
+                self._payload.record_stream(
+                    handle(self._payload).current_stream(self._payload.device))
             self._payload = None
         return True
 
@@ -382,9 +383,9 @@ _SIDE_STREAMS: Dict[torch.device, object] = {}
 def _side_stream(device: torch.device):
     """The stream qgZ's first hops run on, one per CUDA device ([Note: qgZ issued async])."""
     if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = handle(device).current_device()
     if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+        _SIDE_STREAMS[device] = handle(device).stream(device)
     return _SIDE_STREAMS[device]
 
 
@@ -406,12 +407,12 @@ class _SumOnWait:
         if self._hop is not None:
             hop, side_done = self._hop, self._side_done
             if side_done is not None:  # the first hops, on the side stream, are done
-                torch.cuda.current_stream(self._out.device).wait_event(side_done)
+                handle(self._out).current_stream(self._out.device).wait_event(side_done)
             self._out.copy_(hop.finish())
             if side_done is not None:
                 # made on the side stream, read here: their blocks go back to the side stream
                 # only after this (the compute) stream is done with them
-                cur = torch.cuda.current_stream(self._out.device)
+                cur = handle(self._out).current_stream(self._out.device)
                 for t in hop.tensors():
                     t.record_stream(cur)
             self._hop = self._side_done = None
@@ -427,17 +428,16 @@ def _reduce_levels_async(levels: Sequence[Level], out: torch.Tensor, inp: torch.
     c = out.numel()
     side = _side_stream_for(levels, inp)
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(inp.device))  # inp is written there
+        side.wait_stream(handle(inp).current_stream(inp.device))  # inp is written there
         inp.record_stream(side)  # read there: the caller may drop it before wait()
-    with nullcontext() if side is None else torch.cuda.stream(side):
+    with handle(inp).use_stream(side):
         x = inp
         for lv in levels[:-1]:  # on the side stream on a GPU, on this host on the CPU
             x = _Hop(lv.gc, lv.rows(x, c), codec, bits, block, True).finish()
         last = _Hop(levels[-1].gc, levels[-1].rows(x, c), codec, bits, block, True)
         side_done = None
         if side is not None:
-            side_done = torch.cuda.Event()
-            side_done.record(side)
+            side_done = handle(inp).recorded_event(side)
     return _SumOnWait(last, out, side_done)
 
 

@@ -34,6 +34,7 @@ from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
 from .config_values import ConfigError
 from .parallel import mpu_groups
+from zerokern.platform.device import accelerator, handle
 
 log = logging.getLogger("zerokern.engine")
 
@@ -89,9 +90,10 @@ def init_distributed(dist_backend: Optional[str] = None, timeout=datetime.timede
     os.environ.setdefault("LOCAL_RANK", str(local if local is not None else rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(local if local is not None else rank % torch.cuda.device_count())
+    acc = accelerator()
+    backend = dist_backend or acc.backend
+    if backend == acc.backend and acc.is_accelerator:
+        acc.set_device(local if local is not None else rank % acc.device_count())
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                             world_size=world_size, timeout=timeout)
 
@@ -474,7 +476,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     if deepscale is not None:  # what DeepSpeed leaves in args
         args.deepspeed_config, args.deepscale_config = deepscale, None
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+        model.to(handle("cuda").current_device())
     opt = _build_optimizer(model, cfg, optimizer, model_parameters, mp)
     if opt is not None and mp is not None:
         _attach_mpu(opt, mp)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from . import cuda_toolchain
+from zerokern.platform.device import handle
 
 log = logging.getLogger("zerokern")
 
@@ -128,9 +129,9 @@ def _cuda_arch_key() -> str:
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if env:
         return "list:" + " ".join(env.replace(";", " ").split())
-    if torch.cuda.is_available():
-        caps = sorted({torch.cuda.get_device_capability(i)
-                       for i in range(torch.cuda.device_count())})
+    cuda = handle("cuda")
+    if cuda.is_available():
+        caps = sorted({cuda.capability(i) for i in range(cuda.device_count())})
         return "detected:" + ",".join(f"{a}.{b}" for a, b in caps)
     return "detected:none"
 

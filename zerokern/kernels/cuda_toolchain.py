@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 from typing import Optional, Tuple
+from zerokern.platform.device import handle
 
 
 def _nvcc_timeout_s() -> float:
@@ -102,12 +103,13 @@ def prebuilt_problem(mod) -> Optional[str]:
     if probe is None:
         return ("it has no kernel-image check (built by an older zerokern); rebuild it with "
                 "`zerokern build` or ZEROKERN_BUILD_OPS=1 pip install")
-    if not torch.cuda.is_available():
+    cuda = handle("cuda")
+    if not cuda.is_available():
         return None  # nothing to probe; the op cannot run here either way
-    dev = torch.cuda.current_device()
+    dev = cuda.current_device().index
     err = probe(dev)  # the binding refuses any other device (csrc/cuda/binding.cpp)
     if err:
-        cap = torch.cuda.get_device_capability(dev)
+        cap = cuda.capability(dev)
         return (f"it has no kernel image for cuda:{dev} (compute capability "
                 f"{cap[0]}.{cap[1]}): {err}")
     return None

@@ -14,6 +14,7 @@ from typing import Dict, Tuple
 import torch
 
 from .build import OPS, BuildError, build_dir, module_name
+from zerokern.platform.device import handle
 
 
 def _triton_importable() -> bool:
@@ -35,7 +36,7 @@ def _prebuilt_or_cached(name: str) -> bool:
 
 def backend_status() -> Dict[str, Tuple[bool, str]]:
     """Each backend -> (available, reason or note). Never builds anything."""
-    cuda = torch.cuda.is_available()
+    cuda = handle("cuda").is_available()
     st: Dict[str, Tuple[bool, str]] = {"reference": (True, "plain torch ops, any device")}
     if not _triton_importable():
         st["triton"] = (False, "triton is not installed (pip install triton; Linux only)")

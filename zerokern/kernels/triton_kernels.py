@@ -27,7 +27,6 @@ switches: adamw, whether there is a param_out, where hyperparameters come from, 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import struct
@@ -36,6 +35,7 @@ from typing import List, Tuple
 import torch
 import triton
 import triton.language as tl
+from zerokern.platform.device import handle
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -255,9 +255,7 @@ def _num_warps(on_cpu: bool) -> int:
 
 def _on_device(dev: torch.device):
     """(2) Make the tensors' device current for the launch (its current stream with it)."""
-    if dev.type == "cuda":
-        return torch.cuda.device(dev)
-    return contextlib.nullcontext()
+    return handle(dev).device_context(dev)
 
 
 def _segments(n: int, tensors) -> List[Tuple[int, int, bool]]:

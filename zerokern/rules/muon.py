@@ -57,6 +57,7 @@ from zerokern.rules.muon_orthogonalize import (
     ShardedOrthogonalizer,
 )
 from zerokern.rules.muon_pieces import apply_, momentum_
+from zerokern.platform.device import handle
 
 # The group keys of each rule (ZeroMuon refuses a key of the other rule in a group).
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps",
@@ -224,9 +225,8 @@ def _recorded(device: torch.device):
     """An event after the copies queued on `device`'s current stream (a GPU), else None."""
     if device.type != "cuda":
         return None
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
-    return ev
+    h = handle(device)
+    return h.recorded_event(h.current_stream(device))
 
 
 class HostStaging:

@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
+from zerokern.platform.device import handle
 
 
 class GatherStream:
@@ -47,27 +48,26 @@ class GatherStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)  # overlaps the compute stream
+        self.dev = handle(device)
+        self.stream = self.dev.stream(device)  # overlaps the compute stream
 
     def new_epoch(self) -> None:
         """2: the gather stream waits for everything queued on the compute stream so far."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(self.dev.current_stream(self.device))
 
     def context(self):
-        return torch.cuda.stream(self.stream)
+        return self.dev.use_stream(self.stream)
 
     def record(self):
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
-        return ev
+        return self.dev.recorded_event(self.stream)
 
     def compute_waits(self, event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
+        self.dev.current_stream(self.device).wait_event(event)
 
     def used_by_compute(self, t: torch.Tensor) -> None:
         """t, allocated on this stream, is about to be freed from the compute stream, which has
         used it (or waited for its gather): its block is reused here only after that."""
-        t.record_stream(torch.cuda.current_stream(self.device))
+        t.record_stream(self.dev.current_stream(self.device))
 
 
 _STREAMS: Dict[torch.device, GatherStream] = {}
@@ -78,7 +78,7 @@ def for_device(device: torch.device):
     if device.type != "cuda":
         return None
     if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = handle(device).current_device()
     if device not in _STREAMS:
         _STREAMS[device] = GatherStream(device)
     return _STREAMS[device]

@@ -20,6 +20,7 @@ from zerokern.state.offload_nvme import StepPhase
 
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
+from zerokern.platform.device import handle
 
 
 class _ParamFile:
@@ -70,10 +71,10 @@ class ParamHomes:
                                                os.getpid())
 
     def make(self, params, dtype, world_size, rank, group_index, unit_index,
-             trainable=True, placement=None) -> OffloadedShardedFlat:
+             trainable=True, placement=None, slot_align=1) -> OffloadedShardedFlat:
         try:
             f = OffloadedShardedFlat(params, dtype, world_size, rank, group_index, unit_index,
-                                     trainable, placement, homes=self)
+                                     trainable, placement, homes=self, slot_align=slot_align)
         except OSError as e:
             self.close()
             raise ValueError(f"offload_path {self.root!r}: cannot create the param files "
@@ -179,9 +180,7 @@ class ParamHomes:
         """An event after the H2D copy just queued on the current stream (a GPU), else None."""
         if not self.pin:
             return None
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
+        return handle(self.device).recorded_event()
 
     def _read(self, f: OffloadedShardedFlat, i: int) -> Future:
         """Issue the read of f's current half into buffer i on the I/O thread."""

@@ -67,6 +67,7 @@ from zerokern.kernels.compact_bits import (
 from zerokern.kernels.custom_ops import hyper_args, use_op
 from zerokern.rules import Rule, RuleState, alloc_states
 from zerokern.rules.adamw import AdamWRule
+from zerokern.platform.device import handle
 
 CHUNK_NUMEL = 1 << 20
 
@@ -84,11 +85,11 @@ class _HostFlag:
             # (issue 24, item 8) On the flag's device: the copy runs on that device's current
             # stream, and Event.record() records on the *current device's* stream, so with
             # params on cuda:1 and cuda:0 current the event would complete without the copy.
-            with torch.cuda.device(flag.device):
+            dev = handle(flag)
+            with dev.device_context(flag.device):
                 self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
                 self.host.copy_(flag.reshape(1), non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record()
+                self.event = dev.recorded_event()
         else:
             self.host = flag.reshape(1).clone()
 

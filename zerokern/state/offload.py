@@ -48,6 +48,7 @@ from zerokern.rules import (
     rule_for,
 )
 from zerokern.state import pinned
+from zerokern.platform.device import handle
 
 CHUNK_NUMEL = 1 << 22
 
@@ -99,7 +100,8 @@ class CopyPipeline:
         self.unused = getattr(self, "unused", None)
         self._planned = False
         self._flags_shipped = False
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.dev = handle(device)
+        self.stream = self.dev.stream(device) if self.cuda else None
         # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
         # perf_counter reads the host clock, not a device value).
         self.wait_s = 0.0
@@ -110,11 +112,9 @@ class CopyPipeline:
         if not self.cuda:
             dst.copy_(src)
             return None
-        with torch.cuda.stream(self.stream):
+        with self.dev.use_stream(self.stream):
             dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
+            return self.dev.recorded_event(self.stream)
 
     def _wait(self, ev) -> None:
         if ev is not None:
@@ -129,7 +129,7 @@ class CopyPipeline:
         wait covers them (frozen_slots.py [Note: a param no rank used, on the host])."""
         self._planned = False
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.stream.wait_stream(self.dev.current_stream(self.stream.device))
         self._flags_shipped = used is not None and self.unused is not None and \
             used.numel() == self.flags_host.numel()
         if self._flags_shipped:
@@ -177,7 +177,7 @@ class CopyPipeline:
     def end(self) -> None:
         """The device may use the params once every H2D copy has landed (stream order)."""
         if self.cuda:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.dev.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 class Offloader(CopyPipeline):

@@ -17,6 +17,7 @@ import weakref
 
 import numpy as np
 import torch
+from zerokern.platform.device import handle
 
 # 64-byte alignment: the cpu kernel's AVX-512 loads, and 16-byte DMA alignment for the copies.
 ALIGN = 64
@@ -34,7 +35,7 @@ def pinned_bytes() -> int:
 
 def _unregister(ptr: int, nbytes: int) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        handle("cuda").host_unregister(ptr)
     finally:
         with _lock:
             _stats["bytes"] -= nbytes
@@ -55,7 +56,7 @@ def empty(n: int, dtype: torch.dtype, align: int = ALIGN) -> torch.Tensor:
     off = (-raw.ctypes.data) % align
     buf = raw[off:off + nbytes]  # a view: keeps `raw` alive as long as the tensor's storage
     ptr = buf.ctypes.data
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+    err = handle("cuda").host_register(ptr, nbytes, _PORTABLE)
     if err != 0:
         raise RuntimeError(
             f"cudaHostRegister of {nbytes} bytes failed (cudaError {err}): page-locked host "

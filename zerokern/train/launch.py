@@ -14,6 +14,7 @@ from ..host import usable_cpus
 from ..spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_ranks
 from .config import TrainConfig
 from .loop import run_rank
+from zerokern.platform.device import handle
 
 GRACE_S = 10.0       # the other ranks' time to finish after one failed
 PG_TIMEOUT_S = 120   # a collective that waits this long raises instead of blocking forever
@@ -34,10 +35,11 @@ def under_torchrun() -> bool:
 
 def resolve_device(cfg: TrainConfig) -> str:
     """'cuda' or 'cpu'; ValueError (naming --device) if CUDA was asked for and is absent."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    cuda = handle("cuda")
+    if cfg.device == "cuda" and not cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to torch")
     if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda.is_available() else "cpu"
     return cfg.device
 
 
@@ -73,7 +75,7 @@ def plan(cfg: TrainConfig) -> Tuple[str, int]:
     dev = resolve_device(cfg)
     mesh_n = None if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]
     if dev == "cuda":
-        n_gpu = torch.cuda.device_count()
+        n_gpu = handle("cuda").device_count()
         nproc = cfg.nproc or mesh_n or n_gpu
         if nproc > n_gpu:
             raise ValueError(f"--nproc {nproc}: only {n_gpu} GPU(s) visible (one rank per GPU)")
@@ -88,10 +90,10 @@ def _threads_per_rank(local_world: int) -> int:
 
 
 def _device(dev_type: str, local_rank: int) -> torch.device:
-    if dev_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    if dev_type == "cpu":
+        return torch.device("cpu")
+    handle(dev_type).set_device(local_rank)
+    return torch.device(dev_type, local_rank)
 
 
 def _not_implemented_message(e: NotImplementedError, cfg: TrainConfig) -> str:
@@ -116,10 +118,10 @@ def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     """This process is one rank of a torchrun job. Returns the results on rank 0, else None."""
     dev_type = resolve_device(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if dev_type == "cuda" and local_rank >= torch.cuda.device_count():
+    if dev_type == "cuda" and local_rank >= handle("cuda").device_count():
         # one rank per GPU: say so before set_device fails inside CUDA (issue 24, item 7)
         raise ValueError(f"torchrun started LOCAL_RANK {local_rank} but this machine has "
-                         f"{torch.cuda.device_count()} GPU(s) (one rank per GPU): lower "
+                         f"{handle('cuda').device_count()} GPU(s) (one rank per GPU): lower "
                          "--nproc_per_node, or pass --device cpu for gloo ranks on the CPU")
     check_mesh(cfg, int(os.environ["WORLD_SIZE"]))
     torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

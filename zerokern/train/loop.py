@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..gpt import build_gpt
 from .config import QUANTIZE, TrainConfig
 from .data import VOCAB, Batches, load_corpus
+from zerokern.platform.device import handle
 
 # Loss and loss scale are read on the host (a device sync) only to refresh the progress bar,
 # every DISPLAY_EVERY steps: on a GPU a per-step .item() would stall the launch queue. The
@@ -121,8 +122,7 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
                        tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}",
                        scale=f"{opt.loss_scale.item():g}")
             shown = step + 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    handle(device).synchronize(device)
     train_s = time.perf_counter() - t0
     bar.close()
     if world > 1:  # the curve is the global batch's loss: the mean of the ranks' losses

@@ -25,6 +25,7 @@ from ..optimizer_args import elem_size
 from ..tables import print_table
 from .config import TrainConfig
 from .loop import build_model
+from zerokern.platform.device import handle
 
 MAX_RANK_COLUMNS = 4  # more ranks: rank 0 and the largest total are shown
 
@@ -154,7 +155,7 @@ def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
         "comm_backend": comm_backend, "num_params": psi,
         "env": {"torch": torch.__version__, "python": platform.python_version(),
                 "cpu": cpu_model(),
-                "gpu": torch.cuda.get_device_name(0) if res["device"].startswith("cuda")
+                "gpu": handle(res["device"]).name(0) if not res["device"].startswith("cpu")
                 else None},
         "corpus_bytes": res["corpus_bytes"],
         "loss": {k: main[k] for k in ("loss_first", "loss_last", "loss_final")},
