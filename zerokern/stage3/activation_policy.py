@@ -14,8 +14,9 @@ modules; never the root), and at stages 0-2 each child of every `nn.ModuleList`:
     "offload"    nothing is recomputed: every tensor the unit saves for backward (params
                  excepted) goes to host memory (`torch.autograd.graph.save_on_cpu`'s
                  semantics; pinned on a GPU, so the copies are asynchronous) and comes back
-                 in the unit's backward. On a CPU-only machine host memory is the device, so
-                 the tensors stay where they are (nothing to move).
+                 in the unit's backward, prefetched one unit ahead ([Note: offload's backward
+                 prefetch]). On a CPU-only machine host memory is the device, so the tensors
+                 stay where they are (nothing to move).
     None         nothing (the default).
 
 [Note: policies and stage-3 gathers]
@@ -30,6 +31,26 @@ inside a unit is not wrapped (its outer unit's checkpoint covers it) and its own
 are replayed with the RNG state of the first forward (`preserve_rng_state=True`), so every
 policy trains bit for bit as no checkpointing does on a deterministic backend.
 
+[Note: offload's backward prefetch]
+With "offload", each call of a unit (one forward of it) records the host copies its pack hook
+made, and the call that ran before it. When the grad of the call's output is ready (a pre-hook
+on its outputs' grad_fn, the moment stage 3's output hook re-gathers the unit: runtime.py), the
+host copies of the call itself (when nothing prefetched them yet) and of the call before it,
+the unit whose backward comes next, are copied back to the device on a copy stream of their own
+(`CopyStream`: the stream waits for the compute stream, the copy is non-blocking from pinned
+memory, an event marks its end). The unpack hook hands out the prefetched tensor once (the
+compute stream waits for its event, and the tensor is marked as used by the compute stream);
+a second unpack of the same saved tensor (retain_graph) copies again. Bounded to one unit
+ahead: at each call's pre-hook, prefetched copies of any call other than this one and the one
+before it (a call whose backward did not run, or not in reverse order) are dropped, so at most
+the running unit's and the next unit's saved tensors are on the device (the running unit's
+would be there anyway). The copy is issued before the next unit's first unpack (the order
+tests/stage3/test_activation_policy.py checks through `trace`), and the tensors unpacked are
+the same values either way (bitwise the same training). On a CPU-only machine there is no copy
+stream (`CopyStream.for_device` is None) and host memory is the device: the prefetch hands out
+the host copy itself (a no-op copy), so only its control flow runs there; the stream part is
+the GPU's (the same stream calls as stage 3's gather stream, gather_stream.py).
+
 [Note: what the activation rows count]
 `report()` (memory_report()'s `activations` rows) counts what the units hold for backward:
 "full" their inputs; "selective" their inputs and the outputs the policy kept; "offload" the
@@ -42,6 +63,7 @@ estimate (`zerokern.accounting.activations`) counts them too.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -121,11 +143,78 @@ class _Held:
         return sum(n for _, n in self.refs.values())
 
 
+class CopyStream:
+    """The host-to-device copy stream of offload's prefetch on one CUDA device ([Note:
+    offload's backward prefetch]); `for_device` answers None on the CPU."""
+
+    _STREAMS: Dict[Any, "CopyStream"] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Optional["CopyStream"]:
+        if device.type != "cuda":
+            return None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in cls._STREAMS:
+            cls._STREAMS[device] = cls(device)
+        return cls._STREAMS[device]
+
+    def to_device(self, host: torch.Tensor):
+        """host copied to the device on this stream: (tensor, event at the copy's end)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            out = torch.empty(host.size(), dtype=host.dtype, layout=host.layout,
+                              device=self.device)
+            out.copy_(host, non_blocking=host.is_pinned())
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return out, event
+
+    def hand_over(self, t: torch.Tensor, event) -> torch.Tensor:
+        """The compute stream waits for the copy, and t's block is reused only after it."""
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_event(event)
+        t.record_stream(cur)
+        return t
+
+
+class _Packed:
+    """One saved tensor of an offloaded call: its device (None: kept as is) and host copy, and
+    the prefetched device tensor until unpacked ([Note: offload's backward prefetch])."""
+
+    __slots__ = ("device", "host", "ready", "event", "call", "__weakref__")
+
+    def __init__(self, device, host, call) -> None:
+        self.device, self.host, self.call = device, host, call
+        self.ready = self.event = None
+
+
+class _Call:
+    """One call of an offloaded unit: its packed tensors (weakly: autograd owns them) and the
+    call before it (the unit whose backward comes next)."""
+
+    __slots__ = ("index", "packed", "prev", "prefetched", "__weakref__")
+
+    def __init__(self, index: int, prev) -> None:
+        self.index = index
+        self.packed: List[weakref.ref] = []
+        self.prev = prev               # weakref.ref to the previous _Call, or None
+        self.prefetched = False
+
+
 class ActivationPolicy:
     """One activation policy applied to modules (see the module's docstring)."""
 
     def __init__(self, modules: Sequence[nn.Module], mode: str,
-                 pin_memory: Optional[bool] = None, preserve_rng_state: bool = True) -> None:
+                 pin_memory: Optional[bool] = None, preserve_rng_state: bool = True,
+                 prefetch: bool = True, copy_on_cpu: bool = False) -> None:
+        """prefetch: offload's backward prefetch, one unit ahead ([Note: offload's backward
+        prefetch]). copy_on_cpu: offload copies CPU tensors too (into fresh host tensors;
+        for the tests of the copy path on a CPU-only machine)."""
         self.mode = check_mode(mode)
         if self.mode is None:
             raise ValueError("ActivationPolicy needs a mode; None applies nothing")
@@ -140,6 +229,15 @@ class ActivationPolicy:
         self.peak_saved_bytes = 0
         self.peak_host_bytes = 0
         self.peak_checkpoints_held = 0
+        self.prefetch = prefetch
+        self.copy_on_cpu = copy_on_cpu
+        self.prefetches = 0    # calls whose host copies were prefetched
+        self.prefetch_hits = 0  # unpacks served by a prefetched tensor
+        self.trace: Optional[list] = None  # a list: ("backward" | "prefetch" | "unpack", call)
+        self._call: Optional[_Call] = None      # the offloaded call running now
+        self._last: Optional[weakref.ref] = None  # the call that ran last
+        self._calls_made = 0
+        self._ahead: List[weakref.ref] = []     # calls holding prefetched tensors
         self._own: List[tuple] = []
         for m in self.modules:
             had = "forward" in m.__dict__
@@ -157,8 +255,17 @@ class ActivationPolicy:
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
         if self.mode == "offload":
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                out = orig(*args, **kwargs)
+            call = _Call(self._calls_made, self._last)
+            self._calls_made += 1
+            outer, self._call = self._call, call
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    out = orig(*args, **kwargs)
+            finally:
+                self._call = outer
+            self._last = weakref.ref(call)
+            if self.prefetch and call.packed:
+                self._hook_backward(call, out)
             self._sample()
             return out
         record = [[StorageWeakRef(s) for s in _storages((args, kwargs), [])], False]
@@ -193,19 +300,94 @@ class ActivationPolicy:
 
     def _pack(self, t: torch.Tensor):
         param = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
-        if param or t.device.type == "cpu":  # params (and their views, weight.t()) stay
-            if not param:  # host memory is the device: kept as is
-                self._host.add(t.untyped_storage())
-            return None, t
+        if param or (t.device.type == "cpu" and not self.copy_on_cpu):
+            if not param:  # host memory is the device: kept as is (params and their views,
+                self._host.add(t.untyped_storage())  # weight.t(), always stay)
+            return self._record(_Packed(None, t, self._call))
         pin = t.is_cuda if self.pin_memory is None else self.pin_memory
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
         host.copy_(t, non_blocking=pin)
         self._host.add(host.untyped_storage())
-        return t.device, host
+        return self._record(_Packed(t.device, host, self._call))
 
-    def _unpack(self, packed):
-        dev, t = packed
-        return t if dev is None else t.to(dev, non_blocking=t.is_pinned())
+    def _record(self, p: _Packed) -> _Packed:
+        if p.call is not None:
+            p.call.packed.append(weakref.ref(p))
+        return p
+
+    def _unpack(self, p: _Packed):
+        if self.trace is not None and p.call is not None:
+            self.trace.append(("unpack", p.call.index))
+        if p.ready is not None:  # prefetched: handed out once
+            t, ev = p.ready, p.event
+            p.ready = p.event = None
+            self.prefetch_hits += 1
+            stream = None if ev is None else CopyStream.for_device(t.device)
+            return t if stream is None else stream.hand_over(t, ev)
+        if p.device is None:
+            return p.host
+        return p.host.to(p.device, non_blocking=p.host.is_pinned())
+
+    # ---- offload's backward prefetch ([Note: offload's backward prefetch]) -----------------
+    def _hook_backward(self, call: _Call, out) -> None:
+        ref = weakref.ref(self)
+        cref = weakref.ref(call)
+
+        def hook(*_):
+            pol, c = ref(), cref()
+            if pol is not None and c is not None:
+                pol._backward_starts(c)
+
+        seen = set()
+        for t in tensors_in(out, []):
+            if not t.requires_grad:
+                continue
+            fn = t.grad_fn
+            if fn is None:
+                t.register_hook(hook)
+            elif id(fn) not in seen:
+                seen.add(id(fn))
+                fn.register_prehook(hook)
+
+    def _backward_starts(self, call: _Call) -> None:
+        """The grad of call's output is ready: its backward runs next, then the call's before
+        (a call with several outputs comes here once per grad_fn: the rest is a no-op)."""
+        if self.trace is not None:
+            self.trace.append(("backward", call.index))
+        prev = call.prev() if call.prev is not None else None
+        keep = {id(call), id(prev)}
+        for r in self._ahead:  # one unit ahead: drop prefetches nobody used in time
+            c = r()
+            if c is not None and id(c) not in keep:
+                self._drop(c)
+        self._ahead = [r for r in self._ahead if r() is not None and id(r()) in keep]
+        for c in (call, prev):
+            if c is not None and not c.prefetched:
+                self._prefetch(c)
+
+    def _prefetch(self, call: _Call) -> None:
+        call.prefetched = True
+        self.prefetches += 1
+        if self.trace is not None:
+            self.trace.append(("prefetch", call.index))
+        for r in call.packed:
+            p = r()
+            if p is None or p.ready is not None:
+                continue
+            if p.device is None or p.device.type == "cpu":  # host memory is the device:
+                p.ready = p.host                               # the host tensor (a no-op)
+                continue
+            stream = CopyStream.for_device(p.device)
+            if stream is not None:  # (another device, no copy stream: the unpack copies)
+                p.ready, p.event = stream.to_device(p.host)
+        self._ahead.append(weakref.ref(call))
+
+    def _drop(self, call: _Call) -> None:
+        for r in call.packed:
+            p = r()
+            if p is not None:
+                p.ready = p.event = None
+        call.prefetched = False
 
     # ---- the report -------------------------------------------------------------------------
     def checkpoints_held(self) -> int:
@@ -224,7 +406,27 @@ class ActivationPolicy:
         self.peak_saved_bytes = self.peak_host_bytes = self.peak_checkpoints_held = 0
 
     def report(self) -> Dict[str, Any]:
-        """memory_report()'s activation rows ([Note: what the activation rows count])."""
+        """memory_report()'s activation rows ([Note: offload's backward prefetch]
+With "offload", each call of a unit (one forward of it) records the host copies its pack hook
+made, and the call that ran before it. When the grad of the call's output is ready (a pre-hook
+on its outputs' grad_fn, the moment stage 3's output hook re-gathers the unit: runtime.py), the
+host copies of the call itself (when nothing prefetched them yet) and of the call before it,
+the unit whose backward comes next, are copied back to the device on a copy stream of their own
+(`CopyStream`: the stream waits for the compute stream, the copy is non-blocking from pinned
+memory, an event marks its end). The unpack hook hands out the prefetched tensor once (the
+compute stream waits for its event, and the tensor is marked as used by the compute stream);
+a second unpack of the same saved tensor (retain_graph) copies again. Bounded to one unit
+ahead: at each call's pre-hook, prefetched copies of any call other than this one and the one
+before it (a call whose backward did not run, or not in reverse order) are dropped, so at most
+the running unit's and the next unit's saved tensors are on the device (the running unit's
+would be there anyway). The copy is issued before the next unit's first unpack (the order
+tests/stage3/test_activation_policy.py checks through `trace`), and the tensors unpacked are
+the same values either way (bitwise the same training). On a CPU-only machine there is no copy
+stream (`CopyStream.for_device` is None) and host memory is the device: the prefetch hands out
+the host copy itself (a no-op copy), so only its control flow runs there; the stream part is
+the GPU's (the same stream calls as stage 3's gather stream, gather_stream.py).
+
+[Note: what the activation rows count])."""
         return {"policy": self.mode, "units": len(self.modules),
                 "checkpoints_held": self.checkpoints_held(),
                 "checkpoints_peak": self.peak_checkpoints_held,
