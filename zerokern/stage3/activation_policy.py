@@ -45,11 +45,13 @@ ahead: at each call's pre-hook, prefetched copies of any call other than this on
 before it (a call whose backward did not run, or not in reverse order) are dropped, so at most
 the running unit's and the next unit's saved tensors are on the device (the running unit's
 would be there anyway). The copy is issued before the next unit's first unpack (the order
-tests/stage3/test_activation_policy.py checks through `trace`), and the tensors unpacked are
+tests/stage3/test_offload_prefetch.py checks through `trace`), and the tensors unpacked are
 the same values either way (bitwise the same training). On a CPU-only machine there is no copy
 stream (`CopyStream.for_device` is None) and host memory is the device: the prefetch hands out
-the host copy itself (a no-op copy), so only its control flow runs there; the stream part is
-the GPU's (the same stream calls as stage 3's gather stream, gather_stream.py).
+the host copy itself (a no-op copy), so only its control flow runs there. The stream part goes
+through the device handle (platform/device.py) as stage 3's gather stream does; it has run on
+fake CUDA tensors only (tests/support/fake_cuda, scenario "stage3-offload-activations": no host
+sync, no pageable or blocking host-to-device copy in forward or backward), never on a GPU.
 
 [Note: what the activation rows count]
 `report()` (memory_report()'s `activations` rows) counts what the units hold for backward:
@@ -75,6 +77,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
     noop_context_fn,
 )
+
+from zerokern.platform.device import handle
 
 from .units import tensors_in
 
@@ -144,39 +148,38 @@ class _Held:
 
 
 class CopyStream:
-    """The host-to-device copy stream of offload's prefetch on one CUDA device ([Note:
-    offload's backward prefetch]); `for_device` answers None on the CPU."""
+    """The host-to-device copy stream of offload's prefetch on one accelerator device ([Note:
+    offload's backward prefetch]), through the device handle (platform/device.py);
+    `for_device` answers None on the CPU."""
 
     _STREAMS: Dict[Any, "CopyStream"] = {}
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.dev = handle(device)
+        self.stream = self.dev.stream(device)
 
     @classmethod
     def for_device(cls, device: torch.device) -> Optional["CopyStream"]:
-        if device.type != "cuda":
+        if not handle(device).is_accelerator:
             return None
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = handle(device).indexed(device)
         if device not in cls._STREAMS:
             cls._STREAMS[device] = cls(device)
         return cls._STREAMS[device]
 
     def to_device(self, host: torch.Tensor):
         """host copied to the device on this stream: (tensor, event at the copy's end)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(self.dev.current_stream(self.device))
+        with self.dev.use_stream(self.stream):
             out = torch.empty(host.size(), dtype=host.dtype, layout=host.layout,
                               device=self.device)
             out.copy_(host, non_blocking=host.is_pinned())
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return out, event
+        return out, self.dev.recorded_event(self.stream)
 
     def hand_over(self, t: torch.Tensor, event) -> torch.Tensor:
         """The compute stream waits for the copy, and t's block is reused only after it."""
-        cur = torch.cuda.current_stream(self.device)
+        cur = self.dev.current_stream(self.device)
         cur.wait_event(event)
         t.record_stream(cur)
         return t
@@ -420,11 +423,13 @@ ahead: at each call's pre-hook, prefetched copies of any call other than this on
 before it (a call whose backward did not run, or not in reverse order) are dropped, so at most
 the running unit's and the next unit's saved tensors are on the device (the running unit's
 would be there anyway). The copy is issued before the next unit's first unpack (the order
-tests/stage3/test_activation_policy.py checks through `trace`), and the tensors unpacked are
+tests/stage3/test_offload_prefetch.py checks through `trace`), and the tensors unpacked are
 the same values either way (bitwise the same training). On a CPU-only machine there is no copy
 stream (`CopyStream.for_device` is None) and host memory is the device: the prefetch hands out
-the host copy itself (a no-op copy), so only its control flow runs there; the stream part is
-the GPU's (the same stream calls as stage 3's gather stream, gather_stream.py).
+the host copy itself (a no-op copy), so only its control flow runs there. The stream part goes
+through the device handle (platform/device.py) as stage 3's gather stream does; it has run on
+fake CUDA tensors only (tests/support/fake_cuda, scenario "stage3-offload-activations": no host
+sync, no pageable or blocking host-to-device copy in forward or backward), never on a GPU.
 
 [Note: what the activation rows count])."""
         return {"policy": self.mode, "units": len(self.modules),

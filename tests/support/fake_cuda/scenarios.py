@@ -141,3 +141,5 @@ SCENARIOS["stage2-muon-offload-cpu"] = _run(2, opt_cls=zk.ZeroMuon, offload="cpu
 SCENARIOS["stage3-muon-offload-cpu"] = _run(3, opt_cls=zk.ZeroMuon, offload="cpu")
 SCENARIOS["stage2-8bit"] = _run(2, state_bits=8)
 SCENARIOS["stage3-8bit"] = _run(3, state_bits=8)
+# activation_checkpointing="offload" with its backward prefetch on the copy stream (issue 37)
+SCENARIOS["stage3-offload-activations"] = _run(3, activation_checkpointing="offload")
