@@ -43,7 +43,8 @@ from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm.device_check import check_params_backend
-from .comm.mesh import check_hpz, check_mesh, check_same_everywhere, make_comm
+from .comm.mesh import check_mesh, check_same_everywhere, make_comm
+from .comm.plan import ParallelPlan, check_hpz_roles, role_sizes
 from .comm.quantized import check_quantized
 from .comm.tp import check_tensor_parallel, make_tensor_parallel
 from .frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
@@ -151,7 +152,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         # CPU params on an NCCL group, CUDA params on a gloo one: a ValueError naming the fix
         check_params_backend(trainable[0][0].device, process_group, mesh, type(self).__name__)
-        check_hpz(hpz, shape, stage, offload_params)
+        check_hpz_roles(hpz, shape, stage, offload_params)
         qwz, qgz_bits = check_quantized(quantized_weights, quantized_gradients, stage,
                                         offload_params)
         codec_for = functools.partial(blockquant.codec_for, backend=backend)
@@ -171,6 +172,11 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         if not broadcast_params:
             check_same_on_ranks(model_tensors(listed, model), comm.world)
         self.tp = make_tensor_parallel(tp_checked, comm.stats)
+        # the roles, decided once ([Note: one parallel plan] in comm/plan.py): what the
+        # agreement runs over, and what accounting reads
+        self.plan = ParallelPlan(comm, role_sizes(
+            shape, hpz, comm.world.world_size,
+            tp=1 if self.tp is None else self.tp.comm.world_size), self.tp)
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
@@ -260,8 +266,6 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         if self.placement.offload is not None:  # the host skips params no rank used
             self._frozen_skip.host = self.placement.unused = HostUnused(self)
         self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
-        # grads/model_parallel.py: set by zerokern.initialize(mpu=...), else None
-        self.model_parallel = None
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
         self.step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         self._prepared = None         # grad_sync.generation whose stats are in _stats
@@ -280,6 +284,12 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
             self.activations = apply_policy(model, act_mode, modules=[
                 u.module for u in self.units if not u.is_root] if P.shards_params else None)
+
+    @property
+    def model_parallel(self):
+        """An mpu's side of the agreement (grads/model_parallel.py), attached to the plan by
+        zerokern.initialize(mpu=...); else None."""
+        return self.plan.model_parallel
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Only during construction (torch.optim.Optimizer calls it for each group).
@@ -365,16 +375,19 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             else:
                 piece = gs.stats_piece(gi, k) if split else gs.grad_piece(gi, k)
                 kernels.grad_stats_(piece, found, sumsq, backend=self.backend)
-        if not averaged or split:  # each rank read a shard / piece: combine the stats
+        # The agreement ([Note: one parallel plan]): every rank skips and clips alike, and
+        # knows which params no rank used. Over dp: the stats when each rank read a shard or
+        # a piece, else (stage 0 with tp / mpu) only the used flags.
+        if not averaged or split:
             self.comm.count_once_(stats[1:base])  # HSDP: replicas hold the same shard
-            # agreement: every rank skips and clips alike, and knows which params no rank used
-            self.comm.world.all_reduce_(stats)
-        else:  # stage 0 with tp / mpu: only the used flags need the data-parallel ranks
-            self.comm.world.all_reduce_(stats[base:])
+            self.plan.agree_(stats, model=False)
+        else:
+            self.plan.agree_(stats[base:], model=False)
         if self.tp is not None:  # [Note: the global norm over tp and dp] (comm/tp.py)
-            self.tp.combine_(stats)
-        if mp is not None:  # the other slices of the model (tensor / pipeline ranks): their
-            mp.all_reduce_(stats[:base])  # params are others, so not their flags
+            self.tp.fold_replicated_(stats)
+        # over the other slices of the model (tensor / pipeline ranks): [found_inf, sumsq],
+        # not the flags (their params are others)
+        self.plan.agree_(stats[:2], dp=False, label="tp grad stats")
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()

@@ -110,14 +110,12 @@ class OptimizerApiMixin:
         else:
             acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
             op = torch.distributed.ReduceOp.SUM
-        if not self.pattern.grads_averaged:
-            if p != math.inf:
-                self.comm.count_once_(acc)  # HSDP: replicas hold the same shard
-            self.comm.world.all_reduce_(acc, op=op)
-        if tp is not None:  # the max over the tp shards too
-            tp.comm.all_reduce_(acc, op=op)
-        if mp is not None:  # [Note: model-parallel grad stats] (grads/model_parallel.py)
-            mp.all_reduce_(acc, op=op)
+        averaged = self.pattern.grads_averaged
+        if not averaged and p != math.inf:
+            self.comm.count_once_(acc)  # HSDP: replicas hold the same shard
+        # over dp where each rank read a shard, and over the model-parallel ranks (the tp
+        # shards, an mpu's slices): [Note: one parallel plan] (comm/plan.py)
+        self.plan.agree_(acc, op=op, dp=not averaged)
         return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
 
     @property

@@ -172,11 +172,11 @@ def _train(rank, mpu, stage, tamper=None, inf_on=None):
 def _count_all(opt):
     from zerokern.grads.model_parallel import ModelParallelStats
 
-    opt.model_parallel = ModelParallelStats(opt.model_parallel.group, True, opt.flat_groups)
+    opt.plan.model_parallel = ModelParallelStats(opt.model_parallel.group, True, opt.flat_groups)
 
 
 def _no_mp(opt):
-    opt.model_parallel = None
+    opt.plan.model_parallel = None
 
 
 def _raises(fn):

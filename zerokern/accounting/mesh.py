@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from zerokern.comm.plan import check_hpz_roles, role_sizes
+
 
 def mesh_dims(mesh: Optional[Tuple[int, int]], hpz: bool, world_size: int, stage: int,
               offload_params: Optional[str] = None) -> Dict[str, int]:
@@ -45,23 +47,17 @@ def mesh_dims(mesh: Optional[Tuple[int, int]], hpz: bool, world_size: int, stage
     """
     if not isinstance(hpz, bool):
         raise ValueError(f"hpz must be True or False, got {hpz!r}")
-    if mesh is None:
-        if hpz:
-            raise ValueError("hpz=True needs mesh=(R, S) (the secondary copy is sharded over S)")
-        return {"shard": world_size, "replicate": 1, "world": world_size}
-    if not (isinstance(mesh, (tuple, list)) and len(mesh) == 2 and
+    if mesh is not None and not (
+            isinstance(mesh, (tuple, list)) and len(mesh) == 2 and
             all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh)):
         raise ValueError(f"mesh must be (replicate, shard), two ints >= 1, got {mesh!r}")
-    r, s = mesh
-    if r * s != world_size:
-        raise ValueError(f"mesh {r}x{s} has {r * s} ranks, world_size is {world_size}")
-    if hpz:
-        if stage != 3:
-            raise ValueError(f"hpz=True is for stage 3, got stage={stage}")
-        if offload_params is not None:
-            raise ValueError("hpz=True does not support offload_params")
-        return {"shard": world_size, "replicate": 1, "world": world_size, "hpz": s}
-    return {"shard": s, "replicate": r, "world": world_size}
+    shape = None if mesh is None else tuple(mesh)
+    if shape is not None and shape[0] * shape[1] != world_size:
+        raise ValueError(f"mesh {shape[0]}x{shape[1]} has {shape[0] * shape[1]} ranks, "
+                         f"world_size is {world_size}")
+    # the optimizer's own rules and sizes ([Note: one parallel plan] in comm/plan.py)
+    check_hpz_roles(hpz, shape, stage, offload_params)
+    return role_sizes(shape, hpz, world_size).dims()
 
 
 def _el(x: float) -> str:

@@ -85,24 +85,6 @@ def check_mesh(mesh: Any, process_group: Any = None, device_type: Optional[str] 
     return shape
 
 
-def check_hpz(hpz: Any, shape: Optional[Tuple[int, ...]], stage: int,
-              offload_params: Optional[str]) -> None:
-    """hpz=True needs stage 3 and a 2-D (replicate, shard) mesh, without offload_params."""
-    if not isinstance(hpz, bool):
-        raise TypeError(f"hpz must be True or False, got {type(hpz).__name__}")
-    if not hpz:
-        return
-    if stage != 3:
-        raise ValueError(f"hpz=True is for stage 3 (its params are sharded), got stage={stage}")
-    if shape is None or len(shape) != 2:
-        raise ValueError("hpz=True needs a 2-D mesh (replicate, shard): params shard over all "
-                         "its ranks, the secondary copy over dim 1 (the node); got "
-                         f"{'no mesh' if shape is None else f'a mesh of shape {shape}'}")
-    if offload_params is not None:
-        raise ValueError("hpz=True does not support offload_params (the secondary copy would "
-                         f"live on the device); got offload_params={offload_params!r}")
-
-
 def _dp_world_group(ranks):
     """The one process group of these (sorted) dp ranks: WORLD for every rank, else made
     once (groups are never destroyed; only these ranks take part in creating it)."""

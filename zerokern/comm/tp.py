@@ -65,16 +65,16 @@ class TensorParallel:
     def rank(self) -> int:
         return self.comm.rank
 
-    def combine_(self, stats: torch.Tensor) -> None:
+    def fold_replicated_(self, stats: torch.Tensor) -> None:
         """stats = [found_inf, sumsq (sharded part), sumsq (replicated part)] of this rank,
-        already summed over dp: the replicated part counted on tp rank 0 only, then summed
-        over tp ([Note: the global norm over tp and dp]). Result in stats[:2]."""
+        already summed over dp: the replicated part counted on tp rank 0 only, into stats[1]
+        ([Note: the global norm over tp and dp]); the plan's agreement then sums stats[:2]
+        over tp (comm/plan.py)."""
         if self.check_replicated:
             self._check_replicated(stats[2])
         if self.comm.rank != 0:
             stats[2].zero_()
         stats[1].add_(stats[2])
-        self.comm.all_reduce_(stats[:2], label="tp grad stats")
 
     def _check_replicated(self, rep: torch.Tensor) -> None:
         """ZEROKERN_DEBUG_COLLECTIVES=1: raise on every tp rank when the replicated part's

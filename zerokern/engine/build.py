@@ -124,11 +124,9 @@ def _attach_mpu(opt: ZeroOptimizer, mpu: MpuGroups) -> None:
     """[Note: model-parallel grad stats] (grads/model_parallel.py) on the engine's optimizer."""
     from ..grads.model_parallel import ModelParallelStats
 
-    if getattr(opt, "tp", None) is not None:
-        raise ValueError("initialize: mpu= with DTensor (tensor-parallel) params: the DTensor "
-                         "placements already say what is split; pass one or the other")
-
-    opt.model_parallel = ModelParallelStats(mpu.mp_group, mpu.tp_rank == 0, opt.flat_groups)
+    opt.plan.attach_model_parallel(  # ValueError with DTensor params, before any change
+        ModelParallelStats(mpu.mp_group, mpu.tp_rank == 0, opt.flat_groups),
+        tp=mpu.tp_size, pp=mpu.pp_size)
 
 
 def _forward_only(model: nn.Module, cfg: EngineConfig,

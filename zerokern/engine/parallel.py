@@ -46,6 +46,8 @@ class MpuGroups:
         dp_size: its size.
         mp_group: the model-parallel group (the stats all-reduce), or None.
         tp_rank: this rank's tensor-parallel rank (0 counts the replicated params).
+        tp_size: the tensor-parallel size (the plan's tp role; comm/plan.py).
+        pp_size: the pipeline-parallel size (the plan's pp role).
     """
 
     dp_group: Any
@@ -53,6 +55,8 @@ class MpuGroups:
     dp_size: int
     mp_group: Any
     tp_rank: int
+    tp_size: int = 1
+    pp_size: int = 1
 
 
 def _call(mpu, names, what: str, required: bool = True):
@@ -98,7 +102,16 @@ def mpu_groups(mpu) -> Optional[MpuGroups]:
                          f"({dist.get_rank()})")
     if not isinstance(tp_rank, int) or tp_rank < 0:
         raise ValueError(f"mpu's tensor-parallel rank must be an int >= 0, got {tp_rank!r}")
-    return MpuGroups(dp, dp_rank, dp_size, mp, tp_rank)
+    # the plan's tp and pp sizes (comm/plan.py; sizes only: the stats all-reduce runs over
+    # the model-parallel group whatever its split): the mpu's own answers where it has them
+    mp_size = 1 if mp is None else dist.get_world_size(mp)
+    pp_size = _call(mpu, ("get_pipeline_model_parallel_world_size",
+                          "get_pipe_parallel_world_size"), "", required=False)
+    pp_size = max(1, int(pp_size or 1))
+    tp_size = _call(mpu, ("get_tensor_model_parallel_world_size",
+                          "get_slice_parallel_world_size"), "", required=False)
+    tp_size = max(1, int(tp_size) if tp_size is not None else mp_size // pp_size)
+    return MpuGroups(dp, dp_rank, dp_size, mp, tp_rank, tp_size, pp_size)
 
 
 def hpz_setting(h: int, out) -> None:
