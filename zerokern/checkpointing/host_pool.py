@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from zerokern.platform.device import accelerator, handle, has_accelerator
 
 
 class PoolExhausted(RuntimeError):
@@ -35,7 +36,7 @@ class HostPool:
     """Host buffers for checkpoints ([Note: the host pool])."""
 
     def __init__(self, pin: Optional[bool] = None, max_bytes: Optional[int] = None) -> None:
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = has_accelerator() if pin is None else pin
         self.max_bytes = max_bytes
         self._free: Dict[Tuple[torch.dtype, int], List[Tuple[torch.Tensor, object]]] = {}
         self.allocations = 0      # buffers ever allocated
@@ -46,8 +47,8 @@ class HostPool:
         self._stream = None
 
     def side_stream(self):
-        if self._stream is None and torch.cuda.is_available():
-            self._stream = torch.cuda.Stream()
+        if self._stream is None and has_accelerator():
+            self._stream = accelerator().stream()
         return self._stream
 
     def acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -80,13 +81,13 @@ class HostPool:
         flat = t.detach().reshape(-1)
         buf = self.acquire(flat.dtype, flat.numel())
         self.copies_out += 1
-        if flat.is_cuda:
+        if flat.device.type != "cpu":
+            dev = handle(flat)
             stream = self.side_stream()
-            stream.wait_stream(torch.cuda.current_stream(flat.device))
-            with torch.cuda.stream(stream):
+            stream.wait_stream(dev.current_stream(flat.device))
+            with dev.use_stream(stream):
                 buf.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+                event = dev.recorded_event(stream)
             flat.record_stream(stream)
             return buf, event
         buf.copy_(flat)
@@ -96,15 +97,14 @@ class HostPool:
                                                                                  object]:
         """`buf` copied to `device`: (tensor, event marking the copy's end or None)."""
         self.copies_in += 1
-        if device.type == "cuda":
-            stream = torch.cuda.current_stream(device)
+        if device.type not in ("cpu", "meta"):
+            dev = handle(device)
+            stream = dev.current_stream(device)
             if event is not None:
                 stream.wait_event(event)
             out = torch.empty(buf.shape, dtype=buf.dtype, device=device)
             out.copy_(buf, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-            return out, done
+            return out, dev.recorded_event(stream)
         if device.type == "cpu":  # host memory is the device: the buffer itself (it goes
             return buf, None      # back to the pool only when its checkpoint is freed)
         return buf.to(device), None

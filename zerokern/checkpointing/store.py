@@ -40,6 +40,7 @@ from . import partition
 from .contiguous import ContiguousBuffers
 from .groups import TPGroup
 from .host_pool import HostPool
+from zerokern.platform.device import handle
 
 
 class _Kept:
@@ -137,12 +138,12 @@ class Store:
 
     def _copy_into_host(self, src: torch.Tensor, row: torch.Tensor):
         """A device piece into a host row of a contiguous buffer, on the side stream."""
+        dev = handle(src)
         stream = self.pool.side_stream()
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(stream):
+        stream.wait_stream(dev.current_stream(src.device))
+        with dev.use_stream(stream):
             row.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+            event = dev.recorded_event(stream)
         src.record_stream(stream)
         self.pool.copies_out += 1
         return row, event
