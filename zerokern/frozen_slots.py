@@ -50,7 +50,8 @@ update where the lag is 0), so when it is used again its bias correction is torc
 kept for every param that once had no gradient on this rank (whether it lags is on the
 device); `check_savable` reads them on the host at save time and refuses only a lag > 0.
 Where the state is not updated in place on the device, see the next Note (offload) and
-[Note: a param no rank used, compact and 8-bit].
+[Note: a param no rank used, compact]; per-block states (8-bit): [Note: a param no rank used,
+8-bit].
 
 [Note: a param no rank used, on the host]
 offload="cpu"/"nvme": the update runs on the host, after the step's one blocking wait for its
@@ -61,7 +62,8 @@ piece) takes them and adds 1 to the host lag of each such param of a rule that c
 a step that runs. Then, per chunk that the cpu kernel updates (in pinned memory or in an NVMe
 pool set, before the set is written behind and before its params are copied to the device),
 `HostUnused.update_`: the regions of params no rank used are saved before the kernel and
-written back after it (master and states; the 16-bit param cast again from the restored master,
+written back after it (master and states, a per-block state's whole blocks as in [Note: a
+param no rank used, 8-bit]; the 16-bit param cast again from the restored master,
 bitwise the value the device holds, as the kernel's cast-back is `.to(dtype)`), and a used
 param whose lag is > 0 is updated again from its saved state with step t - lag. A phased rule's
 passes (Muon: `map_piece_`) restore the regions of the states they name the same way (Muon
@@ -69,7 +71,7 @@ counts no steps). With offload_params the params' home is the host tensor the ke
 (or the NVMe staging), so the same restore covers it. The lags are host ints, checked by
 `check_savable` with the device ones.
 
-[Note: a param no rank used, compact and 8-bit]
+[Note: a param no rank used, compact]
 master="compact" (bf16, state on the device): the step is the device path above, with the
 master's region read and written as fp32 through its compact form (`_CompactRegion`: expand
 the 8-aligned span around the region, since the tie bits are packed 8 to a byte; write back by
@@ -79,14 +81,24 @@ param are bit for bit what they were; `torch.where` with the device flag selects
 host read. offload_params with offload=None is the device path too (the update's master and
 param views are the fetched device shard, stored home after the skip's restore, since the
 restore runs before the piece is published); with offload="cpu"/"nvme" the host path.
-state_bits=8: NOT skipped; such a param still counts as a zero gradient (it moves by weight
-decay and momentum). Its moments are codes scaled per 128-element block, and a block is shared
-with the neighbouring params in the flat buffer (slots are not block-aligned): when a neighbour
-is updated, the block's absmax changes, so the skipped param's codes would have to be
-re-quantized under the new scale and could not stay bit for bit as they were (nor their
-dequantized values exactly). Only params whose elements fill whole blocks could be skipped
-exactly; that, or a block-aligned layout for 8-bit states, is left to do
-(docs/concepts/stages.md says so).
+
+[Note: a param no rank used, 8-bit]
+8-bit AdamW's moments are uint8 codes with one fp32 absmax per 128-element block. Packed back
+to back, a block would be shared with the neighbouring params: a neighbour's update changes
+the block's absmax, so a skipped param's codes could not stay as they were. Its buffers are
+therefore laid out with block-aligned slots (partition.py [Note: block-aligned slots]): each
+param starts at a multiple of 128, so every block belongs to one param (its elements, then
+zeros of the gap after it). The skip is then the one above, on whole blocks: a skipped or
+redone param's region is its elements and the gap after them up to the next block boundary
+(`_region`, in a piece or a host chunk, both of which start on a block boundary), and the
+states are cut for it per block (`_state_views`, `_cut`): its codes and absmax are saved and
+written back bit for bit (with its master and 16-bit params), and a param that lags is updated
+again on its own blocks alone with step t - lag, which is exactly the per-param blockwise
+8-bit AdamW that torch-style skipping gives (tests/optimizer/test_unused_in_step_8bit.py: bit
+for bit a per-param reference at N <= 2, every stage, offload "cpu"/"nvme", offload_params,
+master="compact"). The gap elements hold zero grads, masters and moments, whose codes are the
+zero code, so saving and restoring them changes nothing. A param frozen mid-training is still
+refused with a per-block rule (`begin`).
 
 [Note: a param frozen at construction]
 Params frozen when ZeroAdamW was built are not in its buffers (DESIGN §2). torch's AdamW,
@@ -204,8 +216,7 @@ class FrozenSkip:
         if unused is not None and _in_place(opt):
             maybe = {(gi, i): unused[opt._flag_index[(gi, i)]]
                      for gi, g in enumerate(opt.flat_groups) for i, p in enumerate(g.params)
-                     if p.requires_grad and p.grad is None
-                     and not _has_blocks(_rule_of(opt, gi))}
+                     if p.requires_grad and p.grad is None}
         skip_set = set(skip)
         redo = [(gi, i) for (gi, i) in self._lag if (gi, i) not in skip_set]
         redo += [key for key in maybe if key not in self._lag and key not in skip_set
@@ -246,15 +257,15 @@ class FrozenSkip:
             cst = _compact_state(g)
             for k in g.layout.buckets_of_slot(i):
                 lo, hi = g.state_range(k)
-                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                a, b = _region(g.layout, s, lo, hi)
                 if a >= b:
                     continue
-                if cst is not None:  # [Note: a param no rank used, compact and 8-bit]
+                if cst is not None:  # [Note: a param no rank used, compact]
                     views = [_CompactRegion(cst, g, k, a - lo, b - lo),
-                             *(t[a - lo:b - lo] for t in g.moments(k))]
+                             *_state_views(g, k, a - lo, b - lo)]
                 else:
                     views = [_master_piece(g, k)[a - lo:b - lo],
-                             *(t[a - lo:b - lo] for t in g.moments(k))]
+                             *_state_views(g, k, a - lo, b - lo)]
                     out = _param_out_piece(g, k)
                     if out is not None:
                         views.append(out[a - lo:b - lo])
@@ -294,17 +305,17 @@ class FrozenSkip:
         if not redo:
             return
         g = opt.flat_groups[gi]
-        states_all = g.moments(k)  # the rule's states, in its order
         cst = _compact_state(g)
         out_all = None if cst is not None else _param_out_piece(g, k)
         for a, b, lag, flag in redo:
             master = _CompactRegion(cst, g, k, a, b) if cst is not None else \
                 _master_piece(g, k)[a:b]
-            views = [master, *(t[a:b] for t in states_all)]
+            states = _state_views(g, k, a, b)  # the rule's states, in its order
+            views = [master, *states]
             if out_all is not None:
                 views.append(out_all[a:b])
             work = [t.clone() for t in views]
-            n_states = len(states_all)
+            n_states = len(states)
             _rule_of(opt, gi).step_(work[0], work[1:1 + n_states], grad[a:b].clone(),
                            work[1 + n_states] if out_all is not None else None,
                            step=self._steps[(gi, k)] - lag, grad_scale=grad_scale,
@@ -321,17 +332,16 @@ class HostUnused:
         self.buffers = opt.flat_groups
         self.index = dict(opt._flag_index)  # (gi, i) -> flag position
         self.counts = [_rule_of(opt, gi).counts_steps for gi in range(len(self.buffers))]
-        self.blocks = [_has_blocks(_rule_of(opt, gi)) for gi in range(len(self.buffers))]
+        # each state's block, in the rule's order (8-bit AdamW's absmax: 128)
+        self.blocks = [[st.block for st in _rule_of(opt, gi).states]
+                       for gi in range(len(self.buffers))]
         self.lag: Dict[Tuple[int, int], int] = {}
         self.unused: set = set()
 
     def plan_(self, flags, ran: bool) -> None:
         """This step's params no rank used, from the flags' host copy (after the wait); ran:
         the step runs (no inf/NaN)."""
-        # a per-block rule (8-bit): not skipped ([Note: a param no rank used, compact and
-        # 8-bit]): such a param counts as a zero gradient, as before
-        self.unused = {key for key, j in self.index.items()
-                       if flags[j] == 0 and not self.blocks[key[0]]}
+        self.unused = {key for key, j in self.index.items() if flags[j] == 0}
         if not ran:
             return
         for key in self.unused:
@@ -343,11 +353,14 @@ class HostUnused:
 
     def regions(self, gi: int, f_lo: int, n: int) -> List[Tuple[int, int, int, bool]]:
         """(a, b, lag, unused) for chunk elements [a, b) (flat f_lo + a .. f_lo + b) of params
-        no rank used, or used with a lag > 0."""
+        no rank used, or used with a lag > 0 (with block-aligned slots, the gap after the
+        param too: whole blocks, [Note: a param no rank used, 8-bit])."""
         out = []
         if not self.unused and not self.lag:
             return out
-        for i, a, b in self.buffers[gi].layout.overlaps(f_lo, f_lo + n):
+        L = self.buffers[gi].layout
+        for i, a, b in L.overlaps(f_lo, f_lo + n):
+            a, b = _region(L, L.slots[i], f_lo, f_lo + n)
             key = (gi, i)
             if key in self.unused:
                 out.append((a - f_lo, b - f_lo, 0, True))
@@ -361,16 +374,17 @@ class HostUnused:
         """One chunk's update `run(master, states, grad, param_out, step) -> new step` (the
         cpu kernel), with the params no rank used left as they were and lagging ones redone
         with their own count. Returns the chunk's new step."""
-        regions = self.regions(gi, f_lo, master.numel())  # (none for a per-block rule)
-        saved = [(a, b, lag, unused, [master[a:b].clone(), *(_cut(t, a, b).clone()
-                                                              for t in states)])
+        regions = self.regions(gi, f_lo, master.numel())
+        blocks = self.blocks[gi]
+        saved = [(a, b, lag, unused, [master[a:b].clone(), *(_cut(t, a, b, blk).clone()
+                                                              for t, blk in zip(states, blocks))])
                  for a, b, lag, unused in regions]
         new_step = run(master, states, grad, param_out, step)
         for a, b, lag, unused, old in saved:
             if unused:
                 master[a:b].copy_(old[0])
-                for t, o in zip(states, old[1:]):
-                    _cut(t, a, b).copy_(o)
+                for t, o, blk in zip(states, old[1:], blocks):
+                    _cut(t, a, b, blk).copy_(o)
                 if param_out is not None:
                     param_out[a:b].copy_(master[a:b])  # RNE: what the device holds
                 continue
@@ -378,8 +392,8 @@ class HostUnused:
             pout = None if param_out is None else torch.empty_like(param_out[a:b])
             run(work[0], work[1:], grad[a:b].clone(), pout, step - lag)
             master[a:b].copy_(work[0])
-            for t, w in zip(states, work[1:]):
-                _cut(t, a, b).copy_(w)
+            for t, w, blk in zip(states, work[1:], blocks):
+                _cut(t, a, b, blk).copy_(w)
             if pout is not None:
                 param_out[a:b].copy_(pout)
         return new_step
@@ -430,7 +444,7 @@ def _param_out_piece(g, k: int):
 
 class _CompactRegion:
     """Piece elements [a, b) of bucket k's compact master, read and written as fp32
-    ([Note: a param no rank used, compact and 8-bit]): `clone()` expands them (a fresh fp32
+    ([Note: a param no rank used, compact]): `clone()` expands them (a fresh fp32
     tensor), `copy_(m)` writes m's low halves, tie bits and bf16 values back. The tie bits are
     packed 8 to a byte, so both work on the 8-aligned span around [a, b) (the piece starts at a
     multiple of 128): its other elements are expanded and compacted back unchanged (exact,
@@ -463,8 +477,26 @@ class _CompactRegion:
         self.g.param_values(*self.g.state_range(self.k))[self.a8:self.b8].copy_(span)
 
 
-def _cut(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    return t[a:b]  # per-element states only (a per-block rule has no regions)
+def _cut(t: torch.Tensor, a: int, b: int, block: int = 1) -> torch.Tensor:
+    """A state's part for elements [a, b) (whole blocks of a per-block state)."""
+    return t[a // block:b // block]
+
+
+def _region(L, s, lo: int, hi: int) -> Tuple[int, int]:
+    """The flat range of slot s inside [lo, hi) that its skip saves and restores: its
+    elements, and with block-aligned slots the gap after them, so that a per-block state's
+    region is whole blocks, all the param's own ([Note: a param no rank used, 8-bit])."""
+    a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+    if a < b and L.slot_align != 1:
+        b = min(hi, -(-b // L.slot_align) * L.slot_align)
+    return a, b
+
+
+def _state_views(g, k: int, a: int, b: int) -> List[torch.Tensor]:
+    """The rule's states (in its order) for elements [a, b) of bucket k's piece (whole
+    blocks of a per-block state; ValueError if it cuts one)."""
+    s0 = g.state_slice(k).start
+    return g.state.views(slice(s0 + a, s0 + b))
 
 
 def _in_place(opt) -> bool:
@@ -474,10 +506,6 @@ def _in_place(opt) -> bool:
 
     place = opt.placement
     return isinstance(place, DevicePlacement)
-
-
-def _has_blocks(rule) -> bool:
-    return any(s.block != 1 for s in rule.states)
 
 
 def _rule_of(opt, gi: int):

@@ -60,7 +60,7 @@ from .optimizer_args import (
 )
 from .optimizer_doc import ENGINE_ARGS
 from .optimizer_state import StateDictMixin
-from .rules import Rule, check_defaults_keys, check_rule, combine
+from .rules import Rule, check_defaults_keys, check_rule, combine, slot_align
 
 
 class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
@@ -193,7 +193,8 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
 
             check_free_space(offload_path, NvmeOffloader.disk_need(per_group or rule, [
                 P.state_numel(FlatGroup.layout_of(ps, dtype, comm.shard.world_size,
-                                                  bucket_mb * 2**20)) for ps in trainable]))
+                                                  bucket_mb * 2**20, slot_align(r)))
+                for ps, r in zip(trainable, self.rules)]))
         scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
 
         # ---- now change the model --------------------------------------------------------
@@ -233,12 +234,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             self.flat_groups, self.grad_sync, self.param_homes = build_stage3(
                 params_or_model, unit_list, trainable, dtype, comm, self.placement,
                 self.reduce_dtype, offload, offload_path, offload_params,
-                keep_for_backward_mb * 2**20)
+                keep_for_backward_mb * 2**20, [slot_align(r) for r in self.rules])
         else:
             self.flat_groups: List[FlatGroup] = [
                 FlatGroup(ps, dtype, comm.shard.world_size, comm.shard.rank, self.pattern,
-                          bucket_mb * 2**20, placement=self.placement, group_index=gi)
-                for gi, ps in enumerate(trainable)]
+                          bucket_mb * 2**20, placement=self.placement, group_index=gi,
+                          slot_align=slot_align(self.rules[gi]))  # partition.py [Note:
+                for gi, ps in enumerate(trainable)]  # block-aligned slots]
             self.grad_sync = (
                 BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if P.shards_grads
                 else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))

@@ -14,8 +14,12 @@ class StateDictMixin:
         return {"rule": self.rule.name, "rules": [r.name for r in self.rules],
                 "stage": self.stage, "precision": self.precision,
                 "world_size": self.comm.shard.world_size, "rank": self.comm.shard.rank,
+                # block-aligned slots (8-bit: partition.py) add their alignment, so a state
+                # dict of packed slots is refused, not loaded at other offsets
                 "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
-                             [s.shape for s in g.layout.slots]) for g in self.flat_groups]}
+                             [s.shape for s in g.layout.slots])
+                            + ((g.layout.slot_align,) if g.layout.slot_align != 1 else ())
+                            for g in self.flat_groups]}
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at

@@ -80,7 +80,7 @@ from zerokern.optimizer_args import (
     check_precision,
     check_stage,
 )
-from zerokern.rules import adamw_rule, combine, rule_by_name
+from zerokern.rules import adamw_rule, combine, rule_by_name, slot_align
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, rules_granule
 from zerokern.state.placement import placement_class
 
@@ -147,11 +147,12 @@ class _InstantComm:
 
 
 def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pat,
-                bucket_bytes):
+                bucket_bytes, slot_align: int = 1):
     from zerokern.layout.flat_group import FlatGroup
 
     params = [nn.Parameter(torch.empty(spec.shapes[i], device="meta")) for i in idx]
-    return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes)
+    return FlatGroup(params, dtype, world_size, rank, pat, bucket_bytes,
+                     slot_align=slot_align)
 
 
 def _staging_bytes(spec: ModelSpec, groups, idx, reduce_dtype) -> int:
@@ -195,13 +196,14 @@ class _GradOf:
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype,
-                   idx=None, node=None, keep_bytes: float = 0):
+                   idx=None, node=None, keep_bytes: float = 0, aligns=None):
     """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
     One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
     a run) and one backward (on_grad in the recorded grad order, then end_backward). Returns
     (the flats, bytes of the staging pool it holds after, Stage3Runtime.live_bound(), bytes of
-    hpZ's secondary copies: node = (node size, rank in it), None without hpZ).
+    hpZ's secondary copies: node = (node size, rank in it), None without hpZ). aligns: each
+    param group's slot alignment (rules.slot_align; None: 1).
     """
     from zerokern.stage3 import ShardedFlat, Stage3Runtime, Unit
 
@@ -216,7 +218,8 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
     members = [(u, gi, [j for j in us.params if group_of[j] == gi])
                for u, us in zip(units, spec.units) for gi in range(n_groups)]
     members = [(u, gi, js) for u, gi, js in members if js]
-    flats = [ShardedFlat([params[j] for j in js], dtype, world_size, rank, gi, u.index)
+    flats = [ShardedFlat([params[j] for j in js], dtype, world_size, rank, gi, u.index,
+                         slot_align=aligns[gi] if aligns else 1)
              for u, gi, js in members]
     frozen = [ShardedFlat([nn.Parameter(torch.empty(s, device="meta"), requires_grad=False)
                            for s in us.frozen], dtype, world_size, rank, -1, i, trainable=False)
@@ -358,8 +361,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     live_bound = None
     notes = []
     if not P.shards_params:
-        groups = [_meta_group(spec, ix, dtype, world_size, rank, P, bucket_mb * 2**20)
-                  for ix in idx]
+        groups = [_meta_group(spec, ix, dtype, world_size, rank, P, bucket_mb * 2**20,
+                              slot_align(r)) for ix, r in zip(idx, rules)]
         layouts = [g.layout for g in groups]
         layout_rules = rules
         for L in layouts:
@@ -375,7 +378,8 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                              f"{spec.order_source}")
     else:
         flats, frozen, b["buckets"], live_bound, secondary = _stage3_replay(
-            spec, dtype, world_size, rank, dtype, idx, node, keep_for_backward_mb * 2**20)
+            spec, dtype, world_size, rank, dtype, idx, node, keep_for_backward_mb * 2**20,
+            [slot_align(r) for r in rules])
         if hpz:
             b["hpz_secondary"] = secondary
         layouts = [f.layout for f in flats]

@@ -9,15 +9,18 @@ per element; 8-bit AdamW's checkpoint is then 4 + 1 + 4 + 1 + 4 = 14 bytes per p
 against AdamW's 12: the codes and scales are stored as they are, never re-quantized, which is
 what makes a resume exact). The codes (uint8) are per element already.
 On load, each of the loader's blocks takes its elements' loaded scales:
-- all the block's param elements carry the same scale (the same block in the saving layout:
-  always so across world sizes at stages 0-2, whose buffers hold the same params at the same
-  flat offsets, and across stages 0-2 with the same param groups): the block's absmax is that
-  scale and the codes are the saved ones, bit for bit: the resumed run is the uninterrupted one;
-- otherwise (the blocks moved: stage 3's per-unit buffers against stages 0-2's per-group
-  ones, other param groups): the block is re-quantized from the dequantized saved values
+- all the block's param elements carry the same scale (the same block in the saving layout):
+  the block's absmax is that scale and the codes are the saved ones, bit for bit: the resumed
+  run is the uninterrupted one. The slots of a per-block rule's buffers are block-aligned
+  (partition.py [Note: block-aligned slots]): every block holds one param's elements, and a
+  param's blocks start at its first element in every buffer, so this is always so between
+  any world sizes and stages (stage 3's per-unit buffers against stages 0-2's per-group
+  ones) and param groups;
+- otherwise (a checkpoint saved with slots packed back to back, before the alignment, whose
+  blocks straddled params): the block is re-quantized from the dequantized saved values
   (code x its own saved scale), one more rounding of at most half a code gap x absmax
   (kernels/quant8.py's bound), documented and tested.
-Padding elements (beyond the buffer's params) hold 0: the zero code.
+Padding elements (the tail and the gaps of aligned slots) hold 0: the zero code.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def fixup(g, k: int, lo: int, hi: int, temps: Dict[str, torch.Tensor]) -> Callab
     set each block's absmax (exact) or re-quantize the block (module Note)."""
     def run() -> None:
         s0 = g.state_slice(k).start + lo - g.state_range(k)[0]
-        real = torch.arange(lo, hi, device=g.device) < g.layout.numel
+        real = torch.zeros(hi - lo, dtype=torch.bool, device=g.device)  # param elements
+        for _, a, b in g.layout.overlaps(lo, hi):  # (not the tail, nor the gaps of aligned
+            real[a - lo:b - lo] = True             # slots: partition.py)
         for name, scales in temps.items():
             code_name, signed = g.state.scaled[name]  # the rule's StateSpec.scales
             b = g.state.blocks[name]

@@ -130,8 +130,9 @@ class BucketedGrads(ShardedGrads):
             lo, hi = L.bucket_range(k)
             view = buf[:hi - lo]
             # Not a full zero_(): every param region is overwritten by its grad (a whole pass
-            # saved per step); padding is zeroed here, params with no grad at launch.
-            view[max(L.numel - lo, 0):].zero_()
+            # saved per step); padding (the tail, and the gaps of block-aligned slots) is
+            # zeroed here, params with no grad at launch.
+            self.groups[gi].zero_padding_(view, lo)
             self._staging[(gi, k)] = view
         return self._staging[(gi, k)]
 

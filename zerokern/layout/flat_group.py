@@ -25,19 +25,21 @@ from zerokern.state import huge_pages
 class FlatGroup(ShardBuffer):
     @staticmethod
     def layout_of(params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
-                  bucket_bytes: float):
-        """The buffer's layout (also asked before it exists: the NVMe free-space check)."""
+                  bucket_bytes: float, slot_align: int = 1):
+        """The buffer's layout (also asked before it exists: the NVMe free-space check).
+        slot_align: `rules.slot_align(the group's rule)` (partition.py [Note: block-aligned
+        slots])."""
         # DTensor params: their local shards ([Note: a DTensor param is its local tensor])
         return make_layout([local_shape(p) for p in params], world_size,
                            bucket_numel_for(bucket_bytes,
                                             torch.empty((), dtype=dtype).element_size(),
-                                            world_size))
+                                            world_size), slot_align)
 
     def __init__(self, params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
                  rank: int, stage, bucket_bytes: float, placement=None,
-                 group_index: int = 0) -> None:
+                 group_index: int = 0, slot_align: int = 1) -> None:
         pat = stage if isinstance(stage, StagePattern) else pattern(stage)
-        layout = self.layout_of(params, dtype, world_size, bucket_bytes)
+        layout = self.layout_of(params, dtype, world_size, bucket_bytes, slot_align)
         self._init_buffer(params, dtype, rank, pat, layout, group_index)
         if placement is None:
             from zerokern.state.placement import DevicePlacement

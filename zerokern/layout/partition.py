@@ -15,12 +15,34 @@ and each bucket is split evenly across ranks:
 A bucket then reduce-scatters and all-gathers with one collective each, as soon as its params'
 grads are in. With a single bucket this is exactly the DESIGN layout. Bucket sizes are multiples
 of `world_size × ALIGN`, so every piece starts 16-byte aligned (128-bit loads) and only the last
-bucket carries padding, less than `world_size × ALIGN` elements.
+bucket carries padding at its tail, less than `world_size × ALIGN` elements.
+
+[Note: block-aligned slots]
+A rule with per-block states (8-bit AdamW: one fp32 absmax per 128 elements, zerokern.rules
+[Note: per-element and per-block states]) lays its buffers out with `slot_align` = its block
+(`rules.slot_align`, decided once per param group from the group's rule by FlatGroup and
+ShardedFlat): every param's slot starts at a multiple of the block, so every block holds the
+elements of one param only (and zeros). Packed back to back, a block would be shared with the
+neighbouring params: skipping a param that no rank used (frozen_slots.py) could not leave its
+codes and absmax as they were once a neighbour's update changed the block's scale, and the
+blocks would depend on which params share a buffer (stage 3's per-unit buffers against stages
+0-2's per-group ones), so a checkpoint moved between them re-quantized the shared blocks. With
+aligned slots a param's blocks are the same in every buffer, stage and world size, and are the
+blocks of a per-param blockwise quantization (bitsandbytes' AdamW8bit blocks each param from
+its first element). Cost: a gap of less than `slot_align` zero elements after each param
+(< 128 x 6.06 bytes of state per param for 8-bit AdamW, plus the gap's 16-bit param and grad;
+a 7B model's ~300 params: < 39k elements). Gaps are padding like the tail: `numel` still
+counts the params' elements only, `padding`, `pad_in` and `pad_ranges` count the gaps too,
+and whatever writes padding (the grad staging buffers) zeros them; the update keeps them zero
+(zero grad, zero master and moments, as the tail). Without per-block states `slot_align` is 1
+and there are no gaps.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Sequence, Tuple
 
 # 128 elements: 256 B for 16-bit, 512 B for fp32; every piece start is 16-byte aligned.
@@ -49,6 +71,30 @@ class FlatLayout:
     world_size: int
     bucket_numel: int          # full bucket size; a multiple of world_size * ALIGN
     padded_numel: int          # a multiple of world_size * ALIGN
+    slot_align: int = 1        # every slot starts at a multiple (Note: block-aligned slots)
+
+    @property
+    def end(self) -> int:
+        """Where the tail padding starts: the end of the last param (= numel without gaps)."""
+        return self.slots[-1].offset + self.slots[-1].numel if self.slots else 0
+
+    @cached_property
+    def _starts(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """(slot offsets, param elements before each slot): the slots are in flat order."""
+        before, n = [], 0
+        for s in self.slots:
+            before.append(n)
+            n += s.numel
+        return tuple(s.offset for s in self.slots), tuple(before)
+
+    def _real_before(self, x: int) -> int:
+        """Param elements at flat index < x."""
+        offs, before = self._starts
+        i = bisect.bisect_right(offs, x) - 1
+        if i < 0:
+            return 0
+        s = self.slots[i]
+        return before[i] + min(max(x - s.offset, 0), s.numel)
 
     @property
     def n_buckets(self) -> int:
@@ -85,15 +131,35 @@ class FlatLayout:
     def overlaps(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
         """Params intersecting flat range [lo, hi): (slot index, start, end) in flat coords."""
         out = []
-        for i, s in enumerate(self.slots):
+        offs = self._starts[0]
+        for i in range(max(bisect.bisect_right(offs, lo) - 1, 0), len(self.slots)):
+            s = self.slots[i]
+            if s.offset >= hi:
+                break
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < b:
                 out.append((i, a, b))
         return out
 
     def pad_in(self, lo: int, hi: int) -> int:
-        """Padding elements (index >= numel) inside flat range [lo, hi)."""
-        return max(0, hi - max(lo, self.numel))
+        """Padding elements (the tail, and the gaps between block-aligned slots) inside flat
+        range [lo, hi)."""
+        if self.slot_align == 1:  # packed: padding only at the tail
+            return max(0, hi - max(lo, self.end))
+        return (hi - lo) - (self._real_before(hi) - self._real_before(lo))
+
+    def pad_ranges(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """The padding inside flat range [lo, hi) as [a, b) flat ranges, in order (the gaps
+        after block-aligned slots, then the tail; Note: block-aligned slots)."""
+        out, x = [], lo
+        for _, a, b in (self.overlaps(lo, hi) if self.slot_align != 1 else
+                        [(None, lo, min(hi, self.end))] if lo < self.end else []):
+            if x < a:
+                out.append((x, a))
+            x = max(x, b)
+        if x < hi:
+            out.append((x, hi))
+        return out
 
     # -- the optimizer state a rank holds: `replicated` (stage 0) holds every bucket whole,
     # -- otherwise rank r holds its piece of each bucket, contiguously (Note: bucket-major)
@@ -133,19 +199,25 @@ def one_bucket_numel(numel: int, world_size: int) -> int:
 
 
 def make_layout(shapes: Sequence[Tuple[int, ...]], world_size: int,
-                bucket_numel: int) -> FlatLayout:
-    """Pack params back to back in the given order, pad the tail to world_size*ALIGN."""
+                bucket_numel: int, slot_align: int = 1) -> FlatLayout:
+    """Pack params in the given order, each starting at a multiple of slot_align (1: back to
+    back; Note: block-aligned slots), pad the tail to world_size*ALIGN."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     unit = world_size * ALIGN
     if bucket_numel < unit or bucket_numel % unit:
         raise ValueError(f"bucket_numel must be a positive multiple of {unit}, got {bucket_numel}")
-    slots, off = [], 0
+    if not isinstance(slot_align, int) or slot_align < 1 or ALIGN % slot_align:
+        raise ValueError(f"slot_align must divide {ALIGN}, got {slot_align!r}")
+    slots, off, total = [], 0, 0
     for shape in shapes:
         n = 1
         for d in shape:
             n *= d
+        off = round_up(off, slot_align)
         slots.append(Slot(off, n, tuple(shape)))
         off += n
+        total += n
     padded = max(round_up(off, unit), unit)
-    return FlatLayout(tuple(slots), off, world_size, min(bucket_numel, padded), padded)
+    return FlatLayout(tuple(slots), total, world_size, min(bucket_numel, padded), padded,
+                      slot_align)

@@ -79,6 +79,24 @@ class ShardBuffer:
         """Padding elements among this rank's state."""
         return self.pattern.state_padding(self.layout, self.rank)
 
+    def zero_padding_(self, view: torch.Tensor, lo: int) -> None:
+        """Zero the padding among flat elements [lo, lo + len(view)) held by `view` (a grad
+        staging buffer whose param regions get their grads): the tail, and the gaps of
+        block-aligned slots (partition.py [Note: block-aligned slots]), which hold zero grads
+        as the tail does. Gaps: one index_fill_ per buffer and range, its index made once."""
+        hi = lo + view.numel()
+        if self.layout.slot_align == 1:  # padding only at the tail: one slice
+            view[max(self.layout.end - lo, 0):].zero_()
+            return
+        cache = self.__dict__.setdefault("_pad_index", {})
+        key = (lo, hi, view.device)
+        if key not in cache:
+            ranges = self.layout.pad_ranges(lo, hi)
+            cache[key] = torch.cat([torch.arange(a - lo, b - lo) for a, b in ranges] +
+                                   [torch.zeros(0, dtype=torch.int64)]).to(view.device)
+        if cache[key].numel():
+            view.index_fill_(0, cache[key], 0)
+
     def copy_params_(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """Copy the params' values of flat range [lo, hi) into out (padding left as it is)."""
         for i, a, b in self.layout.overlaps(lo, hi):

@@ -58,8 +58,10 @@ would cut a block, so a mis-layout (a block straddling two ranks' pieces) is an 
 silently wrong scale. The dtypes a state may have: fp32, or uint8 codes (1 byte per element);
 `bytes_per_elem` must be itemsize / block (the formula's K term, exact). The NVMe files hold
 any such state, each in its own dtype and padded to aligned I/O (state/nvme_state.py [Note:
-any StateSpec in a file, aligned]). The paths that would cut a block raise (a param frozen
-after construction, frozen_slots.py).
+any StateSpec in a file, aligned]). A buffer whose rule has per-block states starts every
+param's slot on a block boundary (`slot_align`, partition.py [Note: block-aligned slots]), so
+no block is shared by two params: a param no rank used is skipped on its own blocks
+(frozen_slots.py). A param frozen after construction is still refused with such a rule.
 
 [Note: what a rule supports]
 Whether a rule runs with a placement or a master is the rule's to say, not the engine's to
@@ -294,6 +296,13 @@ STATE_DTYPES = (torch.float32, torch.uint8)
 def has_block_states(rule) -> bool:
     """Some state of `rule` is not one fp32 element per param element (8-bit AdamW's)."""
     return any(not s.plain for s in rule.states)
+
+
+def slot_align(rule) -> int:
+    """Where each param's slot starts in a buffer whose group has `rule`: a multiple of its
+    largest per-block state's block (8-bit AdamW: 128), or anywhere (1) without per-block
+    states (partition.py [Note: block-aligned slots])."""
+    return max((s.block for s in getattr(rule, "states", ())), default=1)
 
 
 def cut_states(states: Dict[str, torch.Tensor], blocks: Dict[str, int], lo: int,

@@ -6,11 +6,16 @@ one fp32 absmax per block of 128 (kernels/quant8.py [Note: 8-bit moments]), and 
 Four states, in this order: `exp_avg` (uint8 codes of m, signed map), `exp_avg_absmax` (fp32,
 one per 128 elements), `exp_avg_sq` (uint8 codes of v, unsigned map), `exp_avg_sq_absmax`.
 K = 4 (the fp32 master) + 1 + 1 + 4/128 + 4/128 = 6.0625 bytes per param element (AdamW: 12).
-The quantization blocks are the 128-element blocks of each flat buffer's own coordinates
-(partition.py): every piece of a bucket is a whole number of them, so a rank quantizes its
-piece alone and ZeRO at any stage and world size runs exactly the single-process update of the
-same buffer, bit for bit (tests/rules/test_adamw8bit.py). Padding elements (zero grads, zero
-master) stay zero and never raise a block's absmax. A new state is all zero bytes: any code
+The quantization blocks are the 128-element blocks of each flat buffer's own coordinates,
+whose slots are block-aligned for this rule (partition.py [Note: block-aligned slots]): each
+param's blocks start at its first element and hold no other param, as a per-param blockwise
+quantization (bitsandbytes' AdamW8bit). Every piece of a bucket is a whole number of blocks,
+so a rank quantizes its piece alone and ZeRO at any stage and world size runs exactly the
+single-process update of the same buffer, bit for bit (tests/rules/test_adamw8bit.py), a
+param no rank used is skipped on its own blocks (frozen_slots.py [Note: a param no rank used,
+8-bit]) and a checkpoint moves between stages 0-2 and 3 with its blocks unchanged. Padding
+elements (the tail and the gaps after params: zero grads, zero master) stay zero and never
+raise a block's absmax. A new state is all zero bytes: any code
 times absmax 0 dequantizes to (+-)0, which the first step treats as zero moments.
 """
 

@@ -141,7 +141,7 @@ class Stage3Backward(ShardedGrads):
     def _acquire(self, fi: int) -> torch.Tensor:
         if fi not in self._staging:
             buf = self._pooled(fi)
-            buf[self.groups[fi].layout.numel:].zero_()  # padding; params get their grads
+            self.groups[fi].zero_padding_(buf, 0)  # padding (gaps too); params get grads
             self._staging[fi] = buf
         return self._staging[fi]
 

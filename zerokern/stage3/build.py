@@ -36,10 +36,13 @@ def check_stage3(model: torch.nn.Module, units, trainable: List[List[torch.nn.Pa
 def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
                  trainable: List[List[torch.nn.Parameter]], dtype: torch.dtype, comm,
                  placement, reduce_dtype: torch.dtype, offload: Optional[str], offload_path,
-                 offload_params: Optional[str], keep_for_backward_bytes: float = 0
+                 offload_params: Optional[str], keep_for_backward_bytes: float = 0,
+                 aligns: Optional[List[int]] = None
                  ) -> Tuple[List[ShardedFlat], Stage3Runtime, Optional[object]]:
     """One ShardedFlat per (unit, param group) with params, the frozen buffers, the param
-    homes (offload_params, else None) and the runtime over them."""
+    homes (offload_params, else None) and the runtime over them. aligns: each param group's
+    slot alignment (rules.slot_align of its rule; partition.py [Note: block-aligned
+    slots])."""
     group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
     make, homes = ShardedFlat, None
     if offload_params is not None:  # the shards' homes: host or files
@@ -49,7 +52,9 @@ def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
                            offload_path, comm.world.rank)  # file names: unique per rank
         make = homes.make
     shard = comm.shard  # the layout: sharded over the shard group
-    buffers = [make(ps, dtype, shard.world_size, shard.rank, gi, u.index, placement=placement)
+    aligns = aligns or [1] * len(trainable)
+    buffers = [make(ps, dtype, shard.world_size, shard.rank, gi, u.index, placement=placement,
+                    slot_align=aligns[gi])
                for u in unit_list for gi in range(len(trainable))
                for ps in [[p for p in u.params if group_of[id(p)] == gi]] if ps]
     # Frozen params: sharded with their unit, cast to the precision, no grads and no

@@ -87,11 +87,11 @@ class OffloadedShardedFlat(ShardedFlat):
     """A ShardedFlat whose shard lives at `homes` (host or file) between uses."""
 
     def __init__(self, params, dtype, world_size, rank, group_index, unit_index,
-                 trainable=True, placement=None, *, homes) -> None:
+                 trainable=True, placement=None, *, homes, slot_align=1) -> None:
         self.homes = homes  # param_homes.ParamHomes (not imported: it builds this class)
         self.dev = None  # (set below: ShardedFlat.__init__ calls free() first)
         super().__init__(params, dtype, world_size, rank, group_index, unit_index, trainable,
-                         placement)
+                         placement, slot_align)
         S = self.layout.shard_numel
         self._dev_bytes = S * self.param_shard.element_size()
         self.dev = self.param_shard  # the device shard storage; released below, fetched per use

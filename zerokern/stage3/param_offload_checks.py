@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 
+from zerokern.layout.dtensor_params import local_shape
 from zerokern.state import aligned_io as aio
 from zerokern.state.nvme_state import check_free_space
 
@@ -23,16 +24,17 @@ NOTES = {  # zerokern estimate's note per kind
 }
 
 
-def _shard_numel(numel: int, world_size: int) -> int:
-    """S of a stage-3 buffer of `numel` elements: ShardedFlat's own layout (partition.py)."""
-    from zerokern.layout.partition import make_layout, one_bucket_numel
+def _shard_numel(shapes, world_size: int, slot_align: int = 1) -> int:
+    """S of a stage-3 buffer of params of `shapes`: ShardedFlat's own layout (partition.py,
+    its slots aligned to slot_align: [Note: block-aligned slots])."""
+    from .sharded_flat import unit_layout
 
-    return make_layout([(numel,)], world_size, one_bucket_numel(numel, world_size)).shard_numel
+    return unit_layout(shapes, world_size, slot_align).shard_numel
 
 
-def _shard_bytes(numel: int, world_size: int, e: int) -> int:
+def _shard_bytes(shapes, world_size: int, e: int, slot_align: int = 1) -> int:
     """align_up(S·e): a stage-3 buffer's shard as a file region."""
-    return aio.align_up(_shard_numel(numel, world_size) * e)
+    return aio.align_up(_shard_numel(shapes, world_size, slot_align) * e)
 
 
 def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int,
@@ -43,7 +45,7 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
     2 halves of the shard, one for a frozen buffer) against the free space of `path`, before
     the model is touched. The files are preallocated at construction all the same, which
     catches what this misses (other writers, file systems that count blocks differently)."""
-    from zerokern.rules import adamw_rule
+    from zerokern.rules import adamw_rule, slot_align
     from zerokern.state.offload_nvme import NvmeOffloader
 
     rule = adamw_rule() if rule is None else rule
@@ -52,14 +54,15 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
     need = 0
     for u in units:
         for gi in range(len(trainable)):
-            n = sum(p.numel() for p in u.params if group_of.get(id(p)) == gi)
-            if n:
+            shapes = [local_shape(p) for p in u.params if group_of.get(id(p)) == gi]
+            if shapes:
                 r = rule[gi] if isinstance(rule, (list, tuple)) else rule  # one per group
-                need += NvmeOffloader.disk_need(r, [_shard_numel(n, world_size)])
+                a = slot_align(r)
+                need += NvmeOffloader.disk_need(r, [_shard_numel(shapes, world_size, a)])
                 if offload_params == "nvme":
-                    need += 2 * _shard_bytes(n, world_size, e)
+                    need += 2 * _shard_bytes(shapes, world_size, e, a)
         if u.frozen and offload_params == "nvme":
-            need += _shard_bytes(sum(p.numel() for p in u.frozen), world_size, e)
+            need += _shard_bytes([local_shape(p) for p in u.frozen], world_size, e)
     check_free_space(path, need)
 
 

@@ -37,6 +37,15 @@ from zerokern.stage3 import gather_stream
 from zerokern.state import huge_pages
 
 
+def unit_layout(shapes, world_size: int, slot_align: int = 1):
+    """A stage-3 buffer's layout: one bucket holding every slot (slot_align: the group rule's,
+    partition.py [Note: block-aligned slots])."""
+    end = 0
+    for s in shapes:
+        end = -(-end // slot_align) * slot_align + math.prod(s)
+    return make_layout(shapes, world_size, one_bucket_numel(end, world_size), slot_align)
+
+
 class Residency(Enum):
     """Where a unit's params are (three states, so not a pair of flags)."""
 
@@ -48,11 +57,9 @@ class Residency(Enum):
 class ShardedFlat(ShardBuffer):
     def __init__(self, params: List[torch.nn.Parameter], dtype: torch.dtype, world_size: int,
                  rank: int, group_index: int, unit_index: int, trainable: bool = True,
-                 placement=None) -> None:
+                 placement=None, slot_align: int = 1) -> None:
         shapes = [local_shape(p) for p in params]  # DTensor params: their local shards
-        numel = sum(math.prod(s) for s in shapes)
-        layout = make_layout(shapes, world_size,
-                             one_bucket_numel(numel, world_size))
+        layout = unit_layout(shapes, world_size, slot_align)
         self._init_buffer(params, dtype, rank, pattern(3), layout, group_index)
         self.trainable = trainable
         self.unit_index = unit_index
