@@ -35,6 +35,7 @@ clears that param's accumulated gradient here too, as it would in torch.
 
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -59,6 +60,21 @@ def launch_order(groups) -> List[Tuple[int, int]]:
     return [(gi, k) for _, gi, k in sorted(key, reverse=True)]
 
 
+class TrainingState(enum.Enum):
+    """[Note: one lifecycle state] Where the model's pass is, in one value (FSDP2 keeps its
+    `TrainingState` the same way), instead of a flag per question:
+    - IDLE: between backward passes (a forward, the step, zero_grad);
+    - PRE_BACKWARD: a backward began (its first hook ran: the scaled loss's, or a param's
+      gradient) and its end is queued; stage 3 has not reached a unit yet;
+    - BACKWARD: stage 3's backward cursor reached a unit (stage3/backward.py): params are
+      gathered for backward, and a forward now is an activation checkpoint's recompute.
+    The backward's end callback returns it to IDLE."""
+
+    IDLE = "idle"
+    PRE_BACKWARD = "pre_backward"
+    BACKWARD = "backward"
+
+
 class GradSync:
     """Base: hooks, backward bookkeeping and the p.grad state shared by all stages."""
 
@@ -76,7 +92,7 @@ class GradSync:
         self.before_backward = None   # callback (the optimizer follows the model there)
         self.detached = False         # another ZeroAdamW took these params over
         self.free_on_zero = False     # zero_grad(set_to_none=True) frees the grad memory
-        self._in_backward = False
+        self.state = TrainingState.IDLE  # [Note: one lifecycle state]
         self._got: List[List[bool]] = [[False] * len(g.params) for g in groups]  # this backward
         self._exposed: List[List[Optional[torch.Tensor]]] = [[None] * len(g.params)
                                                              for g in groups]
@@ -100,18 +116,18 @@ class GradSync:
         return loss
 
     def begin_from_hook(self, scaled: bool) -> None:
-        if not self._in_backward and not self.detached:
+        if self.state is TrainingState.IDLE and not self.detached:
             self._begin_backward(scaled)
 
     def _begin_backward(self, scaled: bool = False) -> None:
         """First hook of a backward: queue its end, follow the user's p.grad changes."""
-        if self._in_backward:
+        if self.state is not TrainingState.IDLE:
             return
         if self.require_scaled and not scaled:
             self.unscaled_backward = True
         if self.before_backward is not None:
             self.before_backward()
-        self._in_backward = True
+        self.state = TrainingState.PRE_BACKWARD
         Variable._execution_engine.queue_callback(self._end_backward)
         self.generation += 1
         try:
@@ -124,7 +140,7 @@ class GradSync:
 
     def _end_backward(self) -> None:
         self.end_backward()
-        self._in_backward = False
+        self.state = TrainingState.IDLE
         self.micro_steps += 1
         self._expose()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zerokern.grads.grad_sync import MAX_IN_FLIGHT
+from zerokern.grads.grad_sync import MAX_IN_FLIGHT, TrainingState
 from zerokern.grads.sharded_grads import ShardedGrads
 from zerokern.layout.dtensor_params import local as local_of
 from zerokern.state import huge_pages
@@ -46,10 +46,16 @@ WINDOW_OPENS = 2
 
 
 class Stage3Backward(ShardedGrads):
+    @property
+    def in_backward(self) -> bool:
+        """Stage 3's backward has reached a unit ([Note: one lifecycle state])."""
+        return self.state is TrainingState.BACKWARD
+
     def replay_output_grad(self, u: Unit) -> None:
         """u's output hook outside autograd (accounting/estimate.py's replay, which calls
         end_backward itself: there is no backward-end callback to queue)."""
-        self._in_backward = True
+        if self.state is TrainingState.IDLE:
+            self.state = TrainingState.PRE_BACKWARD
         self._pre_backward(u)
 
     def _pre_backward(self, u: Unit) -> None:
@@ -62,7 +68,7 @@ class Stage3Backward(ShardedGrads):
         if not self.in_backward:  # a backward starts (param offload's read-ahead)
             param_offload.new_pass(self)
         self._begin_backward()
-        self.in_backward = True
+        self.state = TrainingState.BACKWARD
         if u.is_root:
             self._gather(self._need(u))
         else:
@@ -306,7 +312,7 @@ class Stage3Backward(ShardedGrads):
         if self.sync:
             self._catch_up()
         self._drain()
-        self.in_backward = False
+        self.state = TrainingState.PRE_BACKWARD  # IDLE once the queued end has run
         self._free_unreferenced()
         self._calls.clear()
         self._unsignalled.clear()

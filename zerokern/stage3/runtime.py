@@ -123,7 +123,6 @@ class Stage3Runtime(WholeParams, Stage3Backward):
         self._calls: Dict[int, int] = defaultdict(int)
         self._unsignalled: set = set()   # units called with no input that requires grad
         self._unit_of = {id(u.module): u.index for u in self.active_units}
-        self.in_backward = False
         self._fwd_grad = False  # the root's forward runs with grad (a backward follows)
         self.live_bytes = 0
         self.peak_live_bytes = 0
