@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from typing import List, Optional
 
 HELP = "checkpoint directory -> one full state dict file (.pt or .safetensors)"
@@ -31,10 +32,14 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        out = consolidate(args.dir, args.out, dtype=args.dtype, fmt=args.fmt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = consolidate(args.dir, args.out, dtype=args.dtype, fmt=args.fmt)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"zerokern consolidate: error: {e}", file=sys.stderr)
         return 1
+    for w in caught:  # e.g. frozen params a save with exclude_frozen_parameters left out
+        print(f"zerokern consolidate: warning: {w.message}", file=sys.stderr)
     size = os.path.getsize(out)
     dt = time.perf_counter() - t0
     print(f"wrote {out} ({size / 1e6:.3g} MB, {args.dtype}) in {dt:.2f} s")

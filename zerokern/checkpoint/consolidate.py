@@ -8,6 +8,12 @@ there (sharing one tensor in the returned dict, as in `model.state_dict()`; writ
 safetensors file, whose format has no aliases), and so are buffers and frozen params, saved
 from rank 0, so strict loading works.
 
+A checkpoint saved with `exclude_frozen_parameters=True` holds no values for its frozen params
+(format.py [Note: excluded frozen params]): they are left out of the output, with a warning
+naming them (DeepSpeed's zero_to_fp32 leaves them out silently), so the dict loads with
+`strict=False` into a model that holds them (the base model of a LoRA run), and a safetensors
+file lists them in its `__metadata__` ("excluded_frozen_parameters", a JSON list).
+
 Params come from the fp32 masters (not the 16-bit params), cast to `dtype` (fp32 by default;
 bf16/fp16 round to nearest even, bitwise what the optimizer's cast-back gives). Floating
 buffers and frozen params are cast to `dtype` too; integer ones keep theirs.
@@ -71,6 +77,23 @@ class _Source:
             for n in [e["name"], *e["aliases"]]:
                 extras[n] = e
         self.extras = extras
+        self.excluded = {}  # format.py [Note: excluded frozen params]
+        for e in self.meta.get("excluded_frozen", ()):
+            for n in [e["name"], *e["aliases"]]:
+                self.excluded[n] = e
+
+    def excluded_keys(self) -> List[str]:
+        """The state_dict keys whose values the checkpoint left out, in state_dict order."""
+        return [k for k in self.meta["state_dict_keys"] if k in self.excluded]
+
+    def warn_excluded(self) -> None:
+        keys = self.excluded_keys()
+        if keys:
+            warnings.warn(
+                f"zerokern.checkpoint.consolidate: {self.dir} was saved with "
+                f"exclude_frozen_parameters=True: {len(keys)} frozen param key(s) are not in "
+                f"the output: {keys[:8]}{' ...' if len(keys) > 8 else ''}; load it with "
+                "strict=False into a model that holds them", stacklevel=3)
 
     def entries(self, dtype: torch.dtype) -> List[Tuple[str, Tuple[int, ...], torch.dtype, Any]]:
         """(key, shape, output dtype, source) in state_dict order; source: param index or
@@ -84,6 +107,8 @@ class _Source:
                 e = self.extras[key]
                 dt = dtype_from_name(e["dtype"])
                 out.append((key, tuple(e["shape"]), dtype if dt.is_floating_point else dt, e))
+            elif key in self.excluded:
+                continue  # no values in the checkpoint (warn_excluded says so)
             else:
                 raise CheckpointError(f"{self.dir}: state_dict key {key!r} is neither a param "
                                       "nor an extra of the checkpoint")
@@ -135,6 +160,8 @@ def consolidate(path, out=None, *, dtype=torch.float32,
 
     Returns:
         The state dict {key: tensor (CPU)}, keys as `model.state_dict()`, or the path written.
+        A checkpoint saved with `exclude_frozen_parameters=True` gives the keys of every tensor
+        but those frozen params, with a warning naming them.
 
     Raises:
         CheckpointError: the checkpoint cannot be read; its kinds ChecksumError (names the
@@ -154,13 +181,20 @@ def consolidate(path, out=None, *, dtype=torch.float32,
         if fmt == "safetensors":
             raise ValueError("fmt='safetensors' is not supported for a tensor-parallel "
                              "checkpoint; write a .pt file (fmt='pt')")
-        full = consolidate_tp(top, tp_meta, lambda d: dict(_Source(d).tensors(dt)))
+        def read_one(d):
+            one = _Source(d)
+            if d == tp_dir(top, 0):
+                one.warn_excluded()
+            return dict(one.tensors(dt))
+
+        full = consolidate_tp(top, tp_meta, read_one)
         if out is None:
             return full
         torch.save(full, out + ".tmp")
         os.replace(out + ".tmp", out)
         return out
     src = _Source(path)
+    src.warn_excluded()
     if out is None:
         return dict(src.tensors(dt))
     tmp = out + ".tmp"
@@ -180,6 +214,8 @@ def _write_safetensors(fn: str, src: _Source, dtype: torch.dtype) -> None:
     """The safetensors layout: u64 header size, JSON header, raw little-endian data."""
     entries = src.entries(dtype)
     header: Dict[str, Any] = {"__metadata__": {"format": "pt", "source": "zerokern checkpoint"}}
+    if src.excluded_keys():
+        header["__metadata__"]["excluded_frozen_parameters"] = json.dumps(src.excluded_keys())
     off = 0
     for key, shape, dt, _ in entries:
         n = 1

@@ -9,6 +9,16 @@ A checkpoint is a directory:
     rank00001.bin      ...one file per rank of the saving job
     extra.bin          model tensors the optimizer does not hold (buffers, frozen params)
 
+[Note: excluded frozen params]
+Saved with `exclude_frozen_parameters=True` (DeepSpeed's LoRA checkpoints), the frozen params
+(Parameters with requires_grad=False that the optimizer does not hold) are not in extra.bin:
+the metadata's "excluded_frozen" lists each (name, aliases, shape, dtype, crc32 of its bytes at
+save, `fingerprint`). A load keeps the model's own values for them only when asked to
+(`strict=False`, DeepSpeed's load_module_strict=False), after checking that the model still has
+them, frozen, with the saved shapes (a ModelMismatchError naming the param otherwise), and warns
+where their values differ from the saved crc; `consolidate` leaves them out and warns. A
+checkpoint without the key (written before it existed) excluded nothing.
+
 A rank file has one section per state tensor, `master` then the optimizer rule's states in its
 order (zerokern.rules; the on-disk names are the rule's: see `sections(rule)` and
 `legacy_sections()`),
@@ -247,6 +257,17 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """crc32 of t's raw bytes, read 64 MiB at a time (one host copy of that much at most): how a
+    frozen param left out of a checkpoint (exclude_frozen_parameters) is recognised at load."""
+    flat = t.detach().reshape(-1)
+    step = max(1, (64 << 20) // max(flat.element_size(), 1))
+    crc = 0
+    for i in range(0, flat.numel(), step):
+        crc = zlib.crc32(tensor_bytes(flat[i:i + step]), crc)
+    return crc
 
 
 # ---- reads ---------------------------------------------------------------------------------------

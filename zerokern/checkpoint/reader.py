@@ -18,7 +18,9 @@ Values loaded:
 - step counters, hyperparameters of each param group (lr, betas, eps, weight_decay, adamw and
   any other key, e.g. a scheduler's `initial_lr`; the scheduler's own state is the user's to
   save), and the loss-scaler state;
-- buffers and frozen params of the model (copied with a cast if the model's dtype differs).
+- buffers and frozen params of the model (copied with a cast if the model's dtype differs);
+  frozen params the checkpoint left out (format.py [Note: excluded frozen params]) keep the
+  model's values, with `strict=False` only.
 A checkpoint saved at another precision loads too (the masters are fp32 in every precision).
 The loss scaler is then left as the loading optimizer built it, with a warning, when the
 scaler kinds differ (fp16 dynamic vs bf16/fp32 static): its state does not carry over.
@@ -47,13 +49,21 @@ from .format import (
     as_tensor,
     decode_value,
     dtype_from_name,
+    dtype_name,
     find_checkpoint,
+    fingerprint,
     legacy_sections,
     read_meta,
     read_span,
 )
 from .tp_dirs import load_dir
-from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
+from .views import (
+    OptimizerView,
+    is_frozen_param,
+    model_extras,
+    optimizer_view,
+    whole_frozen_params,
+)
 from .writer import check_path
 
 
@@ -135,7 +145,7 @@ def _cover(lo: int, hi: int, pieces):
         yield at, hi, None
 
 
-def load(path, model: nn.Module, opt) -> Dict[str, Any]:
+def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
     """Load a checkpoint into model and opt (collective: every rank calls).
 
     Works at any world size, stage and precision. Each rank memory-maps and reads only the
@@ -148,21 +158,33 @@ def load(path, model: nn.Module, opt) -> Dict[str, Any]:
         opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload. A
             tensor-parallel checkpoint loads at any dp size with the tp size and placements
             it was saved with.
+        strict: True: the checkpoint must hold every tensor of the model. False: frozen
+            params that a save with `exclude_frozen_parameters=True` left out keep the
+            model's current values (DeepSpeed's `load_module_strict=False`); the model must
+            still have each of them, frozen (requires_grad=False) and of the saved shape, and
+            a warning names those whose values differ from the ones saved. Everything else
+            must match either way (the optimizer state loads with the model).
 
     Returns:
-        {"path", "world_size", "stage", "precision", "step"} of the checkpoint read.
+        {"path", "world_size", "stage", "precision", "step", "excluded_frozen"} of the
+        checkpoint read (excluded_frozen: the names of the frozen params it left out, [] for
+        most).
 
     Raises:
         TypeError: bad argument types. ValueError: bad argument values.
         CheckpointError: (a ValueError) on every rank, with nothing modified; its kinds
             ChecksumError (names the file), MissingFileError, VersionError and
-            ModelMismatchError (names the param).
+            ModelMismatchError (names the param; also strict=True on a checkpoint that left
+            frozen params out, and a param left out as frozen that is trainable here or has
+            another shape).
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     with whole_frozen_params(opt, write_back=True):  # stage 3 (collective)
-        return _load(path, model, opt)
+        return _load(path, model, opt, strict)
 
 
-def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
+def _load(path, model: nn.Module, opt, strict: bool = True) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
     path = load_dir(path, view, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
@@ -170,7 +192,7 @@ def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     err, plan = None, None
     try:
-        plan = _Plan(path, view, extras)
+        plan = _Plan(path, view, extras, strict)
     except (KeyError, IndexError) as e:  # a crc-valid file this code cannot follow
         err = CheckpointError(f"{os.path.join(path, META)}: malformed metadata ({e!r})")
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
@@ -184,16 +206,22 @@ def _load(path, model: nn.Module, opt) -> Dict[str, Any]:
     m = plan.meta
     return {"path": plan.dir, "world_size": m["world_size"], "stage": m["stage"],
             "precision": m["precision"],
-            "step": max((p["step"] for p in m["params"]), default=0)}
+            "step": max((p["step"] for p in m["params"]), default=0),
+            "excluded_frozen": [e["name"] for e in m.get("excluded_frozen", ())]}
 
 
 class _Plan:
     """Phase 1 of [Note: load is all-or-nothing]: everything checked, nothing written."""
 
-    def __init__(self, path: str, view: OptimizerView, extras) -> None:
-        self.view = view
+    def __init__(self, path: str, view: OptimizerView, extras, strict: bool = True) -> None:
+        self.view, self.strict = view, strict
         self.dir, self.warning = find_checkpoint(path)
         self.meta = meta = read_meta(self.dir)
+        # format.py [Note: excluded frozen params]: name or alias -> entry
+        self.excluded: Dict[str, Dict[str, Any]] = {}
+        for e in meta.get("excluded_frozen", ()):
+            for n in [e["name"], *e["aliases"]]:
+                self.excluded[n] = e
         self._check_rule()
         self.index = index = SavedIndex(meta)
         self.files = BlockVerifier(self.dir, meta["files"], meta["block_bytes"])
@@ -270,6 +298,13 @@ class _Plan:
         match, missing = [], []
         for p in view.params:
             j = next((idx.by_name[n] for n in (p.name, *p.aliases) if n in idx.by_name), None)
+            if j is None and any(n in self.excluded for n in (p.name, *p.aliases)):
+                raise ModelMismatchError(
+                    f"{fn}: param {p.name!r} was frozen when the checkpoint was saved with "
+                    "exclude_frozen_parameters=True, so its values and optimizer state are not "
+                    "in it; here it is trainable: freeze it (requires_grad=False) before "
+                    "building the optimizer, or load a checkpoint saved with "
+                    "exclude_frozen_parameters=False")
             if j is None:
                 missing.append(p.name)
                 match.append(-1)
@@ -339,9 +374,15 @@ class _Plan:
         for e in self.meta["extras"]:
             for n in [e["name"], *e["aliases"]]:
                 saved[n] = e
-        out, used = [], set()
+        out, used, kept = [], set(), []
         for name, aliases, t in extras:
             e = next((saved[n] for n in (name, *aliases) if n in saved), None)
+            x = next((self.excluded[n] for n in (name, *aliases) if n in self.excluded), None)
+            if e is None and x is not None:
+                self._check_excluded(name, t, x)
+                used.add(x["name"])
+                kept.append((name, t, x))
+                continue
             if e is None:
                 raise ModelMismatchError(f"{fn}: the checkpoint holds another model: "
                                          f"buffer/frozen param {name!r} is not in it")
@@ -358,7 +399,45 @@ class _Plan:
         if unused:
             raise ModelMismatchError(f"{fn}: the checkpoint holds another model: buffers/"
                                      f"frozen params not in the model: {unused[:8]}")
+        gone = [e["name"] for e in self.meta.get("excluded_frozen", ()) if e["name"] not in used]
+        if gone:
+            raise ModelMismatchError(f"{fn}: the checkpoint holds another model: frozen params "
+                                     f"it left out (exclude_frozen_parameters=True) are not in "
+                                     f"the model: {gone[:8]}")
+        if kept and self.strict:
+            names = [n for n, _, _ in kept]
+            raise ModelMismatchError(
+                f"{fn}: the checkpoint was saved with exclude_frozen_parameters=True and holds "
+                f"no values for the frozen params {names[:8]}{' ...' if len(names) > 8 else ''}"
+                f" ({len(names)}); load it with strict=False (engine.load_checkpoint(..., "
+                "load_module_strict=False), as DeepSpeed needs too) to keep the model's current "
+                "values for them")
+        differ = [n for n, t, x in kept
+                  if dtype_name(t.dtype) != x["dtype"] or fingerprint(t) != x["crc32"]]
+        if differ:
+            self.warning = ((self.warning + "; ") if self.warning else "") + (
+                f"zerokern.checkpoint: {len(differ)} frozen param(s) that the checkpoint left "
+                f"out (exclude_frozen_parameters=True) differ here from their values at save "
+                f"(crc32 or dtype): {differ[:8]}{' ...' if len(differ) > 8 else ''}; they keep "
+                "the model's current values (as DeepSpeed does)")
         return out
+
+    def _check_excluded(self, name: str, t: torch.Tensor, x: Dict[str, Any]) -> None:
+        """A model tensor whose values the checkpoint left out: still a frozen param, of the
+        saved shape (it keeps its values; nothing else would give it any)."""
+        fn = os.path.join(self.dir, META)
+        if not is_frozen_param(t):
+            what = ("a trainable param not held by the optimizer"
+                    if isinstance(t, nn.Parameter) else "a buffer")
+            raise ModelMismatchError(
+                f"{fn}: {name!r} was a frozen param left out of the checkpoint "
+                f"(exclude_frozen_parameters=True); here it is {what}, which needs values the "
+                "checkpoint does not hold")
+        if tuple(x["shape"]) != tuple(t.shape):
+            raise ModelMismatchError(
+                f"{fn}: frozen param {name!r} was left out of the checkpoint "
+                f"(exclude_frozen_parameters=True) with shape {tuple(x['shape'])}; the model's "
+                f"has shape {tuple(t.shape)}")
 
     # ---- phase 2 ------------------------------------------------------------------------------
     @torch.no_grad()

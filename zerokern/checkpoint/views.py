@@ -233,6 +233,12 @@ def model_extras(model: nn.Module, view: OptimizerView) -> List[Tuple[str, Tuple
     return out
 
 
+def is_frozen_param(t: torch.Tensor) -> bool:
+    """A model extra that exclude_frozen_parameters leaves out: a Parameter with
+    requires_grad=False (DeepSpeed's test in `module_state_dict`); buffers are always saved."""
+    return isinstance(t, nn.Parameter) and not t.requires_grad
+
+
 @contextmanager
 def whole_frozen_params(opt, write_back: bool = False):
     """Stage 3 shards frozen params with their unit (stage3/units.py); a checkpoint keeps them

@@ -52,11 +52,18 @@ from .format import (
     DataFile,
     dtype_name,
     encode_value,
+    fingerprint,
     rank_file,
     write_meta,
 )
 from .tp_dirs import save_dir
-from .views import OptimizerView, model_extras, optimizer_view, whole_frozen_params
+from .views import (
+    OptimizerView,
+    is_frozen_param,
+    model_extras,
+    optimizer_view,
+    whole_frozen_params,
+)
 
 # Test hooks (tests/checkpoint/test_checkpoint.py): pause at a point of the save, so a test can kill
 # the writer there ("files_written": rank files done, no metadata yet; "old_moved": between
@@ -82,7 +89,7 @@ def check_path(path) -> str:
     return os.path.abspath(path)
 
 
-def save(path, model: nn.Module, opt) -> str:
+def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False) -> str:
     """Save model and optimizer state to the directory `path` (collective: every rank calls).
 
     Args:
@@ -93,6 +100,13 @@ def save(path, model: nn.Module, opt) -> str:
             (checkpoint/tp_dirs.py); each tp rank's part is committed atomically.
         model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
         opt: the zerokern.ZeroAdamW.
+        exclude_frozen_parameters: leave out the values of the model's frozen params
+            (`requires_grad=False`, not held by the optimizer), as DeepSpeed's
+            `save_checkpoint(..., exclude_frozen_parameters=True)` does (a LoRA checkpoint
+            without its base weights). The metadata lists them (name, shape, dtype and a crc32
+            of their values): `load(..., strict=False)` keeps the model's own values for them,
+            `consolidate` leaves them out of its output and says so. Buffers and the
+            optimizer's params are always saved.
 
     Returns:
         The absolute path written.
@@ -101,11 +115,14 @@ def save(path, model: nn.Module, opt) -> str:
         TypeError, ValueError: bad arguments, before anything is written.
         CheckpointError: the save failed on some rank; the previous checkpoint is intact.
     """
+    if not isinstance(exclude_frozen_parameters, bool):
+        raise TypeError("exclude_frozen_parameters must be a bool, got "
+                        f"{type(exclude_frozen_parameters).__name__}")
     with whole_frozen_params(opt):  # stage 3 (collective)
-        return _save(path, model, opt)
+        return _save(path, model, opt, exclude_frozen_parameters)
 
 
-def _save(path, model: nn.Module, opt) -> str:
+def _save(path, model: nn.Module, opt, exclude_frozen: bool = False) -> str:
     skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
     if skip is not None:
         skip.check_savable("zerokern.checkpoint.save")
@@ -113,6 +130,9 @@ def _save(path, model: nn.Module, opt) -> str:
     view = optimizer_view(model, opt)
     extras = model_extras(model, view)
     path = save_dir(top, view, extras, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
+    # exclude_frozen_parameters: frozen params listed in the metadata, their values not written
+    excluded = [x for x in extras if exclude_frozen and is_frozen_param(x[2])]
+    extras = [x for x in extras if not (exclude_frozen and is_frozen_param(x[2]))]
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     lead = view.world_rank == 0  # creates the directory, writes extras and metadata, commits
 
@@ -135,6 +155,9 @@ def _save(path, model: nn.Module, opt) -> str:
         info: Any = _write_rank(tmp, view) if view.writes else {"replica": True}
         if lead:
             info["extra"] = _write_extras(tmp, extras)
+            info["excluded"] = [{"name": name, "aliases": list(aliases), "shape": list(t.shape),
+                                 "dtype": dtype_name(t.dtype), "crc32": fingerprint(t)}
+                                for name, aliases, t in excluded]
         _pause("files_written")
     except Exception as e:  # noqa: BLE001
         info = e
@@ -148,7 +171,8 @@ def _save(path, model: nn.Module, opt) -> str:
                 raise CheckpointError(f"{path}: rank(s) {failed} failed to write their file; "
                                       "the previous checkpoint is intact")
             files = [x for x in infos if "segments" in x]  # (lead's extras are in infos[0])
-            write_meta(tmp, _metadata(view, model, extras, files, infos[0]["extra"]))
+            write_meta(tmp, _metadata(view, model, extras, files, infos[0]["extra"],
+                                      infos[0]["excluded"]))
             _fsync_dir(tmp)
             _commit(tmp, path, nonce)
         except Exception as e:  # noqa: BLE001
@@ -218,8 +242,9 @@ def _write_extras(tmp: str, extras) -> Dict[str, Any]:
 
 
 def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[str, Any]],
-              extra: Dict[str, Any]):
-    """infos: the rank files' (one per shard); extra: the lead's extras file."""
+              extra: Dict[str, Any], excluded: List[Dict[str, Any]]):
+    """infos: the rank files' (one per shard); extra: the lead's extras file; excluded: the
+    frozen params left out (exclude_frozen_parameters), values not written."""
     steps: Dict[int, int] = {}
     for info in infos:
         for i, v in info["steps"].items():
@@ -249,6 +274,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "group_rules": list(view.group_rules),
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
+        "excluded_frozen": excluded,
         "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
     }
 

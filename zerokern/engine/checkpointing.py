@@ -96,26 +96,24 @@ class CheckpointMixin:
             tag: the sub-directory; default `global_step<N>`.
             client_state: a picklable dict, returned by `load_checkpoint`.
             save_latest: write `save_dir/latest` with the tag.
-            exclude_frozen_parameters: must be False: a zerokern checkpoint holds the frozen
-                params (its extras) and loads them back, so leaving them out (DeepSpeed's
-                True) raises NotImplementedError before anything is written.
+            exclude_frozen_parameters: as DeepSpeed: leave out the values of the frozen params
+                (`requires_grad=False`; e.g. a LoRA run's base weights), so the checkpoint
+                holds the trained params, their optimizer state and the buffers. Its metadata
+                lists the params left out (name, shape, dtype, crc32 of the values);
+                `load_checkpoint(..., load_module_strict=False)` keeps the model's current
+                values for them (DeepSpeed needs load_module_strict=False too), and
+                `zerokern consolidate` leaves them out with a warning
+                (zerokern/checkpoint/format.py [Note: excluded frozen params]).
 
         Returns:
             True.
 
         Raises:
-            NotImplementedError: exclude_frozen_parameters=True, on every rank, nothing
-                written.
             ValueError: save_dir None or "" on any rank, or (tag_validation "Fail") tags that
                 differ across ranks: on every rank, before anything is written.
         """
         self._need_optimizer("save_checkpoint")
         self._no_mpu("save_checkpoint")
-        if exclude_frozen_parameters:
-            raise NotImplementedError(
-                "save_checkpoint(exclude_frozen_parameters=True) is not supported: a zerokern "
-                "checkpoint holds the frozen params and load_checkpoint restores them; save "
-                "without it (the frozen params cost their own bytes once); nothing written")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         tag = self._agreed_tag(save_dir, tag)
         save_dir = os.fspath(save_dir)
@@ -124,7 +122,8 @@ class CheckpointMixin:
             os.makedirs(path, exist_ok=True)
         if self.world_size > 1:
             dist.barrier()
-        zk_checkpoint.save(os.path.join(path, _ZERO_DIR), self.module, self.optimizer)
+        zk_checkpoint.save(os.path.join(path, _ZERO_DIR), self.module, self.optimizer,
+                           exclude_frozen_parameters=bool(exclude_frozen_parameters))
         if self.global_rank == 0:
             state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                      "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
@@ -150,25 +149,34 @@ class CheckpointMixin:
         Args:
             load_dir: the directory `save_checkpoint` wrote (any world size or stage).
             tag: the sub-directory; default the one named in `load_dir/latest`.
-            load_module_strict: must be True (zerokern loads strictly).
+            load_module_strict: True: the checkpoint must hold every tensor of the model.
+                False: the frozen params that `save_checkpoint(...,
+                exclude_frozen_parameters=True)` left out keep the model's current values
+                (DeepSpeed's meaning for them; a warning names those whose values differ from
+                the ones saved). Every other tensor must match either way: the optimizer state
+                loads with the module (DeepSpeed's False also tolerates other missing or
+                unexpected keys; zerokern raises for them).
             load_optimizer_states: must be True (the module and optimizer load together).
             load_lr_scheduler_states: also restore the scheduler's state.
             load_module_only: must be False.
 
         Raises:
-            ValueError: load_dir None or "" on any rank, load_module_strict /
-                load_optimizer_states False or load_module_only True; on every rank.
-            CheckpointError: as `zerokern.checkpoint.load`.
+            ValueError: load_dir None or "" on any rank, load_optimizer_states False or
+                load_module_only True; on every rank.
+            CheckpointError: as `zerokern.checkpoint.load`, on every rank before anything
+                changes; among them a ModelMismatchError for a checkpoint without frozen
+                params' values and load_module_strict=True (DeepSpeed raises a RuntimeError
+                for the missing keys), or whose left-out params are trainable here or have
+                another shape (each named).
         """
         self._need_optimizer("load_checkpoint")
         self._no_mpu("load_checkpoint")
         # a bad load_dir on one rank raises on every rank ([Note: checkpoint tags])
         _raise_first(self._gather((_dir_error(load_dir, "load_checkpoint: load_dir"),)))
-        if not (load_module_strict and load_optimizer_states) or load_module_only:
+        if not load_optimizer_states or load_module_only:
             raise ValueError("load_checkpoint: zerokern loads the module and the optimizer "
-                             "together (load_module_strict/load_optimizer_states True, "
-                             "load_module_only False); for weights only use "
-                             "zerokern.checkpoint.consolidate")
+                             "together (load_optimizer_states True, load_module_only False); "
+                             "for weights only use zerokern.checkpoint.consolidate")
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
@@ -177,7 +185,8 @@ class CheckpointMixin:
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        zk_checkpoint.load(os.path.join(path, _ZERO_DIR), self.module, self.optimizer)
+        zk_checkpoint.load(os.path.join(path, _ZERO_DIR), self.module, self.optimizer,
+                           strict=bool(load_module_strict))
         state = torch.load(os.path.join(path, _ENGINE_STATE), weights_only=False)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
