@@ -225,7 +225,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.pattern = P
         self.offload = offload
         self.master = master
-        self.placement = make_placement(offload, self.reduce_dtype, offload_path, comm, master,
+        self.placement = make_placement(offload, self.reduce_dtype, offload_path, self.plan, master,
                                         rule, per_group)
         if P.shards_params:
             from .stage3.build import build_stage3

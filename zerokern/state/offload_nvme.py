@@ -102,7 +102,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
     offload = "nvme"
     movable = False
 
-    def __init__(self, grad_dtype: torch.dtype, offload_path: str, comm,
+    def __init__(self, grad_dtype: torch.dtype, offload_path: str, roles,
                  chunk_numel: Optional[int] = None, queue_depth: Optional[int] = None,
                  rule: Optional[Rule] = None, rules: Optional[List[Rule]] = None) -> None:
         self.rule = check_rule(adamw_rule() if rule is None else rule)
@@ -111,7 +111,10 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         self.distinct = list(dict.fromkeys(self.rules or [self.rule]))
         self.names = tuple(dict.fromkeys(n for r in self.distinct for n in names(r)))
         max_files = max(len(names(r)) for r in self.distinct)
-        self.comm = comm
+        # the optimizer's ParallelPlan (comm/plan.py): its dp groups, and the commit's
+        # agreement over every rank holding state files ([Note: one parallel plan])
+        self.roles = roles
+        self.comm = roles.comm
         self.root = offload_path
         self.grad_dtype = grad_dtype
         self.direct = aio.direct_supported(self.root)
@@ -380,8 +383,9 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
             self._drain()
         failed = torch.tensor([0.0 if self.error is None else 1.0],
                               device=self.groups[0].device)
-        if self.comm.world.world_size > 1:  # agreement: every rank commits or rolls back
-            self.comm.world.all_reduce_(failed)
+        # agreement: every rank commits or rolls back, over dp and over the model-parallel
+        # ranks (the tp / pipeline slices' files are one checkpointed step too)
+        self.roles.agree_(failed, label="nvme commit")
         # One host read per step (a device sync with NCCL): the step already waited for the
         # host's update of every chunk, so it costs the all-reduce's latency only.
         self.plan = None

@@ -226,11 +226,12 @@ def placement_class(offload: Optional[str]):
 
 
 def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
-                   comm=None, master: str = "fp32", rule: Optional[Rule] = None,
+                   roles=None, master: str = "fp32", rule: Optional[Rule] = None,
                    rules: Optional[Sequence[Rule]] = None):
     """The placement for the optimizer's `offload=` and `master=` (validated by it), holding
     `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default), or with `rules` (one
-    per param group; `rule` then their `combine`) each buffer its group's rule's state."""
+    per param group; `rule` then their `combine`) each buffer its group's rule's state.
+    `roles`: the optimizer's ParallelPlan (comm/plan.py), over which "nvme" agrees to commit."""
     rule = adamw_rule() if rule is None else rule
     if offload is None:
         return DevicePlacement(master, rule, rules)
@@ -240,4 +241,4 @@ def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path
         return Offloader(grad_dtype, rule=rule, rules=rules)
     from zerokern.state.offload_nvme import NvmeOffloader
 
-    return NvmeOffloader(grad_dtype, offload_path, comm, rule=rule, rules=rules)
+    return NvmeOffloader(grad_dtype, offload_path, roles, rule=rule, rules=rules)
