@@ -249,8 +249,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             p.data = p.data.to(dtype)
         self.offload_params = offload_params
         self.placement.attach(self.flat_groups)
-        # phased rules (Muon): one plan per buffer of whole matrices over the shard group
-        self._plans = {gi: self.rules[g.group_index].orthogonalizer(g, comm.shard)
+        # phased rules (Muon, Adafactor): one plan per buffer of whole matrices over the shard
+        # group (zerokern.rules [Note: state kinds and the owner protocol])
+        self._plans = {gi: self.rules[g.group_index].plan(g, comm.shard)
                        for gi, g in enumerate(self.flat_groups)
                        if self.rules[g.group_index].phased}
         if self.param_homes is not None:  # "nvme": journaled with the state files
@@ -462,11 +463,13 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         for gi, g in enumerate(self.flat_groups):
             rule = self.rules[g.group_index]
             hyper = rule.hyper(self.param_groups[g.group_index])
-            if rule.phased:  # a group step over the whole buffer (rules/muon.py)
+            if rule.phased:  # a group step over the whole buffer (zerokern.rules [Note:
+                # state kinds and the owner protocol])
                 rule.group_step_(
                     g, [gs.grad_piece(gi, k) for k in range(g.layout.n_buckets)],
                     self._plans[gi], grad_scale=grad_scale, found_inf=found,
                     place=place, gi=gi,
+                    unused=self._unused_slots(gi, g) if rule.matrix_states else None,
                     after_piece=lambda k, gi=gi, g=g, hyper=hyper: gathers.append(
                         self._after_piece(gi, g, k, hyper, grad_scale, found)),
                     **hyper)
@@ -485,6 +488,12 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.scaler.update_(self.step_skipped)
         self._prepared = None  # the stats of a second step() are taken again
         return loss
+
+    def _unused_slots(self, gi: int, g) -> torch.Tensor:
+        """(n_slots,) device bool: buffer gi's params no rank used this step (the step's
+        summed used flags, [Note: a param no rank used] in frozen_slots.py)."""
+        j = self._flag_index[(gi, 0)] if g.params else 0
+        return self._stats[self._flag_base + j:self._flag_base + j + len(g.params)] == 0
 
     def _after_piece(self, gi: int, g, k: int, hyper: dict, grad_scale, found):
         """Bucket k of buffer gi is written (a phased rule's group step): params frozen since

@@ -43,7 +43,30 @@ ZeroAdamW and ZeroLion are unchanged), else a `MixedRules` whose states are the 
 in first-seen order and whose name joins the rules' names ("muon+adamw").
 A rule whose update needs more than one piece at a time sets `phased = True` and provides a
 group step instead of `step_` (zerokern.rules.muon: momentum per piece, Newton-Schulz on whole
-matrices across ranks, then the update per piece); the engine runs it per buffer.
+matrices across ranks, then the update per piece); the engine runs it per buffer through the
+declared protocol of [Note: state kinds and the owner protocol].
+
+[Note: state kinds and the owner protocol]
+A StateSpec is of one of three kinds (`StateSpec.kind`):
+- ELEMENT: one element per param element, sharded like the param (AdamW's, Lion's, Muon's);
+- BLOCK: one element per `block` param elements, sharded like the param (8-bit AdamW's absmax);
+- MATRIX: per param, whole, held by the param's owner rank (Adafactor's row and column
+  statistics, its 1-D params' variance, its per-param step): `shape_of(param shape)` gives
+  the state's shape (None: that param has none). These are declared in `matrix_states`, never
+  in `states` (which every placement allocates per element); the owner's tensors, their numel,
+  bytes, views and their resharding (by param, whole, owner-free) are answered in one place,
+  rules/matrix_states.py (`MatrixStates`, `matrix_state_numel`).
+The phased protocol, for any phased rule (Muon, Adafactor):
+- `plan(g, comm_shard)`, once per buffer at construction: an object with `owner` (slot ->
+  rank; rules/owners.py [Note: one owner per matrix]) and, for a rule with matrix states,
+  `states` (its MatrixStates) - Muon's plan is its ShardedOrthogonalizer;
+- `group_step_(g, grads, plan, *, grad_scale, found_inf, after_piece, place, gi, unused,
+  **hyper)` per buffer and step: passes over the pieces through `place.map_piece_` (the
+  states they name: `nvme_passes`), the whole-matrix phase on the owners (`plan.gather_` /
+  `plan.scatter_`), then per bucket the params written and `after_piece(k)` called.
+  `unused`: (n_slots,) device bool, True for a param no rank used this step (frozen_slots.py
+  [Note: a param no rank used]): the engine restores the element states and the master
+  around the passes; a matrix state is the rule's to leave as it was.
 
 [Note: per-element and per-block states]
 Every state shards like the param (`sharded`); a rule declaring another kind raises at
@@ -82,9 +105,12 @@ phased rule says so with:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+
+ELEMENT, BLOCK, MATRIX = "element", "block", "matrix"  # StateSpec.kind
 
 
 @dataclass(frozen=True)
@@ -98,6 +124,14 @@ class StateSpec:
     block: int = 1                      # param elements per state element (Note: per-block)
     scales: Optional[str] = None        # a per-block state: the uint8 code state it scales
     signed: bool = True                 # ...whose codes use the signed map (kernels/quant8.py)
+    # a per-matrix state (kind MATRIX, sharded False): param shape -> the state's shape, or
+    # None where that param has none ([Note: state kinds and the owner protocol])
+    shape_of: Optional[Callable[[Tuple[int, ...]], Optional[Tuple[int, ...]]]] = None
+
+    @property
+    def kind(self) -> str:
+        """ELEMENT, BLOCK or MATRIX ([Note: state kinds and the owner protocol])."""
+        return MATRIX if self.shape_of is not None else BLOCK if self.block != 1 else ELEMENT
 
     def numel(self, n: int) -> int:
         """State elements for `n` param elements (n a multiple of `block`)."""
@@ -115,6 +149,9 @@ class Rule:
 
     name: str = ""
     states: Tuple[StateSpec, ...] = ()
+    # per-matrix states, on each param's owner (phased rules only; [Note: state kinds and the
+    # owner protocol])
+    matrix_states: Tuple[StateSpec, ...] = ()
     defaults: Dict[str, Any] = {}
     # True: the update is not per piece; the engine runs the rule's group step over a whole
     # buffer ([Note: a rule per param group]), and `step_` is not used.
@@ -223,6 +260,17 @@ class Rule:
         """One fused update of a flat piece, in place (DESIGN §3 contract for every rule)."""
         raise NotImplementedError
 
+    # -- the phased protocol ([Note: state kinds and the owner protocol]) ------------------------
+    def plan(self, g, comm_shard):
+        """A phased rule's plan of buffer `g` over the shard group (owners; matrix states)."""
+        raise NotImplementedError(f"the {self.name!r} rule is not phased")
+
+    def group_step_(self, g, grads: List[torch.Tensor], plan, *, grad_scale: torch.Tensor,
+                    found_inf: torch.Tensor, after_piece, place=None, gi: int = 0,
+                    unused: Optional[torch.Tensor] = None, **hyper) -> None:
+        """A phased rule's step over buffer `g` (see the Note)."""
+        raise NotImplementedError(f"the {self.name!r} rule is not phased")
+
 
 # Hyperparameter names of other optimizers ([Note: a rule's keys]): zerokern's rules (AdamW's
 # `adamw`, ZeroMuon's `use_muon`), torch.optim's (Adam/AdamW, SGD, Muon, RMSprop, Adagrad,
@@ -262,11 +310,16 @@ def check_rule(rule) -> Rule:
     """The rule an engine is built with: a Rule whose states the placements can hold."""
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be a zerokern.rules.Rule, got {type(rule).__name__}")
-    names = rule.state_names
+    names = rule.state_names + tuple(s.name for s in rule.matrix_states)
     if not names or len(set(names)) != len(names) or "master" in names or "steps" in names \
             or "params" in names:
         raise ValueError(f"rule {rule.name!r}: state names must be unique, non-empty and not "
                          f"'master', 'steps' or 'params', got {names}")
+    for s in rule.matrix_states:  # [Note: state kinds and the owner protocol]
+        if s.kind != MATRIX or s.sharded or s.dtype != torch.float32 or not rule.phased:
+            raise ValueError(f"rule {rule.name!r}: matrix state {s.name!r} must be fp32, "
+                             "declare shape_of and sharded=False, and its rule be phased "
+                             "([Note: state kinds and the owner protocol])")
     from zerokern.layout.partition import ALIGN
 
     for s in rule.states:

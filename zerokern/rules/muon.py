@@ -118,6 +118,11 @@ class MuonRule(Rule):
         raise NotImplementedError("the Muon rule is phased: the engine runs group_step_ "
                                   "(zerokern.rules [Note: a rule per param group])")
 
+    def plan(self, g, comm_shard) -> ShardedOrthogonalizer:
+        """The phased protocol's plan (zerokern.rules [Note: state kinds and the owner
+        protocol]): Muon's is its orthogonalizer; it has no matrix states."""
+        return self.orthogonalizer(g, comm_shard)
+
     @staticmethod
     def orthogonalizer(g, comm_shard) -> ShardedOrthogonalizer:
         """The plan of buffer g (every slot a matrix) over the shard group, made at
@@ -136,7 +141,7 @@ class MuonRule(Rule):
     def group_step_(self, g, grads: List[torch.Tensor], orth: ShardedOrthogonalizer, *,
                     grad_scale: torch.Tensor, found_inf: torch.Tensor,
                     after_piece: Callable[[int], None], place=None, gi: int = 0,
-                    **hyper) -> None:
+                    unused=None, **hyper) -> None:
         """[Note: the Muon group step] over buffer g, its state read and written through the
         placement's passes (`place.map_piece_`, placement.py: in memory on the device or the
         host, chunked through a compact master, or streamed from the NVMe files).
@@ -149,6 +154,8 @@ class MuonRule(Rule):
             after_piece: called with k once bucket k's params are written.
             place: the optimizer's placement (None: g's state in memory).
             gi: g's index among the placement's buffers.
+            unused: not read: the engine restores a param no rank used (momentum and master,
+                frozen_slots.py); Muon has no matrix states.
             **hyper: `hyper(group)`.
         """
         L = g.layout

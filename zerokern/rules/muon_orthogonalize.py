@@ -7,7 +7,8 @@ distributed half of the rule; the element-wise half (momentum, Nesterov, weight 
 scaled update) runs on the pieces as any other rule does.
 
 [Note: one owner per matrix]
-Each matrix gets one owner rank, chosen by balancing Newton-Schulz FLOPs (`assign_owners`: the
+The protocol is the phased rules' (rules/owners.py, shared with Adafactor); for Muon:
+each matrix gets one owner rank, chosen by balancing Newton-Schulz FLOPs (`assign_owners`: the
 largest first to the least-loaded rank, ties by index, so every rank computes the same plan).
 A step then
 1. sends every piece of matrix i to its owner (one all-to-all; a piece the owner holds itself
@@ -27,13 +28,12 @@ Newton-Schulz (issue 23): here stage 0 is the same code with `replicated=True`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from zerokern.layout.partition import FlatLayout
+from zerokern.rules.owners import OwnerPlan, balance, held_pieces  # noqa: F401 (re-exported)
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients), kept identical so results match.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -199,45 +199,14 @@ def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
 def assign_owners(shapes: Sequence[Sequence[int]], world_size: int,
                   steps: int = NS_STEPS) -> List[int]:
     """Owner rank of each matrix: largest FLOPs first onto the least-loaded rank (ties: the
-    lower index, then the lower rank), so every rank derives the same plan without talking."""
-    load = [0] * world_size
-    owners = [0] * len(shapes)
-    order = sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i))
-    for i in order:
-        r = min(range(world_size), key=lambda q: (load[q], q))
-        owners[i] = r
-        load[r] += ns_flops(shapes[i], steps)
-    return owners
+    lower index, then the lower rank), so every rank derives the same plan without talking
+    (owners.balance over `ns_flops`)."""
+    return balance([ns_flops(s, steps) for s in shapes], world_size)
 
 
-@dataclass(frozen=True)
-class _Piece:
-    slot: int          # index into layout.slots
-    lo: int            # flat coordinates [lo, hi)
-    hi: int
-    state_at: int      # where [lo, hi) starts in the holder's state buffer
-
-
-def held_pieces(layout: FlatLayout, rank: int, replicated: bool,
-                slots: Sequence[int]) -> List[_Piece]:
-    """The pieces of the given slots whose state `rank` holds, in flat order."""
-    out = []
-    for k in range(layout.n_buckets):
-        lo, hi = layout.state_range(k, rank, replicated)
-        base = layout.state_offset(k, replicated)
-        for i, a, b in layout.overlaps(lo, hi):
-            if i in slots:
-                out.append(_Piece(i, a, b, base + (a - lo)))
-    return out
-
-
-def _view(state: torch.Tensor, p: _Piece) -> torch.Tensor:
-    """Piece p's elements in the holder's state buffer."""
-    return state[p.state_at:p.state_at + p.hi - p.lo]
-
-
-class ShardedOrthogonalizer:
-    """Orthogonalize the matrices of one flat buffer in place in each rank's state pieces.
+class ShardedOrthogonalizer(OwnerPlan):
+    """Orthogonalize the matrices of one flat buffer in place in each rank's state pieces
+    (the owner protocol of rules/owners.py, owners balanced by Newton-Schulz FLOPs).
 
     Args:
         layout: the buffer's FlatLayout.
@@ -254,100 +223,26 @@ class ShardedOrthogonalizer:
                  eps: float = EPS, method: str = "standard") -> None:
         if world_size != layout.world_size:
             raise ValueError(f"world_size {world_size} != layout.world_size {layout.world_size}")
-        self.layout, self.rank, self.world_size = layout, rank, world_size
-        self.replicated, self.group = replicated, group
+        self.layout = layout
         self.coefficients, self.steps, self.eps = tuple(coefficients), steps, eps
         self.method = method  # [Note: Newton-Schulz methods]
-        self.slots = list(matrix_slots)
-        for i in self.slots:
+        for i in matrix_slots:
             if len(layout.slots[i].shape) < 2:
                 raise ValueError(f"slot {i} of shape {layout.slots[i].shape} is not a matrix: "
                                  "Muon needs >= 2-D params (1-D ones go to AdamW)")
-        self.shapes = {i: self.matrix_shape(i) for i in self.slots}
-        owners = assign_owners([self.shapes[i] for i in self.slots], world_size, steps)
-        self.owner: Dict[int, int] = dict(zip(self.slots, owners))
-        slot_set = set(self.slots)
-        # Every rank's pieces: the plan is a pure function of the layout, the same everywhere.
-        self.pieces = [held_pieces(layout, r, replicated, slot_set) for r in range(world_size)]
-        self.bytes_sent = 0
+        self.shapes = {i: self.matrix_shape(i) for i in matrix_slots}
+        super().__init__(layout, rank, world_size, replicated, matrix_slots, group,
+                         cost=lambda i: ns_flops(self.shapes[i], steps))
 
     def matrix_shape(self, i: int) -> Tuple[int, int]:
         shape = self.layout.slots[i].shape
         return shape[0], int(math.prod(shape[1:]))
 
-    # -- who sends what: a piece goes to the owner unless the owner holds it too (replicated)
-    def _sources(self) -> List[List[_Piece]]:
-        """Per rank, the pieces it must send to owners (step 1)."""
-        if self.replicated:
-            return [[] for _ in range(self.world_size)]
-        return [[p for p in ps if self.owner[p.slot] != r] for r, ps in enumerate(self.pieces)]
-
     def orthogonalize_(self, state: torch.Tensor) -> None:
         """Replace each matrix's update held in `state` (this rank's fp32 state buffer, laid out
-        as the layout's state_range pieces) by its orthogonalization, in place, on every rank."""
-        r, n = self.rank, self.world_size
-        sources = self._sources()
-        # 1. pieces of other ranks' matrices -> their owners
-        send = [[p for p in sources[r] if self.owner[p.slot] == q] for q in range(n)]
-        recv = [[p for p in sources[q] if self.owner[p.slot] == r] for q in range(n)]
-        got = self._exchange(state, send, recv, any(sources))
-        # 2. whole matrices this rank owns, from its own pieces and what it received
-        results: Dict[int, torch.Tensor] = {}
-        for i in (i for i in self.slots if self.owner[i] == r):
-            full = state.new_empty(self.layout.slots[i].numel)
-            for p in self.pieces[r]:
-                if p.slot == i:
-                    full[self._in_matrix(p)] = _view(state, p)
-            for q in range(n):
-                for p, vals in zip(recv[q], got[q]):
-                    if p.slot == i:
-                        full[self._in_matrix(p)] = vals
-            out = orthogonalize(full.view(self.shapes[i]), self.method, self.coefficients,
-                                self.steps, self.eps)
-            results[i] = out.reshape(-1).to(state.dtype)
-        # 3. results -> every holder of each piece; the owner writes its own pieces directly
-        for p in self.pieces[r]:
-            if self.owner[p.slot] == r:
-                _view(state, p).copy_(results[p.slot][self._in_matrix(p)])
-        back_send = [[p for p in self.pieces[q] if self.owner[p.slot] == r] if q != r else []
-                     for q in range(n)]
-        back_recv = [[p for p in self.pieces[r] if self.owner[p.slot] == q] if q != r else []
-                     for q in range(n)]
-        payload = [[results[p.slot][self._in_matrix(p)] for p in ps] for ps in back_send]
-        anyone = any(self.owner[p.slot] != q for q, ps in enumerate(self.pieces) for p in ps)
-        got = self._exchange(state, back_send, back_recv, anyone, payload)
-        for q in range(n):
-            for p, vals in zip(back_recv[q], got[q]):
-                _view(state, p).copy_(vals)
-
-    def _in_matrix(self, p: _Piece) -> slice:
-        """Where piece p sits inside its matrix, flattened."""
-        off = self.layout.slots[p.slot].offset
-        return slice(p.lo - off, p.hi - off)
-
-    def _exchange(self, state: torch.Tensor, send, recv, anyone: bool,
-                  payload=None) -> List[List[torch.Tensor]]:
-        """One all_to_all_single: send[q] pieces to rank q (values from `state`, or from
-        `payload[q][j]`), receive recv[q] pieces from rank q; returns the received values.
-        `anyone` (does any rank send anything) comes from the plan, the same on every rank, so
-        the collective is skipped by all ranks together or by none."""
-        n = self.world_size
-        if n == 1 or not anyone:
-            return [[] for _ in range(n)]
-        in_sizes = [sum(p.hi - p.lo for p in send[q]) for q in range(n)]
-        out_sizes = [sum(p.hi - p.lo for p in recv[q]) for q in range(n)]
-        parts = [_view(state, p) if payload is None else payload[q][j]
-                 for q in range(n) for j, p in enumerate(send[q])]
-        inp = (torch.cat(parts) if parts
-               else torch.empty(0, dtype=state.dtype, device=state.device))
-        out = torch.empty(sum(out_sizes), dtype=state.dtype, device=state.device)
-        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.group)
-        self.bytes_sent += inp.numel() * inp.element_size()
-        got, at = [], 0
-        for q in range(n):
-            vals = []
-            for p in recv[q]:
-                vals.append(out[at:at + p.hi - p.lo])
-                at += p.hi - p.lo
-            got.append(vals)
-        return got
+        as the layout's state_range pieces) by its orthogonalization, in place, on every rank:
+        gathered whole on its owner, orthogonalized there, scattered back (owners.py)."""
+        results = {i: orthogonalize(full.view(self.shapes[i]), self.method, self.coefficients,
+                                    self.steps, self.eps).reshape(-1).to(state.dtype)
+                   for i, full in self.gather_(state).items()}
+        self.scatter_(state, results)

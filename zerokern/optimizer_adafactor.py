@@ -1,0 +1,82 @@
+"""ZeroAdafactor: the ZeRO engine (optimizer.ZeroOptimizer) with the Adafactor rule
+(zerokern.rules.adafactor), equal to `torch.optim.Adafactor` within fp32 rounding at every
+stage; its state is per matrix, on each param's owner rank (rows + cols + 1 fp32 per >= 2-D
+param, n + 1 per 1-D param of n: zerokern.rules [Note: state kinds and the owner protocol])."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+import torch
+
+from .optimizer import ZeroOptimizer
+from .optimizer_doc import ENGINE_ARGS
+from .rules.adafactor import ADAFACTOR
+
+
+class ZeroAdafactor(ZeroOptimizer):
+    __doc__ = """Adafactor with ZeRO sharding: `torch.optim.Adafactor` (lr, beta2_decay, eps,
+    d, weight_decay, maximize), each param's factored second moment (row and column statistics
+    over its last two dims; a 1-D param's full variance) and its update computed whole on one
+    owner rank of the shard group (zerokern.rules.adafactor [Note: Adafactor over flat pieces:
+    the owner protocol]). offload=None or "cpu", master="fp32" or "compact"; offload="nvme" is
+    refused (a ValueError naming it).
+
+    Args:
+        params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.
+        lr: torch's lr (default 1e-2): the cap of the relative step size rho_t and the weight
+            decay's coefficient; per group.
+        beta2_decay: (default -0.8) beta2_t = 1 - t^beta2_decay; per group.
+        eps: (eps1, eps2), default (None, 1e-3); eps1=None is the fp32 epsilon (the master's
+            dtype); per group.
+        d: the update clipping threshold (default 1.0); per group.
+        weight_decay: decoupled, times lr (default 0.0); per group.
+        maximize: (default False) per group.""" + ENGINE_ARGS
+
+    def __init__(
+        self,
+        params_or_model: Union[torch.nn.Module, Iterable],
+        lr: float = 1e-2,
+        beta2_decay: float = -0.8,
+        eps=(None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        maximize: bool = False,
+        stage: int = 2,
+        precision: str = "bf16",
+        loss_scale: Any = "dynamic",
+        max_grad_norm: Optional[float] = None,
+        offload: Optional[str] = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: Optional[torch.dtype] = None,
+        process_group=None,
+        backend: str = "auto",
+        *,
+        param_groups: Optional[List[Dict[str, Any]]] = None,
+        units=None,
+        offload_path=None,
+        free_grads: bool = False,
+        offload_params: Optional[str] = None,
+        master: str = "fp32",
+        mesh=None,
+        hpz: bool = False,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str] = False,
+        keep_for_backward_mb: float = 0.0,
+        broadcast_params: bool = True,
+        activation_checkpointing: Optional[str] = None,
+    ) -> None:
+        if not isinstance(eps, (tuple, list)):
+            raise ValueError(f"eps must be a pair (eps1 >= 0 or None, eps2 >= 0), got {eps!r}")
+        super().__init__(params_or_model, ADAFACTOR,
+                         dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d,
+                              weight_decay=weight_decay, maximize=maximize),
+                         stage, precision, loss_scale, max_grad_norm, offload, bucket_mb,
+                         reduce_dtype, process_group, backend, param_groups=param_groups,
+                         units=units, offload_path=offload_path, free_grads=free_grads,
+                         offload_params=offload_params, master=master, mesh=mesh, hpz=hpz,
+                         quantized_weights=quantized_weights,
+                         quantized_gradients=quantized_gradients,
+                         keep_for_backward_mb=keep_for_backward_mb,
+                         broadcast_params=broadcast_params,
+                         activation_checkpointing=activation_checkpointing)
