@@ -124,9 +124,10 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
-    """--kernels (the default), --step and/or --offload; the remaining flags go to each."""
+    """--kernels (the default), --step, --offload, --engine and/or --activations; the
+    remaining flags go to each."""
     rc = 0
-    if args.kernels or not (args.step or args.offload or args.engine):
+    if args.kernels or not (args.step or args.offload or args.engine or args.activations):
         from .bench import kernels
 
         rc |= kernels.main(rest)
@@ -142,6 +143,10 @@ def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
         from .bench import engine
 
         rc |= engine.main(rest)
+    if args.activations:
+        from .bench import activations
+
+        rc |= activations.main(rest)
     return rc
 
 
@@ -205,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--offload", action="store_true", help="offload='cpu' and 'nvme' suite")
     bench.add_argument("--engine", action="store_true",
                        help="zerokern.initialize vs deepspeed.initialize, same config")
+    bench.add_argument("--activations", action="store_true",
+                       help="activation memory at stage 3: the largest sequence that fits a "
+                            "per-rank budget and its time per token, zerokern's policies vs "
+                            "DeepSpeed's checkpointing and FSDP2's checkpoint_wrapper")
     from .checkpoint import cli as checkpoint_cli
 
     checkpoint_cli.add_arguments(sub.add_parser("consolidate", help=checkpoint_cli.HELP))
