@@ -53,13 +53,15 @@ def add_arguments(p) -> None:
     p.add_argument("--master", choices=["fp32", "compact"], default="fp32",
                    help="ZeroAdamW's master=: 'compact' holds the bf16 run's fp32 master in "
                         "2.125 bytes per element (bf16, no offload, stages 0-2)")
-    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "lion", "muon"],
+    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "lion", "muon", "adafactor"],
                    default="adamw",
                    help="the optimizer rule: adamw (ZeroAdamW: master, m, v; K = 12), "
                         "adamw8bit (ZeroAdamW(state_bits=8): master, 8-bit m and v, per-128 "
-                        "scales; K = 6.0625), lion (ZeroLion: master, one momentum; K = 8) or "
+                        "scales; K = 6.0625), lion (ZeroLion: master, one momentum; K = 8), "
                         "muon (ZeroMuon: Muon's momentum for the matrices, K = 8, AdamW for "
-                        "the rest; needs --model)")
+                        "the rest; needs --model) or adafactor (ZeroAdafactor: master, K = 4, "
+                        "plus rows + cols + 1 fp32 per matrix on its owner rank, n + 1 per "
+                        "1-D param of n)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW bucket_mb (default 25)")
     p.add_argument("--rank", type=int, default=0,
@@ -106,8 +108,9 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-def _state_rows(r0, prefix: str, suffix: str = ""):
-    """One row per optimizer state of the estimate's rule (zerokern.rules), master first."""
+def _state_rows(r0, prefix: str, suffix: str = "", matrix: bool = True):
+    """One row per optimizer state of the estimate's rule (zerokern.rules), master first, then
+    (matrix) its per-matrix states, held on each param's owner rank."""
     from zerokern.rules import rule_by_name
 
     # a rule per param group (ZeroMuon) is named "muon+adamw": the union of their states
@@ -116,6 +119,8 @@ def _state_rows(r0, prefix: str, suffix: str = ""):
         for s in rule_by_name(part).states:
             kinds.setdefault(s.name, ("uint8" if s.dtype.itemsize == 1 else "fp32")
                              + (f", 1 per {s.block}" if s.block > 1 else ""))
+        for s in rule_by_name(part).matrix_states if matrix else ():
+            kinds.setdefault(s.name, "fp32, per matrix, on its owner")
     return [(n, f"{prefix}{n} ({kinds[n]}{suffix})") for n in kinds]
 
 
@@ -182,7 +187,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         table.append(("DESIGN §4 formula (host)",
                       [human_bytes(r["formula"]["host"]) for r in results]))
     if any(r["offload"] == "nvme" for r in results):
-        for key, label in _state_rows(r0, "disk: ", ", 2 halves") + \
+        for key, label in _state_rows(r0, "disk: ", ", 2 halves", matrix=False) + \
                 (_PARAM_DISK_ROWS if poff else []):
             table.append((label, [human_bytes(r["disk"].get(key, 0)) for r in results]))
         table.append(("total on disk", [human_bytes(r["disk_total"]) for r in results]))

@@ -31,7 +31,17 @@ class StateDictMixin:
                 "state": [{k: t.detach().clone() for k, t in g.state_tensors().items()}
                           for g in self.flat_groups],
                 "param_groups": groups,
-                "loss_scaler": self.scaler.state_dict()}
+                "loss_scaler": self.scaler.state_dict(),
+                # per buffer, the per-matrix states this rank owns (a phased rule's: zerokern.
+                # rules [Note: state kinds and the owner protocol]), "slot.name" -> tensor
+                "matrix": [{f"{i}.{name}": t.detach().clone() for i, name, t in st.items()}
+                           for st in self._matrix_states()]}
+
+    def _matrix_states(self):
+        """Per buffer, its plan's MatrixStates, or an empty one."""
+        plans = getattr(self, "_plans", {})
+        return [getattr(plans.get(gi), "states", None) or _NO_STATES
+                for gi in range(len(self.flat_groups))]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a `state_dict()` of the same model, stage, precision, world size and rank.
@@ -61,11 +71,21 @@ class StateDictMixin:
             for k, t in g.state_tensors().items():
                 if k not in st or st[k].shape != t.shape or st[k].dtype != t.dtype:
                     raise ValueError(f"state_dict entry {k!r} is missing or mis-shaped")
+        matrix = state_dict.get("matrix", [{}] * len(self.flat_groups))
+        for st, saved in zip(self._matrix_states(), matrix):
+            for i, name, t in st.items():
+                v = saved.get(f"{i}.{name}")
+                if v is None or v.shape != t.shape or v.dtype != t.dtype:
+                    raise ValueError(f"state_dict per-matrix entry {i}.{name} is missing or "
+                                     "mis-shaped")
         # The scaler checks its entry before writing anything; ours are checked above.
         self.scaler.load_state_dict(state_dict["loss_scaler"])
         for g, st in zip(self.flat_groups, states):
             for k, t in g.state_tensors().items():
                 t.copy_(st[k])
+        for st, saved in zip(self._matrix_states(), matrix):
+            for i, name, t in st.items():
+                t.copy_(saved[f"{i}.{name}"])
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.state_loaded()
@@ -76,3 +96,14 @@ class StateDictMixin:
         if self.model_watch is not None:
             self.model_watch.record_versions()
         self.grad_sync.generation += 1
+
+
+class _NoStates:
+    """No per-matrix states (a buffer whose rule has none)."""
+
+    @staticmethod
+    def items():
+        return iter(())
+
+
+_NO_STATES = _NoStates()

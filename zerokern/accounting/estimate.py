@@ -81,6 +81,7 @@ from zerokern.optimizer_args import (
     check_stage,
 )
 from zerokern.rules import adamw_rule, combine, rule_by_name, slot_align
+from zerokern.rules.matrix_states import names_of, owned_bytes
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, rules_granule
 from zerokern.state.placement import placement_class
 
@@ -89,12 +90,13 @@ def categories(rule) -> tuple:
     """Device categories, as memory_report()["measured"] (live_units: gathered stage-3 units,
     0 between steps), for an optimizer with `rule`."""
     return ("params", "frozen", "live_units", "grads", "buckets", "master", *rule.state_names,
+            *names_of(rule),
             "padding")
 
 
 def host_categories(rule) -> tuple:
     """Host categories, as memory_report()["host_measured"] (offload)."""
-    return ("master", *rule.state_names, "host_staging")
+    return ("master", *rule.state_names, *names_of(rule), "host_staging")
 
 
 # ZeroAdamW's (the default optimizer's) categories.
@@ -414,6 +416,10 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             b["padding"] += spad * r
         # the optimizer state: what the placement says it holds for this layout
         _add(b, host, disk, place.layout_bytes(lrule, state, spad, dtype, rdt, master))
+        # per-matrix states: on their owner, where the placement keeps the state (the host
+        # with offload; zerokern.rules [Note: state kinds and the owner protocol])
+        for name, n in owned_bytes(lrule.matrix_states, L, rank).items():
+            (host if offload else b)[name] += n
     if offload_params:  # after a step the device holds no param shard (param_offload.py)
         PO.estimate_(b, host, disk, flats, frozen, rank, offload_params)
         notes.append(PO.NOTES[offload_params])

@@ -19,7 +19,7 @@ def categories(rule) -> tuple:
     frozen: stage 3's shards of the requires_grad=False params (sharded with their unit, no
     optimizer state); 0 at stages 0-2, where frozen params are the model's own tensors."""
     return ("params", "frozen", "grads", "buckets", "master", *rule.state_names,
-            "live_units", "padding")
+            *(s.name for s in rule.matrix_states), "live_units", "padding")
 
 
 def _buffers(opt):
@@ -41,6 +41,18 @@ def _buffers(opt):
         yield "buckets", t, 0
     for t in held.get("hpz", []):  # stage3/hpz.py: padding included (E/n per buffer)
         yield "hpz_secondary", t, 0
+
+
+def _matrix_bytes(opt) -> Dict[str, int]:
+    """Bytes per per-matrix state name this rank holds (zerokern.rules [Note: state kinds and
+    the owner protocol]; rules/matrix_states.py)."""
+    out: Dict[str, int] = {}
+    for plan in getattr(opt, "_plans", {}).values():
+        st = getattr(plan, "states", None)
+        if st is not None:
+            for name, n in st.bytes_by_name().items():
+                out[name] = out.get(name, 0) + n
+    return out
 
 
 def _rule_shares(opt):
@@ -94,6 +106,10 @@ def memory_report(opt) -> Dict[str, Any]:
         pad_bytes = pad * t.element_size()
         meas[cat] += st.nbytes() - pad_bytes
         meas["padding"] += pad_bytes
+    matrix = _matrix_bytes(opt)  # per-matrix states, on their owners
+    if opt.offload is None:  # where the placement keeps the state
+        for name, n in matrix.items():
+            meas[name] += n
     psi = sum(g.layout.numel for g in opt.flat_groups)
     reduce_bytes = torch.empty((), dtype=opt.reduce_dtype).element_size()
     formula = estimate_memory(psi, opt.comm.shard.world_size, opt.stage, opt.precision,
@@ -114,6 +130,8 @@ def memory_report(opt) -> Dict[str, Any]:
     place = opt.placement  # where the state lives: it says what it holds off the device
     host = place.host_bytes()
     if host is not None:  # host memory, apart from the device's
+        for name, n in matrix.items():
+            host[name] = host.get(name, 0) + n
         out["host_measured"] = host
         out["host_measured_total"] = sum(host.values())
         out["host_formula_total"] = formula["host"]

@@ -40,6 +40,14 @@ The metadata names each param group's rule (`group_rules`); a load checks them g
 so one rule's state is never read into another's group. Sections of one-rule checkpoints are
 dense, as before (no `section_offsets`).
 
+[Note: per-matrix states]
+A rule's per-matrix states (zerokern.rules [Note: state kinds and the owner protocol]:
+Adafactor's row_var, col_var, variance, step) are whole per param, on its owner: the owner's
+rank file holds each after its sections, listed in its "matrix" as `[param, state name, byte
+offset, shape]` (fp32). A loader at any world size and stage reads, for each param it owns
+there, its states from whichever file holds them (`SavedIndex.matrix_source`): the owners of
+the saving job do not matter.
+
 Checksums: crc32 per BLOCK_BYTES block of every data file (zlib.crc32, 3.7 GB/s measured on
 this 2-core host, vs 0.8 GB/s blake2b), so a reader verifies exactly the blocks it touches
 (at most one block of slack at each end of a range) without reading whole files. The list of

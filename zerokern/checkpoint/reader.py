@@ -82,6 +82,10 @@ class SavedIndex:
             for j, lo, hi, off in info.get("segments", ()):
                 segs[j].append((lo, hi, fname, off))
         self.segments = {j: sorted(s) for j, s in segs.items()}
+        # format.py [Note: per-matrix states]: (param, state) -> (file, byte offset, shape)
+        self.matrix: Dict[Tuple[int, str], Tuple[str, int, List[int]]] = {
+            (j, name): (fname, off, shape) for fname, info in meta["files"].items()
+            for j, name, off, shape in info.get("matrix", ())}
         self._starts = {j: [s[0] for s in v] for j, v in self.segments.items()}
         self._seg_starts: Dict[str, List[int]] = {}  # per file: its segments' elem_off
 
@@ -103,6 +107,19 @@ class SavedIndex:
             raise CheckpointError(f"{META}: elements [{at}, {hi}) of param "
                                   f"{self.params[j]['name']!r} are in no rank file")
         return out
+
+    def matrix_source(self, j: int, name: str, shape) -> Tuple[str, int]:
+        """(file, byte offset) of param j's per-matrix state `name`, saved whole by its owner
+        at any world size (format.py [Note: per-matrix states])."""
+        got = self.matrix.get((j, name))
+        pname = self.params[j]["name"]
+        if got is None:
+            raise CheckpointError(f"{META}: no per-matrix state {name!r} of param {pname!r} in "
+                                  "any rank file")
+        if list(got[2]) != list(shape):
+            raise CheckpointError(f"{META}: per-matrix state {name!r} of param {pname!r} has "
+                                  f"shape {got[2]}, the optimizer's {list(shape)}")
+        return got[0], got[1]
 
     def dtype(self, section: str) -> torch.dtype:
         """A section's element dtype (fp32 where the metadata names none: every checkpoint
@@ -234,6 +251,9 @@ class _Plan:
                 for fname, off, d0, n in index.sources(j, p.lo, p.hi):
                     lo, _ = index.byte_range(fname, key, off, n)
                     self.copies.append((dest, d0, fname, lo, n, index.dtype(key)))
+        for i, name, t in view.matrix:  # the per-matrix states this rank owns here
+            fname, lo = index.matrix_source(self.match[i], name, t.shape)
+            self.copies.append((t.view(-1), 0, fname, lo, t.numel(), torch.float32))
         # Model-dtype values: cast from the master this rank just loaded where it holds it
         # (at stage 0 all of it: 4 of 16 bytes/param not read again; at fp32 the same memory,
         # nothing to do), else read the saved master.

@@ -115,6 +115,10 @@ class OptimizerView:
     layout: List[Dict[str, Any]] = field(default_factory=list)  # informational, for metadata
     # after a load wrote the held pieces: per-block states rebuilt (block_states.py)
     after_load: List[Any] = field(default_factory=list)
+    # per-matrix states held here, on their owner (zerokern.rules [Note: state kinds and the
+    # owner protocol]): (param index, state name, shaped view); a save writes them, a load
+    # fills them (format.py [Note: per-matrix states])
+    matrix: List[Tuple[int, str, torch.Tensor]] = field(default_factory=list)
 
 
 def state_dict_keys(model: nn.Module) -> Dict[int, List[str]]:
@@ -152,9 +156,14 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
         sections=sections(opt.rule), section_dtypes=section_dtypes(opt.rule),
         group_rules=tuple(r.name for r in getattr(opt, "rules", [opt.rule] * len(
             opt.param_groups))))
-    for g in opt.flat_groups:
+    plans = getattr(opt, "_plans", {})
+    for gi, g in enumerate(opt.flat_groups):
         g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
+        base = len(view.params)
         _buffer_view(view, keys, g)
+        states = getattr(plans.get(gi), "states", None)  # a phased rule's matrix states
+        if states is not None:
+            view.matrix += [(base + i, name, t) for i, name, t in states.items()]
     return view
 
 

@@ -213,6 +213,10 @@ def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
                 at += p.hi - p.lo
         if any(o != seg[3] for o, seg in zip(offs, segments)):
             sparse[key] = offs  # format.py [Note: sparse sections]
+    matrix = []  # format.py [Note: per-matrix states]: the states this rank owns, whole
+    for j, name, t in view.matrix:
+        matrix.append([j, name, f.nbytes, list(t.shape)])
+        f.write(t)
     out = f.close()
     # Step counts, read on the host once per counter (a checkpoint may sync; a step may not).
     steps: Dict[int, int] = {}
@@ -226,6 +230,8 @@ def _write_rank(tmp: str, view: OptimizerView) -> Dict[str, Any]:
             **out}
     if sparse:
         info["section_offsets"] = sparse
+    if matrix:
+        info["matrix"] = matrix
     return info
 
 
@@ -256,7 +262,8 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
               for i, p in enumerate(view.params)]
     _check_cover(view, infos)
     files = {rank_file(x["rank"]): {k: x[k] for k in ("rank", "bytes", "blocks", "segments",
-                                                      "sections", "section_offsets")
+                                                      "sections", "section_offsets",
+                                                      "matrix")
                                     if k in x} for x in infos}
     files[EXTRA] = {"bytes": extra["bytes"], "blocks": extra["blocks"]}
     groups = [{k: encode_value(v, f"param_groups[{gi}][{k!r}]") for k, v in g.items()
@@ -280,7 +287,14 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
 
 
 def _check_cover(view: OptimizerView, infos) -> None:
-    """The segments of all ranks cover every param exactly once (guards the adapter)."""
+    """The segments of all ranks cover every param exactly once, and each per-matrix state is
+    in one rank file (guards the adapter)."""
+    owners: Dict[tuple, int] = {}
+    for x in infos:
+        for j, name, _, _ in x.get("matrix", ()):
+            if owners.setdefault((j, name), x["rank"]) != x["rank"]:
+                raise CheckpointError(f"internal: per-matrix state {name!r} of param "
+                                      f"{view.params[j].name!r} saved by two ranks")
     by_param: Dict[int, list] = {}
     for x in infos:
         for i, lo, hi, _ in x["segments"]:

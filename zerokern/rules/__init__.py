@@ -434,6 +434,11 @@ class MixedRules(Rule):
             for s in r.states:
                 seen.setdefault(s.name, s)
         self.states = tuple(seen.values())
+        per_matrix: Dict[str, StateSpec] = {}
+        for r in self.rules:
+            for s in r.matrix_states:
+                per_matrix.setdefault(s.name, s)
+        self.matrix_states = tuple(per_matrix.values())
 
     def check_group(self, group, where: str = "") -> None:
         raise NotImplementedError("MixedRules checks no group: each group has its own rule")
@@ -461,15 +466,18 @@ def adamw_rule():
 
 
 def rule_by_name(name: str) -> Rule:
-    """The built-in rules by name ("adamw", "adamw8bit", "lion", "muon"): estimate's and the
+    """The built-in rules by name ("adamw", "adamw8bit", "lion", "muon", "adafactor"):
+    estimate's and the
     CLI's `optimizer=` (the "muon" rule alone: ZeroMuon's AdamW params are the estimate's to
     add)."""
+    from zerokern.rules.adafactor import ADAFACTOR
     from zerokern.rules.adamw import ADAMW
     from zerokern.rules.adamw8bit import ADAMW8BIT
     from zerokern.rules.lion import LION
     from zerokern.rules.muon import MUON
 
-    rules = {"adamw": ADAMW, "adamw8bit": ADAMW8BIT, "lion": LION, "muon": MUON}
+    rules = {"adamw": ADAMW, "adamw8bit": ADAMW8BIT, "lion": LION, "muon": MUON,
+             "adafactor": ADAFACTOR}
     if isinstance(name, Rule):
         return check_rule(name)
     if name not in rules:

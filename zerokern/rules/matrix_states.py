@@ -91,3 +91,32 @@ class MatrixStates:
 
     def to_(self, device) -> None:
         self.flat = self.flat.to(device)
+
+    def bytes_by_name(self) -> Dict[str, int]:
+        """Bytes held per state name (memory_report's categories)."""
+        out = {sp.name: 0 for sp in self.specs}
+        for (_, name), (_, s) in self.index.items():
+            out[name] += 4 * math.prod(s)
+        return out
+
+
+def owned_bytes(specs, layout, rank: int) -> Dict[str, int]:
+    """Bytes of each per-matrix state `rank` holds for buffer `layout` (its owners balanced as
+    OwnerPlan does: by elements over layout.world_size ranks): what MatrixStates allocates
+    there (memory_report) and what `estimate` reports."""
+    from zerokern.rules.owners import balance
+
+    owners = balance([s.numel for s in layout.slots], layout.world_size)
+    out = {sp.name: 0 for sp in specs}
+    for s, owner in zip(layout.slots, owners):
+        if owner == rank:
+            for sp in specs:
+                shape = state_shape(sp, s.shape)
+                if shape is not None:
+                    out[sp.name] += 4 * math.prod(shape)
+    return out
+
+
+def names_of(rule) -> tuple:
+    """The names of `rule`'s per-matrix states (report categories)."""
+    return tuple(s.name for s in getattr(rule, "matrix_states", ()))
