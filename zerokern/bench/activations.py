@@ -505,9 +505,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--time-seq", type=int, default=None,
                    help="the common length of the overhead timing (default: the smallest "
                         "fitted size)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--fit-reps", type=int, default=2)
+    p.add_argument("--fit-reps", type=int, default=3)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--stem", default=None, help="result file name (default "
                                                 "activations-<model>-n<nproc>-<precision>)")
@@ -539,6 +539,10 @@ def main(argv: List[str]) -> int:
                          "on the CPU with DS_ACCELERATOR=cpu), or --providers without ds-*")
     if args.device == "cpu" and any(k.startswith("ds-") for k in args.providers):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the ranks inherit it
+    # How busy the machine was (as bench --step records it): others' share before the run,
+    # and the 1-minute load average around it. The fitted sizes do not depend on it; times do.
+    load = {"other_cpu_load_before": common.other_load_now(),
+            "loadavg_1min_before": round(os.getloadavg()[0], 2)}
     kw = {}
     if args.device == "cuda":
         kw = dict(backend="nccl", device_of=lambda r: torch.device("cuda", r))
@@ -548,12 +552,14 @@ def main(argv: List[str]) -> int:
     except RankFailure as e:
         print(e, file=sys.stderr)
         raise SystemExit("a benchmark rank failed") from None
+    res["load"] = dict(load, loadavg_1min_after=round(os.getloadavg()[0], 2))
     return report(args, res)
 
 
 def rows_of(args, res) -> List[dict]:
     provs = {k: r for k, r in res["providers"].items() if "error" not in r}
     med = {k: common.summarize(r["common_ms"])["median_ms"] for k, r in provs.items()}
+    low = {k: common.summarize(r["common_ms"])["min_ms"] for k, r in provs.items()}
     none_of = {PROVIDERS[k][0]: k for k in provs if PROVIDERS[k][1] == "none"}
     rows = []
     for k, r in provs.items():
@@ -571,6 +577,7 @@ def rows_of(args, res) -> List[dict]:
             "us_per_token_at_fit": fit_ms * 1e3 / tokens if fit_ms and tokens else None,
             "common_ms": med[k],
             "overhead": med[k] / med[base] if base is not None else None,
+            "overhead_min": low[k] / low[base] if base is not None else None,
             "common_times": common.summarize(r["common_ms"]),
         })
     return rows
@@ -587,6 +594,14 @@ def verdict(rows: List[dict]) -> List[str]:
     cands = [r for r in zk if r["fitted_seq"] >= best["fitted_seq"]]
     lines = [f"- DeepSpeed's best setting: {best['setting']} (fits {best['fitted_seq']}, "
              f"overhead {best['overhead']:.2f}x its none)"]
+    fs = [r for r in rows if r["family"] == "FSDP2"]
+    if fs:  # not the issue's target, but the other peer in the same run
+        f = max(fs, key=lambda r: (r["fitted_seq"], -(r["overhead"] or 1.0)))
+        top = max(zk, key=lambda r: r["fitted_seq"])
+        lines.append(f"- FSDP2's best setting: {f['setting']} (fits {f['fitted_seq']}, "
+                     f"overhead {f['overhead']:.2f}x its none); zerokern's largest fit "
+                     f"({top['setting']}) is {top['fitted_seq'] / max(f['fitted_seq'], 1):.2f}x "
+                     "it")
     if not cands:
         top = max(zk, key=lambda r: r["fitted_seq"])
         lines.append(f"- target missed: zerokern's largest fitted size is {top['fitted_seq']} "
@@ -613,14 +628,14 @@ def report(args, res) -> int:
                model=args.model, params=res["params"], precision=args.precision,
                batch=args.batch, budget_MiB=args.budget_mib, max_seq=args.max_seq,
                quantum=args.quantum, common_seq=res["common_seq"], reps=args.reps,
-               warmup=args.warmup, fit_reps=args.fit_reps, stage=3)
+               warmup=args.warmup, fit_reps=args.fit_reps, stage=3, **res.get("load", {}))
     rows = rows_of(args, res)
     cols = [("provider", "provider"), ("fitted_seq", "fitted seq"),
             ("MiB_at_fit", "MiB/rank at fit"), ("states_MiB", "model states MiB"),
             ("after_forward_MiB", "held after forward MiB"),
             ("us_per_token_at_fit", "us/token at fit"),
             ("common_ms", f"iter ms @ seq {res['common_seq']}"),
-            ("overhead", "overhead vs its none")]
+            ("overhead", "overhead vs its none"), ("overhead_min", "(of the fastest)")]
     title = (f"activation benchmark: GPT {args.model} ({res['params'] / 1e6:.2f}M params), "
              f"stage 3, {args.nproc} {env['backend']} ranks, batch {args.batch}, "
              f"{args.precision}, budget {args.budget_mib:g} MiB/rank")
@@ -643,13 +658,17 @@ def report(args, res) -> int:
                          "zerokern/bench/activations.py [Note: what the activation benchmark "
                          "counts]"}
     common.write_json(args.out / f"{args.stem}.json", payload)
-    md = [f"# {title}", "", common.markdown_env(env), "", common.markdown_table(rows, cols), "",
+    load = res.get("load", {})
+    md = [f"# {title}", "", common.markdown_env(env),
+          f"- loadavg_1min: `{load.get('loadavg_1min_before')}` before, "
+          f"`{load.get('loadavg_1min_after')}` after", "", common.markdown_table(rows, cols), "",
           *lines, "",
           "Bytes: model states + the iteration's peak allocation, max over ranks; a provider "
           "fits when that is within the budget. Search: doubling from "
           f"{args.start_seq}, then bisection to a multiple of {args.quantum}. Overhead: median "
           f"of {args.reps} interleaved iterations at seq {res['common_seq']} over its family's "
-          "none. Method: `zerokern/bench/activations.py` [Note: what the activation benchmark "
+          "none (and the same ratio of the fastest iterations, the least disturbed on a busy "
+          "machine). Method: `zerokern/bench/activations.py` [Note: what the activation benchmark "
           "counts] and docs/benchmarks.md (Activation memory).", ""]
     common.write_text(args.out / f"{args.stem}.md", "\n".join(md))
     print(f"wrote {args.out / args.stem}.json and .md")
