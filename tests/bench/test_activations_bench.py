@@ -24,11 +24,11 @@ def test_quick_run_writes_the_fields_and_full_holds_less(tmp_path):
     assert set(rows) == {"zk-none", "zk-full"}
     for r in rows.values():
         for k in ("fitted_seq", "MiB_at_fit", "states_MiB", "after_forward_MiB", "common_ms",
-                  "overhead"):
+                  "overhead", "common_cpu_ms", "overhead_cpu"):
             assert k in r, k
         assert r["fitted_seq"] > 0 and r["MiB_at_fit"] <= env["budget_MiB"]
         assert r["provider"] in md
-    assert rows["zk-none"]["overhead"] == 1.0
+    assert rows["zk-none"]["overhead"] == 1.0 == rows["zk-none"]["overhead_cpu"]
     trials = {k: {t["seq"]: t for t in p["trials"]} for k, p in res["providers"].items()}
     seq = min(trials["zk-none"])  # the first length both measured
     none, full = trials["zk-none"][seq], trials["zk-full"][seq]
