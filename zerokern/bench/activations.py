@@ -550,8 +550,15 @@ def main(argv: List[str]) -> int:
     kw = {}
     if args.device == "cuda":
         kw = dict(backend="nccl", device_of=lambda r: torch.device("cuda", r))
+    if args.device == "cpu":  # build (or find) the CPU op once here, not in both ranks at
+        try:                  # once: a rank waiting on the build lock times out its peer
+            from ..kernels import load_op
+
+            load_op("cpu")
+        except Exception:  # noqa: BLE001 - the ranks fall back as they would anyway
+            pass
     try:
-        res = spawn_ranks(_worker, args.nproc, args,
+        res = spawn_ranks(_worker, args.nproc, args, pg_timeout=600.0,
                           threads=max(1, common.usable_cpus() // args.nproc), **kw)[0]
     except RankFailure as e:
         print(e, file=sys.stderr)
