@@ -59,6 +59,25 @@ class Net(nn.Module):
         return (y - 1).square().mean()
 
 
+class Gated(Net):
+    """Net with a head no rank uses on the steps in UNUSED_AT (an MoE expert that got no
+    tokens): torch skips it there (grad None), state and step count included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(13, 3)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(x)
+        if self.step not in UNUSED_AT:
+            loss = loss + self.extra(x).square().mean()
+        return loss
+
+
+UNUSED_AT = (1, 2)
+
+
 def make_net(seed: int = 3) -> Net:
     torch.manual_seed(seed)
     net = Net()
@@ -90,7 +109,8 @@ def train(model, opt, rank, ws, steps, start=0):
     return grads
 
 
-def reference(grads, foreach=True, flat3d=False, model=None, state=None, **over):
+def reference(grads, foreach=True, flat3d=False, model=None, state=None, unused=(), clip=None,
+              **over):
     """torch.optim.Adafactor given the engine's gradients; (params, states) by name. flat3d:
     each 3-D param trained as its (shape[0], rest) matrix, then put back."""
     model = model or make_net()
@@ -104,9 +124,11 @@ def reference(grads, foreach=True, flat3d=False, model=None, state=None, **over)
     opt = torch.optim.Adafactor(list(leaves.values()), **dict(HYPER, **over), foreach=foreach)
     for n, st in (state or {}).items():
         opt.state[leaves[n]] = {k: v.clone() for k, v in st.items()}
-    for step_grads in grads:
+    for s, step_grads in enumerate(grads):
         for n, p in leaves.items():
-            p.grad = t(step_grads[n].clone())
+            p.grad = None if (s, n) in unused else t(step_grads[n].clone())
+        if clip is not None:
+            nn.utils.clip_grad_norm_(list(leaves.values()), clip)
         opt.step()
     params = {n: p.detach().clone().view(shapes[n]) for n, p in leaves.items()}
     states = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in leaves.items()}
@@ -176,6 +198,57 @@ def _parity(rank, ws, stage, offload=None, controls=False, **kw):
         out["beta2"] = rel_err(got, reference(grads, beta2_decay=-0.7)[0])
         out["flat3d"] = rel_err(got, reference(grads, flat3d=True)[0])
     return out
+
+
+def _unused(rank, ws, stage, offload=None):
+    """A param no rank used at steps 1 and 2 (Gated.extra): torch's params and states bit for
+    bit (its step count stays 1), at this stage and offload."""
+    torch.manual_seed(3)
+    model = Gated()
+    ref = Gated()
+    ref.load_state_dict(model.state_dict())
+    opt = build(model, stage, offload)
+    grads = []
+    for s in range(STEPS):
+        model.step = s
+        opt.zero_grad()
+        opt.backward(model(batch(s, rank, ws)))
+        grads.append(reduced_grads(opt, model))
+        opt.step()
+    got, st = snapshot(model, opt), matrix_states(opt, model)
+    unused = {(s, n) for s in UNUSED_AT for n in ("extra.weight", "extra.bias")}
+    want, want_st = reference(grads, model=ref, unused=unused)
+    return {"bitwise": bitwise(got, want), "states_bitwise": states_bitwise(st, want_st),
+            "extra_step": float(st["extra.weight"]["step"])}
+
+
+def _skipped(rank, ws, stage):
+    """fp16: a step whose grads overflow changes nothing, bit for bit (params, every
+    per-matrix state, the step counts), and the next step runs."""
+    model = make_net()
+    opt = build(model, stage, precision="fp16", loss_scale="dynamic")
+    train(model, opt, rank, ws, 1)
+    before, st0 = snapshot(model, opt), matrix_states(opt, model)
+    opt.zero_grad()
+    opt.backward(model(batch(1, rank, ws).half()) * float("inf"))
+    opt.step()
+    out = {"skipped": bool(opt.step_skipped), "params": bitwise(snapshot(model, opt), before),
+           "states": states_bitwise(matrix_states(opt, model), st0)}
+    train(model, opt, rank, ws, 1, start=2)
+    out["moved"] = not bitwise(snapshot(model, opt), before)
+    return out
+
+
+def _clipped(rank, ws, stage):
+    """max_grad_norm: the clipped gradient, as clip_grad_norm_ before torch's step (our norm
+    is the sqrt of the summed squares, torch's the norm of per-param norms: an ulp apart)."""
+    model = make_net()
+    opt = build(model, stage, max_grad_norm=0.05)
+    grads = train(model, opt, rank, ws, STEPS)
+    want, _ = reference(grads, foreach=False, clip=0.05)
+    unclipped, _ = reference(grads)
+    return {"param": rel_err(snapshot(model, opt), want),
+            "control": rel_err(snapshot(model, opt), unclipped)}
 
 
 def _save(rank, ws, root):
@@ -266,6 +339,19 @@ def _worker(rank, ws, root=None):
     return run_cases(cases)
 
 
+def _more_worker(rank, ws):
+    """N=2: a param no rank used, a skipped fp16 step, max_grad_norm."""
+    cases = {f"unused-{stage}-{off}": lambda s=stage, o=off: _unused(rank, ws, s, o)
+             for stage, off in UNUSED}
+    for stage in (1, 3):
+        cases[f"skipped-{stage}"] = lambda s=stage: _skipped(rank, ws, s)
+    cases["clip"] = lambda: _clipped(rank, ws, 2)
+    return run_cases(cases)
+
+
+UNUSED = [(0, None), (2, None), (3, None), (1, "cpu")]
+
+
 def _ckpt_worker(rank, ws, root):
     """N=2: the save; then (a second spawn, `reload`) the loads at N=2; N=3: the loads."""
     if ws == 2 and not os.path.exists(os.path.join(root, "saved.pt")):
@@ -335,6 +421,34 @@ def test_memory_report_equals_estimate():
                                                                       "variance", "step")}
         assert total["row_var"] + total["col_var"] == 4 * rows_cols, (stage, total)
         assert total["variance"] == 4 * vectors and total["step"] == 4 * 6, (stage, total)
+
+
+def test_param_no_rank_used_n2():
+    """A param no rank used in a step is skipped as torch skips a grad-None param: params and
+    states bit for bit, its own step count behind the others'."""
+    res = cached(_more_worker, 2)
+    for stage, off in UNUSED:
+        for r, x in enumerate(case(res, f"unused-{stage}-{off}")):
+            where = f"stage {stage} offload {off} rank {r}"
+            assert x["bitwise"], f"{where}: params differ from torch's"
+            assert x["states_bitwise"], f"{where}: states differ from torch's"
+            assert x["extra_step"] == STEPS - len(UNUSED_AT), where
+
+
+def test_skipped_step_changes_nothing_n2():
+    res = cached(_more_worker, 2)
+    for stage in (1, 3):
+        for r, x in enumerate(case(res, f"skipped-{stage}")):
+            where = f"stage {stage} rank {r}"
+            assert x["skipped"], f"{where}: the overflowing step was not skipped"
+            assert x["params"] and x["states"], f"{where}: a skipped step changed something"
+            assert x["moved"], f"{where}: the next step did not run"
+
+
+def test_max_grad_norm_n2():
+    for r, x in enumerate(case(cached(_more_worker, 2), "clip")):
+        assert x["param"] <= TOL["param"], f"rank {r}: clipped params rel {x['param']:.3g}"
+        assert x["control"] > TOL["control"], f"rank {r}: the clip did not act"
 
 
 def test_nvme_is_refused(tmp_path):
