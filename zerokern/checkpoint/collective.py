@@ -14,7 +14,8 @@ from typing import Any, List, Optional
 
 import torch.distributed as dist
 
-from ..comm.abort import is_timeout, timeout_error
+from ..comm import liveness
+from ..comm.abort import PeerLost, is_timeout, timeout_error
 from .format import CheckpointError
 
 
@@ -29,9 +30,17 @@ class Collective:
             return [obj]
         out: List[Any] = [None] * self.world_size
         t0 = time.monotonic()
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
+        what = "a step of checkpoint save/load"
+        try:  # on a helper thread, watched for a lost rank ([Note: a rank that dies])
+            liveness.watched(lambda: dist.all_gather_object(out, obj, group=self.group), what,
+                             self.group)
+        except PeerLost:
+            raise
         except Exception as e:  # noqa: BLE001 - gloo's timeout: say what to raise
+            lost = liveness.explain(e, what, [r for r in _ranks(self.group)
+                                              if r != dist.get_rank()])
+            if lost is not None:  # a peer's connection closed: which rank was lost
+                raise lost from e
             if is_timeout(e):
                 raise timeout_error("the other ranks at a step of checkpoint save/load "
                                     "(one rank may still be writing or reading its files)",
@@ -51,6 +60,11 @@ class Collective:
         for r, e in enumerate(errors):
             if e is not None:
                 raise _decode(e, r)
+
+
+def _ranks(group) -> List[int]:
+    return dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
 
 
 def _encode(err: BaseException):

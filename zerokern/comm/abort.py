@@ -20,6 +20,9 @@ that posted and raised issues nothing after (its caller's training loop ends); t
 collectives never complete, so after a RankAborted the process group is out of step and
 cannot be used: every rank should exit (a launcher restarts from the last checkpoint).
 
+A rank killed without a post (SIGKILL, a lost node) is found by liveness.py ([Note: a rank
+that dies]): `check` reads its verdict first and raises PeerLost, a RankAborted naming it.
+
 Cost: nothing while collectives land within POLL_S; after that one store round trip per
 POLL_S while waiting (about 0.1 ms on a local TCPStore). The store is the default group's
 (torch.distributed's private `_get_default_store`); without it (or at world size 1) there is
@@ -51,6 +54,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
 import torch.distributed as dist
+
+from . import liveness
 
 POLL_S = 0.05  # s between store checks while a collective has not landed
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # spawn.py and `zerokern train`: the group's timeout
@@ -102,6 +107,22 @@ class RankAborted(RuntimeError):
     complete."""
 
 
+class PeerLost(RankAborted):
+    """A rank's process died or its host was lost, posting nothing ([Note: a rank that dies]
+    in liveness.py): the message names the rank, its host and pid (`lost`, a liveness.Lost;
+    `origin` the rank, -1 for the store's launcher). Every rank raises it; exit and restart."""
+
+    def __init__(self, lost: liveness.Lost, me: int, what: str = "a collective") -> None:
+        self.lost = lost
+        self.origin = lost.rank if lost.rank is not None else -1
+        self.root = f"{lost.who()} was lost: {lost.how}"
+        super().__init__(
+            f"zerokern: {self.root}. Rank {me} saw it while waiting in {what}. Every rank "
+            "raises this; the process group is now out of step and cannot be used again: "
+            "exit, and restart from the last checkpoint (torchrun --max-restarts restarts "
+            "the job)")
+
+
 def _default_store():
     try:
         return dist.distributed_c10d._get_default_store()
@@ -119,6 +140,8 @@ class AbortChannel:
         self.issued = 0          # collectives issued on this group (and its split) so far
         self._mine = set()       # `issued` at each of this rank's posts
         self.store = _default_store()
+        if dist.is_initialized():  # [Note: a rank that dies] in liveness.py: once per process
+            liveness.start(self.store, self.rank, dist.get_world_size())
         name = getattr(group, "group_name", None) or "world"
         self.key = f"zerokern/abort/{name}"
         _ALL.append(self)
@@ -146,10 +169,24 @@ class AbortChannel:
 
     def check(self, index: int) -> None:
         """Raise RankAborted if a peer posted a failure this rank did not share, before
-        issuing collective `index` (the one this rank waits for)."""
-        if self.store is None or not self.store.check([self.key]):
-            return
-        for rec in self.store.get(self.key).decode().split(";"):
+        issuing collective `index` (the one this rank waits for); PeerLost if a rank was lost
+        (liveness.py: a field read, no store operation)."""
+        lost = liveness.verdict()
+        if lost is not None:
+            self._abort(PeerLost(lost, self.rank), f"rank {lost.rank} was lost")
+        if self.store is None or liveness.store_stalled():
+            return  # (a store not answering: the liveness thread judges it, not this wait)
+        try:
+            if not self.store.check([self.key]):
+                return
+            recs = self.store.get(self.key).decode().split(";")
+        except Exception as e:  # noqa: BLE001 - the store's host is gone
+            live = liveness.current()
+            if live is None:
+                raise
+            live._store_lost(f"{type(e).__name__}: {str(e)[:200]}")
+            self._abort(PeerLost(live.verdict, self.rank), "the store was lost")
+        for rec in recs:
             if not rec:
                 continue
             r, n = (int(x) for x in rec.split(":"))
@@ -161,14 +198,20 @@ class AbortChannel:
                     "process group is now out of step and cannot be used again: exit and "
                     "restart from the last checkpoint")
                 err.origin, err.root = int(origin), msg
-                for ch in _ALL:  # [Note: aborts cross groups]
-                    if ch is not self:
-                        ch.signal(err, at=-1)
-                for ref in _ON_ABORT:  # [Note: a failed ring stops] in ring.py
-                    fn = ref()
-                    if fn is not None:
-                        fn(f"rank {origin} failed")
-                raise err
+                self._abort(err, f"rank {origin} failed")
+
+    def _abort(self, err: RankAborted, why: str) -> None:
+        """Pass err on to every other group of this process, stop the rings, raise it. A
+        PeerLost is not posted: every rank reads the verdict itself (liveness.py), and the
+        store may be what was lost (a post would wait for its timeout)."""
+        for ch in _ALL:  # [Note: aborts cross groups]
+            if ch is not self and not isinstance(err, PeerLost):
+                ch.signal(err, at=-1)
+        for ref in _ON_ABORT:  # [Note: a failed ring stops] in ring.py
+            fn = ref()
+            if fn is not None:
+                fn(why)
+        raise err
 
     def wait(self, done: Callable[[Optional[float]], bool], index: int) -> None:
         """Block until done(timeout) says the collective landed, checking the peers' posts

@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import shm
-from .abort import is_timeout, on_abort, polled, timeout_error
+from . import liveness, shm
+from .abort import PeerLost, RankAborted, is_timeout, on_abort, polled, timeout_error
 
 
 class RingRunner:
@@ -36,6 +36,10 @@ class RingRunner:
             (rank + 1) % world_size
         self._prev = dist.get_global_rank(group, (rank - 1) % world_size) if group else \
             (rank - 1) % world_size
+        # the peers' global ranks, named when a connection to one of them closes (liveness.py)
+        me = dist.get_global_rank(group, rank) if group else rank
+        self._peers = [r for r in (dist.get_process_group_ranks(group) if group else
+                                   range(world_size)) if r != me]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
         self._last: Future = None  # the latest submitted job (the queue runs in order)
         # [Note: a failed ring stops] the first failure of a job, or a RankAborted
@@ -64,8 +68,18 @@ class RingRunner:
             return fn(*args)
         except BaseException as e:
             self.stop(f"{type(e).__name__}: {e}"[:500])
-            if is_timeout(e):  # gloo's 'Timed out waiting ...ms': say what to raise
-                what = getattr(fn, "__name__", "a collective").lstrip("_")
+            what = getattr(fn, "__name__", "a collective").lstrip("_")
+            # a peer's connection closed: the rank that was lost, by name (liveness.py
+            # [Note: a rank that dies]), or the post of a peer that raised first (abort.py)
+            lost = liveness.explain(e, f"a {what} on a ring of {self.world_size} ranks",
+                                    self._peers)
+            if lost is not None:
+                raise lost from e
+            if is_timeout(e) and not isinstance(e, RankAborted):
+                v = liveness.verdict()
+                if v is not None:  # a node lost without closing its connections
+                    raise PeerLost(v, dist.get_rank(), f"a {what}") from e
+                # gloo's 'Timed out waiting ...ms': say what to raise
                 raise timeout_error(
                     f"the peers of rank {self.rank} (of {self.world_size}) in a {what} on "
                     "this process group's ring", shm._timeout_s(self.group), e) from e

@@ -61,7 +61,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .abort import timeout_error
+from . import liveness
+from .abort import PeerLost, timeout_error
 
 SLOT_BYTES = int(os.environ.get("ZEROKERN_SHM_SLOT_BYTES", 4 << 20))
 _ALIGN = 64
@@ -141,8 +142,10 @@ class ShmExchange:
     process group (RingRunner's transport, [Note: a shared-memory ring])."""
 
     def __init__(self, segs: List[_Segment], pids: List[int], rank: int, timeout_s: float,
-                 stopped: Callable[[], Optional[str]]) -> None:
+                 stopped: Callable[[], Optional[str]],
+                 global_ranks: Optional[List[int]] = None) -> None:
         self.segs, self.pids, self.rank, self.n = segs, pids, rank, len(segs)
+        self.global_ranks = global_ranks or list(range(self.n))  # named in errors
         self.timeout_s, self._stopped = timeout_s, stopped
         self._round = 0
         self._lock = threading.Lock()  # one collective at a time (callers on two threads)
@@ -221,7 +224,8 @@ class ShmExchange:
                 os.unlink(path)  # every rank has mapped it (or none will use it)
         if flag[0] != 1:
             return None
-        return cls(segs, pids, rank, _timeout_s(group), stopped)
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        return cls(segs, pids, rank, _timeout_s(group), stopped, ranks)
 
     @property
     def own_bytes(self) -> int:
@@ -258,11 +262,15 @@ class ShmExchange:
             try:
                 if self.pids[q]:
                     os.kill(self.pids[q], 0)
-            except ProcessLookupError:
-                raise RuntimeError(f"zerokern: rank {q} of this process group (pid "
-                                   f"{self.pids[q]}) exited during a collective") from None
+            except ProcessLookupError:  # [Note: a rank that dies] in liveness.py
+                raise liveness.exited(self.global_ranks[q], self.pids[q],
+                                      "a shared-memory collective") from None
             except PermissionError:
                 pass
+            lost = liveness.verdict()  # (a field read) a rank lost elsewhere, or a zombie
+            if lost is not None:
+                raise PeerLost(lost, self.global_ranks[self.rank],
+                               "a shared-memory collective")
             if time.monotonic() - t0 > self.timeout_s:
                 # [Note: timeouts under load] a slow peer and a mismatched one look alike here
                 raise timeout_error(
