@@ -28,7 +28,8 @@ result, and the owned params whole while they are computed.
 Per buffer, with this rank's state pieces (`group_step_`):
 1. pass 1 per bucket (`map_piece_(("master",))`): the grad piece times grad_scale (unscaled,
    clipped: what AdamW's kernel takes) and the master piece into the scratch (the master is
-   read, not changed);
+   read, not changed; a compact master's pass writes back, bitwise the same, since its
+   expand/compact round trip is exact);
 2. `plan.gather_`: the owned params whole (grad, master); on the state's device each runs
    torch's update (`adafactor_matrix_`: the ops of torch.optim.Adafactor's foreach path in its
    order, step counter, rho_t, alpha and the clipping denominator on the device in float64 as
