@@ -43,7 +43,8 @@ from zerokern.state.placement import make_placement
 
 from . import kernels
 from .comm.device_check import check_params_backend
-from .comm.mesh import check_mesh, check_same_everywhere, make_comm
+from .comm.mesh import (check_mesh, check_same_everywhere, check_world_tp, make_comm,
+                        pipeline_comm, split_world_mesh)
 from .comm.plan import ParallelPlan, check_hpz_roles, role_sizes
 from .comm.quantized import check_quantized
 from .comm.tp import check_tensor_parallel, make_tensor_parallel
@@ -149,6 +150,10 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
                                  self._group_keys)
         check_rule_support(self.rules, offload, master)
         to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
+        # a world mesh (named pp / tp / cp dims): ZeRO over its data-parallel dims, the
+        # others in the plan ([Note: a world mesh] in comm/mesh.py)
+        world_mesh = mesh
+        mesh, model_dims = split_world_mesh(mesh)  # ValueError
         shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
         # CPU params on an NCCL group, CUDA params on a gloo one: a ValueError naming the fix
         check_params_backend(trainable[0][0].device, process_group, mesh, type(self).__name__)
@@ -161,6 +166,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
         tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
                                            process_group)
+        check_world_tp(world_mesh, model_dims, tp_checked)  # ValueError
         # one all-gather of the layout, ValueError on every rank if it differs
         check_same_everywhere(mesh, process_group, hpz, stage, quantized_weights=qwz,
                               quantized_gradients=qgz_bits)
@@ -176,7 +182,9 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         # agreement runs over, and what accounting reads
         self.plan = ParallelPlan(comm, role_sizes(
             shape, hpz, comm.world.world_size,
-            tp=1 if self.tp is None else self.tp.comm.world_size), self.tp)
+            tp=1 if self.tp is None else self.tp.comm.world_size,
+            pp=model_dims.get("pp", 1)), self.tp, pipeline_comm(world_mesh, model_dims,
+                                                                 comm.stats))
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)

@@ -391,8 +391,10 @@ def _bad(world) -> dict:
         model = make_tp_model(world)
         before = full(model)
         try:
-            zk.ZeroAdamW(model, stage=1, **{"precision": "fp32", **kw})
+            opt = zk.ZeroAdamW(model, stage=1, **{"precision": "fp32", **kw})
+            s = opt.plan.sizes
             out[name] = None
+            out[name + "_plan"] = (s.shard, s.tp)
         except (ValueError, TypeError) as e:
             out[name] = (type(e).__name__, str(e))
         out[name + "_unchanged"] = rel_err(full(model), before) == 0.0 and isinstance(
@@ -601,8 +603,9 @@ def test_bad_input_raises_before_changes():
     for r in case(_results(), "bad"):
         assert r["no_mesh"] is not None and r["no_mesh"][0] == "ValueError", r
         assert "mesh" in r["no_mesh"][1] and "world_mesh['dp']" in r["no_mesh"][1], r
-        assert r["world_mesh"] is not None and r["world_mesh"][0] == "ValueError", r
-        assert "mesh" in r["world_mesh"][1], r
+        # the whole (dp, tp) mesh is a world mesh (comm/mesh.py [Note: a world mesh]): ZeRO
+        # over its dp dim, its tp dim checked against the DTensor params' mesh
+        assert r["world_mesh"] is None and r["world_mesh_plan"] == (2, 2), r
         assert r["bf16"] is not None and r["bf16"][0] == "ValueError", r
         assert "precision" in r["bf16"][1], r
         assert r["no_mesh_unchanged"] and r["world_mesh_unchanged"] and r["bf16_unchanged"], r

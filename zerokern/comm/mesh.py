@@ -17,7 +17,7 @@ the mesh's ranks never wait for it (it is in none of their groups).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -36,6 +36,73 @@ def _is_mesh(mesh: Any) -> bool:
     except ImportError:  # torch built without distributed
         return False
     return isinstance(mesh, DeviceMesh)
+
+
+# Dim names of a world mesh ([Note: a world mesh]): the data-parallel ones, and the ones whose
+# ranks hold other params of the model.
+DP_DIM_NAMES = ("dp", "replicate", "shard", "dp_replicate", "dp_shard")
+MODEL_DIM_NAMES = ("pp", "tp", "cp")
+
+
+def split_world_mesh(mesh: Any) -> Tuple[Any, Dict[str, int]]:
+    """[Note: a world mesh] `mesh=` may be the data-parallel mesh (1-D, or 2-D (replicate,
+    shard)), or the whole job's mesh with named dims (torchtitan's: `("pp", "dp", "tp")`,
+    `("dp_replicate", "dp_shard", "tp")`, ...). A mesh with a "pp", "tp" or "cp" dim is a world
+    mesh: ZeRO runs over its data-parallel dims (named from DP_DIM_NAMES, in the mesh's order:
+    one dim shards; two are (replicate, shard)), and the plan takes the other dims' groups into
+    its agreement (comm/plan.py): "pp" (each pipeline stage holds its own params: the norm and
+    the overflow are summed over the stages), "tp" (the DTensor params' mesh: checked against
+    it). "cp" of size > 1 is refused (context parallelism needs its grads reduced over cp too:
+    not supported). Returns (the data-parallel mesh, {model dim name: its size}); a
+    data-parallel mesh is returned as it is with {}.
+
+    Raises:
+        ValueError: a world mesh without a data-parallel dim, with a dim name that is neither,
+            more than two data-parallel dims, or cp > 1.
+    """
+    if not _is_mesh(mesh):
+        return mesh, {}
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not any(n in MODEL_DIM_NAMES for n in names):
+        return mesh, {}
+    dp = [n for n in names if n not in MODEL_DIM_NAMES]
+    other = [n for n in dp if n not in DP_DIM_NAMES]
+    if other or not dp or len(dp) > 2:
+        raise ValueError(
+            f"mesh: a world mesh (dims {names}) needs one or two data-parallel dims named from "
+            f"{DP_DIM_NAMES} besides {MODEL_DIM_NAMES}; got "
+            f"{'unknown dims ' + str(other) if other else 'data-parallel dims ' + str(dp)}")
+    sizes = {n: int(mesh.mesh.shape[names.index(n)]) for n in names if n in MODEL_DIM_NAMES}
+    if sizes.get("cp", 1) > 1:
+        raise ValueError(f"mesh: a context-parallel dim (cp={sizes['cp']}) is not supported: "
+                         "its grads would need a reduction over cp too; pass a mesh without "
+                         "it (or cp of size 1)")
+    dp_mesh = mesh[dp[0]] if len(dp) == 1 else mesh[tuple(dp)]
+    return dp_mesh, sizes
+
+
+def check_world_tp(world_mesh: Any, sizes: Dict[str, int], tp_mesh: Any) -> None:
+    """A world mesh's "tp" dim (> 1) is the DTensor params' mesh: ValueError naming mesh
+    otherwise (plain params replicated over tp ranks would be counted tp times)."""
+    n = sizes.get("tp", 1)
+    if n <= 1:
+        return
+    want = [int(r) for r in world_mesh["tp"].mesh.flatten().tolist()]
+    have = None if tp_mesh is None else [int(r) for r in tp_mesh.mesh.flatten().tolist()]
+    if have != want:
+        raise ValueError(f"mesh: the world mesh has a tp dim of {n} ranks {want}, but the "
+                         "model's params are "
+                         f"{'not DTensors' if have is None else 'DTensors over ranks ' + str(have)}"
+                         ": parallelize the model over world_mesh['tp'] (parallelize_module), "
+                         "or pass a mesh without the tp dim")
+
+
+def pipeline_comm(world_mesh: Any, sizes: Dict[str, int], stats) -> Optional[GroupComm]:
+    """The GroupComm of this rank's pipeline stages ("pp" of a world mesh: dim "pp" in
+    comm_stats), or None."""
+    if sizes.get("pp", 1) <= 1:
+        return None
+    return GroupComm(world_mesh.get_group("pp"), dim="pp", stats=stats, tag="pp")
 
 
 def check_mesh(mesh: Any, process_group: Any = None, device_type: Optional[str] = None

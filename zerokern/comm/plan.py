@@ -110,29 +110,32 @@ class ParallelPlan:
         comm: the data-parallel communicators (shard, replicate, world, hpz; comm/groups.py).
         sizes: the role sizes.
         tp: the DTensor tensor-parallel side (comm/tp.py `TensorParallel`), or None.
+        pp: the pipeline stages' group (a world mesh's "pp" dim, comm/mesh.py [Note: a world
+            mesh]) as a GroupComm, or None.
     """
 
-    def __init__(self, comm: Comm, sizes: RoleSizes, tp=None) -> None:
+    def __init__(self, comm: Comm, sizes: RoleSizes, tp=None, pp=None) -> None:
         self.comm = comm
         self.sizes = sizes
         self.tp = tp
+        self.pp = pp  # the pipeline stages' GroupComm (a world mesh's "pp" dim), or None
         self.model_parallel = None  # an mpu's side (grads/model_parallel.py), attached later
 
     def attach_model_parallel(self, mp, tp: int = 1, pp: int = 1) -> None:
         """An `mpu` (zerokern.initialize(mpu=)): its model-parallel group (tp x pp ranks)
         joins the agreement, and its sizes the plan's. Refused with DTensor params (their
         placements already say what is split; the two would count the tp ranks twice)."""
-        if self.tp is not None:
-            raise ValueError("initialize: mpu= with DTensor (tensor-parallel) params: the "
-                             "DTensor placements already say what is split; pass one or the "
-                             "other")
+        if self.tp is not None or self.pp is not None:
+            raise ValueError("initialize: mpu= with DTensor (tensor-parallel) params or a "
+                             "world mesh: the DTensor placements and the mesh already say "
+                             "what is split; pass one or the other")
         self.model_parallel = mp
         s = self.sizes
         self.sizes = RoleSizes(s.shard, s.replicate, s.hpz, tp=tp, pp=pp, cp=s.cp)
 
     @property
     def has_model_parallel(self) -> bool:
-        return self.tp is not None or self.model_parallel is not None
+        return self.tp is not None or self.pp is not None or self.model_parallel is not None
 
     def agree_(self, t: torch.Tensor, op=None, *, dp: bool = True, model: bool = True,
                label: Optional[str] = None) -> torch.Tensor:
@@ -142,9 +145,11 @@ class ParallelPlan:
         op = op if op is not None else dist.ReduceOp.SUM
         if dp:
             self.comm.world.all_reduce_(t, op=op, label=label)
-        if model:
+        if model:  # (tp and pp are orthogonal groups: over one, then the other)
             if self.tp is not None:
                 self.tp.comm.all_reduce_(t, op=op, label=label)
-            elif self.model_parallel is not None:
+            if self.pp is not None:
+                self.pp.all_reduce_(t, op=op, label=label)
+            if self.model_parallel is not None:
                 self.model_parallel.all_reduce_(t, op=op)
         return t
