@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
+from .layout.dtensor_params import is_dtensor
 from .optimizer import ZeroOptimizer
 from .optimizer_doc import ENGINE_ARGS
 from .rules.adafactor import ADAFACTOR
@@ -68,6 +69,7 @@ class ZeroAdafactor(ZeroOptimizer):
     ) -> None:
         if not isinstance(eps, (tuple, list)):
             raise ValueError(f"eps must be a pair (eps1 >= 0 or None, eps2 >= 0), got {eps!r}")
+        params_or_model = _refuse_tp(params_or_model, param_groups)
         super().__init__(params_or_model, ADAFACTOR,
                          dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d,
                               weight_decay=weight_decay, maximize=maximize),
@@ -80,3 +82,27 @@ class ZeroAdafactor(ZeroOptimizer):
                          keep_for_backward_mb=keep_for_backward_mb,
                          broadcast_params=broadcast_params,
                          activation_checkpointing=activation_checkpointing)
+
+
+def _refuse_tp(params_or_model, param_groups):
+    """A DTensor (tensor-parallel) param holds only this rank's tp shard: its row and column
+    statistics and RMS would be the shard's, not the param's (silently wrong), so it is a
+    ValueError, before any change (as ZeroMuon refuses one in a Muon group). Returns
+    params_or_model (an iterator read into a list, for the engine)."""
+    if isinstance(params_or_model, torch.Tensor):
+        return params_or_model  # (the engine's own TypeError)
+    if isinstance(params_or_model, torch.nn.Module):
+        groups = param_groups or [{"params": list(params_or_model.parameters())}]
+    else:
+        params_or_model = list(params_or_model)
+        groups = params_or_model if param_groups is None else param_groups
+    for g in groups:
+        ps = g["params"] if isinstance(g, dict) else [g]
+        ps = [ps] if isinstance(ps, torch.Tensor) else ps
+        for p in ps:
+            if is_dtensor(p) and p.requires_grad:
+                raise ValueError("params_or_model: a DTensor (tensor-parallel) param takes "
+                                 "Adafactor, whose row/column statistics and RMS need the "
+                                 "whole param, but this rank holds only its tp shard; "
+                                 "ZeroAdafactor does not support tensor parallelism")
+    return params_or_model

@@ -346,7 +346,22 @@ def _more_worker(rank, ws):
     for stage in (1, 3):
         cases[f"skipped-{stage}"] = lambda s=stage: _skipped(rank, ws, s)
     cases["clip"] = lambda: _clipped(rank, ws, 2)
+    cases["tp"] = lambda: _tp_refused(ws)
     return run_cases(cases)
+
+
+def _tp_refused(ws):
+    """A DTensor (tensor-parallel) param: a ValueError (its rows/cols would be the shard's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    w = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+    try:
+        zk.ZeroAdafactor([w], stage=1, precision="fp32", backend="cpu")
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 UNUSED = [(0, None), (2, None), (3, None), (1, "cpu")]
@@ -443,6 +458,11 @@ def test_skipped_step_changes_nothing_n2():
             assert x["skipped"], f"{where}: the overflowing step was not skipped"
             assert x["params"] and x["states"], f"{where}: a skipped step changed something"
             assert x["moved"], f"{where}: the next step did not run"
+
+
+def test_tensor_parallel_param_is_refused_n2():
+    for r, msg in enumerate(case(cached(_more_worker, 2), "tp")):
+        assert msg is not None and "DTensor" in msg, f"rank {r}: {msg!r}"
 
 
 def test_max_grad_norm_n2():
