@@ -23,6 +23,11 @@ ranks:
                    the checkpoints, the recompute's working set, gathered params, grads on
                    their way to the shards and the step's temporaries;
     after forward  the same running sum when the loss is ready (what is held for backward).
+The profiler does not report the frees of blocks allocated before the iteration began, which
+can only overstate the peak. zerokern's shared-memory collective segments (comm/shm.py) are
+transport buffers, as gloo's own TCP buffers (not tensors: never counted) and NCCL's (not in
+max_memory_allocated) are: they are left out of the model states and recorded apart
+(`comm_segment_bytes`).
 bytes(s) = model states + peak. A provider fits s when bytes(s) <= the budget. The fitted size:
 doubling from --start-seq while it fits (up to --max-seq), then bisection to a multiple of
 --quantum. Model states are the same at every s; the peak grows with s.
