@@ -12,18 +12,9 @@ import torch
 from zerokern.platform import device as dev_mod
 from zerokern.platform.device import accelerator, handle
 
+from .test_gpu_static_checks import _dotted
+
 PKG = Path(__file__).resolve().parents[1] / "zerokern"
-
-
-def _chain(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return ""
 
 
 def modules_naming_torch_cuda(sources) -> set:
@@ -31,7 +22,7 @@ def modules_naming_torch_cuda(sources) -> set:
     out = set()
     for name, text in sources:
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Attribute) and _chain(node).startswith("torch.cuda."):
+            if isinstance(node, ast.Attribute) and _dotted(node).startswith("torch.cuda."):
                 out.add(name)
                 break
     return out
