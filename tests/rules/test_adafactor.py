@@ -31,7 +31,7 @@ import torch.nn as nn
 
 import zerokern as zk
 
-from ..support.harness import cached, case, run_cases, spawn
+from ..support.harness import cached, case, one_thread, run_cases, spawn  # noqa: F401 - fixture
 from .test_muon import reduced_grads
 
 # param: vs torch's single-tensor path (ours is its foreach path, bitwise; the two differ by
@@ -312,7 +312,7 @@ def _memory(rank, ws, stage, offload):
                      optimizer="adafactor")
     held = {}
     for plan in opt._plans.values():
-        for i, name, t in plan.states.items():
+        for _, name, t in plan.states.items():
             held[name] = held.get(name, 0) + t.numel() * 4
     return {"measured": rep["measured"], "est": est["bytes"],
             "host": rep.get("host_measured"), "est_host": est["host"] if offload else None,
@@ -522,7 +522,8 @@ def test_parity_n1_n3(ws):
     _parity_ws(ws)
 
 
-def test_single_process_matches_torch(one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_single_process_matches_torch():
     """World size 1 without a process group: bitwise torch's foreach path, also maximize."""
     for kw in ({}, {"maximize": True}):
         model = make_net()
@@ -537,5 +538,3 @@ def test_single_process_matches_torch(one_thread):
                 o.step()
         assert bitwise(dict(model.named_parameters()), dict(ref.named_parameters())), kw
 
-
-from ..support.harness import one_thread  # noqa: E402,F401 (fixture)

@@ -109,7 +109,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-
 ELEMENT, BLOCK, MATRIX = "element", "block", "matrix"  # StateSpec.kind
 
 
