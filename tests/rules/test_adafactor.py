@@ -522,6 +522,37 @@ def test_parity_n1_n3(ws):
     _parity_ws(ws)
 
 
+def test_state_kinds():
+    """StateSpec kinds (zerokern.rules [Note: state kinds and the owner protocol]) and the
+    checks of check_rule: a per-matrix state needs a phased rule, fp32, sharded=False."""
+    from zerokern.rules import BLOCK, ELEMENT, MATRIX, Rule, StateSpec, check_rule
+    from zerokern.rules.adafactor import ADAFACTOR
+    from zerokern.rules.adamw8bit import ADAMW8BIT
+    from zerokern.rules.matrix_states import matrix_state_numel
+
+    assert {s.kind for s in ADAMW8BIT.states} == {ELEMENT, BLOCK}
+    assert {s.kind for s in ADAFACTOR.matrix_states} == {MATRIX} and ADAFACTOR.states == ()
+    assert matrix_state_numel(ADAFACTOR.matrix_states, (37, 13)) == 37 + 13 + 1
+    assert matrix_state_numel(ADAFACTOR.matrix_states, (3, 5, 7)) == 3 * (5 + 7) + 1
+    assert matrix_state_numel(ADAFACTOR.matrix_states, (35,)) == 35 + 1
+    assert matrix_state_numel(ADAFACTOR.matrix_states, ()) == 1 + 1
+    spec = StateSpec("rows", sharded=False, shape_of=lambda s: s[:1])
+
+    class NotPhased(Rule):
+        name, matrix_states = "not_phased", (spec,)
+
+    class Phased(NotPhased):
+        name, phased = "phased", True
+
+    class Sharded(Phased):
+        name, matrix_states = "sharded", (StateSpec("rows", shape_of=lambda s: s[:1]),)
+
+    for bad in (NotPhased(), Sharded()):
+        with pytest.raises(ValueError, match="matrix state 'rows'"):
+            check_rule(bad)
+    check_rule(Phased())
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_single_process_matches_torch():
     """World size 1 without a process group: bitwise torch's foreach path, also maximize."""
