@@ -11,7 +11,7 @@ Every phase runs in a fresh process, so its peak resident set is its own:
 - ru_maxrss (VmHWM) is reported as well: it also counts file pages the process has mapped,
   i.e. page cache touched through memory maps, which the kernel can drop at any time.
 The state is the optimizer's own buffers with random moments (no training step is needed to
-time I/O). The model is zerokern.gpt preset "100m", ZeroAdamW precision bf16 (fp32 master,
+time I/O). The model is zerokern.tools.gpt preset "100m", ZeroAdamW precision bf16 (fp32 master,
 exp_avg, exp_avg_sq: 12 bytes per param on disk). Cold loads drop this benchmark's own files
 from the page cache first (posix_fadvise DONTNEED, nothing global). Peers in the same run:
 torch.save / torch.load of the same tensors (one file, no sharding, no checksums).
@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import zerokern as zk  # noqa: E402
 from zerokern.bench import common  # noqa: E402
 from zerokern.checkpoint.views import optimizer_view  # noqa: E402
-from zerokern.gpt import build_gpt  # noqa: E402
+from zerokern.tools.gpt import build_gpt  # noqa: E402
 
 GB = 1e9
 
@@ -290,7 +290,7 @@ def run_phase(a) -> dict:
     """Child side: one phase at world size a.ws; rank results merged (worst rank)."""
     if a.ws == 1:
         return PHASES[a.phase](a)
-    from zerokern.spawn import spawn_ranks  # the one multi-rank launcher
+    from zerokern.tools.spawn import spawn_ranks  # the one multi-rank launcher
 
     ranks = spawn_ranks(_rank_phase, a.ws, a, threads=1, pg_timeout=600)
     res = dict(ranks[0])
@@ -337,7 +337,7 @@ COLUMNS = [("name", "phase"), ("bytes_gb", "GB"), ("first_s", "first s"),
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="100m", help="zerokern.gpt preset (default 100m)")
+    p.add_argument("--model", default="100m", help="zerokern.tools.gpt preset (default 100m)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per phase (default 3)")
     p.add_argument("--quick", action="store_true", help="GPT small, 2 reps (smoke run)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")

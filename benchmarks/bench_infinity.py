@@ -31,7 +31,7 @@ import zerokern as zk
 from zerokern.bench import common
 from zerokern.bench import disk_probe as dp
 from zerokern.bench import infinity as report
-from zerokern.gpt import PRESETS, build_gpt
+from zerokern.tools.gpt import PRESETS, build_gpt
 
 OUT = Path(__file__).resolve().parent / "results"
 

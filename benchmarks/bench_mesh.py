@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerokern as zk
-from zerokern.gpt import PRESETS, build_gpt
-from zerokern.spawn import spawn_ranks
+from zerokern.tools.gpt import PRESETS, build_gpt
+from zerokern.tools.spawn import spawn_ranks
 
 CONFIGS = ("plain", "hsdp", "hpz", "hpz_q8", "hpz_q4")
 QUANT = {"hpz_q8": dict(quantized_weights=True, quantized_gradients="int8"),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 def _rank(rank, ws, steps, chunk_log2, stage):
     import zerokern as zk
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
     from zerokern.state import compact_master
 
     compact_master.CHUNK_NUMEL = 1 << chunk_log2
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=20, help="log2 of CHUNK_NUMEL")
     ap.add_argument("--stage", type=int, default=2)
     a = ap.parse_args()
-    from zerokern.spawn import spawn_ranks
+    from zerokern.tools.spawn import spawn_ranks
 
     times, same = spawn_ranks(_rank, 2, a.steps, a.chunk, a.stage, threads=1, timeout=900)[0]
     f, c = times["fp32"], times["compact"]

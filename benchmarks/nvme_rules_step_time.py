@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="offload_path (default: a temporary dir)")
     a = ap.parse_args()
     import zerokern as zk
-    from zerokern.gpt import PRESETS, build_gpt
+    from zerokern.tools.gpt import PRESETS, build_gpt
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: bench --step flags")
     a = p.parse_args(argv)
     from zerokern.bench import common, step
-    from zerokern.spawn import spawn_ranks
+    from zerokern.tools.spawn import spawn_ranks
 
     bargs = step.parse_args([x for x in a.bench_args if x != "--"])
     res = spawn_ranks(_worker, bargs.nproc, bargs, a.reps, a.warmup, backend="gloo",

@@ -49,7 +49,7 @@ def _switch_off(opt, change: str) -> None:
 
 def _worker(rank: int, world: int, args):
     import zerokern as zk
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args()
-    from zerokern.spawn import spawn_ranks
+    from zerokern.tools.spawn import spawn_ranks
     res = spawn_ranks(_worker, 2, a, backend="gloo", threads=1)[0]
     A, B = res["times"]["A"], res["times"]["B"]
     ratios = sorted(b / x for x, b in zip(A, B))

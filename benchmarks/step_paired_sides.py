@@ -31,7 +31,7 @@ def _side(spec: str):
     """(model, optimizer, loss function) for one side."""
     import zerokern as zk
     from zerokern.bench.step import _ddp_loss
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     torch.manual_seed(0)
@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="append the result to this file")
     a = p.parse_args()
-    from zerokern.spawn import spawn_ranks
+    from zerokern.tools.spawn import spawn_ranks
 
     t = spawn_ranks(_worker, 2, a, backend="gloo", threads=1)[0]
     ratios = sorted(b / x for x, b in zip(t["A"], t["B"]))

@@ -107,7 +107,7 @@ def main() -> None:
     a = p.parse_args()
     if len(set(a.sides)) != len(a.sides):
         raise ValueError(f"--sides must differ, got {a.sides}")
-    from zerokern.spawn import spawn_ranks
+    from zerokern.tools.spawn import spawn_ranks
 
     rows = spawn_ranks(_worker, 2, a, backend="gloo", threads=1)[0]
     summary = summarize(rows)

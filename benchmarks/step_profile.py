@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zerokern.bench import step as bench_step
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
     bargs = bench_step.parse_args(["--stages", *map(str, args.stages), "--no-fsdp2",
                                    "--no-peers"])
     provs = bench_step._make_providers(bargs, rank, world)
@@ -201,7 +201,7 @@ def main() -> None:
                    help="no torch.profiler (wall and CPU times without its overhead)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    from zerokern.spawn import spawn_ranks
+    from zerokern.tools.spawn import spawn_ranks
     res = spawn_ranks(_worker, 2, a, backend="gloo", threads=1)[0]
     for name, phases in res.items():
         print(f"== {name}")

@@ -17,7 +17,7 @@ def _median(v):
 
 def measure(stage: int, iters: int = 8, warmup: int = 2) -> dict:
     import zerokern as zk
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     torch.manual_seed(0)
     m = build_gpt("20m")

@@ -13,7 +13,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from zerokern.gpt import build_gpt
+from zerokern.tools.gpt import build_gpt
 
 # was: from accelerate import Accelerator
 from zerokern.integrations.accelerate import ZeroAccelerator

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerokern as zk
-from zerokern.gpt import build_gpt
+from zerokern.tools.gpt import build_gpt
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import zerokern  # was: import deepspeed
-from zerokern.gpt import build_gpt
+from zerokern.tools.gpt import build_gpt
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerokern as zk
-from zerokern.gpt import build_gpt
+from zerokern.tools.gpt import build_gpt
 
 
 def mib(n: int) -> str:
@@ -32,7 +32,7 @@ def mib(n: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", required=True, help="a directory on a fast local disk (NVMe)")
-    ap.add_argument("--model", default="tiny", help="zerokern.gpt preset: tiny ... 2b")
+    ap.add_argument("--model", default="tiny", help="zerokern.tools.gpt preset: tiny ... 2b")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)

@@ -548,7 +548,7 @@ STEP_COPY_ALLOWED: Dict[Tuple[str, str], str] = {
         "activation_checkpointing='offload': a saved tensor comes back from the pinned host "
         "copy _pack made, non_blocking (pageable only where pin_memory=False was asked for)",
     # -- not on the step path: the model moved, the user wrote params, checkpoint IO
-    ("zerokern/optimizer.py", "ZeroOptimizer._move_to"):
+    ("zerokern/core/optimizer.py", "ZeroOptimizer._move_to"):
         "follows model.to(device) (model_sync.py): once when the model moves, not per step",
     ("zerokern/grads/full_grads.py", "FullGrads.to_"): "follows model.to(device)",
     ("zerokern/grads/sharded_grads.py", "ShardedGrads.to_"): "follows model.to(device)",

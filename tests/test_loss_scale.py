@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from zerokern.loss_scale import DynamicLossScaler, LossScaler, make_loss_scaler
+from zerokern.core.loss_scale import DynamicLossScaler, LossScaler, make_loss_scaler
 
 BITS = torch.int32  # compare fp32 scales bitwise through an int32 view
 

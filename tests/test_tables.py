@@ -1,10 +1,10 @@
-"""Result tables stay readable when piped to a log ([Note: tables in logs], zerokern/tables.py)."""
+"""Result tables stay readable when piped to a log ([Note: tables in logs], zerokern/tools/tables.py)."""
 
 import io
 
 import pytest
 
-from zerokern import tables
+from zerokern.tools import tables as tables
 
 COLUMNS = [("provider", "provider"), ("ms", "iteration ms (p20-p80)"), ("x", "x DDP"),
            ("mib", "zerokern stage memory MiB/rank"), ("ms", "4 micro-batches: ms"),

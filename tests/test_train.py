@@ -82,7 +82,7 @@ def test_train_two_ranks_compare_end_to_end(tmp_path):
     # Comm: stage 2 sends a reduce-scatter + all-gather of the padded buffer per step, i.e.
     # §5's 2Ψ(N-1)/N elements plus padding, plus the stats all-reduce: found_inf and sumsq,
     # and one fp32 "used" flag per trainable param tensor ([Note: a param no rank used]).
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     flags = sum(1 for p in build_gpt("tiny").parameters() if p.requires_grad)
     stats_bytes = 4 * (2 + flags)

@@ -4,11 +4,11 @@ from zerokern.accounting.formula import estimate_memory
 
 from . import checkpoint, checkpointing, kernels
 from .engine import init_distributed, initialize
-from .optimizer import ZeroOptimizer
-from .optimizer_adafactor import ZeroAdafactor
-from .optimizer_adamw import ZeroAdamW
-from .optimizer_lion import ZeroLion
-from .optimizer_muon import ZeroMuon
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.optimizers.adafactor import ZeroAdafactor
+from zerokern.optimizers.adamw import ZeroAdamW
+from zerokern.optimizers.lion import ZeroLion
+from zerokern.optimizers.muon import ZeroMuon
 from .version import __version__
 
 __all__ = ["ZeroAdafactor", "ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint", "checkpointing",

@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, t0: flo
 
 
 def cmd_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import estimate_cli
+    from zerokern.accounting import cli as estimate_cli
 
     try:
         return estimate_cli.main(args)
@@ -180,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerokern", description=__doc__)
     sub = p.add_subparsers(dest="cmd", metavar="{train,bench,estimate,build,info,consolidate}")
     sub.required = True
-    from . import estimate_cli
+    from zerokern.accounting import cli as estimate_cli
     from .train import config as train_config
 
     tr = sub.add_parser("train", help="train a small GPT with ZeroAdamW on the Python stdlib's "
                                       "source (2 CPU ranks, or one rank per GPU, or torchrun)",
-                        description="Train a small GPT (zerokern.gpt, byte vocab) with "
+                        description="Train a small GPT (zerokern.tools.gpt, byte vocab) with "
                                     "ZeroAdamW on the Python standard library's source; print "
                                     "the loss, memory per rank and communication per step; "
                                     "write metrics.json and loss.png to --out.")

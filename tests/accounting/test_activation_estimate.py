@@ -7,7 +7,7 @@ kept outputs; unique storages, params and inputs excluded). For the policy None 
 saved_tensors_hooks meter over the real forward counts the same bytes (less the loss scalar
 itself), an independent check of the meter. Issue 37 asks for 5%; they agree to the byte.
 
-Models: zerokern.gpt, HF GPT-2 and LLaMA (tiny random-init configs, no download), at two
+Models: zerokern.tools.gpt, HF GPT-2 and LLaMA (tiny random-init configs, no download), at two
 sequence lengths each, for none / full / selective (the HF second length is `slow`).
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from zerokern import cli
 from zerokern.accounting import activations as A
-from zerokern.gpt import build_gpt
+from zerokern.tools.gpt import build_gpt
 
 
 def _gpt():

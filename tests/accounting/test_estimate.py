@@ -43,10 +43,10 @@ import zerokern as zk
 from tests.support import models as M
 from tests.support.harness import cached, case, one_thread, run_cases  # noqa: F401 (fixture)
 from zerokern import cli
-from zerokern import estimate_cli as EC
+from zerokern.accounting import cli as EC
 from zerokern.accounting import estimate as E
 from zerokern.accounting.formula import estimate_memory
-from zerokern.gpt import GPT, PRESETS, build_gpt
+from zerokern.tools.gpt import GPT, PRESETS, build_gpt
 from zerokern.layout.partition import ALIGN
 
 ELEM = {"fp32": 4, "bf16": 2}
@@ -386,7 +386,7 @@ def test_cli_model_preset_and_factory_and_stage_selection(capsys):
     assert res[0]["grad_order"] == "one forward and backward on the meta device"
     assert res[1]["bytes"]["live_units"] == 0 < res[1]["live_units_bound"]
     assert res[1]["bytes"]["params"] < res[0]["bytes"]["params"]  # stage 3 shards the params
-    rc, out2, _ = _cli(capsys, "estimate", "--model", "zerokern.gpt:build_gpt", "--json",
+    rc, out2, _ = _cli(capsys, "estimate", "--model", "zerokern.tools.gpt:build_gpt", "--json",
                        "--stage", "1")
     assert rc == 0
     assert json.loads(out2)["results"][0]["num_params"] == \

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from zerokern import spawn as zk_spawn
+from zerokern.tools import spawn as zk_spawn
 # the setting by name (a literal: this file also runs against the code before it)
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from zerokern.comm import exit_guard
-from zerokern.spawn import spawn_ranks
+from zerokern.tools.spawn import spawn_ranks
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

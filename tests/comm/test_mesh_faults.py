@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from zerokern import spawn as zk_spawn
+from zerokern.tools import spawn as zk_spawn
 
 from ..support import models as M
 from ..support.harness import _CTX, GRACE, PG_TIMEOUT, case, run_cases, spawn

@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerokern import spawn as zk_spawn
+from zerokern.tools import spawn as zk_spawn
 
 from ..support import models as M
 from ..support.harness import _CTX

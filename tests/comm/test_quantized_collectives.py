@@ -247,12 +247,12 @@ def _train(rank, ws, memo, variant):
 
 
 def _long(rank, ws, memo, steps):
-    """Loss of zerokern.gpt's "tiny" GPT on zerokern train's stdlib corpus after `steps` steps
+    """Loss of zerokern.tools.gpt's "tiny" GPT on zerokern train's stdlib corpus after `steps` steps
     of zerokern train's schedule (warm-up, cosine; mean of the last 50 steps, over ranks):
     plain stage 3, qwZ + qgZ int8, plain at lr x 1.001 (how far a tiny perturbation alone
     moves the loss) and the negative control (plain at a quarter of the lr, which must land
     outside the 1% band)."""
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
     from zerokern.train.data import VOCAB, Batches, load_corpus
     from zerokern.train.loop import lr_lambda
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from zerokern import spawn as zk_spawn
+from zerokern.tools import spawn as zk_spawn
 from zerokern.comm import exit_guard, shm
 # the settings by name (literals: this file also runs against the code before them)
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"

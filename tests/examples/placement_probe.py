@@ -39,7 +39,7 @@ class Probe:
         return t.untyped_storage().data_ptr() in self.placed
 
     def install(self, setattr_=setattr) -> None:
-        from zerokern.optimizer import ZeroOptimizer
+        from zerokern.core.optimizer import ZeroOptimizer
 
         probe = self
         real_to, real_cuda = torch.Tensor.to, torch.Tensor.cuda

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import zerokern as zk
-from zerokern import spawn as zk_spawn
+from zerokern.tools import spawn as zk_spawn
 
 from ..support import models as M
 

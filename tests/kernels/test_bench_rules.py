@@ -143,7 +143,7 @@ def test_engine_bench_gives_deepspeed_zeromuons_split():
 
     from zerokern.bench.engine import _same_muon_split
     from zerokern.bench.step_rules import muon_split
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     model = build_gpt("tiny")
     set_optimizer_flags(types.SimpleNamespace(optimizer_name="muon", optimizer_params={}),

@@ -1,6 +1,6 @@
 """Ranks that start from different weights (issue 36, item 0): every optimizer copies the
 data-parallel group's first rank's params and buffers to the other ranks at construction, as
-DDP's constructor and DeepSpeed's initialize do (zerokern.model_sync [Note: ranks start from
+DDP's constructor and DeepSpeed's initialize do (zerokern.core.model_sync [Note: ranks start from
 the first rank's weights]).
 
 Each rank builds its model from its own seed (rank 0 from models.MODEL_SEED). The reference is
@@ -84,7 +84,7 @@ def _adamw(rank, ws, stage, memo, **kw):
 
 def _no_broadcast(rank, ws, stage, memo):
     """Negative control: the old behaviour (nothing copied at construction)."""
-    with mock.patch("zerokern.optimizer.sync_from_first_rank", lambda *a, **k: 0):
+    with mock.patch("zerokern.core.optimizer.sync_from_first_rank", lambda *a, **k: 0):
         model = make(rank)
         opt = zero_opt(model, stage)
     rec = M.train_zero(model, opt, rank, ws, STEPS)

@@ -502,7 +502,7 @@ def test_a_per_block_rule_outside_zerokern_checkpoints_through_its_statespecs(tm
     only). The renamed rule trains bit for bit as ZeroAdamW(state_bits=8) (the control that it
     is the per-block rule it claims)."""
     from zerokern.kernels.quant8 import code_map
-    from zerokern.optimizer import ZeroOptimizer
+    from zerokern.core.optimizer import ZeroOptimizer
 
     rule = _renamed_rule()
     hp = dict(rule.defaults, lr=2e-3, weight_decay=0.01)

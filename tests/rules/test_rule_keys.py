@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import zerokern as zk
-from zerokern.optimizer import ZeroOptimizer
+from zerokern.core.optimizer import ZeroOptimizer
 from zerokern.rules.adamw import ADAMW
 from zerokern.rules.lion import LION
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 import zerokern as zk
 from zerokern.accounting import estimate as E
 from zerokern.checkpoint import CheckpointError
-from zerokern.optimizer import ZeroOptimizer
+from zerokern.core.optimizer import ZeroOptimizer
 
 from ..support import models as M
 from ..support.harness import cached, case, run_cases

@@ -534,7 +534,7 @@ def test_estimate_cli_offload_params(capsys):
     assert x["host_pinned"] == x["host_total"] and x["host_pageable"] == 0  # nccl
     with torch.device("meta"):
         spec = E.spec_from_model(M.make_model(), "tiny-lm")
-    from zerokern.estimate_cli import format_table
+    from zerokern.accounting.cli import format_table
 
     table = format_table([E.estimate(spec, 2, 3, offload_params="cpu")])
     assert "offload_params cpu" in table and "host: param shards" in table

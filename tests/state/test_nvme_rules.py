@@ -234,7 +234,7 @@ def _chunks(rank, ws, kind):
     """A buffer of many chunks (the 1.9M GPT in one 0.05 MB-bucketed buffer, chunks of the
     smallest granule: 131072 elements with 8-bit states, 1024 else, 2 sets), pieces straddling
     chunks: NVMe equals the device bitwise after 3 steps."""
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="zk_nvme_rules_") as d:

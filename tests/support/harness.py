@@ -10,7 +10,7 @@ still running after `timeout` seconds (or `GRACE` seconds after another rank fai
 usually means it waits in a collective its peer will never join) is killed, and that is a
 failure too. Nothing can hang the suite.
 
-The launcher is zerokern's own (`zerokern.spawn.spawn_ranks`, as `zerokern train` and the
+The launcher is zerokern's own (`zerokern.tools.spawn.spawn_ranks`, as `zerokern train` and the
 benchmarks use it); here ranks are forked from a forkserver that has torch and zerokern imported
 already, which makes a process group cost ~1 s instead of ~3 s.
 
@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerokern import spawn as zk_spawn
+from zerokern.tools import spawn as zk_spawn
 
 TIMEOUT = 180.0  # s per spawn; the slowest (4 ranks, parity) takes 20-50 s on 2 busy cores
 GRACE = 10.0  # s the other ranks get to finish after one rank failed
@@ -67,7 +67,7 @@ def _prebuild() -> None:
 
 def spawn(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT) -> List[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results
-    (zerokern.spawn.spawn_ranks, with this harness's forkserver, timeouts and one thread)."""
+    (zerokern.tools.spawn.spawn_ranks, with this harness's forkserver, timeouts and one thread)."""
     _prebuild()
     try:
         return zk_spawn.spawn_ranks(fn, world_size, *args, threads=1, timeout=timeout,

@@ -10,7 +10,7 @@ forward has returned the loss is what autograd holds for backward: saved tensors
 a checkpoint holds for its recompute, the outputs a selective policy kept. The params and the
 inputs (alive before) are not counted. The same meter over a real CPU run is the measurement
 (`measure`); tests/accounting/test_activation_estimate.py checks the two agree (within 5%;
-they agree to the byte) for zerokern.gpt, HF GPT-2 and LLaMA at two sequence lengths each and
+they agree to the byte) for zerokern.tools.gpt, HF GPT-2 and LLaMA at two sequence lengths each and
 every policy. On a GPU the attention kernel (flash / efficient) saves the same output and
 logsumexp, so the figure carries over; fragmentation does not show in it.
 
@@ -97,7 +97,7 @@ def _storage_keys(model: nn.Module, *tensors) -> set:
 
 
 def forward_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """One training forward to the loss: zerokern.gpt's `loss`, an HF causal LM's `labels=`
+    """One training forward to the loss: zerokern.tools.gpt's `loss`, an HF causal LM's `labels=`
     loss (use_cache off), or the float sum of a plain model's output."""
     if hasattr(model, "loss") and callable(model.loss):
         return model.loss(idx, idx)

@@ -33,7 +33,7 @@ Three buffers are not a function of the shapes alone; here is how each is modell
   once, which is how its pool is drained anyway: only when a buffer is needed or backward ends).
   The order comes from one backward of the model on the `meta` device (token ids in, sum of
   the output as the loss): that is the order autograd fires the post-accumulate-grad hooks
-  in, the same on CPU as on meta (checked on zerokern.gpt). When the model cannot run on meta
+  in, the same on CPU as on meta (checked on zerokern.tools.gpt). When the model cannot run on meta
   (an unknown input signature), the order is reverse registration order and the result says so
   (`exact: False`); `--params` is one param, so its order is trivial.
 - Stage-3 staging pool (`buckets`): Stage3Runtime keeps, per padded unit size, as many full-unit
@@ -73,7 +73,7 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
     stage3_units,
 )
 from zerokern.layout.stages import pattern
-from zerokern.optimizer_args import (
+from zerokern.core.args import (
     check_keep_for_backward,
     check_master,
     check_offload,
@@ -346,7 +346,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     check_master(master, precision, offload, stage)
     rule = rule_by_name(optimizer)
     idx, rules = _param_groups(spec, rule, offload, master)
-    from zerokern.optimizer_args import check_rule_support
+    from zerokern.core.args import check_rule_support
 
     check_rule_support(rules, offload, master)  # as the optimizer (zerokern.rules [Note:
     # what a rule supports])

@@ -244,18 +244,18 @@ def _hf_config(spec: str):
 def load_model(spec: str) -> Tuple[nn.Module, str]:
     """Build the model named by `spec` on the meta device (no memory, no download of weights).
 
-    spec: a zerokern.gpt preset name ("tiny", "small", "20m", "100m"); a factory
+    spec: a zerokern.tools.gpt preset name ("tiny", "small", "20m", "100m"); a factory
     "module:function" called with no arguments; or a Hugging Face config: a JSON object, a
     config.json path, a directory holding one, or a hub name (needs the network or the cache).
     Returns (model, description).
     """
-    from zerokern.gpt import PRESETS, build_gpt
+    from zerokern.tools.gpt import PRESETS, build_gpt
 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--model must be a non-empty string, got {spec!r}")
     with torch.device("meta"):
         if spec in PRESETS:
-            return build_gpt(spec), f"zerokern.gpt preset {spec!r}"
+            return build_gpt(spec), f"zerokern.tools.gpt preset {spec!r}"
         if ":" in spec and not spec.lstrip().startswith("{") and not os.path.exists(spec):
             mod_name, _, fn_name = spec.partition(":")
             try:

@@ -64,7 +64,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..spawn import RankFailure, spawn_ranks
+from zerokern.tools.spawn import RankFailure, spawn_ranks
 from . import common
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -147,7 +147,7 @@ def ds_config(args) -> dict:
     sizes them (reduce_bucket_size d^2, stage3_prefetch_bucket_size 0.9 d^2,
     stage3_param_persistence_threshold 10 d): DeepSpeed's defaults (5e8 elements) hold a
     1.9 GiB gradient buffer per rank whatever the model, which no small budget fits."""
-    from ..gpt import PRESETS
+    from zerokern.tools.gpt import PRESETS
     from .engine import config
 
     d = PRESETS[args.model].d_model
@@ -160,7 +160,7 @@ def ds_config(args) -> dict:
 def build(key: str, args, dev: torch.device, torch_linear) -> Provider:
     import torch.nn.functional as F
 
-    from ..gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     fam, setting = PROVIDERS[key]
     hp = dict(lr=1e-4, weight_decay=0.01)
@@ -260,7 +260,7 @@ def build(key: str, args, dev: torch.device, torch_linear) -> Provider:
 
 
 def _data(args, seq: int, rank: int, dev: torch.device) -> torch.Tensor:
-    from ..gpt import PRESETS
+    from zerokern.tools.gpt import PRESETS
 
     g = torch.Generator().manual_seed(1234 + rank)
     return torch.randint(0, PRESETS[args.model].vocab, (args.batch, seq + 1),
@@ -479,7 +479,7 @@ def _worker(rank: int, world: int, args) -> dict:
         for k, p in provs.items():
             out[k]["common_ms"] = times[k]
             p.close()
-        from ..gpt import build_gpt
+        from zerokern.tools.gpt import build_gpt
 
         params = sum(p.numel() for p in build_gpt(args.model, seq=args.max_seq).parameters())
         return {"providers": out, "common_seq": common_seq, "params": params}
@@ -494,7 +494,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zerokern bench --activations",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", default="100m", choices=list(BUDGET_MIB),
-                   help="zerokern.gpt preset (default 100m, for a GPU machine; the committed "
+                   help="zerokern.tools.gpt preset (default 100m, for a GPU machine; the committed "
                         "CPU run uses small)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

@@ -44,7 +44,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from ..spawn import RankFailure, spawn_ranks
+from zerokern.tools.spawn import RankFailure, spawn_ranks
 from . import common
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -104,13 +104,13 @@ def held_bytes() -> int:
 
 
 def _worker(rank: int, world: int, args) -> dict:
-    """One rank (run by zerokern.spawn): both engines per (stage, precision), interleaved."""
+    """One rank (run by zerokern.tools.spawn): both engines per (stage, precision), interleaved."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import torch.nn.functional as F
 
     import zerokern
-    from zerokern.gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     torch_linear = F.linear
     out: Dict[str, dict] = {}

@@ -27,7 +27,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 def _setup(args, offload, chunk=None, **kw):
     import zerokern as zk
 
-    from ..gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     torch.manual_seed(0)
     m = build_gpt(args.model_size)
@@ -64,7 +64,7 @@ def main(argv: List[str]) -> int:
     if args.reps < 1:
         p.error("--reps must be >= 1")
     torch.set_num_threads(common.usable_cpus())
-    from ..gpt import PRESETS
+    from zerokern.tools.gpt import PRESETS
 
     x = torch.randint(0, PRESETS[args.model_size].vocab, (args.batch, args.seq + 1),
                       generator=torch.Generator().manual_seed(1))

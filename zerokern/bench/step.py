@@ -27,7 +27,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from ..spawn import RankFailure, spawn_ranks
+from zerokern.tools.spawn import RankFailure, spawn_ranks
 from . import common, step_rules
 from zerokern.platform.device import handle
 
@@ -66,7 +66,7 @@ def _make_providers(args, rank: int, world: int):
 
     import zerokern as zk
 
-    from ..gpt import build_gpt
+    from zerokern.tools.gpt import build_gpt
 
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     dev = _device(args, rank)
@@ -183,7 +183,7 @@ def _timer(dev: torch.device):
 
 
 def _worker(rank: int, world: int, args):
-    """One rank (run by zerokern.spawn): every provider, interleaved; rank 0's results."""
+    """One rank (run by zerokern.tools.spawn): every provider, interleaved; rank 0's results."""
     dev = _device(args, rank)
     now = _timer(dev)
     provs = _make_providers(args, rank, world)

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from ..optimizer import ZeroOptimizer
+from zerokern.core.optimizer import ZeroOptimizer
 from . import block_states
 from .format import section_dtypes, sections
 
@@ -107,7 +107,7 @@ class OptimizerView:
     values: List[ValuePiece]  # model-dtype values held here: a load writes master.to(dtype)
     steps: List[StepCounter]
     param_groups: List[Dict[str, Any]]  # opt.param_groups, live (hyperparameters)
-    scaler: Any  # zerokern.loss_scale.LossScaler
+    scaler: Any  # zerokern.core.loss_scale.LossScaler
     rule: str  # the optimizer rule's name (zerokern.rules), e.g. "adamw"
     sections: Tuple[str, ...]  # the rank file's sections, in order (format.sections)
     section_dtypes: Dict[str, str]  # section -> element dtype name (format.section_dtypes)

@@ -62,7 +62,7 @@ PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # spawn.py and `zerokern train`: the g
 PG_TIMEOUT_KNOB = (
     "raise the process group's timeout: init_process_group(..., timeout=datetime.timedelta("
     "seconds=...)) in your script (zerokern.init_distributed(timeout=...)), or "
-    f"{PG_TIMEOUT_ENV}=<seconds> for `zerokern train` and zerokern.spawn.spawn_ranks")
+    f"{PG_TIMEOUT_ENV}=<seconds> for `zerokern train` and zerokern.tools.spawn.spawn_ranks")
 
 
 class CollectiveTimeout(RuntimeError):

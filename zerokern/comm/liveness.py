@@ -34,7 +34,7 @@ peer is judged lost by one of three tests, the first that fires:
    one has not returned for PEER_DEAD_S, the store's host is lost: where a rank hosts it
    (init_process_group's env:// rendezvous without torchrun's agent store: rank 0), that rank
    is named (with certainty, by its pid, when it was on this host); else the launcher that
-   hosts it (torchrun's agent, zerokern.spawn's parent) is.
+   hosts it (torchrun's agent, zerokern.tools.spawn's parent) is.
 
 The verdict is a field this process reads where it already waits for a collective and polls
 for a peer's failure (AbortChannel.check: the ring's waits, host agreement, the NVMe commit,
@@ -329,7 +329,7 @@ class Liveness:
         else:
             self.verdict = Lost(None, "?", 0,
                                 f"the c10d store at {self.me['store_at']}, hosted by the "
-                                "launcher (torchrun's agent, zerokern.spawn's parent), is "
+                                "launcher (torchrun's agent, zerokern.tools.spawn's parent), is "
                                 f"unreachable ({why}): the launcher or its host is gone")
 
 

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..optimizer import ZeroOptimizer
-from ..optimizer_adamw import ZeroAdamW
-from ..optimizer_args import PRECISIONS
-from ..optimizer_lion import ZeroLion
-from ..optimizer_muon import ZeroMuon
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.optimizers.adamw import ZeroAdamW
+from zerokern.core.args import PRECISIONS
+from zerokern.optimizers.lion import ZeroLion
+from zerokern.optimizers.muon import ZeroMuon
 from .config import EngineConfig
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
 from .optimizer_types import optimizer_kind, optimizer_settings
@@ -134,9 +134,9 @@ def _forward_only(model: nn.Module, cfg: EngineConfig,
     """[Note: forward-only engine]: the model in the config's precision, as DeepSpeed, with
     the data-parallel group's first rank's params and buffers on every rank (DeepSpeed's
     initialize broadcasts them with or without an optimizer; zerokern's optimizer does it at
-    construction: zerokern.model_sync [Note: ranks start from the first rank's weights])."""
+    construction: zerokern.core.model_sync [Note: ranks start from the first rank's weights])."""
     if dist.is_available() and dist.is_initialized():
-        from ..model_sync import model_tensors, sync_from_first_rank
+        from zerokern.core.model_sync import model_tensors, sync_from_first_rank
 
         group = mpu.dp_group if mpu is not None else dist.group.WORLD
         sync_from_first_rank(model_tensors((), model), group)

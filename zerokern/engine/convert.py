@@ -8,9 +8,9 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..optimizer import ZeroOptimizer
-from ..optimizer_adamw import ZeroAdamW
-from ..optimizer_lion import ZeroLion
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.optimizers.adamw import ZeroAdamW
+from zerokern.optimizers.lion import ZeroLion
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw", "initial_lr")
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..optimizer import ZeroOptimizer
-from ..optimizer_args import check_not_deepspeed_partitioned
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.core.args import check_not_deepspeed_partitioned
 from .build import _attach_mpu, _build_optimizer, _build_scheduler, _forward_only, _world
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
@@ -385,7 +385,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     With no optimizer at all the engine is forward-only ([Note: forward-only engine]).
     As DeepSpeed's, every data-parallel rank (mpu's data-parallel group, else the world)
     starts from the first rank's params and buffers: the optimizer copies them at
-    construction (`broadcast_params`, zerokern.model_sync [Note: ranks start from the first
+    construction (`broadcast_params`, zerokern.core.model_sync [Note: ranks start from the first
     rank's weights]), the forward-only engine here; a ZeroAdamW given as optimizer= with
     broadcast_params=False has checked that they agree instead.
 
@@ -426,13 +426,13 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     Raises:
         TypeError: an mpu without the methods zerokern reads.
         ValueError: no model or no config, different configs given twice, mesh_param, a
-            model built under deepspeed.zero.Init (zerokern.optimizer_args [Note:
+            model built under deepspeed.zero.Init (zerokern.core.args [Note:
             DeepSpeed-partitioned params]), or a config key zerokern cannot honour (naming
             the key), before the model is touched.
     """
     if model is None:
         raise ValueError("initialize: model is required")
-    # zerokern.optimizer_args [Note: DeepSpeed-partitioned params]: before anything is touched
+    # zerokern.core.args [Note: DeepSpeed-partitioned params]: before anything is touched
     check_not_deepspeed_partitioned(model, "initialize: model")
     check_not_deepspeed_partitioned(model_parameters if isinstance(model_parameters,
                                                                    (list, tuple)) else (),

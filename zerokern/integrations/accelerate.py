@@ -41,7 +41,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from .. import checkpoint as zk_checkpoint
 from ..engine.convert import rebind_scheduler, zero_from_torch
-from ..optimizer import ZeroOptimizer
+from zerokern.core.optimizer import ZeroOptimizer
 
 _ZERO_DIR = "zerokern"  # the zerokern checkpoint inside an accelerate state folder
 _PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", None: "fp32"}

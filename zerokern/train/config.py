@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..argtypes import int_at_least, mesh_shape, positive_float
-from ..gpt import PRESETS
-from ..optimizer_args import PRECISIONS as _PRECISIONS
+from zerokern.tools.argtypes import int_at_least, mesh_shape, positive_float
+from zerokern.tools.gpt import PRESETS
+from zerokern.core.args import PRECISIONS as _PRECISIONS
 
 # The precision table's names, the default (bf16) first as --help lists them.
 PRECISIONS = ("bf16", *(p for p in _PRECISIONS if p != "bf16"))
@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int_at_least(1), default=d["steps"],
                    help=f"optimizer steps (default {d['steps']})")
     p.add_argument("--model-size", choices=list(PRESETS), default=d["model_size"],
-                   help=f"zerokern.gpt preset, with the byte vocab (default {d['model_size']})")
+                   help=f"zerokern.tools.gpt preset, with the byte vocab (default {d['model_size']})")
     p.add_argument("--batch", type=int_at_least(1), default=d["batch"],
                    help=f"sequences per rank per step (default {d['batch']})")
     p.add_argument("--seq", type=int_at_least(2), default=d["seq"],

@@ -1,4 +1,4 @@
-"""Where `zerokern train` runs its ranks: spawned here (zerokern/spawn.py, which also says
+"""Where `zerokern train` runs its ranks: spawned here (zerokern/tools/spawn.py, which also says
 why nothing can hang), under torchrun, or in this process."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..host import usable_cpus
-from ..spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_ranks
+from zerokern.platform.host import usable_cpus
+from zerokern.tools.spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_ranks
 from .config import TrainConfig
 from .loop import run_rank
 from zerokern.platform.device import handle
@@ -156,7 +156,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, dev_type: str, work: Ca
 def run_spawned(cfg: TrainConfig, dev_type: str, nproc: int,
                 work: Callable = run_rank) -> Dict[str, Any]:
     """Spawn `nproc` ranks that each run `work(cfg, device)` (a module-level function) in a
-    process group ([Note: no hangs] in zerokern/spawn.py); return rank 0's result or raise
+    process group ([Note: no hangs] in zerokern/tools/spawn.py); return rank 0's result or raise
     RankError with the most useful failure first."""
     cuda = dev_type == "cuda"
     try:

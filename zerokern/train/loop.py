@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..gpt import build_gpt
+from zerokern.tools.gpt import build_gpt
 from .config import QUANTIZE, TrainConfig
 from .data import VOCAB, Batches, load_corpus
 from zerokern.platform.device import handle

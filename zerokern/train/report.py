@@ -20,9 +20,9 @@ import torch
 from zerokern.accounting.estimate import categories, estimate, host_categories, spec_from_model
 from zerokern.accounting.formula import estimate_memory
 
-from ..host import cpu_model
-from ..optimizer_args import elem_size
-from ..tables import print_table
+from zerokern.platform.host import cpu_model
+from zerokern.core.args import elem_size
+from zerokern.tools.tables import print_table
 from .config import TrainConfig
 from .loop import build_model
 from zerokern.platform.device import handle

@@ -5,7 +5,8 @@ ZeroMuon; the arguments' text they share is optimizer_doc.ENGINE_ARGS.
 
 The class does bookkeeping; the math lives in the rule's kernels (`zerokern.kernels`), the
 layout in `partition`, the buffers in `flat_group`, the gradient paths in `grad_sync`, the
-collectives in `comm`, the user-facing extras (clipping, no_sync, reports) in `optimizer_api`.
+collectives in `comm`, the user-facing extras (clipping, no_sync, reports) and this rank's
+state dict in the class's last sections.
 
 [Note: one optimizer step, without a host sync]
 1. `grad_sync.reduced_buckets()` yields each bucket as its reduction lands (normally already
@@ -29,11 +30,14 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
+import math
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from zerokern.accounting.memory import memory_report
 from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
 from zerokern.grads.tp_norm import TpStats
@@ -41,30 +45,29 @@ from zerokern.layout.flat_group import FlatGroup
 from zerokern.layout.stages import pattern
 from zerokern.state.placement import make_placement
 
-from . import kernels
-from .comm.device_check import check_params_backend
-from .comm.mesh import (check_mesh, check_same_everywhere, check_world_tp, make_comm,
+from zerokern import kernels
+from zerokern.comm.device_check import check_params_backend
+from zerokern.comm.mesh import (check_mesh, check_same_everywhere, check_world_tp, make_comm,
                         pipeline_comm, split_world_mesh)
-from .comm.plan import ParallelPlan, check_hpz_roles, role_sizes
-from .comm.quantized import check_quantized
-from .comm.tp import check_tensor_parallel, make_tensor_parallel
-from .frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
-from .kernels import blockquant
-from .loss_scale import make_loss_scaler
-from .model_sync import ModelWatch, check_same_on_ranks, model_tensors, sync_from_first_rank
-from .optimizer_api import OptimizerApiMixin
-from .optimizer_args import (
+from zerokern.comm.plan import ParallelPlan, check_hpz_roles, role_sizes
+from zerokern.comm.quantized import check_quantized
+from zerokern.comm.tp import check_tensor_parallel, make_tensor_parallel
+from zerokern.core.frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
+from zerokern.kernels import blockquant
+from zerokern.core.loss_scale import make_loss_scaler
+from zerokern.core.model_sync import ModelWatch, check_same_on_ranks, model_tensors, sync_from_first_rank
+from zerokern.core.args import (
+    check_clip,
     check_arguments,
     check_groups,
     check_rule_support,
     frozen_params,
 )
-from .optimizer_doc import ENGINE_ARGS
-from .optimizer_state import StateDictMixin
-from .rules import Rule, check_defaults_keys, check_rule, combine, slot_align
+from zerokern.core.doc import ENGINE_ARGS
+from zerokern.rules import Rule, check_defaults_keys, check_rule, combine, slot_align
 
 
-class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     _group_keys = ()  # param-group keys the optimizer reads besides its rules' (ZeroMuon's)
     __doc__ = """The ZeRO engine with an optimizer rule (zerokern.rules): `ZeroAdamW`, `ZeroLion`,
     or a rule of your own (`ZeroOptimizer(model, rule=MyRule(), defaults={...}, stage=2, ...)`).
@@ -115,7 +118,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         activation_checkpointing: Optional[str] = None,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
-        from .stage3.activation_policy import check_policy_target
+        from zerokern.stage3.activation_policy import check_policy_target
 
         act_mode = check_policy_target(activation_checkpointing, params_or_model,
                                        units if stage == 3 else None)
@@ -189,7 +192,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         unit_list = None
         P = pattern(stage)  # what the stage keeps (stages.py)
         if P.shards_params:
-            from .stage3.build import check_stage3
+            from zerokern.stage3.build import check_stage3
 
             unit_list = check_stage3(params_or_model, units, trainable, dtype,
                                      comm.shard.world_size,
@@ -236,7 +239,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.placement = make_placement(offload, self.reduce_dtype, offload_path, self.plan, master,
                                         rule, per_group)
         if P.shards_params:
-            from .stage3.build import build_stage3
+            from zerokern.stage3.build import build_stage3
 
             self.units = unit_list
             self.flat_groups, self.grad_sync, self.param_homes = build_stage3(
@@ -291,7 +294,7 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
             gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
         self.activations = None  # activation_checkpointing (stage3/activation_policy.py)
         if act_mode is not None:
-            from .stage3.activation_policy import apply_policy
+            from zerokern.stage3.activation_policy import apply_policy
 
             self.activations = apply_policy(model, act_mode, modules=[
                 u.module for u in self.units if not u.is_root] if P.shards_params else None)
@@ -516,3 +519,272 @@ class ZeroOptimizer(OptimizerApiMixin, StateDictMixin, torch.optim.Optimizer):
         self.placement.close()
         if self.param_homes is not None:
             self.param_homes.close()
+
+    # ---- the user-facing extras: loss scaling, no_sync, zero_grad, clipping, reports ------
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        """0-d device tensor: the loss scale used by the last/next backward."""
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale, for `opt.scale_loss(loss).backward()`.
+
+        Args:
+            loss: the 0-d loss tensor.
+
+        Returns:
+            loss * loss_scale (the same graph), marked as scaled for `step()`.
+        """
+        return self.grad_sync.mark_scaled_loss(loss * self.scaler.scale)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """Loss-scaled backward. With fp16 (or an explicit loss_scale) every backward must go
+        through the scale (this, or scale_loss); plain loss.backward() is fine otherwise.
+
+        Args:
+            loss: the 0-d loss tensor (divide it by the number of micro-batches when
+                accumulating, as with DDP).
+            **kwargs: passed to `torch.Tensor.backward` (e.g. retain_graph).
+        """
+        self.scale_loss(loss).backward(**kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """As DDP's no_sync(): backward passes inside accumulate locally, with no
+        communication; the first backward outside reduces everything (or step() does). Stage 2
+        holds a full local grad accumulator meanwhile (Ψ elements of reduce_dtype)."""
+        gs = self.grad_sync
+        old, gs.sync = gs.sync, False
+        try:
+            yield
+        finally:
+            gs.sync = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: p.grad becomes None (set_to_none=True) or zeros; the accumulated
+        gradient (and every shard of it) is cleared.
+
+        Args:
+            set_to_none: True (torch's default): `p.grad` becomes None; with
+                free_grads=True the gradient memory is freed too. False: zeros.
+        """
+        self.grad_sync.zero_grad(set_to_none)
+        self._clip_next = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over every rank's shard (a 0-d device tensor, no host sync);
+        the coming step() clips to max_norm, as torch.nn.utils.clip_grad_norm_ would with
+        DDP's gradients (coefficient max_norm / (norm + 1e-6), at most 1). Call after the last
+        backward and before step(), as FSDP's clip_grad_norm_.
+
+        Args:
+            max_norm: the largest norm the step's gradient may have (> 0).
+            norm_type: 2.0 (default), any p > 0, or math.inf.
+
+        Returns:
+            The global norm of the (unclipped, unscaled) gradient: a 0-d fp32 tensor on the
+            param device, the same on every rank.
+
+        Raises:
+            ValueError: max_norm or norm_type out of range.
+            RuntimeError: no backward since the last step (nothing to clip).
+        """
+        check_clip(max_norm, norm_type)
+        self._check_ready()
+        self._prepare()
+        norm = self.grad_norm if norm_type == 2 else self._other_norm(float(norm_type))
+        self._clip_next = (float(max_norm), norm)
+        return norm.clone()
+
+    def _other_norm(self, p: float) -> torch.Tensor:
+        tp = getattr(self, "tp", None)
+        if tp is not None and p != math.inf:  # (tp-replicated elements would count tp times)
+            raise ValueError(f"norm_type={p} is not supported with tensor parallelism (DTensor "
+                             "params); use norm_type=2 or inf")
+        gs, mp = self.grad_sync, self.model_parallel
+        parts = [t.float() for gi, g in enumerate(self.flat_groups)
+                 for k in range(g.layout.n_buckets)
+                 for t in ([gs.grad_piece(gi, k)] if mp is None
+                           else mp.counted(gs.grad_piece(gi, k), gi, k))]
+        if p == math.inf:
+            zero = torch.zeros((), dtype=torch.float32, device=self._stats.device)
+            acc = torch.stack([t.abs().max() for t in parts if t.numel()] or [zero]).max()
+            op = torch.distributed.ReduceOp.MAX
+        else:
+            acc = torch.stack([t.abs().pow(p).sum() for t in parts]).sum()
+            op = torch.distributed.ReduceOp.SUM
+        averaged = self.pattern.grads_averaged
+        if not averaged and p != math.inf:
+            self.comm.count_once_(acc)  # HSDP: replicas hold the same shard
+        # over dp where each rank read a shard, and over the model-parallel ranks (the tp
+        # shards, an mpu's slices): [Note: one parallel plan] (comm/plan.py)
+        self.plan.agree_(acc, op=op, dp=not averaged)
+        return (acc if p == math.inf else acc.pow(1.0 / p)) * self._unscale
+
+    @property
+    def offloader(self):
+        """The offload placement (offload.Offloader / offload_nvme.NvmeOffloader), None
+        without offload: for benchmarks and tests that tune its chunking."""
+        return None if self.offload is None else self.placement
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def memory_report(self) -> Dict[str, Any]:
+        """Bytes held per category on this rank, with the DESIGN §4 formula beside them.
+
+        Returns:
+            A dict: `measured` (bytes per device category: params, grads, buckets, master,
+            one per state of the rule (by its name), padding, and at stage 3 frozen and live_units),
+            `measured_total`, `formula`, `formula_total`, `allowed_slack`; with offload
+            `host_measured` / `disk_measured` and their totals, `host_pinned_total`,
+            `host_pageable_total`; at stage 3 `peak_live_units` and `live_units_bound`;
+            `comm_buffers` (this rank's shared-memory segments for CPU collectives between
+            ranks on one host: a transport buffer, not a model state); and num_params,
+            world_size, stage, precision. Equal to `zerokern estimate`.
+        """
+        return memory_report(self)
+
+    def comm_stats(self, reset: bool = False) -> Dict[str, Any]:
+        """Bytes sent per collective type by this rank since the last reset.
+
+        Args:
+            reset: also reset the counters after reading them.
+
+        Returns:
+            A dict per collective type (all_reduce, reduce_scatter, all_gather) with the bytes
+            sent and the number of calls; `dims`: the same per group ("shard", "replicate",
+            "world", "hpz"); on a 2-D mesh `nodes`: {"intra_node", "inter_node"} bytes, dim 1
+            of the mesh being a node (zerokern.accounting.mesh.node_split).
+        """
+        from zerokern.accounting.mesh import node_split
+
+        out = self.comm.stats.as_dict()
+        split = node_split(out["dims"], self.comm.dims)
+        if split is not None:
+            out["nodes"] = split
+        if reset:
+            self.comm.stats.reset()
+        return out
+
+    def reset_comm_stats(self) -> None:
+        """Zero the counters `comm_stats()` reads."""
+        self.comm.stats.reset()
+
+    @contextmanager
+    def gathered_params(self, modify: bool = False):
+        """Full params inside the block (stage 3 gathers every unit, then re-shards; at
+        stages 0-2 they are always resident and this does nothing). Collective at stage 3.
+
+        Args:
+            modify: True: changes made to the params inside are kept (each rank takes its
+                piece back into its shard and fp32 master); False: discarded at stage 3.
+        """
+        if not self.pattern.shards_params:
+            yield
+            return
+        self.grad_sync.gather_all()
+        try:
+            yield
+        finally:
+            self.grad_sync.release_all(write_back=modify)
+
+    # ---- this rank's own state dict (zerokern.checkpoint reshards) -----------------------
+
+    def _meta(self) -> Dict[str, Any]:
+        return {"rule": self.rule.name, "rules": [r.name for r in self.rules],
+                "stage": self.stage, "precision": self.precision,
+                "world_size": self.comm.shard.world_size, "rank": self.comm.shard.rank,
+                # block-aligned slots (8-bit: partition.py) add their alignment, so a state
+                # dict of packed slots is refused, not loaded at other offsets
+                "layouts": [(g.layout.numel, g.layout.padded_numel, g.layout.bucket_numel,
+                             [s.shape for s in g.layout.slots])
+                            + ((g.layout.slot_align,) if g.layout.slot_align != 1 else ())
+                            for g in self.flat_groups]}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's shard: moments, masters, step counters, scaler, hyperparameters (and at
+        stage 3 the param shard, which the model's own state_dict cannot give)."""
+        self._frozen_skip.check_savable("state_dict()")
+        groups = [{k: v for k, v in group.items() if k != "params"}
+                  for group in self.param_groups]
+        return {"zero": self._meta(),
+                "state": [{k: t.detach().clone() for k, t in g.state_tensors().items()}
+                          for g in self.flat_groups],
+                "param_groups": groups,
+                "loss_scaler": self.scaler.state_dict(),
+                # per buffer, the per-matrix states this rank owns (a phased rule's: zerokern.
+                # rules [Note: state kinds and the owner protocol]), "slot.name" -> tensor
+                "matrix": [{f"{i}.{name}": t.detach().clone() for i, name, t in st.items()}
+                           for st in self._matrix_states()]}
+
+    def _matrix_states(self):
+        """Per buffer, its plan's MatrixStates, or an empty one."""
+        plans = getattr(self, "_plans", {})
+        return [getattr(plans.get(gi), "states", None) or _NO_STATES
+                for gi in range(len(self.flat_groups))]
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a `state_dict()` of the same model, stage, precision, world size and rank.
+
+        Args:
+            state_dict: what `state_dict()` returned on this rank (use zerokern.checkpoint to
+                change world size, stage or precision).
+
+        Raises:
+            ValueError: not a ZeroAdamW state dict, or one of another stage, precision, world
+                size, rank or layout (naming which).
+        """
+        if not isinstance(state_dict, dict) or "zero" not in state_dict:
+            raise ValueError("state_dict is not a ZeroAdamW state dict (no 'zero' entry); "
+                             "use zerokern.checkpoint to reshard across layouts")
+        meta, mine = state_dict["zero"], self._meta()
+        for key in ("rule", "rules", "stage", "precision", "world_size", "rank", "layouts"):
+            # a state dict saved before rules existed is ZeroAdamW's; before a rule per
+            # group, "rule" is every group's
+            default = {"rule": "adamw", "rules": [meta.get("rule", "adamw")] *
+                       len(mine["rules"])}.get(key)
+            if meta.get(key, default) != mine[key]:
+                raise ValueError(f"state_dict {key} {meta.get(key)!r} does not match this "
+                                 f"optimizer's {mine[key]!r}")
+        states, groups = state_dict["state"], state_dict["param_groups"]
+        for g, st in zip(self.flat_groups, states):
+            for k, t in g.state_tensors().items():
+                if k not in st or st[k].shape != t.shape or st[k].dtype != t.dtype:
+                    raise ValueError(f"state_dict entry {k!r} is missing or mis-shaped")
+        matrix = state_dict.get("matrix", [{}] * len(self.flat_groups))
+        for st, saved in zip(self._matrix_states(), matrix):
+            for i, name, t in st.items():
+                v = saved.get(f"{i}.{name}")
+                if v is None or v.shape != t.shape or v.dtype != t.dtype:
+                    raise ValueError(f"state_dict per-matrix entry {i}.{name} is missing or "
+                                     "mis-shaped")
+        # The scaler checks its entry before writing anything; ours are checked above.
+        self.scaler.load_state_dict(state_dict["loss_scaler"])
+        for g, st in zip(self.flat_groups, states):
+            for k, t in g.state_tensors().items():
+                t.copy_(st[k])
+        for st, saved in zip(self._matrix_states(), matrix):
+            for i, name, t in st.items():
+                t.copy_(saved[f"{i}.{name}"])
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.state_loaded()
+
+    def state_loaded(self) -> None:
+        """The masters were just loaded (state_dict, zerokern.checkpoint): they define the
+        state, so param writes made before the load are not taken into them again."""
+        if self.model_watch is not None:
+            self.model_watch.record_versions()
+        self.grad_sync.generation += 1
+
+
+class _NoStates:
+    """No per-matrix states (a buffer whose rule has none)."""
+
+    @staticmethod
+    def items():
+        return iter(())
+
+
+_NO_STATES = _NoStates()

@@ -9,10 +9,10 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .layout.dtensor_params import is_dtensor
-from .optimizer import ZeroOptimizer
-from .optimizer_doc import ENGINE_ARGS
-from .rules.adafactor import ADAFACTOR
+from zerokern.layout.dtensor_params import is_dtensor
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.core.doc import ENGINE_ARGS
+from zerokern.rules.adafactor import ADAFACTOR
 
 
 class ZeroAdafactor(ZeroOptimizer):

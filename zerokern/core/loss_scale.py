@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from .optimizer_args import check_precision
+from zerokern.core.args import check_precision
 
 __all__ = ["LossScaler", "DynamicLossScaler", "make_loss_scaler"]
 

@@ -8,10 +8,10 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .optimizer import ZeroOptimizer
-from .optimizer_doc import ENGINE_ARGS
-from .rules.adamw import ADAMW
-from .rules.adamw8bit import adamw_rule_for_bits
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.core.doc import ENGINE_ARGS
+from zerokern.rules.adamw import ADAMW
+from zerokern.rules.adamw8bit import adamw_rule_for_bits
 
 
 class ZeroAdamW(ZeroOptimizer):

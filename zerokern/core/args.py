@@ -253,7 +253,7 @@ def check_arguments(params_or_model, *, stage, precision, rule, defaults, max_gr
     if reduce_dtype is not None and reduce_dtype not in FLOAT_DTYPES:
         raise TypeError(f"reduce_dtype must be None or one of fp32/bf16/fp16, "
                         f"got {reduce_dtype!r}")
-    from .kernels import validate
+    from zerokern.kernels import validate
 
     validate.check_backend(backend)
     if units is not None and stage != 3:

@@ -31,12 +31,12 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .layout.dtensor_params import is_dtensor
-from .optimizer import ZeroOptimizer
-from .optimizer_doc import ENGINE_ARGS
-from .rules.adamw import ADAMW
-from .rules.muon import MUON, MUON_KEYS, embedding_weight_ids, takes_muon
-from .rules.muon_orthogonalize import EPS, NS_COEFFICIENTS, NS_STEPS
+from zerokern.layout.dtensor_params import is_dtensor
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.core.doc import ENGINE_ARGS
+from zerokern.rules.adamw import ADAMW
+from zerokern.rules.muon import MUON, MUON_KEYS, embedding_weight_ids, takes_muon
+from zerokern.rules.muon_orthogonalize import EPS, NS_COEFFICIENTS, NS_STEPS
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw")
 _MUON_ONLY = tuple(k for k in MUON_KEYS if k not in ADAMW_KEYS)
@@ -121,7 +121,7 @@ class ZeroMuon(ZeroOptimizer):
     __doc__ = """Muon with ZeRO sharding: `torch.optim.Muon` for the matrices and
     `torch.optim.AdamW` for the other params, each rank orthogonalizing a disjoint,
     FLOP-balanced set of whole matrices (zerokern.rules.muon [Note: the Muon group step]).
-    Which params take Muon: zerokern.optimizer_muon [Note: which params Muon takes] (>= 2-D
+    Which params take Muon: zerokern.optimizers.muon [Note: which params Muon takes] (>= 2-D
     and not an embedding; a param group's `use_muon` overrides). Every offload (None, "cpu",
     "nvme": the momentum and the master streamed through the NVMe files in two passes) and
     master="compact" (bf16) run Muon's update bit for bit as on the device with an fp32

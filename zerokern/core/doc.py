@@ -57,7 +57,7 @@ ENGINE_ARGS = """
             together) takes the params (trainable and frozen) and the model's buffers of the
             group's first rank, as DDP's constructor and DeepSpeed's initialize do, before
             anything is flattened or sharded; a DTensor param's tensor-parallel shard stays
-            as it is (see zerokern.model_sync, [Note: ranks start from the first rank's
+            as it is (see zerokern.core.model_sync, [Note: ranks start from the first rank's
             weights]). False: no copy; the ranks' params and buffers are checked to agree
             (one all-reduce of a fingerprint per tensor), a ValueError naming the first that
             differs otherwise. With bare params (no model) there are no buffers to copy.

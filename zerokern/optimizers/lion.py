@@ -8,9 +8,9 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .optimizer import ZeroOptimizer
-from .optimizer_doc import ENGINE_ARGS
-from .rules.lion import LION
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.core.doc import ENGINE_ARGS
+from zerokern.rules.lion import LION
 
 
 class ZeroLion(ZeroOptimizer):

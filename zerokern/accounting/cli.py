@@ -14,7 +14,7 @@ from zerokern.accounting.estimate import COMMS, estimate
 from zerokern.accounting.mesh import mesh_lines
 from zerokern.accounting.model_spec import load_model, spec_from_model, spec_from_numel
 
-from .optimizer_args import PRECISIONS
+from zerokern.core.args import PRECISIONS
 
 
 def _count(text: str) -> int:
@@ -32,13 +32,13 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p) -> None:
-    from .argtypes import int_at_least, mesh_shape, mib_or_inf, positive_float
+    from zerokern.tools.argtypes import int_at_least, mesh_shape, mib_or_inf, positive_float
 
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_count, metavar="N",
                       help="parameter count (e.g. 7e9): one flat buffer of N elements")
     what.add_argument("--model", metavar="SPEC",
-                      help="a zerokern.gpt preset (tiny, small, 20m, 100m), a factory "
+                      help="a zerokern.tools.gpt preset (tiny, small, 20m, 100m), a factory "
                            "module:function, or a Hugging Face config (JSON, config.json path, "
                            "directory, or hub name); built on the meta device")
     p.add_argument("--world-size", type=int_at_least(1), default=1, metavar="N",
@@ -234,7 +234,7 @@ def _activations(args, model):
                          "--params")
     from zerokern.accounting.activations import activation_estimate
 
-    from .optimizer_args import PRECISIONS as dtypes
+    from zerokern.core.args import PRECISIONS as dtypes
 
     return activation_estimate(model, args.batch, args.seq, args.activation_checkpointing,
                                dtype=dtypes[args.precision], tp=args.tp,

@@ -1,0 +1,2 @@
+"""Helpers that are not the optimizer: the demo GPT, spawning ranks, tables and
+argument types for the CLI."""
