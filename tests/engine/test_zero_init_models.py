@@ -1,7 +1,7 @@
 """Models built under `deepspeed.zero.Init` (DeepSpeed's TestNoOptim[3], TestZeroFrozenWeights[3],
 TestZeroPartitionCache, TestParamPartitioningSkipInit build them so) are refused by
 zerokern.initialize and by the zerokern optimizers with a ValueError naming zero.Init and what
-to do instead, before anything changes (issue 36, item 7; zerokern.core.args [Note:
+to do instead, before anything changes (issue 36, item 7; zerokern.options.args [Note:
 DeepSpeed-partitioned params]). On the old code initialize accepted them and the first forward
 crashed inside F.linear ("mat2 must be a matrix, got 1-D tensor"); ZeroAdamW built over them.
 2 gloo ranks (zero.Init partitions over the world), DeepSpeed 0.19.8 on the CPU.

@@ -11,7 +11,7 @@ import re
 import pytest
 
 import zerokern as zk
-from zerokern.core.args import OFFLOADS
+from zerokern.options.args import OFFLOADS
 from zerokern.rules.adamw8bit import adamw_rule_for_bits
 
 

@@ -14,7 +14,7 @@ from zerokern.accounting.estimate import COMMS, estimate
 from zerokern.accounting.mesh import mesh_lines
 from zerokern.accounting.model_spec import load_model, spec_from_model, spec_from_numel
 
-from zerokern.core.args import PRECISIONS
+from zerokern.options.args import PRECISIONS
 
 
 def _count(text: str) -> int:
@@ -234,7 +234,7 @@ def _activations(args, model):
                          "--params")
     from zerokern.accounting.activations import activation_estimate
 
-    from zerokern.core.args import PRECISIONS as dtypes
+    from zerokern.options.args import PRECISIONS as dtypes
 
     return activation_estimate(model, args.batch, args.seq, args.activation_checkpointing,
                                dtype=dtypes[args.precision], tp=args.tp,

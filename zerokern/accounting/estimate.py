@@ -73,7 +73,7 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
     stage3_units,
 )
 from zerokern.layout.stages import pattern
-from zerokern.core.args import (
+from zerokern.options.args import (
     check_keep_for_backward,
     check_master,
     check_offload,
@@ -346,7 +346,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     check_master(master, precision, offload, stage)
     rule = rule_by_name(optimizer)
     idx, rules = _param_groups(spec, rule, offload, master)
-    from zerokern.core.args import check_rule_support
+    from zerokern.options.args import check_rule_support
 
     check_rule_support(rules, offload, master)  # as the optimizer (zerokern.rules [Note:
     # what a rule supports])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from zerokern.layout.stages import pattern
-from zerokern.core.args import MASTERS, OFFLOADS, elem_size
+from zerokern.options.args import MASTERS, OFFLOADS, elem_size
 
 # ZeRO paper / DeepSpeed estimator: fp32 master + m + v per param (mixed-precision Adam).
 K_DEEPSPEED = 12

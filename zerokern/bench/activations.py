@@ -709,7 +709,8 @@ def report(args, res) -> int:
           f"{args.start_seq}, then bisection to a multiple of {args.quantum}. Overhead: median "
           f"of {args.reps} interleaved iterations at seq {res['common_seq']} over its family's "
           "none, in wall time and in the ranks' CPU time (process time, the max over ranks: "
-          "on a machine shared with other work it moves far less than the wall time). Method: `zerokern/bench/activations.py` [Note: what the activation benchmark "
+          "on a machine shared with other work it moves far less than the wall time). "
+          "Method: `zerokern/bench/activations.py` [Note: what the activation benchmark "
           "counts] and docs/benchmarks.md (Activation memory).", ""]
     common.write_text(args.out / f"{args.stem}.md", "\n".join(md))
     print(f"wrote {args.out / args.stem}.json and .md")

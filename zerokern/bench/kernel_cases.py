@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from zerokern.core.args import PRECISIONS as DTYPES  # the precision names and dtypes
+from zerokern.options.args import PRECISIONS as DTYPES  # the precision names and dtypes
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 ZK_BACKENDS = ("cpu", "triton", "cuda", "reference")

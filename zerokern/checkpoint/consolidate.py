@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from zerokern.core.args import FLOAT_DTYPES, PRECISIONS
+from zerokern.options.args import FLOAT_DTYPES, PRECISIONS
 from .format import (
     EXTRA,
     BlockVerifier,

@@ -109,6 +109,34 @@ class HostPool:
             return buf, None      # back to the pool only when its checkpoint is freed)
         return buf.to(device), None
 
+    def prefetch(self, buf: torch.Tensor, event, device: torch.device) -> Tuple[torch.Tensor,
+                                                                                object]:
+        """`buf` copied to `device` on the side stream, ahead of its use (store.py [Note:
+        Pa+cpu's backward prefetch]): (tensor, event at the copy's end or None). On the CPU
+        the buffer itself, as from_host (a no-op)."""
+        if device.type in ("cpu", "meta"):
+            return self.from_host(buf, event, device)
+        self.copies_in += 1
+        dev = handle(device)
+        stream = self.side_stream()
+        if event is not None:
+            stream.wait_event(event)  # its device-to-host copy has landed
+        with dev.use_stream(stream):
+            out = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            out.copy_(buf, non_blocking=True)
+            done = dev.recorded_event(stream)
+        return out, done
+
+    def hand_over(self, t: torch.Tensor, done) -> None:
+        """A prefetched tensor goes to the compute stream: it waits for the copy, and t's
+        block is reused only after the compute stream is done with it."""
+        if done is None or t.device.type == "cpu":
+            return
+        dev = handle(t)
+        cur = dev.current_stream(t.device)
+        cur.wait_event(done)
+        t.record_stream(cur)
+
     def reset(self) -> None:
         """Free every pooled buffer (those in use are freed when their checkpoints are)."""
         self._free.clear()

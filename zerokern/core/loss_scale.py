@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from zerokern.core.args import check_precision
+from zerokern.options.args import check_precision
 
 __all__ = ["LossScaler", "DynamicLossScaler", "make_loss_scaler"]
 

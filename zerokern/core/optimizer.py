@@ -56,14 +56,14 @@ from zerokern.core.frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
 from zerokern.kernels import blockquant
 from zerokern.core.loss_scale import make_loss_scaler
 from zerokern.core.model_sync import ModelWatch, check_same_on_ranks, model_tensors, sync_from_first_rank
-from zerokern.core.args import (
+from zerokern.options.args import (
     check_clip,
     check_arguments,
     check_groups,
     check_rule_support,
     frozen_params,
 )
-from zerokern.core.doc import ENGINE_ARGS
+from zerokern.options.doc import ENGINE_ARGS
 from zerokern.rules import Rule, check_defaults_keys, check_rule, combine, slot_align
 
 

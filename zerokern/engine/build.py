@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from zerokern.core.optimizer import ZeroOptimizer
 from zerokern.optimizers.adamw import ZeroAdamW
-from zerokern.core.args import PRECISIONS
+from zerokern.options.args import PRECISIONS
 from zerokern.optimizers.lion import ZeroLion
 from zerokern.optimizers.muon import ZeroMuon
 from .config import EngineConfig

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..checkpointing.settings import parse_section as _activation_checkpointing
-from zerokern.core.args import PRECISIONS
+from zerokern.options.args import PRECISIONS
 from .config_file import load_config
 from .config_values import ConfigError, _bool, _check_auto, _int, _num, _unknown
 from .optimizer_types import optimizer_settings

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerokern.core.optimizer import ZeroOptimizer
-from zerokern.core.args import check_not_deepspeed_partitioned
+from zerokern.options.args import check_not_deepspeed_partitioned
 from .build import _attach_mpu, _build_optimizer, _build_scheduler, _forward_only, _world
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
@@ -426,13 +426,13 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     Raises:
         TypeError: an mpu without the methods zerokern reads.
         ValueError: no model or no config, different configs given twice, mesh_param, a
-            model built under deepspeed.zero.Init (zerokern.core.args [Note:
+            model built under deepspeed.zero.Init (zerokern.options.args [Note:
             DeepSpeed-partitioned params]), or a config key zerokern cannot honour (naming
             the key), before the model is touched.
     """
     if model is None:
         raise ValueError("initialize: model is required")
-    # zerokern.core.args [Note: DeepSpeed-partitioned params]: before anything is touched
+    # zerokern.options.args [Note: DeepSpeed-partitioned params]: before anything is touched
     check_not_deepspeed_partitioned(model, "initialize: model")
     check_not_deepspeed_partitioned(model_parameters if isinstance(model_parameters,
                                                                    (list, tuple)) else (),

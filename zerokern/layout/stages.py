@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from zerokern.layout.partition import FlatLayout
-from zerokern.core.args import check_stage
+from zerokern.options.args import check_stage
 
 
 @dataclass(frozen=True)

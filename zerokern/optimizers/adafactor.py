@@ -11,7 +11,7 @@ import torch
 
 from zerokern.layout.dtensor_params import is_dtensor
 from zerokern.core.optimizer import ZeroOptimizer
-from zerokern.core.doc import ENGINE_ARGS
+from zerokern.options.doc import ENGINE_ARGS
 from zerokern.rules.adafactor import ADAFACTOR
 
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from zerokern.core.optimizer import ZeroOptimizer
-from zerokern.core.doc import ENGINE_ARGS
+from zerokern.options.doc import ENGINE_ARGS
 from zerokern.rules.adamw import ADAMW
 from zerokern.rules.adamw8bit import adamw_rule_for_bits
 

@@ -33,7 +33,7 @@ import torch
 
 from zerokern.layout.dtensor_params import is_dtensor
 from zerokern.core.optimizer import ZeroOptimizer
-from zerokern.core.doc import ENGINE_ARGS
+from zerokern.options.doc import ENGINE_ARGS
 from zerokern.rules.adamw import ADAMW
 from zerokern.rules.muon import MUON, MUON_KEYS, embedding_weight_ids, takes_muon
 from zerokern.rules.muon_orthogonalize import EPS, NS_COEFFICIENTS, NS_STEPS

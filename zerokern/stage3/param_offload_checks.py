@@ -12,8 +12,8 @@ from zerokern.layout.dtensor_params import local_shape
 from zerokern.state import aligned_io as aio
 from zerokern.state.nvme_state import check_free_space
 
-from zerokern.core.args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
-from zerokern.core.args import check_offload_params as check_args  # noqa: F401
+from zerokern.options.args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
+from zerokern.options.args import check_offload_params as check_args  # noqa: F401
 
 NOTES = {  # zerokern estimate's note per kind
     "cpu": "offload_params='cpu': the 16-bit param and frozen shards live in host memory "

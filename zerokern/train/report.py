@@ -21,7 +21,7 @@ from zerokern.accounting.estimate import categories, estimate, host_categories, 
 from zerokern.accounting.formula import estimate_memory
 
 from zerokern.platform.host import cpu_model
-from zerokern.core.args import elem_size
+from zerokern.options.args import elem_size
 from zerokern.tools.tables import print_table
 from .config import TrainConfig
 from .loop import build_model
