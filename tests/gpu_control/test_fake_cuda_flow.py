@@ -38,7 +38,7 @@ SLOW = ["stage2-8bit", "stage3-offload-params-cpu", "stage0-bf16", "stage0-fp16"
         "stage2-bf16", "stage2-fp16", "stage2-offload-cpu", "stage2-data-dependent",
         "stage3-bf16", "stage3-fp16", "stage3-offload-cpu", "stage2-compact", "stage2-hsdp",
         "stage3-hsdp", "stage3-hpz", "stage2-muon", "stage3-muon", "stage2-muon-offload-cpu", "stage3-muon-offload-cpu",
-        "stage3-8bit", "stage3-offload-activations"]
+        "stage3-8bit", "stage3-offload-activations", "stage3-cpu-checkpointing"]
 
 STEP_PHASES = {"forward", "backward", "step", "zero_grad"}
 BAD = {"host_sync", "d2h_sync", "pageable_h2d", "blocking_h2d", "host_wait", "triton_launch",

@@ -17,7 +17,9 @@ event; the device tensor is marked as used by the side stream (`record_stream`),
 caching allocator does not reuse its memory before the copy is done, and the checkpoint keeps no
 reference to it. Before the recompute the compute stream waits for that event and copies the
 buffer back (non-blocking, from pinned memory); a second event, recorded after that copy, is
-waited on before the buffer is handed out again. On CPU the copies are plain `copy_`s.
+waited on by the side stream before its next copy into the buffer (a stream wait: the host does
+not wait). The buffers are pinned for a tensor on an accelerator's device (asked of the tensor,
+as the side stream is). On CPU the copies are plain `copy_`s.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class HostPool:
 
     def __init__(self, pin: Optional[bool] = None, max_bytes: Optional[int] = None) -> None:
         self.pin = has_accelerator() if pin is None else pin
+        self._pin_given = pin     # None: also pinned for a tensor on an accelerator device
         self.max_bytes = max_bytes
         self._free: Dict[Tuple[torch.dtype, int], List[Tuple[torch.Tensor, object]]] = {}
         self.allocations = 0      # buffers ever allocated
@@ -46,25 +49,38 @@ class HostPool:
         self.copies_in = 0        # copies out of it (host -> device)
         self._stream = None
 
-    def side_stream(self):
-        if self._stream is None and has_accelerator():
-            self._stream = accelerator().stream()
+    def side_stream(self, device=None):
+        """The side stream of `device`'s type (the tensor being copied), made once; None on the
+        CPU. (Asked of the tensor's device, not of whether torch says an accelerator is
+        available: the fake-CUDA harness says none is.)"""
+        if self._stream is None:
+            h = handle(device) if device is not None else accelerator()
+            if h.is_accelerator:
+                self._stream = h.stream(device)
         return self._stream
 
-    def acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A 1-D host buffer of `numel` elements of `dtype`, from the pool if one is free."""
+    def acquire(self, dtype: torch.dtype, numel: int, device=None, stream=None) -> torch.Tensor:
+        """A 1-D host buffer of `numel` elements of `dtype`, from the pool if one is free.
+        `device`: the device of the tensor it will hold (its buffer is pinned for an
+        accelerator's); `stream`: the stream that will write it, made to wait for the buffer's
+        last copy back (no host wait) where there is one."""
         free = self._free.get((dtype, numel))
         nbytes = numel * dtype.itemsize
         if free:
             buf, done = free.pop()
-            if done is not None:
-                done.synchronize()  # its last copy back has finished
+            if done is not None:  # its last copy back must have finished
+                if stream is not None:
+                    stream.wait_event(done)
+                else:
+                    done.synchronize()
         else:
             if self.max_bytes is not None and self.pool_bytes + nbytes > self.max_bytes:
                 raise PoolExhausted(
                     f"cpu_checkpointing: the host pool would grow to {self.pool_bytes + nbytes}"
                     f" bytes, over its bound of {self.max_bytes}")
-            buf = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+            pin = self.pin or (self._pin_given is None and device is not None
+                               and handle(device).is_accelerator)
+            buf = torch.empty(numel, dtype=dtype, pin_memory=pin)
             self.allocations += 1
             self.pool_bytes += nbytes
         self.in_use_bytes += nbytes
@@ -79,11 +95,11 @@ class HostPool:
         """Copy `t` (any device) into a pool buffer: (buffer, event or None)
         ([Note: copies on a side stream])."""
         flat = t.detach().reshape(-1)
-        buf = self.acquire(flat.dtype, flat.numel())
+        stream = self.side_stream(flat.device) if flat.device.type != "cpu" else None
+        buf = self.acquire(flat.dtype, flat.numel(), flat.device, stream)
         self.copies_out += 1
-        if flat.device.type != "cpu":
+        if stream is not None:
             dev = handle(flat)
-            stream = self.side_stream()
             stream.wait_stream(dev.current_stream(flat.device))
             with dev.use_stream(stream):
                 buf.copy_(flat, non_blocking=True)
@@ -118,7 +134,7 @@ class HostPool:
             return self.from_host(buf, event, device)
         self.copies_in += 1
         dev = handle(device)
-        stream = self.side_stream()
+        stream = self.side_stream(device)
         if event is not None:
             stream.wait_event(event)  # its device-to-host copy has landed
         with dev.use_stream(stream):

@@ -30,7 +30,9 @@ copies of any call other than this one and the one before it are dropped, so at 
 checkpoint's inputs and the next one's are on the device. On the CPU the copy back is the host
 buffer itself, so the prefetch is a no-op and only its control flow runs
 (tests/checkpointing/test_prefetch.py); the stream part goes through the device handle and has
-not run on a GPU. `prefetch = False` on the store turns it off.
+run on fake CUDA tensors only (tests/support/fake_cuda, scenario "stage3-cpu-checkpointing": no
+host sync, host wait or pageable copy in forward or backward), never on a GPU. `prefetch =
+False` on the store turns it off.
 
 [Note: what stats() counts]
 checkpoints (inputs kept now), device_bytes / host_bytes (the bytes they hold where they are
@@ -182,7 +184,7 @@ class Store:
     def _copy_into_host(self, src: torch.Tensor, row: torch.Tensor):
         """A device piece into a host row of a contiguous buffer, on the side stream."""
         dev = handle(src)
-        stream = self.pool.side_stream()
+        stream = self.pool.side_stream(src.device)
         stream.wait_stream(dev.current_stream(src.device))
         with dev.use_stream(stream):
             row.copy_(src, non_blocking=True)

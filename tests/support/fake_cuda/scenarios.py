@@ -41,6 +41,7 @@ class Net(nn.Module):
         self.out = nn.Linear(D, 1)
         self.plan = plan
         self.step = 0
+        self.ckpt = None  # a checkpoint function each block runs through (or None)
 
     def forward(self, x):
         x = self.inp(x)
@@ -48,6 +49,8 @@ class Net(nn.Module):
         for i in order:
             if isinstance(i, tuple):  # a branch inside the block: its last Linear unused
                 x = x + self.blocks[i[0]](x, branch=True)
+            elif self.ckpt is not None:
+                x = x + self.ckpt(self.blocks[i], x)
             else:
                 x = x + self.blocks[i](x)
         return self.out(x).float()
@@ -143,3 +146,26 @@ SCENARIOS["stage2-8bit"] = _run(2, state_bits=8)
 SCENARIOS["stage3-8bit"] = _run(3, state_bits=8)
 # activation_checkpointing="offload" with its backward prefetch on the copy stream (issue 37)
 SCENARIOS["stage3-offload-activations"] = _run(3, activation_checkpointing="offload")
+
+
+def _cpu_checkpointing(rank, world, dev, log):
+    """zerokern.checkpointing with cpu_checkpointing around each block, at stage 3 (issue 37):
+    the host pool's side-stream copies and its backward prefetch one checkpoint ahead."""
+    import zerokern.checkpointing as ck
+
+    log.phase = "model"
+    with dev:
+        model = Net()
+    model.ckpt = ck.checkpoint
+    log.phase = "construct"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stand-ins say no CUDA: "saves no memory"
+        ck.configure(None, checkpoint_in_cpu=True)
+    opt = zk.ZeroAdamW(model, lr=1e-3, stage=3, precision="bf16", bucket_mb=0.01,
+                       backend=BACKEND)
+    _train(model, opt, dev, log)
+
+
+SCENARIOS["stage3-cpu-checkpointing"] = _cpu_checkpointing
