@@ -1,15 +1,21 @@
 """Checkpoints of ZeroAdamW training: save at one world size and stage, load at any other.
 
     zk.checkpoint.save(path, model, opt)     # collective
+    h = zk.checkpoint.save(path, model, opt, async_save=True)  # staged; written meanwhile
+    h.wait()  /  zk.checkpoint.wait()        # collective: committed, or its error raised
+    zk.checkpoint.latest(dir)                # newest complete checkpoint under dir
     zk.checkpoint.load(path, model, opt)     # collective; any world size, stage, precision
     zk.checkpoint.consolidate(path)          # full fp32 state dict for model.load_state_dict
     zerokern consolidate DIR OUT             # the same, to a .pt or .safetensors file
 
 The format is in format.py [Note: checkpoint format, version 1], the atomic replace in
 writer.py [Note: atomic replace], the load rules in reader.py [Note: load is all-or-nothing],
-and everything read from the optimizer in views.py.
+everything read from the optimizer in views.py, asynchronous saves in async_save.py
+[Note: asynchronous saves], and the choice of the newest complete one in latest.py
+[Note: latest].
 """
 
+from .async_save import AsyncSave, SaveState, wait
 from .consolidate import consolidate, verify
 from .format import (
     VERSION,
@@ -19,8 +25,10 @@ from .format import (
     ModelMismatchError,
     VersionError,
 )
+from .latest import latest
 from .reader import load
 from .writer import save
 
-__all__ = ["save", "load", "consolidate", "verify", "VERSION", "CheckpointError",
-           "ChecksumError", "MissingFileError", "ModelMismatchError", "VersionError"]
+__all__ = ["save", "load", "consolidate", "verify", "latest", "wait", "AsyncSave", "SaveState",
+           "VERSION", "CheckpointError", "ChecksumError", "MissingFileError",
+           "ModelMismatchError", "VersionError"]

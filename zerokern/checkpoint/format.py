@@ -8,6 +8,9 @@ A checkpoint is a directory:
                        uint8 codes per "section_dtypes" (8-bit AdamW, block_states.py))
     rank00001.bin      ...one file per rank of the saving job
     extra.bin          model tensors the optimizer does not hold (buffers, frozen params)
+    client_state.pt    only with save(client_state=...): rank 0's dict (torch.save), listed in
+                       "files" with its block crcs like the others (the train job's step, RNG
+                       and loss curve, the engine's counters), so it commits with the rest
 
 [Note: excluded frozen params]
 Saved with `exclude_frozen_parameters=True` (DeepSpeed's LoRA checkpoints), the frozen params
@@ -70,6 +73,7 @@ FORMAT = "zerokern-checkpoint"
 VERSION = 1
 META = "meta.json"
 EXTRA = "extra.bin"
+CLIENT = "client_state.pt"  # save(client_state=...): torch.save bytes, rank 0's, checksummed
 # A checkpoint without a "rule" entry (written before rules existed) holds ZeroAdamW's
 # sections (`legacy_sections()`); every other one names its rule and sections (`sections`).
 LEGACY_RULE = "adamw"

@@ -30,6 +30,7 @@ Gradients are not part of a checkpoint and are left alone; call `opt.zero_grad()
 from __future__ import annotations
 
 import bisect
+import io
 import os
 import warnings
 from collections import defaultdict
@@ -40,6 +41,7 @@ import torch.nn as nn
 
 from .collective import Collective
 from .format import (
+    CLIENT,
     EXTRA,
     LEGACY_RULE,
     META,
@@ -183,9 +185,10 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
             must match either way (the optimizer state loads with the model).
 
     Returns:
-        {"path", "world_size", "stage", "precision", "step", "excluded_frozen"} of the
-        checkpoint read (excluded_frozen: the names of the frozen params it left out, [] for
-        most).
+        {"path", "world_size", "stage", "precision", "step", "excluded_frozen",
+        "client_state"} of the checkpoint read (excluded_frozen: the names of the frozen params
+        it left out, [] for most; client_state: what `save(client_state=...)` stored, or
+        None).
 
     Raises:
         TypeError: bad argument types. ValueError: bad argument values.
@@ -197,6 +200,9 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    from .async_save import wait
+
+    wait()  # a pending async save commits (or raises) first
     with whole_frozen_params(opt, write_back=True):  # stage 3 (collective)
         return _load(path, model, opt, strict)
 
@@ -224,7 +230,8 @@ def _load(path, model: nn.Module, opt, strict: bool = True) -> Dict[str, Any]:
     return {"path": plan.dir, "world_size": m["world_size"], "stage": m["stage"],
             "precision": m["precision"],
             "step": max((p["step"] for p in m["params"]), default=0),
-            "excluded_frozen": [e["name"] for e in m.get("excluded_frozen", ())]}
+            "excluded_frozen": [e["name"] for e in m.get("excluded_frozen", ())],
+            "client_state": plan.client_state}
 
 
 class _Plan:
@@ -286,6 +293,11 @@ class _Plan:
             self.files.check_present(fname)
         for fname in sorted(ranges):
             self.files.verify(fname, ranges[fname])
+        self.client_state = None  # save(client_state=...): read whole, every block checked
+        if CLIENT in meta["files"]:
+            self.files.verify_all(CLIENT)
+            raw = read_span(self.files.path(CLIENT), 0, meta["files"][CLIENT]["bytes"])
+            self.client_state = torch.load(io.BytesIO(raw.tobytes()), weights_only=False)
 
     def _check_rule(self) -> None:
         """The saved state is this optimizer rule's (a checkpoint written before rules

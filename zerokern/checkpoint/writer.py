@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import os
 import secrets
 import shutil
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,6 +45,7 @@ from zerokern.version import __version__
 from .collective import Collective
 from .format import (
     BLOCK_BYTES,
+    CLIENT,
     EXTRA,
     EXTRA_ALIGN,
     FORMAT,
@@ -89,7 +92,9 @@ def check_path(path) -> str:
     return os.path.abspath(path)
 
 
-def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False) -> str:
+def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False,
+         async_save: bool = False, client_state: Optional[Dict[str, Any]] = None,
+         on_commit: Optional[Callable[[], None]] = None):
     """Save model and optimizer state to the directory `path` (collective: every rank calls).
 
     Args:
@@ -107,22 +112,69 @@ def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False
             of their values): `load(..., strict=False)` keeps the model's own values for them,
             `consolidate` leaves them out of its output and says so. Buffers and the
             optimizer's params are always saved.
+        async_save: copy this rank's share into a staging buffer and write it in a background
+            thread while training goes on (async_save.py [Note: asynchronous saves]); returns
+            an `AsyncSave` handle at once. A save (either kind) or load first waits for a
+            pending one.
+        client_state: a picklable dict saved with the checkpoint (rank 0's; checksummed and
+            committed with it) and returned by `load` as "client_state".
+        on_commit: rank 0 calls it right after the commit, before the ranks' final agreement
+            (its error fails the save on every rank; the checkpoint is committed then). The
+            engine writes its `latest` file there.
 
     Returns:
-        The absolute path written.
+        The absolute path written; with async_save, an `AsyncSave` (`wait()` returns the path).
 
     Raises:
         TypeError, ValueError: bad arguments, before anything is written.
         CheckpointError: the save failed on some rank; the previous checkpoint is intact.
+        OSError: a file write failed (ENOSPC, EIO) on this rank; the previous checkpoint is
+            intact. A pending async save's error is raised here, once, before this save starts.
     """
     if not isinstance(exclude_frozen_parameters, bool):
         raise TypeError("exclude_frozen_parameters must be a bool, got "
                         f"{type(exclude_frozen_parameters).__name__}")
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
+    if client_state is not None and not isinstance(client_state, dict):
+        raise TypeError(f"client_state must be a dict or None, got "
+                        f"{type(client_state).__name__}")
+    from . import async_save as _async
+
+    _async.wait()  # a save starts only after the previous one committed (or failed)
+    if async_save:
+        return _async.start(path, model, opt, exclude_frozen_parameters, client_state,
+                            on_commit)
     with whole_frozen_params(opt):  # stage 3 (collective)
-        return _save(path, model, opt, exclude_frozen_parameters)
+        job = prepare(path, model, opt, exclude_frozen_parameters, client_state)
+    job.on_commit = on_commit
+    return write_and_commit(job)
 
 
-def _save(path, model: nn.Module, opt, exclude_frozen: bool = False) -> str:
+@dataclass
+class SaveJob:
+    """A save after its collective start (`prepare`): the tmp directory exists, and what
+    `write_and_commit` writes is fixed. An async save stages copies into it (async_save.py)."""
+
+    top: str  # the path returned
+    path: str  # this (tp) rank's checkpoint directory
+    tmp: str
+    nonce: str
+    view: OptimizerView
+    extras: List[Tuple[str, Tuple[str, ...], torch.Tensor]]  # written to extra.bin
+    excluded: List[Dict[str, Any]]  # frozen params left out (crc of their values at save)
+    keys: List[str]  # model.state_dict() keys
+    client: Optional[bytes]  # torch.save of client_state (lead only)
+    coll: Collective
+    lead: bool
+    # lead, after the commit, inside the agreement (engine: its `latest` file)
+    on_commit: Optional[Callable[[], None]] = None
+    error: Optional[BaseException] = None  # failed before writing: joins the agreement as such
+
+
+def prepare(path, model: nn.Module, opt, exclude_frozen: bool = False,
+            client_state: Optional[Dict[str, Any]] = None) -> SaveJob:
+    """Steps 1 of [Note: atomic replace] (collective): checks, the shared nonce, the tmp dir."""
     skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
     if skip is not None:
         skip.check_savable("zerokern.checkpoint.save")
@@ -142,45 +194,71 @@ def _save(path, model: nn.Module, opt, exclude_frozen: bool = False) -> str:
     nonce = coll.from_rank0(secrets.token_hex(6))
     tmp = f"{path}.tmp-{nonce}"
     err: Optional[BaseException] = None
+    client = None
     if lead:
         try:
+            if client_state is not None:
+                buf = io.BytesIO()
+                torch.save(client_state, buf)
+                client = buf.getvalue()
             _preflight(path)
             os.makedirs(tmp)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             err = e
     coll.agree(err)
+    return SaveJob(top, path, tmp, nonce, view, extras,
+                   [{"name": name, "aliases": list(aliases), "shape": list(t.shape),
+                     "dtype": dtype_name(t.dtype), "crc32": fingerprint(t)}
+                    for name, aliases, t in excluded] if lead else [],
+                   list(model.state_dict(keep_vars=True).keys()), client, coll, lead)
 
+
+def write_and_commit(job: SaveJob) -> str:
+    """Steps 2-5 of [Note: atomic replace] (collective over `job.coll`)."""
+    view, tmp, path, coll, lead = job.view, job.tmp, job.path, job.coll, job.lead
     try:
+        if job.error is not None:
+            raise job.error
         # HSDP: a replica other than 0 holds the same shard as replica 0 and writes nothing
         info: Any = _write_rank(tmp, view) if view.writes else {"replica": True}
         if lead:
-            info["extra"] = _write_extras(tmp, extras)
-            info["excluded"] = [{"name": name, "aliases": list(aliases), "shape": list(t.shape),
-                                 "dtype": dtype_name(t.dtype), "crc32": fingerprint(t)}
-                                for name, aliases, t in excluded]
+            info["extra"] = _write_extras(tmp, job.extras)
+            info["excluded"] = job.excluded
+            if job.client is not None:
+                f = DataFile(os.path.join(tmp, CLIENT))
+                f.write(torch.frombuffer(bytearray(job.client), dtype=torch.uint8))
+                info["client"] = f.close()
         _pause("files_written")
     except Exception as e:  # noqa: BLE001
         info = e
-    infos = coll.all_gather(info if not isinstance(info, BaseException) else None)
-    failed = [r for r, x in enumerate(infos) if x is None]
+    # a rank that failed sends its reason: the others' error names it (ENOSPC on rank 1)
+    infos = coll.all_gather({"failed": f"{type(info).__name__}: {info}"}
+                            if isinstance(info, BaseException) else info)
+    failed = {r: x["failed"] for r, x in enumerate(infos) if "failed" in x}
     err = info if isinstance(info, BaseException) else None
     if lead:
         try:
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(f"{path}: rank(s) {failed} failed to write their file; "
-                                      "the previous checkpoint is intact")
+                why = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+                raise CheckpointError(f"{path}: rank(s) {sorted(failed)} failed to write "
+                                      f"their file ({why}); the previous checkpoint is intact")
             files = [x for x in infos if "segments" in x]  # (lead's extras are in infos[0])
-            write_meta(tmp, _metadata(view, model, extras, files, infos[0]["extra"],
-                                      infos[0]["excluded"]))
+            meta = _metadata(view, job.keys, job.extras, files, infos[0]["extra"],
+                             infos[0]["excluded"])
+            if "client" in infos[0]:
+                meta["files"][CLIENT] = infos[0]["client"]
+            write_meta(tmp, meta)
             _fsync_dir(tmp)
-            _commit(tmp, path, nonce)
+            _commit(tmp, path, job.nonce)
+            if job.on_commit is not None:
+                job.on_commit()
         except Exception as e:  # noqa: BLE001
             if err is None:
                 err = e
             shutil.rmtree(tmp, ignore_errors=True)
     coll.agree(err)
-    return top
+    return job.top
 
 
 def _preflight(path: str) -> None:
@@ -247,7 +325,7 @@ def _write_extras(tmp: str, extras) -> Dict[str, Any]:
     return {"index": index, **f.close()}
 
 
-def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[str, Any]],
+def _metadata(view: OptimizerView, keys: List[str], extras, infos: List[Dict[str, Any]],
               extra: Dict[str, Any], excluded: List[Dict[str, Any]]):
     """infos: the rank files' (one per shard); extra: the lead's extras file; excluded: the
     frozen params left out (exclude_frozen_parameters), values not written."""
@@ -282,7 +360,7 @@ def _metadata(view: OptimizerView, model: nn.Module, extras, infos: List[Dict[st
         "params": params, "layout": view.layout, "param_groups": groups,
         "loss_scaler": scaler, "extras": extra["index"], "files": files,
         "excluded_frozen": excluded,
-        "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
+        "state_dict_keys": list(keys),
     }
 
 

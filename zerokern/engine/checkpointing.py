@@ -13,6 +13,16 @@ few bytes), so that every rank takes the same decision:
   DeepSpeed writes each rank's files under that rank's tag, which leaves no loadable
   checkpoint; zerokern writes under rank 0's tag instead (the warning says so), the one choice
   that leaves a checkpoint that loads.
+
+[Note: engine checkpoint layout] `save_dir/<tag>/zero/` is a zerokern checkpoint whose
+client_state holds the engine's counters, scheduler state and the caller's client_state, so
+they commit atomically with the model and optimizer (before, rank 0 wrote
+`<tag>/engine_state.pt` beside it, after the commit: a crash in between left a checkpoint
+without its counters; such older checkpoints still load). `save_dir/latest` is rewritten
+(tmp + rename) by rank 0 right after the commit, inside the save's agreement, so it never
+names an uncommitted tag. load_checkpoint without a tag reads `latest` as DeepSpeed does and
+falls back to scanning (zerokern.checkpoint.latest) when the file is missing or names a tag
+that is not a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -27,8 +37,29 @@ import torch.distributed as dist
 from .. import checkpoint as zk_checkpoint
 
 log = logging.getLogger("zerokern.engine")
-_ENGINE_STATE = "engine_state.pt"
+_ENGINE_STATE = "engine_state.pt"  # the engine state of checkpoints written before it
+_ENGINE_KEY = "zerokern.engine"  # moved into the checkpoint's client_state
 _ZERO_DIR = "zero"
+
+
+def _latest_tag(load_dir: str) -> Optional[str]:
+    """[Note: engine checkpoint layout]: the tag `load_dir/latest` names if that checkpoint
+    is complete, else the newest complete one (zerokern.checkpoint.latest), else None."""
+    latest = os.path.join(load_dir, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        try:
+            found = zk_checkpoint.latest(load_dir, subdir=_ZERO_DIR, verify=False,
+                                         only=[tag]) if tag else None
+        except Exception:  # noqa: BLE001 - the scan below says why
+            found = None
+        if found is not None:
+            return tag
+        log.warning("load_checkpoint: %s names %r, which is not a complete checkpoint; "
+                    "scanning %s for the newest complete one", latest, tag, load_dir)
+    found = zk_checkpoint.latest(load_dir, subdir=_ZERO_DIR)
+    return None if found is None else os.path.basename(found)
 
 
 def _dir_error(d, what: str = "save_checkpoint: save_dir") -> Optional[Tuple[str, str]]:
@@ -87,15 +118,17 @@ class CheckpointMixin:
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[Dict[str, Any]] = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Collective. `save_dir/tag/` holds a zerokern checkpoint (any world size loads it)
-        and the engine's counters, scheduler state and client_state.
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: Optional[bool] = None) -> bool:
+        """Collective. `save_dir/tag/zero/` holds a zerokern checkpoint (any world size loads
+        it) with the engine's counters, scheduler state and client_state inside it
+        ([Note: engine checkpoint layout]).
 
         Args:
             save_dir: the directory (the same on every rank).
             tag: the sub-directory; default `global_step<N>`.
             client_state: a picklable dict, returned by `load_checkpoint`.
-            save_latest: write `save_dir/latest` with the tag.
+            save_latest: write `save_dir/latest` with the tag (once the checkpoint committed).
             exclude_frozen_parameters: as DeepSpeed: leave out the values of the frozen params
                 (`requires_grad=False`; e.g. a LoRA run's base weights), so the checkpoint
                 holds the trained params, their optimizer state and the buffers. Its metadata
@@ -104,6 +137,11 @@ class CheckpointMixin:
                 values for them (DeepSpeed needs load_module_strict=False too), and
                 `zerokern consolidate` leaves them out with a warning
                 (zerokern/checkpoint/format.py [Note: excluded frozen params]).
+            async_save: stage the state and write it in the background
+                (zerokern/checkpoint/async_save.py [Note: asynchronous saves]); None: the
+                config's `checkpoint.writer.decoupled` (DeepSpeed 0.19's decoupled checkpoint
+                engine; default False). `latest` names the tag once it committed;
+                `zerokern.checkpoint.wait()` waits for it, and the next save or load does.
 
         Returns:
             True.
@@ -111,9 +149,11 @@ class CheckpointMixin:
         Raises:
             ValueError: save_dir None or "" on any rank, or (tag_validation "Fail") tags that
                 differ across ranks: on every rank, before anything is written.
+            CheckpointError, OSError: the previous async save failed (raised once, here).
         """
         self._need_optimizer("save_checkpoint")
         self._no_mpu("save_checkpoint")
+        zk_checkpoint.wait()  # the previous async save's error, if any, before anything else
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         tag = self._agreed_tag(save_dir, tag)
         save_dir = os.fspath(save_dir)
@@ -122,33 +162,38 @@ class CheckpointMixin:
             os.makedirs(path, exist_ok=True)
         if self.world_size > 1:
             dist.barrier()
-        zk_checkpoint.save(os.path.join(path, _ZERO_DIR), self.module, self.optimizer,
-                           exclude_frozen_parameters=bool(exclude_frozen_parameters))
-        if self.global_rank == 0:
-            state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                     "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
-                     "lr_scheduler": (self.lr_scheduler.state_dict()
-                                      if self.lr_scheduler is not None else None),
-                     "client_state": dict(client_state or {})}
-            torch.save(state, os.path.join(path, _ENGINE_STATE) + ".tmp")
-            os.replace(os.path.join(path, _ENGINE_STATE) + ".tmp",
-                       os.path.join(path, _ENGINE_STATE))
+        state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                 "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                 "lr_scheduler": (self.lr_scheduler.state_dict()
+                                  if self.lr_scheduler is not None else None),
+                 "client_state": dict(client_state or {})}
+
+        def write_latest() -> None:  # rank 0, after the commit (writer.py on_commit)
             if save_latest:
-                with open(os.path.join(save_dir, "latest"), "w") as f:
+                tmp = os.path.join(save_dir, f"latest.tmp-{os.getpid()}")
+                with open(tmp, "w") as f:
                     f.write(tag)
-        if self.world_size > 1:
-            dist.barrier()
+                os.replace(tmp, os.path.join(save_dir, "latest"))
+
+        if async_save is None:
+            async_save = self.config.async_save
+        zk_checkpoint.save(os.path.join(path, _ZERO_DIR), self.module, self.optimizer,
+                           exclude_frozen_parameters=bool(exclude_frozen_parameters),
+                           async_save=bool(async_save), client_state={_ENGINE_KEY: state},
+                           on_commit=write_latest)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Collective. Returns (path, client_state), or (None, None) when there is no
-        `latest` and no tag (as DeepSpeed).
+        """Collective. Returns (path, client_state), or (None, None) when there is no tag and
+        no complete checkpoint under load_dir (DeepSpeed: no `latest` file).
 
         Args:
             load_dir: the directory `save_checkpoint` wrote (any world size or stage).
-            tag: the sub-directory; default the one named in `load_dir/latest`.
+            tag: the sub-directory; default the one named in `load_dir/latest`, or when that
+                file is missing or names an incomplete or corrupt checkpoint, the newest
+                complete one ([Note: engine checkpoint layout]).
             load_module_strict: True: the checkpoint must hold every tensor of the model.
                 False: the frozen params that `save_checkpoint(...,
                 exclude_frozen_parameters=True)` left out keep the model's current values
@@ -177,17 +222,19 @@ class CheckpointMixin:
             raise ValueError("load_checkpoint: zerokern loads the module and the optimizer "
                              "together (load_optimizer_states True, load_module_only False); "
                              "for weights only use zerokern.checkpoint.consolidate")
+        zk_checkpoint.wait()  # a pending async save commits first (or raises)
         if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                log.warning("load_checkpoint: no %s and no tag; nothing loaded", latest)
+            tag = _latest_tag(os.fspath(load_dir))
+            if tag is None:
+                log.warning("load_checkpoint: no complete checkpoint under %s and no tag; "
+                            "nothing loaded", load_dir)
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        zk_checkpoint.load(os.path.join(path, _ZERO_DIR), self.module, self.optimizer,
-                           strict=bool(load_module_strict))
-        state = torch.load(os.path.join(path, _ENGINE_STATE), weights_only=False)
+        loaded = zk_checkpoint.load(os.path.join(path, _ZERO_DIR), self.module, self.optimizer,
+                                    strict=bool(load_module_strict))
+        state = (loaded["client_state"] or {}).get(_ENGINE_KEY)
+        if state is None:  # written before the engine state moved into the checkpoint
+            state = torch.load(os.path.join(path, _ENGINE_STATE), weights_only=False)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         self.global_samples = state["global_samples"]

@@ -117,6 +117,8 @@ class EngineConfig:
         quantized_gradients: zero_quantized_gradients: False, or "int4" (ZeroAdamW(
             quantized_gradients=), qgZ; int4 as DeepSpeed's qgZ).
         tag_validation: checkpoint.tag_validation: "IGNORE", "WARN" (default) or "FAIL".
+        async_save: checkpoint.writer.decoupled (DeepSpeed 0.19's decoupled checkpoint
+            engine): save_checkpoint saves asynchronously by default.
         hpz_partition_size: zero_hpz_partition_size when it takes effect (stage 3, > 1,
             < world size: hpZ on a (world / h, h) mesh, engine/parallel.py), else 1.
         activation_checkpointing: the `activation_checkpointing` section as
@@ -148,6 +150,7 @@ class EngineConfig:
     quantized_weights: bool = False               # zero_quantized_weights (qwZ)
     quantized_gradients: Any = False              # zero_quantized_gradients: False | "int4"
     tag_validation: str = "WARN"                  # checkpoint.tag_validation
+    async_save: bool = False                      # checkpoint.writer.decoupled
     hpz_partition_size: int = 1                   # [Note: hpz_partition_size] (parallel.py)
     activation_checkpointing: Optional[Dict[str, Any]] = None  # configure() keywords
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
@@ -291,17 +294,36 @@ def _quantized(z: Dict[str, Any], out: EngineConfig) -> None:
         out.quantized_gradients = "int4" if on else False
 
 
-def _checkpoint(sec: Any) -> str:
-    """The `checkpoint` section: tag_validation only (the other DeepSpeed keys, e.g.
-    load_universal or use_node_local_storage, raise as unknown)."""
+# checkpoint.writer keys of DeepSpeed 0.19 (its FastCheckpointEngine's I/O tuning) that
+# zerokern accepts with no effect; "decoupled" is async_save (engine/checkpointing.py).
+WRITER_NO_EFFECT = {
+    k: "zerokern writes its checkpoint files itself (zerokern/checkpoint/writer.py)"
+    for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics",
+              "data_parallel", "io_multiplier")}
+
+
+def _checkpoint(sec: Any, out: "EngineConfig") -> None:
+    """The `checkpoint` section: tag_validation and writer.decoupled (DeepSpeed 0.19's
+    decoupled checkpoint engine: zerokern's async_save); the other DeepSpeed keys, e.g.
+    load_universal or use_node_local_storage, raise as unknown."""
     if not isinstance(sec, dict):
         raise ConfigError(f"config key checkpoint must be a dict, got {sec!r}")
-    _unknown(sec, {"tag_validation"}, "checkpoint.")
+    _unknown(sec, {"tag_validation", "writer"}, "checkpoint.")
     mode = sec.get("tag_validation", "Warn")
     if not isinstance(mode, str) or mode.upper() not in TAG_VALIDATION_MODES:
         raise ConfigError(f"config key checkpoint.tag_validation must be one of Warn, Ignore, "
                          f"Fail (any case), got {mode!r}")
-    return mode.upper()
+    out.tag_validation = mode.upper()
+    writer = sec.get("writer")
+    if writer is None:
+        return
+    if not isinstance(writer, dict):
+        raise ConfigError(f"config key checkpoint.writer must be a dict, got {writer!r}")
+    _unknown(writer, {"decoupled", *WRITER_NO_EFFECT}, "checkpoint.writer.")
+    out.async_save = _bool("checkpoint.writer.decoupled", writer.get("decoupled", False))
+    for k, why in WRITER_NO_EFFECT.items():
+        if k in writer:
+            out.no_effect.append((f"checkpoint.writer.{k}", why))
 
 
 def _offload_section(sec, name: str, extra_keys) -> tuple:
@@ -379,7 +401,7 @@ def parse_config(config: Any, world_size: int) -> EngineConfig:
     out = EngineConfig(tb, mb, gas, world_size, raw=cfg)
     out.gradient_clipping = _num("gradient_clipping",
                                  cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
-    out.tag_validation = _checkpoint(cfg.get("checkpoint", {}))
+    _checkpoint(cfg.get("checkpoint", {}), out)
     if "activation_checkpointing" in cfg:  # zerokern/checkpointing/settings.py's keys
         out.activation_checkpointing = _activation_checkpointing(cfg["activation_checkpointing"],
                                                                  ConfigError)

@@ -54,9 +54,20 @@ class TrainConfig:
     hpz: bool = False                 # stage 3 on the mesh: ZeRO++'s hpZ
     quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
     activation_checkpointing: str = "none"  # "none" | "full" | "selective" | "offload"
+    save_every: int = 0               # steps between checkpoints (0: none); loop.py
+    save_dir: Optional[str] = None     # None: runs/checkpoints (stable, so --resume auto finds it)
+    resume: str = "none"              # "none" | "auto" (latest under save_dir) | a checkpoint
+    stop_after: Optional[int] = None   # stop after this step (checkpointed); schedule of --steps
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+DEFAULT_SAVE_DIR = str(Path("runs") / "checkpoints")
+
+
+def save_dir(cfg: "TrainConfig") -> str:
+    return cfg.save_dir or DEFAULT_SAVE_DIR
 
 
 def default_out_dir() -> str:
@@ -119,6 +130,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZeroAdamW activation_checkpointing= on the GPT's blocks: full "
                         "recompute, selective (matmul and attention outputs kept), offload "
                         "(saved tensors in host memory); default none")
+    p.add_argument("--save-every", type=int_at_least(0), default=0, metavar="N",
+                   help="save a checkpoint every N steps (and at the last step and at "
+                        "--stop-after), asynchronously, under --save-dir as step<NNNNNNNN>/ "
+                        "(default 0: no checkpoints)")
+    p.add_argument("--save-dir", default=None,
+                   help=f"checkpoint directory (default {DEFAULT_SAVE_DIR})")
+    p.add_argument("--resume", default="none", metavar="{auto,none,PATH}",
+                   help="auto: continue from the newest complete checkpoint under --save-dir "
+                        "(zerokern.checkpoint.latest; a fresh run when there is none); PATH: "
+                        "from that checkpoint; none: from step 0 (default). A resumed run is "
+                        "bitwise the uninterrupted one (data order, RNG, schedule and loss "
+                        "curve are in the checkpoint)")
+    p.add_argument("--stop-after", type=int_at_least(1), default=None, metavar="K",
+                   help="stop after step K of the --steps schedule, saving a checkpoint there "
+                        "with --save-every (a job's time slot; --resume auto continues)")
 
 
 # --quantize: ZeroAdamW's quantized_weights / quantized_gradients
@@ -134,4 +160,6 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        compare=args.compare, seed=args.seed, device=args.device,
                        bucket_mb=args.bucket_mb, quantize=args.quantize,
                        state_bits=args.state_bits, mesh=args.mesh, hpz=args.hpz,
-                       activation_checkpointing=args.activation_checkpointing)
+                       activation_checkpointing=args.activation_checkpointing,
+                       save_every=args.save_every, save_dir=args.save_dir, resume=args.resume,
+                       stop_after=args.stop_after)

@@ -7,6 +7,7 @@ The step loop never reads a device value on the host except for the progress dis
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Dict, List, Optional
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zerokern.tools.gpt import build_gpt
-from .config import QUANTIZE, TrainConfig
+from .config import QUANTIZE, TrainConfig, save_dir
 from .data import VOCAB, Batches, load_corpus
 from zerokern.platform.device import handle
 
@@ -27,6 +28,15 @@ MAX_GRAD_NORM = 1.0
 WARMUP_FRAC = 0.1   # linear warm-up over the first 10% of steps, then cosine to 10% of lr
 FINAL_LR_FRAC = 0.1
 FINAL_WINDOW = 10   # "final loss" = mean over the last steps (one batch is noisy)
+# [Note: resumable runs]
+# A checkpoint of `zerokern train` (--save-every) is a zerokern checkpoint whose client_state
+# holds the rest of the run's state: the steps done (the data order is a function of the step:
+# data.Batches), the LR scheduler, and per rank torch's CPU RNG, the accelerator's (the
+# device handle) and the losses so far; with RESUME_KEYS, the settings the run must keep.
+# So `--resume auto` continues bitwise as if never stopped (tests/test_train_resume.py).
+TRAIN_KEY = "zerokern.train"
+RESUME_KEYS = ("model_size", "seq", "batch", "seed", "steps", "lr", "stage", "precision",
+               "state_bits")
 
 
 def lr_lambda(steps: int):
@@ -88,8 +98,9 @@ def make_mesh(cfg: TrainConfig, device: torch.device):
 
 
 def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch.Tensor,
-               show: bool, desc: str, mesh=None) -> Dict[str, Any]:
-    """Train a fresh model at `stage`; returns the loss curve (mean over ranks) and reports."""
+               show: bool, desc: str, mesh=None, checkpoints: bool = False) -> Dict[str, Any]:
+    """Train a fresh model at `stage`; returns the loss curve (mean over ranks) and reports.
+    checkpoints: this run saves (--save-every) and resumes (--resume); not --compare's."""
     import zerokern as zk
 
     rank, world = _world()
@@ -105,9 +116,12 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
     batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank)
     losses = torch.zeros(cfg.steps, dtype=torch.float32, device=device)  # (steps,) on device
     tokens_per_step = cfg.batch * cfg.seq * world
+    start = resume(cfg, model, opt, sched, losses, device) if checkpoints else 0
+    stop = min(cfg.steps, cfg.stop_after or cfg.steps)
     bar = _Progress(show, cfg.steps, desc)
-    shown, t0 = 0, time.perf_counter()
-    for step in range(cfg.steps):
+    bar.update(start)
+    shown, t0 = start, time.perf_counter()
+    for step in range(start, stop):
         x, y = (t.to(device, non_blocking=True) for t in batches.get(step))
         loss = model.loss(x, y)
         opt.backward(loss)
@@ -115,16 +129,22 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
         opt.zero_grad()
         sched.step()
         losses[step] = loss.detach()
-        if show and ((step + 1) % DISPLAY_EVERY == 0 or step + 1 == cfg.steps):
+        if checkpoints and cfg.save_every and (
+                (step + 1) % cfg.save_every == 0 or step + 1 == stop):
+            save(cfg, model, opt, sched, losses, step + 1, device)
+        if show and ((step + 1) % DISPLAY_EVERY == 0 or step + 1 == stop):
             # The one host sync of the loop: for the display only (see DISPLAY_EVERY).
             elapsed = time.perf_counter() - t0
             bar.update(step + 1 - shown, loss=f"{losses[step].item():.3f}",
-                       tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}",
+                       tok_s=f"{tokens_per_step * (step + 1 - start) / elapsed:,.0f}",
                        scale=f"{opt.loss_scale.item():g}")
             shown = step + 1
+    zk.checkpoint.wait()  # the last async save commits (or raises) before the report
     handle(device).synchronize(device)
-    train_s = time.perf_counter() - t0
+    train_s = max(time.perf_counter() - t0, 1e-9)
     bar.close()
+    run = max(stop - start, 1)  # steps trained by this process (comm and speed per step)
+    losses = losses[:stop]
     if world > 1:  # the curve is the global batch's loss: the mean of the ranks' losses
         dist.all_reduce(losses)
         losses /= world
@@ -135,16 +155,78 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
             "loss_first": curve[0], "loss_last": curve[-1],
             "loss_final": sum(curve[-FINAL_WINDOW:]) / len(curve[-FINAL_WINDOW:]),
             "train_s": train_s, "tokens_per_step": tokens_per_step,
-            "tokens_per_s": tokens_per_step * cfg.steps / train_s,
+            "tokens_per_s": tokens_per_step * (stop - start) / train_s,
             "memory_reports": reports,
-            "comm_per_step": {k: comm[k] / cfg.steps
+            "comm_per_step": {k: comm[k] / run
                               for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
-            "comm_calls_per_step": {k: v / cfg.steps for k, v in comm["calls"].items()},
-            "comm_per_dim_per_step": {d: v["total"] / cfg.steps
+            "comm_calls_per_step": {k: v / run for k, v in comm["calls"].items()},
+            "comm_per_dim_per_step": {d: v["total"] / run
                                       for d, v in comm.get("dims", {}).items()},
             "dims": opt.comm.dims,
             "num_params": sum(g.layout.numel for g in opt.flat_groups),  # (stage 3: p is empty)
             "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
+
+
+# ---- checkpoints (--save-every, --resume) ------------------------------------------------------
+def _step_dir(cfg: TrainConfig, step: int) -> str:
+    return os.path.join(save_dir(cfg), f"step{step:08d}")
+
+
+def save(cfg: TrainConfig, model, opt, sched, losses: torch.Tensor, step: int,
+         device: torch.device) -> None:
+    """[Note: resumable runs]: an async save of model + optimizer with the train state
+    (collective; this rank's RNG and losses gathered to rank 0 first, on this thread)."""
+    import zerokern as zk
+
+    dev = handle(device)
+    mine = {"rng": torch.get_rng_state(),
+            "device_rng": dev.get_rng_state() if dev.is_accelerator else None,
+            "losses": losses[:step].cpu()}
+    ranks = _gather(mine)
+    state = {"step": step, "scheduler": sched.state_dict(), "ranks": ranks,
+             "run": {k: getattr(cfg, k) for k in RESUME_KEYS}}
+    zk.checkpoint.save(_step_dir(cfg, step), model, opt, async_save=True,
+                       client_state={TRAIN_KEY: state})
+
+
+def resume(cfg: TrainConfig, model, opt, sched, losses: torch.Tensor,
+           device: torch.device) -> int:
+    """--resume: load the checkpoint and the train state; returns the steps already done."""
+    import zerokern as zk
+
+    rank, world = _world()
+    if cfg.resume == "none":
+        return 0
+    path = cfg.resume
+    if cfg.resume == "auto":  # rank 0 decides, so every rank loads the same one
+        path = _gather(zk.checkpoint.latest(save_dir(cfg)) if rank == 0 else None)[0]
+        if path is None:
+            if rank == 0:
+                print(f"zerokern train: no checkpoint under {save_dir(cfg)}; starting at step 0",
+                      flush=True)
+            return 0
+    info = zk.checkpoint.load(path, model, opt)
+    state = (info["client_state"] or {}).get(TRAIN_KEY)
+    if state is None:
+        raise ValueError(f"--resume {path}: the checkpoint holds no `zerokern train` state "
+                         "(written by another program); load it with zerokern.checkpoint")
+    differ = {k: (v, getattr(cfg, k)) for k, v in state["run"].items() if getattr(cfg, k) != v}
+    if differ or len(state["ranks"]) != world:
+        what = ", ".join(f"--{k.replace('_', '-')} {a} (now {b})" for k, (a, b) in differ.items())
+        raise ValueError(f"--resume {path}: saved by a run with {what or ''}"
+                         f"{'; ' if what else ''}{len(state['ranks'])} ranks (now {world}): "
+                         "a resumed run must be the same run (the schedule, data and RNG "
+                         "streams depend on these)")
+    sched.load_state_dict(state["scheduler"])
+    mine = state["ranks"][rank]
+    torch.set_rng_state(mine["rng"])
+    if mine["device_rng"] is not None:
+        handle(device).set_rng_state(mine["device_rng"])
+    step = state["step"]
+    losses[:step] = mine["losses"].to(device)
+    if rank == 0:
+        print(f"zerokern train: resumed from {info['path']} at step {step}", flush=True)
+    return step
 
 
 def _gather(obj: Any) -> List[Any]:
@@ -164,7 +246,7 @@ def run_rank(cfg: TrainConfig, device: torch.device) -> Dict[str, Any]:
     corpus = load_corpus()
     mesh = make_mesh(cfg, device)
     main = train_once(cfg, cfg.stage, device, corpus, show=rank == 0,
-                      desc=f"stage {cfg.stage}", mesh=mesh)
+                      desc=f"stage {cfg.stage}", mesh=mesh, checkpoints=True)
     out = {"main": main, "compare": None, "world_size": world, "device": str(device),
            "corpus_bytes": int(corpus.numel())}
     if cfg.compare:
