@@ -95,9 +95,12 @@ class ModelWatch:
         self._hooks = []
 
     # ---- the check -----------------------------------------------------------------------------
-    def check(self) -> None:
-        """Follow what the user did to the params since the last check (see module doc)."""
+    def check(self, where: str = "") -> None:
+        """Follow what the user did to the params since the last check (see module doc);
+        `where` (backward, step()) is the caller's, for the watchers' common signature."""
         opt = self._opt()
+        if opt is None:  # the optimizer is gone: nothing to follow
+            return
         self._check_structure()
         moved, changed = [], []
         for gi, g in enumerate(opt.flat_groups):

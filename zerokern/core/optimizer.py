@@ -290,8 +290,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
-            ref = weakref.ref(self)
-            gs.before_backward = lambda ref=ref: ref() is not None and ref()._follow_model()
+            gs.watchers = (self._unfrozen, self.model_watch)
         self.activations = None  # activation_checkpointing (stage3/activation_policy.py)
         if act_mode is not None:
             from zerokern.stage3.activation_policy import apply_policy
@@ -328,7 +327,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _follow_model(self, where: str = "backward") -> None:
         self._unfrozen.check(where)
         if self.model_watch is not None:
-            self.model_watch.check()
+            self.model_watch.check(where)
 
     def _move_to(self, device) -> None:
         """The model moved (model_sync.py): buffers, state and scalars follow it."""

@@ -89,7 +89,11 @@ class GradSync:
         self.sync = True              # False inside no_sync(): accumulate locally
         self.require_scaled = False   # set by the optimizer: fp16 needs opt.backward(loss)
         self.unscaled_backward = False  # a backward since zero_grad skipped the loss scale
-        self.before_backward = None   # callback (the optimizer follows the model there)
+        # the model's watchers (core/model_sync.py ModelWatch, core/frozen_slots.py
+        # UnfreezeWatch): `check(where)` at the start of every backward, so what the user did
+        # to the params is followed before any gradient lands; the hook calls them, never the
+        # optimizer
+        self.watchers: tuple = ()
         self.detached = False         # another ZeroAdamW took these params over
         self.free_on_zero = False     # zero_grad(set_to_none=True) frees the grad memory
         self.state = TrainingState.IDLE  # [Note: one lifecycle state]
@@ -125,8 +129,8 @@ class GradSync:
             return
         if self.require_scaled and not scaled:
             self.unscaled_backward = True
-        if self.before_backward is not None:
-            self.before_backward()
+        for w in self.watchers:
+            w.check("backward")
         self.state = TrainingState.PRE_BACKWARD
         Variable._execution_engine.queue_callback(self._end_backward)
         self.generation += 1
