@@ -547,6 +547,12 @@ STEP_COPY_ALLOWED: Dict[Tuple[str, str], str] = {
     ("zerokern/stage3/activation_policy.py", "ActivationPolicy._unpack"):
         "activation_checkpointing='offload': a saved tensor comes back from the pinned host "
         "copy _pack made, non_blocking (pageable only where pin_memory=False was asked for)",
+    ("zerokern/rules/adafactor.py", "AdafactorRule.group_step_"):
+        "ZeroAdafactor with offload='cpu' only (the state on the host, g.steps.device is the "
+        "CPU): the whole-param exchange runs on the device, so the shard's grads and masters "
+        "cross host<->device once per step, blocking (not staged through pinned buffers as "
+        "ZeroMuon's offload is: left to do, said in the issue 35 note); with the state on the "
+        "device every .to() here is a no-op",
     # -- not on the step path: the model moved, the user wrote params, checkpoint IO
     ("zerokern/core/optimizer.py", "ZeroOptimizer._move_to"):
         "follows model.to(device) (model_sync.py): once when the model moves, not per step",
@@ -555,6 +561,7 @@ STEP_COPY_ALLOWED: Dict[Tuple[str, str], str] = {
     ("zerokern/grads/sharded_grads.py", "BucketedGrads.to_"): "follows model.to(device)",
     ("zerokern/state/placement.py", "DeviceState.to_"): "follows model.to(device)",
     ("zerokern/state/compact_master.py", "CompactState.to_"): "follows model.to(device)",
+    ("zerokern/rules/matrix_states.py", "MatrixStates.to_"): "follows model.to(device)",
     ("zerokern/stage3/sharded_flat.py", "ShardedFlat.write_back_"):
         "between steps: keeps what the user wrote into whole params (whole_params.py: "
         "release_all / frozen_whole with write_back), not per step",
