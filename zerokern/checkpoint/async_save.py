@@ -87,7 +87,7 @@ from .views import StatePiece, StepCounter, whole_frozen_params
 
 EXIT_WAIT_ENV = "ZEROKERN_CHECKPOINT_EXIT_WAIT_S"
 EXIT_WAIT_S = 600.0
-PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # the checkpoint group's timeout, as zerokern.tools.spawn's
+PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # the checkpoint group's timeout (as tools/spawn.py)
 PG_TIMEOUT_S = 1800.0  # torch's default for gloo
 NICE_ENV = "ZEROKERN_CHECKPOINT_WRITER_NICE"
 WRITER_NICE = 10  # added to the writer thread's nice value: training keeps the cores it needs
