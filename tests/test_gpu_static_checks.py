@@ -534,7 +534,7 @@ def _conftests_for(test: Path) -> List[str]:
 
 # ===================================================================== (b) step modules ======
 
-STEP_MODULES = ["zerokern/optimizer*.py", "zerokern/grads/**/*.py", "zerokern/stage3/**/*.py",
+STEP_MODULES = ["zerokern/core/**/*.py", "zerokern/optimizers/**/*.py", "zerokern/grads/**/*.py", "zerokern/stage3/**/*.py",
                 "zerokern/comm/**/*.py", "zerokern/rules/**/*.py", "zerokern/kernels/**/*.py",
                 "zerokern/state/**/*.py"]
 # Build-time modules among the kernels: they never run in a step.
@@ -562,6 +562,15 @@ STEP_COPY_ALLOWED: Dict[Tuple[str, str], str] = {
     ("zerokern/state/placement.py", "DeviceState.to_"): "follows model.to(device)",
     ("zerokern/state/compact_master.py", "CompactState.to_"): "follows model.to(device)",
     ("zerokern/rules/matrix_states.py", "MatrixStates.to_"): "follows model.to(device)",
+    ("zerokern/core/loss_scale.py", "LossScaler.to_"): "follows model.to(device)",
+    ("zerokern/core/model_sync.py", "ModelWatch._sync_master"):
+        "the user wrote params since the last step (load_state_dict, p.data = ...): the master "
+        "follows them at the next backward or step, once per such write, not per step; with "
+        "offload the master is on the host and `new` comes from the device",
+    ("zerokern/core/model_sync.py", "_bitwise_equal"):
+        "device tensors compared once per model move (model_sync.py), not per step",
+    ("zerokern/core/model_sync.py", "check_same_on_ranks"):
+        "construction only (broadcast_params=False): the params' fingerprints, one all-reduce",
     ("zerokern/stage3/sharded_flat.py", "ShardedFlat.write_back_"):
         "between steps: keeps what the user wrote into whole params (whole_params.py: "
         "release_all / frozen_whole with write_back), not per step",
