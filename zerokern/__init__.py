@@ -1,14 +1,14 @@
 """zerokern: ZeRO sharded data parallelism for PyTorch with fused optimizer kernels."""
 
 from zerokern.accounting.formula import estimate_memory
-
-from . import checkpoint, checkpointing, kernels
-from .engine import init_distributed, initialize
 from zerokern.core.optimizer import ZeroOptimizer
 from zerokern.optimizers.adafactor import ZeroAdafactor
 from zerokern.optimizers.adamw import ZeroAdamW
 from zerokern.optimizers.lion import ZeroLion
 from zerokern.optimizers.muon import ZeroMuon
+
+from . import checkpoint, checkpointing, kernels
+from .engine import init_distributed, initialize
 from .version import __version__
 
 __all__ = ["ZeroAdafactor", "ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint", "checkpointing",

@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="{train,bench,estimate,build,info,consolidate}")
     sub.required = True
     from zerokern.accounting import cli as estimate_cli
+
     from .train import config as train_config
 
     tr = sub.add_parser("train", help="train a small GPT with ZeroAdamW on the Python stdlib's "

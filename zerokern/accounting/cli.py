@@ -13,7 +13,6 @@ from typing import Any, Dict, List, Optional
 from zerokern.accounting.estimate import COMMS, estimate
 from zerokern.accounting.mesh import mesh_lines
 from zerokern.accounting.model_spec import load_model, spec_from_model, spec_from_numel
-
 from zerokern.options.args import PRECISIONS
 
 
@@ -233,7 +232,6 @@ def _activations(args, model):
         raise ValueError("the activation estimate needs --model (a model to trace), not "
                          "--params")
     from zerokern.accounting.activations import activation_estimate
-
     from zerokern.options.args import PRECISIONS as dtypes
 
     return activation_estimate(model, args.batch, args.seq, args.activation_checkpointing,

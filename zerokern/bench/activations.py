@@ -52,19 +52,19 @@ module globals). DeepSpeed refuses fp16 on the CPU: --precision fp32 (default) o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import gc
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from zerokern.tools.spawn import RankFailure, spawn_ranks
+
 from . import common
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -148,6 +148,7 @@ def ds_config(args) -> dict:
     stage3_param_persistence_threshold 10 d): DeepSpeed's defaults (5e8 elements) hold a
     1.9 GiB gradient buffer per rank whatever the model, which no small budget fits."""
     from zerokern.tools.gpt import PRESETS
+
     from .engine import config
 
     d = PRESETS[args.model].d_model

@@ -33,10 +33,11 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
+from zerokern.platform.device import handle
+
 # Host facts and tables live below the bench layer (train/ uses them too); re-exported here.
 from zerokern.platform.host import cpu_llc_bytes, cpu_model, usable_cpus  # noqa: F401
 from zerokern.tools.tables import Column, fmt_value, format_rows, markdown_table, print_table  # noqa: F401
-from zerokern.platform.device import handle
 
 TimedFn = Tuple[str, Callable[[], None]]  # (name, zero-argument callable)
 

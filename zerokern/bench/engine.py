@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zerokern.tools.spawn import RankFailure, spawn_ranks
+
 from . import common
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"

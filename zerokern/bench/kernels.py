@@ -36,6 +36,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from zerokern.platform.device import handle
+
 from .. import kernels as zk
 from ..rules.adamw import ADAMW
 from . import common, kernel_rules, kernel_rules_ns
@@ -55,7 +57,6 @@ from .kernel_cases import (  # noqa: F401 - re-exported: kernels.Case etc. are i
     make_case,
 )
 from .kernels_args import _flatten, build_parser  # noqa: F401 - kernels.build_parser is API
-from zerokern.platform.device import handle
 
 RMW_FACTOR = 1.0000001  # rounds to 1 + 1 ulp: 100 reps change x by ~1e-5 relative, no overflow
 _BROKEN: set = set()  # zk backends that failed to build or run in this process

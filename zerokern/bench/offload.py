@@ -26,7 +26,6 @@ DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def _setup(args, offload, chunk=None, **kw):
     import zerokern as zk
-
     from zerokern.tools.gpt import build_gpt
 
     torch.manual_seed(0)

@@ -27,9 +27,10 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from zerokern.tools.spawn import RankFailure, spawn_ranks
-from . import common, step_rules
 from zerokern.platform.device import handle
+from zerokern.tools.spawn import RankFailure, spawn_ranks
+
+from . import common, step_rules
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # stage 3 with every unit kept gathered from its forward to its backward ([Note: kept units])
@@ -65,7 +66,6 @@ def _make_providers(args, rank: int, world: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import zerokern as zk
-
     from zerokern.tools.gpt import build_gpt
 
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

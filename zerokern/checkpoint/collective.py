@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 import torch.distributed as dist
 
 from ..comm import liveness
-from ..comm.abort import PeerLost, is_timeout, timeout_error
+from ..comm.abort import PeerLost, explain, is_timeout, timeout_error
 from .format import CheckpointError
 
 
@@ -37,7 +37,7 @@ class Collective:
         except PeerLost:
             raise
         except Exception as e:  # noqa: BLE001 - gloo's timeout: say what to raise
-            lost = liveness.explain(e, what, [r for r in _ranks(self.group)
+            lost = explain(e, what, [r for r in _ranks(self.group)
                                               if r != dist.get_rank()])
             if lost is not None:  # a peer's connection closed: which rank was lost
                 raise lost from e

@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from zerokern.options.args import FLOAT_DTYPES, PRECISIONS
+
 from .format import (
     EXTRA,
     BlockVerifier,

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from zerokern.core.optimizer import ZeroOptimizer
+
 from . import block_states
 from .format import section_dtypes, sections
 

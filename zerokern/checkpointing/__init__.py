@@ -13,8 +13,7 @@ host_pool.py (Pa+cpu), contiguous.py (MD), groups.py (the model-parallel group),
 (the options and the config section).
 """
 
-from .api import (checkpoint, configure, is_configured, model_parallel_cuda_manual_seed, reset,
-                  stats)
+from .api import checkpoint, configure, is_configured, model_parallel_cuda_manual_seed, reset, stats
 from .contiguous import TooManyCheckpoints
 from .host_pool import PoolExhausted
 from .rng import RNGStatesTracker, get_cuda_rng_tracker

@@ -34,10 +34,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from zerokern.platform.device import accelerator, has_accelerator
+
 from . import groups, rng
 from .settings import Settings, check_value, parse_section, section_of
 from .store import Store
-from zerokern.platform.device import accelerator, has_accelerator
 
 log = logging.getLogger("zerokern.checkpointing")
 

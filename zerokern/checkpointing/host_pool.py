@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
 from zerokern.platform.device import accelerator, handle, has_accelerator
 
 

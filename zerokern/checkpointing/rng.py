@@ -33,6 +33,7 @@ import copy
 from typing import Dict, Iterator, Optional
 
 import torch
+
 from zerokern.platform.device import accelerator
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"

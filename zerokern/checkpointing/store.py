@@ -54,11 +54,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from zerokern.platform.device import handle
+
 from . import partition
 from .contiguous import ContiguousBuffers
 from .groups import TPGroup
 from .host_pool import HostPool
-from zerokern.platform.device import handle
 
 
 class _Kept:

@@ -49,13 +49,15 @@ communicator, not written here (no GPU to test it on).
 
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
 from . import liveness
+from .errors import PeerLost, RankAborted  # noqa: F401 (this module's names too)
 
 POLL_S = 0.05  # s between store checks while a collective has not landed
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # spawn.py and `zerokern train`: the group's timeout
@@ -100,27 +102,6 @@ def on_abort(method: Callable[[str], None]) -> None:
     ring stops]); held weakly, so its object (a ring and its thread) can still be freed."""
     _ON_ABORT[:] = [m for m in _ON_ABORT if m() is not None]
     _ON_ABORT.append(weakref.WeakMethod(method))
-
-
-class RankAborted(RuntimeError):
-    """Another rank failed (its error is in the message); this rank's collectives cannot
-    complete."""
-
-
-class PeerLost(RankAborted):
-    """A rank's process died or its host was lost, posting nothing ([Note: a rank that dies]
-    in liveness.py): the message names the rank, its host and pid (`lost`, a liveness.Lost;
-    `origin` the rank, -1 for the store's launcher). Every rank raises it; exit and restart."""
-
-    def __init__(self, lost: liveness.Lost, me: int, what: str = "a collective") -> None:
-        self.lost = lost
-        self.origin = lost.rank if lost.rank is not None else -1
-        self.root = f"{lost.who()} was lost: {lost.how}"
-        super().__init__(
-            f"zerokern: {self.root}. Rank {me} saw it while waiting in {what}. Every rank "
-            "raises this; the process group is now out of step and cannot be used again: "
-            "exit, and restart from the last checkpoint (torchrun --max-restarts restarts "
-            "the job)")
 
 
 def _default_store():
@@ -255,3 +236,36 @@ def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):
         return True
 
     return done
+
+
+def explain(error: BaseException, what: str, candidates: Sequence[int] = ()
+            ) -> Optional[BaseException]:
+    """The error to raise for `error`, met in `what`: PeerLost naming the lost rank when the
+    error is a closed connection (a peer's post of its own error first: abort.py), else None
+    (the caller's error stands). Names the rank at once when its pid is gone on this host;
+    else waits for the thread's verdict at most CONFIRM_S, then says which peers it talked
+    to and that no rank was identified."""
+    live = liveness.current()
+    if live is None or isinstance(error, RankAborted) or not liveness.is_connection_error(error):
+        return None
+
+    try:  # a peer that raised posted its error before its connections closed
+        for ch in list(_ALL):
+            ch.check(1 << 62)
+    except RankAborted as e:  # (or PeerLost: the verdict is already in)
+        return e
+    deadline = time.monotonic() + liveness.CONFIRM_S
+    while True:
+        lost = live.verdict or live.check_pids()
+        if lost is not None:
+            return PeerLost(lost, live.rank, what)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(liveness.BEAT_S / 5)
+    peers = ", ".join(str(c) for c in candidates) or "?"
+    why = (f"a connection to a peer (rank(s) {peers}) closed during {what} "
+           f"({str(error)[:200]}); no rank was identified within {liveness.CONFIRM_S:g} s (a "
+           "peer process exited or died on another host, or its host was lost; its own log "
+           "says which)")
+    return PeerLost(liveness.Lost(candidates[0] if len(candidates) == 1 else None, "?", 0, why),
+                    live.rank, what)

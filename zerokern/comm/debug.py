@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
 from zerokern.platform.device import handle
 
 ENV = "ZEROKERN_DEBUG_COLLECTIVES"

@@ -32,13 +32,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from zerokern.platform.device import handle
+
 from .abort import Watch
 from .collectives import CommStats, GroupComm, _Done
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .quantized import Level, _side_stream, all_gather_quantized_, reduce_scatter_quantized_
 from .ring import FutureWork
-from zerokern.platform.device import handle
 
 
 def _replicate_after(h, out: torch.Tensor, issue):

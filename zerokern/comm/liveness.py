@@ -63,6 +63,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
+from .errors import PeerLost
+
 BEAT_S = 0.5  # s between two beats of the thread (heartbeat, pid checks, the verdict key)
 PEER_DEAD_ENV = "ZEROKERN_PEER_DEAD_S"
 PEER_DEAD_DEFAULT_S = 30.0
@@ -101,9 +103,7 @@ class Lost:
 
 
 def peer_lost_error(lost: Lost, me: int, what: str = "a collective") -> BaseException:
-    """abort.PeerLost for the verdict (a RankAborted; abort.py imports this module)."""
-    from .abort import PeerLost
-
+    """PeerLost (errors.py) for the verdict."""
     return PeerLost(lost, me, what)
 
 
@@ -378,41 +378,6 @@ def is_connection_error(error: BaseException) -> bool:
     text = f"{type(error).__name__} {error}".lower()
     return isinstance(error, (RuntimeError, OSError, ConnectionError)) and any(
         w in text for w in _CONN_WORDS)
-
-
-def explain(error: BaseException, what: str, candidates: Sequence[int] = ()
-            ) -> Optional[BaseException]:
-    """The error to raise for `error`, met in `what`: PeerLost naming the lost rank when the
-    error is a closed connection (a peer's post of its own error first: abort.py), else None
-    (the caller's error stands). Names the rank at once when its pid is gone on this host;
-    else waits for the thread's verdict at most CONFIRM_S, then says which peers it talked
-    to and that no rank was identified."""
-    from . import abort
-
-    live = _STATE[0]
-    if live is None or isinstance(error, abort.RankAborted) or not is_connection_error(error):
-        return None
-
-    try:  # a peer that raised posted its error before its connections closed
-        for ch in list(abort._ALL):
-            ch.check(1 << 62)
-    except abort.RankAborted as e:  # (or PeerLost: the verdict is already in)
-        return e
-    deadline = time.monotonic() + CONFIRM_S
-    while True:
-        lost = live.verdict or live.check_pids()
-        if lost is not None:
-            return peer_lost_error(lost, live.rank, what)
-        if time.monotonic() > deadline:
-            break
-        time.sleep(BEAT_S / 5)
-    peers = ", ".join(str(c) for c in candidates) or "?"
-    return peer_lost_error(Lost(candidates[0] if len(candidates) == 1 else None, "?", 0,
-                         f"a connection to a peer (rank(s) {peers}) closed during {what} "
-                         f"({str(error)[:200]}); no rank was identified within "
-                         f"{CONFIRM_S:g} s (a peer process exited or died on another host, "
-                         "or its host was lost; its own log says which)"),
-                    live.rank, what)
 
 
 _WATCHED: List[Optional[ThreadPoolExecutor]] = [None]

@@ -83,8 +83,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import GroupComm, _all_gather, _Done
 from zerokern.platform.device import handle
+
+from .collectives import GroupComm, _all_gather, _Done
 
 BLOCK = 128
 BITS_Q = {8: 127, 4: 7}

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import liveness, shm
-from .abort import PeerLost, RankAborted, is_timeout, on_abort, polled, timeout_error
+from .abort import (PeerLost, RankAborted, explain, is_timeout, on_abort, polled,
+                    timeout_error)
 
 
 class RingRunner:
@@ -71,7 +72,7 @@ class RingRunner:
             what = getattr(fn, "__name__", "a collective").lstrip("_")
             # a peer's connection closed: the rank that was lost, by name (liveness.py
             # [Note: a rank that dies]), or the post of a peer that raised first (abort.py)
-            lost = liveness.explain(e, f"a {what} on a ring of {self.world_size} ranks",
+            lost = explain(e, f"a {what} on a ring of {self.world_size} ranks",
                                     self._peers)
             if lost is not None:
                 raise lost from e

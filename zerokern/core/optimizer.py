@@ -30,41 +30,50 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 import math
-import weakref
+from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from zerokern.accounting.memory import memory_report
-from zerokern.grads.full_grads import FullGrads
-from zerokern.grads.sharded_grads import BucketedGrads
-from zerokern.grads.tp_norm import TpStats
-from zerokern.layout.flat_group import FlatGroup
-from zerokern.layout.stages import pattern
-from zerokern.state.placement import make_placement
-
 from zerokern import kernels
+from zerokern.accounting.memory import memory_report
 from zerokern.comm.device_check import check_params_backend
-from zerokern.comm.mesh import (check_mesh, check_same_everywhere, check_world_tp, make_comm,
-                        pipeline_comm, split_world_mesh)
+from zerokern.comm.mesh import (
+    check_mesh,
+    check_same_everywhere,
+    check_world_tp,
+    make_comm,
+    pipeline_comm,
+    split_world_mesh,
+)
 from zerokern.comm.plan import ParallelPlan, check_hpz_roles, role_sizes
 from zerokern.comm.quantized import check_quantized
 from zerokern.comm.tp import check_tensor_parallel, make_tensor_parallel
 from zerokern.core.frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
-from zerokern.kernels import blockquant
 from zerokern.core.loss_scale import make_loss_scaler
-from zerokern.core.model_sync import ModelWatch, check_same_on_ranks, model_tensors, sync_from_first_rank
+from zerokern.core.model_sync import (
+    ModelWatch,
+    check_same_on_ranks,
+    model_tensors,
+    sync_from_first_rank,
+)
+from zerokern.grads.full_grads import FullGrads
+from zerokern.grads.sharded_grads import BucketedGrads
+from zerokern.grads.tp_norm import TpStats
+from zerokern.kernels import blockquant
+from zerokern.layout.flat_group import FlatGroup
+from zerokern.layout.stages import pattern
 from zerokern.options.args import (
-    check_clip,
     check_arguments,
+    check_clip,
     check_groups,
     check_rule_support,
     frozen_params,
 )
 from zerokern.options.doc import ENGINE_ARGS
 from zerokern.rules import Rule, check_defaults_keys, check_rule, combine, slot_align
+from zerokern.state.placement import make_placement
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

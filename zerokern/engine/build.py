@@ -13,9 +13,10 @@ import torch.nn as nn
 
 from zerokern.core.optimizer import ZeroOptimizer
 from zerokern.optimizers.adamw import ZeroAdamW
-from zerokern.options.args import PRECISIONS
 from zerokern.optimizers.lion import ZeroLion
 from zerokern.optimizers.muon import ZeroMuon
+from zerokern.options.args import PRECISIONS
+
 from .config import EngineConfig
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
 from .optimizer_types import optimizer_kind, optimizer_settings

@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..checkpointing.settings import parse_section as _activation_checkpointing
 from zerokern.options.args import PRECISIONS
+
+from ..checkpointing.settings import parse_section as _activation_checkpointing
 from .config_file import load_config
 from .config_values import ConfigError, _bool, _check_auto, _int, _num, _unknown
 from .optimizer_types import optimizer_settings

@@ -29,12 +29,13 @@ import torch.nn as nn
 
 from zerokern.core.optimizer import ZeroOptimizer
 from zerokern.options.args import check_not_deepspeed_partitioned
+from zerokern.platform.device import accelerator, handle
+
 from .build import _attach_mpu, _build_optimizer, _build_scheduler, _forward_only, _world
 from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
 from .config_values import ConfigError
 from .parallel import mpu_groups
-from zerokern.platform.device import accelerator, handle
 
 log = logging.getLogger("zerokern.engine")
 

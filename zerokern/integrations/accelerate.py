@@ -39,9 +39,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
+from zerokern.core.optimizer import ZeroOptimizer
+
 from .. import checkpoint as zk_checkpoint
 from ..engine.convert import rebind_scheduler, zero_from_torch
-from zerokern.core.optimizer import ZeroOptimizer
 
 _ZERO_DIR = "zerokern"  # the zerokern checkpoint inside an accelerate state folder
 _PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", None: "fp32"}

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
 
-from . import cuda_toolchain
 from zerokern.platform.device import handle
+
+from . import cuda_toolchain
 
 log = logging.getLogger("zerokern")
 
@@ -124,7 +125,6 @@ def _cuda_arch_key() -> str:
     cpp_extension detects). Without this, a cache shared by two GPU models (an NFS home, a
     container image) hands one model a .so built for the other: "no kernel image is available".
     """
-    import torch
 
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if env:

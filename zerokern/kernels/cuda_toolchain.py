@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 from typing import Optional, Tuple
+
 from zerokern.platform.device import handle
 
 
@@ -92,7 +93,6 @@ OP_FUNCTIONS = ("adam_step", "grad_stats", "lion_step", "adamw8bit_step", "kerne
 def prebuilt_problem(mod) -> Optional[str]:
     """None if the prebuilt CUDA op has every function and runs on the current CUDA device, else
     why not. Touches no other device ([Note: CUDA toolchain checks])."""
-    import torch
 
     missing = [f for f in OP_FUNCTIONS if f != "kernel_image_error" and not hasattr(mod, f)]
     if missing and hasattr(mod, "kernel_image_error"):

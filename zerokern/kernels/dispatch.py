@@ -13,8 +13,9 @@ from typing import Dict, Tuple
 
 import torch
 
-from .build import OPS, BuildError, build_dir, module_name
 from zerokern.platform.device import handle
+
+from .build import OPS, BuildError, build_dir, module_name
 
 
 def _triton_importable() -> bool:

@@ -35,6 +35,7 @@ from typing import List, Tuple
 import torch
 import triton
 import triton.language as tl
+
 from zerokern.platform.device import handle
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from zerokern.platform.device import handle
 from zerokern.rules import Rule, StateSpec, map_in_memory_
 from zerokern.rules.muon_orthogonalize import (
     ADJUST_LR_FNS,
@@ -57,7 +58,6 @@ from zerokern.rules.muon_orthogonalize import (
     ShardedOrthogonalizer,
 )
 from zerokern.rules.muon_pieces import apply_, momentum_
-from zerokern.platform.device import handle
 
 # The group keys of each rule (ZeroMuon refuses a key of the other rule in a group).
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps",

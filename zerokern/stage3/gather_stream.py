@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
+
 from zerokern.platform.device import handle
 
 

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from zerokern.platform.device import handle
 from zerokern.state import aligned_io as aio
 from zerokern.state import pinned
 from zerokern.state.nvme_state import cleanup as _cleanup
@@ -20,7 +21,6 @@ from zerokern.state.offload_nvme import StepPhase
 
 from .param_offload import OffloadedShardedFlat
 from .param_offload_checks import formula_
-from zerokern.platform.device import handle
 
 
 class _ParamFile:

@@ -9,11 +9,10 @@ from collections import Counter
 import torch
 
 from zerokern.layout.dtensor_params import local_shape
-from zerokern.state import aligned_io as aio
-from zerokern.state.nvme_state import check_free_space
-
 from zerokern.options.args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
 from zerokern.options.args import check_offload_params as check_args  # noqa: F401
+from zerokern.state import aligned_io as aio
+from zerokern.state.nvme_state import check_free_space
 
 NOTES = {  # zerokern estimate's note per kind
     "cpu": "offload_params='cpu': the 16-bit param and frozen shards live in host memory "

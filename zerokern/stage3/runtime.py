@@ -78,7 +78,6 @@ from .units import tensors_in as _tensors
 from .whole_params import WholeParams
 
 
-
 class Stage3Runtime(WholeParams, Stage3Backward):
     """Stage 3's runtime: gathers, frees and prefetches the units' params around forward and
     backward, and reduce-scatters their grads into the shards (the GradSync of stage 3)."""

@@ -65,9 +65,9 @@ from zerokern.kernels.compact_bits import (
     verify,
 )
 from zerokern.kernels.custom_ops import hyper_args, use_op
+from zerokern.platform.device import handle
 from zerokern.rules import Rule, RuleState, alloc_states
 from zerokern.rules.adamw import AdamWRule
-from zerokern.platform.device import handle
 
 CHUNK_NUMEL = 1 << 20
 

@@ -38,6 +38,7 @@ from typing import List, Optional
 
 import torch
 
+from zerokern.platform.device import handle
 from zerokern.rules import (
     Rule,
     RuleState,
@@ -48,7 +49,6 @@ from zerokern.rules import (
     rule_for,
 )
 from zerokern.state import pinned
-from zerokern.platform.device import handle
 
 CHUNK_NUMEL = 1 << 22
 

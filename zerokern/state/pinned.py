@@ -17,6 +17,7 @@ import weakref
 
 import numpy as np
 import torch
+
 from zerokern.platform.device import handle
 
 # 64-byte alignment: the cpu kernel's AVX-512 loads, and 16-byte DMA alignment for the copies.

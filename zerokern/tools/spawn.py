@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
 from zerokern.platform.device import handle
 
 TIMEOUT_ENV = "ZEROKERN_SPAWN_TIMEOUT_S"  # overrides spawn_ranks(timeout=)

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
+from zerokern.options.args import PRECISIONS as _PRECISIONS
 from zerokern.tools.argtypes import int_at_least, mesh_shape, positive_float
 from zerokern.tools.gpt import PRESETS
-from zerokern.options.args import PRECISIONS as _PRECISIONS
 
 # The precision table's names, the default (bf16) first as --help lists them.
 PRECISIONS = ("bf16", *(p for p in _PRECISIONS if p != "bf16"))

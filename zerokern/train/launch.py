@@ -10,11 +10,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from zerokern.platform.device import handle
 from zerokern.platform.host import usable_cpus
 from zerokern.tools.spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_ranks
+
 from .config import TrainConfig
 from .loop import run_rank
-from zerokern.platform.device import handle
 
 GRACE_S = 10.0       # the other ranks' time to finish after one failed
 PG_TIMEOUT_S = 120   # a collective that waits this long raises instead of blocking forever

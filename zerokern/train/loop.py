@@ -14,10 +14,11 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from zerokern.platform.device import handle
 from zerokern.tools.gpt import build_gpt
+
 from .config import QUANTIZE, TrainConfig, save_dir
 from .data import VOCAB, Batches, load_corpus
-from zerokern.platform.device import handle
 
 # Loss and loss scale are read on the host (a device sync) only to refresh the progress bar,
 # every DISPLAY_EVERY steps: on a GPU a per-step .item() would stall the launch queue. The

@@ -19,13 +19,13 @@ import torch
 
 from zerokern.accounting.estimate import categories, estimate, host_categories, spec_from_model
 from zerokern.accounting.formula import estimate_memory
-
-from zerokern.platform.host import cpu_model
 from zerokern.options.args import elem_size
+from zerokern.platform.device import handle
+from zerokern.platform.host import cpu_model
 from zerokern.tools.tables import print_table
+
 from .config import TrainConfig
 from .loop import build_model
-from zerokern.platform.device import handle
 
 MAX_RANK_COLUMNS = 4  # more ranks: rank 0 and the largest total are shown
 
