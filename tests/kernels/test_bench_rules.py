@@ -101,7 +101,8 @@ def test_bench_kernels_rules_quick(tmp_path):
     provs = {(row["op"], row["provider"]) for row in data["rows"]}
     assert {("lion_step_", "cpu"), ("lion_step_", "lion-pytorch"),
             ("lion_step_", "torch-foreach"), ("adamw8bit_step_", "cpu"),
-            ("adamw8bit_step_", "torch-fused"), ("muon_pieces", "zk-pieces"),
+            ("adamw8bit_step_", "torch-fused"), ("adamw8bit_step_", "zk-adamw32"),
+            ("muon_pieces", "zk-pieces"),
             ("muon_pieces", "torch-eager")} <= provs, provs
     assert not any(row["op"] == "adam_step_" for row in data["rows"])  # --rules without adamw
     assert all(row["frac_rmw"] > 0 for row in data["rows"])
