@@ -27,7 +27,7 @@ from .format import (
 )
 from .latest import latest
 from .reader import load
-from .writer import save
+from .saving import save
 
 __all__ = ["save", "load", "consolidate", "verify", "latest", "wait", "AsyncSave", "SaveState",
            "VERSION", "CheckpointError", "ChecksumError", "MissingFileError",

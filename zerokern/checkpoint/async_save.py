@@ -378,7 +378,7 @@ class _ScalerSnapshot:
 
 def start(path, model: nn.Module, opt, exclude_frozen: bool,
           client_state: Optional[Dict[str, Any]], on_commit=None) -> AsyncSave:
-    """Steps 1-2 of the module Note (the caller, writer.save, has waited for the previous
+    """Steps 1-2 of the module Note (the caller, saving.save, has waited for the previous
     save). Collective."""
     global _pending, _atexit_registered
     with whole_frozen_params(opt):  # stage 3 (collective): staged while gathered

@@ -200,7 +200,7 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
-    from .async_save import wait
+    from .async_save import wait  # (async_save imports writer, not reader: no circle)
 
     wait()  # a pending async save commits (or raises) first
     with whole_frozen_params(opt, write_back=True):  # stage 3 (collective)

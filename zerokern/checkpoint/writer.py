@@ -92,63 +92,19 @@ def check_path(path) -> str:
     return os.path.abspath(path)
 
 
-def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False,
-         async_save: bool = False, client_state: Optional[Dict[str, Any]] = None,
-         on_commit: Optional[Callable[[], None]] = None):
-    """Save model and optimizer state to the directory `path` (collective: every rank calls).
-
-    Args:
-        path: checkpoint directory, the same on every rank (a shared filesystem across
-            nodes). An existing checkpoint there is replaced atomically; an existing path
-            that is not a zerokern checkpoint is refused. A tensor-parallel model (DTensor
-            params) writes `path/tp.json` and one checkpoint per tp rank under it
-            (checkpoint/tp_dirs.py); each tp rank's part is committed atomically.
-        model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
-        opt: the zerokern.ZeroAdamW.
-        exclude_frozen_parameters: leave out the values of the model's frozen params
-            (`requires_grad=False`, not held by the optimizer), as DeepSpeed's
-            `save_checkpoint(..., exclude_frozen_parameters=True)` does (a LoRA checkpoint
-            without its base weights). The metadata lists them (name, shape, dtype and a crc32
-            of their values): `load(..., strict=False)` keeps the model's own values for them,
-            `consolidate` leaves them out of its output and says so. Buffers and the
-            optimizer's params are always saved.
-        async_save: copy this rank's share into a staging buffer and write it in a background
-            thread while training goes on (async_save.py [Note: asynchronous saves]); returns
-            an `AsyncSave` handle at once. A save (either kind) or load first waits for a
-            pending one.
-        client_state: a picklable dict saved with the checkpoint (rank 0's; checksummed and
-            committed with it) and returned by `load` as "client_state".
-        on_commit: rank 0 calls it right after the commit, before the ranks' final agreement
-            (its error fails the save on every rank; the checkpoint is committed then). The
-            engine writes its `latest` file there.
-
-    Returns:
-        The absolute path written; with async_save, an `AsyncSave` (`wait()` returns the path).
-
-    Raises:
-        TypeError, ValueError: bad arguments, before anything is written.
-        CheckpointError: the save failed on some rank; the previous checkpoint is intact.
-        OSError: a file write failed (ENOSPC, EIO) on this rank; the previous checkpoint is
-            intact. A pending async save's error is raised here, once, before this save starts.
-    """
-    if not isinstance(exclude_frozen_parameters, bool):
-        raise TypeError("exclude_frozen_parameters must be a bool, got "
-                        f"{type(exclude_frozen_parameters).__name__}")
-    if not isinstance(async_save, bool):
-        raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
-    if client_state is not None and not isinstance(client_state, dict):
-        raise TypeError(f"client_state must be a dict or None, got "
-                        f"{type(client_state).__name__}")
-    from . import async_save as _async
-
-    _async.wait()  # a save starts only after the previous one committed (or failed)
-    if async_save:
-        return _async.start(path, model, opt, exclude_frozen_parameters, client_state,
-                            on_commit)
-    with whole_frozen_params(opt):  # stage 3 (collective)
+def save_now(path, model: nn.Module, opt, exclude_frozen_parameters: bool = False,
+             client_state: Optional[Dict[str, Any]] = None,
+             on_commit: Optional[Callable[[], None]] = None) -> str:
+    """The synchronous save (saving.py `save` checked the arguments and waited for a pending
+    async save): the collective start, then write and commit; the path written."""
+    # stage 3 (collective): the frozen params stay whole until they are written (the job's
+    # extras are views of them; written after the gather is released they were the freed
+    # buffers' bytes: a stage-3 checkpoint without its frozen values, caught by
+    # tests/engine/test_exclude_frozen.py)
+    with whole_frozen_params(opt):
         job = prepare(path, model, opt, exclude_frozen_parameters, client_state)
-    job.on_commit = on_commit
-    return write_and_commit(job)
+        job.on_commit = on_commit
+        return write_and_commit(job)
 
 
 @dataclass
