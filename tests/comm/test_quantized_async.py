@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerokern.comm import quantized as Q
+from zerokern.platform.device import handle as device_handle
 from zerokern.comm.collectives import GroupComm
 from zerokern.comm.mesh import make_comm
 from zerokern.kernels.blockquant import codec_for
@@ -240,6 +241,8 @@ class FakeStreams:
 
         self._patches = [
             mock.patch.object(Q, "_side_stream_for", lambda levels, inp: self.side),
+            # the inputs are CPU tensors standing in for CUDA ones: the device handle is CUDA's
+            mock.patch.object(Q, "handle", lambda *a, **k: device_handle("cuda")),
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: self.current),
             mock.patch.object(torch.cuda, "stream", Context),
             mock.patch.object(torch.cuda, "Event", Event),

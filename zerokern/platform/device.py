@@ -30,6 +30,8 @@ import torch
 
 DeviceLike = Union[str, torch.device, None]
 
+# Device types without a runtime to drive: their stream operations are the CPU's no-ops.
+_NOT_ACCELERATORS = ("cpu", "meta")
 # The collective backend of each device type: torch.distributed's own names.
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}
 
@@ -51,7 +53,9 @@ class DeviceHandle:
 
     @property
     def is_accelerator(self) -> bool:
-        return self.type != "cpu"
+        """A device with a runtime of its own (cuda, xpu, ...): not the CPU, not `meta`
+        (shapes only), and one torch has a module for."""
+        return self.type not in _NOT_ACCELERATORS and getattr(torch, self.type, None) is not None
 
     @property
     def backend(self) -> str:
@@ -174,12 +178,15 @@ def _by_type(device_type: str) -> DeviceHandle:
 
 
 def handle(device: Union[DeviceLike, torch.Tensor] = None) -> DeviceHandle:
-    """The handle of a device, a device type, or a tensor's device; None: `accelerator()`."""
+    """The handle of a device, a device type, or a tensor's device; None: `accelerator()`.
+    Anything with a `type` (a torch.device, or a stand-in for one) names its type."""
     if device is None:
         return accelerator()
     if isinstance(device, torch.Tensor):
         return _by_type(device.device.type)
-    return _by_type(torch.device(device).type)
+    if isinstance(device, (str, int)):
+        return _by_type(torch.device(device).type)
+    return _by_type(str(getattr(device, "type")))
 
 
 def accelerator() -> DeviceHandle:

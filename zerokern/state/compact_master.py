@@ -85,7 +85,7 @@ class _HostFlag:
             # (issue 24, item 8) On the flag's device: the copy runs on that device's current
             # stream, and Event.record() records on the *current device's* stream, so with
             # params on cuda:1 and cuda:0 current the event would complete without the copy.
-            dev = handle(flag)
+            dev = handle(flag.device)
             with dev.device_context(flag.device):
                 self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
                 self.host.copy_(flag.reshape(1), non_blocking=True)
