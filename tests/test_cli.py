@@ -44,6 +44,7 @@ def test_build_prebuilds_cpu_op():
     assert "cpu        available    built" in again.stdout
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 29 s; the quick plot test runs the same command
 def test_bench_kernels_quick_writes_results(tmp_path):
     r = zk("bench", "--kernels", "--quick", "--no-plot", "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -59,6 +59,7 @@ def runs(tmp_path_factory):
     return a, b, out.stdout + out.stderr
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 3 train runs, 21 s; the in-process round trip stays
 def test_resume_auto_is_bitwise_the_uninterrupted_run(runs):
     a, b, said = runs
     assert f"resumed from {b / 'ck' / f'step{N:08d}'}" in said

@@ -4,6 +4,8 @@ loss falling on the fixed batch, and the report's spreads computed from the rows
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import statistics
@@ -14,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 9 s of benchmark smoke
 def test_bench_infinity_tiny(tmp_path):
     (tmp_path / "disk").mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -13,6 +13,7 @@ import pytest
 from zerokern.bench import offload
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 8 s of benchmark smoke
 def test_nvme_rows_use_the_probe(tmp_path, capsys):
     (tmp_path / "disk").mkdir()
     rc = offload.main(["--nvme-only", "--quick", "--nvme-path", str(tmp_path / "disk"),

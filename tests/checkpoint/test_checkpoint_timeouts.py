@@ -10,6 +10,8 @@ rank is waited for, and a real save and load of a model goes through.
 
 from __future__ import annotations
 
+import pytest
+
 import time
 
 import torch
@@ -52,6 +54,7 @@ def test_a_slow_rank_in_the_agreement_raises_the_named_timeout(monkeypatch):
     assert PG_TIMEOUT_ENV in msg and "init_process_group" in msg, msg
 
 
+@pytest.mark.slow  # [Note: the slow mark]: waits 5 s by design
 def test_with_the_setting_raised_the_slow_rank_is_waited_for(monkeypatch):
     monkeypatch.setenv(PG_TIMEOUT_ENV, "60")
     assert _run(_slow_agree) == [(None, 2), (None, 2)]
@@ -79,6 +82,7 @@ def _slow_save(rank, ws, path):
     return all(torch.equal(a, b) for a, b in zip(want, model.parameters()))
 
 
+@pytest.mark.slow  # [Note: the slow mark]: waits 5 s by design
 def test_a_save_with_one_slow_rank_goes_through_with_the_setting_raised(monkeypatch, tmp_path):
     monkeypatch.setenv(PG_TIMEOUT_ENV, "60")
     assert _run(_slow_save, str(tmp_path / "ck")) == [True, True]

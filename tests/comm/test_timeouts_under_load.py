@@ -76,6 +76,7 @@ def test_a_late_peer_past_the_timeout_raises_the_named_timeout(mode, monkeypatch
 
 @pytest.mark.parametrize("mode", ["tcp", pytest.param("shm", marks=pytest.mark.skipif(
     not shm.supported(), reason="no shared-memory ring here"))])
+@pytest.mark.slow  # [Note: the slow mark]: waits 5 s per transport by design; the timeout's own test stays
 def test_the_named_setting_makes_the_same_late_peer_wait(mode, monkeypatch):
     """The error's setting (the env var overrides spawn_ranks(pg_timeout=SHORT)): the same
     late peer is waited for and the sum is right on both ranks."""
@@ -91,6 +92,7 @@ def _sleeps(rank, ws, seconds):
     return rank
 
 
+@pytest.mark.slow  # [Note: the slow mark]: waits by design
 def test_spawn_timeout_names_its_setting_and_the_setting_is_read(monkeypatch):
     monkeypatch.delenv(SPAWN_TIMEOUT_ENV, raising=False)
     with pytest.raises(zk_spawn.RankFailure) as ei:
@@ -108,6 +110,7 @@ def _both_fail(rank, ws):
     raise ValueError(f"rank {rank}'s own error")
 
 
+@pytest.mark.slow  # [Note: the slow mark]: waits by design
 def test_spawn_grace_names_its_setting_and_the_setting_is_read(monkeypatch):
     monkeypatch.delenv(GRACE_ENV, raising=False)
     with pytest.raises(zk_spawn.RankFailure) as ei:
