@@ -161,6 +161,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, t0: flo
             launch.plan(cfg)  # --nproc / --device against the GPUs, before anything starts
         else:  # --mesh against torchrun's world, before the process group starts
             launch.check_mesh(cfg, int(os.environ["WORLD_SIZE"]))
+            train.config.accumulation(cfg, int(os.environ["WORLD_SIZE"]))
     except ValueError as e:
         parser.error(str(e))
     return train.run(cfg, t0)
@@ -241,7 +242,9 @@ def entry() -> None:
     NVMe state files, tqdm), flushes its output, and leaves without finalizing. Spawned ranks
     do the same (spawn.py). `main()` called from Python returns as before. The library's own
     guard (comm/exit_guard.py [Note: the gloo exit race]) is a bounded wait for processes it
-    does not own; this process is ours, so it skips the finalization outright.
+    does not own; this process is ours, so it skips the finalization outright. A rank that
+    raised (PeerLost: a peer was killed) leaves the same way with exit code 1: torchrun
+    restarts the job only once every worker has exited.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not a torchrun rank
         sys.exit(main())
@@ -251,6 +254,11 @@ def entry() -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - PeerLost (a killed peer) and any other error:
+        import traceback  # the same exit, so that torchrun sees exit 1 at once and restarts
+
+        traceback.print_exc()
+        code = 1
     import atexit
 
     atexit._run_exitfuncs()

@@ -41,7 +41,8 @@ class TrainConfig:
     offload: Optional[str] = None
     steps: int = DEFAULTS["steps"]
     model_size: str = DEFAULTS["model_size"]
-    batch: int = DEFAULTS["batch"]    # sequences per rank per step
+    batch: int = DEFAULTS["batch"]    # sequences per rank per step (per micro-step)
+    global_batch: Optional[int] = None  # sequences per step over all ranks (accumulation)
     seq: int = DEFAULTS["seq"]
     lr: float = DEFAULTS["lr"]
     out: Optional[str] = None          # None: runs/train-<timestamp>
@@ -99,6 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"zerokern.tools.gpt preset, with the byte vocab (default {d['model_size']})")
     p.add_argument("--batch", type=int_at_least(1), default=d["batch"],
                    help=f"sequences per rank per step (default {d['batch']})")
+    p.add_argument("--global-batch", type=int_at_least(1), default=None, metavar="G",
+                   help="sequences per optimizer step over all ranks: each rank runs "
+                        "G / (--batch x ranks) micro-batches (gradient accumulation), so a "
+                        "run resumed at another world size (torchrun --nproc-per-node "
+                        "changed) keeps the global batch, as DeepSpeed's elastic config does; "
+                        "refused when G is not a multiple of --batch x ranks (default: none, "
+                        "--batch per rank, one micro-batch)")
     p.add_argument("--seq", type=int_at_least(2), default=d["seq"],
                    help=f"tokens per sequence (default {d['seq']})")
     p.add_argument("--lr", type=positive_float, default=d["lr"],
@@ -156,10 +164,31 @@ QUANTIZE = {"none": {}, "weights": {"quantized_weights": True},
 def from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(stage=args.stage, nproc=args.nproc, precision=args.precision,
                        offload=args.offload, steps=args.steps, model_size=args.model_size,
-                       batch=args.batch, seq=args.seq, lr=args.lr, out=args.out,
+                       batch=args.batch, global_batch=args.global_batch, seq=args.seq,
+                       lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,
                        bucket_mb=args.bucket_mb, quantize=args.quantize,
                        state_bits=args.state_bits, mesh=args.mesh, hpz=args.hpz,
                        activation_checkpointing=args.activation_checkpointing,
                        save_every=args.save_every, save_dir=args.save_dir, resume=args.resume,
                        stop_after=args.stop_after)
+
+
+def accumulation(cfg: TrainConfig, world: int) -> int:
+    """Micro-batches per step on each rank: G / (batch x world) with --global-batch G, else 1.
+
+    Raises:
+        ValueError: G is not a multiple of batch x world (the global batch cannot be kept
+            exactly at this world size; names the flags and the sizes that would work).
+    """
+    if cfg.global_batch is None:
+        return 1
+    per = cfg.batch * world
+    if cfg.global_batch % per:
+        fits = [w for w in range(1, cfg.global_batch // cfg.batch + 1)
+                if cfg.global_batch % (cfg.batch * w) == 0]
+        raise ValueError(f"--global-batch {cfg.global_batch} cannot be kept at {world} ranks "
+                         f"with --batch {cfg.batch}: it is not a multiple of {cfg.batch} x "
+                         f"{world} = {per} (world sizes that keep it: "
+                         f"{', '.join(map(str, fits))}; or change --batch)")
+    return cfg.global_batch // per

@@ -81,3 +81,37 @@ class Batches:
                                generator=g)
         win = self.corpus[starts + self._arange].long()  # (batch, seq + 1)
         return win[:, :-1], win[:, 1:]
+
+
+class GlobalBatches:
+    """`--global-batch G`: step s's batch is G windows drawn from a generator seeded by (seed,
+    s) alone, the same at every world size; `get(step, micro)` -> this rank's `batch` of them
+    for micro-step `micro` (rows (micro * world + rank) * batch onwards). A run resumed at
+    another world size (elastic) so trains on the same global batches, in another split.
+
+    Args:
+        corpus: 1-D uint8 tensor of tokens.
+        global_batch: G, a multiple of batch * world (TrainConfig's check).
+        batch, seq: the micro-batch per rank and the sequence length.
+        seed, rank, world: the run's seed, this rank and the world size.
+    """
+
+    def __init__(self, corpus: torch.Tensor, global_batch: int, batch: int, seq: int,
+                 seed: int, rank: int, world: int) -> None:
+        if corpus.numel() < seq + 2:
+            raise ValueError(f"the corpus ({corpus.numel()} bytes) is shorter than seq + 2 = "
+                             f"{seq + 2}")
+        if global_batch % (batch * world):
+            raise ValueError(f"global batch {global_batch} is not a multiple of batch {batch} x "
+                             f"{world} ranks")
+        self.corpus, self.global_batch, self.batch, self.seq = corpus, global_batch, batch, seq
+        self.seed, self.rank, self.world = seed, rank, world
+        self._arange = torch.arange(seq + 1)
+
+    def get(self, step: int, micro: int = 0):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 104_729) % 2**63)
+        starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.global_batch, 1),
+                               generator=g)
+        row = (micro * self.world + self.rank) * self.batch
+        win = self.corpus[starts[row:row + self.batch] + self._arange].long()
+        return win[:, :-1], win[:, 1:]

@@ -5,18 +5,32 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from zerokern.comm.errors import RankAborted
 from zerokern.platform.device import handle
 from zerokern.platform.host import usable_cpus
 from zerokern.tools.spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_ranks
 
-from .config import TrainConfig
+from . import events
+from .config import TrainConfig, accumulation
 from .loop import run_rank
 
+# [Note: a store per attempt]
+# torchrun's c10d rendezvous (torch 2.13) hands every attempt of a job the same store, its
+# agent's (TORCHELASTIC_USE_AGENT_STORE=True), keys and all: after `--max-restarts` restarted
+# the workers, the new ranks found the dead ones' keys. gloo's rendezvous read a dead rank's
+# address ("Gloo connectFullMesh failed ... Connection refused", 1 restart of 2 here), and
+# zerokern's liveness (comm/liveness.py) found the dead pids of the attempt before and raised
+# PeerLost at once (every restart): the job used up its restarts and failed. So each attempt's
+# process group lives under its own prefix, the restart count. That count is the agent's own,
+# the same on every rank of one node; across nodes it is not (torch issue 135712), and there
+# the job keeps torch's store (a warning names TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, with
+# which rank 0 hosts a fresh store each attempt).
 GRACE_S = 10.0       # the other ranks' time to finish after one failed
 PG_TIMEOUT_S = 120   # a collective that waits this long raises instead of blocking forever
 EXIT_NOT_IMPLEMENTED = 2
@@ -74,14 +88,20 @@ def plan(cfg: TrainConfig) -> Tuple[str, int]:
         raise ValueError("--quantize grads needs --stage 1, 2 or 3 (stage 0 all-reduces)")
     check_mesh(cfg, cfg.nproc)
     dev = resolve_device(cfg)
+    n = _nproc(cfg, dev)
+    accumulation(cfg, n)  # --global-batch against the ranks (ValueError naming the flags)
+    return dev, n
+
+
+def _nproc(cfg: TrainConfig, dev: str) -> int:
     mesh_n = None if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]
     if dev == "cuda":
         n_gpu = handle("cuda").device_count()
         nproc = cfg.nproc or mesh_n or n_gpu
         if nproc > n_gpu:
             raise ValueError(f"--nproc {nproc}: only {n_gpu} GPU(s) visible (one rank per GPU)")
-        return dev, nproc
-    return dev, cfg.nproc or mesh_n or 2
+        return nproc
+    return cfg.nproc or mesh_n or 2
 
 
 def _threads_per_rank(local_world: int) -> int:
@@ -127,16 +147,48 @@ def run_torchrun(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     check_mesh(cfg, int(os.environ["WORLD_SIZE"]))
     torch.set_num_threads(_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     device = _device(dev_type, local_rank)
-    dist.init_process_group("nccl" if dev_type == "cuda" else "gloo",  # (the env var wins)
-                            timeout=datetime.timedelta(seconds=_env_s(PG_TIMEOUT_ENV,
-                                                                      PG_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=_env_s(PG_TIMEOUT_ENV, PG_TIMEOUT_S))
+    backend = "nccl" if dev_type == "cuda" else "gloo"  # (the env var wins)
+    store = attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    events.record("start", rank=dist.get_rank(), world_size=dist.get_world_size(),
+                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     try:
         res = run_rank(cfg, device)
         return res if dist.get_rank() == 0 else None
     except NotImplementedError as e:
         raise RankError(_not_implemented_message(e, cfg), EXIT_NOT_IMPLEMENTED) from None
+    except RankAborted as e:  # a peer failed or was lost: the supervisor's detection time
+        events.record("lost", rank=dist.get_rank(), origin=getattr(e, "origin", None),
+                      error=type(e).__name__)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def attempt_store(timeout: datetime.timedelta):
+    """The c10d store of this torchrun attempt ([Note: a store per attempt]), or None: let
+    init_process_group's env:// make it (rank 0 hosts a new one each attempt)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and \
+                os.environ.get("RANK") == "0":
+            print("zerokern train: torchrun shares its agent's store across restarts, and with "
+                  "more than one node the restart count is not the same on every node (torch "
+                  "issue 135712): a restart may read the previous attempt's keys. Set "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun with --max-restarts",
+                  file=sys.stderr, flush=True)
+        return None
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"zerokern/attempt{attempt}", tcp)
 
 
 # ---------------------------------------------------------------------------- spawned ranks

@@ -6,6 +6,7 @@ The step loop never reads a device value on the host except for the progress dis
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -17,8 +18,9 @@ import torch.distributed as dist
 from zerokern.platform.device import handle
 from zerokern.tools.gpt import build_gpt
 
-from .config import QUANTIZE, TrainConfig, save_dir
-from .data import VOCAB, Batches, load_corpus
+from . import events
+from .config import QUANTIZE, TrainConfig, accumulation, save_dir
+from .data import VOCAB, Batches, GlobalBatches, load_corpus
 
 # Loss and loss scale are read on the host (a device sync) only to refresh the progress bar,
 # every DISPLAY_EVERY steps: on a GPU a per-step .item() would stall the launch queue. The
@@ -35,9 +37,16 @@ FINAL_WINDOW = 10   # "final loss" = mean over the last steps (one batch is nois
 # data.Batches), the LR scheduler, and per rank torch's CPU RNG, the accelerator's (the
 # device handle) and the losses so far; with RESUME_KEYS, the settings the run must keep.
 # So `--resume auto` continues bitwise as if never stopped (tests/test_train_resume.py).
+# At another world size (elastic: torchrun restarted with another --nproc-per-node) a run
+# resumes only with --global-batch G: the checkpoint reshards on load, the micro-batches per
+# rank become G / (batch x world) (DeepSpeed's elastic config keeps its train_batch_size the
+# same way) and step s trains on the same G windows (data.GlobalBatches), so the run is the
+# same run up to the reduction order (not bitwise); --batch may change then too. The RNG
+# streams are per rank and do not map to another world size (rank r takes saved rank
+# min(r, old - 1)'s: the tiny GPT draws none), and the losses so far become the ranks' mean.
 TRAIN_KEY = "zerokern.train"
 RESUME_KEYS = ("model_size", "seq", "batch", "seed", "steps", "lr", "stage", "precision",
-               "state_bits")
+               "state_bits", "global_batch")
 
 
 def lr_lambda(steps: int):
@@ -114,18 +123,29 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
                        activation_checkpointing=cfg.activation_checkpointing,
                        **(QUANTIZE[cfg.quantize] if stage > 0 else {}))  # (--compare: exact)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
-    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank)
+    accum = accumulation(cfg, world)
+    batches = Batches(corpus, cfg.batch, cfg.seq, cfg.seed, rank) if cfg.global_batch is None \
+        else GlobalBatches(corpus, cfg.global_batch, cfg.batch, cfg.seq, cfg.seed, rank, world)
     losses = torch.zeros(cfg.steps, dtype=torch.float32, device=device)  # (steps,) on device
-    tokens_per_step = cfg.batch * cfg.seq * world
+    tokens_per_step = cfg.batch * cfg.seq * world * accum
     start = resume(cfg, model, opt, sched, losses, device) if checkpoints else 0
     stop = min(cfg.steps, cfg.stop_after or cfg.steps)
     bar = _Progress(show, cfg.steps, desc)
     bar.update(start)
     shown, t0 = start, time.perf_counter()
     for step in range(start, stop):
-        x, y = (t.to(device, non_blocking=True) for t in batches.get(step))
-        loss = model.loss(x, y)
-        opt.backward(loss)
+        if accum == 1:
+            x, y = (t.to(device, non_blocking=True) for t in batches.get(step))
+            loss = model.loss(x, y)
+            opt.backward(loss)
+        else:  # --global-batch: the mean over the micro-batches, reduced once (no_sync)
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+            for micro in range(accum):
+                x, y = (t.to(device, non_blocking=True) for t in batches.get(step, micro))
+                with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                    part = model.loss(x, y) / accum
+                    opt.backward(part)
+                loss += part.detach().float()
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -133,6 +153,7 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
         if checkpoints and cfg.save_every and (
                 (step + 1) % cfg.save_every == 0 or step + 1 == stop):
             save(cfg, model, opt, sched, losses, step + 1, device)
+        events.record("step", step=step + 1, rank=rank)
         if show and ((step + 1) % DISPLAY_EVERY == 0 or step + 1 == stop):
             # The one host sync of the loop: for the display only (see DISPLAY_EVERY).
             elapsed = time.perf_counter() - t0
@@ -211,22 +232,33 @@ def resume(cfg: TrainConfig, model, opt, sched, losses: torch.Tensor,
     if state is None:
         raise ValueError(f"--resume {path}: the checkpoint holds no `zerokern train` state "
                          "(written by another program); load it with zerokern.checkpoint")
-    differ = {k: (v, getattr(cfg, k)) for k, v in state["run"].items() if getattr(cfg, k) != v}
-    if differ or len(state["ranks"]) != world:
+    elastic = cfg.global_batch is not None  # [Note: resumable runs]: another world size
+    old_world = len(state["ranks"])
+    differ = {k: (v, getattr(cfg, k)) for k, v in state["run"].items()
+              if getattr(cfg, k) != v and not (elastic and k == "batch")}
+    if differ or (old_world != world and not elastic):
         what = ", ".join(f"--{k.replace('_', '-')} {a} (now {b})" for k, (a, b) in differ.items())
+        hint = "" if differ else (" (or pass --global-batch, with the run's global batch from "
+                                  "its start, to resume at another world size)")
         raise ValueError(f"--resume {path}: saved by a run with {what or ''}"
-                         f"{'; ' if what else ''}{len(state['ranks'])} ranks (now {world}): "
+                         f"{'; ' if what else ''}{old_world} ranks (now {world}): "
                          "a resumed run must be the same run (the schedule, data and RNG "
-                         "streams depend on these)")
+                         f"streams depend on these){hint}")
     sched.load_state_dict(state["scheduler"])
-    mine = state["ranks"][rank]
+    mine = state["ranks"][min(rank, old_world - 1)]
     torch.set_rng_state(mine["rng"])
     if mine["device_rng"] is not None:
         handle(device).set_rng_state(mine["device_rng"])
     step = state["step"]
-    losses[:step] = mine["losses"].to(device)
+    if old_world == world:
+        losses[:step] = mine["losses"].to(device)
+    else:  # the curve is the ranks' mean (train_once): every rank holds the old mean
+        losses[:step] = torch.stack([r["losses"] for r in state["ranks"]]).mean(0).to(device)
     if rank == 0:
-        print(f"zerokern train: resumed from {info['path']} at step {step}", flush=True)
+        how = "" if old_world == world else (
+            f" on {world} ranks (saved on {old_world}): {accumulation(cfg, world)} "
+            f"micro-batch(es) of {cfg.batch} per rank, global batch {cfg.global_batch} kept")
+        print(f"zerokern train: resumed from {info['path']} at step {step}{how}", flush=True)
     return step
 
 
