@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = ["--model-size", "tiny", "--seq", "32", "--batch", "2", "--global-batch", "12",
        "--device", "cpu", "--precision", "fp32", "--steps", "6", "--save-every", "3"]
 # fp32, 6 steps: the same global batches in another split; only the sum order differs
-# (measured: loss 2.4e-7 apart at most, relative)
+# (measured: losses 4.8e-7 apart at most, absolute)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -46,6 +46,7 @@ def _curve(out_dir) -> list:
     return json.loads((Path(out_dir) / "metrics.json").read_text())["loss_curve"]
 
 
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): 4 spawned runs, 25-35 s
 def test_resume_at_another_world_size_keeps_the_global_batch(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     _train("--nproc", "2", "--save-dir", str(a / "ck"), "--out", str(a))
