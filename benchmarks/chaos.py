@@ -1,0 +1,67 @@
+"""The chaos benchmark (issue 39): SIGKILL ranks of `zerokern train` under torchrun
+--max-restarts on a seeded schedule; the run must end bitwise equal to an uninterrupted one.
+
+    python benchmarks/chaos.py                    # 200 steps, 6 kills (one mid-save)
+    python benchmarks/chaos.py --seed 7           # another schedule (the seed is printed)
+    python benchmarks/chaos.py --quick            # 40 steps, 2 kills (tests/test_chaos.py)
+
+What it does and checks: zerokern/bench/chaos.py [Note: the chaos run]. Results:
+benchmarks/results/chaos-<date>.{json,md} (chaos-quick-<date>.* with --quick); the run's files
+(checkpoints, each rank's events, torchrun's log) under --work (default a temporary dir).
+Exit code 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from zerokern.bench import chaos
+from zerokern.bench.common import environment, write_json, write_text
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--kills", type=int, default=6)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--monitor-interval", type=float, default=chaos.MONITOR_S,
+                   help="torchrun's --monitor-interval (default %(default)g s: "
+                        "zerokern/bench/chaos.py MONITOR_S)")
+    p.add_argument("--quick", action="store_true", help="40 steps, 2 kills, seq 64, batch 8")
+    p.add_argument("--work", default=None, help="the runs' directory (default: a temp dir)")
+    p.add_argument("--no-write", action="store_true", help="do not write benchmarks/results")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.kills, a.seq, a.batch = 40, 2, 64, 8
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"chaos: seed {seed} (rerun with --seed {seed})", flush=True)
+    work = Path(a.work or tempfile.mkdtemp(prefix="zerokern-chaos-"))
+    r = chaos.run_chaos(work, a.steps, a.save_every, a.kills, seed, seq=a.seq, batch=a.batch,
+                        monitor_s=a.monitor_interval, log=lambda m: print(m, flush=True))
+    env = environment(torch.device("cpu"))
+    md = chaos.markdown(r, env)
+    print(md)
+    if not a.no_write:
+        stem = f"chaos{'-quick' if a.quick else ''}-{_dt.date.today():%Y%m%d}"
+        write_json(RESULTS / f"{stem}.json", {"env": env, "result": r})
+        write_text(RESULTS / f"{stem}.md", md)
+        print(f"wrote {RESULTS / stem}.{{json,md}}")
+    ok = r["exit_code"] == 0 and r["final_bitwise_equal"] and r["bytes_lost"] == 0 and \
+        r["kills_survived"] == a.kills
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The chaos run, short (issue 39): `zerokern train` under `torchrun --max-restarts`, two ranks
+SIGKILLed (one while a checkpoint is being written), ends bitwise equal to an uninterrupted run.
+
+zerokern/bench/chaos.py [Note: the chaos run]: 40 steps of GPT tiny on 2 gloo ranks,
+--save-every 10 (async saves), --resume auto; 2 kills by the supervisor, the seed fixed here.
+Checks: torchrun's exit code 0 (every kill survived within --max-restarts), the final
+checkpoint and every one both runs committed byte-equal (consolidated params, each rank's
+shard of the masters and optimizer states), each attempt resumed from a committed checkpoint
+(steps recomputed <= 2 save intervals: an async save still writing when the rank died is not
+committed), and every survivor raised PeerLost naming the rank and exited on its own within seconds
+(torchrun's monitor at 10 s, so that it seldom stops them first).
+
+On the code before this test (see the commit): the restarted attempt's liveness read the dead
+ranks' pids left in torchrun's shared store and raised PeerLost at once, and gloo's rendezvous
+could read a dead rank's address; the job used up its restarts and failed (exit 1).
+About 40-80 s on the 2-core VM (reference 8 s, chaos run 25-35 s when idle).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zerokern.bench import chaos
+
+SEED = 1  # draws a mid-save kill first, then a random one (rank 0 both times)
+SAVE_EVERY = 10
+
+
+@pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): two torchrun jobs, 30-60 s
+def test_killed_ranks_restart_and_end_bitwise_the_uninterrupted_run(tmp_path):
+    r = chaos.run_chaos(tmp_path, steps=40, save_every=SAVE_EVERY, kills=2, seed=SEED,
+                        seq=64, batch=8, timeout_s=300, log=lambda m: None)
+    log = open(r["log"]).read()[-4000:]
+    assert r["exit_code"] == 0, log
+    assert r["kills_survived"] == 2 and len(r["kills"]) == 2, r["kills"]
+    assert {k["kind"] for k in r["kills"]} == {"mid-save", "random"}
+    assert r["final_bitwise_equal"], r["checkpoints_compared"]
+    assert r["bytes_lost"] == 0
+    assert f"step{40:08d}" in r["checkpoints_compared"]
+    for k in r["kills"]:
+        assert k["resumed_from"] is not None and k["resumed_from"] % SAVE_EVERY == 0, k
+        assert 0 <= k["recomputed"] <= 2 * SAVE_EVERY, k
+        if k["kind"] == "mid-save":  # nothing of the save in flight was committed
+            assert k["resumed_from"] < int(k["saving"].rsplit("step", 1)[1][:8]), k
+    # every survivor named the lost rank (PeerLost) and exited on its own, far below the
+    # 120 s process group timeout (measured: PeerLost 0.02-0.54 s after the kill, exit 0.04 s
+    # later); or torchrun's poll (every 10 s, chaos.MONITOR_S) fell in between and stopped
+    # it: then within that poll. Not both kills so: one survivor at least is measured.
+    own = 0
+    for k in r["kills"]:
+        for rank, exit_s in k["exit_s"].items():
+            if int(rank) in k["sigtermed"]:
+                assert exit_s is not None and exit_s < chaos.MONITOR_S + 2, k
+                continue
+            own += 1
+            assert k["detect_s"][rank] is not None and k["detect_s"][rank] < 3.0, k
+            assert exit_s is not None and exit_s < 4.0, k
+    assert own >= 1, r["kills"]
