@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 from ..rules import Rule
-from .kernel_cases import Case, Timed
+from .kernel_cases import Case, Timed, _zk_adam
 
 RULES = ("lion", "adamw8bit", "muon")
 OPS = {"lion": "lion_step_", "adamw8bit": "adamw8bit_step_", "muon": "muon_pieces"}
@@ -262,7 +262,6 @@ def build_rule_timed(n: int, log2n: int, cases: Sequence[Case], rules: Sequence[
                 if p == "zk-adamw32":  # zerokern's fp32-state step on the first zk backend
                     if not zk_backends:
                         continue
-                    from .kernels import _zk_adam
 
                     m32, v32 = rand(1e-3), rand(1e-6, positive=True)
                     timed.append(Timed(op, case.name, p, floor,

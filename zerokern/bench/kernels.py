@@ -53,6 +53,7 @@ from .kernel_cases import (  # noqa: F401 - re-exported: kernels.Case etc. are i
     ZK_BACKENDS,
     Case,
     Timed,
+    _zk_adam,
     adam_bytes,
     make_case,
 )
@@ -85,22 +86,6 @@ def default_providers(device: torch.device) -> List[str]:
     zks = [b for b in ZK_BACKENDS
            if not why_not[b] and not (b == "triton" and device.type == "cpu")]
     return zks + list(TORCH_PROVIDERS)
-
-
-def _zk_adam(backend: str, master, m, v, grad, param_out, device) -> Callable[[], None]:
-    step = torch.ones((), dtype=torch.int64, device=device)  # one step already taken
-    grad_scale = torch.ones((), dtype=torch.float32, device=device)
-    found_inf = torch.zeros((), dtype=torch.bool, device=device)
-    b1, b2 = HYPER["betas"]
-    kw = dict(lr=HYPER["lr"], beta1=b1, beta2=b2, eps=HYPER["eps"],
-              weight_decay=HYPER["weight_decay"], step=step, grad_scale=grad_scale,
-              found_inf=found_inf, backend=backend)
-
-    def fn():
-        zk.adam_step_(master, m, v, grad, param_out, **kw)
-
-    fn()  # builds / compiles the backend now, outside the timed reps
-    return fn
 
 
 def _torch_opt(param, grad32, m, v, foreach: bool) -> torch.optim.Optimizer:
