@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 def _rank(rank, ws, steps, chunk_log2, stage):
     import zerokern as zk
-    from zerokern.tools.gpt import build_gpt
     from zerokern.state import compact_master
+    from zerokern.tools.gpt import build_gpt
 
     compact_master.CHUNK_NUMEL = 1 << chunk_log2
     runs = {}

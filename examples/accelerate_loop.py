@@ -13,10 +13,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from zerokern.tools.gpt import build_gpt
-
 # was: from accelerate import Accelerator
 from zerokern.integrations.accelerate import ZeroAccelerator
+from zerokern.tools.gpt import build_gpt
 
 
 def main() -> None:

@@ -30,7 +30,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--model", default="tiny", help="zerokern.tools.gpt preset: tiny, small, 20m, 100m")
+    ap.add_argument("--model", default="tiny",
+                    help="zerokern.tools.gpt preset: tiny, small, 20m, 100m")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--lr", type=float, default=3e-3)

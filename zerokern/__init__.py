@@ -11,6 +11,6 @@ from . import checkpoint, checkpointing, kernels
 from .engine import init_distributed, initialize
 from .version import __version__
 
-__all__ = ["ZeroAdafactor", "ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint", "checkpointing",
-           "estimate_memory", "init_distributed", "initialize",
-           "kernels", "__version__"]
+__all__ = ["ZeroAdafactor", "ZeroAdamW", "ZeroLion", "ZeroMuon", "ZeroOptimizer", "checkpoint",
+           "checkpointing", "estimate_memory", "init_distributed", "initialize", "kernels",
+           "__version__"]

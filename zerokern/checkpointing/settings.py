@@ -46,7 +46,7 @@ class Settings:
     synchronize: bool = False
     profile: bool = False
 
-    def replace(self, **kw: Any) -> "Settings":
+    def replace(self, **kw: Any) -> Settings:
         vals = {f.name: getattr(self, f.name) for f in fields(self)}
         vals.update({k: v for k, v in kw.items() if v is not None})
         return Settings(**vals)

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness, shm
-from .abort import (PeerLost, RankAborted, explain, is_timeout, on_abort, polled,
-                    timeout_error)
+from .abort import PeerLost, RankAborted, explain, is_timeout, on_abort, polled, timeout_error
 
 
 class RingRunner:

@@ -229,7 +229,8 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     if oo is not None:
         key, dev = _offload_section(oo, "offload_optimizer", {*NO_EFFECT_OFFLOAD, "ratio"})
         if "ratio" in oo and oo["ratio"] != 1.0:
-            raise ConfigError(f"config key {key}.ratio: partial offload is not supported (1.0 only)")
+            raise ConfigError(f"config key {key}.ratio: partial offload is not supported "
+                              "(1.0 only)")
         if dev == "nvme" and not isinstance(oo.get("nvme_path"), str):
             raise ConfigError(f"config key {key}.nvme_path: device 'nvme' needs the directory "
                              "for the state files (ZeroAdamW(offload_path=))")
@@ -303,7 +304,7 @@ WRITER_NO_EFFECT = {
               "data_parallel", "io_multiplier")}
 
 
-def _checkpoint(sec: Any, out: "EngineConfig") -> None:
+def _checkpoint(sec: Any, out: EngineConfig) -> None:
     """The `checkpoint` section: tag_validation and writer.decoupled (DeepSpeed 0.19's
     decoupled checkpoint engine: zerokern's async_save); the other DeepSpeed keys, e.g.
     load_universal or use_node_local_storage, raise as unknown."""

@@ -20,8 +20,9 @@ each group has `use_muon` set. Params with more than 2 dims are orthogonalized a
 (shape[0], prod(shape[1:])) matrix, the lr scaled by that matrix's shape (torch.optim.Muon
 takes 2-D params only; this is the usual reshape for convs).
 Hyperparameters: a Muon group's keys are torch.optim.Muon's (lr, weight_decay, momentum,
-nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, and ns_method), an AdamW group's torch.optim.AdamW's
-(lr, betas, eps, weight_decay), defaulting to `adamw_lr`, `adamw_betas`, `adamw_eps`,
+nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, and ns_method), an AdamW group's
+torch.optim.AdamW's (lr, betas, eps, weight_decay),
+defaulting to `adamw_lr`, `adamw_betas`, `adamw_eps`,
 `adamw_weight_decay`. A key of the other rule in a group is a ValueError, never ignored.
 """
 

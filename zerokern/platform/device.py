@@ -172,7 +172,7 @@ class DeviceHandle:
             torch.manual_seed(seed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _by_type(device_type: str) -> DeviceHandle:
     return DeviceHandle(device_type)
 
@@ -186,7 +186,7 @@ def handle(device: Union[DeviceLike, torch.Tensor] = None) -> DeviceHandle:
         return _by_type(device.device.type)
     if isinstance(device, (str, int)):
         return _by_type(torch.device(device).type)
-    return _by_type(str(getattr(device, "type")))
+    return _by_type(str(device.type))
 
 
 def accelerator() -> DeviceHandle:

@@ -152,7 +152,7 @@ class CopyStream:
     offload's backward prefetch]), through the device handle (platform/device.py);
     `for_device` answers None on the CPU."""
 
-    _STREAMS: Dict[Any, "CopyStream"] = {}
+    _STREAMS: Dict[Any, CopyStream] = {}
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -160,7 +160,7 @@ class CopyStream:
         self.stream = self.dev.stream(device)
 
     @classmethod
-    def for_device(cls, device: torch.device) -> Optional["CopyStream"]:
+    def for_device(cls, device: torch.device) -> Optional[CopyStream]:
         if not handle(device).is_accelerator:
             return None
         device = handle(device).indexed(device)

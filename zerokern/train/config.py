@@ -67,7 +67,7 @@ class TrainConfig:
 DEFAULT_SAVE_DIR = str(Path("runs") / "checkpoints")
 
 
-def save_dir(cfg: "TrainConfig") -> str:
+def save_dir(cfg: TrainConfig) -> str:
     return cfg.save_dir or DEFAULT_SAVE_DIR
 
 
@@ -97,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int_at_least(1), default=d["steps"],
                    help=f"optimizer steps (default {d['steps']})")
     p.add_argument("--model-size", choices=list(PRESETS), default=d["model_size"],
-                   help=f"zerokern.tools.gpt preset, with the byte vocab (default {d['model_size']})")
+                   help="zerokern.tools.gpt preset, with the byte vocab "
+                        f"(default {d['model_size']})")
     p.add_argument("--batch", type=int_at_least(1), default=d["batch"],
                    help=f"sequences per rank per step (default {d['batch']})")
     p.add_argument("--global-batch", type=int_at_least(1), default=None, metavar="G",
