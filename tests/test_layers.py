@@ -9,9 +9,9 @@ control: a copy of the package with one upward import added (state -> optimizer)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
-import re
 import sys
 from pathlib import Path
 

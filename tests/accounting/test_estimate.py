@@ -46,8 +46,8 @@ from zerokern import cli
 from zerokern.accounting import cli as EC
 from zerokern.accounting import estimate as E
 from zerokern.accounting.formula import estimate_memory
-from zerokern.tools.gpt import GPT, PRESETS, build_gpt
 from zerokern.layout.partition import ALIGN
+from zerokern.tools.gpt import GPT, PRESETS, build_gpt
 
 ELEM = {"fp32": 4, "bf16": 2}
 STAGES = [0, 1, 2]

@@ -4,14 +4,14 @@ loss falling on the fixed batch, and the report's spreads computed from the rows
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,13 +10,13 @@ rank is waited for, and a real save and load of a model goes through.
 
 from __future__ import annotations
 
-import pytest
-
 import time
 
+import pytest
 import torch
 
 from zerokern.tools import spawn as zk_spawn
+
 # the setting by name (a literal: this file also runs against the code before it)
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
 from ..support.tp_ops import CopyToTP as _CopyToTP
 from ..support.tp_ops import ReduceFromTP as _ReduceFromTP
 

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 import zerokern.checkpointing as ck
+from tests.checkpointing.common import BATCH, N_LAYERS, RNG_SEED, SEQ, Block, D, Model, data, train
 from zerokern.checkpointing import api
-from tests.checkpointing.common import (BATCH, D, N_LAYERS, RNG_SEED, SEQ, Block, Model, data,
-                                        train)
 
 STEPS = 3
 IN_BYTES = BATCH * SEQ * D * 4  # one checkpointed input (fp32)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.checkpointing.common import (BATCH, D, N_LAYERS, RNG_SEED, SEQ, Model, train)
+from tests.checkpointing.common import BATCH, N_LAYERS, RNG_SEED, SEQ, D, Model, train
 from tests.support.harness import cached, case, run_cases
 
 STEPS = 3
@@ -134,8 +134,9 @@ def _rng_streams(rank):
 
 def _mesh_run(rank, cpu):
     """configure(DeviceMesh) with Pa (and cpu): bytes per rank after one forward."""
-    import zerokern.checkpointing as ck
     from torch.distributed.device_mesh import init_device_mesh
+
+    import zerokern.checkpointing as ck
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     with warnings.catch_warnings():

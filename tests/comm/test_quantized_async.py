@@ -27,10 +27,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerokern.comm import quantized as Q
-from zerokern.platform.device import handle as device_handle
 from zerokern.comm.collectives import GroupComm
 from zerokern.comm.mesh import make_comm
 from zerokern.kernels.blockquant import codec_for
+from zerokern.platform.device import handle as device_handle
 
 from ..support.harness import cached, case, run_cases
 

@@ -21,8 +21,9 @@ import time
 import pytest
 import torch
 
-from zerokern.tools import spawn as zk_spawn
 from zerokern.comm import exit_guard, shm
+from zerokern.tools import spawn as zk_spawn
+
 # the settings by name (literals: this file also runs against the code before them)
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"
 SPAWN_TIMEOUT_ENV, GRACE_ENV = "ZEROKERN_SPAWN_TIMEOUT_S", "ZEROKERN_SPAWN_GRACE_S"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.support.harness import cached, case, run_cases
+
 from ..support.tp_ops import CopyToTP as _CopyToTP
 from ..support.tp_ops import ReduceFromTP as _ReduceFromTP
 

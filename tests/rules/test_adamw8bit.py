@@ -501,8 +501,8 @@ def test_a_per_block_rule_outside_zerokern_checkpoints_through_its_statespecs(tm
     'm_scale' (checkpoint/block_states.py's PAIRS named exp_avg_absmax and exp_avg_sq_absmax
     only). The renamed rule trains bit for bit as ZeroAdamW(state_bits=8) (the control that it
     is the per-block rule it claims)."""
-    from zerokern.kernels.quant8 import code_map
     from zerokern.core.optimizer import ZeroOptimizer
+    from zerokern.kernels.quant8 import code_map
 
     rule = _renamed_rule()
     hp = dict(rule.defaults, lr=2e-3, weight_decay=0.01)
