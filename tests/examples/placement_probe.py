@@ -26,14 +26,17 @@ import torch
 class Probe:
     def __init__(self) -> None:
         self.placed = set()   # data_ptrs of storages a script moved to a device
-        self.keep = []        # (their tensors stay alive: no address is reused for another)
+        # their storages stay alive, so no address is reused for another tensor (the storage,
+        # not the tensor: ZeroAdamW re-points a param's .data at its flat buffer, which freed
+        # the old storage and let a new batch land at a marked address, a flaky pass)
+        self.keep = []
         self.roots = {}       # id(model) -> model, the models of zerokern optimizers
         self.optimizers = self.forwards = 0
 
     def mark(self, t) -> None:
         if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
             self.placed.add(t.untyped_storage().data_ptr())
-            self.keep.append(t)
+            self.keep.append(t.untyped_storage())
 
     def moved(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.placed
