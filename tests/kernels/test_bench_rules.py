@@ -90,6 +90,7 @@ def test_torch_eager_muon_pieces_are_zerokerns():
     assert _rel(a[0], master) > 1e-6  # it moved
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 9 s of benchmark smoke (the 8-bit rows' peers)
 def test_bench_kernels_rules_quick(tmp_path):
     """Rows per rule (zk cpu kernel and its peers, fp32 case), the Newton-Schulz rows, the byte
     floors in the JSON; every header printed whole when piped (issue 25 Note)."""
