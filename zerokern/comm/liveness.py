@@ -66,6 +66,7 @@ from typing import Callable, List, Optional
 from .errors import PeerLost
 
 BEAT_S = 0.5  # s between two beats of the thread (heartbeat, pid checks, the verdict key)
+JOIN_WAIT_S = 10.0  # the longest a new watcher waits for the peers' identities
 PEER_DEAD_ENV = "ZEROKERN_PEER_DEAD_S"
 PEER_DEAD_DEFAULT_S = 30.0
 CONFIRM_S = 2.0  # s a connection error waits for the thread to name the lost rank (4 beats)
@@ -222,6 +223,16 @@ class Liveness:
         self._stop = threading.Event()
         self.store.set(f"{_KEY}/beat/{rank}", "0")
         self.store.append(f"{_KEY}/who", json.dumps({"rank": rank, **self.me}) + "\n")
+        # Know every peer's identity before the first collective (a rank, or the store's
+        # host, lost early is then named, not "the launcher"): the ranks start their watchers
+        # together (the first process group's abort channel), so this waits milliseconds;
+        # bounded by JOIN_WAIT_S for a rank that never builds one (the ticks read it later).
+        t0 = time.monotonic()
+        while True:
+            self._read_peers()
+            if len(self.peers) >= world_size or time.monotonic() - t0 > JOIN_WAIT_S:
+                break
+            time.sleep(0.02)
         self._thread = threading.Thread(target=self._run, name="zerokern-liveness",
                                         daemon=True)
         self._thread.start()

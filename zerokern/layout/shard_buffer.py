@@ -92,8 +92,11 @@ class ShardBuffer:
         key = (lo, hi, view.device)
         if key not in cache:
             ranges = self.layout.pad_ranges(lo, hi)
-            cache[key] = torch.cat([torch.arange(a - lo, b - lo) for a, b in ranges] +
-                                   [torch.zeros(0, dtype=torch.int64)]).to(view.device)
+            # made on the device (arange there): no host->device copy on the backward path,
+            # which the fake-CUDA run flagged (tests/gpu_control, stage2-8bit)
+            dev = view.device
+            cache[key] = torch.cat([torch.arange(a - lo, b - lo, device=dev) for a, b in ranges]
+                                   + [torch.zeros(0, dtype=torch.int64, device=dev)])
         if cache[key].numel():
             view.index_fill_(0, cache[key], 0)
 
