@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from zerokern.stage3 import gather_stream, param_homes
-from zerokern.stage3.backward import Stage3Backward
+from zerokern.stage3.runtime import Stage3Runtime
 from zerokern.stage3.sharded_flat import ShardedFlat
 
 from ..support import models as M
@@ -87,18 +87,18 @@ def _run(monkeypatch, instrument: bool, offload_params):
                 log.append((_name, getattr(self, "_landed", None) is not None))
                 return _real(self)
             monkeypatch.setattr(ShardedFlat, name, wrapped)
-        real_reduce = Stage3Backward._reduce_async
+        real_reduce = Stage3Runtime._reduce_async
 
         def reduce_async(self, *a):
             log.append(("rs", fake.inside))
             return real_reduce(self, *a)
-        monkeypatch.setattr(Stage3Backward, "_reduce_async", reduce_async)
-        real_end = Stage3Backward.end_backward
+        monkeypatch.setattr(Stage3Runtime, "_reduce_async", reduce_async)
+        real_end = Stage3Runtime.end_backward
 
         def end_backward(self):
             real_end(self)
             log.append(("end_backward",))
-        monkeypatch.setattr(Stage3Backward, "end_backward", end_backward)
+        monkeypatch.setattr(Stage3Runtime, "end_backward", end_backward)
     model = M.make_model()
     kw = {} if offload_params is None else dict(offload="cpu", offload_params=offload_params)
     opt = M.zero_opt(model, 3, "bf16", backend="cpu", **kw)

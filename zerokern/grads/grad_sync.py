@@ -66,7 +66,7 @@ class TrainingState(enum.Enum):
     - IDLE: between backward passes (a forward, the step, zero_grad);
     - PRE_BACKWARD: a backward began (its first hook ran: the scaled loss's, or a param's
       gradient) and its end is queued; stage 3 has not reached a unit yet;
-    - BACKWARD: stage 3's backward cursor reached a unit (stage3/backward.py): params are
+    - BACKWARD: stage 3's backward cursor reached a unit (stage3/runtime.py): params are
       gathered for backward, and a forward now is an activation checkpoint's recompute.
     The backward's end callback returns it to IDLE."""
 

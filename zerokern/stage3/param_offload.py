@@ -190,7 +190,7 @@ class OffloadedShardedFlat(ShardedFlat):
             self.homes.write_step(self)
 
 
-# -- Stage3Runtime's calls (runtime.py, backward.py) ---------------------------------------------
+# -- Stage3Runtime's calls (runtime.py) ---------------------------------------------
 def _homes(sync):
     bufs = sync.groups or sync.frozen  # (O(1): called at every prefetch)
     return getattr(bufs[0], "homes", None) if bufs else None
