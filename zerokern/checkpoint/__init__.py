@@ -6,13 +6,15 @@
     zk.checkpoint.latest(dir)                # newest complete checkpoint under dir
     zk.checkpoint.load(path, model, opt)     # collective; any world size, stage, precision
     zk.checkpoint.consolidate(path)          # full fp32 state dict for model.load_state_dict
+    zk.checkpoint.recover_from_replica(model, opt)  # HSDP: a replica's state from a live one
     zerokern consolidate DIR OUT             # the same, to a .pt or .safetensors file
 
 The format is in format.py [Note: checkpoint format, version 1], the atomic replace in
 writer.py [Note: atomic replace], the load rules in reader.py [Note: load is all-or-nothing],
 everything read from the optimizer in views.py, asynchronous saves in async_save.py
 [Note: asynchronous saves], and the choice of the newest complete one in latest.py
-[Note: latest].
+[Note: latest], and an HSDP replica's recovery from a live replica (no checkpoint) in
+replica.py [Note: recovery from a live replica].
 """
 
 from .async_save import AsyncSave, SaveState, wait
@@ -27,8 +29,10 @@ from .format import (
 )
 from .latest import latest
 from .reader import load
+from .replica import recover_from_replica
 from .saving import save
 
-__all__ = ["save", "load", "consolidate", "verify", "latest", "wait", "AsyncSave", "SaveState",
+__all__ = ["save", "load", "consolidate", "verify", "latest", "wait", "recover_from_replica",
+           "AsyncSave", "SaveState",
            "VERSION", "CheckpointError", "ChecksumError", "MissingFileError",
            "ModelMismatchError", "VersionError"]
