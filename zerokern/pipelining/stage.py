@@ -1,0 +1,198 @@
+"""`ZeroPipelineStage`: torch's `PipelineStage` whose data-parallel side is a zerokern optimizer.
+
+torch's stage knows two data-parallel wrappers (stage.py, `backward_maybe_with_nosync` and
+`perform_reduce_grad`): DDP (`no_sync()` except in the last backward) and FSDP2
+(`set_requires_gradient_sync(False)`, then the reduction in `perform_reduce_grad`). This is the
+same contract for a zerokern optimizer, which owns the stage's params (any ZeRO stage 0-3).
+
+[Note: one reduction per schedule step]
+A schedule step runs one backward per micro-batch and stage. Every backward but the rank's
+last runs under `opt.no_sync()` (grads accumulate locally, torch's sum semantics); the last one
+runs outside it, so the optimizer reduces (reduce-scatters at stages 1-3, all-reduces at 0)
+everything accumulated, once. "The rank's last": with several stages on a rank (interleaved)
+the optimizer is shared ([Note: one optimizer per rank]), and a stage's own last backward is
+not the rank's last while another of the rank's stages still has backwards to run, so the
+stages of one optimizer count their last backwards together (`_RankStages`).
+
+[Note: one optimizer per rank]
+With several stages per rank there is one optimizer over all of the rank's stage modules, not
+one per module. The plan's agreement (comm/plan.py: the grad norm, the overflow flag) sums
+over the pp group by position: rank r's optimizer meets rank r''s. With one optimizer per
+module, rank 0's optimizer of stage 0 would meet rank 1's of stage 1 and rank 0's of stage 2
+rank 1's of stage 3: two partial norms, neither global. One optimizer per rank makes the sum
+over the pp group the sum over every stage. Two stages of one rank holding different
+optimizers are refused (agreement.py).
+
+[Note: the loss scale through the pipeline]
+The last stage's backward starts from `opt.scale_loss(loss)`: the loss times the loss scale.
+The grads it sends back carry that scale, so an earlier stage's grads are scaled by the same
+factor; its backward starts from those output grads, and is marked as scaled (the hook
+`scale_loss` puts on a loss, put here on the stage's outputs). Every rank's scale is the same:
+they start from the same scale (agreement.py compares it) and update it from the same
+agreed overflow flag (the plan's pp role), so one scale divides every stage's grads.
+The schedule's `scale_grads` (divide the grads by the number of micro-batches) is folded into
+the same product: the last stage's loss is divided by n before the backward, and every
+stage's grads follow (they are linear in the loss). torch divides `p.grad` after the last
+backward instead; at stages 1-3 `p.grad` is sharded, so it cannot be divided there. The one
+difference: two schedule steps before one `opt.step()` sum as (g1 + g2) / n here, and as
+(g1 / n + g2) / n in torch (which divides whatever `p.grad` holds).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Optional
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+
+from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.pipelining import agreement
+
+# optimizer -> the ZeroPipelineStages built with it on this rank
+_BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, _RankStages] = weakref.WeakKeyDictionary()
+
+
+class _RankStages:
+    """The stages of one optimizer on this rank, and which of them ran their last backward of
+    the current schedule step ([Note: one reduction per schedule step])."""
+
+    def __init__(self) -> None:
+        self.stages: List[weakref.ref] = []
+        self.done: set = set()
+
+    def live(self) -> list:
+        return [s for s in (r() for r in self.stages) if s is not None]
+
+
+def _tensors(value) -> list:
+    """The tensors in a stage's output (a tensor, or nested tuples/lists/dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class ZeroPipelineStage(PipelineStage):
+    """A pipeline stage whose params a zerokern optimizer owns: torch's `PipelineStage` with
+    the optimizer's gradient sync, loss scale and agreement (zerokern.pipelining).
+
+    Args:
+        submodule: this stage's module (its params are the optimizer's, or frozen).
+        stage_index: this stage's index in the pipeline.
+        num_stages: the number of stages in the pipeline.
+        device: the device the stage runs on.
+        optimizer: the zerokern optimizer (`ZeroAdamW`, ...) over this rank's stage modules,
+            built with `mesh=` the world mesh (its "pp" dim: the plan's pp role). With several
+            stages per rank, one optimizer over all of them, given to each stage.
+        input_args: as torch's `PipelineStage` (example inputs; inferred when None).
+        output_args: as torch's `PipelineStage`.
+        group: the pipeline's process group (`world["pp"].get_group()`); it must be the
+            optimizer's pp group.
+        dw_builder: as torch's `PipelineStage` (not supported: must be None).
+
+    Raises:
+        TypeError: optimizer is not a zerokern optimizer.
+        ValueError: dw_builder given. Everything that needs the other ranks (the schedule,
+            the stage layout, overlapping params, the optimizer's mesh) is checked at the
+            first `schedule.step()`, on every rank at once (agreement.py).
+    """
+
+    def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device, optimizer: ZeroOptimizer, input_args=None,
+                 output_args=None, group=None, dw_builder=None) -> None:
+        if not isinstance(optimizer, ZeroOptimizer):
+            raise TypeError("optimizer must be a zerokern optimizer (ZeroAdamW, ZeroLion, ...) "
+                            f"over this stage's params, got {type(optimizer).__name__}")
+        if dw_builder is not None:
+            raise ValueError("dw_builder: a custom weight-gradient builder is not supported "
+                             "with a zerokern optimizer (its grads must reach the optimizer's "
+                             "hooks through autograd); pass dw_builder=None")
+        super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
+                         output_args=output_args, group=group)
+        self.optimizer = optimizer
+        self._rank_stages = _BY_OPTIMIZER.setdefault(optimizer, _RankStages())
+        self._rank_stages.stages.append(weakref.ref(self))
+        self._schedule: Optional[weakref.ref] = None  # the schedule running this stage
+        self._fold = 1  # the schedule's scale_grads divisor, folded into the loss
+
+    # ---- the schedule step --------------------------------------------------------------------
+    def clear_runtime_states(self) -> None:
+        """Called by the schedule at the start of every step, before any communication: the
+        first time a schedule runs this stage, the job's agreement (agreement.py)."""
+        super().clear_runtime_states()
+        self._rank_stages.done.discard(self.stage_index)
+        schedule = agreement.calling_schedule()
+        if schedule is not None and (self._schedule is None or self._schedule() is not schedule):
+            agreement.agree_on_schedule(schedule, self)  # ValueError on every rank
+        self._fold = 1
+        if schedule is not None and schedule.scale_grads:
+            self._fold = schedule._n_microbatches
+        if schedule is not None:
+            self._schedule = weakref.ref(schedule)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """Nothing to do: the factor is folded into the last stage's loss ([Note: the loss
+        scale through the pipeline])."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None,
+                          save_forward_output: bool = True):
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        except Exception as e:
+            self._failed(e)
+            raise
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        except Exception as e:
+            self._failed(e)
+            raise
+
+    def _failed(self, error: BaseException) -> None:
+        """This rank raises inside the schedule: its peers must not wait for it
+        (agreement.py [Note: a failure inside the schedule])."""
+        agreement.post_failure(self, error)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
+                                   last_backward: bool = False):
+        """One micro-batch's backward: under `opt.no_sync()` unless it is the rank's last of
+        the step ([Note: one reduction per schedule step]), from the scaled loss at the last
+        stage ([Note: the loss scale through the pipeline])."""
+        if backward_type != "full":
+            raise ValueError(f"ZeroPipelineStage: a split backward ({backward_type!r}) is not "
+                             "supported (zero-bubble schedules); use one of "
+                             f"{agreement.SUPPORTED_SCHEDULES}")
+        opt = self.optimizer
+        bwd_kwargs = dict(bwd_kwargs)
+        if self.is_last:
+            loss = bwd_kwargs["stage_output"]
+            if self._fold != 1:
+                loss = loss / self._fold
+            bwd_kwargs["stage_output"] = opt.scale_loss(loss)
+        else:
+            for t in _tensors(bwd_kwargs["stage_output"]):
+                opt.grad_sync.mark_scaled_loss(t)
+        sync = False
+        if last_backward:
+            rs = self._rank_stages
+            rs.done.add(self.stage_index)
+            mine = {s.stage_index for s in self._stages_of_step()}
+            sync = mine <= rs.done
+        if sync:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with opt.no_sync():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def _stages_of_step(self) -> list:
+        """This optimizer's stages that the running schedule drives on this rank."""
+        schedule = None if self._schedule is None else self._schedule()
+        if schedule is None:
+            return [self]
+        return [s for s in agreement.schedule_stages(schedule)
+                if getattr(s, "optimizer", None) is self.optimizer]
