@@ -6,6 +6,9 @@ In process (world size 1):
 - a write that fails in the background (ENOSPC injected into the file writes of the writer
   thread only) reaches the caller at wait(), once; the previous checkpoint is untouched and
   still loads, training goes on unharmed, and the next save commits;
+- a disk failing mid-save (ENOSPC or EIO at a file's second write, EIO at a data file's
+  fsync): the error keeps its errno and carries a note naming the checkpoint; every committed
+  byte is unchanged and the training state equals a run that never saved, bit for bit;
 - the same failure with no wait() surfaces at the next save() instead (nothing written then);
 - a process that exits without wait() commits the pending save at exit (atexit);
 - the staging buffer is reused across saves (bounded: one copy of the share);
@@ -156,6 +159,78 @@ def test_background_enospc_is_raised_once_and_keeps_the_previous_checkpoint(tmp_
     now = _state(model, opt)
     ck.save(path, model, opt, async_save=True).wait()
     assert _same_state(_state(*_fresh_load(path)), now)
+
+
+class _DiskFails:
+    """A disk failing in the writer thread only, mid-save: the `nth` DataFile.write (bytes of
+    the file already written before it) or the fsync of a data file, with errno `code`."""
+
+    def __init__(self, code: int, where: str, nth: int = 2) -> None:
+        self.code, self.where, self.nth, self.calls = code, where, nth, 0
+
+    def _fail(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.calls += 1
+            if self.calls >= self.nth:
+                raise OSError(self.code, os.strerror(self.code))
+
+    def __enter__(self):
+        if self.where == "write":
+            real = ck_format.DataFile.write
+
+            def write(df, t):
+                self._fail()
+                return real(df, t)
+            self._patch = mock.patch.object(ck_format.DataFile, "write", write)
+        else:
+            real = os.fsync
+
+            def fsync(fd):
+                self._fail()
+                return real(fd)
+            self._patch = mock.patch.object(ck_format.os, "fsync", fsync)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._patch.__exit__(*exc)
+
+
+def _all_bytes(d) -> dict:
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("code,where", [(errno.ENOSPC, "write"), (errno.EIO, "write"),
+                                        (errno.EIO, "fsync")], ids=["ENOSPC-write",
+                                                                    "EIO-write", "EIO-fsync"])
+def test_a_disk_failing_mid_save_is_a_clear_error_and_harms_nothing(tmp_path, code, where):
+    """Issue 39 (a disk that fails): the error reaches the caller at wait() with its errno and
+    a note naming the checkpoint and saying nothing was committed (on the code before it, a
+    bare OSError naming no file: the note check fails there); every committed byte is
+    unchanged; the training state equals, bit for bit, a run that never saved."""
+    path = str(tmp_path / "ck")
+    ref_model = M.make_model()
+    ref_opt = M.zero_opt(ref_model, 1, "bf16", backend="reference")
+    M.train_zero(ref_model, ref_opt, 0, 1, 3)  # never saved
+    model = M.make_model()
+    opt = M.zero_opt(model, 1, "bf16", backend="reference")
+    M.train_zero(model, opt, 0, 1, 1)
+    ck.save(path, model, opt)
+    committed = _all_bytes(path)
+    M.train_zero(model, opt, 0, 1, 1, start=1)
+    with _DiskFails(code, where) as disk:
+        handle = ck.save(path, model, opt, async_save=True)
+        M.train_zero(model, opt, 0, 1, 1, start=2)
+        with pytest.raises(OSError) as ei:
+            handle.wait()
+    assert disk.calls >= 2  # it failed in the middle: something was written before
+    assert ei.value.errno == code
+    notes = "\n".join(getattr(ei.value, "__notes__", []))
+    assert f"asynchronous save to {path} failed" in notes, notes
+    assert errno.errorcode[code] in notes and "Nothing of it was committed" in notes, notes
+    assert _all_bytes(path) == committed  # nothing committed was touched
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the failed save's tmp dir is gone
+    assert _same_state(_state(model, opt), _state(ref_model, ref_opt))  # training unharmed
 
 
 def test_staging_buffer_is_reused_across_saves(tmp_path):

@@ -68,6 +68,7 @@ import copy
 import dataclasses
 import datetime
 import enum
+import errno
 import os
 import shutil
 import sys
@@ -190,7 +191,7 @@ class AsyncSave:
             hook.remove()
         if self.state is SaveState.FAILED:
             self.state = SaveState.REPORTED
-            raise self._error
+            raise _explained(self._error, self.path)
         return self.path if self.state is SaveState.COMMITTED else None
 
     def close(self) -> None:
@@ -364,6 +365,21 @@ def _stage_big(job: writer.SaveJob, carve: _Carver, events) -> writer.SaveJob:
     if hasattr(job.view, "matrix"):
         changes["matrix"] = staged_matrix
     return dataclasses.replace(job, view=dataclasses.replace(job.view, **changes))
+
+
+def _explained(e: BaseException, path: str) -> BaseException:
+    """The error of a background write, with a note saying what failed and what did not: it
+    reaches the caller at a later call (wait, save, load), far from the write (an OSError of a
+    file write names neither the file nor the checkpoint). The type and errno stay."""
+    if isinstance(e, Exception) and hasattr(e, "add_note"):
+        what = ""
+        if isinstance(e, OSError) and e.errno is not None:
+            what = f" ({errno.errorcode.get(e.errno, e.errno)}: {os.strerror(e.errno)})"
+        e.add_note(f"zerokern.checkpoint: the asynchronous save to {path} failed in its "
+                   f"background write{what}. Nothing of it was committed: the checkpoints "
+                   "committed before are untouched and the training state was only read. "
+                   "Training can go on; the next save writes the checkpoint again.")
+    return e
 
 
 class _ScalerSnapshot:

@@ -161,7 +161,9 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
                        tok_s=f"{tokens_per_step * (step + 1 - start) / elapsed:,.0f}",
                        scale=f"{opt.loss_scale.item():g}")
             shown = step + 1
-    zk.checkpoint.wait()  # the last async save commits (or raises) before the report
+    if checkpoints:
+        wait_for_save(cfg)  # the last async save commits (or stops the run) before the report
+    zk.checkpoint.wait()
     handle(device).synchronize(device)
     train_s = max(time.perf_counter() - t0, 1e-9)
     bar.close()
@@ -207,8 +209,39 @@ def save(cfg: TrainConfig, model, opt, sched, losses: torch.Tensor, step: int,
     ranks = _gather(mine)
     state = {"step": step, "scheduler": sched.state_dict(), "ranks": ranks,
              "run": {k: getattr(cfg, k) for k in RESUME_KEYS}}
-    zk.checkpoint.save(_step_dir(cfg, step), model, opt, async_save=True,
-                       client_state={TRAIN_KEY: state})
+    try:  # raises the previous async save's failure (a full or failing disk), if any
+        zk.checkpoint.save(_step_dir(cfg, step), model, opt, async_save=True,
+                           client_state={TRAIN_KEY: state})
+    except Exception as e:
+        _save_failed(cfg, e, f"before saving step {step}")
+        raise
+
+
+def wait_for_save(cfg: TrainConfig) -> None:
+    """The last async save commits, or its failure stops the run (with `_save_failed`)."""
+    import zerokern as zk
+
+    try:
+        zk.checkpoint.wait()
+    except Exception as e:
+        _save_failed(cfg, e, "at the end of the run")
+        raise
+
+
+def _save_failed(cfg: TrainConfig, e: Exception, when: str) -> None:
+    """A failed checkpoint write stops the run (issue 39: a disk that fails): training on
+    without checkpoints would lose ever more work at the next fault. The error keeps its type
+    (OSError with its errno, CheckpointError) and says where a restart resumes from."""
+    import zerokern as zk
+
+    if hasattr(e, "add_note"):
+        try:
+            last = zk.checkpoint.latest(save_dir(cfg), verify=False)
+        except Exception:  # noqa: BLE001 - the disk itself may fail to list
+            last = None
+        e.add_note(f"zerokern train: stopped {when}: a checkpoint write failed. The newest "
+                   f"committed checkpoint is {last or 'none (no save has committed)'}; "
+                   "`--resume auto` continues from it once the disk is fixed.")
 
 
 def resume(cfg: TrainConfig, model, opt, sched, losses: torch.Tensor,
