@@ -25,6 +25,24 @@ Reported per kill: the step it hit, the steps recomputed (steps the killed attem
 the checkpoint the next attempt resumed from: at most the save interval plus the steps trained
 while an async save was still writing), and each survivor's detection time (its PeerLost's
 time minus the kill's).
+
+[Note: a restart at another world size]
+With `resize_to` (2 -> 3 ranks), one kill of the schedule (seeded; not the mid-save one) ends
+the first torchrun job: its --max-restarts is the number of kills before it, so that kill finds
+no restart left, as a job that lost a node and is started again on another set of machines.
+A second torchrun job on `resize_to` ranks then resumes from the same save dir (`--resume
+auto`: the checkpoint reshards on load), and the kills after it land there (its restarts
+stay at the new size). Every run passes `--global-batch G`: the micro-batches per rank become
+G / (batch x ranks), so each step trains on the same G sequences at either size (DeepSpeed's
+elastic config keeps train_batch_size the same way); the new job's log must say so. Checks:
+- every checkpoint up to the one the new size resumed from equals the reference's bit for
+  bit (they were written at the old size);
+- an uninterrupted run at the new size from a copy of that checkpoint (a third torchrun job,
+  never killed): every later checkpoint of the chaos run equals its own bit for bit (at one
+  world size a resume is bitwise, and the kills after the resize are resumes at the new size);
+- the final params against the uninterrupted run at the old size: not bitwise (a step's
+  gradient is summed in another order over 3 ranks x 2 micro-batches than over 2 x 3), the
+  max abs difference is reported.
 """
 
 from __future__ import annotations
@@ -67,12 +85,16 @@ class Kill:
     detect_s: Dict[int, Optional[float]] = field(default_factory=dict)  # survivor rank -> s
     exit_s: Dict[int, Optional[float]] = field(default_factory=dict)  # survivor rank -> s
     sigtermed: List[int] = field(default_factory=list)  # survivors torchrun had to stop
+    nproc: int = 2        # the ranks of the attempt killed
+    ends_job: bool = False  # the kill that ends the first torchrun job (resize: no restart left)
 
 
-def train_args(steps: int, save_every: int, seq: int, batch: int, seed: int) -> List[str]:
+def train_args(steps: int, save_every: int, seq: int, batch: int, seed: int,
+               global_batch: Optional[int] = None) -> List[str]:
+    g = [] if global_batch is None else ["--global-batch", str(global_batch)]
     return ["--model-size", "tiny", "--device", "cpu", "--steps", str(steps), "--seq", str(seq),
             "--batch", str(batch), "--seed", str(seed), "--save-every", str(save_every),
-            "--resume", "auto"]
+            "--resume", "auto", *g]
 
 
 def torchrun_cmd(args: List[str], nproc: int, max_restarts: int,
@@ -90,15 +112,20 @@ def _env(events: Optional[Path]) -> dict:
     return env
 
 
-def read_events(events: Path) -> List[dict]:
+def read_events(events: Path, restart_offset: int = 0) -> List[dict]:
+    """Every rank's events, by time; `restart_offset` is added to the restart counts (a second
+    torchrun job's attempts numbered after the first job's)."""
     out = []
     for f in sorted(events.glob("pid*.jsonl")):
         for line in f.read_text().splitlines():
             if line.strip():
                 try:
-                    out.append(json.loads(line))
+                    e = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by the SIGKILL
-                    pass
+                    continue
+                if "restart" in e:
+                    e["restart"] += restart_offset
+                out.append(e)
     return sorted(out, key=lambda e: e["t"])
 
 
@@ -123,57 +150,139 @@ def _alive(pid: int) -> bool:
 
 def run_chaos(work: Path, steps: int, save_every: int, kills: int, seed: int, nproc: int = 2,
               seq: int = 128, batch: int = 16, max_restarts: int = 8, timeout_s: float = 900,
-              monitor_s: float = MONITOR_S, log=print) -> dict:
-    """Steps 1-3 of [Note: the chaos run]; returns the report (see `summarize`)."""
+              monitor_s: float = MONITOR_S, log=print, resize_to: Optional[int] = None,
+              global_batch: Optional[int] = None) -> dict:
+    """Steps 1-3 of [Note: the chaos run] (4 with `resize_to`: [Note: a restart at another
+    world size]); returns the report (see `summarize`)."""
+    if resize_to is not None and global_batch is None:
+        raise ValueError("resize_to needs global_batch (the global batch the runs keep)")
     rng = random.Random(seed)
-    args = train_args(steps, save_every, seq, batch, seed=0)
+    args = train_args(steps, save_every, seq, batch, seed=0, global_batch=global_batch)
     ref_dir, run_dir = work / "reference", work / "chaos"
     log(f"chaos: seed {seed}; reference run ({steps} steps, {nproc} ranks)")
     t0 = time.time()
-    ref = subprocess.run(torchrun_cmd([*args, "--save-dir", str(ref_dir / "ck"), "--out",
-                                       str(ref_dir / "out")], nproc, 0),
-                         env=_env(None), cwd=REPO, capture_output=True, text=True,
-                         timeout=timeout_s)
-    if ref.returncode != 0:
-        raise RuntimeError("the reference run failed:\n" + ref.stdout[-3000:] + ref.stderr[-3000:])
+    _torchrun_job(args, ref_dir, nproc, timeout_s)
     ref_s = time.time() - t0
     mid_save_at = rng.randrange(kills) if kills else -1
     # the kills' steps, spread over the run (two never at the same step)
     targets = sorted(rng.sample(range(save_every // 2, steps - save_every), kills))
-    events_dir = run_dir / "events"
+    # jobs: (ranks, the kills that land in it, torchrun's --max-restarts)
+    jobs = [(nproc, range(kills), max_restarts)]
+    resize_at = None
+    if resize_to is not None and kills:  # the kill that ends the first job (its last restart)
+        resize_at = rng.choice([i for i in range(kills) if i != mid_save_at] or [0])
+        jobs = [(nproc, range(resize_at + 1), resize_at),
+                (resize_to, range(resize_at + 1, kills), max_restarts)]
     save_dir = run_dir / "ck"
-    log_path = run_dir / "torchrun.log"
     run_dir.mkdir(parents=True, exist_ok=True)
+    done: List[Kill] = []
+    rcs: List[int] = []
+    events: List[dict] = []
+    log_text = ""
+    offset = 0  # the attempts of the jobs before
+    deadline = time.time() + timeout_s
     t0 = time.time()
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(torchrun_cmd([*args, "--save-dir", str(save_dir), "--out",
-                                              str(run_dir / "out")], nproc, max_restarts,
-                                             monitor_s),
-                                env=_env(events_dir), cwd=REPO, stdout=logf,
-                                stderr=subprocess.STDOUT)
-        done: List[Kill] = []
-        try:
-            for i in range(kills):
-                k = _one_kill(i, "mid-save" if i == mid_save_at else "random", targets[i],
-                              proc, rng, events_dir, save_dir, steps, nproc, t0 + timeout_s)
-                if k is None:
-                    log(f"chaos: kill {i}: the run ended first")
-                    break
-                done.append(k)
-                log(f"chaos: kill {i} ({k.kind}): rank {k.rank} (pid {k.pid}) of attempt "
-                    f"{k.restart} after step {k.step}" +
-                    (f", while {Path(k.saving).name} was being written" if k.saving else ""))
-            rc = proc.wait(timeout=max(1.0, t0 + timeout_s - time.time()))
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    for j, (n, idx, restarts) in enumerate(jobs):
+        events_dir = run_dir / ("events" if j == 0 else f"events-{j}")
+        log_path = run_dir / ("torchrun.log" if j == 0 else f"torchrun-{j}.log")
+        with open(log_path, "w") as logf:
+            proc = subprocess.Popen(torchrun_cmd([*args, "--save-dir", str(save_dir), "--out",
+                                                  str(run_dir / "out")], n, restarts,
+                                                 monitor_s),
+                                    env=_env(events_dir), cwd=REPO, stdout=logf,
+                                    stderr=subprocess.STDOUT)
+            try:
+                for i in idx:
+                    k = _one_kill(i - idx.start, "mid-save" if i == mid_save_at else "random",
+                                  targets[i], proc, rng, events_dir, save_dir, steps, n, deadline)
+                    if k is None:
+                        log(f"chaos: kill {i}: the run ended first")
+                        break
+                    k.index, k.restart, k.nproc = i, k.restart + offset, n
+                    k.ends_job = i == resize_at
+                    done.append(k)
+                    log(f"chaos: kill {i} ({k.kind}): rank {k.rank} (pid {k.pid}) of attempt "
+                        f"{k.restart} ({n} ranks) after step {k.step}" +
+                        (f", while {Path(k.saving).name} was being written" if k.saving else "")
+                        + (f"; the job ends: it restarts on {resize_to} ranks" if k.ends_job
+                           else ""))
+                rcs.append(proc.wait(timeout=max(1.0, deadline - time.time())))
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        events += read_events(events_dir, offset)
+        log_text += log_path.read_text(errors="replace")
+        offset += len(idx)
     chaos_s = time.time() - t0
-    events = read_events(events_dir)
-    _fill_in(done, events, nproc, log_path.read_text(errors="replace"))
+    events.sort(key=lambda e: e["t"])
+    _fill_in(done, events, nproc, log_text)
+    rc = rcs[-1]
+    cmp = None
+    resize = None
+    if resize_at is not None and rc == 0 and resize_at < len(done):
+        cmp, resize = _after_resize(work, args, done[resize_at], nproc, resize_to, batch,
+                                    global_batch, steps, ref_dir / "ck", save_dir, log_text,
+                                    timeout_s, log)
     r = summarize(seed, steps, save_every, nproc, max_restarts, seq, batch, rc, done,
-                  ref_dir / "ck", save_dir, ref_s, chaos_s, log_path)
+                  ref_dir / "ck", save_dir, ref_s, chaos_s, run_dir / "torchrun.log", cmp=cmp)
     r["torchrun_monitor_interval_s"] = monitor_s
+    r["global_batch"] = global_batch
+    r["job_exit_codes"] = rcs
+    r["resize"] = resize
     return r
+
+
+def _torchrun_job(args: List[str], out_dir: Path, nproc: int, timeout_s: float) -> None:
+    """One uninterrupted `zerokern train` job (a reference) saving under out_dir/ck."""
+    ref = subprocess.run(torchrun_cmd([*args, "--save-dir", str(out_dir / "ck"), "--out",
+                                       str(out_dir / "out")], nproc, 0),
+                         env=_env(None), cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout_s)
+    if ref.returncode != 0:
+        raise RuntimeError(f"the reference run in {out_dir} failed:\n" + ref.stdout[-3000:]
+                           + ref.stderr[-3000:])
+
+
+def _after_resize(work: Path, args: List[str], kill: Kill, nproc: int, new: int, batch: int,
+                  global_batch: int, steps: int, ref_ck: Path, run_ck: Path, log_text: str,
+                  timeout_s: float, log) -> tuple:
+    """[Note: a restart at another world size]: the checkpoints up to the one the new world
+    size resumed from against the reference (bitwise), the later ones against an
+    uninterrupted run at the new size from that checkpoint (bitwise), the final params
+    against the reference (max abs difference: another order of the sums)."""
+    import shutil
+
+    import zerokern.checkpoint as ck
+
+    at = kill.resumed_from
+    name = f"step{at:08d}"
+    new_dir = work / f"reference-{new}"
+    (new_dir / "ck").mkdir(parents=True, exist_ok=True)
+    shutil.copytree(run_ck / name, new_dir / "ck" / name)
+    log(f"chaos: uninterrupted run on {new} ranks from {name}")
+    t0 = time.time()
+    _torchrun_job(args, new_dir, new, timeout_s)
+    new_s = time.time() - t0
+    before = compare_checkpoints(ref_ck, run_ck, upto=at)
+    after = compare_checkpoints(new_dir / "ck", run_ck)
+    final = f"step{steps:08d}"
+    a = ck.consolidate(str(ref_ck / final))
+    b = ck.consolidate(str(run_ck / final))
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    accum = global_batch // (batch * new)
+    kept = (f"at step {at} on {new} ranks (saved on {nproc}): {accum} micro-batch(es) of "
+            f"{batch} per rank, global batch {global_batch} kept") in log_text
+    return {**before, **after}, {
+        "from_ranks": nproc, "to_ranks": new, "kill": kill.index, "resumed_from": at,
+        "global_batch": global_batch, "micro_batches_before": global_batch // (batch * nproc),
+        "micro_batches_after": accum, "global_batch_kept_logged": kept,
+        "before_bytes_differ": sum(c["bytes_differ"] for c in before.values()),
+        "before_checkpoints": len(before),
+        "after_bytes_differ": sum(c["bytes_differ"] for c in after.values()),
+        "after_checkpoints": len(after),
+        "after_bitwise_equal": bool(after) and final in after and
+        all(c["bytes_differ"] == 0 for c in after.values()),
+        "final_max_abs_diff_vs_reference": diff, "new_reference_s": round(new_s, 1)}
 
 
 def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_dir: Path,
@@ -286,14 +395,16 @@ def _bytes_differ(a: bytes, b: bytes) -> int:
     return diff + abs(len(a) - len(b))
 
 
-def compare_checkpoints(ref_ck: Path, run_ck: Path) -> dict:
-    """Every step directory both runs committed: its consolidated params (fp32 masters) and
-    its data files byte for byte (rank*.bin: each rank's shard of the masters and of every
-    optimizer state; extra.bin: buffers); the bytes that differ (0: bitwise equal)."""
+def compare_checkpoints(ref_ck: Path, run_ck: Path, upto: Optional[int] = None) -> dict:
+    """Every step directory both runs committed (up to step `upto`): its consolidated params
+    (fp32 masters) and its data files byte for byte (rank*.bin: each rank's shard of the
+    masters and of every optimizer state; extra.bin: buffers); the bytes that differ (0:
+    bitwise equal)."""
     import zerokern.checkpoint as ck
 
     names = sorted(p.name for p in ref_ck.iterdir() if p.name.startswith("step") and
-                   ".tmp-" not in p.name and ".old-" not in p.name)
+                   ".tmp-" not in p.name and ".old-" not in p.name and
+                   (upto is None or int(p.name[4:12]) <= upto))
     out = {}
     for name in names:
         if not (run_ck / name).is_dir():
@@ -317,8 +428,9 @@ def compare_checkpoints(ref_ck: Path, run_ck: Path) -> dict:
 
 
 def summarize(seed, steps, save_every, nproc, max_restarts, seq, batch, rc, kills, ref_ck,
-              run_ck, ref_s, chaos_s, log_path) -> dict:
-    cmp = compare_checkpoints(ref_ck, run_ck) if rc == 0 else {}
+              run_ck, ref_s, chaos_s, log_path, cmp: Optional[dict] = None) -> dict:
+    if cmp is None:
+        cmp = compare_checkpoints(ref_ck, run_ck) if rc == 0 else {}
     final = f"step{steps:08d}"
     detect = [s for k in kills for s in k.detect_s.values() if s is not None]
     exits = [s for k in kills for s in k.exit_s.values() if s is not None]
@@ -344,22 +456,52 @@ def summarize(seed, steps, save_every, nproc, max_restarts, seq, batch, rc, kill
     }
 
 
+def _resize_lines(r: dict) -> List[str]:
+    z = r.get("resize")
+    if not r.get("global_batch"):
+        return []
+    if not z:
+        return [f"- global batch {r['global_batch']} (`--global-batch`); no restart at another "
+                "world size happened (the run failed first, or no kill landed)"]
+    return [
+        f"- restart at another world size: kill {z['kill']} ended the {z['from_ranks']}-rank "
+        f"job; a {z['to_ranks']}-rank job resumed from step {z['resumed_from']} (resharded "
+        "on load)",
+        f"- global batch {z['global_batch']} kept by the accumulation: "
+        f"{z['micro_batches_before']} micro-batches per rank on {z['from_ranks']} ranks, "
+        f"{z['micro_batches_after']} on {z['to_ranks']} (the new job's log says so: "
+        f"{z['global_batch_kept_logged']})",
+        f"- checkpoints up to step {z['resumed_from']} against the {z['from_ranks']}-rank "
+        f"reference: {z['before_checkpoints']} compared, bytes differing "
+        f"{z['before_bytes_differ']}",
+        f"- later checkpoints against an uninterrupted {z['to_ranks']}-rank run from that "
+        f"checkpoint: {z['after_checkpoints']} compared, bytes differing "
+        f"{z['after_bytes_differ']} (bitwise: {z['after_bitwise_equal']}; that run took "
+        f"{z['new_reference_s']} s)",
+        f"- final params against the uninterrupted {z['from_ranks']}-rank run: max abs "
+        f"difference {z['final_max_abs_diff_vs_reference']:.3g} (not bitwise: the gradient "
+        "sums run in another order at another world size)"]
+
+
 def markdown(r: dict, env: dict) -> str:
     from .common import markdown_env
 
-    rows = ["| kill | kind | attempt | rank (pid) | after step | resumed from | recomputed | "
-            "survivor: PeerLost after (s) | survivor: exited after (s) |",
+    rows = ["| kill | kind | attempt (ranks) | rank (pid) | after step | resumed from | "
+            "recomputed | survivor: PeerLost after (s) | survivor: exited after (s) |",
             "|---:|---|---:|---|---:|---:|---:|---|---|"]
     for k in r["kills"]:
         det = ", ".join(f"rank {s}: {v:.3f}" if v is not None else f"rank {s}: none"
                         for s, v in k["detect_s"].items())
         ex = ", ".join(f"rank {s}: {v:.3f}" + (" (SIGTERM)" if int(s) in k["sigtermed"] else "")
                        if v is not None else f"rank {s}: ?" for s, v in k["exit_s"].items())
-        rows.append(f"| {k['index']} | {k['kind']} | {k['restart']} | {k['rank']} ({k['pid']}) "
+        kind = k["kind"] + (" (ends the job)" if k.get("ends_job") else "")
+        rows.append(f"| {k['index']} | {kind} | {k['restart']} ({k.get('nproc', r['nproc'])}) "
+                    f"| {k['rank']} ({k['pid']}) "
                     f"| {k['step']} | {k['resumed_from']} | {k['recomputed']} | {det} | {ex} |")
     cmp = r["checkpoints_compared"]
     return "\n".join([
-        f"# Chaos run: {len(r['kills'])} SIGKILLs, seed {r['seed']}",
+        f"# Chaos run: {len(r['kills'])} SIGKILLs, seed {r['seed']}" +
+        (f", {r['nproc']} -> {r['resize']['to_ranks']} ranks" if r.get("resize") else ""),
         "",
         f"`zerokern train` (GPT tiny, seq {r['seq']}, batch {r['batch']} per rank, "
         f"{r['steps']} steps, `--save-every {r['save_every']}`, async saves) on "
@@ -379,6 +521,7 @@ def markdown(r: dict, env: dict) -> str:
         f"SIGTERM instead of exiting on their own: {r['sigtermed']}",
         f"- uncommitted temporary dirs left in the save dir: {len(r['uncommitted_tmp_dirs_left'])}",
         f"- wall time: reference {r['reference_s']} s, chaos run {r['chaos_s']} s",
+        *_resize_lines(r),
         "",
         *rows,
         "",
