@@ -1,7 +1,8 @@
 """zerokern.checkpoint.recover_from_replica (replica.py [Note: recovery from a live replica]).
 
 4 gloo ranks, a 2x2 (replicate, shard) mesh, ZeroAdamW at stage 2 bf16 (an fp32 master apart
-from the bf16 values) and stage 3 fp32 (the sharded params are the master). After K steps the
+from the bf16 values), stage 3 fp32 (the sharded params are the master) and stage 1 bf16 with
+offload="cpu" (the state in the host placement). After K steps the
 ranks of replica 1 lose their state: every master, rule state, value, step counter, buffer and
 param filled with garbage (NaN, a wrong step), the LR and the loss scaler changed: what a
 replica re-initialized or found corrupt holds. Then recover_from_replica(source=0):
@@ -35,7 +36,8 @@ from ..support.harness import cached, case, one_thread, run_cases  # noqa: F401 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WS, K = 4, 2
-CONFIGS = {"s2-bf16": (2, "bf16"), "s3-fp32": (3, "fp32")}
+CONFIGS = {"s2-bf16": (2, "bf16", {}), "s3-fp32": (3, "fp32", {}),
+           "s1-bf16-offload-cpu": (1, "bf16", {"offload": "cpu"})}
 
 
 def _state(model, opt) -> dict:
@@ -66,9 +68,9 @@ def _lose_state(model, opt) -> None:
         g["lr"] = 0.5
 
 
-def _run(rank, mesh, stage, precision, lose: bool, heal: bool, **kw):
+def _run(rank, mesh, stage, precision, opt_kw, lose: bool, heal: bool):
     model = M.make_model()
-    opt = M.zero_opt(model, stage, precision, mesh=mesh)
+    opt = M.zero_opt(model, stage, precision, mesh=mesh, **opt_kw)
     M.train_zero(model, opt, rank, WS, K)
     at_k = _state(model, opt)
     out = {}
@@ -76,7 +78,7 @@ def _run(rank, mesh, stage, precision, lose: bool, heal: bool, **kw):
         _lose_state(model, opt)
     if heal:
         rep = ck.recover_from_replica(model, opt, client_state={"step": K} if rank < 2
-                                      else "not sent", **kw)
+                                      else "not sent")
         out["report"] = {k: rep[k] for k in ("received", "client_state", "broadcasts")}
         out["bytes"] = rep["bytes"]
         healed = _state(model, opt)
@@ -86,9 +88,9 @@ def _run(rank, mesh, stage, precision, lose: bool, heal: bool, **kw):
     return out
 
 
-def _uninterrupted(rank, mesh, stage, precision):
+def _uninterrupted(rank, mesh, stage, precision, opt_kw):
     model = M.make_model()
-    opt = M.zero_opt(model, stage, precision, mesh=mesh)
+    opt = M.zero_opt(model, stage, precision, mesh=mesh, **opt_kw)
     M.train_zero(model, opt, rank, WS, 2 * K)
     return _state(model, opt)
 
@@ -125,11 +127,13 @@ def _refused(rank, mesh, what):
 def _worker(rank, ws):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     cases = {}
-    for name, (stage, precision) in CONFIGS.items():
-        cases[f"ref-{name}"] = functools.partial(_uninterrupted, rank, mesh, stage, precision)
-        cases[f"heal-{name}"] = functools.partial(_run, rank, mesh, stage, precision, True, True)
-    cases["no-heal"] = functools.partial(_run, rank, mesh, 2, "bf16", True, False)
-    cases["kept"] = functools.partial(_run, rank, mesh, 2, "bf16", False, True)
+    for name, (stage, precision, kw) in CONFIGS.items():
+        cases[f"ref-{name}"] = functools.partial(_uninterrupted, rank, mesh, stage, precision,
+                                                 kw)
+        cases[f"heal-{name}"] = functools.partial(_run, rank, mesh, stage, precision, kw, True,
+                                                  True)
+    cases["no-heal"] = functools.partial(_run, rank, mesh, 2, "bf16", {}, True, False)
+    cases["kept"] = functools.partial(_run, rank, mesh, 2, "bf16", {}, False, True)
     for what in ("source", "layout", "verify"):
         cases[f"refused-{what}"] = functools.partial(_refused, rank, mesh, what)
     return run_cases(cases)
