@@ -385,8 +385,8 @@ class HostUnused:
                 master[a:b].copy_(old[0])
                 for t, o, blk in zip(states, old[1:], blocks):
                     _cut(t, a, b, blk).copy_(o)
-                if param_out is not None:
-                    param_out[a:b].copy_(master[a:b])  # RNE: what the device holds
+                if param_out is not None:  # RNE: what the device holds
+                    self.buffers[gi].codec.cast_(param_out[a:b], master[a:b])
                 continue
             work = [o.clone() for o in old]
             pout = None if param_out is None else torch.empty_like(param_out[a:b])

@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from zerokern.kernels.param_codec import ParamCodec
 from zerokern.layout.dtensor_params import local
 from zerokern.layout.partition import FlatLayout
 from zerokern.layout.stages import StagePattern
@@ -154,7 +155,24 @@ class ShardBuffer:
         return self.param_values(*self.state_range(k))  # fp32: the params are the master
 
     def param_out_piece(self, k: int) -> Optional[torch.Tensor]:
+        """The resident params that receive bucket k's cast-back (None: the params are the
+        master). What a step kernel is handed of it is the codec's `kernel_out`."""
         return None if self.master is None else self.param_values(*self.state_range(k))
+
+    # -- the params' format ([Note: the cast-back is the codec's] in kernels/param_codec.py) -----
+    @property
+    def codec(self) -> ParamCodec:
+        """How the params are stored given the fp32 master: the optimizer's codec, set by its
+        placement at `allocate`; a buffer without one (stage 3's frozen buffers) stores its
+        dtype as it is."""
+        c = self.__dict__.get("_codec")
+        if c is None:
+            c = self.__dict__["_codec"] = ParamCodec(self.dtype)
+        return c
+
+    @codec.setter
+    def codec(self, codec: ParamCodec) -> None:
+        self.__dict__["_codec"] = codec
 
     # -- after bucket k's update -----------------------------------------------------------------
     def publish_piece(self, comm, k: int):
@@ -169,6 +187,10 @@ class ShardBuffer:
 
     def store_piece(self, k: int) -> None:
         """After bucket k's update: write the shard back where it lives between uses."""
+
+    def params_loaded_(self) -> None:
+        """The masters were replaced (a state dict or checkpoint load, on every rank): a
+        format the params are encoded in re-encodes them (stage3.ShardedFlat, FP8)."""
 
     def gather_piece(self, comm, k: int):
         raise NotImplementedError(f"{type(self).__name__} keeps no full params to publish into")

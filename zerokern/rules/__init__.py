@@ -488,7 +488,8 @@ def rule_by_name(name: str) -> Rule:
 def map_in_memory_(g, k: int, names, fn, params: bool) -> None:
     """A placement's map_piece_ (state/placement.py) where the state is in memory (device or
     host): one call `fn(a, b, views)` on bucket k's views of `names`, state elements [a, b);
-    with params the master piece is cast into the params (`.to(dtype)` bitwise). "master" at
+    with params the master piece is cast into the params (the buffer's codec: `.to(dtype)`
+    bitwise; a scaled codec encodes at publish instead). "master" at
     fp32 on the device is the params themselves."""
     sl = g.state_slice(k)
     views = [g.master_piece(k) if n == "master" else g.rule_states[n][sl] for n in names]
@@ -501,7 +502,8 @@ def map_in_memory_(g, k: int, names, fn, params: bool) -> None:
         # the next step's grads landed, which that stream computes after this copy). Found by
         # the fake-CUDA run of ZeroMuon with offload="cpu" (tests/gpu_control): a blocking
         # H2D copy per piece.
-        out.copy_(master, non_blocking=master.device != out.device and master.is_pinned())
+        g.codec.cast_(out, master,
+                      non_blocking=master.device != out.device and master.is_pinned())
 
 
 def rule_for(placement, buf) -> Rule:

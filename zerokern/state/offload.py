@@ -69,9 +69,10 @@ class HostState(RuleState):
         self.states = alloc_states(rule, n, lambda m, dt: pinned.host_empty(m, dt, self.pin))
         self.index_states(rule)
         self.steps = torch.zeros(buf.layout.n_buckets, dtype=torch.int64)
-        self.fp32 = buf.dtype == fp32
+        self.fp32 = not buf.codec.has_master  # the params are the master: no staging
         self.grad = pinned.host_empty(n, grad_dtype, self.pin)
-        self.param = None if self.fp32 else pinned.host_empty(n, buf.dtype, self.pin)
+        self.param = None if self.fp32 else pinned.host_empty(n, buf.codec.storage_dtype,
+                                                              self.pin)
 
     def device_tensors(self) -> dict:
         return {}  # all of it is host bytes (Offloader.host_bytes)

@@ -421,7 +421,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
             g = self.groups[gi]
             if getattr(g, "params_journaled", False):
                 continue  # its params file's current half was never written
-            g.param_out_piece(k).copy_(g.master[g.state_slice(k)])
+            g.codec.cast_(g.param_out_piece(k), g.master[g.state_slice(k)])
         # Every rank re-publishes every bucket (collective; stages 1-2 all-gather, the others
         # publish nothing), as a step does.
         for g in self.groups:

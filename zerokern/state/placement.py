@@ -66,7 +66,7 @@ class DeviceState(RuleState):
         rule = adamw_rule() if rule is None else rule
         n, dev, fp32 = buf.state_numel, buf.device, torch.float32
         self.master: Optional[torch.Tensor] = None
-        if buf.dtype != fp32:
+        if buf.codec.has_master:  # (not at fp32: the params are the master)
             self.master = huge_pages.zeros(n, fp32, dev)  # [Note: streams at one page offset]
             buf.fill_master_(self.master)
         self.states = alloc_states(rule, n, lambda m, dt: huge_pages.zeros(m, dt, dev))
@@ -92,14 +92,17 @@ class DevicePlacement:
     movable = True  # the state follows model.to(device) (model_sync.py)
 
     def __init__(self, master: str = "fp32", rule: Optional[Rule] = None,
-                 rules: Optional[Sequence[Rule]] = None) -> None:
+                 rules: Optional[Sequence[Rule]] = None, codec=None) -> None:
         self.master = master
+        self.codec = codec  # the optimizer's ParamCodec (None: each buffer its dtype's)
         self.rule = check_rule(adamw_rule() if rule is None else rule)
         self.rules = None if rules is None else [check_rule(r) for r in rules]
         self._scratch = None
 
     def allocate(self, buf):
         rule = rule_for(self, buf)
+        if self.codec is not None:
+            buf.codec = self.codec
         if self.master == "compact" and buf.dtype == torch.bfloat16:
             from zerokern.state.compact_master import CompactState
 
@@ -172,6 +175,7 @@ class DevicePlacement:
             master, out = st.expanded_piece(g, k), g.param_values(*g.state_range(k))
         else:
             master, out = g.master_piece(k), g.param_out_piece(k)
+        out = None if out is None else g.codec.kernel_out(out)  # fused, or the codec's after
         rule_for(self, g).step_(master, g.moments(k), grad, out, step=g.steps[k],
                         grad_scale=self.grad_scale, found_inf=self.found_inf, backend=backend,
                         **hyper)
@@ -191,7 +195,7 @@ class DevicePlacement:
                      for n in names]
             fn(sl.start, sl.stop, views)
             if params:
-                g.param_values(*g.state_range(k)).copy_(views[names.index("master")])
+                g.codec.cast_(g.param_values(*g.state_range(k)), views[names.index("master")])
             return
         map_in_memory_(g, k, names, fn, params)
 
@@ -227,14 +231,16 @@ def placement_class(offload: Optional[str]):
 
 def make_placement(offload: Optional[str], grad_dtype: torch.dtype, offload_path=None,
                    roles=None, master: str = "fp32", rule: Optional[Rule] = None,
-                   rules: Optional[Sequence[Rule]] = None):
+                   rules: Optional[Sequence[Rule]] = None, codec=None):
     """The placement for the optimizer's `offload=` and `master=` (validated by it), holding
     `rule`'s state (zerokern.rules; ZeroAdamW's AdamW rule by default), or with `rules` (one
     per param group; `rule` then their `combine`) each buffer its group's rule's state.
-    `roles`: the optimizer's ParallelPlan (comm/plan.py), over which "nvme" agrees to commit."""
+    `roles`: the optimizer's ParallelPlan (comm/plan.py), over which "nvme" agrees to commit.
+    `codec`: the params' format (kernels/param_codec.py; `param_format=`), handed to every
+    buffer it allocates for; None: each buffer's dtype (a scaled codec: offload=None only)."""
     rule = adamw_rule() if rule is None else rule
     if offload is None:
-        return DevicePlacement(master, rule, rules)
+        return DevicePlacement(master, rule, rules, codec)
     if offload == "cpu":
         from zerokern.state.offload import Offloader
 
