@@ -74,7 +74,8 @@ HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
                 "zero_optimization", "communication_data_type", "checkpoint",
-                "activation_checkpointing")
+                "activation_checkpointing",
+                "pipeline")  # read by engine/pipeline_module.py (a PipelineModule model)
 # [Note: gradient_clipping default] DeepSpeed 0.19 clips at 1.0 when the key is absent
 # (deepspeed/runtime/constants.py GRADIENT_CLIPPING_DEFAULT = 1.0, since its PR #8068; 0.0
 # before). zerokern follows the DeepSpeed this config format targets (0.19.8, the installed

@@ -36,6 +36,12 @@ from .checkpointing import CheckpointMixin
 from .config import EngineConfig, parse_config
 from .config_values import ConfigError
 from .parallel import mpu_groups
+from .pipeline_module import (
+    apply_pipeline_section,
+    attach_pipeline_stats,
+    is_pipeline_module,
+    read_pipeline_module,
+)
 
 log = logging.getLogger("zerokern.engine")
 
@@ -339,20 +345,25 @@ class ZeroEngine(CheckpointMixin, nn.Module):
                               "nothing was stepped")
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
-            opt = self.optimizer
-            if self.config.gradient_clipping > 0:
-                opt.clip_grad_norm_(self.config.gradient_clipping)
-            opt.step()
-            skipped = opt.precision == "fp16" and bool(opt.step_skipped)  # Note: fp16 only
-            self.skipped_steps += int(skipped)
-            if self.lr_scheduler is not None and not skipped:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            opt.zero_grad()
-            self.global_steps += 1
-            self.global_samples += self.config.train_batch_size
-            self._report()
+            self._optimizer_step(lr_kwargs)
         self.micro_steps += 1
         self._times["step"] += time.perf_counter() - t0
+
+    def _optimizer_step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        """The boundary's work (also the pipeline engine's, engine/pipeline_engine.py): clip,
+        step, schedule, zero the grads, count."""
+        opt = self.optimizer
+        if self.config.gradient_clipping > 0:
+            opt.clip_grad_norm_(self.config.gradient_clipping)
+        opt.step()
+        skipped = opt.precision == "fp16" and bool(opt.step_skipped)  # Note: fp16 only
+        self.skipped_steps += int(skipped)
+        if self.lr_scheduler is not None and not skipped:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        opt.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        self._report()
 
     def _report(self) -> None:
         n = self.config.steps_per_print
@@ -461,9 +472,19 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
             (_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE") or 1) > 1:
         init_distributed()
     rank, world_size = _world()
-    mp = mpu_groups(mpu)  # TypeError/ValueError naming mpu, before the model is touched
+    pipe_model = is_pipeline_module(model)  # [Note: a PipelineModule in zerokern.initialize]
+    if pipe_model and mpu is not None:
+        raise ValueError("initialize: mpu= with a PipelineModule: the module's grid "
+                         "(model.mpu()) is the mpu, as in DeepSpeed (which asserts mpu is None)")
+    mp = mpu_groups(model.mpu() if pipe_model else mpu)  # TypeError/ValueError naming mpu
     dp_rank, dp_size = (rank, world_size) if mp is None else (mp.dp_rank, mp.dp_size)
     cfg = parse_config(sources[0], dp_size)  # raises before the model is touched
+    pipe = read_pipeline_module(model, cfg.raw, cfg.stage) if pipe_model else None
+    if pipe is not None:
+        cfg.no_effect.extend(pipe.no_effect)
+    elif "pipeline" in cfg.raw:
+        cfg.ignored.append(("pipeline", "the model is not a DeepSpeed PipelineModule (DeepSpeed "
+                                        "reads the section in its PipelineEngine only)"))
     hpz_raw = cfg.raw.get("zero_optimization", {}).get("zero_hpz_partition_size", 1)
     if mp is not None and hpz_raw > 1:
         raise ValueError("initialize: mpu= with zero_optimization.zero_hpz_partition_size is "
@@ -480,7 +501,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
         model.to(handle("cuda").current_device())
     opt = _build_optimizer(model, cfg, optimizer, model_parameters, mp)
     if opt is not None and mp is not None:
-        _attach_mpu(opt, mp)
+        _attach_mpu(opt, mp) if pipe is None else attach_pipeline_stats(opt, mp)
     if opt is None:
         if lr_scheduler is not None or cfg.scheduler is not None:
             raise ValueError("initialize: a scheduler (lr_scheduler= or config key scheduler) "
@@ -489,13 +510,20 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     sched = None if opt is None else _build_scheduler(cfg, opt, lr_scheduler, client_opt)
     loader = None
-    if training_data is not None:
+    if pipe is not None:  # engine/pipeline_engine.py: train_batch / eval_batch
+        from .pipeline_engine import PipelineEngine  # (it builds on ZeroEngine, below)
+
+        apply_pipeline_section(model, pipe)
+        engine = PipelineEngine(model, opt, cfg, pipe, sched, training_data, collate_fn)
+        loader = engine.training_dataloader
+    elif training_data is not None:
         sampler = torch.utils.data.distributed.DistributedSampler(
             training_data, num_replicas=dp_size, rank=dp_rank) if dp_size > 1 else None
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.micro_batch_size,
                                              sampler=sampler, collate_fn=collate_fn)
-    engine = ZeroEngine(model, opt, cfg, sched, loader)
-    engine.mpu = mpu
+    if pipe is None:
+        engine = ZeroEngine(model, opt, cfg, sched, loader)
+    engine.mpu = mpu if pipe is None else model.mpu()
     if ac_plan is not None:  # [Note: activation_checkpointing in initialize]
         ac_api.apply(ac_plan)
     if rank == 0:

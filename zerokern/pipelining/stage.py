@@ -154,6 +154,13 @@ class ZeroPipelineStage(PipelineStage):
             self._failed(e)
             raise
 
+    def _backward_metadata_inference(self, *args, **kwargs):
+        """torch's shape inference at the first step runs a backward (autograd.grad to the
+        inputs): under no_sync(), or stage 3's hooks would take it for a backward of the step
+        and reduce-scatter its (zero) grads outside the step's one reduction."""
+        with self.optimizer.no_sync():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
     def _failed(self, error: BaseException) -> None:
         """This rank raises inside the schedule: its peers must not wait for it
         (agreement.py [Note: a failure inside the schedule])."""

@@ -1,0 +1,402 @@
+"""ZeRO on every pipeline stage (issue 38): `zerokern.pipelining.ZeroPipelineStage` with torch's
+schedules, 4 gloo ranks as a (pp=2, dp=2) world mesh, against ONE process.
+
+The model: `Net`, 4 residual blocks and a head. Two stages per pipeline (GPipe, 1F1B): blocks
+0-1 and 2-3 + head; four (Interleaved1F1B: two stages per rank): one block each, the head in
+the last. Each rank builds the whole net from one seed and keeps its part (names kept:
+`Sequential` slices), `ZeroAdamW(part, mesh=world)` (the world mesh: the plan's pp role), one
+optimizer per rank over all of its stage modules. Each dp rank trains on its own batch, split
+into MICRO micro-batches by the schedule; mean-square loss with the schedule's default
+scale_grads=True (the mean over micro-batches).
+
+Reference, in every process: the whole net, torch.optim.AdamW, for each dp rank its batch's
+mean loss / DP backwarded (DDP's average), `clip_grad_norm_` over every param (the global norm
+of the pipelined model), the step. fp32, exaggerated hyperparameters (betas 0.5/0.6, eps 0.25:
+apex's way of making bugs show), every step clipped.
+
+Checked: params and losses within 1e-6 (the issue's bound) at ZeRO stages 0-3; the number of
+reduce-scatters per step (stages 2-3: one pass over the buckets per step, not one per
+micro-batch); an inf on one stage skips every rank of every stage, bitwise; fp16 (the loss scale
+through the pipeline) against the same run in fp32 with a static scale; bad input (a schedule
+or micro-batch count that differs, overlapping stage params, mesh=world["dp"]) raises
+ValueError on every rank before any change. Negative controls: plain torch `PipelineStage`
+with `mesh=world["dp"]` (the old way: per-stage clip) misses the reference; lr x 1.01 misses it.
+
+On the code before zerokern.pipelining (plain PipelineStage + ZeroAdamW(mesh=world)): stages
+2-3 reduce-scattered once per micro-batch (MICRO x the buckets), fp16 raised "did not go
+through the loss scale" on stage 0, stage 3 with 1F1B raised on the last stage while the others
+waited, and the bad-input cases trained or hung.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+import zerokern as zk
+from zerokern.pipelining import ZeroPipelineStage
+
+from ..support.harness import cached, case, run_cases
+
+WS, PP, DP = 4, 2, 2
+D, BATCH, MICRO, STEPS = 8, 8, 4, 3  # BATCH rows per dp rank, split into MICRO micro-batches
+LR, BETAS, EPS, WD = 1e-2, (0.5, 0.6), 0.25, 0.1
+MAX_NORM = 0.05  # the global grad norm here is ~1: every step is clipped
+SEED = 1234
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+TOL = {
+    # params and losses vs the one-process AdamW reference (the issue's bound)
+    "param": 1e-6,
+    # a negative control must miss by at least this factor of TOL["param"]
+    "negative_factor": 10,
+    # fp16 against the fp32 run with the same static scale: fp16 params, 3 steps
+    "fp16": 5e-3,
+}
+
+
+class Block(nn.Module):
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.head = nn.Linear(D, 3) if last else None
+
+    def forward(self, x):
+        x = x + self.down(torch.tanh(self.up(self.norm(x))))
+        return self.head(x) if self.head is not None else x
+
+
+def make_net() -> nn.Sequential:
+    torch.manual_seed(SEED)
+    net = nn.Sequential(Block(), Block(), Block(), Block(last=True))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn(p.shape))  # no constant params: norms, biases random
+    return net
+
+
+def data(step: int, d: int):
+    g = torch.Generator().manual_seed(1000 * step + d)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def _groups(params_named):
+    decay = [p for n, p in params_named if p.dim() == 2]
+    rest = [p for n, p in params_named if p.dim() != 2]
+    return [dict(params=decay, weight_decay=WD), dict(params=rest, weight_decay=0.0)]
+
+
+def reference(lr: float = LR):
+    """The whole net in one process: params per block, losses per step (mean over dp)."""
+    net = make_net()
+    opt = torch.optim.AdamW(_groups(list(net.named_parameters())), lr=lr, betas=BETAS,
+                            eps=EPS, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for d in range(DP):
+            x, y = data(step, d)
+            loss = F.mse_loss(net(x), y)
+            (loss / DP).backward()
+            total += float(loss.detach()) / DP
+        torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
+        opt.step()
+        losses.append(total)
+    return {i: [p.detach().clone() for p in blk.parameters()] for i, blk in enumerate(net)}, \
+        losses
+
+
+def stage_blocks(schedule: str, pp: int):
+    """(stage index, block indices) of this pp rank's stages."""
+    if schedule == "interleaved":  # 4 stages, 2 per rank: rank r holds stages r and r + 2
+        return [(pp, [pp]), (pp + PP, [pp + PP])]
+    return [(pp, [2 * pp, 2 * pp + 1])]
+
+
+def loss_fn(out, y):
+    return F.mse_loss(out, y)
+
+
+def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mesh="world",
+          plain=False, inf_at=None, loss_scale=None, micro=MICRO, keep_mb=0.0):
+    """One pipelined run; returns this rank's blocks' params, the losses (last stage), the
+    reduce-scatter and all-gather counts per step, and the skipped flags."""
+    pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    net = make_net()
+    layout = stage_blocks(schedule, pp)
+    n_stages = PP * len(layout)
+    mods = [nn.Sequential(*[net[b] for b in blocks]) for _, blocks in layout]
+    whole = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+    kw = {} if loss_scale is None else {"loss_scale": loss_scale}
+    if keep_mb:  # stage 3: units kept gathered from forward to backward (stage3/units.py)
+        kw["keep_for_backward_mb"] = keep_mb
+    opt = zk.ZeroAdamW(whole, param_groups=_groups(list(whole.named_parameters())), lr=lr,
+                       betas=BETAS, eps=EPS, weight_decay=WD, stage=zero_stage,
+                       precision=precision, bucket_mb=0.0002, backend="cpu",
+                       max_grad_norm=MAX_NORM, mesh=world if mesh == "world" else world["dp"],
+                       **kw)
+    group = world["pp"].get_group()
+    dev = torch.device("cpu")
+    if plain:
+        stages = [PipelineStage(m, i, n_stages, dev, group=group)
+                  for m, (i, _) in zip(mods, layout)]
+    else:
+        stages = [ZeroPipelineStage(m, i, n_stages, dev, opt, group=group)
+                  for m, (i, _) in zip(mods, layout)]
+    cls = SCHEDULES[schedule]
+    one = stages[0] if len(stages) == 1 else stages
+    if plain:  # torch's stage cannot divide a released p.grad: divide the loss instead
+        sched = cls(one, micro, loss_fn=lambda o, t: loss_fn(o, t) / micro, scale_grads=False)
+    else:
+        sched = cls(one, micro, loss_fn=loss_fn)
+    holds_last = any(i == n_stages - 1 for i, _ in layout)
+    holds_first = any(i == 0 for i, _ in layout)
+    losses, rs, ag, skipped = [], [], [], []
+    dtype = opt.dtype
+    for step in range(STEPS):
+        x, y = data(step, d)
+        mb_losses = []
+        opt.reset_comm_stats()
+        if inf_at is not None and inf_at[0] == step and dist.get_rank() == inf_at[1]:
+            _poison(mods[0])
+        args = (x.to(dtype),) if holds_first else ()
+        kwargs = dict(target=y.to(dtype), losses=mb_losses) if holds_last else {}
+        sched.step(*args, **kwargs)
+        st = opt.comm_stats()
+        rs.append(st["calls"]["reduce_scatter"])
+        ag.append(st["calls"]["all_gather"])
+        opt.step()
+        skipped.append(bool(opt.step_skipped))
+        opt.zero_grad()
+        if holds_last:
+            losses.append(float(sum(float(v) for v in mb_losses) / (1 if plain else micro)))
+    with opt.gathered_params() if zero_stage == 3 else _null():
+        params = {b: [p.detach().float().clone() for p in net[b].parameters()]
+                  for _, blocks in layout for b in blocks}
+    return {"params": params, "losses": losses, "rs": rs, "ag": ag, "skipped": skipped,
+            "holds_last": holds_last, "late": getattr(opt.grad_sync, "late_units", 0)}
+
+
+def _poison(module):
+    """An inf in this rank's first stage's forward (its next output): one stage overflows."""
+    handle = None
+
+    def hook(mod, inp, out):
+        handle.remove()
+        return out * float("inf")
+
+    handle = module.register_forward_hook(hook)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _exchange_losses(r, world):
+    """The losses live on the last stage: send them to every rank (dp rank's own mean)."""
+    t = torch.tensor(r["losses"] if r["holds_last"] else [0.0] * STEPS, dtype=torch.float64)
+    dist.all_reduce(t, group=world["pp"].get_group())
+    dist.all_reduce(t, group=world["dp"].get_group())
+    return [float(v) / DP for v in t]
+
+
+def _rel(r, ref_params) -> float:
+    return max(float((a - b).norm() / b.norm()) for blk, ps in r["params"].items()
+               for a, b in zip(ps, ref_params[blk]))
+
+
+def parity(world, memo, schedule, zero_stage, **kw):
+    lr = kw.get("lr", LR)
+    key = ("ref", lr)
+    if key not in memo:
+        memo[key] = reference(lr=LR)  # (the reference always uses the true lr)
+    ref_params, ref_losses = memo[key]
+    r = train(world, schedule, zero_stage, **kw)
+    losses = _exchange_losses(r, world)
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return {"rel": _rel(r, ref_params), "loss_rel": loss_rel, "rs": r["rs"], "ag": r["ag"],
+            "skipped": r["skipped"], "late": r["late"]}
+
+
+def collectives(world, schedule, zero_stage, micro, keep_mb=0.0):
+    """Reduce-scatter and all-gather calls per step of a run (no reference needed)."""
+    r = train(world, schedule, zero_stage, micro=micro, keep_mb=keep_mb)
+    return {"rs": r["rs"], "ag": r["ag"]}
+
+
+def overflow(world, schedule, zero_stage):
+    """An inf on rank 0 (pipeline stage 0, dp 0) at step 1: every rank skips it, bitwise."""
+    r = train(world, schedule, zero_stage, inf_at=(1, 0))
+    clean = train(world, schedule, zero_stage)  # the same run, without the inf
+    return {"skipped": r["skipped"], "clean_skipped": clean["skipped"],
+            "moved": any(not torch.equal(a, b) for blk in r["params"]
+                         for a, b in zip(r["params"][blk], clean["params"][blk]))}
+
+
+def fp16(world, schedule, zero_stage):
+    """fp16 with a static loss scale against the same run in fp32 with that scale: the scale
+    goes through the pipeline (the earlier stages' grads come from the last one's)."""
+    a = train(world, schedule, zero_stage, precision="fp16", loss_scale=1024.0)
+    b = train(world, schedule, zero_stage, precision="fp32", loss_scale=1024.0)
+    c = train(world, schedule, zero_stage, precision="fp16")  # dynamic: the scale agrees
+    return {"rel": max(float((x - y).norm() / y.norm()) for blk in a["params"]
+                       for x, y in zip(a["params"][blk], b["params"][blk])),
+            "dynamic_skipped": c["skipped"]}
+
+
+def bad(world):
+    """Each bad input raises ValueError on every rank, before any param changes."""
+    out = {}
+    pp = world["pp"].get_local_rank()
+
+    def attempt(name, **kw):
+        net = make_net()
+        before = [p.detach().clone() for p in net.parameters()]
+        try:
+            _bad_run(world, net, **kw)
+            out[name] = "no error"
+        except ValueError as e:
+            same = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+            out[name] = (str(e), same)
+
+    attempt("micro", micro=4 if pp == 0 else 2)
+    attempt("schedule", cls=ScheduleGPipe if pp == 0 else Schedule1F1B)
+    attempt("overlap", overlap=True)
+    attempt("dp_mesh", mesh_dp=True)
+    return out
+
+
+def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=False):
+    pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    blocks = [2 * pp, 2 * pp + 1]
+    if overlap and pp == 1:
+        blocks = [1, 2, 3]  # block 1 is in stage 0 too
+    mod = nn.Sequential(*[net[b] for b in blocks])
+    opt = zk.ZeroAdamW(mod, lr=LR, stage=2, precision="fp32", backend="cpu",
+                       mesh=world["dp"] if mesh_dp else world)
+    stage = ZeroPipelineStage(mod, pp, PP, torch.device("cpu"), opt,
+                              group=world["pp"].get_group())
+    sched = cls(stage, micro, loss_fn=loss_fn)
+    x, y = data(0, d)
+    if pp == 0:
+        sched.step(x)
+    else:
+        sched.step(target=y)
+    opt.step()
+
+
+# ---- the spawned groups ------------------------------------------------------------------------
+# default: one parity case per schedule and ZeRO stage family, the controls, an overflow, fp16,
+# the errors; the rest of the matrix in the slow pass
+DEFAULT = [("gpipe", 2), ("1f1b", 3), ("interleaved", 1)]
+SLOW = [(s, z) for s in SCHEDULES for z in (0, 1, 2, 3) if (s, z) not in DEFAULT]
+
+
+def _worker(rank: int, world_size: int, slow: bool):
+    torch.set_num_threads(1)
+    world = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    memo = {}
+    cases = {}
+    for schedule, z in (SLOW if slow else DEFAULT):
+        cases[f"{schedule}{z}"] = functools.partial(parity, world, memo, schedule, z)
+    if not slow:
+        cases["plain_dp_mesh"] = functools.partial(parity, world, memo, "gpipe", 2,
+                                                   mesh="dp", plain=True)
+        cases["lr_control"] = functools.partial(parity, world, memo, "1f1b", 2, lr=LR * 1.01)
+        cases["overflow"] = functools.partial(overflow, world, "1f1b", 2)
+        cases["fp16"] = functools.partial(fp16, world, "1f1b", 2)
+        cases["bad"] = functools.partial(bad, world)
+        for schedule, z in DEFAULT:
+            if z >= 2:  # the same schedule at PP micro-batches (1F1B's least)
+                cases[f"{schedule}{z}_fewer"] = functools.partial(collectives, world,
+                                                                  schedule, z, PP)
+    else:
+        cases["overflow3"] = functools.partial(overflow, world, "interleaved", 3)
+        cases["fp16_3"] = functools.partial(fp16, world, "gpipe", 3)
+    return run_cases(cases)
+
+
+def _results(slow: bool = False):
+    return cached(_worker, WS, slow)
+
+
+@pytest.mark.parametrize("schedule,zero_stage", DEFAULT + [
+    pytest.param(s, z, marks=pytest.mark.slow) for s, z in SLOW])
+def test_pipelined_zero_equals_one_process(schedule, zero_stage):
+    slow = (schedule, zero_stage) in SLOW
+    for r in case(_results(slow), f"{schedule}{zero_stage}"):
+        assert r["rel"] <= TOL["param"] and r["loss_rel"] <= TOL["param"], r
+        assert r["skipped"] == [False] * STEPS, r
+
+
+@pytest.mark.parametrize("schedule,zero_stage", [(s, z) for s, z in DEFAULT if z >= 2])
+def test_stages_2_3_reduce_scatter_once_per_step(schedule, zero_stage):
+    """A schedule step issues as many reduce-scatters at MICRO = 4 micro-batches as at PP = 2
+    (one pass over the buckets per step, whatever the count), every step. Before
+    zerokern.pipelining: one pass per micro-batch (stage 2, GPipe: 12 per step at 4
+    micro-batches on pipeline stage 0, against 3 now)."""
+    many = case(_results(), f"{schedule}{zero_stage}")
+    one = case(_results(), f"{schedule}{zero_stage}_fewer")
+    for a, b in zip(many, one):
+        assert a["rs"] == b["rs"] and min(a["rs"]) >= 1, (a["rs"], b["rs"])
+
+
+def test_plain_stage_with_the_dp_mesh_misses_the_reference():
+    """Negative control: torch's PipelineStage and mesh=world['dp'] (the way before): the
+    clip covers one stage's norm."""
+    assert max(r["rel"] for r in case(_results(), "plain_dp_mesh")) > \
+        TOL["negative_factor"] * TOL["param"]
+
+
+def test_lr_control_is_caught():
+    assert max(r["rel"] for r in case(_results(), "lr_control")) > \
+        TOL["negative_factor"] * TOL["param"]
+
+
+def test_an_inf_on_one_stage_skips_every_rank():
+    for r in case(_results(), "overflow"):
+        assert r["skipped"] == [False, True, False], r
+        assert r["clean_skipped"] == [False] * STEPS, r
+        assert r["moved"], r  # the skip changed the run (it is not a no-op comparison)
+
+
+def test_fp16_loss_scale_goes_through_the_pipeline():
+    for r in case(_results(), "fp16"):
+        assert r["rel"] <= TOL["fp16"], r
+        assert r["dynamic_skipped"] == case(_results(), "fp16")[0]["dynamic_skipped"], r
+
+
+def test_bad_pipelines_raise_on_every_rank_before_any_change():
+    want = {"micro": "micro-batches", "schedule": "the schedule", "overlap": "both hold",
+            "dp_mesh": "no pipeline role"}
+    for r in case(_results(), "bad"):
+        for name, text in want.items():
+            assert r[name] != "no error", (name, r[name])
+            msg, same = r[name]
+            assert text in msg and same, (name, msg)
+
+
+@pytest.mark.slow
+def test_overflow_and_fp16_at_stage_3():
+    for r in case(_results(True), "overflow3"):
+        assert r["skipped"] == [False, True, False] and r["moved"], r
+    for r in case(_results(True), "fp16_3"):
+        assert r["rel"] <= TOL["fp16"], r
