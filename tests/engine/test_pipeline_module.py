@@ -265,6 +265,16 @@ def _errors(rank, ws):
         rank, s1, lambda: _module(None, topology=topo))
     out["additional-losses"] = _refused(rank, s1, _ExtraLosses.build)
 
+    import deepspeed
+
+    for stage in (2, 3):  # what DeepSpeed itself does with a pipeline at ZeRO-2/3
+        with C.restore_linear():
+            try:
+                deepspeed.initialize(model=_module(2), config=_config(stage))
+                out[f"deepspeed-stage{stage}"] = None
+            except Exception as e:  # noqa: BLE001
+                out[f"deepspeed-stage{stage}"] = (type(e).__name__, str(e))
+
     import zerokern
 
     engine, _, _, _ = zerokern.initialize(model=_module(2), config=copy.deepcopy(s1))
@@ -412,6 +422,16 @@ def test_refused_before_anything_changes(name):
         err, untouched = errors[name]
         assert err is not None and err[0] == kind and needle in err[1], err
         assert untouched
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_refuses_zero2_and_3_with_a_pipeline(stage):
+    """What the docs say DeepSpeed refuses (zerokern trains these: test_stages_*): its
+    PipelineEngine asserts the ZeRO stage is below 2."""
+    for errors in case(_results(), "errors"):
+        err = errors[f"deepspeed-stage{stage}"]
+        assert err == ("AssertionError",
+                       "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), err
 
 
 def test_engine_calls_outside_train_batch():

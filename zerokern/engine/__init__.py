@@ -3,8 +3,9 @@
 from .config import EngineConfig, parse_config
 from .config_values import ConfigError
 from .engine import NoOptimizerError, NoSyncError, ZeroEngine, init_distributed, initialize
+from .pipeline_engine import PipelineEngine, PipelineModeError
 from .schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["initialize", "init_distributed", "ZeroEngine", "EngineConfig", "parse_config",
            "ConfigError", "NoOptimizerError", "NoSyncError", "WarmupLR", "WarmupDecayLR",
-           "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+           "WarmupCosineLR", "OneCycle", "LRRangeTest", "PipelineEngine", "PipelineModeError"]

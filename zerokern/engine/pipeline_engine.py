@@ -144,26 +144,28 @@ class PipelineEngine(ZeroEngine):
         self.batch_fn = fn
 
     def forward(self, *args, **kwargs):
-        """Refused: a pipeline runs through train_batch() / eval_batch() (as DeepSpeed)."""
+        """Refused: a pipeline runs through train_batch() / eval_batch() (as DeepSpeed);
+        *args / **kwargs are not read."""
         raise PipelineModeError("a PipelineModule engine runs only train_batch() and "
                                 "eval_batch() (as DeepSpeed's PipelineEngine)")
 
     def backward(self, *args, **kwargs):
-        """Refused, as forward()."""
+        """Refused, as forward(); *args / **kwargs are not read."""
         self.forward()
 
     def step(self, *args, **kwargs):
-        """Refused, as forward()."""
+        """Refused, as forward(); *args / **kwargs are not read."""
         self.forward()
 
     def save_checkpoint(self, *args, **kwargs):
         """Not supported yet for a PipelineModule engine (each stage would write the same
-        rank files: issue 38's checkpoints across pipeline layouts)."""
+        rank files: issue 38's checkpoints across pipeline layouts); *args / **kwargs are
+        not read."""
         raise NotImplementedError("save_checkpoint with a PipelineModule is not supported by "
                                   "zerokern yet (the stages' files would collide)")
 
     def load_checkpoint(self, *args, **kwargs):
-        """Not supported yet, as save_checkpoint."""
+        """Not supported yet, as save_checkpoint; *args / **kwargs are not read."""
         raise NotImplementedError("load_checkpoint with a PipelineModule is not supported by "
                                   "zerokern yet")
 
