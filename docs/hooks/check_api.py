@@ -32,7 +32,7 @@ log = logging.getLogger("mkdocs.hooks.check_api")
 
 # Modules whose __all__ is public API, and names that are public without an __all__ entry.
 MODULES = ["zerokern", "zerokern.kernels", "zerokern.checkpoint", "zerokern.checkpointing",
-           "zerokern.engine"]
+           "zerokern.engine", "zerokern.pipelining"]
 EXTRA = ["zerokern.integrations.transformers.ZeroTrainer",
          "zerokern.integrations.accelerate.ZeroAccelerator"]
 SKIP = {"__version__", "VERSION"}            # constants, documented in prose

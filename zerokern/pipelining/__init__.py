@@ -34,7 +34,7 @@ Supported schedules: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
 are refused with a ValueError at their first step.
 """
 
-from zerokern.pipelining.agreement import SUPPORTED_SCHEDULES
+from zerokern.pipelining.agreement import SUPPORTED_SCHEDULES  # noqa: F401 (the names)
 from zerokern.pipelining.stage import ZeroPipelineStage
 
-__all__ = ["ZeroPipelineStage", "SUPPORTED_SCHEDULES"]
+__all__ = ["ZeroPipelineStage"]

@@ -136,10 +136,22 @@ class ZeroPipelineStage(PipelineStage):
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """Nothing to do: the factor is folded into the last stage's loss ([Note: the loss
-        scale through the pipeline])."""
+        scale through the pipeline]).
+
+        Args:
+            grad_scale_factor: the schedule's divisor (its number of micro-batches, or 1).
+        """
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None,
                           save_forward_output: bool = True):
+        """torch's forward of one micro-batch; an error is posted for the peers first.
+
+        Args:
+            fwd_chunk_id: the micro-batch index.
+            args: the stage's inputs (the first stage's; the others receive theirs).
+            kwargs: keyword inputs.
+            save_forward_output: keep the last stage's output for the schedule's return.
+        """
         try:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         except Exception as e:
@@ -148,6 +160,14 @@ class ZeroPipelineStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):
+        """torch's backward of one micro-batch; an error is posted for the peers first.
+
+        Args:
+            bwd_chunk_id: the micro-batch index.
+            loss: the micro-batch's loss (the last stage).
+            full_backward: weights and inputs at once (the supported schedules' only kind).
+            last_backward: the stage's last backward of the step (set by the schedule).
+        """
         try:
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         except Exception as e:
@@ -170,7 +190,16 @@ class ZeroPipelineStage(PipelineStage):
                                    last_backward: bool = False):
         """One micro-batch's backward: under `opt.no_sync()` unless it is the rank's last of
         the step ([Note: one reduction per schedule step]), from the scaled loss at the last
-        stage ([Note: the loss scale through the pipeline])."""
+        stage ([Note: the loss scale through the pipeline]).
+
+        Args:
+            backward_type: "full" (the supported schedules' only kind).
+            bwd_kwargs: torch's stage output, output grads and input values.
+            last_backward: the stage's last backward of the step (set by the schedule).
+
+        Returns:
+            torch's (input grads, param groups).
+        """
         if backward_type != "full":
             raise ValueError(f"ZeroPipelineStage: a split backward ({backward_type!r}) is not "
                              "supported (zero-bubble schedules); use one of "
