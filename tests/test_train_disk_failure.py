@@ -78,3 +78,27 @@ def test_negative_control_a_working_disk_saves_every_interval(tmp_path):
     cfg = _cfg(tmp_path)
     _run(cfg)
     assert sorted(os.listdir(cfg.save_dir)) == [f"step{s:08d}" for s in (2, 4, 6)]
+
+
+def test_a_lost_peer_at_a_save_is_not_called_a_disk_failure(tmp_path, monkeypatch):
+    """A PeerLost raised by a save's agreement (a rank died) keeps its own message only: the
+    chaos run's log showed 'a checkpoint write failed' on one before this was fixed."""
+    import zerokern as zk
+    from zerokern.checkpoint import async_save
+    from zerokern.comm.errors import RankAborted
+    from zerokern.train import loop
+
+    cfg = _cfg(tmp_path)
+
+    def lost(*a, **k):
+        raise RankAborted("zerokern: rank 1 was lost")
+
+    monkeypatch.setattr(zk.checkpoint, "save", lost)
+    model = loop.build_model(cfg, torch.device("cpu"))
+    opt = zk.ZeroAdamW(model, lr=cfg.lr, stage=1, precision="fp32", backend="reference")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, loop.lr_lambda(cfg.steps))
+    with pytest.raises(RankAborted) as ei:
+        loop.save(cfg, model, opt, sched, torch.zeros(6), 2, torch.device("cpu"))
+    assert not getattr(ei.value, "__notes__", None)
+    assert not getattr(async_save._explained(RankAborted("x"), "p"), "__notes__", None)
+    assert async_save._explained(OSError(errno.ENOSPC, "full"), "p").__notes__

@@ -84,6 +84,7 @@ from ..platform.device import handle as device_handle
 from ..state import pinned
 from . import writer
 from .collective import Collective
+from .format import CheckpointError
 from .views import StatePiece, StepCounter, whole_frozen_params
 
 EXIT_WAIT_ENV = "ZEROKERN_CHECKPOINT_EXIT_WAIT_S"
@@ -370,8 +371,10 @@ def _stage_big(job: writer.SaveJob, carve: _Carver, events) -> writer.SaveJob:
 def _explained(e: BaseException, path: str) -> BaseException:
     """The error of a background write, with a note saying what failed and what did not: it
     reaches the caller at a later call (wait, save, load), far from the write (an OSError of a
-    file write names neither the file nor the checkpoint). The type and errno stay."""
-    if isinstance(e, Exception) and hasattr(e, "add_note"):
+    file write names neither the file nor the checkpoint). The type and errno stay. Only a
+    write's failure (an OSError, also another rank's; a CheckpointError): a lost peer
+    (RankAborted, PeerLost) says itself that the job must restart."""
+    if isinstance(e, (OSError, CheckpointError)):
         what = ""
         if isinstance(e, OSError) and e.errno is not None:
             what = f" ({errno.errorcode.get(e.errno, e.errno)}: {os.strerror(e.errno)})"

@@ -231,10 +231,12 @@ def wait_for_save(cfg: TrainConfig) -> None:
 def _save_failed(cfg: TrainConfig, e: Exception, when: str) -> None:
     """A failed checkpoint write stops the run (issue 39: a disk that fails): training on
     without checkpoints would lose ever more work at the next fault. The error keeps its type
-    (OSError with its errno, CheckpointError) and says where a restart resumes from."""
+    (OSError with its errno, CheckpointError) and says where a restart resumes from. A lost
+    peer (PeerLost, raised by the save's agreement) is left as it is: it is no disk's fault
+    (the chaos run's log showed this note on a PeerLost before)."""
     import zerokern as zk
 
-    if hasattr(e, "add_note"):
+    if isinstance(e, (OSError, zk.checkpoint.CheckpointError)):  # not a lost peer's PeerLost
         try:
             last = zk.checkpoint.latest(save_dir(cfg), verify=False)
         except Exception:  # noqa: BLE001 - the disk itself may fail to list
