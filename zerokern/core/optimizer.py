@@ -29,7 +29,6 @@ Nothing reads a device value on the host: every branch is on host state (stage, 
 
 from __future__ import annotations
 
-import functools
 import math
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
@@ -38,41 +37,22 @@ import torch
 
 from zerokern import kernels
 from zerokern.accounting.memory import memory_report
-from zerokern.comm.device_check import check_params_backend
-from zerokern.comm.mesh import (
-    check_mesh,
-    check_same_everywhere,
-    check_world_tp,
-    make_comm,
-    pipeline_comm,
-    split_world_mesh,
-)
-from zerokern.comm.plan import ParallelPlan, check_hpz_roles, role_sizes
-from zerokern.comm.quantized import check_quantized
-from zerokern.comm.tp import check_tensor_parallel, make_tensor_parallel
+from zerokern.core.decision import decide
 from zerokern.core.frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
-from zerokern.core.loss_scale import make_loss_scaler
 from zerokern.core.model_sync import (
     ModelWatch,
-    check_same_on_ranks,
     model_tensors,
     sync_from_first_rank,
 )
 from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
 from zerokern.grads.tp_norm import TpStats
-from zerokern.kernels import blockquant
 from zerokern.layout.flat_group import FlatGroup
-from zerokern.layout.stages import pattern
 from zerokern.options.args import (
-    check_arguments,
     check_clip,
-    check_groups,
-    check_rule_support,
-    frozen_params,
 )
 from zerokern.options.doc import ENGINE_ARGS
-from zerokern.rules import Rule, check_defaults_keys, check_rule, combine, slot_align
+from zerokern.rules import Rule
 from zerokern.state.placement import make_placement
 
 
@@ -126,148 +106,73 @@ class ZeroOptimizer(torch.optim.Optimizer):
         broadcast_params: bool = True,
         activation_checkpointing: Optional[str] = None,
     ) -> None:
-        # ---- validate everything before touching the model --------------------------------
-        from zerokern.stage3.activation_policy import check_policy_target
-
-        act_mode = check_policy_target(activation_checkpointing, params_or_model,
-                                       units if stage == 3 else None)
-        if not isinstance(broadcast_params, bool):
-            raise TypeError(f"broadcast_params must be True or False, got "
-                            f"{type(broadcast_params).__name__}")
-        per_group = None
-        if isinstance(rule, (list, tuple)):  # one rule per param group
-            if not rule:
-                raise ValueError("rule must be a Rule or a non-empty list of Rules")
-            per_group = [check_rule(r) for r in rule]
-            rule = combine(per_group)
-        rule = check_rule(rule)
-        dtype, offload_path, params = check_arguments(
-            params_or_model, stage=stage, precision=precision,
-            rule=None if per_group is not None else rule, defaults=defaults,
-            max_grad_norm=max_grad_norm, offload=offload, offload_path=offload_path,
-            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, backend=backend, units=units,
-            param_groups=param_groups, process_group=process_group, free_grads=free_grads,
-            offload_params=offload_params, master=master,
-            keep_for_backward_mb=keep_for_backward_mb)
-        if per_group is not None:  # zerokern.rules [Note: a rule's keys]
-            check_defaults_keys(per_group, defaults)
-        self.rule = rule  # the one rule, or the groups' MixedRules (reports, checkpoints)
+        # ---- decide: every check, the plan, nothing changed yet ([Note: construction is a
+        # decision] in decision.py) ------------------------------------------------------------
         self._given_keys = []  # each group's own keys, before the defaults fill it
-        super().__init__(params, dict(defaults))  # builds self.param_groups (raises if empty)
-        if per_group is not None and len(per_group) != len(self.param_groups):
-            raise ValueError(f"rule: {len(per_group)} rules for {len(self.param_groups)} "
-                             "param groups; give one per group")
-        self.rules = per_group or [rule] * len(self.param_groups)
-        trainable = check_groups(self.param_groups, dtype, self.rules, self._given_keys,
-                                 self._group_keys)
-        check_rule_support(self.rules, offload, master)
-        to_cast = frozen_params(self.param_groups, params_or_model, dtype, stage)
-        # a world mesh (named pp / tp / cp dims): ZeRO over its data-parallel dims, the
-        # others in the plan ([Note: a world mesh] in comm/mesh.py)
-        world_mesh = mesh
-        mesh, model_dims = split_world_mesh(mesh)  # ValueError
-        shape = check_mesh(mesh, process_group, trainable[0][0].device.type)  # ValueError
-        # CPU params on an NCCL group, CUDA params on a gloo one: a ValueError naming the fix
-        check_params_backend(trainable[0][0].device, process_group, mesh, type(self).__name__)
-        check_hpz_roles(hpz, shape, stage, offload_params)
-        qwz, qgz_bits = check_quantized(quantized_weights, quantized_gradients, stage,
-                                        offload_params)
-        codec_for = functools.partial(blockquant.codec_for, backend=backend)
-        if qwz or qgz_bits is not None:  # ValueError on CUDA without Triton
-            codec_for(trainable[0][0].device)
-        # DTensor (tensor-parallel) params: ZeRO over the dp mesh only (comm/tp.py)
-        tp_checked = check_tensor_parallel(trainable, to_cast, dtype, precision, mesh,
-                                           process_group)
-        check_world_tp(world_mesh, model_dims, tp_checked)  # ValueError
-        # one all-gather of the layout, ValueError on every rank if it differs
-        check_same_everywhere(mesh, process_group, hpz, stage, quantized_weights=qwz,
-                              quantized_gradients=qgz_bits)
-        comm = make_comm(process_group, mesh, hpz, qwz, qgz_bits, codec_for)
-        model = params_or_model if isinstance(params_or_model, torch.nn.Module) else None
-        # [Note: ranks start from the first rank's weights] (model_sync.py): opted out, the
-        # ranks' params and buffers must agree already (a ValueError before any change)
-        listed = [{"params": list(g["params"])} for g in self.param_groups]  # frozen too
-        if not broadcast_params:
-            check_same_on_ranks(model_tensors(listed, model), comm.world)
-        self.tp = make_tensor_parallel(tp_checked, comm.stats)
-        # the roles, decided once ([Note: one parallel plan] in comm/plan.py): what the
-        # agreement runs over, and what accounting reads
-        self.plan = ParallelPlan(comm, role_sizes(
-            shape, hpz, comm.world.world_size,
-            tp=1 if self.tp is None else self.tp.comm.world_size,
-            pp=model_dims.get("pp", 1)), self.tp, pipeline_comm(world_mesh, model_dims,
-                                                                 comm.stats))
+        d = decide(
+            self, params_or_model, rule, defaults, stage=stage, precision=precision,
+            loss_scale=loss_scale, max_grad_norm=max_grad_norm, offload=offload,
+            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, process_group=process_group,
+            backend=backend, param_groups=param_groups, units=units, offload_path=offload_path,
+            free_grads=free_grads, offload_params=offload_params, master=master, mesh=mesh,
+            hpz=hpz, quantized_weights=quantized_weights,
+            quantized_gradients=quantized_gradients, keep_for_backward_mb=keep_for_backward_mb,
+            broadcast_params=broadcast_params, activation_checkpointing=activation_checkpointing)
+        self.decision = d
+        self.rule, self.rules = d.rule, d.rules
+        self.plan = d.plan  # the roles ([Note: one parallel plan] in comm/plan.py)
+        self.tp = d.plan.tp
+        comm = self.comm = d.comm
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
-        unit_list = None
-        P = pattern(stage)  # what the stage keeps (stages.py)
-        if P.shards_params:
-            from zerokern.stage3.build import check_stage3
 
-            unit_list = check_stage3(params_or_model, units, trainable, dtype,
-                                     comm.shard.world_size,
-                                     offload, offload_path, offload_params,
-                                     per_group or rule)
-        elif offload == "nvme":  # a disk too small for the state files: before any change
-            from zerokern.state.nvme_state import check_free_space
-            from zerokern.state.offload_nvme import NvmeOffloader
-
-            check_free_space(offload_path, NvmeOffloader.disk_need(per_group or rule, [
-                P.state_numel(FlatGroup.layout_of(ps, dtype, comm.shard.world_size,
-                                                  bucket_mb * 2**20, slot_align(r)))
-                for ps, r in zip(trainable, self.rules)]))
-        scaler = make_loss_scaler(loss_scale, precision, trainable[0][0].device)
-
-        # ---- now change the model --------------------------------------------------------
+        # ---- now change the model, as decided ------------------------------------------------
         self.param_homes = None  # offload_params (stage3/param_offload.py)
-        self.stage, self.precision, self.dtype = stage, precision, dtype
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.backend = backend
-        self.comm = comm
-        self.scaler = scaler
-        self.reduce_dtype = reduce_dtype or dtype
+        self.stage, self.precision, self.dtype = d.stage, d.precision, d.dtype
+        self.max_grad_norm = d.max_grad_norm
+        self.backend = d.backend
+        self.scaler = d.scaler
+        self.reduce_dtype = d.reduce_dtype
+        model = d.model
         self._unfrozen = UnfreezeWatch(self, model, self.param_groups)  # before frozen ones leave
         self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
-        for group, ps in zip(self.param_groups, trainable):
+        for group, ps in zip(self.param_groups, d.trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
-        for ps in trainable:  # re-creating an optimizer on a model takes its params over
+        for ps in d.trainable:  # re-creating an optimizer on a model takes its params over
             for p in ps:
                 ref = getattr(p, "_zerokern_sync", None)
                 old = ref() if ref is not None else None
                 if old is not None and not old.detached:
                     old.detach()  # (stage 3: gathers them whole again first)
-        if broadcast_params:  # every dp rank starts from the first one's params and buffers,
-            # before the buffers copy them or stage 3 shards them (model_sync.py [Note: ranks
-            # start from the first rank's weights])
-            sync_from_first_rank(model_tensors(listed, model), comm.world)
+        if d.broadcast_params:  # every dp rank starts from the first one's params and
+            # buffers, before the buffers copy them or stage 3 shards them (model_sync.py
+            # [Note: ranks start from the first rank's weights])
+            sync_from_first_rank(model_tensors(d.listed, model), comm.world)
         # Where the master and the rule's state live and the update that runs there
         # (placement.py [Note: offload is a placement of the state]): made first, so the
         # buffers allocate through it.
-        self.pattern = P
-        self.offload = offload
-        self.master = master
-        self.placement = make_placement(offload, self.reduce_dtype, offload_path, self.plan, master,
-                                        rule, per_group)
+        self.pattern = P = d.pattern
+        self.offload = d.offload
+        self.master = d.master
+        self.placement = make_placement(d.offload, d.reduce_dtype, d.offload_path, d.plan,
+                                        d.master, d.rule, d.per_group)
         if P.shards_params:
             from zerokern.stage3.build import build_stage3
 
-            self.units = unit_list
-            self.flat_groups, self.grad_sync, self.param_homes = build_stage3(
-                params_or_model, unit_list, trainable, dtype, comm, self.placement,
-                self.reduce_dtype, offload, offload_path, offload_params,
-                keep_for_backward_mb * 2**20, [slot_align(r) for r in self.rules])
+            self.units = d.units
+            self.flat_groups, self.grad_sync, self.param_homes = build_stage3(d, self.placement)
         else:
             self.flat_groups: List[FlatGroup] = [
-                FlatGroup(ps, dtype, comm.shard.world_size, comm.shard.rank, self.pattern,
-                          bucket_mb * 2**20, placement=self.placement, group_index=gi,
-                          slot_align=slot_align(self.rules[gi]))  # partition.py [Note:
-                for gi, ps in enumerate(trainable)]  # block-aligned slots]
+                FlatGroup(ps, d.dtype, comm.shard.world_size, comm.shard.rank, P,
+                          d.bucket_bytes, placement=self.placement, group_index=gi,
+                          slot_align=align)  # partition.py [Note: block-aligned slots]
+                for gi, (ps, align) in enumerate(zip(d.trainable, d.slot_aligns))]
             self.grad_sync = (
-                BucketedGrads(self.flat_groups, comm, self.reduce_dtype) if P.shards_grads
-                else FullGrads(self.flat_groups, comm, self.reduce_dtype, stage))
-        self.grad_sync.free_on_zero = free_grads
-        for p in to_cast:  # frozen params are part of the model the forward runs (issue 11)
-            p.data = p.data.to(dtype)
-        self.offload_params = offload_params
+                BucketedGrads(self.flat_groups, comm, d.reduce_dtype) if P.shards_grads
+                else FullGrads(self.flat_groups, comm, d.reduce_dtype, d.stage))
+        self.grad_sync.free_on_zero = d.free_grads
+        for p in d.to_cast:  # frozen params are part of the model the forward runs (issue 11)
+            p.data = p.data.to(d.dtype)
+        self.offload_params = d.offload_params
         self.placement.attach(self.flat_groups)
         # phased rules (Muon, Adafactor): one plan per buffer of whole matrices over the shard
         # group (zerokern.rules [Note: state kinds and the owner protocol])
@@ -294,17 +199,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._prepared = None         # grad_sync.generation whose stats are in _stats
         self._clip_next = None        # (max_norm, norm) from clip_grad_norm_ for the next step
         gs = self.grad_sync
-        gs.require_scaled = precision == "fp16" or bool(scaler.dynamic) or \
-            float(scaler.scale) != 1.0
+        gs.require_scaled = d.precision == "fp16" or bool(d.scaler.dynamic) or \
+            float(d.scaler.scale) != 1.0
         self.model_watch = None
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
             gs.watchers = (self._unfrozen, self.model_watch)
         self.activations = None  # activation_checkpointing (stage3/activation_policy.py)
-        if act_mode is not None:
+        if d.act_mode is not None:
             from zerokern.stage3.activation_policy import apply_policy
 
-            self.activations = apply_policy(model, act_mode, modules=[
+            self.activations = apply_policy(model, d.act_mode, modules=[
                 u.module for u in self.units if not u.is_root] if P.shards_params else None)
 
     @property

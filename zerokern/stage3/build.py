@@ -33,26 +33,24 @@ def check_stage3(model: torch.nn.Module, units, trainable: List[List[torch.nn.Pa
     return unit_list
 
 
-def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
-                 trainable: List[List[torch.nn.Parameter]], dtype: torch.dtype, comm,
-                 placement, reduce_dtype: torch.dtype, offload: Optional[str], offload_path,
-                 offload_params: Optional[str], keep_for_backward_bytes: float = 0,
-                 aligns: Optional[List[int]] = None
-                 ) -> Tuple[List[ShardedFlat], Stage3Runtime, Optional[object]]:
+def build_stage3(d, placement) -> Tuple[List[ShardedFlat], Stage3Runtime, Optional[object]]:
     """One ShardedFlat per (unit, param group) with params, the frozen buffers, the param
-    homes (offload_params, else None) and the runtime over them. aligns: each param group's
-    slot alignment (rules.slot_align of its rule; partition.py [Note: block-aligned
-    slots])."""
+    homes (offload_params, else None) and the runtime over them, as the optimizer's decision
+    `d` says (core/decision.py [Note: construction is a decision]: its units, trainable params,
+    dtypes, offload and keep options, and each group's slot alignment: rules.slot_align of its
+    rule, partition.py [Note: block-aligned slots])."""
+    trainable, dtype, comm, unit_list = d.trainable, d.dtype, d.comm, d.units
+    offload_params = d.offload_params
     group_of = {id(p): gi for gi, ps in enumerate(trainable) for p in ps}
     make, homes = ShardedFlat, None
     if offload_params is not None:  # the shards' homes: host or files
         from .param_homes import ParamHomes
 
-        homes = ParamHomes(offload_params, trainable[0][0].device, offload is not None,
-                           offload_path, comm.world.rank)  # file names: unique per rank
+        homes = ParamHomes(offload_params, trainable[0][0].device, d.offload is not None,
+                           d.offload_path, comm.world.rank)  # file names: unique per rank
         make = homes.make
     shard = comm.shard  # the layout: sharded over the shard group
-    aligns = aligns or [1] * len(trainable)
+    aligns = d.slot_aligns
     buffers = [make(ps, dtype, shard.world_size, shard.rank, gi, u.index, placement=placement,
                     slot_align=aligns[gi])
                for u in unit_list for gi in range(len(trainable))
@@ -63,6 +61,6 @@ def build_stage3(model: torch.nn.Module, unit_list: List[Unit],
               for u in unit_list if u.frozen]
     if homes is not None:
         homes.finalize()
-    runtime = Stage3Runtime(buffers, unit_list, comm, reduce_dtype, model, frozen,
-                            keep_for_backward_bytes)
+    runtime = Stage3Runtime(buffers, unit_list, comm, d.reduce_dtype, d.model, frozen,
+                            d.keep_for_backward_bytes)
     return buffers, runtime, homes
