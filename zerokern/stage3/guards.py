@@ -175,6 +175,11 @@ class ModelGuard:
                                   f"{tuple(shape) if isinstance(value, torch.Tensor) else shape}"
                                   f" from checkpoint, the shape in current model is "
                                   f"{slot.shape}")
+            elif getattr(f, "param_scales", None) is not None:  # FP8 codes: an agreed scale
+                error_msgs.append(f"{key}: param_format='fp8' params are loaded with "
+                                  "zerokern.checkpoint, or set inside "
+                                  "opt.gathered_params(modify=True) (their FP8 scales are "
+                                  "agreed across ranks)")
             else:
                 self._load_piece(f, i, value)
             # The param is an empty tensor now: hand torch's own copy an empty value (of the

@@ -7,6 +7,11 @@ is the DESIGN layout `[r·S, (r+1)·S)` of the unit's flat buffer):
     master      (S,)  fp32          None at fp32
     rule states (S,)  fp32 each     the optimizer rule's (zerokern.rules), by name
     steps       (1,)  int64
+With `param_format="fp8"` (kernels/param_codec.py [Note: FP8 params with an agreed scale]) a
+trainable buffer stores `param_shard` as FP8 codes and `param_scales` (n_params,) fp32, the
+same on every rank; the gather all-gathers the 1-byte codes (half of bf16's bytes) into
+`codes_full` (E,) and decodes them into `full` (the model dtype) when it lands, and
+`publish_piece` encodes the new master after each step (`store_piece`, collective).
 A frozen buffer (trainable=False: the unit's requires_grad=False params, e.g. a LoRA base model)
 has only `param_shard` and `full`: it is gathered and freed with its unit and cast to the precision
 like the others, but holds no master, moments or step (None), and gets no grad shard.
@@ -71,10 +76,19 @@ class ShardedFlat(ShardBuffer):
 
                 placement = DevicePlacement()
             self.state = placement.allocate(self)
-        # (S,) the resident param shard, flat range [lo, hi) of the unit (the master at fp32)
-        # page-aligned, like the grad shards and the state ([Note: streams at one page offset])
-        self.param_shard = huge_pages.zeros(L.shard_numel, dtype, self.device)
-        self.copy_params_(self.param_shard, lo, hi)
+        # (S,) the resident param shard, flat range [lo, hi) of the unit (the master at fp32;
+        # FP8 codes with a scaled codec), page-aligned, like the grad shards and the state
+        # ([Note: streams at one page offset])
+        codec = self.codec  # the placement's (allocate), else this dtype's
+        self.param_shard = huge_pages.zeros(L.shard_numel, codec.storage_dtype, self.device)
+        self.param_scales = None  # (n_params,) fp32, agreed: a scaled codec's
+        self.codes_full = None    # (E,) uint8 while a scaled gather is in flight
+        if codec.scaled:
+            self.param_scales = torch.ones(len(L.slots), dtype=torch.float32,
+                                           device=self.device)
+            self.encode_params_()  # collective: every rank builds its buffers in one order
+        else:
+            self.copy_params_(self.param_shard, lo, hi)
         self.full = torch.zeros(L.padded_numel, dtype=dtype, device=self.device)
         self.views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots]
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
@@ -114,8 +128,43 @@ class ShardedFlat(ShardBuffer):
         self.quantized = quantized is not None
         if self.quantized:
             self.handle = quantized(self.full, src, label)
+        elif self.param_scales is not None:  # FP8 codes: decoded into full at finish_gather
+            self.codes_full = torch.empty(self.layout.padded_numel, dtype=torch.uint8,
+                                          device=self.device)
+            self.handle = comm.all_gather_(self.codes_full, src.view(torch.uint8),
+                                           async_op=True, label=label)
         else:
             self.handle = comm.all_gather_(self.full, src, async_op=True, label=label)
+
+    def _decode_gathered(self) -> None:
+        """A scaled codec's gather landed: every param of `full` from its codes and scale."""
+        if self.codes_full is None:
+            return
+        codes = self.codes_full.view(self.codec.storage_dtype)
+        self.codec.decode_(codes, self.full, [(i, s.offset, s.offset + s.numel)
+                                              for i, s in enumerate(self.layout.slots)],
+                           self.param_scales)
+        gs = self._gather_stream()
+        if gs is not None:  # made on the gather stream, read here by the compute stream
+            gs.used_by_compute(self.codes_full)
+        self.codes_full = None
+
+    # -- the scaled codec's encode (kernels/param_codec.py) -----------------------------------
+    def _local_spans(self):
+        lo, hi = self.layout.piece_range(0, self.rank)
+        return [(i, a - lo, b - lo) for i, a, b in self.layout.overlaps(lo, hi)]
+
+    def encode_params_(self) -> None:
+        """The shard's codes from the fp32 master, with the per-param scales agreed across
+        the ranks (collective: MAX of each param's amax through the codec's `agree`)."""
+        self.codec.encode_(self.master_piece(0), self.param_shard, self._local_spans(),
+                           self.param_scales)
+
+    def store_piece(self, k: int) -> None:
+        """After the update (and every other writer of the master): a scaled codec encodes
+        the new master into the shard ([Note: the cast-back is the codec's])."""
+        if self.param_scales is not None:
+            self.encode_params_()
 
     def _gather_stream(self):
         return gather_stream.for_device(self.full.device)
@@ -134,6 +183,7 @@ class ShardedFlat(ShardBuffer):
             self._compute_waits_gather()
             self.handle.wait()
             self.handle = None
+            self._decode_gathered()
             self.residency = Residency.GATHERED
             for p, v in zip(self.params, self.views):
                 set_local_(p, v)
@@ -143,6 +193,7 @@ class ShardedFlat(ShardBuffer):
             self._compute_waits_gather()
             self.handle.wait()
             self.handle = None
+            self.codes_full = None
         gs = self._gather_stream()
         if gs is not None and self.full.untyped_storage().nbytes():
             gs.used_by_compute(self.full)
@@ -163,6 +214,11 @@ class ShardedFlat(ShardBuffer):
         The fp32 master takes the new value only where the 16-bit param changed, so the
         params left alone keep their full-precision masters."""
         piece = self.full[slice(*self.layout.piece_range(0, self.rank))]
+        if self.param_scales is not None:  # FP8: against the decoded codes, then re-encoded
+            held = self.param_values(*self.layout.piece_range(0, self.rank))
+            self.master.copy_(torch.where(piece != held, piece.float(), self.master))
+            self.encode_params_()  # collective: every rank writes back every buffer
+            return
         if self.master is not None:
             changed = piece != self.param_shard
             master = self.master.to(piece.device)
@@ -171,11 +227,31 @@ class ShardedFlat(ShardBuffer):
 
     # -- what ShardBuffer asks (the coordinates and the state are its own) --------------------
     def param_values(self, lo: int, hi: int) -> torch.Tensor:
+        """The shard's values of flat [lo, hi): a view; with a scaled codec a decoded copy
+        (the model dtype: what the forward sees), written only through the master."""
         base = self.layout.piece_range(0, self.rank)[0]
-        return self.param_shard[lo - base:hi - base]
+        if self.param_scales is None:
+            return self.param_shard[lo - base:hi - base]
+        out = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+        spans = [(i, a - lo, b - lo) for i, a, b in self.layout.overlaps(lo, hi)]
+        return self.codec.decode_(self.param_shard[lo - base:hi - base], out, spans,
+                                  self.param_scales)
+
+    def param_out_piece(self, k: int):
+        if self.param_scales is not None:
+            return None  # the kernel writes no FP8: store_piece encodes after the update
+        return super().param_out_piece(k)
+
+    def params_loaded_(self) -> None:
+        """The masters were replaced (a checkpoint load): a scaled codec re-encodes them
+        (collective)."""
+        if self.param_scales is not None:
+            self.encode_params_()
 
     def _extra_state(self) -> dict:
         # The param shard too: at stage 3 the model's own state_dict has no values to give.
+        if self.param_scales is not None:
+            return {"params": self.param_shard, "param_scales": self.param_scales}
         return {"params": self.param_shard}
 
     def param_buffers(self):
