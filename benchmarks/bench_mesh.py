@@ -78,8 +78,81 @@ def _formula(name, opt) -> tuple:
     return fwd + rs, f"w8(E/4) + w{bits}(E/4) (int8 fwd gather hop 1, qgZ hop 2)"
 
 
-def _worker(rank, ws, size, steps, batch, precision="fp32"):
+class Probe:
+    """Where a step's time goes ([Note: the breakdown]): wall and CPU seconds of wrapped
+    functions, by key and by thread (the step's own thread, "main", or a ring thread, "ring").
+
+    [Note: the breakdown]
+    --breakdown wraps, in each rank, the functions a stage-3 step with quantized collectives
+    runs through (those that exist in the zerokern it imports: the same bench measures an
+    older tree): the codec kernels (quantize/dequantize, "codec"); the qgZ reduce-scatter as a
+    whole ("qgz", on a ring thread: codec, all-to-alls, sums, copies); its all-to-alls
+    ("a2a"); qwZ's two gather hops ("qwz_hops", ring thread); the ring's all-gathers and
+    reduce-scatters ("ring_ag", "ring_rs"); hpZ's copy of the secondary ("hpz_keep"); and, on
+    the step's thread, every wait for a collective ("wait": exposed communication, including
+    the time the ring threads take because the CPUs are shared). Each key counts inclusive
+    time; keys nest (codec inside qgz), so the report subtracts where it says so. The process's
+    CPU time per step ("cpu") is the work the 2 shared cores must do for each rank: on a
+    machine whose cores all run ranks, a step cannot take less than ranks x cpu / cores."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.main = threading.main_thread()
+        self.tot: dict = {}
+
+    def wrap(self, obj, name: str, key: str) -> None:
+        import functools
+        import threading
+
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
+        probe = self
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                where = "main" if threading.current_thread() is probe.main else "ring"
+                acc = probe.tot.setdefault(f"{key}@{where}", [0.0, 0.0])
+                acc[0] += time.perf_counter() - t0
+                acc[1] += time.thread_time() - c0
+
+        setattr(obj, name, timed)
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        from zerokern.comm import quantized, ring
+        from zerokern.kernels import blockquant
+        from zerokern.stage3 import hpz
+
+        for name in ("quantize_now", "dequantize_now", "quantize_into", "dequantize_into",
+                     "dequantize_sum_into"):
+            self.wrap(blockquant.NativeCodec, name, "codec")
+        self.wrap(quantized, "_reduce_levels", "qgz")
+        self.wrap(dist, "all_to_all_single", "a2a")
+        self.wrap(quantized, "_two_gathers", "qwz_hops")
+        self.wrap(ring.RingRunner, "all_gather", "ring_ag")
+        self.wrap(ring.RingRunner, "reduce_scatter", "ring_rs")
+        self.wrap(ring.RingRunner, "exchange_rows", "a2a")
+        self.wrap(ring.FutureWork, "wait", "wait")
+        self.wrap(hpz.HpzSecondary, "keep", "hpz_keep")
+
+    def take(self) -> dict:
+        out, self.tot = self.tot, {}
+        return out
+
+
+def _worker(rank, ws, size, steps, batch, precision="fp32", breakdown=False):
     PRECISION["p"] = precision
+    probe = None
+    if breakdown:
+        probe = Probe()
+        probe.install()
     meshes = {"4": init_device_mesh("cpu", (4,)),
               "2x2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
     cfg = PRESETS[size]
@@ -88,6 +161,7 @@ def _worker(rank, ws, size, steps, batch, precision="fp32"):
         model = build_gpt(size, seed=0)
         runs[name] = (model, _opt(model, name, meshes))
     times = {n: [] for n in CONFIGS}
+    parts = {n: [] for n in CONFIGS}  # --breakdown: per step {key@thread: [wall, cpu]}
     stats = {}
     g = torch.Generator().manual_seed(rank)
     for s in range(steps + 1):  # step 0 warms up; configs interleaved per step
@@ -96,6 +170,9 @@ def _worker(rank, ws, size, steps, batch, precision="fp32"):
             name = CONFIGS[(i + s) % len(CONFIGS)]
             model, opt = runs[name]
             opt.reset_comm_stats()
+            if probe is not None:
+                probe.take()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             logits = model(tok[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tok[:, 1:].reshape(-1))
@@ -105,10 +182,51 @@ def _worker(rank, ws, size, steps, batch, precision="fp32"):
             dt = time.perf_counter() - t0
             if s > 0:
                 times[name].append(dt)
+                if probe is not None:
+                    p = probe.take()
+                    p["cpu"] = [time.process_time() - c0] * 2
+                    parts[name].append(p)
             stats[name] = opt.comm_stats()
-    return {"times": times, "stats": stats,
+    return {"times": times, "stats": stats, "parts": parts,
             "formula": {n: _formula(n, runs[n][1]) for n in CONFIGS},
             "params": sum(g.layout.numel for g in runs["plain"][1].flat_groups)}
+
+
+BREAKDOWN_KEYS = ("cpu", "wait@main", "codec@main", "codec@ring", "qgz@ring", "a2a@ring",
+                  "qwz_hops@ring", "ring_ag@ring", "ring_rs@ring", "hpz_keep@main")
+
+
+def summarize_parts(res) -> dict:
+    """{config: {key: [wall ms, cpu ms]}}: per rank the median over the timed steps, then the
+    mean over the ranks ([Note: the breakdown])."""
+    out = {}
+    for name in CONFIGS:
+        per_rank = []
+        for r in res:
+            steps = r["parts"][name]
+            keys = {k for p in steps for k in p}
+            per_rank.append({k: [1e3 * statistics.median(p.get(k, [0.0, 0.0])[i] for p in steps)
+                                 for i in (0, 1)] for k in keys})
+        keys = {k for p in per_rank for k in p}
+        out[name] = {k: [sum(p.get(k, [0.0, 0.0])[i] for p in per_rank) / len(per_rank)
+                         for i in (0, 1)] for k in sorted(keys)}
+        out[name]["step"] = [1e3 * statistics.mean(statistics.median(r["times"][name])
+                                                   for r in res)] * 2
+    return out
+
+
+def breakdown_table(b: dict) -> str:
+    """Markdown: ms per step, mean over the 4 ranks; wall (CPU) where they differ."""
+    head = ["config", "step"] + list(BREAKDOWN_KEYS)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, d in b.items():
+        cells = [name, f"{d['step'][0]:.0f}"]
+        for k in BREAKDOWN_KEYS:
+            w, c = d.get(k, [0.0, 0.0])
+            cells.append(f"{w:.1f}" if k == "cpu" or abs(w - c) < 0.05 * max(w, 1e-9)
+                         else f"{w:.1f} ({c:.1f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _loss_worker(rank, ws, steps, batch, seq):
@@ -153,9 +271,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--loss-steps", type=int, default=0)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the codec, the hops and the waits ([Note: the breakdown])")
     a = ap.parse_args()
-    res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, a.precision, threads=1,
-                      timeout=1200)
+    res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, a.precision, a.breakdown,
+                      threads=1, timeout=1200)
     r0 = res[0]
     base = statistics.median(r0["times"]["plain"])
     rows = []
@@ -168,6 +288,7 @@ def main() -> None:
                      "formula_text": r0["formula"][name][1],
                      "step_s": med, "ratio": med / base,
                      "spread_s": [min(r0["times"][name]), max(r0["times"][name])]})
+    breakdown = summarize_parts(res) if a.breakdown else None
     plain_cross = rows[0]["cross_node"]
     print(f"GPT {a.size} ({r0['params'] / 1e6:.2f}M params), stage 3 {a.precision}, 4 gloo ranks "
           f"(2 x 2), rank 0, {a.steps} steps, torch {torch.__version__}")
@@ -178,6 +299,8 @@ def main() -> None:
         print(f"| {r['config']} | {r['bytes_per_step']:,} | {r['dims']} | "
               f"{r['cross_node']:,} | {r['formula']:,} = {r['formula_text']} | "
               f"{r['cross_node'] / plain_cross:.3f} | {r['step_s']:.3f} | {r['ratio']:.2f} |")
+    if breakdown:
+        print(breakdown_table(breakdown))
     loss = None
     if a.loss_steps:
         lr = spawn_ranks(_loss_worker, 4, a.loss_steps, 8, 64, threads=1, timeout=3600)[0]
@@ -192,7 +315,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"size": a.size, "steps": a.steps, "precision": a.precision,
-                       "rows": rows, "loss": loss,
+                       "rows": rows, "loss": loss, "breakdown": breakdown,
                        "loss_steps": a.loss_steps}, f, indent=1)
 
 

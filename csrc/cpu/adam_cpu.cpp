@@ -291,6 +291,8 @@ void blockquant_quantize(at::Tensor x, at::Tensor codes, at::Tensor scale, int64
                          int64_t bits);
 void blockquant_dequantize(at::Tensor codes, at::Tensor scale, at::Tensor out, int64_t block,
                            int64_t bits);
+void blockquant_dequantize_add(at::Tensor codes, at::Tensor scale, at::Tensor acc, int64_t block,
+                               int64_t bits);
 }  // namespace zk_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -323,6 +325,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blockquant_dequantize", &zk_cpu::blockquant_dequantize, nogil,
         "out = codes * scale per block, rounded to out's dtype", "codes"_a, "scale"_a, "out"_a,
         "block"_a, "bits"_a);
+  m.def("blockquant_dequantize_add", &zk_cpu::blockquant_dequantize_add, nogil,
+        "acc (fp32) += codes * scale per block (qgZ's decode-and-sum)", "codes"_a, "scale"_a,
+        "acc"_a, "block"_a, "bits"_a);
   m.def("cpu_features", &zk_cpu::cpu_features, "CPU feature flags seen by the dispatcher");
   m.def("selected_isa", &zk_cpu::selected_isa, "ISA in use: 'avx512' | 'avx2' | 'scalar'");
   m.def("force_isa", &zk_cpu::force_isa, "Select 'auto' | 'avx512' | 'avx2' | 'scalar'", "name"_a);

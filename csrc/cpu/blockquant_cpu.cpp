@@ -5,16 +5,30 @@
 // A block holding inf or NaN gets a non-finite scale (NaN wins, as torch's amax), so every
 // element of it dequantizes to inf or NaN; its codes are 0 there (the reference's are
 // whatever the float -> int8 cast gives: unspecified, the scale carries the non-finite).
-// Portable C++ the compiler vectorises (no -march, as lion_cpu.cpp); blocks <= 128 elements
-// are staged in a stack array so the absmax, the division and the codes are separate loops.
-// Measured against the torch reference ops on this VM (1 thread, 2^20 fp32 elements): see
-// blockquant.py [Note: the CPU codec].
+// Two paths, the same bits:
+// - AVX-512 (when the dispatcher's ISA is avx512: adam_cpu.cpp's current_isa(), so force_isa
+//   switches it too): a block is 2, 4 or 8 registers of 16 lanes, loaded once; absmax by
+//   vmaxps and one horizontal max, the scale by one scalar IEEE division, the codes by vdivps
+//   (IEEE, as the reference's x / scale), vrndscaleps to nearest even, a clamp and a narrowing
+//   store (int8: vpmovsdb; int4: nibble pairs joined in 64-bit lanes, vpmovqb). A block whose
+//   scale is non-finite or 0 gets codes 0. Dequantize: vpmovsxbd (int4: vpmovzxbq and a nibble
+//   split), vcvtdq2ps, one vmulps, the out dtype's RNE conversion (kernels_avx512.cpp's).
+//   Compiled without -march: the target attribute confines AVX-512 to these bodies.
+// - portable C++ the compiler vectorises (the scalar ISA, and CPUs without AVX-512): blocks
+//   <= 128 elements staged in a stack array so the absmax, the division and the codes are
+//   separate loops.
+// dequantize_add (qgZ's decode-and-sum, comm/quantized.py) is dequantize to fp32 followed by
+// acc += that, one rounding each (the op builds with -ffp-contract=off: no FMA), so it is
+// bitwise `acc + dequantize(codes, scale)`.
+// Speed against a copy of the same bytes: blockquant.py [Note: the CPU codec].
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_kernels.h"
 
@@ -74,6 +88,9 @@ void quant_range(const void* x, void* codes, float* scale, int64_t block, int64_
   }
 }
 
+// O == kAcc: out is fp32 and the values are added to it (dequantize_add).
+constexpr int kAcc = 3;
+
 template <int BITS, int O>
 void dequant_range(const void* codes, const float* scale, void* out, int64_t block, int64_t b0,
                    int64_t b1) {
@@ -95,11 +112,181 @@ void dequant_range(const void* codes, const float* scale, void* out, int64_t blo
     if (O == kF32) {
       float* d = static_cast<float*>(out) + o;
       for (int64_t k = 0; k < block; ++k) d[k] = v[k];
+    } else if (O == kAcc) {
+      float* d = static_cast<float*>(out) + o;
+      for (int64_t k = 0; k < block; ++k) d[k] = d[k] + v[k];
     } else {
       uint16_t* d = static_cast<uint16_t*>(out) + o;
       for (int64_t k = 0; k < block; ++k) d[k] = O == kBF16 ? f32_to_bf16(v[k]) : f32_to_f16(v[k]);
     }
   }
+}
+
+
+// ---- AVX-512 ------------------------------------------------------------------------------------
+#define ZK_BQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+#define ZK_BQ_INLINE ZK_BQ_AVX512 __attribute__((always_inline)) inline
+
+template <int T>
+ZK_BQ_INLINE __m512 bq_load16(const void* x, int64_t i) {
+  if constexpr (T == kF32) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
+  else {
+    __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(x) + i));
+    if constexpr (T == kF16) return _mm512_cvtph_ps(h);  // exact, as f16_to_f32
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// fp32 -> bf16 bits, RNE with integer ops, NaN -> 0xFFFF (f32_to_bf16, kernels_avx512.cpp's).
+ZK_BQ_INLINE __m256i bq_to_bf16(__m512 x) {
+  __m512i b = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
+                                                 lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <int T, int BITS, int V>  // V = block / 16
+ZK_BQ_AVX512 void quant_avx512(const void* x, void* codes, float* scale, int64_t b0, int64_t b1) {
+  constexpr float q = BITS == 8 ? 127.f : 7.f;
+  constexpr int64_t block = 16 * V;
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 hi = _mm512_set1_ps(q), lo = _mm512_set1_ps(-q);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t o = b * block;
+    __m512 v[V];
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int k = 0; k < V; ++k) {
+      v[k] = bq_load16<T>(x, o + 16 * k);
+      const __m512 a = _mm512_and_ps(v[k], absmask);
+      nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, a);
+    }
+    const float s = nan ? std::nanf("") : _mm512_reduce_max_ps(mx) / q;
+    scale[b] = s;
+    if (!(s > 0.f) || !std::isfinite(s)) {  // all zero, or a non-finite block: codes 0
+      if (BITS == 8) std::memset(static_cast<int8_t*>(codes) + o, 0, block);
+      else std::memset(static_cast<uint8_t*>(codes) + o / 2, 0, block / 2);
+      continue;
+    }
+    const __m512 sv = _mm512_set1_ps(s);
+    // [Note: codes without a division per element] y = x * fl(1/s) is within 2^-16 of x / s
+    // (|x / s| <= q + 1 < 128: two roundings of relative 2^-24 each), and fl(x / s) within
+    // 2^-17 of x / s, so when y is farther than 2^-14 from every half-integer k + 1/2 (the
+    // only places where rounding to an integer changes), rne(fl(x / s)) = rne(y). Lanes nearer
+    // (about 1 in 4000 for spread-out values; every exact tie) take the IEEE division, the
+    // whole vector at once. A scale below 2^-120 (1/s near overflow) divides throughout.
+    const bool by_mul = s >= 0x1p-120f;
+    const __m512 rv = _mm512_set1_ps(1.f / s);
+    const __m512 half = _mm512_set1_ps(0.5f), margin = _mm512_set1_ps(0x1p-14f);
+    for (int k = 0; k < V; ++k) {
+      __m512 y;
+      if (by_mul) {
+        y = _mm512_mul_ps(v[k], rv);
+        // distance of y from the nearest half-integer: | |y - floor(y)| - 1/2 |
+        const __m512 fr = _mm512_sub_ps(y, _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF |
+                                                                    _MM_FROUND_NO_EXC));
+        const __m512 d = _mm512_and_ps(_mm512_sub_ps(fr, half), absmask);
+        if (_mm512_cmp_ps_mask(d, margin, _CMP_LT_OQ)) y = _mm512_div_ps(v[k], sv);
+      } else {
+        y = _mm512_div_ps(v[k], sv);
+      }
+      __m512 c = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512i ci = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(c, lo), hi));
+      if (BITS == 8) {
+        _mm_storeu_si128((__m128i*)(static_cast<int8_t*>(codes) + o + 16 * k),
+                         _mm512_cvtsepi32_epi8(ci));
+      } else {  // lanes 2i, 2i+1 -> the low and high nibble of byte i
+        ci = _mm512_and_si512(ci, _mm512_set1_epi32(0xF));
+        __m512i w = _mm512_or_si512(ci, _mm512_srli_epi64(ci, 28));
+        _mm_storel_epi64((__m128i*)(static_cast<uint8_t*>(codes) + (o + 16 * k) / 2),
+                         _mm512_cvtepi64_epi8(w));
+      }
+    }
+  }
+}
+
+template <int BITS, int O, int V>
+ZK_BQ_AVX512 void dequant_avx512(const void* codes, const float* scale, void* out, int64_t b0,
+                                 int64_t b1) {
+  constexpr int64_t block = 16 * V;
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m512 sv = _mm512_set1_ps(scale[b]);
+    const int64_t o = b * block;
+    for (int k = 0; k < V; ++k) {
+      const int64_t i = o + 16 * k;
+      __m512i ci;
+      if (BITS == 8) {
+        ci = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(codes) + i)));
+      } else {  // byte j -> lanes 2j (low nibble), 2j+1 (high), sign-extended: (n ^ 8) - 8
+        __m512i w = _mm512_cvtepu8_epi64(
+            _mm_loadl_epi64((const __m128i*)(static_cast<const uint8_t*>(codes) + i / 2)));
+        w = _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi64(0xF)),
+                            _mm512_slli_epi64(_mm512_srli_epi64(w, 4), 32));
+        const __m512i eight = _mm512_set1_epi32(8);
+        ci = _mm512_sub_epi32(_mm512_xor_si512(w, eight), eight);
+      }
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(ci), sv);
+      if constexpr (O == kF32) {
+        _mm512_storeu_ps(static_cast<float*>(out) + i, f);
+      } else if constexpr (O == kAcc) {
+        float* d = static_cast<float*>(out) + i;
+        _mm512_storeu_ps(d, _mm512_add_ps(_mm512_loadu_ps(d), f));
+      } else {
+        __m256i h = O == kBF16 ? bq_to_bf16(f)
+                               : _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(out) + i), h);
+      }
+    }
+  }
+}
+
+template <int T, int BITS>
+void quant_avx512_any(const void* x, void* codes, float* scale, int64_t block, int64_t b0,
+                      int64_t b1) {
+  if (block == 128) quant_avx512<T, BITS, 8>(x, codes, scale, b0, b1);
+  else if (block == 64) quant_avx512<T, BITS, 4>(x, codes, scale, b0, b1);
+  else quant_avx512<T, BITS, 2>(x, codes, scale, b0, b1);
+}
+
+template <int BITS, int O>
+void dequant_avx512_any(const void* codes, const float* scale, void* out, int64_t block,
+                        int64_t b0, int64_t b1) {
+  if (block == 128) dequant_avx512<BITS, O, 8>(codes, scale, out, b0, b1);
+  else if (block == 64) dequant_avx512<BITS, O, 4>(codes, scale, out, b0, b1);
+  else dequant_avx512<BITS, O, 2>(codes, scale, out, b0, b1);
+}
+
+// The quantize and dequantize bodies of the ISA in use (kernel tables, as the Adam kernels').
+using QuantFn = void (*)(const void*, void*, float*, int64_t, int64_t, int64_t);
+using DequantFn = void (*)(const void*, const float*, void*, int64_t, int64_t, int64_t);
+
+QuantFn quant_fn(int t, int64_t bits) {
+  static const QuantFn portable[2][3] = {
+      {quant_range<kF32, 8>, quant_range<kF16, 8>, quant_range<kBF16, 8>},
+      {quant_range<kF32, 4>, quant_range<kF16, 4>, quant_range<kBF16, 4>}};
+  static const QuantFn avx512[2][3] = {
+      {quant_avx512_any<kF32, 8>, quant_avx512_any<kF16, 8>, quant_avx512_any<kBF16, 8>},
+      {quant_avx512_any<kF32, 4>, quant_avx512_any<kF16, 4>, quant_avx512_any<kBF16, 4>}};
+  return (current_isa() == kAvx512 ? avx512 : portable)[bits == 8 ? 0 : 1][t];
+}
+
+// o: kF32, kF16, kBF16 or kAcc
+DequantFn dequant_fn(int o, int64_t bits) {
+  static const DequantFn portable[2][4] = {
+      {dequant_range<8, kF32>, dequant_range<8, kF16>, dequant_range<8, kBF16>,
+       dequant_range<8, kAcc>},
+      {dequant_range<4, kF32>, dequant_range<4, kF16>, dequant_range<4, kBF16>,
+       dequant_range<4, kAcc>}};
+  static const DequantFn avx512[2][4] = {
+      {dequant_avx512_any<8, kF32>, dequant_avx512_any<8, kF16>, dequant_avx512_any<8, kBF16>,
+       dequant_avx512_any<8, kAcc>},
+      {dequant_avx512_any<4, kF32>, dequant_avx512_any<4, kF16>, dequant_avx512_any<4, kBF16>,
+       dequant_avx512_any<4, kAcc>}};
+  return (current_isa() == kAvx512 ? avx512 : portable)[bits == 8 ? 0 : 1][o];
 }
 
 int kind_of(const at::Tensor& t, const char* name) {
@@ -137,46 +324,41 @@ void blockquant_quantize(at::Tensor x, at::Tensor codes, at::Tensor scale, int64
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "codes must be int8 (bits 8) or uint8 (bits 4)");
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "scale must be float32");
-  const int t = kind_of(x, "x");
+  const QuantFn f = quant_fn(kind_of(x, "x"), bits);
   const void* xp = x.data_ptr();
   void* cp = codes.data_ptr();
   float* sp = scale.data_ptr<float>();
-  over_blocks(n / block, [&](int64_t b0, int64_t b1) {
-    if (bits == 8) {
-      if (t == kF32) quant_range<kF32, 8>(xp, cp, sp, block, b0, b1);
-      else if (t == kBF16) quant_range<kBF16, 8>(xp, cp, sp, block, b0, b1);
-      else quant_range<kF16, 8>(xp, cp, sp, block, b0, b1);
-    } else {
-      if (t == kF32) quant_range<kF32, 4>(xp, cp, sp, block, b0, b1);
-      else if (t == kBF16) quant_range<kBF16, 4>(xp, cp, sp, block, b0, b1);
-      else quant_range<kF16, 4>(xp, cp, sp, block, b0, b1);
-    }
-  });
+  over_blocks(n / block, [&](int64_t b0, int64_t b1) { f(xp, cp, sp, block, b0, b1); });
 }
 
-void blockquant_dequantize(at::Tensor codes, at::Tensor scale, at::Tensor out, int64_t block,
-                           int64_t bits) {
+namespace {
+void dequantize_to(at::Tensor codes, at::Tensor scale, at::Tensor out, int64_t block,
+                   int64_t bits, bool add) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(block == 32 || block == 64 || block == 128, "block must be 32, 64 or 128");
   const int64_t n = scale.numel() * block;
   check(scale, "scale", n / block);
   check(codes, "codes", bits == 8 ? n : n / 2);
   check(out, "out", n);
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "scale must be float32");
   const int o = kind_of(out, "out");
+  TORCH_CHECK(!add || o == kF32, "acc must be float32");
+  const DequantFn f = dequant_fn(add ? kAcc : o, bits);
   const void* cp = codes.data_ptr();
   const float* sp = scale.data_ptr<float>();
   void* op = out.data_ptr();
-  over_blocks(n / block, [&](int64_t b0, int64_t b1) {
-    if (bits == 8) {
-      if (o == kF32) dequant_range<8, kF32>(cp, sp, op, block, b0, b1);
-      else if (o == kBF16) dequant_range<8, kBF16>(cp, sp, op, block, b0, b1);
-      else dequant_range<8, kF16>(cp, sp, op, block, b0, b1);
-    } else {
-      if (o == kF32) dequant_range<4, kF32>(cp, sp, op, block, b0, b1);
-      else if (o == kBF16) dequant_range<4, kBF16>(cp, sp, op, block, b0, b1);
-      else dequant_range<4, kF16>(cp, sp, op, block, b0, b1);
-    }
-  });
+  over_blocks(n / block, [&](int64_t b0, int64_t b1) { f(cp, sp, op, block, b0, b1); });
+}
+}  // namespace
+
+void blockquant_dequantize(at::Tensor codes, at::Tensor scale, at::Tensor out, int64_t block,
+                           int64_t bits) {
+  dequantize_to(codes, scale, out, block, bits, false);
+}
+
+void blockquant_dequantize_add(at::Tensor codes, at::Tensor scale, at::Tensor acc,
+                               int64_t block, int64_t bits) {
+  dequantize_to(codes, scale, acc, block, bits, true);
 }
 
 }  // namespace zk_cpu

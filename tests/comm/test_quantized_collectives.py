@@ -88,6 +88,12 @@ def _roll_scales(unpack):
     return bad
 
 
+def _own_quantized_too(full, rank, src):
+    """Negative control: the own piece round-tripped through the codec like the others'."""
+    full[rank].copy_(blockquant.dequantize(*blockquant.quantize(src, 128, 8), 128, 8,
+                                           full.dtype))
+
+
 def _qgz_collective(rank, ws, memo, bits, levels_key="flat", judge_bits=None):
     c = 512
     contrib = torch.stack([_pieces(200 + r, ws, c).view(-1) for r in range(ws)])  # (ws, ws*c)
@@ -303,8 +309,8 @@ def _worker2(rank, ws):
         _with, mock.patch.object(Q, "unpack", _roll_scales(Q.unpack)), _qwz_collective, rank,
         ws, memo)
     cases["neg_qwz_own"] = functools.partial(
-        _with, mock.patch.object(Q, "_keep_own", lambda full, rank, src: None),
-        _qwz_collective, rank, ws, memo)
+        _with, mock.patch.object(Q, "_keep_own", _own_quantized_too), _qwz_collective, rank,
+        ws, memo)
     cases["neg_qgz_scale"] = functools.partial(
         _with, mock.patch.object(Q, "unpack", _roll_scales(Q.unpack)), _qgz_collective, rank,
         ws, memo, 8)
@@ -516,8 +522,11 @@ def test_training_follows_plain(variant, bits):
 
 
 def test_training_tolerance_catches_a_broken_codec():
+    # Scales read one block off: 0.093 when the rows of a payload were unpacked together (the
+    # roll moved a scale across rows), 0.049 since the CPU path decodes row by row (issue 40,
+    # [Note: qgZ on the CPU ring]): both far outside the tolerance (6e-3).
     for r, rel in enumerate(case(_results2(), "train_neg_scale")):
-        assert rel > 10 * TOL_TRAIN[8], (r, rel)
+        assert rel > 5 * TOL_TRAIN[8], (r, rel)
 
 
 def test_hpz_qwz_qgz_trains_and_counts_bytes_per_dim():

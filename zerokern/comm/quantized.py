@@ -74,6 +74,33 @@ stream ([Note: stage-3 gather stream]). On the CPU there is no stream: hop 1 is 
 the host at the call. The arithmetic is the ring's, bit for bit.
 Index tensors (hop 1's chunk regrouping, qwZ's two-hop row order) are built once, at
 construction, on the group's device (DeviceIndex): never from host memory inside a step.
+
+[Note: qgZ on the CPU ring]
+With the C++ codec (NativeCodec: CPU tensors on a gloo ring) a hop moves each byte once
+(issue 40: the codec was ~11 ms and the copies around it ~9 ms of a 95 ms CPU step per rank on
+the small GPT, 2x2):
+- the other ranks' rows are quantized straight into the payload, chunk by chunk from the
+  input (hop 1's regrouping is a list of views, not an index_select copy); this rank's own
+  row is never quantized (it is not sent: it stays exact);
+- over 2 ranks the all-to-all is one exchange, run as the ring's all-gather of a (2, P)
+  buffer whose own row holds the row for the peer: shared memory on one host instead of
+  gloo's all_to_all over TCP, the same bytes each way (comm_stats counts the payload rows
+  sent, as before); over more ranks all_to_all_single;
+- the received rows are decoded and added into one fp32 accumulator in rank order, the own
+  row in its place (dequantize_add_, one pass each): bitwise the old decode then sum(0)
+  (torch sums dim 0 row after row), the last hop straight into `out` when it is fp32 and
+  apart from the input;
+- with two hops, the second runs on its own group's ring thread (the cross-node split group,
+  used by nothing else), queued by the first: hop 2 of one bucket overlaps hop 1 of the next.
+  Every rank queues the same jobs in the same order (the first ring's order), and the handle
+  waits for both (_AfterQueued).
+The GPU path (OpCodec, NCCL) and the reference codec keep _Hop.
+
+[Note: qwZ decodes on the ring]
+On the gloo ring the other ranks' pieces are decoded on the ring thread, straight into their
+rows of `full`, right after the gather: the decode overlaps the compute the gather was
+prefetched under, instead of running in wait() on the step's thread. The own piece is quantized
+straight into its payload row.
 """
 
 from __future__ import annotations
@@ -86,6 +113,7 @@ import torch.distributed as dist
 from zerokern.platform.device import handle
 
 from .collectives import GroupComm, _all_gather, _Done
+from .ring import FutureWork
 
 BLOCK = 128
 BITS_Q = {8: 127, 4: 7}
@@ -174,6 +202,34 @@ def _decode(codec, payload: torch.Tensor, c: int, bits: int, block: int,
     return codec.dequantize(codes, scale, block, bits, dtype).view(payload.shape[0], c)
 
 
+# ---- the CPU fast path ([Note: qgZ on the CPU ring]) ---------------------------------------------
+def _fast(codec) -> bool:
+    """The codec writes into given buffers and decodes-and-adds in one pass (the C++ kernel's
+    NativeCodec, kernels/blockquant.py); the reference module and the Triton ops do not."""
+    return hasattr(codec, "dequantize_add_")
+
+
+def _row_parts(payload_row: torch.Tensor, sizes: Sequence[int], bits: int, block: int):
+    """(codes, scales) views of one payload row holding pieces of `sizes` elements back to
+    back ([Note: one payload per piece]: codes of the whole row, then its scales)."""
+    L = sum(sizes)
+    nc = L * bits // 8
+    codes, scales = payload_row[:nc], payload_row[nc:].view(torch.float32)
+    out, c0, s0 = [], 0, 0
+    for n in sizes:
+        out.append((codes[c0:c0 + n * bits // 8], scales[s0:s0 + n // block]))
+        c0, s0 = c0 + n * bits // 8, s0 + n // block
+    return out
+
+
+def _quantize_row_(codec, payload_row: torch.Tensor, pieces: Sequence[torch.Tensor], bits: int,
+                   block: int) -> None:
+    """Quantize `pieces` (one destination's chunks, in order) straight into its payload row."""
+    for x, (codes, scale) in zip(pieces, _row_parts(payload_row, [p.numel() for p in pieces],
+                                                    bits, block)):
+        codec.quantize_into(x, codes, scale, block, bits)
+
+
 # ---- qwZ: the all-gather -------------------------------------------------------------------------
 class _DequantizeOnWait:
     """The quantized all-gather's handle: wait() dequantizes the other ranks' pieces into
@@ -235,9 +291,32 @@ def all_gather_quantized_(gc: GroupComm, full: torch.Tensor, src: torch.Tensor, 
     payload = torch.empty(n, P, dtype=torch.uint8, device=src.device)
     codec = codec_for(src.device)
     mine = payload[gc.rank:gc.rank + 1]
+    if _fast(codec) and gc._ring_for(src) is not None:  # [Note: qwZ decodes on the ring]
+        _quantize_row_(codec, payload[gc.rank], [src.contiguous()], 8, block)
+        gc._record("all_gather", payload, label)
+        gc.stats.add("all_gather", (n - 1) * P, gc.dim)
+        return gc._on_ring(True, _gather_decode, gc.ring.all_gather, payload, full, src,
+                           gc.rank, codec, block, None)
     pack_(mine, *codec.quantize(src, block, 8))
     h = gc.all_gather_(payload.view(-1), mine.view(-1), async_op=True, label=label)
     return _DequantizeOnWait(h, payload, full, src, gc.rank, codec, block)
+
+
+def _gather_decode(gather, payload: torch.Tensor, full: torch.Tensor, src: torch.Tensor,
+                   rank: int, codec, block: int, order: Optional[Sequence[int]]) -> None:
+    """[Note: qwZ decodes on the ring] On the ring thread: gather(payload), then every other
+    rank's row decoded straight into its piece of full (row k is world rank order[k]'s, or
+    rank k's), the own piece copied exact ([Note: qwZ keeps the own piece exact])."""
+    gather(payload)
+    c = src.numel()
+    rows = payload.view(-1, wire_bytes(c, 8, block))
+    pieces = full.view(rows.shape[0], c)
+    for k in range(rows.shape[0]):
+        r = k if order is None else order[k]
+        if r != rank:
+            codes, scale = unpack(rows[k:k + 1], c, 8, block)  # views: one row
+            codec.dequantize_into(codes, scale, pieces[r], block, 8)
+    _keep_own(pieces, rank, src)
 
 
 class HierGather:
@@ -274,12 +353,20 @@ class HierGather:
         P = wire_bytes(c, 8, block)
         codec = codec_for(src.device)
         hop1 = torch.empty(R, P, dtype=torch.uint8, device=src.device)
-        pack_(hop1[self.cross.rank:self.cross.rank + 1], *codec.quantize(src, block, 8))
+        fast = _fast(codec) and self.cross._ring_for(src) is not None
+        if fast:
+            _quantize_row_(codec, hop1[self.cross.rank], [src.contiguous()], 8, block)
+        else:
+            pack_(hop1[self.cross.rank:self.cross.rank + 1], *codec.quantize(src, block, 8))
         out = torch.empty(n, R * P, dtype=torch.uint8, device=src.device)
         for gc, buf in ((self.cross, hop1), (self.node, out)):
             gc._record("all_gather", buf, label)
             gc.stats.add("all_gather", (gc.world_size - 1) * buf.numel() // gc.world_size,
                          gc.dim)
+        if fast:  # [Note: qwZ decodes on the ring]
+            return self.cross._on_ring(True, _gather_decode,
+                                       lambda o: _two_gathers(self, hop1, o), out, full, src,
+                                       self.world.rank, codec, block, self._order.values)
         if self.cross._ring_for(src) is not None:  # [Note: where the quantized ops run]
             h = self.cross._on_ring(True, _two_gathers, self, hop1, out)
         else:
@@ -321,6 +408,17 @@ class Level:
 
     def split(self) -> Level:
         return Level(self.gc.split(), self.perm, self.index)
+
+    def pieces(self, x: torch.Tensor, c: int) -> List[List[torch.Tensor]]:
+        """x (N·c,) -> per destination rank of the group, the chunks of its row, in order: the
+        rows of `rows` as views, without its regrouping copy ([Note: qgZ on the CPU ring])."""
+        k = self.gc.world_size
+        if self.index is None:
+            rows = x.view(k, -1)
+            return [[rows[d]] for d in range(k)]
+        chunks = x.view(-1, c)
+        per = len(self.perm) // k
+        return [[chunks[self.perm[d * per + i]] for i in range(per)] for d in range(k)]
 
     def rows(self, x: torch.Tensor, c: int) -> torch.Tensor:
         """x (N·c,) -> (k, N·c/k): this hop's send rows, by destination rank of the group."""
@@ -370,12 +468,105 @@ def _account(gc: GroupComm, k: int, L: int, bits: int, block: int, label) -> Non
 
 
 def _reduce_levels(levels: Sequence[Level], out: torch.Tensor, inp: torch.Tensor, codec,
-                   bits: int, block: int, label) -> None:
-    """The whole reduction, synchronously (on the gloo ring's thread)."""
+                   bits: int, block: int, label, box: Optional[list] = None) -> None:
+    """The whole reduction, synchronously (on the gloo ring's thread); with the C++ codec the
+    fast path, the hops after the first on their own ring threads (queued into `box`)
+    ([Note: qgZ on the CPU ring])."""
+    if _fast(codec):
+        _reduce_fast(levels, out, inp, codec, bits, block, box)
+        return
     x = inp
     for lv in levels:
         x = _Hop(lv.gc, lv.rows(x, out.numel()), codec, bits, block, False).finish()
     out.copy_(x)
+
+
+def _reduce_fast(levels: Sequence[Level], out: torch.Tensor, x: torch.Tensor, codec,
+                 bits: int, block: int, box: Optional[list]) -> None:
+    """[Note: qgZ on the CPU ring] Hop by hop; the next hop on its group's ring thread when
+    there is a box to hand its future back in, else here."""
+    c = out.numel()
+    for i, lv in enumerate(levels):
+        last = i == len(levels) - 1
+        dst = out if last and out.dtype == torch.float32 and out.is_contiguous() and \
+            out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() else None
+        acc = _hop_fast(lv, x, c, codec, bits, block, dst)
+        if last:
+            if acc is not out:
+                out.copy_(acc)
+            return
+        nxt = levels[i + 1].gc.ring
+        if box is not None and nxt is not None:  # hop i+1 overlaps hop i of the next bucket
+            box.append(nxt.submit(_reduce_fast, levels[i + 1:], out, acc, codec, bits, block,
+                                  None))
+            return
+        x = acc
+
+
+def _hop_fast(lv: Level, x: torch.Tensor, c: int, codec, bits: int, block: int,
+              dst: Optional[torch.Tensor]) -> torch.Tensor:
+    """One hop with the C++ codec: quantize the other ranks' rows straight into the payload,
+    exchange, then acc = the rows summed in rank order in fp32 (this rank's own row exact,
+    the others decoded and added in one pass each); (L,) fp32, in dst when given."""
+    gc = lv.gc
+    k, me = gc.world_size, gc.rank
+    pieces = lv.pieces(x, c)
+    sizes = [p.numel() for p in pieces[me]]
+    L = sum(sizes)
+    P = wire_bytes(L, bits, block)
+    if k == 2 and gc.ring is not None:
+        # an all-to-all of 2 ranks is one exchange: each rank's row for the other, through
+        # the ring's all-gather (shared memory on one host); buf[peer] is then the peer's
+        # row for this rank, the same bytes all_to_all_single would bring
+        buf = torch.empty(2, P, dtype=torch.uint8)
+        _quantize_row_(codec, buf[me], pieces[1 - me], bits, block)
+        gc.ring.all_gather(buf.view(-1))
+        recv = buf
+    else:
+        payload = torch.empty(k, P, dtype=torch.uint8)
+        for d in range(k):
+            if d != me:  # this rank's own row is never sent: it stays exact
+                _quantize_row_(codec, payload[d], pieces[d], bits, block)
+        recv = torch.empty_like(payload)
+        dist.all_to_all_single(recv, payload, group=gc.group)
+    acc = dst if dst is not None else torch.empty(L, dtype=torch.float32)
+    for q in range(k):  # rank order, this rank's row in its place (torch's sum(0) order)
+        if q == me:
+            o = 0
+            for p in pieces[me]:
+                a = acc[o:o + p.numel()]
+                if q == 0:
+                    a.copy_(p)
+                else:
+                    a.add_(p)
+                o += p.numel()
+        else:
+            codes, scale = unpack(recv[q:q + 1], L, bits, block)  # views: one row
+            if q == 0:
+                codec.dequantize_into(codes, scale, acc, block, bits)
+            else:
+                codec.dequantize_add_(codes, scale, acc, block, bits)
+    return acc
+
+
+class _AfterQueued:
+    """The handle of a reduction whose later hop was queued on another ring thread: wait()
+    waits for the first job, then for the one it queued (watched on the first group's
+    failure channel, at the first job's index)."""
+
+    def __init__(self, h, box: list, abort) -> None:
+        self._h, self._box, self._abort = h, box, abort
+
+    def wait(self) -> bool:
+        if self._h is not None:
+            self._h.wait()
+            for fut in self._box:
+                FutureWork(fut, self._abort, self._h.index).wait()
+            self._h = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._h is None or (self._h.is_completed() and all(f.done() for f in self._box))
 
 
 _SIDE_STREAMS: Dict[torch.device, object] = {}
@@ -475,8 +666,16 @@ def reduce_scatter_quantized_(levels: Sequence[Level], out: torch.Tensor, inp: t
             _account(lv.gc, k, left // k, bits, block, label)
         left //= k
     if first._ring_for(inp) is not None:  # [Note: where the quantized ops run]
-        return first._on_ring(async_op, _reduce_levels, levels, out, inp, codec, bits, block,
-                              label)
+        if len(levels) == 1 or not _fast(codec):
+            return first._on_ring(async_op, _reduce_levels, levels, out, inp, codec, bits,
+                                  block, label)
+        box: list = []  # [Note: qgZ on the CPU ring]: the later hop's job, queued by the first
+        h = _AfterQueued(first._on_ring(True, _reduce_levels, levels, out, inp, codec, bits,
+                                        block, label, box), box, first.abort)
+        if not async_op:
+            h.wait()
+            return _Done()
+        return h
     for lv in levels[1:]:
         if lv.gc.ring is not None:
             lv.gc.ring.drain()

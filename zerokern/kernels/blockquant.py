@@ -119,6 +119,56 @@ class NativeCodec:
         return out
 
 
+    # -- the collectives' CPU fast path ([Note: the CPU codec]; comm/quantized.py) ----------
+    def quantize_into(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                      block: int = 128, bits: int = 8) -> None:
+        """As `quantize`, written into `codes` (int8 or uint8 for bits=4: a payload's bytes)
+        and `scale` (fp32) instead of new tensors: no allocation, no packing copy.
+
+        Args:
+            x: (n,) contiguous fp32/bf16/fp16 CPU tensor, n a multiple of `block`.
+            codes: (n,) int8, or (n/2,) uint8 for bits=4 (either view of a uint8 payload).
+            scale: (n/block,) fp32.
+            block: elements per scale (32, 64 or 128).
+            bits: 8 or 4.
+
+        Raises:
+            ValueError: bad bits, block or shape (RuntimeError from the kernel for a wrong
+                output size or dtype).
+        """
+        check_blockquant(x, block, bits)
+        if bits == 8 and codes.dtype == torch.uint8:
+            codes = codes.view(torch.int8)
+        self.op.blockquant_quantize(x, codes, scale, block, bits)
+
+    def dequantize_into(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                        block: int = 128, bits: int = 8) -> None:
+        """out = `dequantize(codes, scale)` in out's dtype, written in place.
+
+        Args:
+            codes: int8 (or uint8 viewed as int8) codes, packed uint8 for bits=4.
+            scale: (n/block,) fp32.
+            out: (n,) contiguous fp32/bf16/fp16 CPU tensor.
+            block: elements per scale.
+            bits: 8 or 4.
+        """
+        self.op.blockquant_dequantize(codes, scale, out, block, bits)
+
+    def dequantize_add_(self, codes: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor,
+                        block: int = 128, bits: int = 8) -> None:
+        """acc += `dequantize(codes, scale)` (fp32; one fused pass, bitwise the two ops:
+        qgZ's decode-and-sum).
+
+        Args:
+            codes: int8 (or uint8 viewed as int8) codes, packed uint8 for bits=4.
+            scale: (n/block,) fp32.
+            acc: (n,) contiguous fp32 CPU tensor.
+            block: elements per scale.
+            bits: 8 or 4.
+        """
+        self.op.blockquant_dequantize_add(codes, scale, acc, block, bits)
+
+
 class OpCodec:
     """This contract through torch.ops.zerokern.blockquant_* on `backend`'s kernels (Triton
     on CUDA tensors): the op's fake impl runs under FakeTensorMode and torch.compile, the

@@ -1,0 +1,142 @@
+"""The CPU block-quantization codec's paths (csrc/cpu/blockquant_cpu.cpp, issue 40): the AVX-512
+bodies and the portable ones, each bitwise the reference (kernels/blockquant.py), for
+quantize, dequantize and the fused dequantize-add that qgZ's CPU path sums with; the codes of
+the AVX-512 quantizer, which multiplies by 1/scale and divides only near a rounding boundary
+([Note: codes without a division per element]), on values placed within a few ulps of k + 1/2
+(negative control: rounding x * (1/scale) without the fix-up gets some of them wrong) and on
+scales too small for a reciprocal; and the into-buffer calls on payload rows (uint8 views at
+an offset), as comm/quantized.py makes them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerokern.kernels import blockquant as ref
+
+
+@pytest.fixture(scope="module")
+def op():
+    from zerokern.kernels import load_op
+
+    op = load_op("cpu")
+    yield op
+    op.force_isa("auto")
+
+
+def _isas(op):
+    have = ["scalar"]
+    if "avx512f" in op.cpu_features():
+        have.append("avx512")
+    return have
+
+
+def _data(nblocks, block, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = nblocks * block
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n)[torch.randperm(n, generator=g)]
+    if nblocks > 2:
+        x[block:2 * block] = 0.0  # an all-zero block
+    return x.to(dtype)
+
+
+def _bits_view(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_every_isa_is_bitwise_the_reference(op, bits, block):
+    codec = ref.NativeCodec(op)
+    for isa in _isas(op):
+        op.force_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for nblocks in (1, 3, 17, 301):
+                x = _data(nblocks, block, dtype, nblocks + block + bits)
+                c_ref, s_ref = ref.quantize(x, block, bits)
+                c, s = codec.quantize(x, block, bits)
+                assert torch.equal(s, s_ref) and torch.equal(c, c_ref), (isa, dtype, nblocks)
+                for out in (torch.float32, torch.bfloat16, torch.float16):
+                    d = codec.dequantize(c, s, block, bits, out)
+                    assert torch.equal(_bits_view(d), _bits_view(
+                        ref.dequantize(c_ref, s_ref, block, bits, out))), (isa, dtype, out)
+                acc = torch.randn(x.numel())
+                want = acc + ref.dequantize(c_ref, s_ref, block, bits)
+                codec.dequantize_add_(c, s, acc, block, bits)
+                assert torch.equal(_bits_view(acc), _bits_view(want)), (isa, dtype, nblocks)
+    op.force_isa("auto")
+
+
+def _near_ties(seed, blocks=64):
+    """Blocks of absmax a (so scale = a/127) whose other elements are (k + 1/2)·scale moved by
+    -3..3 ulps: x / scale lands within a few ulps of a rounding boundary."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(blocks):
+        a = float(10 ** (torch.rand(1, generator=g) * 60 - 30))
+        s = torch.tensor(a, dtype=torch.float32) / 127
+        t = (torch.randint(-127, 127, (127,), generator=g).float() + 0.5) * s
+        for _ in range(int(torch.randint(0, 4, (1,), generator=g))):
+            up = torch.rand(127, generator=g) < 0.5
+            t = torch.nextafter(t, torch.where(up, torch.tensor(float("inf")),
+                                               torch.tensor(float("-inf"))))
+        rows.append(torch.cat([torch.tensor([a], dtype=torch.float32), t]))
+    return torch.cat(rows)
+
+
+def test_codes_near_rounding_boundaries_and_tiny_scales(op):
+    codec = ref.NativeCodec(op)
+    x = _near_ties(7)
+    c_ref, s_ref = ref.quantize(x, 128, 8)
+    # negative control: the reciprocal product alone rounds some of these the other way
+    s = s_ref.repeat_interleave(128)
+    by_mul = torch.round(x * (1 / s)).clamp(-127, 127).to(torch.int8)
+    assert (by_mul != c_ref).any()
+    tiny = _data(8, 128, torch.float32, 3) * 1e-41  # subnormal absmax: 1/scale overflows
+    for isa in _isas(op):
+        op.force_isa(isa)
+        for v in (x, tiny):
+            for bits in (8, 4):
+                c_ref, s_ref = ref.quantize(v, 128, bits)
+                c, sc = codec.quantize(v, 128, bits)
+                assert torch.equal(sc, s_ref) and torch.equal(c, c_ref), (isa, bits)
+    op.force_isa("auto")
+
+
+def test_nonfinite_block_has_codes_zero_and_decodes_nonfinite(op):
+    codec = ref.NativeCodec(op)
+    for isa in _isas(op):
+        op.force_isa(isa)
+        for bad in (float("inf"), float("nan")):
+            y = torch.randn(384)
+            y[130] = bad
+            c, s = codec.quantize(y, 128, 8)
+            assert not torch.isfinite(s[1]) and torch.isfinite(s[[0, 2]]).all()
+            d = codec.dequantize(c, s, 128, 8)
+            assert not torch.isfinite(d[128:256]).any() and torch.isfinite(d[:128]).all()
+            if isa == "avx512":
+                assert (c[128:256] == 0).all()
+    op.force_isa("auto")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_into_payload_rows_at_an_offset(op, bits):
+    """quantize_into / dequantize_into on views of a uint8 payload, as the collectives make
+    them ([Note: one payload per piece]): the same bytes and values as the reference."""
+    codec = ref.NativeCodec(op)
+    c = 1024
+    x = _data(c // 128, 128, torch.float32, 11)
+    nc = c * bits // 8
+    P = nc + 4 * (c // 128)
+    payload = torch.full((3, P), 0xAB, dtype=torch.uint8)
+    codec.quantize_into(x, payload[1, :nc], payload[1, nc:].view(torch.float32), 128, bits)
+    c_ref, s_ref = ref.quantize(x, 128, bits)
+    assert torch.equal(payload[1, :nc], c_ref.view(torch.uint8))
+    assert torch.equal(payload[1, nc:].view(torch.float32), s_ref)
+    assert (payload[[0, 2]] == 0xAB).all()  # the neighbouring rows untouched
+    out = torch.full((3, c), float("nan"))
+    codec.dequantize_into(payload[1, :nc], payload[1, nc:].view(torch.float32), out[2], 128,
+                          bits)
+    assert torch.equal(out[2], ref.dequantize(c_ref, s_ref, 128, bits))
+    assert torch.isnan(out[:2]).all()
