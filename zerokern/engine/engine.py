@@ -37,6 +37,7 @@ from .config import EngineConfig, parse_config
 from .config_values import ConfigError
 from .parallel import mpu_groups
 from .pipeline_module import (
+    agree_across_ranks,
     apply_pipeline_section,
     attach_pipeline_stats,
     is_pipeline_module,
@@ -481,6 +482,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, optimizer=None,
     cfg = parse_config(sources[0], dp_size)  # raises before the model is touched
     pipe = read_pipeline_module(model, cfg.raw, cfg.stage) if pipe_model else None
     if pipe is not None:
+        agree_across_ranks(pipe, cfg)  # the same step on every rank, or ValueError on all
         cfg.no_effect.extend(pipe.no_effect)
     elif "pipeline" in cfg.raw:
         cfg.ignored.append(("pipeline", "the model is not a DeepSpeed PipelineModule (DeepSpeed "

@@ -29,6 +29,17 @@ stage's loss_fn, as DeepSpeed), and runs them in the 1F1B order (pipeline_schedu
   float32 tensor (DeepSpeed's `agg_train_loss`).
 Stage 3 keeps ZeroAdamW's own gather/release of its units across the micro-batches (a unit is
 gathered for each micro-batch's forward and backward).
+
+[Note: why not torch.distributed.pipelining here]
+zerokern.pipelining's ZeroPipelineStage (torch's PipelineStage and schedules over a zerokern
+optimizer) is for a model the user splits. A DeepSpeed PipelineModule comes with a contract
+torch's schedules do not keep: micro-batches pulled one by one from an iterator (inputs on the
+first stage, labels on the last; torch's `schedule.step` splits one batch into chunks), tuples
+holding non-float tensors (masks) between stages, DeepSpeed's grid as the process groups, and
+the tied weights' gradients summed between the last backward and the data-parallel reduction.
+So the engine runs its own 1F1B (pipeline_schedule.py) with the same ZeRO mechanisms
+ZeroPipelineStage uses: every backward but the last under no_sync(), the non-last stages'
+backwards marked as scaled, the norm and overflow agreed over the pipeline.
 """
 
 from __future__ import annotations

@@ -189,14 +189,47 @@ def read_pipeline_module(model, raw: Dict[str, Any], stage: int) -> PipeLayout:
                 w = getattr(w, part)
             if w.requires_grad:
                 out.tied.append((w, comm["group"]))
-    if out.tied and stage >= 2:
+    # every rank decides alike (a stage without the tied layer too, or it would wait for
+    # the others): from the layer specs every rank holds
+    keys = sorted({spec.key for spec in model._layer_specs
+                   if isinstance(spec, mod.TiedLayerSpec)})
+    if keys and P > 1 and stage >= 2:
         raise NotImplementedError(
-            f"initialize: TiedLayerSpec ({sorted(model.tied_comms)}) with "
+            f"initialize: TiedLayerSpec ({keys}) with "
             f"zero_optimization.stage {stage}: the tied weights' gradients must be summed over "
             "the stages holding them, which zerokern does at stages 0-1 only (DeepSpeed "
             "allows pipelining at stages 0-1 only)")
     _section(raw, model, out)
     return out
+
+
+def agree_across_ranks(layout: PipeLayout, cfg) -> None:
+    """Every rank of the job must run the same pipeline step: the same stages, micro-batches,
+    micro-batch size, ZeRO stage, precision and clipping. A config that differs between ranks
+    would make the stages wait on each other's messages forever; instead every rank raises
+    the same ConfigError naming the key (one all_gather_object at initialize).
+
+    Args:
+        layout: this rank's PipeLayout.
+        cfg: this rank's parsed EngineConfig.
+
+    Raises:
+        ValueError: a setting differs between ranks (ConfigError, naming it and the ranks).
+    """
+    import torch.distributed as dist
+
+    mine = {"num_stages": layout.num_stages,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "zero_optimization.stage": cfg.stage, "fp16/bf16": cfg.precision,
+            "gradient_clipping": cfg.gradient_clipping}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for key in mine:
+        seen = {r: d[key] for r, d in enumerate(every)}
+        if len(set(seen.values())) > 1:
+            raise ConfigError(f"config key {key} differs between the ranks of the pipeline "
+                              f"({seen}): every rank must run the same pipeline step")
 
 
 def apply_pipeline_section(model, layout: PipeLayout) -> None:
