@@ -42,8 +42,8 @@ from .format import (
     read_span,
     tensor_bytes,
 )
+from .parts import consolidate_parts, read_parts_meta
 from .reader import SavedIndex
-from .tp_dirs import consolidate_tp, read_tp_meta, tp_dir
 from .writer import check_path
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
@@ -150,9 +150,9 @@ def consolidate(path, out=None, *, dtype=torch.float32,
     """Full state dict of a checkpoint, from its fp32 masters (no process group needed).
 
     Args:
-        path: checkpoint directory written by `zerokern.checkpoint.save` (of a
-            tensor-parallel model too: its local tensors are joined along their shard dims
-            into the full ones; fmt "pt" only).
+        path: checkpoint directory written by `zerokern.checkpoint.save` (of a pipelined or
+            tensor-parallel job too: every stage's params, the tp local tensors joined along
+            their shard dims into the full ones, keyed by name; fmt "pt" only).
         out: None to return the dict; else a file to write (atomically, via `out.tmp`).
         dtype: output dtype of params (and floating buffers): fp32 (default), bf16 or fp16.
         fmt: "pt" (torch.save) or "safetensors"; default from out's suffix (.safetensors),
@@ -176,19 +176,22 @@ def consolidate(path, out=None, *, dtype=torch.float32,
             fmt = "safetensors" if out.endswith(".safetensors") else "pt"
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} or None, got {fmt!r}")
-    top = check_path(path)
-    tp_meta = read_tp_meta(top)
-    if tp_meta is not None:  # [Note: a TP checkpoint is one checkpoint per tp rank]
+    top, warning = find_checkpoint(check_path(path))
+    parts_meta = read_parts_meta(top)
+    if parts_meta is not None:  # parts.py [Note: a checkpoint in parts]
+        if warning:
+            warnings.warn(warning, stacklevel=2)
         if fmt == "safetensors":
-            raise ValueError("fmt='safetensors' is not supported for a tensor-parallel "
-                             "checkpoint; write a .pt file (fmt='pt')")
+            raise ValueError("fmt='safetensors' is not supported for a checkpoint in parts "
+                             "(pipeline stages, tensor parallelism); write a .pt file "
+                             "(fmt='pt')")
+
         def read_one(d):
             one = _Source(d)
-            if d == tp_dir(top, 0):
-                one.warn_excluded()
+            one.warn_excluded()
             return dict(one.tensors(dt))
 
-        full = consolidate_tp(top, tp_meta, read_one)
+        full = consolidate_parts(top, parts_meta, read_one)
         if out is None:
             return full
         torch.save(full, out + ".tmp")
@@ -249,10 +252,11 @@ def verify(path) -> Dict[str, Any]:
     Returns:
         {"path", "files", "bytes"} of the checkpoint.
     """
-    tp_meta = read_tp_meta(check_path(path))
-    if tp_meta is not None:  # every tp rank's checkpoint
-        got = [verify(tp_dir(check_path(path), r)) for r in range(tp_meta["tp_size"])]
-        return {"path": check_path(path), "files": sum(g["files"] for g in got),
+    top, _ = find_checkpoint(check_path(path))
+    parts_meta = read_parts_meta(top)
+    if parts_meta is not None:  # every part's checkpoint
+        got = [verify(os.path.join(top, p["dir"])) for p in parts_meta["parts"]]
+        return {"path": top, "files": sum(g["files"] for g in got),
                 "bytes": sum(g["bytes"] for g in got)}
     src = _Source(path)
     for name in sorted(src.meta["files"]):

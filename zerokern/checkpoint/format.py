@@ -73,6 +73,8 @@ FORMAT = "zerokern-checkpoint"
 VERSION = 1
 META = "meta.json"
 EXTRA = "extra.bin"
+PARTS_META = "parts.json"  # a checkpoint in parts (parts.py [Note: a checkpoint in parts])
+LEGACY_TP_META = "tp.json"  # its tp-only predecessor (each tp part committed on its own)
 CLIENT = "client_state.pt"  # save(client_state=...): torch.save bytes, rank 0's, checksummed
 # A checkpoint without a "rule" entry (written before rules existed) holds ZeroAdamW's
 # sections (`legacy_sections()`); every other one names its rule and sections (`sections`).
@@ -362,13 +364,19 @@ class BlockVerifier:
             self._done[name].update(run)
 
 
+def is_checkpoint_dir(path: str) -> bool:
+    """`path` holds a zerokern checkpoint's top-level marker: meta.json (one part),
+    parts.json, or a legacy tp.json."""
+    return any(os.path.isfile(os.path.join(path, m)) for m in (META, PARTS_META, LEGACY_TP_META))
+
+
 def find_checkpoint(path: str) -> Tuple[str, Optional[str]]:
     """The directory to read for `path`, and a warning if it is a recovered backup.
 
     See writer.py [Note: atomic replace]: only the fallback (two renames) can leave `path`
     missing with the previous checkpoint at `<path>.old-<nonce>`.
     """
-    if os.path.isfile(os.path.join(path, META)):
+    if is_checkpoint_dir(path):
         return path, None
     if os.path.isdir(path):
         raise MissingFileError(f"{os.path.join(path, META)}: no such file; {path} is not a "
@@ -379,9 +387,9 @@ def find_checkpoint(path: str) -> Tuple[str, Optional[str]]:
     except FileNotFoundError:
         siblings = []
     olds = [os.path.join(parent, s) for s in siblings if s.startswith(base + ".old-")
-            and os.path.isfile(os.path.join(parent, s, META))]
+            and is_checkpoint_dir(os.path.join(parent, s))]
     if olds:
-        old = max(olds, key=lambda d: os.path.getmtime(os.path.join(d, META)))
+        old = max(olds, key=os.path.getmtime)
         return old, (f"zerokern.checkpoint: {path} is missing (a save was interrupted while "
                      f"replacing it); reading the previous checkpoint from {old}")
     tmps = [s for s in siblings if s.startswith(base + ".tmp-")]

@@ -19,28 +19,32 @@ import os
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
-from .format import META, BlockVerifier, read_meta
+from .format import BlockVerifier, read_meta
+from .parts import index_file, part_dirs
 
 
 def _complete(ckdir: str, require: Sequence[str]) -> Tuple[int, float]:
     """(step, mtime) of a complete checkpoint; raises with the reason otherwise."""
-    meta = read_meta(ckdir)
-    files = BlockVerifier(ckdir, meta["files"], meta["block_bytes"])
-    for name in sorted(meta["files"]):
-        files.check_present(name)
+    step = 0
+    for d in part_dirs(ckdir):  # a checkpoint in parts: each stage's (parts.py)
+        meta = read_meta(d)
+        files = BlockVerifier(d, meta["files"], meta["block_bytes"])
+        for name in sorted(meta["files"]):
+            files.check_present(name)
+        step = max([step] + [p["step"] for p in meta["params"]])
     parent = os.path.dirname(ckdir)
     for name in require:
         if not os.path.exists(os.path.join(parent, name)):
             raise FileNotFoundError(f"{os.path.join(parent, name)}: missing")
-    step = max((p["step"] for p in meta["params"]), default=0)
-    return step, os.path.getmtime(os.path.join(ckdir, META))
+    return step, os.path.getmtime(index_file(ckdir))
 
 
 def _verify_all(ckdir: str) -> None:
-    meta = read_meta(ckdir)
-    files = BlockVerifier(ckdir, meta["files"], meta["block_bytes"])
-    for name in sorted(meta["files"]):
-        files.verify_all(name)
+    for d in part_dirs(ckdir):
+        meta = read_meta(d)
+        files = BlockVerifier(d, meta["files"], meta["block_bytes"])
+        for name in sorted(meta["files"]):
+            files.verify_all(name)
 
 
 def latest(root, *, subdir: Optional[str] = None, require: Sequence[str] = (),

@@ -34,6 +34,7 @@ import io
 import os
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -45,6 +46,7 @@ from .format import (
     EXTRA,
     LEGACY_RULE,
     META,
+    PARTS_META,
     BlockVerifier,
     CheckpointError,
     ModelMismatchError,
@@ -58,7 +60,7 @@ from .format import (
     read_meta,
     read_span,
 )
-from .tp_dirs import load_dir
+from .parts import missing_error, placements, read_parts_meta
 from .views import (
     OptimizerView,
     is_frozen_param,
@@ -149,6 +151,19 @@ class SavedIndex:
         return lo, lo + n * size
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _saved_names(meta: Dict[str, Any]) -> List[str]:
+    """A part's names a loading job must cover: its params, buffers and excluded params."""
+    return [x["name"] for key in ("params", "extras", "excluded_frozen")
+            for x in meta.get(key, ())]
+
+
 def _cover(lo: int, hi: int, pieces):
     """Split [lo, hi) into (a, b, master view of [a, b) or None) by sorted held pieces."""
     at = lo
@@ -210,8 +225,7 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
 def _load(path, model: nn.Module, opt, strict: bool = True) -> Dict[str, Any]:
     path = check_path(path)
     view = optimizer_view(model, opt)
-    path = load_dir(path, view, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
-    extras = model_extras(model, view)
+    extras = model_extras(model, view, every=True)
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
     err, plan = None, None
     try:
@@ -221,6 +235,11 @@ def _load(path, model: nn.Module, opt, strict: bool = True) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         err = e
     coll.agree(err)
+    if not plan.local_cover:  # parts.py [Note: a checkpoint in parts]: the job covers it
+        loaded = set().union(*map(set, coll.all_gather(sorted(plan.used))))
+        unused = sorted(plan.saved_names - loaded)
+        if unused:  # the same on every rank: all raise, nothing written
+            raise missing_error(plan.dir, [], unused)
     if plan.warning:
         warnings.warn(plan.warning, stacklevel=2)
     plan.apply()
@@ -229,9 +248,62 @@ def _load(path, model: nn.Module, opt, strict: bool = True) -> Dict[str, Any]:
     m = plan.meta
     return {"path": plan.dir, "world_size": m["world_size"], "stage": m["stage"],
             "precision": m["precision"],
-            "step": max((p["step"] for p in m["params"]), default=0),
-            "excluded_frozen": [e["name"] for e in m.get("excluded_frozen", ())],
+            "step": max((p["step"] for part in plan.saved.parts
+                         for p in part.meta["params"]), default=0),
+            "parts": [part.name for part in plan.saved.parts if part.name],
+            "excluded_frozen": plan.excluded_names,
             "client_state": plan.client_state}
+
+
+class SavedPart:
+    """One part of a checkpoint (parts.py [Note: a checkpoint in parts]): its directory,
+    metadata and index; the whole checkpoint of one part has name ""."""
+
+    def __init__(self, top: str, entry: Optional[Dict[str, Any]]) -> None:
+        self.name = entry["dir"] if entry else ""
+        self.pp, self.tp = (entry["pp"], entry["tp"]) if entry else (0, 0)
+        self.dir = os.path.join(top, self.name) if self.name else top
+        self.meta = read_meta(self.dir)
+        self.index = SavedIndex(self.meta)
+
+    def fname(self, f: str) -> str:
+        """A file of this part, relative to the checkpoint's top directory."""
+        return os.path.join(self.name, f) if self.name else f
+
+
+class Saved:
+    """A checkpoint as a whole: its parts, and where each name is."""
+
+    def __init__(self, path: str) -> None:
+        self.dir, self.warning = find_checkpoint(path)
+        pm = read_parts_meta(self.dir)
+        self.parts = [SavedPart(self.dir, e) for e in pm["parts"]] if pm else \
+            [SavedPart(self.dir, None)]
+        self.tp_size = pm["tp_size"] if pm else 1
+        self.layout: Dict[str, Dict[str, Any]] = pm["params"] if pm else {}
+        self.files = {part.fname(f): info for part in self.parts
+                      for f, info in part.meta["files"].items()}
+        self.block_bytes = self.parts[0].meta["block_bytes"]
+        if any(part.meta["block_bytes"] != self.block_bytes for part in self.parts):
+            raise CheckpointError(f"{self.dir}: its parts have other block sizes")
+        self.by_name: Dict[str, List[Tuple[SavedPart, int]]] = {}
+        for part in self.parts:
+            for n, j in part.index.by_name.items():
+                self.by_name.setdefault(n, []).append((part, j))
+
+
+@dataclass
+class _Source:
+    """Where a loader param's state is read from: `parts` [(part, saved index)], one when the
+    bytes are read as they are (direct), the tp parts in tp order when the full tensor is put
+    together (saved tp shard dim `shard`, each part's local shape `local`) and the loader's
+    tp chunk (`out`: (dim, tp size, tp rank), or None: the whole) taken from it."""
+
+    parts: List[Tuple[SavedPart, int]]
+    gather: bool = False
+    shard: Optional[int] = None
+    local: Tuple[int, ...] = ()
+    out: Optional[Tuple[int, int, int]] = None
 
 
 class _Plan:
@@ -239,28 +311,46 @@ class _Plan:
 
     def __init__(self, path: str, view: OptimizerView, extras, strict: bool = True) -> None:
         self.view, self.strict = view, strict
-        self.dir, self.warning = find_checkpoint(path)
-        self.meta = meta = read_meta(self.dir)
+        self.saved = saved = Saved(path)
+        self.dir, self.warning = saved.dir, saved.warning
+        self.meta = saved.parts[0].meta  # (the scaler; what load returns)
+        # one part read by a job of one part: today's checks, all local (the names and the
+        # buffers of the model and the checkpoint are the same sets); otherwise the job as a
+        # whole must cover the checkpoint (_load)
+        job = view.job
+        self.local_cover = len(saved.parts) == 1 and (job is None or not job.model_parallel)
+        self.used: set = set()  # saved names this rank loads (params, buffers, excluded)
+        self.saved_names = {n for part in saved.parts for n in _saved_names(part.meta)}
         # format.py [Note: excluded frozen params]: name or alias -> entry
         self.excluded: Dict[str, Dict[str, Any]] = {}
-        for e in meta.get("excluded_frozen", ()):
-            for n in [e["name"], *e["aliases"]]:
-                self.excluded[n] = e
-        self._check_rule()
-        self.index = index = SavedIndex(meta)
-        self.files = BlockVerifier(self.dir, meta["files"], meta["block_bytes"])
+        for part in saved.parts:
+            for e in part.meta.get("excluded_frozen", ()):
+                for n in [e["name"], *e["aliases"]]:
+                    self.excluded.setdefault(n, e)
+        self.excluded_names = list(dict.fromkeys(
+            e["name"] for part in saved.parts for e in part.meta.get("excluded_frozen", ())))
+        for part in saved.parts:
+            self._check_rule(part)
+        self.files = BlockVerifier(saved.dir, saved.files, saved.block_bytes)
         self.match = self._match_params()
         # copies: (dest view, dest offset, file, byte offset, count, saved dtype)
         self.copies: List[Tuple[torch.Tensor, int, str, int, int, torch.dtype]] = []
+        # gathers: (dest view, loader param, section, lo, hi) from a put-together full tensor
+        self.gathers: List[Tuple[torch.Tensor, int, str, int, int]] = []
+        self.gather_reads: Dict[Tuple[int, str], List[list]] = {}
         for p in view.held:
-            j = self.match[p.param]
             for key, dest in p.tensors().items():
-                for fname, off, d0, n in index.sources(j, p.lo, p.hi):
-                    lo, _ = index.byte_range(fname, key, off, n)
-                    self.copies.append((dest, d0, fname, lo, n, index.dtype(key)))
+                self._read_into(dest, p.param, key, p.lo, p.hi)
         for i, name, t in view.matrix:  # the per-matrix states this rank owns here
-            fname, lo = index.matrix_source(self.match[i], name, t.shape)
-            self.copies.append((t.view(-1), 0, fname, lo, t.numel(), torch.float32))
+            src = self.match[i]
+            if src.gather:
+                raise CheckpointError(f"{self.dir}: per-matrix state {name!r} of param "
+                                      f"{view.params[i].name!r} cannot move to another tp "
+                                      "layout; load it at the tp size it was saved with")
+            part, j = src.parts[0]
+            fname, lo = part.index.matrix_source(j, name, t.shape)
+            self.copies.append((t.view(-1), 0, part.fname(fname), lo, t.numel(),
+                                torch.float32))
         # Model-dtype values: cast from the master this rank just loaded where it holds it
         # (at stage 0 all of it: 4 of 16 bytes/param not read again; at fp32 the same memory,
         # nothing to do), else read the saved master.
@@ -276,9 +366,8 @@ class _Plan:
                     if dest.data_ptr() != master.data_ptr():
                         self.casts.append((dest, master))
                     continue
-                for fname, off, d0, n in index.sources(self.match[v.param], a, b):
-                    lo, _ = index.byte_range(fname, "master", off, n)
-                    self.copies.append((dest, d0, fname, lo, n, torch.float32))
+                self._read_into(dest, v.param, "master", a, b)
+        self.gathers.sort(key=lambda g: (g[1], g[2]))  # one full tensor at a time (apply)
         self.steps = self._plan_steps()
         self.groups = self._plan_groups()
         self.scaler_state = self._plan_scaler()
@@ -287,6 +376,10 @@ class _Plan:
         ranges = defaultdict(list)
         for _, _, fname, lo, n, dt in self.copies:
             ranges[fname].append((lo, lo + n * dt.itemsize))
+        for reads in self.gather_reads.values():
+            for part_reads in reads:
+                for fname, lo, _, n, dt in part_reads:
+                    ranges[fname].append((lo, lo + n * dt.itemsize))
         for _, _, fname, lo, nbytes in self.extras:
             ranges[fname].append((lo, lo + nbytes))
         for fname in sorted(ranges):
@@ -294,18 +387,62 @@ class _Plan:
         for fname in sorted(ranges):
             self.files.verify(fname, ranges[fname])
         self.client_state = None  # save(client_state=...): read whole, every block checked
-        if CLIENT in meta["files"]:
-            self.files.verify_all(CLIENT)
-            raw = read_span(self.files.path(CLIENT), 0, meta["files"][CLIENT]["bytes"])
+        client = next((part.fname(CLIENT) for part in saved.parts
+                       if CLIENT in part.meta["files"]), None)
+        if client is not None:
+            self.files.verify_all(client)
+            raw = read_span(self.files.path(client), 0, saved.files[client]["bytes"])
             self.client_state = torch.load(io.BytesIO(raw.tobytes()), weights_only=False)
 
-    def _check_rule(self) -> None:
+    def _reads(self, part: SavedPart, j: int, key: str, lo: int, hi: int) -> list:
+        """(file, byte offset, dest offset, count, dtype) of elements [lo, hi) of section
+        `key` of saved param j of `part`."""
+        out = []
+        for fname, off, d0, n in part.index.sources(j, lo, hi):
+            blo, _ = part.index.byte_range(fname, key, off, n)
+            out.append((part.fname(fname), blo, d0, n, part.index.dtype(key)))
+        return out
+
+    def _read_into(self, dest: torch.Tensor, i: int, key: str, lo: int, hi: int) -> None:
+        """Plan the read of elements [lo, hi) of loader param i's section `key` into dest."""
+        src = self.match[i]
+        if not src.gather:
+            part, j = src.parts[0]
+            for fname, blo, d0, n, dt in self._reads(part, j, key, lo, hi):
+                self.copies.append((dest, d0, fname, blo, n, dt))
+            return
+        self.gathers.append((dest, i, key, lo, hi))
+        if (i, key) not in self.gather_reads:
+            n = _numel(src.local)
+            self.gather_reads[(i, key)] = [self._reads(part, j, key, 0, n)
+                                           for part, j in src.parts]
+
+    def _full(self, i: int, key: str) -> torch.Tensor:
+        """Loader param i's section `key`, flat in its own (local) coordinates, put together
+        from the saved tp parts (parts.py [Note: a checkpoint in parts])."""
+        src, path = self.match[i], self.files.path
+        pieces = []
+        for part_reads in self.gather_reads[(i, key)]:
+            t = None
+            for fname, blo, d0, n, dt in part_reads:
+                if t is None:
+                    t = torch.empty(_numel(src.local), dtype=dt)
+                t[d0:d0 + n].copy_(as_tensor(read_span(path(fname), blo, n * dt.itemsize), dt))
+            pieces.append(t.view(src.local))
+        full = torch.cat(pieces, dim=src.shard) if len(pieces) > 1 else pieces[0]
+        if src.out is not None:
+            d, n, r = src.out
+            full = torch.chunk(full, n, dim=d)[r]
+        return full.reshape(-1)
+
+    def _check_rule(self, part: SavedPart) -> None:
         """The saved state is this optimizer rule's (a checkpoint written before rules
         existed holds ZeroAdamW's sections)."""
-        fn = os.path.join(self.dir, META)
-        saved = self.meta.get("rule", LEGACY_RULE)
-        secs = tuple(self.meta.get("sections", legacy_sections()))
-        groups, mine = self.meta.get("group_rules"), list(self.view.group_rules)
+        fn = os.path.join(part.dir, META)
+        meta = part.meta
+        saved = meta.get("rule", LEGACY_RULE)
+        secs = tuple(meta.get("sections", legacy_sections()))
+        groups, mine = meta.get("group_rules"), list(self.view.group_rules)
         # (another number of groups is a ModelMismatchError, _match_params)
         if groups is not None and len(groups) == len(mine) and list(groups) != mine:
             gi = next(i for i, (a, b) in enumerate(zip(groups, mine)) if a != b)
@@ -321,46 +458,80 @@ class _Plan:
                 f"{list(self.view.sections)}): load it into the optimizer it was saved from, "
                 "or load the model weights alone with zerokern.checkpoint.consolidate")
 
-    def _match_params(self) -> List[int]:
-        view, idx, fn = self.view, self.index, os.path.join(self.dir, META)
-        saved = self.meta["params"]
-        if len(self.meta["param_groups"]) != len(view.param_groups):
-            raise ModelMismatchError(f"{fn}: {len(self.meta['param_groups'])} param groups "
-                                     f"saved, the optimizer has {len(view.param_groups)}")
-        match, missing = [], []
+    def _match_params(self) -> List[_Source]:
+        view, saved = self.view, self.saved
+        fn = os.path.join(self.dir, META if len(saved.parts) == 1 else PARTS_META)
+        for part in saved.parts:
+            if len(part.meta["param_groups"]) != len(view.param_groups):
+                raise ModelMismatchError(
+                    f"{os.path.join(part.dir, META)}: {len(part.meta['param_groups'])} param "
+                    f"groups saved, the optimizer has {len(view.param_groups)}")
+        here = placements(view)
+        tp = view.job.tp if view.job is not None else 0
+        tp_size = view.job.tp_size if view.job is not None else 1
+        match: List[_Source] = []
+        missing = []
         for p in view.params:
-            j = next((idx.by_name[n] for n in (p.name, *p.aliases) if n in idx.by_name), None)
-            if j is None and any(n in self.excluded for n in (p.name, *p.aliases)):
+            names = (p.name, *p.aliases)
+            found = next((saved.by_name[n] for n in names if n in saved.by_name), None)
+            if found is None and any(n in self.excluded for n in names):
                 raise ModelMismatchError(
                     f"{fn}: param {p.name!r} was frozen when the checkpoint was saved with "
                     "exclude_frozen_parameters=True, so its values and optimizer state are not "
                     "in it; here it is trainable: freeze it (requires_grad=False) before "
                     "building the optimizer, or load a checkpoint saved with "
                     "exclude_frozen_parameters=False")
-            if j is None:
+            if found is None:
                 missing.append(p.name)
-                match.append(-1)
+                match.append(_Source([]))
                 continue
-            s = saved[j]
-            if tuple(s["shape"]) != p.shape:
-                raise ModelMismatchError(f"{fn}: param {p.name!r} has shape {tuple(s['shape'])}"
-                                         f" in the checkpoint, {p.shape} in the model")
+            part0, j0 = found[0]
+            s = part0.meta["params"][j0]
+            self.used.add(s["name"])
+            lay = saved.layout.get(s["name"], {"shard": None, "shape": s["shape"]})
+            want = here[p.name]
+            if list(lay["shape"]) != list(want["shape"]):
+                raise ModelMismatchError(f"{fn}: param {p.name!r} has shape "
+                                         f"{tuple(lay['shape'])} in the checkpoint, "
+                                         f"{tuple(want['shape'])} in the model")
             if s["group"] != p.group:
                 raise ModelMismatchError(f"{fn}: param {p.name!r} is in param group "
                                          f"{s['group']} in the checkpoint, {p.group} here")
-            match.append(j)
-        unused = sorted(set(range(len(saved))) - set(match))
+            saved_shard, mine = lay["shard"], want["shard"]
+            if saved_shard is None and mine is None:
+                match.append(_Source([found[0]]))
+            elif saved_shard == mine and saved.tp_size == tp_size:  # the same tp layout
+                src = next(((part, j) for part, j in found if part.tp == tp), None)
+                if src is None:
+                    raise CheckpointError(f"{fn}: param {p.name!r}: no part of tp rank {tp}")
+                match.append(_Source([src]))
+            else:  # another tp layout: the full tensor from the tp parts, then this chunk
+                by_tp = sorted(found, key=lambda x: x[0].tp) if saved_shard is not None \
+                    else [found[0]]
+                if saved_shard is not None and [x[0].tp for x in by_tp] != \
+                        list(range(saved.tp_size)):
+                    raise CheckpointError(f"{fn}: param {p.name!r} is not in every tp part "
+                                          f"(tp ranks {[x[0].tp for x in by_tp]})")
+                local = tuple(by_tp[0][0].meta["params"][by_tp[0][1]]["shape"])
+                match.append(_Source(by_tp, True, saved_shard, local,
+                                     None if mine is None else (mine, tp_size, tp)))
+        unused = []
+        if self.local_cover:
+            got = {id(m.parts[0][0].meta["params"][m.parts[0][1]]) for m in match if m.parts}
+            unused = [q["name"] for q in self.meta["params"] if id(q) not in got]
         if missing or unused:
-            raise ModelMismatchError(
-                f"{fn}: the checkpoint holds another model: params not in the checkpoint: "
-                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint params not "
-                f"optimized here: {[saved[j]['name'] for j in unused[:8]]}")
+            if self.local_cover:  # one part, one job: the message of a plain checkpoint
+                raise ModelMismatchError(
+                    f"{fn}: the checkpoint holds another model: params not in the checkpoint: "
+                    f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint params not "
+                    f"optimized here: {unused[:8]}")
+            raise missing_error(fn, missing, [])
         return match
 
     def _plan_steps(self) -> List[Tuple[torch.Tensor, int]]:
         out = []
         for c in self.view.steps:
-            vals = {self.meta["params"][self.match[i]]["step"] for i in c.params}
+            vals = {self._saved_param(i)["step"] for i in c.params}
             if len(vals) > 1:
                 names = [self.view.params[i].name for i in c.params]
                 raise CheckpointError(f"{os.path.join(self.dir, META)}: params {names} share "
@@ -370,9 +541,27 @@ class _Plan:
                 out.append((c.value, vals.pop()))
         return out
 
+    def _saved_param(self, i: int) -> Dict[str, Any]:
+        part, j = self.match[i].parts[0]
+        return part.meta["params"][j]
+
     def _plan_groups(self) -> List[Dict[str, Any]]:
+        """Each param group's saved hyperparameters: from the parts its params come from,
+        which must agree (pipeline stages saved with other lr are not one group here)."""
+        sources: Dict[int, Dict[str, SavedPart]] = defaultdict(dict)
+        for i, p in enumerate(self.view.params):
+            part = self.match[i].parts[0][0]
+            sources[p.group].setdefault(part.name, part)
         out = []
-        for g, saved in zip(self.view.param_groups, self.meta["param_groups"]):
+        for gi, g in enumerate(self.view.param_groups):
+            parts = list(sources[gi].values()) or [self.saved.parts[0]]
+            saved = parts[0].meta["param_groups"][gi]
+            for other in parts[1:]:
+                if other.meta["param_groups"][gi] != saved:
+                    raise CheckpointError(
+                        f"{self.dir}: param group {gi} has other hyperparameters in part "
+                        f"{other.name!r} ({other.meta['param_groups'][gi]}) than in part "
+                        f"{parts[0].name!r} ({saved}); here they are one group")
             out.append({k: decode_value(v, g.get(k)) for k, v in saved.items()})
         return out
 
@@ -402,10 +591,12 @@ class _Plan:
     def _plan_extras(self, extras) -> List[Tuple[torch.Tensor, torch.dtype, str, int, int]]:
         """(model tensor, saved dtype, file, byte offset, bytes) per buffer / frozen param."""
         fn = os.path.join(self.dir, META)
-        saved = {}
-        for e in self.meta["extras"]:
-            for n in [e["name"], *e["aliases"]]:
-                saved[n] = e
+        saved, where = {}, {}
+        for part in self.saved.parts:  # a buffer on several stages: the first part's
+            for e in part.meta["extras"]:
+                for n in [e["name"], *e["aliases"]]:
+                    if n not in saved:
+                        saved[n], where[n] = e, part
         out, used, kept = [], set(), []
         for name, aliases, t in extras:
             e = next((saved[n] for n in (name, *aliases) if n in saved), None)
@@ -426,13 +617,15 @@ class _Plan:
                 raise ModelMismatchError(f"{fn}: {name!r} is {dt} in the checkpoint, "
                                          f"{t.dtype} in the model")
             used.add(e["name"])
-            out.append((t, dt, EXTRA, e["offset"], t.numel() * dt.itemsize))
+            out.append((t, dt, where[e["name"]].fname(EXTRA), e["offset"],
+                        t.numel() * dt.itemsize))
+        self.used |= used
         unused = [e["name"] for e in self.meta["extras"] if e["name"] not in used]
-        if unused:
+        if unused and self.local_cover:
             raise ModelMismatchError(f"{fn}: the checkpoint holds another model: buffers/"
                                      f"frozen params not in the model: {unused[:8]}")
         gone = [e["name"] for e in self.meta.get("excluded_frozen", ()) if e["name"] not in used]
-        if gone:
+        if gone and self.local_cover:
             raise ModelMismatchError(f"{fn}: the checkpoint holds another model: frozen params "
                                      f"it left out (exclude_frozen_parameters=True) are not in "
                                      f"the model: {gone[:8]}")
@@ -481,6 +674,13 @@ class _Plan:
             del src
         for rebuild in self.view.after_load:  # per-block states (block_states.py)
             rebuild()
+        full: Dict[Tuple[int, str], torch.Tensor] = {}  # one at a time (sorted by param)
+        for dest, i, key, lo, hi in self.gathers:
+            if (i, key) not in full:
+                full.clear()
+                full[(i, key)] = self._full(i, key)
+            dest.copy_(full[(i, key)][lo:hi])
+        full.clear()
         for dest, master in self.casts:
             dest.copy_(master)  # round to nearest even, as the optimizer's cast-back
         for t, dt, fname, lo, nbytes in self.extras:

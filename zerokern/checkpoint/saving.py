@@ -20,10 +20,13 @@ def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False
     Args:
         path: checkpoint directory, the same on every rank (a shared filesystem across
             nodes). An existing checkpoint there is replaced atomically; an existing path
-            that is not a zerokern checkpoint is refused. A tensor-parallel model (DTensor
-            params) writes `path/tp.json` and one checkpoint per tp rank under it
-            (checkpoint/tp_dirs.py); each tp rank's part is committed atomically.
-        model: the nn.Module `opt` was built on; names come from `model.state_dict()`.
+            that is not a zerokern checkpoint is refused. A job whose ranks hold different
+            params (pipeline stages of a world mesh's "pp" dim, DTensor tp params) writes
+            `path/parts.json` and one checkpoint per (stage, tp rank) under it, all committed
+            atomically as one (checkpoint/parts.py [Note: a checkpoint in parts]); every rank
+            of the job calls save.
+        model: the nn.Module `opt` was built on; names come from `model.state_dict()` (a
+            pipeline stage's module keeps the whole model's names: parts.py).
         opt: the zerokern.ZeroAdamW.
         exclude_frozen_parameters: leave out the values of the model's frozen params
             (`requires_grad=False`, not held by the optimizer), as DeepSpeed's

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,7 @@ from zerokern.core.optimizer import ZeroOptimizer
 
 from . import block_states
 from .format import section_dtypes, sections
+from .parts import JobLayout, job_layout
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,9 @@ class OptimizerView:
     dtype: torch.dtype  # model dtype of the params
     world_size: int  # the layout: the shard group's size and this rank's place in it
     rank: int
-    # Agreement (comm/groups.py [Note: two groups, named by role]): save and load agree over
-    # every data-parallel rank; HSDP replicas hold the same shard and only replica 0 writes it.
+    # Agreement: save and load agree over every rank of the job (parts.py `job_layout`: the
+    # data-parallel world, and the tp and pp ranks that hold the model's other parts); HSDP
+    # replicas hold the same shard and only replica 0 writes it.
     world_group: Any  # torch.distributed process group, or None at world size 1 without one
     world_rank: int
     world_world_size: int
@@ -120,13 +122,40 @@ class OptimizerView:
     # owner protocol]): (param index, state name, shaped view); a save writes them, a load
     # fills them (format.py [Note: per-matrix states])
     matrix: List[Tuple[int, str, torch.Tensor]] = field(default_factory=list)
+    # the job and this rank's part of it (parts.py [Note: a checkpoint in parts])
+    job: Optional[JobLayout] = None
+
+    @property
+    def lead(self) -> bool:
+        """This rank writes its part's extras and metadata (dp rank 0)."""
+        return self.job.lead if self.job is not None else self.world_rank == 0
 
 
-def state_dict_keys(model: nn.Module) -> Dict[int, List[str]]:
+def model_items(model) -> List[Tuple[str, Any]]:
+    """(key, tensor) of `model.state_dict(keep_vars=True)`; for a list of modules (one rank's
+    pipeline stages under one optimizer, each keeping the whole model's names: parts.py
+    [Note: a checkpoint in parts]) the items of each in turn, a key in several (a buffer of
+    the root on each stage) once per module."""
+    if isinstance(model, (list, tuple)):
+        return [kv for m in model for kv in m.state_dict(keep_vars=True).items()]
+    return list(model.state_dict(keep_vars=True).items())
+
+
+def check_model(model) -> None:
+    """TypeError unless model is an nn.Module or a non-empty list of them."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    if not parts or not all(isinstance(m, nn.Module) for m in parts):
+        raise TypeError("model must be a torch.nn.Module (or a list of one rank's pipeline "
+                        f"stage modules), got {type(model).__name__}")
+
+
+def state_dict_keys(model) -> Dict[int, List[str]]:
     """id(tensor) -> its keys in model.state_dict(), in order (several when tied)."""
     out: Dict[int, List[str]] = {}
-    for k, t in model.state_dict(keep_vars=True).items():
-        out.setdefault(id(t), []).append(k)
+    for k, t in model_items(model):
+        names = out.setdefault(id(t), [])
+        if k not in names:
+            names.append(k)
     return out
 
 
@@ -137,8 +166,7 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
         TypeError: model is not an nn.Module or opt not a zerokern optimizer.
         ValueError: opt optimizes a param that `model` does not have.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     if not isinstance(opt, ZeroOptimizer):
         raise TypeError(f"opt must be a zerokern.ZeroAdamW (or another zerokern optimizer), "
                         f"got {type(opt).__name__}")
@@ -146,17 +174,17 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
         raise ValueError("opt no longer owns its params: a newer ZeroAdamW was created on the "
                          "same model; checkpoint that one")
     keys = state_dict_keys(model)
+    job = job_layout(opt)
     view = OptimizerView(
         stage=opt.stage, precision=opt.precision, dtype=opt.dtype,
         world_size=opt.comm.shard.world_size, rank=opt.comm.shard.rank,
-        world_group=opt.comm.world.group, world_rank=opt.comm.world.rank,
-        world_world_size=opt.comm.world.world_size,
+        world_group=job.group, world_rank=job.rank, world_world_size=job.world_size,
         writes=opt.comm.replicate is None or opt.comm.replicate.rank == 0,
         params=[], param_tensors=[], held=[], owned=[], values=[], steps=[],
         param_groups=opt.param_groups, scaler=opt.scaler, rule=opt.rule.name,
         sections=sections(opt.rule), section_dtypes=section_dtypes(opt.rule),
         group_rules=tuple(r.name for r in getattr(opt, "rules", [opt.rule] * len(
-            opt.param_groups))))
+            opt.param_groups))), job=job)
     plans = getattr(opt, "_plans", {})
     for gi, g in enumerate(opt.flat_groups):
         g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
@@ -224,16 +252,19 @@ def _buffer_view(view: OptimizerView, keys: Dict[int, List[str]], g) -> None:
     view.layout.append(g.layout_meta())
 
 
-def model_extras(model: nn.Module, view: OptimizerView) -> List[Tuple[str, Tuple[str, ...],
-                                                                      torch.Tensor]]:
+def model_extras(model, view: OptimizerView, every: bool = False
+                 ) -> List[Tuple[str, Tuple[str, ...], torch.Tensor]]:
     """(name, aliases, tensor) for every state_dict tensor the optimizer does not hold:
-    buffers and frozen params (also trainable params left out of the optimizer)."""
+    buffers and frozen params (also trainable params left out of the optimizer). A name that
+    several modules of a list hold (the root's buffer on each stage): the first module's
+    tensor, or with `every` (a load fills them all) each."""
     managed = {id(t) for t in view.param_tensors}
-    out, seen = [], set()
+    out, seen, named = [], set(), set()
     keys = state_dict_keys(model)
-    for k, t in model.state_dict(keep_vars=True).items():
-        if id(t) in managed or id(t) in seen:
+    for k, t in model_items(model):
+        if id(t) in managed or id(t) in seen or (k in named and not every):
             continue
+        named.add(k)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"model.state_dict() entry {k!r} is a {type(t).__name__}, not a "
                             "tensor (get_extra_state): zerokern.checkpoint saves tensors only")

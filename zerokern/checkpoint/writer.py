@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from zerokern.version import __version__
@@ -50,20 +51,23 @@ from .format import (
     EXTRA_ALIGN,
     FORMAT,
     META,
+    PARTS_META,
     VERSION,
     CheckpointError,
     DataFile,
     dtype_name,
     encode_value,
     fingerprint,
+    is_checkpoint_dir,
     rank_file,
     write_meta,
 )
-from .tp_dirs import save_dir
+from .parts import check_extras, check_parts, placements, write_parts_meta
 from .views import (
     OptimizerView,
     is_frozen_param,
     model_extras,
+    model_items,
     optimizer_view,
     whole_frozen_params,
 )
@@ -112,20 +116,32 @@ class SaveJob:
     """A save after its collective start (`prepare`): the tmp directory exists, and what
     `write_and_commit` writes is fixed. An async save stages copies into it (async_save.py)."""
 
-    top: str  # the path returned
-    path: str  # this (tp) rank's checkpoint directory
-    tmp: str
+    top: str  # the path returned, and committed
+    path: str  # this rank's part's checkpoint directory (top itself for a job of one part)
+    tmp: str  # top's tmp directory (the whole job's)
     nonce: str
     view: OptimizerView
     extras: List[Tuple[str, Tuple[str, ...], torch.Tensor]]  # written to extra.bin
     excluded: List[Dict[str, Any]]  # frozen params left out (crc of their values at save)
     keys: List[str]  # model.state_dict() keys
-    client: Optional[bytes]  # torch.save of client_state (lead only)
-    coll: Collective
-    lead: bool
+    client: Optional[bytes]  # torch.save of client_state (first part's lead only)
+    coll: Collective  # over the job (every rank of every part)
+    lead: bool  # this part's dp rank 0: extras and metadata
     # lead, after the commit, inside the agreement (engine: its `latest` file)
     on_commit: Optional[Callable[[], None]] = None
     error: Optional[BaseException] = None  # failed before writing: joins the agreement as such
+    part: str = ""  # parts.py [Note: a checkpoint in parts]: this rank's part directory
+    parts_meta: Optional[Dict[str, Any]] = None  # parts.json (job of several parts)
+
+    @property
+    def part_tmp(self) -> str:
+        """Where this rank writes its files."""
+        return os.path.join(self.tmp, self.part) if self.part else self.tmp
+
+    @property
+    def committer(self) -> bool:
+        """Job rank 0: creates the tmp directory, writes parts.json, commits."""
+        return self.coll.rank == 0
 
 
 def prepare(path, model: nn.Module, opt, exclude_frozen: bool = False,
@@ -134,44 +150,65 @@ def prepare(path, model: nn.Module, opt, exclude_frozen: bool = False,
     skip = getattr(opt, "_frozen_skip", None)  # params frozen mid-training (frozen_slots.py)
     if skip is not None:
         skip.check_savable("zerokern.checkpoint.save")
-    top = path = check_path(path)
+    top = check_path(path)
     view = optimizer_view(model, opt)
+    job = view.job
+    if not job.complete:  # every rank of this dp group alike: no collective waits on it
+        raise ValueError(
+            f"opt: its data-parallel group ({view.world_world_size} ranks) is not the whole "
+            f"job ({dist.get_world_size()} ranks) and it knows no pipeline stages: the other "
+            "ranks' stages would write the same files. Build each stage's ZeroAdamW with "
+            "mesh=world_mesh (the mesh with its 'pp' dim, comm/mesh.py [Note: a world mesh]) "
+            "so the checkpoint holds every stage; nothing was written")
     extras = model_extras(model, view)
-    path = save_dir(top, view, extras, opt)  # tp: this tp rank's checkpoint (tp_dirs.py)
+    check_extras(view, extras)
     # exclude_frozen_parameters: frozen params listed in the metadata, their values not written
     excluded = [x for x in extras if exclude_frozen and is_frozen_param(x[2])]
     extras = [x for x in extras if not (exclude_frozen and is_frozen_param(x[2]))]
     coll = Collective(view.world_group, view.world_rank, view.world_world_size)
-    lead = view.world_rank == 0  # creates the directory, writes extras and metadata, commits
+    lead = view.lead  # this part's extras and metadata
 
-    paths = coll.all_gather(path)
+    described = coll.all_gather({"path": top, "part": job.part, "pp": job.pp, "tp": job.tp,
+                                 "pp_size": job.pp_size, "tp_size": job.tp_size,
+                                 "placements": placements(view) if lead else None})
+    paths = [d["path"] for d in described]
     if len(set(paths)) != 1:
         raise ValueError(f"path must be the same on every rank, got {paths}")
+    parts_meta = check_parts(described) if job.model_parallel else None  # ValueError
     nonce = coll.from_rank0(secrets.token_hex(6))
-    tmp = f"{path}.tmp-{nonce}"
+    tmp = f"{top}.tmp-{nonce}"
     err: Optional[BaseException] = None
     client = None
-    if lead:
+    first = parts_meta["parts"][0]["dir"] if parts_meta else ""
+    if lead and job.part == first:
         try:
             if client_state is not None:
                 buf = io.BytesIO()
                 torch.save(client_state, buf)
                 client = buf.getvalue()
-            _preflight(path)
-            os.makedirs(tmp)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             err = e
+    if coll.rank == 0:
+        try:
+            _preflight(top)
+            os.makedirs(tmp)
+            for p in (parts_meta or {}).get("parts", ()):
+                os.makedirs(os.path.join(tmp, p["dir"]))
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            err = err or e
     coll.agree(err)
-    return SaveJob(top, path, tmp, nonce, view, extras,
+    part_path = os.path.join(top, job.part) if job.part else top
+    return SaveJob(top, part_path, tmp, nonce, view, extras,
                    [{"name": name, "aliases": list(aliases), "shape": list(t.shape),
                      "dtype": dtype_name(t.dtype), "crc32": fingerprint(t)}
                     for name, aliases, t in excluded] if lead else [],
-                   list(model.state_dict(keep_vars=True).keys()), client, coll, lead)
+                   list(dict.fromkeys(k for k, _ in model_items(model))), client, coll, lead,
+                   part=job.part, parts_meta=parts_meta)
 
 
 def write_and_commit(job: SaveJob) -> str:
-    """Steps 2-5 of [Note: atomic replace] (collective over `job.coll`)."""
-    view, tmp, path, coll, lead = job.view, job.tmp, job.path, job.coll, job.lead
+    """Steps 2-5 of [Note: atomic replace] (collective over `job.coll`, the whole job)."""
+    view, tmp, coll, lead = job.view, job.part_tmp, job.coll, job.lead
     try:
         if job.error is not None:
             raise job.error
@@ -184,6 +221,7 @@ def write_and_commit(job: SaveJob) -> str:
                 f = DataFile(os.path.join(tmp, CLIENT))
                 f.write(torch.frombuffer(bytearray(job.client), dtype=torch.uint8))
                 info["client"] = f.close()
+        info["part"] = job.part
         _pause("files_written")
     except Exception as e:  # noqa: BLE001
         info = e
@@ -192,27 +230,46 @@ def write_and_commit(job: SaveJob) -> str:
                             if isinstance(info, BaseException) else info)
     failed = {r: x["failed"] for r, x in enumerate(infos) if "failed" in x}
     err = info if isinstance(info, BaseException) else None
-    if lead:
+    part_err: Optional[BaseException] = None
+    if lead and not failed:  # this part's metadata, from its ranks' infos
         try:
-            if failed:
-                shutil.rmtree(tmp, ignore_errors=True)
-                why = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-                raise CheckpointError(f"{path}: rank(s) {sorted(failed)} failed to write "
-                                      f"their file ({why}); the previous checkpoint is intact")
-            files = [x for x in infos if "segments" in x]  # (lead's extras are in infos[0])
-            meta = _metadata(view, job.keys, job.extras, files, infos[0]["extra"],
-                             infos[0]["excluded"])
-            if "client" in infos[0]:
-                meta["files"][CLIENT] = infos[0]["client"]
+            mine = [x for x in infos if x.get("part") == job.part]
+            files = [x for x in mine if "segments" in x]
+            own = next(x for x in mine if "extra" in x)  # the lead's
+            meta = _metadata(view, job.keys, job.extras, files, own["extra"], own["excluded"])
+            if "client" in own:
+                meta["files"][CLIENT] = own["client"]
+            if job.part:
+                meta["part"] = {"dir": job.part, "pp": view.job.pp, "tp": view.job.tp}
             write_meta(tmp, meta)
             _fsync_dir(tmp)
-            _commit(tmp, path, job.nonce)
+        except Exception as e:  # noqa: BLE001
+            part_err = e
+    if job.parts_meta is not None:  # every part's lead says how its metadata went
+        outcome = coll.all_gather(None if part_err is None else
+                                  f"{type(part_err).__name__}: {part_err}")
+        failed.update({r: m for r, m in enumerate(outcome) if m is not None})
+    elif part_err is not None:
+        failed[coll.rank] = f"{type(part_err).__name__}: {part_err}"
+    if job.committer:
+        try:
+            if failed:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+                why = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+                raise CheckpointError(f"{job.top}: rank(s) {sorted(failed)} failed to write "
+                                      f"their part ({why}); the previous checkpoint is intact")
+            if job.parts_meta is not None:
+                write_parts_meta(job.tmp, job.parts_meta)
+                _fsync_dir(job.tmp)
+            _commit(job.tmp, job.top, job.nonce)
             if job.on_commit is not None:
                 job.on_commit()
         except Exception as e:  # noqa: BLE001
             if err is None:
-                err = e
-            shutil.rmtree(tmp, ignore_errors=True)
+                err = part_err or e
+            shutil.rmtree(job.tmp, ignore_errors=True)
+    elif err is None and part_err is not None:
+        err = part_err
     coll.agree(err)
     return job.top
 
@@ -221,9 +278,9 @@ def _preflight(path: str) -> None:
     if os.path.lexists(path):
         if not os.path.isdir(path):
             raise ValueError(f"path {path} exists and is not a directory")
-        if not os.path.isfile(os.path.join(path, META)):
-            raise ValueError(f"path {path} exists and is not a zerokern checkpoint (no {META}); "
-                             "refusing to replace it")
+        if not is_checkpoint_dir(path):
+            raise ValueError(f"path {path} exists and is not a zerokern checkpoint (no {META} "
+                             f"or {PARTS_META}); refusing to replace it")
     os.makedirs(os.path.dirname(path), exist_ok=True)
 
 
