@@ -3,6 +3,7 @@
     python benchmarks/bench_checkpoint.py            # GPT 100m (112M params), 1 and 2 ranks
     python benchmarks/bench_checkpoint.py --quick    # GPT small, for smoke runs
     python benchmarks/bench_checkpoint.py --async-stall   # async save's step stall (issue 39)
+    python benchmarks/bench_checkpoint.py --heal   # replica recovery vs a load (issue 39)
     python benchmarks/bench_checkpoint.py --help
 
 --async-stall: the time an async save holds the training thread (the save() call, then the
@@ -10,6 +11,12 @@ next opt.step()'s wait for the staging copy; zerokern/checkpoint/async_save.py [
 asynchronous saves]) against a synchronous save's time, per repetition in one process, at 1
 rank and 2 ranks (stage 2), with a real training step after each save. Results:
 benchmarks/results/checkpoint-async-cpu.{json,md}.
+
+--heal: on 4 gloo ranks, a 2x2 (replicate, shard) HSDP mesh at stage 2, the time of
+`zerokern.checkpoint.recover_from_replica` (replica 1's state rebuilt from replica 0's over the
+replicate group, checksummed after) against `zerokern.checkpoint.load` of the same state from
+the latest checkpoint (every rank, the first cold), and the model + optimizer build that a
+restart also repeats. Results: benchmarks/results/checkpoint-heal-cpu.{json,md}.
 
 Every phase runs in a fresh process, so its peak resident set is its own:
 - RssAnon is sampled every 2 ms from /proc/self/status (anonymous memory: what the process
@@ -333,10 +340,54 @@ def phase_async_stall(a, rank=0):
             "staging_bytes": staged, "bytes": _dir_bytes(async_dir), "mem": {}}
 
 
+def phase_heal(a, rank=0):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, a.ws // 2), mesh_dim_names=("replicate", "shard"))
+    dist.barrier()
+    t0 = time.perf_counter()
+    torch.manual_seed(1)
+    model = build_gpt(a.model, seed=1)
+    opt = zk.ZeroAdamW(model, stage=a.stage, precision="bf16", backend="reference", mesh=mesh)
+    dist.barrier()
+    build_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(opt.comm.shard.rank)  # the same shard, the same state
+    for piece in optimizer_view(model, opt).held:
+        piece.exp_avg.copy_(torch.randn(piece.exp_avg.shape, generator=g))
+        piece.exp_avg_sq.copy_(torch.rand(piece.exp_avg_sq.shape, generator=g))
+    _train_step(model, opt, opt.comm.shard.rank)  # replicas hold the same state after a step
+    zk.checkpoint.save(a.dir, model, opt)  # the latest checkpoint a restart would load
+    lost = opt.comm.replicate.rank == 1
+    out = {k: [] for k in ("heal_s", "transfer_s", "verify_s", "load_s")}
+    fp = _fingerprint(opt)
+    for _ in range(a.reps):
+        if lost:  # replica 1 loses its state
+            with torch.no_grad():
+                for piece in optimizer_view(model, opt).held:
+                    for t in piece.tensors().values():
+                        t.fill_(float("nan"))
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = zk.checkpoint.recover_from_replica(model, opt)
+        out["heal_s"].append(time.perf_counter() - t0)
+        out["transfer_s"].append(r["seconds"])
+        out["verify_s"].append(r["verify_seconds"])
+    healed = _same_sums(_fingerprint(opt), fp)
+    for cold in [True] + [False] * (a.reps - 1):
+        if cold and rank == 0:
+            _drop_cache(a.dir)
+        out["load_s"] += _timed(lambda: zk.checkpoint.load(a.dir, model, opt), 1)
+    return {"secs": out["heal_s"], **out, "build_s": build_s, "state_bytes": r["bytes"],
+            "broadcasts": r["broadcasts"], "bytes": _dir_bytes(a.dir), "mem": {},
+            "healed_state_is_the_source": healed,
+            "loaded_state_is_the_saved": _same_sums(_fingerprint(opt), fp)}
+
+
 PHASES = {"raw_write": phase_raw_write, "raw_read": phase_raw_read, "save": phase_save,
           "load": phase_load, "consolidate": phase_consolidate,
           "consolidate_file": phase_consolidate_file, "torch_save": phase_torch_save,
-          "torch_load": phase_torch_load, "async_stall": phase_async_stall}
+          "torch_load": phase_torch_load, "async_stall": phase_async_stall,
+          "heal": phase_heal}
 
 
 def _rank_phase(rank, ws, a):
@@ -351,11 +402,14 @@ def run_phase(a) -> dict:
 
     ranks = spawn_ranks(_rank_phase, a.ws, a, threads=1, pg_timeout=600)
     res = dict(ranks[0])
-    if a.phase == "async_stall":  # the slowest rank per repetition, per measure
+    if a.phase in ("async_stall", "heal"):  # the slowest rank per repetition, per measure
         for k, v in ranks[0].items():
             if k.endswith("_s") and isinstance(v, list):
                 res[k] = [max(x) for x in zip(*(r[k] for r in ranks))]
-        res["first_stall_s"] = max(r["first_stall_s"] for r in ranks)
+            elif k.endswith("_s"):
+                res[k] = max(r[k] for r in ranks)
+            elif isinstance(v, bool):
+                res[k] = all(r[k] for r in ranks)
         return res
     res["secs"] = [max(x) for x in zip(*(r["secs"] for r in ranks))]
     res["mem"] = {k: max(r["mem"][k] for r in ranks) for k in ranks[0]["mem"]}
@@ -406,6 +460,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--async-stall", action="store_true",
                    help="measure the async save's stall instead (module docstring)")
+    p.add_argument("--heal", action="store_true",
+                   help="measure recover_from_replica against a load instead (docstring)")
     p.add_argument("--_phase"), p.add_argument("--_dir"), p.add_argument("--_ws", type=int)
     p.add_argument("--_stage", type=int), p.add_argument("--_dtype")
     a = p.parse_args(argv)
@@ -419,6 +475,8 @@ def main(argv=None) -> int:
         a.model, a.reps = "small", 2
     if a.async_stall:
         return main_async_stall(a)
+    if a.heal:
+        return main_heal(a)
     scratch = tempfile.mkdtemp(prefix="zk_bench_ckpt_", dir=a.dir)
     dirs = {"n1": os.path.join(scratch, "n1"), "n2": os.path.join(scratch, "n2")}
     env = common.environment(torch.device("cpu"))
@@ -526,6 +584,62 @@ def main_async_stall(a) -> int:
           "the writer thread's competition for the 2 cores, shared by every rank and other "
           "jobs.\n",
           common.markdown_table(rows, ASYNC_COLUMNS), "",
+          *[f"- [{'PASS' if ok else 'FAIL'}] {c}" for c, ok in checks], ""]
+    common.write_text(out / f"{stem}.md", "\n".join(md))
+    print("\n".join(md))
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+HEAL_COLUMNS = [("name", "setting"), ("state_gb", "state GB per rank"),
+                ("heal_s", "recover_from_replica s"), ("transfer_s", "of it: transfer s"),
+                ("verify_s", "of it: crc verify s"), ("load_first_s", "load s (cold)"),
+                ("load_s", "load s (warm)"), ("build_s", "model + optimizer build s"),
+                ("heal_vs_load", "recover / warm load")]
+
+
+def main_heal(a) -> int:
+    """--heal: recover_from_replica against a load of the same state (module docstring)."""
+    scratch = tempfile.mkdtemp(prefix="zk_bench_heal_", dir=a.dir)
+    env = common.environment(torch.device("cpu"))
+    env["other_cpu_load_before"] = common.other_load_now()
+    load = common.OtherLoad()
+    n_params = sum(t.numel() for t in build_gpt(a.model).parameters())
+    try:
+        res = _child(a, phase="heal", dir=os.path.join(scratch, "ck"), ws=4, stage=2)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    env["other_cpu_load_during"] = load.fraction()
+    med = {k: statistics.median(res[k]) for k in ("heal_s", "transfer_s", "verify_s")}
+    warm = res["load_s"][1:] or res["load_s"]
+    row = {"name": "2x2 mesh, stage 2, 4 ranks", "state_bytes": res["state_bytes"],
+           "state_gb": res["state_bytes"] / GB, **med, "load_first_s": res["load_s"][0],
+           "load_s": statistics.median(warm), "build_s": res["build_s"],
+           "checkpoint_bytes": res["bytes"], "broadcasts": res["broadcasts"],
+           "per_rep": {k: res[k] for k in ("heal_s", "transfer_s", "verify_s", "load_s")}}
+    row["heal_vs_load"] = row["heal_s"] / row["load_s"]
+    common.print_table([row], HEAL_COLUMNS)
+    checks = [("every healed rank's state sums equal the source's",
+               res["healed_state_is_the_source"]),
+              ("the loaded state's sums equal the saved one's", res["loaded_state_is_the_saved"])]
+    payload = {"env": env, "model": a.model, "params": n_params, "reps": a.reps, "rows": [row],
+               "checks": [{"check": c, "pass": ok} for c, ok in checks]}
+    stem = "checkpoint-heal-cpu" + ("-quick" if a.quick else "")
+    out = REPO / "benchmarks" / "results"
+    common.write_json(out / f"{stem}.json", payload)
+    md = [f"# replica recovery vs restart from a checkpoint: GPT {a.model} "
+          f"({n_params / 1e6:.1f}M params), ZeroAdamW bf16, CPU\n", common.markdown_env(env), "",
+          "4 gloo ranks on one host, a 2x2 (replicate, shard) mesh at stage 2. "
+          "`recover_from_replica`: replica 1's optimizer state is overwritten with NaN, then "
+          "rebuilt from replica 0's over the replicate group (params, fp32 master, moments, "
+          "step counters, buffers; each rank receives its shard's state from its peer), with "
+          "the crc32 check after (verify=True, the default). Load: `zerokern.checkpoint.load` "
+          "of the same state from the checkpoint every rank would restart from (all 4 ranks, "
+          "the first after this benchmark's files were dropped from the page cache). A "
+          "restart from disk also pays the process start, the rendezvous, the model + "
+          "optimizer build (measured here once) and the steps recomputed since the save; "
+          f"the recovery pays none of those. Medians over {a.reps} repetitions, the slowest "
+          "rank per repetition. The 2 cores are shared by the 4 ranks and other jobs.\n",
+          common.markdown_table([row], HEAL_COLUMNS), "",
           *[f"- [{'PASS' if ok else 'FAIL'}] {c}" for c, ok in checks], ""]
     common.write_text(out / f"{stem}.md", "\n".join(md))
     print("\n".join(md))
