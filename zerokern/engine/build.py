@@ -17,7 +17,7 @@ from zerokern.optimizers.lion import ZeroLion
 from zerokern.optimizers.muon import ZeroMuon
 from zerokern.options.args import PRECISIONS
 
-from .config import EngineConfig
+from .config import STAGE3_KEYS, EngineConfig
 from .convert import groups_for_model, rebind_scheduler, zero_from_torch
 from .optimizer_types import optimizer_kind, optimizer_settings
 from .parallel import MpuGroups, hpz_mesh
@@ -80,15 +80,32 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
             optimizer = optimizer(params)
         if isinstance(optimizer, ZeroOptimizer):  # ZeroAdamW, ZeroLion, a custom rule's
             _check_given(optimizer, mpu, cfg)
+            if cfg.stage3_keys_given:  # (else its own keep_for_backward_mb stands)
+                _use_stage3_keys(optimizer, cfg)
             return optimizer
-        return zero_from_torch(optimizer, model, **zero_kw)
+        return _use_stage3_keys(zero_from_torch(optimizer, model, **zero_kw), cfg)
     if cfg.optimizer is None:
         return None  # [Note: forward-only engine]
     hyper = optimizer_settings(cfg.optimizer)
     groups = groups_for_model(model, model_parameters, hyper)
     cls = {"adamw": ZeroAdamW, "lion": ZeroLion,
            "muon": ZeroMuon}[optimizer_kind(cfg.optimizer)]
-    return cls(model, **hyper, **zero_kw, param_groups=groups)
+    return _use_stage3_keys(cls(model, **hyper, **zero_kw, param_groups=groups), cfg)
+
+
+def _use_stage3_keys(opt: ZeroOptimizer, cfg: EngineConfig) -> ZeroOptimizer:
+    """At stage 3, DeepSpeed's four schedule keys (or their defaults) decide the units kept for
+    the backward and the forward's prefetch ([Note: DeepSpeed's stage-3 keys] in
+    zerokern/stage3/ds_schedule.py); the same on every rank, before the first forward."""
+    sync = opt.grad_sync
+    if opt.stage == 3 and hasattr(sync, "use_schedule"):
+        sync.use_schedule(cfg.stage3_keys)
+        if _world()[0] == 0:
+            keys = ", ".join(f"{k}={getattr(cfg.stage3_keys, f)}" for k, f in STAGE3_KEYS.items())
+            log.info("stage 3 schedule (%s): %d of %d units kept gathered for the backward, "
+                     "forward prefetch up to %d elements", keys, len(set(sync.kept_units)),
+                     len(sync.active_units), cfg.stage3_keys.prefetch_numel)
+    return opt
 
 
 def _rules_take(cfg: EngineConfig, optimizer, **kw) -> bool:

@@ -22,6 +22,7 @@ import torch
 from zerokern.options.args import PRECISIONS
 
 from ..checkpointing.settings import parse_section as _activation_checkpointing
+from ..stage3.ds_schedule import Stage3Keys
 from .config_file import load_config
 from .config_values import ConfigError, _bool, _check_auto, _int, _num, _unknown
 from .optimizer_types import optimizer_settings
@@ -45,11 +46,6 @@ NO_EFFECT_ZERO = {
     "round_robin_gradients": "each rank owns one piece of every bucket already",
     "ignore_unused_parameters": "an unused param counts as a zero gradient (DESIGN §2)",
     "sub_group_size": "the update runs per bucket",
-    "stage3_prefetch_bucket_size": "stage 3 prefetches one unit ahead (module units)",
-    "stage3_param_persistence_threshold": "stage 3 shards every unit; the root stays resident",
-    "stage3_max_live_parameters": "stage 3 bounds live params by units (live_units_bound)",
-    "stage3_max_reuse_distance": "stage 3 keeps the root and the last unit for the backward; "
-                                 "ZeroAdamW(keep_for_backward_mb=) keeps more",
     "load_from_fp32_weights": "checkpoints always hold fp32 masters",
     "elastic_checkpoint": "zerokern checkpoints load at any world size",
 }
@@ -64,12 +60,19 @@ NO_EFFECT_OFFLOAD_PARAM = {
     "buffer_size": "offload_params='nvme' sizes its buffers to the largest unit shard",
     "max_in_cpu": "offload_params='nvme' keeps no param cache in host memory",
 }
+# DeepSpeed's stage-3 schedule keys, in elements ([Note: DeepSpeed's stage-3 keys] in
+# zerokern/stage3/ds_schedule.py): key -> Stage3Keys field. Honoured at stage 3; DeepSpeed
+# reads them at stage 3 only, and so does zerokern (logged as no effect below stage 3).
+STAGE3_KEYS = {"stage3_max_reuse_distance": "max_reuse_distance",
+               "stage3_max_live_parameters": "max_live_parameters",
+               "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+               "stage3_param_persistence_threshold": "param_persistence_threshold"}
 FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "min_loss_scale", "consecutive_hysteresis", "auto_cast")
 HONOURED_ZERO = ("stage", "reduce_bucket_size", "offload_optimizer", "offload_param",
                  "stage3_gather_16bit_weights_on_model_save",
                  "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size",
-                 "zero_quantized_weights", "zero_quantized_gradients")
+                 "zero_quantized_weights", "zero_quantized_gradients", *STAGE3_KEYS)
 HONOURED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
                 "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16",
@@ -123,6 +126,12 @@ class EngineConfig:
             engine): save_checkpoint saves asynchronously by default.
         hpz_partition_size: zero_hpz_partition_size when it takes effect (stage 3, > 1,
             < world size: hpZ on a (world / h, h) mesh, engine/parallel.py), else 1.
+        stage3_keys: DeepSpeed's stage-3 schedule keys (stage3_max_reuse_distance,
+            stage3_max_live_parameters, stage3_prefetch_bucket_size,
+            stage3_param_persistence_threshold), DeepSpeed's defaults where absent; at stage 3
+            they set the units kept for the backward and the forward's prefetch
+            (zerokern/stage3/ds_schedule.py).
+        stage3_keys_given: the stage-3 schedule keys the config sets.
         activation_checkpointing: the `activation_checkpointing` section as
             `zerokern.checkpointing.configure` keywords, or None without one (initialize
             configures zerokern.checkpointing with it).
@@ -155,6 +164,8 @@ class EngineConfig:
     async_save: bool = False                      # checkpoint.writer.decoupled
     hpz_partition_size: int = 1                   # [Note: hpz_partition_size] (parallel.py)
     activation_checkpointing: Optional[Dict[str, Any]] = None  # configure() keywords
+    stage3_keys: Stage3Keys = field(default_factory=Stage3Keys)  # DeepSpeed's defaults
+    stage3_keys_given: Tuple[str, ...] = ()
     no_effect: List[Tuple[str, str]] = field(default_factory=list)  # (key, why)
     ignored: List[Tuple[str, str]] = field(default_factory=list)    # (key, why): a warning
     raw: Dict[str, Any] = field(default_factory=dict)
@@ -225,6 +236,12 @@ def _zero(z: Dict[str, Any], out: EngineConfig) -> None:
     for k, why in NO_EFFECT_ZERO.items():
         if k in z:
             out.no_effect.append((f"zero_optimization.{k}", why))
+    given = {STAGE3_KEYS[k]: _int(f"zero_optimization.{k}", z[k], 0)
+             for k in STAGE3_KEYS if k in z}
+    out.stage3_keys = Stage3Keys(**given)
+    out.stage3_keys_given = tuple(f"zero_optimization.{k}" for k in STAGE3_KEYS if k in z)
+    if out.stage != 3:
+        out.no_effect += [(k, "stage 3 only, as in DeepSpeed") for k in out.stage3_keys_given]
     _quantized(z, out)
     oo = z.get("offload_optimizer")
     if oo is not None:

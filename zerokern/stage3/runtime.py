@@ -73,6 +73,7 @@ from zerokern.layout.dtensor_params import local as local_of
 from zerokern.state import huge_pages
 
 from . import guards, param_offload
+from .ds_schedule import Stage3Keys, deepspeed_keep, prefetch_units
 from .generate_sync import sync_generate
 from .hpz import HpzSecondary
 from .sharded_flat import ShardedFlat
@@ -137,13 +138,10 @@ class Stage3Runtime(ShardedGrads):
         self._bsched = list(reversed(self.schedule))
         self._bpos = {ui: k for k, ui in enumerate(self._bsched)}
         self._held_deps = {d for u in self.active_units for d in u.deps}
-        self.kept_units = kept_for_backward(  # [Note: kept units] in units.py
+        self._set_kept(kept_for_backward(  # [Note: kept units] in units.py
             self.schedule, lambda ui: self._need(self.units[ui]),
-            lambda ui: sum(f.full_bytes for f in self._bufs(ui)), keep_for_backward_bytes)
-        kept = set(self.kept_units)  # where the schedule's kept end starts (_prefetch_ahead)
-        self._kept_from = next((j for j in range(len(self.schedule))
-                                if all(ui in kept for ui in self.schedule[j:])),
-                               len(self.schedule))
+            lambda ui: sum(f.full_bytes for f in self._bufs(ui)), keep_for_backward_bytes))
+        self._prefetch_numel = None  # DeepSpeed's prefetch bucket (use_schedule), elements
         self.fwd_order: List[int] = []       # units (not the root) in the last forward's order
         self._recording: List[int] = []
         self._fcur = 0
@@ -173,6 +171,31 @@ class Stage3Runtime(ShardedGrads):
         # generate() with synced_gpus on at world_size > 1 ([Note] in generate_sync.py)
         self._hooks += sync_generate(model, comm.world.world_size, self)
         self._reset_backward()
+
+    def _set_kept(self, kept: List[int]) -> None:
+        self.kept_units = kept
+        kept = set(kept)  # where the schedule's kept end starts (_prefetch_ahead)
+        self._kept_from = next((j for j in range(len(self.schedule))
+                                if all(ui in kept for ui in self.schedule[j:])),
+                               len(self.schedule))
+
+    def _numel(self, ui: int) -> int:
+        return sum(f.layout.padded_numel for f in self._bufs(ui))
+
+    def _in_flight_or_gathered(self, ui: int) -> bool:
+        return all(f.gathered or f.handle is not None for f in self._bufs(ui))
+
+    def use_schedule(self, keys: Stage3Keys) -> None:
+        """DeepSpeed's four stage-3 keys ([Note: DeepSpeed's stage-3 keys] in ds_schedule.py):
+        the units kept for the backward and the forward's prefetch budget, in place of
+        keep_for_backward_mb's. Call before the first forward, on every rank."""
+        def persistent(ui: int) -> bool:
+            return all(s.numel <= keys.param_persistence_threshold
+                       for f in self._bufs(ui) for s in f.layout.slots)
+
+        kept = deepspeed_keep(self.schedule, 0, self._numel, persistent, keys)
+        self._set_kept([uj for ui in kept for uj in dict.fromkeys(self._need(self.units[ui]))])
+        self._prefetch_numel = keys.prefetch_numel
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _reset_backward(self) -> None:
@@ -267,6 +290,11 @@ class Stage3Runtime(ShardedGrads):
         """The next unit of the schedule; once the rest of it is kept units, in a grad-enabled
         forward, all of it ([Note: kept units]; a unit kept only as another's dep does not
         count; not with param offload, whose gathers read)."""
+        if self._prefetch_numel is not None:  # DeepSpeed's bucket (use_schedule)
+            budget = self._prefetch_numel if not param_offload.has_homes(self) else \
+                min(self._prefetch_numel, 1)
+            return prefetch_units(self.schedule, self._fcur, self._numel,
+                                  self._in_flight_or_gathered, budget)
         if not self._fwd_grad or self._fcur < self._kept_from or param_offload.has_homes(self):
             return [self.schedule[self._fcur]]
         return self.schedule[self._fcur:]
@@ -728,11 +756,21 @@ class Stage3Runtime(ShardedGrads):
         """Bytes of full params that can be gathered at once: the root and its dependencies,
         plus two other units with theirs (the running one and the prefetched one), or the
         kept units ([Note: kept units]) and one unit prefetched beside them."""
-        return live_units_bound(
-            self._need(self.units[0]), [self._need(u) for u in self.active_units
-                                        if not u.is_root],
-            self.kept_units, lambda ui: sum(f.full_bytes for f in self._bufs(ui)),
-            sorted(self._held_deps))
+        def unit_bytes(ui: int) -> int:
+            return sum(f.full_bytes for f in self._bufs(ui))
+
+        others = [self._need(u) for u in self.active_units if not u.is_root]
+        bound = live_units_bound(self._need(self.units[0]), others, self.kept_units, unit_bytes,
+                                 sorted(self._held_deps))
+        if self._prefetch_numel is None:
+            return bound
+        # DeepSpeed's prefetch bucket (use_schedule): up to `ahead` units launched beyond the
+        # running one, on top (a loose bound: they may be kept units counted above already)
+        ahead = max((len(prefetch_units(self.schedule, j, self._numel, lambda ui: False,
+                                        self._prefetch_numel))
+                     for j in range(len(self.schedule))), default=0)
+        sizes = sorted((sum(unit_bytes(uj) for uj in n) for n in others), reverse=True)
+        return bound + sum(sizes[:ahead + 1])
 
     def detach(self) -> None:
         super().detach()
