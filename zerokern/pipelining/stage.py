@@ -177,9 +177,16 @@ class ZeroPipelineStage(PipelineStage):
     def _backward_metadata_inference(self, *args, **kwargs):
         """torch's shape inference at the first step runs a backward (autograd.grad to the
         inputs): under no_sync(), or stage 3's hooks would take it for a backward of the step
-        and reduce-scatter its (zero) grads outside the step's one reduction."""
-        with self.optimizer.no_sync():
-            return super()._backward_metadata_inference(*args, **kwargs)
+        and reduce-scatter its (zero) grads outside the step's one reduction. It gives no
+        param a gradient, so it need not go through the loss scale either (fp16: stage 3's
+        hooks would otherwise count it as an unscaled backward)."""
+        gs = self.optimizer.grad_sync
+        required, gs.require_scaled = gs.require_scaled, False
+        try:
+            with self.optimizer.no_sync():
+                return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            gs.require_scaled = required
 
     def _failed(self, error: BaseException) -> None:
         """This rank raises inside the schedule: its peers must not wait for it
