@@ -1,25 +1,29 @@
 // AVX-512 8-bit AdamW blocks (16 fp32 lanes, 8 vectors per 128-element block): the scalar path's
 // operations in its order (adamw8bit_cpu.cpp), each an IEEE-rounded vector mul/add/div/sqrt
 // intrinsic, so every lane gives the scalar path's bits. The update has no FMA (the op builds
-// with -ffp-contract=off, kernels/build.py; GCC fuses mul+add in an avx512f body otherwise); the
-// one fnmadd written decides a code ([Note: bucketed nearest code], adamw8bit_cpu.h), where a
-// single rounding is the point. Compiled without -march; the target attribute confines AVX-512
-// to these bodies.
+// with -ffp-contract=off, kernels/build.py; GCC fuses mul+add in an avx512f body otherwise).
+// Compiled without -march; the target attribute confines AVX-512 to these bodies.
 //
-// Cost (issue 40; Intel Xeon with AVX-512, the shared 2-core box, one thread, bf16 grads and
-// param_out, n = 2^16 in cache, ns/element, best of 400 interleaved with the previous kernel):
-//   previous kernel (8-step permute search on m / s, two divisions)   1.70
-//   buckets (16-lane gathers), no division in the quantizer           1.48
-//   + the per-block NaN checks, the unsigned key without the sign     1.44
-//   + one 64-bit gather per half (mid and E|base in one entry)        1.35
-// What is left: the gathers (2 dequantize, 2 x 2 buckets per 16 elements) ~0.4, the update
-// (div, sqrt, bf16 out) ~0.9 (all three replaced by permutes: 1.02). Tried and dropped: the
-// dequantize from 4 byte planes with AVX512-VBMI vpermi2b (64 codes per 22 ops) ran 3% slower
-// than its 2 gathers; the quantizer's exact division instead of the one-rounding test, 10% slower.
-// At n >= 2^24 the loads wait on memory after each block's compute; prefetching 8 blocks ahead
-// overlaps them: 2 threads, 2^24, interleaved, 8% less time in the quieter of three runs (the
-// loaded two, load 5-11 on the 2 cores, could not tell). The whole step against the previous
-// kernel, same run: benchmarks/results/adamw8bit-cpu-kernel-issue40-20261129.md.
+// [Note: 8-bit AVX-512 step cost] (issue 40; Intel Xeon (Sapphire Rapids class) with AVX-512,
+// the shared 2-core box, one thread, bf16 grads and param_out, n = 2^16 in cache, ns/element,
+// median of 400 steps interleaved with the kernel before, same process; a standalone harness)
+//   first issue-40 kernel (buckets: two qword gathers, the E * s test)       1.41
+//   one 32-bit entry per bucket, an integer compare of x' (no division,
+//     no E * s), redo the block where x' is within 5 floats of the midpoint  (quantize -35%)
+//   + bf16 out by vcvtneps2bf16, v's max as unsigned integers (the NaN
+//     check without the two sums)                                           1.15
+//   + the pointers copied out of the args (no reloads), the fast branches
+//     marked likely (they were the jumped-to ones)                          1.07
+//   + software pipelining: block b + 1's update before block b's codes      1.05 (0.75x)
+//   + vpermb for the codes' bytes (vpmovdb: 2 uops)                         ~same (kept: 1 uop)
+// Without AVX512_BF16/VBMI (ZEROKERN_Q8_AVX512_BASE) 1.14. Ablations of the new kernel: the
+// update alone 0.60 (its 2 dequantize gathers ~0.17), the quantizer 0.45 (its 2 gathers ~0.16),
+// the div and sqrt ~0.15: the step is bound on the two 512-bit ALU ports and the gathers' loads,
+// not on the divider. The whole step at n = 2^24 and 2^26 against the kernel before and the
+// fp32-state adam_step: benchmarks/results/adamw8bit-cpu-kernel-issue40-20261129-r2*.md.
+// Tried before (the first issue-40 round) and dropped: the dequantize from 4 byte planes with
+// AVX512-VBMI vpermi2b (64 codes per 22 ops) ran 3% slower than its 2 gathers; the quantizer's
+// exact division, 10% slower. Prefetching 8 blocks ahead: 8% less time at 2^24, 2 threads.
 #include <immintrin.h>
 
 #include "adamw8bit_cpu.h"
@@ -27,6 +31,22 @@
 #define ZK_Q8_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define ZK_Q8_AVX512_INLINE ZK_Q8_AVX512 __attribute__((always_inline)) inline
+
+// Two instructions of newer AVX-512 CPUs (Ice Lake / Sapphire Rapids, Zen 4), used only where
+// the CPU has them (BF16VBMI, q8_avx512_kernels): inline assembly, so the bodies keep the base
+// target above and run on every AVX-512 CPU (Skylake-X, Cascade Lake included).
+// vcvtneps2bf16 (AVX512_BF16): fp32 -> bf16, round to nearest even.
+ZK_Q8_AVX512_INLINE __m256i q8_cvtneps2bf16(__m512 x) {
+  __m256i r;
+  asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(x));
+  return r;
+}
+// vpermb (AVX512_VBMI): byte idx[i] of t, for 64 bytes.
+ZK_Q8_AVX512_INLINE __m512i q8_vpermb(__m512i idx, __m512i t) {
+  __m512i r;
+  asm("vpermb %2, %1, %0" : "=v"(r) : "v"(idx), "v"(t));
+  return r;
+}
 
 namespace zk_cpu {
 namespace {
@@ -97,75 +117,59 @@ ZK_Q8_AVX512_INLINE __m512i q8_nearest16(__m512 x, const Q8Search& t) {
   return pos;
 }
 
-// [Note: bucketed nearest code] (adamw8bit_cpu.h): the codes of 16 values m / s without the
-// division (s in [kQ8FastMin, kQ8FastMax], rs = RN(1 / s)); returns the lanes it cannot decide.
-// HAS_NAN: the block holds a NaN (its code is 255; without NaN the compare is skipped).
-// SIGNED: the key's sign half. The unsigned map skips it: a negative x' (sign bit set: a negative
-// int32) clamps to bucket 0, whose count is 0 = the code of any x <= 0 there (its smallest
-// midpoint is positive), and a NaN's wrapped key is overwritten below.
-template <bool SIGNED, bool HAS_NAN>
-ZK_Q8_AVX512_INLINE __mmask16 q8_bucket16(__m512 m, __m512 s, __m512 rs, const Q8Buckets& t,
-                                          __m512i& code) {
-  const __m512i b = _mm512_castps_si512(_mm512_mul_ps(m, rs));
-  const __m512i mag = SIGNED ? _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)) : b;
-  __m512i k = _mm512_sub_epi32(
-      _mm512_srai_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(kQ8KeyOffset)), kQ8KeyShift),
-      _mm512_set1_epi32(kQ8KeyExp0 << kQ8KeyBits));
-  k = _mm512_min_epi32(_mm512_max_epi32(k, _mm512_setzero_si512()),
-                       _mm512_set1_epi32(kQ8Keys - 1));
-  if constexpr (SIGNED)
-    k = _mm512_mask_add_epi32(k, _mm512_movepi32_mask(b), k, _mm512_set1_epi32(kQ8Keys));
-  const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(k), t.entry, 8);
-  const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(k, 1), t.entry, 8);
-  const __m512i even =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512 mid = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo, even, hi));
-  const __m512i eb =
-      _mm512_permutex2var_epi32(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
-  const __m512 d = _mm512_mul_ps(
-      _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(0xFF), eb)), s);
-  const __m512 r = _mm512_fnmadd_ps(mid, s, m);  // m - mid * s, rounded once
-  const __mmask16 up = _mm512_cmp_ps_mask(r, d, _CMP_GT_OQ);
-  const __m512i base = _mm512_and_si512(eb, _mm512_set1_epi32(0xFF));
-  code = _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1));
-  if constexpr (HAS_NAN)
-    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q),
-                                 _mm512_set1_epi32(255));
-  return _mm512_cmp_ps_mask(r, d, _CMP_EQ_OQ);
+// The exact codes of 16 values x / s ([Note: branchless nearest code]): the division and the
+// search (a NaN's code is 255).
+ZK_Q8_AVX512_INLINE __m128i q8_exact16(const float* x, __m512 s, const Q8Search& search) {
+  return _mm512_cvtepi32_epi8(q8_nearest16(_mm512_div_ps(_mm512_load_ps(x), s), search));
 }
 
-// Codes of 16 values x / s: the buckets where the block allows them (fast), else (or for an
-// undecided lane) the division and the search.
-template <bool SIGNED>
-ZK_Q8_AVX512_INLINE __m512i q8_codes16(__m512 x, __m512 s, __m512 rs, bool fast, bool nan,
-                                       const Q8Buckets* bk, const Q8Search& search) {
-  if (fast) {
-    __m512i c;
-    if (!(nan ? q8_bucket16<SIGNED, true>(x, s, rs, *bk, c)
-              : q8_bucket16<SIGNED, false>(x, s, rs, *bk, c)))
-      return c;
+// [Note: bucketed nearest code] (adamw8bit_cpu.h): the codes of x[0..127] / s for a block with
+// s in [kQ8FastMin, kQ8FastMax] and no NaN, written to q; false where some x' came within
+// kQ8Band floats of its bucket's midpoint (q then holds codes the caller must redo).
+// SIGNED: negative values reverse the low-bits compare (the unsigned map has no midpoint in a
+// negative bucket, so its compare is never set there).
+template <bool SIGNED, bool VBMI>
+ZK_Q8_AVX512_INLINE bool q8_bucket_block(const float* x, float s, const Q8Buckets& t, uint8_t* q) {
+  const __m512 rs = _mm512_set1_ps(1.f / s);
+  const __m512i off = _mm512_set1_epi32(kQ8KeyOffset), low16 = _mm512_set1_epi32(0xFFFF00);
+  const __m512i bias = _mm512_set1_epi32(kQ8Bias), one = _mm512_set1_epi32(1);
+  __m512i near = _mm512_set1_epi32(-1);  // min of D over the block, unsigned
+  for (int j = 0; j < kQ8Block; j += 16) {
+    const __m512i xb = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(x + j), rs));
+    const __m512i u = _mm512_add_epi32(xb, off);
+    const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, kQ8KeyShift), t.entry, 4);
+    const __m512i sh = _mm512_slli_epi32(u, 8);
+    // the low 16 bits of u in bits 8..23, reversed for a negative x' (SIGNED): (sh ^ sign) & low16
+    const __m512i l = SIGNED ? _mm512_ternarylogic_epi32(sh, _mm512_srai_epi32(xb, 31), low16,
+                                                          0x28)
+                             : _mm512_and_si512(sh, low16);
+    const __m512i d = _mm512_sub_epi32(l, e);
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(d, bias);
+    if constexpr (VBMI) {  // the entries' low bytes by one vpermb (vpmovdb: 2 uops), plus up
+      const __m128i lo = _mm512_castsi512_si128(q8_vpermb(
+          _mm512_castsi128_si512(_mm_setr_epi8(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
+                                               52, 56, 60)), e));
+      _mm_storeu_si128((__m128i*)(q + j), _mm_mask_add_epi8(lo, up, lo, _mm_set1_epi8(1)));
+    } else {
+      _mm_storeu_si128((__m128i*)(q + j),
+                       _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(e, up, e, one)));
+    }
+    near = _mm512_min_epu32(near, d);
   }
-  return q8_nearest16(_mm512_div_ps(x, s), search);
+  return !_mm512_cmple_epu32_mask(near, _mm512_add_epi32(bias, bias));
 }
 
-ZK_Q8_AVX512_INLINE bool q8_fast(const Q8Buckets* bk, float s) {
-  return bk != nullptr && s >= kQ8FastMin && s <= kQ8FastMax;
-}
-
-// Codes of m[0..127] / sm and v[0..127] / sv.
-ZK_Q8_AVX512_INLINE void q8_quantize_blocks(const float* m, float sm, bool nan_m, const float* v,
-                                            float sv, bool nan_v, const Q8Args& a, int64_t base) {
-  const __m512 scm = _mm512_set1_ps(sm), scv = _mm512_set1_ps(sv);
-  const __m512 rsm = _mm512_set1_ps(1.f / sm), rsv = _mm512_set1_ps(1.f / sv);
-  const bool fm = q8_fast(a.buckets_s, sm), fv = q8_fast(a.buckets_u, sv);
-  for (int64_t j = 0; j < kQ8Block; j += 16) {
-    __m512i cm = q8_codes16<true>(_mm512_load_ps(m + j), scm, rsm, fm, nan_m, a.buckets_s,
-                                  *a.search_s);
-    __m512i cv = q8_codes16<false>(_mm512_load_ps(v + j), scv, rsv, fv, nan_v, a.buckets_u,
-                                   *a.search_u);
-    _mm_storeu_si128((__m128i*)(a.mq + base + j), _mm512_cvtepi32_epi8(cm));
-    _mm_storeu_si128((__m128i*)(a.vq + base + j), _mm512_cvtepi32_epi8(cv));
-  }
+// Codes of x[0..127] / s into q: the buckets where the block allows them, else (or where a value
+// is undecided) the division and the search.
+template <bool SIGNED, bool VBMI>
+ZK_Q8_AVX512_INLINE void q8_quantize_block(const float* x, float s, bool clean, const Q8Buckets* bk,
+                                           const Q8Search& search, uint8_t* q) {
+  if (__builtin_expect(clean && bk != nullptr && s >= kQ8FastMin && s <= kQ8FastMax, 1) &&
+      __builtin_expect(q8_bucket_block<SIGNED, VBMI>(x, s, *bk, q), 1))
+    return;
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int j = 0; j < kQ8Block; j += 16)
+    _mm_storeu_si128((__m128i*)(q + j), q8_exact16(x + j, sv, search));
 }
 
 // Prefetch the streams kQ8Ahead blocks ahead: without it the loads of a block wait on memory
@@ -194,79 +198,159 @@ ZK_Q8_AVX512_INLINE void q8_prefetch(const Q8Args& a, int64_t b) {
   }
 }
 
-template <int G, int O>
-ZK_Q8_AVX512 void q8_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
-  alignas(64) float m[kQ8Block], v[kQ8Block];
-  const __m512 gs = _mm512_set1_ps(a.gs), decay = _mm512_set1_ps(a.decay);
-  const __m512 b1v = _mm512_set1_ps(a.b1), omb1 = _mm512_set1_ps(a.omb1);
-  const __m512 b2v = _mm512_set1_ps(a.b2), omb2 = _mm512_set1_ps(a.omb2);
-  const __m512 step = _mm512_set1_ps(a.step_size), rbc2 = _mm512_set1_ps(a.rsqrt_bc2);
-  const __m512 eps = _mm512_set1_ps(a.eps);
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t base = b * kQ8Block;
-    if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b);
-    const __m512 am = _mm512_set1_ps(a.ma[b]), av = _mm512_set1_ps(a.va[b]);
-    __m512 mmax = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
-    __m512 msum = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kQ8Block; j += 16) {
-      const int64_t i = base + j;
-      const __m512 g = _mm512_mul_ps(q8_load_grad16<G>(a.grad, i), gs);
-      __m512 mj = _mm512_mul_ps(q8_decode16(a.mq + i, a.code_s), am);
-      __m512 vj = _mm512_mul_ps(q8_decode16(a.vq + i, a.code_u), av);
-      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a.p + i), decay);
-      mj = _mm512_add_ps(_mm512_mul_ps(b1v, mj), _mm512_mul_ps(omb1, g));
-      vj = _mm512_add_ps(_mm512_mul_ps(b2v, vj), _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
-      const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), rbc2), eps);
-      x = _mm512_sub_ps(x, _mm512_mul_ps(step, _mm512_div_ps(mj, den)));
-      _mm512_storeu_ps(a.p + i, x);
-      if constexpr (O == kOutF16)
-        _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(a.out) + i),
-                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      if constexpr (O == kOutBF16)
-        _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(a.out) + i), q8_f32_to_bf16_16(x));
-      _mm512_store_ps(m + j, mj);
-      _mm512_store_ps(v + j, vj);
-      // max of |.| (exact in any order): vrangeps imm 0xB = the larger magnitude, sign cleared
-      // (one op for and + max; it skips a NaN operand, as max_ps). The sums only flag a NaN:
-      // a NaN moment makes its lane's sum NaN (so can inf + -inf: the scan below tells).
-      mmax = _mm512_range_ps(mmax, mj, 0xB);
-      vmax = _mm512_range_ps(vmax, vj, 0xB);
-      msum = _mm512_add_ps(msum, mj);
-      vsum = _mm512_add_ps(vsum, vj);
-    }
-    float mm = _mm512_reduce_max_ps(mmax), vm = _mm512_reduce_max_ps(vmax);
-    bool nan_m = false, nan_v = false;  // rare: a NaN moment (torch's amax propagates it)
-    if (_mm512_cmp_ps_mask(msum, msum, _CMP_UNORD_Q) && q8_has_nan(m)) {
-      nan_m = true;
-      mm = q8_nan_absmax(m);
-    }
-    if (_mm512_cmp_ps_mask(vsum, vsum, _CMP_UNORD_Q) && q8_has_nan(v)) {
-      nan_v = true;
-      vm = q8_nan_absmax(v);
-    }
-    a.ma[b] = mm;
-    a.va[b] = vm;
-    q8_quantize_blocks(m, mm > 0.f ? mm : 1.f, nan_m, v, vm > 0.f ? vm : 1.f, nan_v, a, base);
+// bf16 bits of 16 floats: vcvtneps2bf16 (round to nearest even) where no lane is a NaN or a
+// denormal (it flushes denormals to zero and keeps NaN payloads; torch gives 0xFFFF for a NaN),
+// else the integer rounding. BF16VBMI: the CPU has AVX512_BF16 and AVX512_VBMI (q8_avx512_kernels).
+template <bool BF16VBMI>
+ZK_Q8_AVX512_INLINE __m256i q8_bf16_16(__m512 x) {
+  if constexpr (BF16VBMI) {
+    if (__builtin_expect(!_mm512_fpclass_ps_mask(x, 0x01 | 0x80 | 0x20), 1))  // QNaN|SNaN|denormal
+      return q8_cvtneps2bf16(x);
   }
+  return q8_f32_to_bf16_16(x);
+}
+
+// The step's scalars in registers.
+struct Q8Vec {
+  __m512 gs, decay, b1, omb1, b2, omb2, step, rbc2, eps;
+};
+
+// One block's update: the new master (stored, and param_out), the new m and v into m[], v[] and
+// their maxima (|m| as floats, v as unsigned integers: see below) into mmax, vmax.
+template <int G, int O, bool BF16VBMI, bool STREAM>
+ZK_Q8_AVX512_INLINE void q8_update_block(const Q8Args& a, const Q8Vec& c, int64_t b,
+                                              float* m, float* v, __m512& mmax_out,
+                                              __m512i& vmax_out) {
+  const int64_t base = b * kQ8Block;
+  float* p = a.p + base;
+  const uint8_t* mq = a.mq + base;
+  const uint8_t* vq = a.vq + base;
+  const __m512 am = _mm512_set1_ps(a.ma[b]), av = _mm512_set1_ps(a.va[b]);
+  __m512 mmax = _mm512_setzero_ps();
+  __m512i vmax = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int j = 0; j < kQ8Block; j += 16) {
+    const __m512 g = _mm512_mul_ps(q8_load_grad16<G>(a.grad, base + j), c.gs);
+    __m512 mj = _mm512_mul_ps(q8_decode16(mq + j, a.code_s), am);
+    __m512 vj = _mm512_mul_ps(q8_decode16(vq + j, a.code_u), av);
+    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + j), c.decay);
+    mj = _mm512_add_ps(_mm512_mul_ps(c.b1, mj), _mm512_mul_ps(c.omb1, g));
+    vj = _mm512_add_ps(_mm512_mul_ps(c.b2, vj), _mm512_mul_ps(c.omb2, _mm512_mul_ps(g, g)));
+    const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), c.rbc2), c.eps);
+    x = _mm512_sub_ps(x, _mm512_mul_ps(c.step, _mm512_div_ps(mj, den)));
+    _mm512_storeu_ps(p + j, x);
+    if constexpr (O != kOutNone) {
+      __m256i h;
+      if constexpr (O == kOutF16)
+        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      else h = q8_bf16_16<BF16VBMI>(x);
+      __m256i* o = (__m256i*)(static_cast<uint16_t*>(a.out) + base + j);
+      if constexpr (STREAM) _mm256_stream_si256(o, h);  // 32-byte aligned (the caller checks)
+      else _mm256_storeu_si256(o, h);
+    }
+    _mm512_store_ps(m + j, mj);
+    _mm512_store_ps(v + j, vj);
+    // max of |m| (exact in any order): vrangeps imm 0xB = the larger magnitude, sign cleared
+    // (it skips a NaN operand). v's max as unsigned integers: the float order for v >= +0,
+    // and any NaN, inf or negative v (sign bit) lands at or above 0x7F800000 (the check below).
+    mmax = _mm512_range_ps(mmax, mj, 0xB);
+    vmax = _mm512_max_epu32(vmax, _mm512_castps_si512(vj));
+  }
+  mmax_out = mmax;
+  vmax_out = vmax;
+}
+
+// The block's absmaxes (stored) and codes, from its update's m[], v[] and maxima.
+template <bool BF16VBMI>
+ZK_Q8_AVX512_INLINE void q8_finish_block(const Q8Args& a, int64_t b, const float* m,
+                                         const float* v, __m512 mmax, __m512i vmax) {
+  const int64_t base = b * kQ8Block;
+  float mm = _mm512_reduce_max_ps(mmax), vm;
+  // Clean: every v finite and >= +0, so g and the old v are finite, and with finite old m
+  // (its absmax finite; the maps' codes are finite: adamw8bit_cpu.cpp) every m is finite too.
+  const uint32_t vmax_bits = _mm512_reduce_max_epu32(vmax);
+  const bool clean = vmax_bits < 0x7F800000u && std::isfinite(a.ma[b]) && std::isfinite(a.va[b]);
+  if (clean) {
+    vm = q8_from_bits(vmax_bits);
+  } else {  // rare: torch's amax (NaN propagates: the first NaN's |.|), v's max of |.|
+    if (q8_has_nan(m)) mm = q8_nan_absmax(m);
+    if (q8_has_nan(v)) {
+      vm = q8_nan_absmax(v);
+    } else {
+      __m512 r = _mm512_setzero_ps();
+      for (int j = 0; j < kQ8Block; j += 16) r = _mm512_range_ps(r, _mm512_load_ps(v + j), 0xB);
+      vm = _mm512_reduce_max_ps(r);
+    }
+  }
+  a.ma[b] = mm;
+  a.va[b] = vm;
+  q8_quantize_block<true, BF16VBMI>(m, mm > 0.f ? mm : 1.f, clean, a.buckets_s, *a.search_s,
+                                    a.mq + base);
+  q8_quantize_block<false, BF16VBMI>(v, vm > 0.f ? vm : 1.f, clean, a.buckets_u, *a.search_u,
+                                     a.vq + base);
+}
+
+// Blocks [b0, b1), software-pipelined: block b + 1's update is issued before block b's
+// quantization, so the out-of-order core overlaps the one with the other (the quantization
+// waits on the block's absmax, a reduction at the end of its update).
+template <int G, int O, bool BF16VBMI, bool STREAM>
+ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1) {
+  alignas(64) float m[2][kQ8Block], v[2][kQ8Block];
+  const Q8Vec c{_mm512_set1_ps(a.gs),   _mm512_set1_ps(a.decay),     _mm512_set1_ps(a.b1),
+                _mm512_set1_ps(a.omb1), _mm512_set1_ps(a.b2),        _mm512_set1_ps(a.omb2),
+                _mm512_set1_ps(a.step_size), _mm512_set1_ps(a.rsqrt_bc2), _mm512_set1_ps(a.eps)};
+  __m512 mmax[2];
+  __m512i vmax[2];
+  if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b0);
+  q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b0, m[0], v[0], mmax[0], vmax[0]);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int cur = int((b - b0) & 1);
+    if (b + 1 < b1) {
+      if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b + 1);
+      q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b + 1, m[cur ^ 1], v[cur ^ 1], mmax[cur ^ 1],
+                                    vmax[cur ^ 1]);
+    }
+    q8_finish_block<BF16VBMI>(a, b, m[cur], v[cur], mmax[cur], vmax[cur]);
+  }
+}
+
+template <int G, int O, bool BF16VBMI>
+ZK_Q8_AVX512 void q8_blocks(const Q8Args& args, int64_t b0, int64_t b1) {
+  const Q8Args a = args;  // a local copy: otherwise every store forces a reload of the pointers
+  if (b0 >= b1) return;
+  if (O != kOutNone && a.stream_out && (reinterpret_cast<uintptr_t>(a.out) & 31) == 0) {
+    q8_blocks_impl<G, O, BF16VBMI, O != kOutNone>(a, b0, b1);
+    _mm_sfence();  // order the non-temporal stores before the caller's later reads
+  } else {
+    q8_blocks_impl<G, O, BF16VBMI, false>(a, b0, b1);
+  }
+}
+
+template <bool BF16VBMI>
+Q8Kernels q8_avx512_table() {
+  Q8Kernels k{};
+  k.blocks[kF32][kOutNone] = &q8_blocks<kF32, kOutNone, BF16VBMI>;
+  k.blocks[kF32][kOutF16] = &q8_blocks<kF32, kOutF16, BF16VBMI>;
+  k.blocks[kF32][kOutBF16] = &q8_blocks<kF32, kOutBF16, BF16VBMI>;
+  k.blocks[kF16][kOutNone] = &q8_blocks<kF16, kOutNone, BF16VBMI>;
+  k.blocks[kF16][kOutF16] = &q8_blocks<kF16, kOutF16, BF16VBMI>;
+  k.blocks[kF16][kOutBF16] = &q8_blocks<kF16, kOutBF16, BF16VBMI>;
+  k.blocks[kBF16][kOutNone] = &q8_blocks<kBF16, kOutNone, BF16VBMI>;
+  k.blocks[kBF16][kOutF16] = &q8_blocks<kBF16, kOutF16, BF16VBMI>;
+  k.blocks[kBF16][kOutBF16] = &q8_blocks<kBF16, kOutBF16, BF16VBMI>;
+  return k;
 }
 
 }  // namespace
 
-const Q8Kernels& q8_avx512_kernels() {
-  static const Q8Kernels table = [] {
-    Q8Kernels k{};
-    k.blocks[kF32][kOutNone] = &q8_blocks<kF32, kOutNone>;
-    k.blocks[kF32][kOutF16] = &q8_blocks<kF32, kOutF16>;
-    k.blocks[kF32][kOutBF16] = &q8_blocks<kF32, kOutBF16>;
-    k.blocks[kF16][kOutNone] = &q8_blocks<kF16, kOutNone>;
-    k.blocks[kF16][kOutF16] = &q8_blocks<kF16, kOutF16>;
-    k.blocks[kF16][kOutBF16] = &q8_blocks<kF16, kOutBF16>;
-    k.blocks[kBF16][kOutNone] = &q8_blocks<kBF16, kOutNone>;
-    k.blocks[kBF16][kOutF16] = &q8_blocks<kBF16, kOutF16>;
-    k.blocks[kBF16][kOutBF16] = &q8_blocks<kBF16, kOutBF16>;
-    return k;
-  }();
-  return table;
+bool cpu_has_bf16_vbmi() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+}
+
+const Q8Kernels& q8_avx512_kernels(bool bf16_vbmi) {
+  static const Q8Kernels base = q8_avx512_table<false>(), newer = q8_avx512_table<true>();
+  return bf16_vbmi ? newer : base;
 }
 
 }  // namespace zk_cpu

@@ -20,8 +20,9 @@
 // search by 1.6-2.5x, and to the vector paths by the rest.
 //
 // Issue 40 (Intel Xeon, AVX-512): the AVX-512 path finds codes by bucket ([Note: bucketed nearest
-// code], adamw8bit_cpu.h) without the quantizer's two divisions, and prefetches its streams;
-// measured in adamw8bit_avx512.cpp's header and benchmarks/results/adamw8bit-cpu-kernel-*.md.
+// code], adamw8bit_cpu.h) without the quantizer's two divisions, prefetches its streams and
+// streams param_out; measured in adamw8bit_avx512.cpp ([Note: 8-bit AVX-512 step cost]) and
+// benchmarks/results/adamw8bit-cpu-kernel-issue40-*.md.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -40,6 +42,9 @@ namespace zk_cpu {
 namespace {
 
 constexpr int64_t kBlocksPerItem = 64;  // 8192 elements per work item, as lion_cpu.cpp
+// Stream param_out (Q8Args::stream_out) from n = 2^21, as adam_cpu.cpp's kStreamMin: beyond the
+// last-level cache the non-temporal stores skip reading param_out's lines before writing them.
+constexpr int64_t kQ8StreamMin = int64_t(1) << 21;
 
 template <int G>
 inline float load_g(const void* g, int64_t i) {
@@ -116,13 +121,26 @@ struct ScalarQ8 {
   }
 };
 
-const Q8Kernels& q8_kernels() {
+// maps_finite: every code of both maps is finite (the library's maps are); the AVX-512 path's
+// clean-block test (adamw8bit_avx512.cpp) relies on it, so other maps take the scalar path.
+// ZEROKERN_Q8_AVX512_BASE (tests): the AVX-512 variant without AVX512_BF16 / AVX512_VBMI, as on
+// Skylake-X and Cascade Lake, also on a CPU that has them.
+const Q8Kernels& q8_kernels(bool maps_finite) {
   static const ScalarQ8 scalar;
+  static const bool bf16_vbmi = cpu_has_bf16_vbmi();
   switch (current_isa()) {
-    case kAvx512: return q8_avx512_kernels();
+    case kAvx512:
+      if (!maps_finite) return scalar.k;
+      return q8_avx512_kernels(bf16_vbmi && std::getenv("ZEROKERN_Q8_AVX512_BASE") == nullptr);
     case kAvx2: return q8_avx2_kernels();
     default: return scalar.k;
   }
+}
+
+bool all_finite(const float* x, int n) {
+  bool ok = true;
+  for (int i = 0; i < n; ++i) ok &= std::isfinite(x[i]);
+  return ok;
 }
 
 // The bucket tables of a map ([Note: bucketed nearest code]), built once per distinct set of
@@ -212,13 +230,15 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
                  float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(lr / bc1),
                  float(1.0 / std::sqrt(bc2)), float(eps), code_s.data_ptr<float>(),
                  code_u.data_ptr<float>(), mid_s.data_ptr<float>(), mid_u.data_ptr<float>(),
-                 &search_s, &search_u, nullptr, nullptr};
+                 &search_s, &search_u, nullptr, nullptr, n >= kQ8StreamMin};
   if (current_isa() == kAvx512) {  // the AVX-512 path reads them (adamw8bit_avx512.cpp)
     a.buckets_s = q8_buckets(mid_s.data_ptr<float>());
     a.buckets_u = q8_buckets(mid_u.data_ptr<float>());
   }
   const int gtype = gt == at::kFloat ? kF32 : gt == at::kHalf ? kF16 : kBF16;
-  const Q8BlocksFn fn = q8_kernels().blocks[gtype][otype];
+  const bool maps_finite = all_finite(code_s.data_ptr<float>(), 256) &&
+                           all_finite(code_u.data_ptr<float>(), 256);
+  const Q8BlocksFn fn = q8_kernels(maps_finite).blocks[gtype][otype];
   at::parallel_for(0, (nb + kBlocksPerItem - 1) / kBlocksPerItem, 1, [&](int64_t c0, int64_t c1) {
     fn(a, c0 * kBlocksPerItem, std::min(nb, c1 * kBlocksPerItem));
   });

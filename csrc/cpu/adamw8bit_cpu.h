@@ -61,55 +61,57 @@ inline void q8_fill_search(Q8Search& t, const float* mids) {
 }
 
 // [Note: bucketed nearest code] (issue 40)
-// The fast vector paths find the code without the 8-step search and without dividing by the
-// block's absmax s. The key of x is its sign and the top bits of |x| (exponent and kQ8KeyBits
-// mantissa bits, clamped to [2^-23, 2): a bucket of kQ8Keys per sign; 2^-23 is below either map's
-// smallest midpoint). The maps' midpoints are sparse enough that every bucket holds at most one
-// (q8_fill_buckets checks it), so the code of x is base[key] (the count of midpoints below the
-// bucket's smallest float) plus [mid[key] < x] (mid: +inf where the bucket holds none).
-// - The key comes from x' = m * RN(1/s) instead of x = RN(m / s): |x' - x| <= 2 floats apart
-//   (two roundings and RN(1/s)'s relative error < 2^-24), and no midpoint lies within
-//   kQ8KeyGuard floats of a bucket's edge (checked), so x' and x see the same base and mid.
-// - [mid < RN(m / s)] exactly, without the division: RN(m / s) > mid iff m / s > mid + E, with
-//   E = (next float above mid - mid) / 2 (a quotient is never exactly halfway between two
-//   floats: m = (mid + E) * s would need more significant bits than m has). For s > 0 that is
-//   m - mid * s > E * s; t = fma(-mid, s, m) rounds m - mid * s once and E * s is exact (a power
-//   of two times s), so t > E * s decides 1, t < E * s decides 0 (RN is monotone), and only
-//   t == E * s would be undecided. It cannot happen: mid * s and m are multiples of ulp(E * s)
-//   (s's mantissa S >= 2^23, m ~ mid * s), so m - mid * s = E * s + k ulp(E * s) with k != 0
-//   (no quotient is halfway), exactly representable; the vector would take the division and
-//   the search if it did (a check, no cost). The closest case (k = +-1) is in the tie tests.
-// - The block takes the division and the search when s is outside [2^-64, 2^64] (E * s and the
-//   reciprocal stay normal inside), and a NaN m's code is 255 as before.
-// Entry: one 64-bit word per bucket, the midpoint's bits (low half) and E's bits (a power of
-// two: zero mantissa) with base in the low 8 bits (high half): two 8-lane qword gathers per 16
-// values (one 16-lane gather per half measured 7% slower for the whole step: a gather costs
-// per element). Cost on the Intel Xeon (AVX-512) box, one
-// thread, n = 2^16 in cache: see adamw8bit_avx512.cpp.
-constexpr int kQ8KeyBits = 7;
-constexpr int kQ8KeyShift = 23 - kQ8KeyBits;
+// The AVX-512 path finds the code of x = RN(m / s) (s: the block's absmax) without the 8-step
+// search and without the division. The key of a float is its top 16 bits after adding
+// kQ8KeyOffset to its bits: sign, exponent and 7 mantissa bits, so a bucket spans 2^16
+// consecutive floats of one sign, and 2^16 buckets cover every float (a 256 KiB table per map,
+// of which a step touches the few KiB of the binades its values reach). The maps' midpoints are
+// sparse enough that every bucket holds at most one, at least kQ8KeyGuard floats from the
+// bucket's edges (q8_fill_buckets checks both), so the code of x is base[key] (the count of
+// midpoints below the bucket's lowest float) plus [mid[key] < x].
+// - The key comes from x' = RN(m * RN(1/s)) instead of x: x' is within 3 floats of x (two
+//   roundings and RN(1/s)'s relative error, each <= 2^-24: |x'/x - 1| < 3.0001 * 2^-24, and an
+//   ulp is >= 2^-24 of the value), and no midpoint lies within kQ8KeyGuard = 4 floats of a
+//   bucket edge, so where x and x' fall in neighbouring buckets both buckets give the same count.
+// - [mid < x] is decided on x' when x' is more than kQ8Band floats from mid (x, within 3 floats
+//   of x', is then on the same side): within a bucket the floats of x' and mid differ only in
+//   the low 16 bits of bits + kQ8KeyOffset, so the test is an integer compare of those bits
+//   (reversed for negative floats, whose order runs the other way). When x' is within kQ8Band
+//   = 5 floats of the midpoint (at most 1 value in ~6000), the block's codes of that moment are
+//   recomputed by the division and the search ([Note: branchless nearest code]).
+// - Entry: one 32-bit word per bucket, e = (c << 8) - kQ8Bias + base, where c is the midpoint's
+//   low 16 bits in the order the compare wants (positive bucket: low; negative: 0xFFFF - low),
+//   or e = kQ8NoMid + base where the bucket holds none. With l the value's low 16 bits in the
+//   same order, shifted left by 8, D = l - e = 256 (l' - c) + kQ8Bias - base (l' = l >> 8), so
+//   one subtraction gives both answers: mid < x' iff D > kQ8Bias (signed), and x' within
+//   kQ8Band floats of mid only if D <= 2 kQ8Bias (unsigned); for kQ8NoMid, D < -2^29 (signed):
+//   neither. The code is e's low byte (kQ8Bias is a multiple of 256) plus the first answer: one
+//   16-lane gather per 16 values.
+// - The fast path takes blocks with s in [2^-64, 2^64] (the reciprocal stays normal) whose new
+//   moments are all finite (no NaN: a NaN's code is 255 and the absmax NaN; the division and the
+//   search give that).
+constexpr int kQ8KeyShift = 16;
+constexpr uint32_t kQ8KeyOffset = 1u << (kQ8KeyShift - 2);  // a quarter bucket: see below
 // Bucket edges sit a quarter bucket below the binary grid: a third of the top decade's midpoints
 // are dyadic (0.1 + 0.9 k / 64 in fp32: 119/128, ...) and would sit on a grid edge; offset, the
 // nearest midpoint is 654 floats from an edge (either map).
-constexpr uint32_t kQ8KeyOffset = 1u << (kQ8KeyShift - 2);
-constexpr int kQ8KeyExp0 = 127 - 23;  // biased exponent of the first bucket's 2^-23
-constexpr int kQ8Keys = 24 << kQ8KeyBits;  // [2^-23, 2) per sign
-constexpr int kQ8KeyGuard = 4;
+constexpr int kQ8Keys = 1 << (32 - kQ8KeyShift);
+constexpr uint32_t kQ8KeyGuard = 4;
+constexpr uint32_t kQ8Band = 5;  // undecided: the floats of x' and mid differ by <= 5
+constexpr uint32_t kQ8NoMid = 0x40000000u;
+constexpr uint32_t kQ8Bias = (kQ8Band + 1) << 8;
 constexpr float kQ8FastMin = 0x1p-64f, kQ8FastMax = 0x1p64f;
 
 struct Q8Buckets {
   bool ok;  // false: the maps break the one-midpoint or the guard condition (vector search only)
-  // [0, K): x >= +0; [K, 2K): sign bit set. Low 32 bits: mid's; high: E's | base.
-  alignas(64) uint64_t entry[2 * kQ8Keys];
+  alignas(64) uint32_t entry[kQ8Keys];
 };
 
-// The key of x, as the vector paths compute it.
-inline int q8_key(float x) {
+// The key of x, as the vector path computes it.
+inline uint32_t q8_key(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
-  const int32_t k = int32_t(((b & 0x7FFFFFFFu) + kQ8KeyOffset) >> kQ8KeyShift) -
-                    (kQ8KeyExp0 << kQ8KeyBits);
-  return std::min(std::max(k, 0), kQ8Keys - 1) + ((b >> 31) ? kQ8Keys : 0);
+  return (b + kQ8KeyOffset) >> kQ8KeyShift;
 }
 
 inline float q8_from_bits(uint32_t b) {
@@ -120,43 +122,44 @@ inline float q8_from_bits(uint32_t b) {
 
 // Fills t from the 255 ascending midpoints; t.ok says whether the fast path may use it.
 inline void q8_fill_buckets(Q8Buckets& t, const float* mids) {
-  auto count_below = [mids](float x) {
-    int c = 0;
-    for (int i = 0; i < 255; ++i) c += mids[i] < x;
-    return c;
-  };
   t.ok = true;
-  std::vector<float> mid(2 * kQ8Keys, INFINITY);
+  for (int i = 0; i + 1 < 255; ++i)
+    if (!(mids[i] < mids[i + 1])) t.ok = false;  // the counts below assume ascending midpoints
+  auto count_below = [mids](float x) {           // midpoints < x; a NaN above all
+    return x != x ? 255 : int(std::lower_bound(mids, mids + 255, x) - mids);
+  };
+  std::vector<int> at(kQ8Keys, -1);
   for (int i = 0; i < 255; ++i) {
     const float m = mids[i];
-    if (!std::isfinite(m)) { t.ok = false; continue; }
-    const int k = q8_key(m);
-    if (mid[k] != INFINITY) t.ok = false;  // two midpoints in one bucket
-    mid[k] = m;
+    // finite and normal: the 3-float bound on x' holds near it
+    if (!std::isfinite(m) || std::fabs(m) < 0x1p-100f) { t.ok = false; continue; }
+    const uint32_t k = q8_key(m);
+    if (at[k] >= 0) t.ok = false;  // two midpoints in one bucket
+    at[k] = i;
     uint32_t b;
     std::memcpy(&b, &m, 4);
-    // floats above the bucket's edge
-    const uint32_t low = ((b & 0x7FFFFFFFu) + kQ8KeyOffset) & ((1u << kQ8KeyShift) - 1);
-    if (low < kQ8KeyGuard || low > (1u << kQ8KeyShift) - 1 - kQ8KeyGuard) t.ok = false;
-    if (std::fabs(m) < 0x1p-23f) t.ok = false;  // in the clamped bucket 0
+    const uint32_t low = (b + kQ8KeyOffset) & 0xFFFFu;  // floats above the bucket's edge
+    if (low < kQ8KeyGuard || low > 0xFFFFu - kQ8KeyGuard) t.ok = false;
   }
-  for (int k = 0; k < 2 * kQ8Keys; ++k) {
-    const bool neg = k >= kQ8Keys;
-    const int j = neg ? k - kQ8Keys : k;
-    const uint32_t edge = (uint32_t(j + (kQ8KeyExp0 << kQ8KeyBits)) << kQ8KeyShift) - kQ8KeyOffset;
-    const uint32_t next = edge + (1u << kQ8KeyShift);
-    // The bucket's smallest float: +0 / its edge (x >= 0); -inf / just above -next (x < 0).
+  for (uint32_t k = 0; k < uint32_t(kQ8Keys); ++k) {
+    const bool neg = k >= uint32_t(kQ8Keys / 2);
+    const uint32_t mag_key = neg ? k - kQ8Keys / 2 : k;
+    // The bucket's lowest float: the smallest magnitude (x >= 0) or the largest (x < 0).
+    const int64_t first = (int64_t(mag_key) << kQ8KeyShift) - kQ8KeyOffset;  // may be < 0
+    const int64_t last = first + (int64_t(1) << kQ8KeyShift) - 1;
     float lo;
-    if (!neg) lo = j == 0 ? 0.f : q8_from_bits(edge);
-    else lo = j == kQ8Keys - 1 ? -INFINITY : q8_from_bits(0x80000000u | (next - 1));
-    const float m = mid[k];
-    const float e = std::isfinite(m) ? (std::nextafter(m, INFINITY) - m) / 2 : 0.f;
-    uint32_t eb;
-    std::memcpy(&eb, &e, 4);
-    if (eb & 0xFF) t.ok = false;  // not a power of two (cannot happen for finite m)
-    uint32_t mb;
-    std::memcpy(&mb, &m, 4);
-    t.entry[k] = uint64_t(eb | uint32_t(count_below(lo))) << 32 | mb;
+    if (!neg) lo = q8_from_bits(uint32_t(std::max<int64_t>(first, 0)));
+    else lo = q8_from_bits(0x80000000u | uint32_t(std::min<int64_t>(last, 0x7FFFFFFF)));
+    const int base = count_below(lo);
+    uint32_t e = kQ8NoMid;
+    if (at[k] >= 0) {
+      uint32_t b;
+      std::memcpy(&b, &mids[at[k]], 4);
+      const uint32_t low = (b + kQ8KeyOffset) & 0xFFFFu;
+      e = ((neg ? 0xFFFFu - low : low) << 8) - kQ8Bias;  // modulo 2^32
+      if (base > 254) t.ok = false;  // cannot happen: a midpoint lies above
+    }
+    t.entry[k] = e | uint32_t(base & 0xFF);
   }
 }
 
@@ -177,6 +180,9 @@ struct Q8Args {
   const Q8Search* search_u;
   const Q8Buckets* buckets_s;  // [Note: bucketed nearest code]; nullptr: the search only
   const Q8Buckets* buckets_u;
+  // Write param_out with non-temporal stores (the AVX-512 path, where out is 32-byte aligned):
+  // set from kQ8StreamMin elements (adamw8bit_cpu.cpp).
+  bool stream_out;
 };
 
 // Updates blocks [b0, b1).
@@ -185,7 +191,9 @@ struct Q8Kernels {
   Q8BlocksFn blocks[3][3];  // [GradType][OutType]
 };
 const Q8Kernels& q8_avx2_kernels();
-const Q8Kernels& q8_avx512_kernels();
+// bf16_vbmi: the variant that uses AVX512_BF16 and AVX512_VBMI (only where cpu_has_bf16_vbmi()).
+const Q8Kernels& q8_avx512_kernels(bool bf16_vbmi);
+bool cpu_has_bf16_vbmi();
 
 // The block's absmax as torch's amax gives it: the max of |x|, or, when the block holds a NaN,
 // |that NaN| (the first; amax propagates NaN). The vector paths call it only for such a block.
