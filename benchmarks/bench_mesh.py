@@ -187,9 +187,105 @@ def _worker(rank, ws, size, steps, batch, precision="fp32", breakdown=False):
                     p["cpu"] = [time.process_time() - c0] * 2
                     parts[name].append(p)
             stats[name] = opt.comm_stats()
-    return {"times": times, "stats": stats, "parts": parts,
+    popt = runs["plain"][1]
+    sizes = {"E": sum(f.layout.padded_numel for f in popt.flat_groups),
+             "E_kept": sum(f.layout.padded_numel for f in popt.flat_groups
+                           if f.unit_index in set(popt.grad_sync.kept_units)),
+             "e": popt.dtype.itemsize, "e_r": popt.reduce_dtype.itemsize}
+    return {"times": times, "stats": stats, "parts": parts, "mesh": sizes,
             "formula": {n: _formula(n, runs[n][1]) for n in CONFIGS},
             "params": sum(g.layout.numel for g in runs["plain"][1].flat_groups)}
+
+
+def codec_rows(sizes=(1 << 20, 1 << 24), reps: int = 15) -> list:
+    """[Note: the codec's byte floor] The CPU codec (the C++ kernel, 1 thread) against a copy
+    of the same bytes, interleaved call by call: quantize reads x (4 or 2 B/element) and writes
+    the codes (1 or 1/2) and a scale per 128; dequantize reads codes + scales and writes fp32;
+    dequantize-add (qgZ's decode-and-sum) also reads the fp32 accumulator. The copy moves the
+    same number of bytes (half read, half written: torch's copy_ of uint8, the machine's
+    ceiling for streaming bytes on one core); fraction = copy time / kernel time. Medians over
+    `reps` alternated calls, and the minimum of each (on a shared machine the minimum is the
+    least disturbed)."""
+    from zerokern.kernels import blockquant, load_op
+
+    torch.set_num_threads(1)
+    op = load_op("cpu")
+    codec = blockquant.NativeCodec(op)
+    rows = []
+    for n in sizes:
+        for dt, bits, what in ((torch.float32, 8, "quantize"), (torch.float32, 4, "quantize"),
+                               (torch.bfloat16, 8, "quantize"), (torch.float32, 8, "dequantize"),
+                               (torch.float32, 4, "dequantize"),
+                               (torch.float32, 8, "dequantize_add")):
+            if what == "dequantize_add" and not hasattr(codec, "dequantize_add_"):
+                continue  # an older tree
+            f, nbytes = _codec_call(codec, what, n, dt, bits)
+            src = torch.empty(nbytes // 2, dtype=torch.uint8).fill_(1)
+            dst = torch.empty_like(src)
+            tk, tc = [], []
+            f(), dst.copy_(src)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f()
+                t1 = time.perf_counter()
+                dst.copy_(src)
+                t2 = time.perf_counter()
+                tk.append(t1 - t0)
+                tc.append(t2 - t1)
+            rows.append({"n": n, "op": what, "bits": bits, "in": str(dt).split(".")[-1],
+                         "bytes": nbytes, "kernel_ms": 1e3 * statistics.median(tk),
+                         "copy_ms": 1e3 * statistics.median(tc),
+                         "frac": statistics.median(tc) / statistics.median(tk),
+                         "frac_min": min(tc) / min(tk),
+                         "GBps": nbytes / statistics.median(tk) / 1e9,
+                         "isa": op.selected_isa()})
+    return rows
+
+
+def _codec_call(codec, what: str, n: int, dt, bits: int):
+    """(a call of the codec on n elements, the bytes it reads and writes)."""
+    x = torch.randn(n).to(dt)
+    codes, scale = codec.quantize(x, 128, bits)
+    acc = torch.zeros(n)
+    cs = codes.numel() + scale.numel() * 4
+    if not hasattr(codec, "quantize_into"):  # an older tree: its allocating calls
+        if what == "quantize":
+            return (lambda: codec.quantize(x, 128, bits)), n * x.element_size() + cs
+        return (lambda: codec.dequantize(codes, scale, 128, bits)), cs + 4 * n
+    if what == "quantize":
+        return (lambda: codec.quantize_into(x, codes, scale, 128, bits)), \
+            n * x.element_size() + cs
+    if what == "dequantize":
+        return (lambda: codec.dequantize_into(codes, scale, acc, 128, bits)), cs + 4 * n
+    return (lambda: codec.dequantize_add_(codes, scale, acc, 128, bits)), cs + 8 * n
+
+
+def codec_table(rows) -> str:
+    lines = ["| n | op | bits | in | bytes/elem | kernel ms | copy of the same bytes ms | "
+             "fraction of the copy (median) | (min) | GB/s |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| 2^{r['n'].bit_length() - 1} | {r['op']} | {r['bits']} | {r['in']} | "
+                     f"{r['bytes'] / r['n']:.2f} | {r['kernel_ms']:.3f} | {r['copy_ms']:.3f} | "
+                     f"{r['frac']:.0%} | {r['frac_min']:.0%} | {r['GBps']:.1f} |")
+    return "\n".join(lines)
+
+
+def before_after_table(runs: dict) -> str:
+    """Per tree and config: the median over the runs of (config step / plain step in the same
+    run), and of the step itself; the runs' range of the ratio."""
+    lines = ["| tree | config | x plain (median of runs) | range | step ms (median) | "
+             "cross-node B/step | CPU ms/rank-step |", "|" + "---|" * 7]
+    for name, rs in runs.items():
+        for c in CONFIGS:
+            ratios = [next(r for r in x["rows"] if r["config"] == c)["ratio"] for x in rs]
+            steps = [next(r for r in x["rows"] if r["config"] == c)["step_s"] for x in rs]
+            cross = next(r for r in rs[0]["rows"] if r["config"] == c)["cross_node"]
+            cpu = [x["breakdown"][c]["cpu"][0] for x in rs if x.get("breakdown")]
+            lines.append(f"| {name} | {c} | {statistics.median(ratios):.2f} | "
+                         f"{min(ratios):.2f}-{max(ratios):.2f} | "
+                         f"{1e3 * statistics.median(steps):.0f} | {cross:,} | "
+                         + (f"{statistics.median(cpu):.1f}" if cpu else "") + " |")
+    return "\n".join(lines)
 
 
 BREAKDOWN_KEYS = ("cpu", "wait@main", "codec@main", "codec@ring", "qgz@ring", "a2a@ring",
@@ -263,17 +359,66 @@ def _cross(name, st) -> int:
     return d["shard"]["total"] // 2 + cross  # the world ring: 2 of 4 links cross
 
 
+def alternate(trees, reps: int, argv) -> dict:
+    """[Note: before and after in one run] Run this benchmark `reps` times per tree, the trees
+    alternated (A B A B ...), each run in its own processes with PYTHONPATH=the tree (its
+    zerokern, its C++ build), and return every run's JSON by tree."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    out = {name: [] for name, _ in trees}
+    for i in range(reps):
+        order = trees if i % 2 == 0 else trees[::-1]  # no tree always first
+        for name, path in order:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                env = dict(os.environ, PYTHONPATH=path)
+                load0 = os.getloadavg()[0]
+                subprocess.run([sys.executable, __file__, *argv, "--json", f.name], env=env,
+                               check=True, stdout=subprocess.DEVNULL)
+                r = json.load(open(f.name))
+                r["load"] = [load0, os.getloadavg()[0]]
+                out[name].append(r)
+                print(f"{name} run {i}: " + ", ".join(
+                    f"{row['config']} {row['ratio']:.2f}" for row in r["rows"])
+                    + f" (load {load0:.1f}-{r['load'][1]:.1f})", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--trees", default=None,
+                    help="NAME=PATH,NAME=PATH: before/after, alternated ([Note: before and "
+                         "after in one run])")
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--size", default="small")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", default=None)
     ap.add_argument("--loss-steps", type=int, default=0)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--codec", action="store_true",
+                    help="also time the CPU codec against a copy of the same bytes")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the codec, the hops and the waits ([Note: the breakdown])")
     a = ap.parse_args()
+    if a.trees:
+        import sys
+
+        argv = [x for x in sys.argv[1:] if not x.startswith(("--trees", "--reps", "--json"))]
+        argv = [x for i, x in enumerate(argv) if not (i > 0 and argv[i - 1] in (
+            "--trees", "--reps", "--json"))]
+        trees = [tuple(t.split("=", 1)) for t in a.trees.split(",")]
+        runs = alternate(trees, a.reps, [x for x in argv if x not in ("--trees", "--reps")])
+        print(before_after_table(runs))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"trees": dict(trees), "reps": a.reps, "runs": runs}, f, indent=1)
+        return
+    codec = codec_rows() if a.codec else None
+    if codec:
+        print(codec_table(codec))
     res = spawn_ranks(_worker, 4, a.size, a.steps, a.batch, a.precision, a.breakdown,
                       threads=1, timeout=1200)
     r0 = res[0]
@@ -315,7 +460,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"size": a.size, "steps": a.steps, "precision": a.precision,
-                       "rows": rows, "loss": loss, "breakdown": breakdown,
+                       "rows": rows, "loss": loss, "breakdown": breakdown, "codec": codec,
+                       "mesh": r0["mesh"], "zerokern": zk.__file__,
                        "loss_steps": a.loss_steps}, f, indent=1)
 
 

@@ -8,10 +8,11 @@
 // Two paths, the same bits:
 // - AVX-512 (when the dispatcher's ISA is avx512: adam_cpu.cpp's current_isa(), so force_isa
 //   switches it too): a block is 2, 4 or 8 registers of 16 lanes, loaded once; absmax by
-//   vmaxps and one horizontal max, the scale by one scalar IEEE division, the codes by vdivps
-//   (IEEE, as the reference's x / scale), vrndscaleps to nearest even, a clamp and a narrowing
-//   store (int8: vpmovsdb; int4: nibble pairs joined in 64-bit lanes, vpmovqb). A block whose
-//   scale is non-finite or 0 gets codes 0. Dequantize: vpmovsxbd (int4: vpmovzxbq and a nibble
+//   vmaxps and one horizontal max, the scale by one scalar IEEE division, the codes from a
+//   product by the reciprocal with the IEEE division only near a rounding boundary ([Note:
+//   codes without a division per element]), converted to integers rounding to nearest even,
+//   and a narrowing store (int8: vpmovsdb; int4: nibble pairs joined in 64-bit lanes,
+//   vpmovqb). A block whose scale is non-finite or 0 gets codes 0. Dequantize: vpmovsxbd (int4: vpmovzxbq and a nibble
 //   split), vcvtdq2ps, one vmulps, the out dtype's RNE conversion (kernels_avx512.cpp's).
 //   Compiled without -march: the target attribute confines AVX-512 to these bodies.
 // - portable C++ the compiler vectorises (the scalar ISA, and CPUs without AVX-512): blocks
@@ -26,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -147,62 +149,84 @@ ZK_BQ_INLINE __m256i bq_to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// [Note: codes without a division per element] y = x * r with r = fl(q / absmax) (relative
+// error <= 2^-24 against 1/s, s = fl(absmax / q) being within 2^-24 of absmax / q too) and the
+// product rounded once more: |y - x/s| <= 128 · 3 · 2^-24 < 2^-15 for |x / s| <= q + 1 < 128,
+// and fl(x / s) is within 2^-17 of x / s. So where y is farther than 2^-13 from every
+// half-integer k + 1/2 (the only places where rounding to an integer changes its result),
+// rne(fl(x / s)) = rne(y); the test is | |y - rne(y)| - 1/2 | >= 2^-13. Vectors with a lane
+// nearer (about 1 in 250 for spread-out values; every exact tie) take the IEEE division, the
+// whole vector at once; so does a block whose scale is below 2^-120 (q / absmax could
+// overflow). s itself is the IEEE division. No clamp: |x| <= absmax makes |x / s| < q + 2^-16,
+// so rne(x / s) is within [-q, q] already (and so is rne(y)).
+// Two passes over a group of blocks, so no step waits on a long chain: the absmaxes, scales and
+// reciprocals of up to kGroup blocks first (independent chains the core overlaps; 16-bit input
+// widened to fp32 once, into a stack buffer), then their codes from L1 (16 KiB at most).
+// Per 16 elements the codes pass is 8 vector uops (mul, RNE convert, convert back, sub, and,
+// compare, the 2-uop narrowing): 512-bit ops issue on 2 ports only.
+constexpr int64_t kGroup = 32;
+
 template <int T, int BITS, int V>  // V = block / 16
 ZK_BQ_AVX512 void quant_avx512(const void* x, void* codes, float* scale, int64_t b0, int64_t b1) {
   constexpr float q = BITS == 8 ? 127.f : 7.f;
   constexpr int64_t block = 16 * V;
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m512 hi = _mm512_set1_ps(q), lo = _mm512_set1_ps(-q);
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t o = b * block;
-    __m512 v[V];
-    __m512 mx = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int k = 0; k < V; ++k) {
-      v[k] = bq_load16<T>(x, o + 16 * k);
-      const __m512 a = _mm512_and_ps(v[k], absmask);
-      nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-      mx = _mm512_max_ps(mx, a);
-    }
-    const float s = nan ? std::nanf("") : _mm512_reduce_max_ps(mx) / q;
-    scale[b] = s;
-    if (!(s > 0.f) || !std::isfinite(s)) {  // all zero, or a non-finite block: codes 0
-      if (BITS == 8) std::memset(static_cast<int8_t*>(codes) + o, 0, block);
-      else std::memset(static_cast<uint8_t*>(codes) + o / 2, 0, block / 2);
-      continue;
-    }
-    const __m512 sv = _mm512_set1_ps(s);
-    // [Note: codes without a division per element] y = x * fl(1/s) is within 2^-16 of x / s
-    // (|x / s| <= q + 1 < 128: two roundings of relative 2^-24 each), and fl(x / s) within
-    // 2^-17 of x / s, so when y is farther than 2^-14 from every half-integer k + 1/2 (the
-    // only places where rounding to an integer changes), rne(fl(x / s)) = rne(y). Lanes nearer
-    // (about 1 in 4000 for spread-out values; every exact tie) take the IEEE division, the
-    // whole vector at once. A scale below 2^-120 (1/s near overflow) divides throughout.
-    const bool by_mul = s >= 0x1p-120f;
-    const __m512 rv = _mm512_set1_ps(1.f / s);
-    const __m512 half = _mm512_set1_ps(0.5f), margin = _mm512_set1_ps(0x1p-14f);
-    for (int k = 0; k < V; ++k) {
-      __m512 y;
-      if (by_mul) {
-        y = _mm512_mul_ps(v[k], rv);
-        // distance of y from the nearest half-integer: | |y - floor(y)| - 1/2 |
-        const __m512 fr = _mm512_sub_ps(y, _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF |
-                                                                    _MM_FROUND_NO_EXC));
-        const __m512 d = _mm512_and_ps(_mm512_sub_ps(fr, half), absmask);
-        if (_mm512_cmp_ps_mask(d, margin, _CMP_LT_OQ)) y = _mm512_div_ps(v[k], sv);
-      } else {
-        y = _mm512_div_ps(v[k], sv);
+  const __m512 near = _mm512_set1_ps(0.5f - 0x1p-13f);
+  float recip[kGroup];
+  alignas(64) float wide[T == kF32 ? 1 : kGroup * block];  // 16-bit input, widened once
+  for (int64_t g0 = b0; g0 < b1; g0 += kGroup) {
+    const int64_t g1 = std::min(b1, g0 + kGroup);
+    for (int64_t b = g0; b < g1; ++b) {  // pass 1: scales
+      const int64_t o = b * block;
+      __m512 m[V];
+      __mmask16 nan = 0;
+      for (int k = 0; k < V; ++k) {
+        const __m512 v = bq_load16<T>(x, o + 16 * k);
+        if constexpr (T != kF32) _mm512_store_ps(wide + (b - g0) * block + 16 * k, v);
+        m[k] = _mm512_and_ps(v, absmask);
+        nan |= _mm512_cmp_ps_mask(m[k], m[k], _CMP_UNORD_Q);
       }
-      __m512 c = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      __m512i ci = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(c, lo), hi));
-      if (BITS == 8) {
-        _mm_storeu_si128((__m128i*)(static_cast<int8_t*>(codes) + o + 16 * k),
-                         _mm512_cvtsepi32_epi8(ci));
-      } else {  // lanes 2i, 2i+1 -> the low and high nibble of byte i
-        ci = _mm512_and_si512(ci, _mm512_set1_epi32(0xF));
-        __m512i w = _mm512_or_si512(ci, _mm512_srli_epi64(ci, 28));
-        _mm_storel_epi64((__m128i*)(static_cast<uint8_t*>(codes) + (o + 16 * k) / 2),
-                         _mm512_cvtepi64_epi8(w));
+      for (int w = V / 2; w >= 1; w /= 2)  // a tree, not a chain
+        for (int k = 0; k < w; ++k) m[k] = _mm512_max_ps(m[k], m[k + w]);
+      const float amax = _mm512_reduce_max_ps(m[0]);
+      const float s = nan ? std::nanf("") : amax / q;
+      scale[b] = s;
+      // 0: codes 0 (an all-zero or non-finite block); -1: divide; else the reciprocal
+      recip[b - g0] = !(s > 0.f) || !std::isfinite(s) ? 0.f : (s >= 0x1p-120f ? q / amax : -1.f);
+    }
+    for (int64_t b = g0; b < g1; ++b) {  // pass 2: codes
+      const int64_t o = b * block;
+      const float r = recip[b - g0];
+      if (r == 0.f) {
+        if (BITS == 8) std::memset(static_cast<int8_t*>(codes) + o, 0, block);
+        else std::memset(static_cast<uint8_t*>(codes) + o / 2, 0, block / 2);
+        continue;
+      }
+      const __m512 sv = _mm512_set1_ps(scale[b]), rv = _mm512_set1_ps(r);
+      for (int k = 0; k < V; ++k) {
+        __m512 v;
+        if constexpr (T == kF32) v = _mm512_loadu_ps(static_cast<const float*>(x) + o + 16 * k);
+        else v = _mm512_load_ps(wide + (b - g0) * block + 16 * k);
+        __m512i ci;
+        if (r > 0.f) {
+          const __m512 y = _mm512_mul_ps(v, rv);
+          ci = _mm512_cvt_roundps_epi32(y, kRne);
+          const __m512 d = _mm512_and_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(ci)), absmask);
+          if (_mm512_cmp_ps_mask(d, near, _CMP_GT_OQ))  // within 2^-13 of k + 1/2
+            ci = _mm512_cvt_roundps_epi32(_mm512_div_ps(v, sv), kRne);
+        } else {
+          ci = _mm512_cvt_roundps_epi32(_mm512_div_ps(v, sv), kRne);
+        }
+        if (BITS == 8) {
+          _mm_storeu_si128((__m128i*)(static_cast<int8_t*>(codes) + o + 16 * k),
+                           _mm512_cvtsepi32_epi8(ci));
+        } else {  // lanes 2i, 2i+1 -> the low and high nibble of byte i
+          ci = _mm512_and_si512(ci, _mm512_set1_epi32(0xF));
+          __m512i w = _mm512_or_si512(ci, _mm512_srli_epi64(ci, 28));
+          _mm_storel_epi64((__m128i*)(static_cast<uint8_t*>(codes) + (o + 16 * k) / 2),
+                           _mm512_cvtepi64_epi8(w));
+        }
       }
     }
   }
