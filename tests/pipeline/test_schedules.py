@@ -9,7 +9,8 @@ optimizer per rank over all of its stage modules. Each dp rank trains on its own
 into MICRO micro-batches by the schedule; mean-square loss with the schedule's default
 scale_grads=True (the mean over micro-batches).
 
-Reference, in every process: the whole net, torch.optim.AdamW, for each dp rank its batch's
+Reference, in every process: the whole net, torch.optim.AdamW with a LambdaLR lr schedule
+(the same on both sides: the lr agrees step by step), for each dp rank its batch's
 mean loss / DP backwarded (DDP's average), `clip_grad_norm_` over every param (the global norm
 of the pipelined model), the step. fp32, exaggerated hyperparameters (betas 0.5/0.6, eps 0.25:
 apex's way of making bugs show), every step clipped.
@@ -19,8 +20,9 @@ reduce-scatters per step (stages 2-3: one pass over the buckets per step, not on
 micro-batch); an inf on one stage skips every rank of every stage, bitwise; fp16 (the loss scale
 through the pipeline) against the same run in fp32 with a static scale; bad input (a schedule
 or micro-batch count that differs, overlapping stage params, mesh=world["dp"]) raises
-ValueError on every rank before any change. Negative controls: plain torch `PipelineStage`
-with `mesh=world["dp"]` (the old way: per-stage clip) misses the reference; lr x 1.01 misses it.
+ValueError on every rank before any change; schedule.step() inside opt.no_sync() is refused
+the same way. Negative controls: plain torch `PipelineStage` with `mesh=world["dp"]` (the old
+way: per-stage clip) misses the reference; lr x 1.01 misses it.
 
 On the code before zerokern.pipelining (plain PipelineStage + ZeroAdamW(mesh=world)): stages
 2-3 reduce-scattered once per micro-batch (MICRO x the buckets), fp16 raised "did not go
@@ -54,6 +56,7 @@ WS, PP, DP = 4, 2, 2
 D, BATCH, MICRO, STEPS = 8, 8, 4, 3  # BATCH rows per dp rank, split into MICRO micro-batches
 LR, BETAS, EPS, WD = 1e-2, (0.5, 0.6), 0.25, 0.1
 MAX_NORM = 0.05  # the global grad norm here is ~1: every step is clipped
+LR_DECAY = lambda step: 1.0 / (1 + step)  # noqa: E731 (an lr schedule on both sides)
 SEED = 1234
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -104,6 +107,7 @@ def reference(lr: float = LR):
     net = make_net()
     opt = torch.optim.AdamW(_groups(list(net.named_parameters())), lr=lr, betas=BETAS,
                             eps=EPS, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, LR_DECAY)
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -115,6 +119,7 @@ def reference(lr: float = LR):
             total += float(loss.detach()) / DP
         torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
         opt.step()
+        sched.step()
         losses.append(total)
     return {i: [p.detach().clone() for p in blk.parameters()] for i, blk in enumerate(net)}, \
         losses
@@ -149,6 +154,7 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
                        precision=precision, bucket_mb=0.0002, backend="cpu",
                        max_grad_norm=MAX_NORM, mesh=world if mesh == "world" else world["dp"],
                        **kw)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, LR_DECAY)
     group = world["pp"].get_group()
     dev = torch.device("cpu")
     if plain:
@@ -180,6 +186,7 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
         rs.append(st["calls"]["reduce_scatter"])
         ag.append(st["calls"]["all_gather"])
         opt.step()
+        lr_sched.step()
         skipped.append(bool(opt.step_skipped))
         opt.zero_grad()
         if holds_last:
@@ -270,10 +277,13 @@ def bad(world):
     def attempt(name, **kw):
         net = make_net()
         before = [p.detach().clone() for p in net.parameters()]
+        after_first = []
         try:
-            _bad_run(world, net, **kw)
+            _bad_run(world, net, after_first=after_first, **kw)
             out[name] = "no error"
         except ValueError as e:
+            if after_first:  # the error came at a later step: unchanged since the first
+                before = after_first
             same = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
             out[name] = (str(e), same)
 
@@ -281,10 +291,13 @@ def bad(world):
     attempt("schedule", cls=ScheduleGPipe if pp == 0 else Schedule1F1B)
     attempt("overlap", overlap=True)
     attempt("dp_mesh", mesh_dp=True)
+    attempt("no_sync", no_sync=True)
+    attempt("no_sync_later", no_sync="later")  # a later step: each rank raises on its own
     return out
 
 
-def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=False):
+def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=False,
+             no_sync=False, after_first=None):
     pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     blocks = [2 * pp, 2 * pp + 1]
     if overlap and pp == 1:
@@ -296,11 +309,17 @@ def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=
                               group=world["pp"].get_group())
     sched = cls(stage, micro, loss_fn=loss_fn)
     x, y = data(0, d)
-    if pp == 0:
-        sched.step(x)
-    else:
-        sched.step(target=y)
-    opt.step()
+    for step in range(2 if no_sync == "later" else 1):
+        inside = no_sync is True or (no_sync == "later" and step == 1)
+        with opt.no_sync() if inside else _null():  # (pp x no_sync: refused)
+            if pp == 0:
+                sched.step(x)
+            else:
+                sched.step(target=y)
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and no_sync == "later":  # the first step trained: compare after it
+            after_first.extend(p.detach().clone() for p in net.parameters())
 
 
 # ---- the spawned groups ------------------------------------------------------------------------
@@ -386,7 +405,8 @@ def test_fp16_loss_scale_goes_through_the_pipeline():
 
 def test_bad_pipelines_raise_on_every_rank_before_any_change():
     want = {"micro": "micro-batches", "schedule": "the schedule", "overlap": "both hold",
-            "dp_mesh": "no pipeline role"}
+            "dp_mesh": "no pipeline role", "no_sync": "inside opt.no_sync()",
+            "no_sync_later": "inside opt.no_sync()"}
     for r in case(_results(), "bad"):
         for name, text in want.items():
             assert r[name] != "no error", (name, r[name])

@@ -14,7 +14,9 @@ raises the same ValueError on every rank, before anything changed. Compared:
 - the schedule class, its micro-batch count and `scale_grads`;
 - the stage layout: num_stages, and every stage index held by the same number of ranks;
 - the optimizers' ZeRO stage, precision, loss scale, max_grad_norm and learning rates;
-- per rank: its stages' optimizer (one per rank, stage.py [Note: one optimizer per rank]) with
+- per rank: no `opt.no_sync()` around the schedule step (the stage decides which backward
+  reduces; at later steps a rank inside no_sync() raises on its own and posts the error, as
+  below); its stages' optimizer (one per rank, stage.py [Note: one optimizer per rank]) with
   the pp role over the stage's own pp group, params owned by it, no param object in two of
   the rank's stage modules;
 - across ranks, stage modules whose params overlap: a trainable param with the same shape,
@@ -55,6 +57,11 @@ from torch.distributed.pipelining.schedules import (
 
 SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                        "ScheduleLoopedBFS")
+NO_SYNC = ("schedule.step() inside opt.no_sync(): the stage decides "
+           "which backward reduces (the step's last, [Note: one reduction per schedule step] "
+           "in zerokern/pipelining/stage.py). To accumulate over more micro-batches raise "
+           "n_microbatches, or run several schedule steps before one opt.step() outside "
+           "no_sync() (their gradients sum)")
 _SUPPORTED = (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS)
 
 
@@ -114,6 +121,8 @@ def _describe(schedule, stages: list) -> Dict[str, Any]:
                       "stages per rank, build one optimizer over all of the rank's stage "
                       "modules (e.g. ZeroAdamW(nn.ModuleList(modules), mesh=world)) and give "
                       "it to each stage")
+    if any(not s.optimizer.grad_sync.sync for s in ours):
+        errors.append(NO_SYNC)
     zero: Dict[str, Any] = {}
     params: Dict[int, list] = {}
     if ours:

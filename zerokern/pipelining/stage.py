@@ -128,6 +128,10 @@ class ZeroPipelineStage(PipelineStage):
         schedule = agreement.calling_schedule()
         if schedule is not None and (self._schedule is None or self._schedule() is not schedule):
             agreement.agree_on_schedule(schedule, self)  # ValueError on every rank
+        if not self.optimizer.grad_sync.sync:  # (at the first step: in the agreement)
+            error = ValueError(f"ZeroPipelineStage: {agreement.NO_SYNC}")
+            agreement.post_failure(self, error)
+            raise error
         self._fold = 1
         if schedule is not None and schedule.scale_grads:
             self._fold = schedule._n_microbatches
