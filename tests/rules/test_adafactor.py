@@ -22,7 +22,11 @@ mean(R) = mean(C) = mean(g^2); measured 1.0e-7, rounding only.)
 
 from __future__ import annotations
 
+import atexit
+import errno
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -95,6 +99,9 @@ def batch(step: int, rank: int = 0, ws: int = 1) -> torch.Tensor:
 
 
 def build(model, stage, offload=None, **kw):
+    if offload == "nvme":  # the state files' folder, removed at exit (the files at close)
+        kw["offload_path"] = tempfile.mkdtemp(prefix="zk_adafactor_")
+        atexit.register(shutil.rmtree, kw["offload_path"], True)
     return zk.ZeroAdafactor(model, **dict(HYPER, **kw.pop("hyper", {})), stage=stage,
                             precision=kw.pop("precision", "fp32"), offload=offload,
                             bucket_mb=BUCKET_MB, backend="cpu", **kw)
@@ -320,12 +327,13 @@ def _memory(rank, ws, stage, offload):
             "held": held, "exact": est["exact"]}
 
 
-MEMORY = [(0, None), (1, "cpu"), (2, None), (3, None), (3, "cpu")]
+MEMORY = [(0, None), (1, "cpu"), (2, None), (3, None), (3, "cpu"), (2, "nvme")]
 
 
 def placements(ws):
-    """(stage, offload) per world size: every stage; offload="cpu" at stages 1 and 3."""
-    return [(s, None) for s in range(4)] + [(1, "cpu"), (3, "cpu")]
+    """(stage, offload) per world size: every stage; offload="cpu" at stages 1 and 3,
+    "nvme" at stages 2 and 3 (the master in files, the per-matrix states on the host)."""
+    return [(s, None) for s in range(4)] + [(1, "cpu"), (3, "cpu"), (2, "nvme"), (3, "nvme")]
 
 
 def _worker(rank, ws, root=None):
@@ -348,7 +356,51 @@ def _more_worker(rank, ws):
         cases[f"skipped-{stage}"] = lambda s=stage: _skipped(rank, ws, s)
     cases["clip"] = lambda: _clipped(rank, ws, 2)
     cases["tp"] = lambda: _tp_refused(ws)
+    cases["fault-nvme"] = lambda: _fault(rank, ws)
     return run_cases(cases)
+
+
+def _fault(rank, ws):
+    """offload="nvme", stage 2: ENOSPC in the last rank's first write of the second pass (the
+    new master, after the per-matrix states were updated on the owners): every rank raises and
+    nothing changes (params, per-matrix states); the retried step and the rest equal the
+    device run bit for bit."""
+    ref_model = make_net()
+    ref_opt = build(ref_model, 2)
+    train(ref_model, ref_opt, rank, ws, STEPS)
+    model = make_net()
+    opt = build(model, 2, "nvme")
+    train(model, opt, rank, ws, 1)
+    before = (snapshot(model, opt), matrix_states(opt, model))
+    writes, hits = [], []
+
+    def fault(path, offset):  # the step's plan: pass 1's chunks, then pass 2's (the same
+        writes.append(path)   # file, the same chunks): fail the first write of pass 2
+        if path.endswith("-master.bin") and len(writes) > len(off.plan) // 2 and not hits:
+            hits.append(path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    victim = rank == ws - 1
+    off = opt.offloader
+    if victim:
+        off.fault_hook = fault
+    opt.zero_grad()
+    opt.backward(model(batch(1, rank, ws).to(opt.dtype)))
+    error = None
+    try:
+        opt.step()
+    except (OSError, RuntimeError) as e:
+        error = type(e).__name__
+    off.fault_hook = None
+    after = (snapshot(model, opt), matrix_states(opt, model))
+    opt.step()  # the same grads: the step that failed, now completing
+    train(model, opt, rank, ws, STEPS - 2, start=2)
+    out = {"error": error, "victim": victim, "hit": bool(hits),
+           "unchanged": bitwise(before[0], after[0]) and states_bitwise(before[1], after[1]),
+           "retry": bitwise(snapshot(model, opt), snapshot(ref_model, ref_opt)),
+           "retry_states": states_bitwise(matrix_states(opt, model),
+                                          matrix_states(ref_opt, ref_model))}
+    opt.close()
+    return out
 
 
 def _tp_refused(ws):
@@ -472,14 +524,17 @@ def test_max_grad_norm_n2():
         assert x["control"] > TOL["control"], f"rank {r}: the clip did not act"
 
 
-def test_nvme_is_refused(tmp_path):
-    """offload="nvme": a ValueError naming offload and the rule, before any change."""
-    model = make_net()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="offload.*adafactor"):
-        zk.ZeroAdafactor(model, stage=2, precision="fp32", offload="nvme",
-                         offload_path=str(tmp_path))
-    assert bitwise(dict(model.named_parameters()), before)
+def test_nvme_failed_write_rolls_back_n2():
+    """offload="nvme": a failed write in the step's second pass rolls back the master in the
+    files and the per-matrix states on the host (not in the files) on every rank, bit for
+    bit; the retried run equals the device run. Before this change offload="nvme" was refused
+    for ZeroAdafactor (a ValueError)."""
+    for r, x in enumerate(case(cached(_more_worker, 2), "fault-nvme")):
+        where = f"rank {r}"
+        assert x["hit"] == x["victim"], f"{where}: the fault did not fire where injected"
+        assert x["error"] == ("OSError" if x["victim"] else "RuntimeError"), (where, x)
+        assert x["unchanged"], f"{where}: the failed step changed params or states"
+        assert x["retry"] and x["retry_states"], f"{where}: the retried run differs"
 
 
 @pytest.fixture(scope="module")

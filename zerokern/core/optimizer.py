@@ -380,6 +380,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clip_next = None
         gathers = []
         place = self.placement  # one update path, wherever the state lives (placement.py)
+        # A phased plan's state outside the placement (Adafactor's per-matrix states) is
+        # copied where a step can roll back (offload="nvme": [Note: all or nothing])
+        held = {gi: plan.snapshot() for gi, plan in self._plans.items()
+                if self.offload == "nvme" and hasattr(plan, "snapshot")}
         place.begin(grad_scale, found, self._stats[self._flag_base:])  # (offload: the flags)
         # params frozen since, and params no rank used: left as they are (frozen_slots.py;
         # after place.begin, which settles whether a compact master is expanded)
@@ -406,7 +410,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for h in gathers:
             if h is not None:
                 h.wait()
-        place.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
+        try:
+            place.finish()  # nvme: commit, or roll back and raise (offload_nvme.py)
+        except BaseException:
+            for gi, saved in held.items():  # a phased plan's own state rolls back with it
+                self._plans[gi].restore_(saved)
+            raise
         gs.after_step()
         torch.gt(found, 0, out=self.step_skipped)
         self.scaler.update_(self.step_skipped)

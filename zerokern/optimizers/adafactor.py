@@ -20,8 +20,9 @@ class ZeroAdafactor(ZeroOptimizer):
     d, weight_decay, maximize), each param's factored second moment (row and column statistics
     over its last two dims; a 1-D param's full variance) and its update computed whole on one
     owner rank of the shard group (zerokern.rules.adafactor [Note: Adafactor over flat pieces:
-    the owner protocol]). offload=None or "cpu", master="fp32" or "compact"; offload="nvme" is
-    refused (a ValueError naming it).
+    the owner protocol]). offload=None, "cpu" or "nvme" (the master
+    in the files; the per-matrix states, rows + columns per matrix, on the host), master="fp32"
+    or "compact".
 
     Args:
         params_or_model: params or param-group dicts (stages 0-2), or an nn.Module.

@@ -89,6 +89,15 @@ class AdafactorPlan(OwnerPlan):
         self.states = MatrixStates(specs, {i: tuple(g.layout.slots[i].shape)
                                            for i in self.owned}, g.steps.device)
 
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the per-matrix states, taken before a step that may roll back
+        (offload="nvme": the files roll back as a whole, these are not in them)."""
+        return self.states.flat.clone()
+
+    def restore_(self, saved: torch.Tensor) -> None:
+        """Put back the states `snapshot` took (a failed step, rolled back)."""
+        self.states.flat.copy_(saved)
+
 
 class AdafactorRule(Rule):
     name = "adafactor"
@@ -102,9 +111,14 @@ class AdafactorRule(Rule):
     phased = True
     counts_steps = False  # the step is per param, a matrix state (see the Note)
     # zerokern.rules [Note: what a rule supports]: the master is read and written only
-    # through map_piece_, so a compact master works; no NVMe passes (the matrix states are not
-    # in the NVMe files nor in its journal): offload="nvme" is refused.
+    # through map_piece_, so a compact master works, and so do the NVMe files: two passes over
+    # the master (1. read it into the exchange, 2. write the new one), whose second writes
+    # every element, so the journal holds (offload_nvme.py [Note: a phased rule over NVMe]).
+    # The per-matrix states are not in the files: they stay on the host (rows + cols per
+    # matrix, [Note: per-matrix states on the owner]) and roll back with a failed step through
+    # the plan's snapshot (AdafactorPlan.snapshot / restore_).
     compact_master_ok = True
+    nvme_passes = (("master",), ("master",))
 
     def check_group(self, group: Dict[str, Any], where: str = "") -> None:
         sfx = f" (in {where})" if where else ""
