@@ -154,6 +154,45 @@ def _train(which: str, rank: int, cfg, stages: int = 2, tied: bool = False, step
     return Run(losses, ev, {k: v for sd in first for k, v in sd.items()}, state, ckpt)
 
 
+def _eval_variants(which: str, rank: int):
+    """eval_batch's options on an untrained engine: (the loss with return_logits, the
+    logits, the per-micro-batch losses with reduce_output=None and bcast_loss=False, and for
+    zerokern only: the mean outputs with compute_loss=False and the mean of the logits of the
+    same micro-batches one by one); None where a stage returns nothing. (DeepSpeed 0.19.8's
+    compute_loss=False fails on outputs that are not 0-d: "output with shape [] doesn't
+    match the broadcast shape", in its _reduce_outputs.)"""
+    C.launcher_env(rank)
+    if which == "deepspeed":
+        import deepspeed
+
+        ctx, init = C.restore_linear(), deepspeed.initialize
+    else:
+        import zerokern
+
+        ctx, init = contextlib.nullcontext(), zerokern.initialize
+    with ctx:
+        model = _module(2)
+        engine, _, _, _ = init(model=model, model_parameters=model.parameters(),
+                               config=_config(1))
+        dp = engine.grid.get_data_parallel_rank()
+        loss, logits = engine.eval_batch(_data(dp, 500), return_logits=True)
+        per_micro = engine.eval_batch(_data(dp, 502), reduce_output=None, bcast_loss=False)
+        mean_out = one_by_one = None
+        if which == "zerokern":
+            mean_out = engine.eval_batch(_data(dp, 501), compute_loss=False)
+            each = [engine.eval_batch(iter([_micro(501, m, dp)]), return_logits=True,
+                                      num_micro_batches=1)[1] for m in range(GAS)]
+            one_by_one = None if each[0] is None else sum(each) / GAS
+        if which == "deepspeed" and hasattr(engine, "destroy"):
+            engine.destroy()
+
+    def det(t):
+        return None if t is None else t.detach().clone()
+    return (float(loss), det(logits),
+            None if per_micro is None else [float(v) for v in per_micro],
+            det(mean_out), det(one_by_one))
+
+
 def _torch_reference(initial, cfg, dp: int, tied: bool = False, steps: int = STEPS):
     """One process, plain torch: the same layers with the pipeline run's initial weights,
     torch.optim.AdamW, per step the gradient of the mean over dp ranks of the sum over
@@ -327,6 +366,8 @@ def _cases(rank, ws):
     cases["zk-fp16"] = lambda: _train("zerokern", rank, fp16, half=True)
     if ws == 2:
         cases["zk-loader"] = lambda: _train("zerokern", rank, s1, loader=True)
+        cases["ds-eval"] = lambda: _eval_variants("deepspeed", rank)
+        cases["zk-eval"] = lambda: _eval_variants("zerokern", rank)
         cases["errors"] = lambda: _errors(rank, ws)
     return run_cases(cases)
 
@@ -414,6 +455,23 @@ def test_training_data_loader():
     loader (a DistributedSampler in order), the same losses as the explicit iterator."""
     for z, o in zip(case(_results(), "zk-loader"), case(_results(), "zk-s1")):
         assert z.losses == o.losses, (z.losses, o.losses)
+
+
+def test_eval_batch_options_match_deepspeed():
+    """eval_batch(return_logits=True) and (reduce_output=None, bcast_loss=False) return what
+    DeepSpeed's return, on the stages it returns them; compute_loss=False averages the
+    outputs element-wise over the micro-batches (the last stage)."""
+    for rank, (z, d) in enumerate(zip(case(_results(), "zk-eval"), case(_results(), "ds-eval"))):
+        last = rank == 1
+        assert abs(z[0] - d[0]) <= TOL["deepspeed"] * abs(d[0]), (z[0], d[0])
+        assert (z[1] is None) == (d[1] is None) == (not last)
+        assert (z[2] is None) == (d[2] is None) == (not last)
+        assert (z[3] is None) == (z[4] is None) == (not last)
+        if last:
+            assert z[1].shape == d[1].shape == (MICRO, D)
+            assert torch.allclose(z[1], d[1], rtol=0, atol=1e-6)
+            assert len(z[2]) == len(d[2]) == GAS and C.rel(z[2], d[2]) <= TOL["deepspeed"]
+            assert z[3].shape == (MICRO, D) and torch.allclose(z[3], z[4], rtol=0, atol=1e-6)
 
 
 def test_negative_control():

@@ -227,8 +227,8 @@ class PipelineEngine(ZeroEngine):
             outputs.append(out)
         if not isinstance(loss, torch.Tensor):
             raise TypeError("the pipeline's loss (loss_fn(outputs, labels), or the last "
-                            f"stage's output without a loss_fn) must be a tensor, got "
-                            f"{type(loss).__name__}")
+                            f"stage's output without a loss_fn or with compute_loss=False) "
+                            f"must be a tensor, got {type(loss).__name__}")
         losses.append(loss.detach())
         bufs[i] = (x, loss)
 
@@ -261,17 +261,22 @@ class PipelineEngine(ZeroEngine):
                                    f"{self.stage_id} this step: zerokern sums the tied "
                                    "gradients in place and needs every stage to use it")
 
-    def _aggregate(self, losses: List[torch.Tensor], n: int, bcast: bool = True):
-        """The mean over `n` micro-batches on the last stage, averaged over the data-parallel
-        ranks, then broadcast from the last stage over the pipeline (a 0-d fp32 tensor)."""
+    def _aggregate(self, values: List[torch.Tensor], n: int, bcast: bool = True):
+        """The element-wise mean of the last stage's `values` over the `n` micro-batches,
+        averaged over the data-parallel ranks (DeepSpeed's reduce 'avg'); with `bcast`
+        (a 0-d loss) broadcast from the last stage over the pipeline as fp32, so every rank
+        returns it. Without bcast the other stages return None."""
+        agg = None
         if self.is_last_stage():
-            agg = (torch.stack([t.float() for t in losses]).sum() / n).reshape(())
+            agg = torch.stack([v.detach() for v in values]).sum(0) / n
             if self.layout.dp_size > 1:
                 dist.all_reduce(agg, group=self.layout.dp_group)
                 agg /= self.layout.dp_size
-        else:
-            agg = torch.zeros((), dtype=torch.float32, device=self.device)
-        if bcast and self.num_stages > 1:
+        if not bcast:
+            return agg
+        agg = agg.float() if agg is not None else \
+            torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.num_stages > 1:
             dist.broadcast(agg, src=self.layout.last_rank, group=self.layout.pipe_group)
         return agg
 
@@ -336,8 +341,9 @@ class PipelineEngine(ZeroEngine):
             num_micro_batches: micro-batches to evaluate (default: gradient accumulation).
 
         Returns:
-            The loss (0-d fp32 tensor; on every rank with bcast_loss and compute_loss), or
-            (loss, outputs) with return_logits.
+            The loss (0-d fp32 tensor; on every rank with bcast_loss and compute_loss, else
+            on the last stage and None elsewhere; without compute_loss the mean outputs), or
+            (that, the last micro-batch's outputs) with return_logits.
 
         Raises:
             ValueError: reduce_output not "avg" or None, or no data on the first/last stage.
@@ -366,8 +372,6 @@ class PipelineEngine(ZeroEngine):
             result = values if self.is_last_stage() else None
         else:
             result = self._aggregate(values, M, bcast=compute_loss and bcast_loss)
-            if not self.is_last_stage() and not (compute_loss and bcast_loss):
-                result = None
         if return_logits:
             return result, (outputs[-1] if outputs else None)
         return result
