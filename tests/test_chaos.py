@@ -82,6 +82,7 @@ def test_a_restart_at_three_ranks_keeps_the_global_batch_and_is_bitwise_its_own_
     assert (z["micro_batches_before"], z["micro_batches_after"]) == (3, 2), z
     assert z["before_checkpoints"] >= 1 and z["before_bytes_differ"] == 0, z
     assert z["after_bitwise_equal"] and z["after_bytes_differ"] == 0, z
+    assert z["loss_curve_equals_new_size_run"], z
     assert r["final_bitwise_equal"] and r["bytes_lost"] == 0, r["checkpoints_compared"]
     assert 0 < z["final_max_abs_diff_vs_reference"] < 0.1, z
     assert [k["nproc"] for k in r["kills"] if k["ends_job"]] == [2]

@@ -269,6 +269,8 @@ def _after_resize(work: Path, args: List[str], kill: Kill, nproc: int, new: int,
     a = ck.consolidate(str(ref_ck / final))
     b = ck.consolidate(str(run_ck / final))
     diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    curves = [json.loads((d / "out" / "metrics.json").read_text())["loss_curve"]
+              for d in (ref_ck.parent, run_ck.parent, new_dir)]
     accum = global_batch // (batch * new)
     kept = (f"at step {at} on {new} ranks (saved on {nproc}): {accum} micro-batch(es) of "
             f"{batch} per rank, global batch {global_batch} kept") in log_text
@@ -282,7 +284,9 @@ def _after_resize(work: Path, args: List[str], kill: Kill, nproc: int, new: int,
         "after_checkpoints": len(after),
         "after_bitwise_equal": bool(after) and final in after and
         all(c["bytes_differ"] == 0 for c in after.values()),
-        "final_max_abs_diff_vs_reference": diff, "new_reference_s": round(new_s, 1)}
+        "final_max_abs_diff_vs_reference": diff, "new_reference_s": round(new_s, 1),
+        "loss_curve_max_diff_vs_reference": max(abs(x - y) for x, y in zip(*curves[:2])),
+        "loss_curve_equals_new_size_run": curves[1] == curves[2]}
 
 
 def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_dir: Path,
@@ -480,7 +484,10 @@ def _resize_lines(r: dict) -> List[str]:
         f"{z['new_reference_s']} s)",
         f"- final params against the uninterrupted {z['from_ranks']}-rank run: max abs "
         f"difference {z['final_max_abs_diff_vs_reference']:.3g} (not bitwise: the gradient "
-        "sums run in another order at another world size)"]
+        "sums run in another order at another world size)",
+        f"- loss curve (every step): equal to the uninterrupted {z['to_ranks']}-rank "
+        f"run's: {z.get('loss_curve_equals_new_size_run')}; max difference from the "
+        f"{z['from_ranks']}-rank run's {z.get('loss_curve_max_diff_vs_reference', 0):.3g}"]
 
 
 def markdown(r: dict, env: dict) -> str:
