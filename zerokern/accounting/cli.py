@@ -10,9 +10,14 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from zerokern.accounting.estimate import COMMS, estimate
+from zerokern.accounting.estimate import COMMS, estimate, estimate_pipeline
 from zerokern.accounting.mesh import mesh_lines
-from zerokern.accounting.model_spec import load_model, spec_from_model, spec_from_numel
+from zerokern.accounting.model_spec import (
+    load_model,
+    load_stage_models,
+    spec_from_model,
+    spec_from_numel,
+)
 from zerokern.options.args import PRECISIONS
 
 
@@ -71,6 +76,11 @@ def add_arguments(p) -> None:
     p.add_argument("--mesh", type=mesh_shape, default=None, metavar="RxS",
                    help="a 2-D (replicate, shard) data-parallel mesh of R*S ranks (HSDP: "
                         "sharded over S, replicated over R); sets --world-size")
+    p.add_argument("--pp", type=int_at_least(1), default=1, metavar="P",
+                   help="pipeline stages: --model (a gpt preset) split into P stages by layers "
+                        "(embeddings on the first, head on the last); bytes per stage, each "
+                        "stage a dp group of --world-size / P ranks (--mesh RxS: each "
+                        "stage's dp mesh, world P*R*S)")
     p.add_argument("--hpz", action="store_true",
                    help="with --mesh at stage 3: ZeRO++'s hpZ (sharded over all ranks plus a "
                         "secondary copy over S)")
@@ -151,19 +161,32 @@ def _world_text(r0) -> str:
     return f"mesh {d['replicate']}x{d['shard']} ({d['world']} ranks)"
 
 
-def format_table(results: List[Dict[str, Any]]) -> str:
-    """The human-readable table: one column per stage."""
+def format_table(results: List[Dict[str, Any]], pipeline: bool = False) -> str:
+    """The human-readable table: one column per ZeRO stage, or with `pipeline` (the results
+    of one ZeRO stage, `estimate_pipeline`) one column per pipeline stage."""
     r0 = results[0]
     what = f"{r0['num_params']:,} params" if r0["model"] == "--params" else \
         f"{r0['model']} ({r0['num_params']:,} params)"
+    if pipeline:
+        n = sum(r["num_params"] for r in results)
+        what = (f"{r0['model'].rsplit(', pipeline stage', 1)[0]} in {len(results)} pipeline "
+                f"stages ({n:,} params), ZeRO stage {r0['stage']} over each stage's dp group")
+    where = _world_text(r0)
+    if pipeline:
+        ro = r0["roles"]
+        where = (f"{ro['pp']} stages x {where.replace('world size', 'dp')} per stage "
+                 f"({ro['world']} ranks)")
     head = (f"zerokern estimate: {what}, "
-            + _world_text(r0) + f", {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
+            + where + f", {r0['precision']}, bucket {r0['bucket_mb']:g} MiB, "
             f"offload {r0['offload'] or 'none'}"
             + (f", offload_params {r0['offload_params']}" if r0.get("offload_params") else "")
             + f", optimizer {r0.get('optimizer', 'adamw')}"
             + f", comm {r0['comm']}; bytes on rank {r0['rank']}")
-    cols = [f"stage {r['stage']}" + ("" if r["exact"] else " *") for r in results]
+    cols = [(f"pp {r['pp']['stage']}" if pipeline else f"stage {r['stage']}")
+            + ("" if r["exact"] else " *") for r in results]
     table = []
+    if pipeline:
+        table.append(("params (count)", [f"{r['num_params']:,}" for r in results]))
     for key, label in _rows(r0):
         if key == "master" and r0.get("master") == "compact":
             label = "optimizer: master (compact)"
@@ -266,6 +289,8 @@ def _activation_rows(results) -> list:
 
 
 def main(args) -> int:
+    if getattr(args, "pp", 1) > 1:
+        return _main_pipeline(args)
     model = None
     if args.params is not None:
         spec = spec_from_numel(args.params)
@@ -313,4 +338,46 @@ def main(args) -> int:
         print(format_table(results))
         if args.mesh is not None:
             print("\n".join(mesh_lines(results)))
+    return 0
+
+
+def _main_pipeline(args) -> int:
+    """--pp P: per pipeline stage, per ZeRO stage (estimate.py [Note: per-stage bytes of a
+    pipeline])."""
+    if args.params is not None:
+        raise ValueError("--pp needs --model (a gpt preset, split into stages by layers), not "
+                         "--params")
+    if args.batch is not None or args.seq is not None:
+        raise ValueError("--pp with --batch/--seq: the activations of a pipeline stage are "
+                         "not estimated; leave them out")
+    if args.hpz and args.mesh is None:
+        raise ValueError("--hpz needs --mesh RxS")
+    specs = [spec_from_model(m, desc) for m, desc in load_stage_models(args.model, args.pp)]
+    world = args.world_size
+    if args.mesh is not None:
+        n = args.pp * args.mesh[0] * args.mesh[1]
+        if world not in (1, n):
+            raise ValueError(f"--pp {args.pp} with --mesh {args.mesh[0]}x{args.mesh[1]} is "
+                             f"{n} ranks but --world-size is {world}; give one of them")
+        world = n
+    elif world == 1:
+        world = args.pp  # one rank per stage
+    if not 0 <= args.rank < world // args.pp if world % args.pp == 0 else False:
+        raise ValueError(f"--rank must be a rank of a stage's dp group, in [0, "
+                         f"{max(world // args.pp, 1)}), got {args.rank}")
+    offload = None if args.offload == "none" else args.offload
+    offload_params = None if args.offload_params == "none" else args.offload_params
+    stages = sorted(set(args.stage)) if args.stage else \
+        ([3] if args.hpz or offload_params else [1, 2, 3] if offload else [0, 1, 2, 3])
+    blocks = [estimate_pipeline(specs, world, k, args.precision, args.bucket_mb, offload,
+                                args.rank, args.comm, offload_params, args.master,
+                                optimizer=args.optimizer, mesh=args.mesh, hpz=args.hpz,
+                                keep_for_backward_mb=args.keep_for_backward_mb if k == 3
+                                else 0.0)
+              for k in stages]
+    if args.json:
+        print(json.dumps({"pipeline": [{"zero_stage": k, "stages": b}
+                                       for k, b in zip(stages, blocks)]}, indent=1))
+    else:
+        print("\n\n".join(format_table(b, pipeline=True) for b in blocks))
     return 0

@@ -50,6 +50,17 @@ Three buffers are not a function of the shapes alone; here is how each is modell
   scratch. (Stages 2-3 hand the ring their staging buffer as its work buffer.)
 The measurement is taken after at least one training step: before the first backward stages 2
 and 3 hold no staging buffers yet.
+
+[Note: per-stage bytes of a pipeline]
+With pipeline parallelism every stage's ranks hold that stage's params only, sharded over the
+stage's data-parallel group (ZeroAdamW(mesh=world) with a "pp" dim: comm/mesh.py [Note: a
+world mesh]). So a rank of stage s holds exactly what a rank of a dp-sized job training stage
+s's module holds: `estimate_pipeline` is `estimate` of each stage's own ModelSpec over the dp
+group of the plan's RoleSizes (`role_sizes(..., pp=P)`: world = pp x dp), stage by stage.
+Stages differ (the demo GPT's embeddings on the first, its head on the last:
+tools/gpt_stages.py), so the job's peak is the largest stage's, not the whole model / P.
+The pp agreement's own buffers (the step's stats all-reduced over pp) are the ones a flat job
+has: nothing more is held.
 """
 
 from __future__ import annotations
@@ -475,3 +486,56 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                                                            offload),
         "grad_order": spec.order_source, "notes": notes,
     }
+
+
+def estimate_pipeline(specs: Sequence[ModelSpec], world_size: int, stage: int,
+                      precision: str = "bf16", bucket_mb: float = 25.0,
+                      offload: Optional[str] = None, rank: int = 0, comm: str = "nccl",
+                      offload_params: Optional[str] = None, master: str = "fp32",
+                      optimizer="adamw", mesh=None, hpz: bool = False,
+                      keep_for_backward_mb: float = 0.0) -> List[Dict[str, Any]]:
+    """Bytes per rank of each pipeline stage: `estimate` of each stage's model over its
+    data-parallel group ([Note: per-stage bytes of a pipeline]).
+
+    Args:
+        specs: one ModelSpec per pipeline stage, in stage order (`spec_from_model` of each
+            stage module; model_spec.load_stage_models for a gpt preset).
+        world_size: every rank of the job: pp x dp (x the mesh's R*S for dp).
+        rank: the rank to report within each stage's dp group.
+        mesh: None, or (R, S): each stage's 2-D data-parallel mesh (R * S = dp).
+        stage, precision, bucket_mb, offload, comm, offload_params, master, optimizer, hpz,
+            keep_for_backward_mb: as `estimate`.
+
+    Returns:
+        One `estimate` result per pipeline stage, each with "pp" ({"stage", "size"}) and
+        "roles" (the plan's RoleSizes as a dict: shard, replicate, hpz, tp, pp, dp, world).
+
+    Raises:
+        ValueError: no specs, world_size not a multiple of the number of stages, or what
+            `estimate` raises.
+    """
+    from zerokern.comm.plan import role_sizes
+
+    if not specs:
+        raise ValueError("specs: one ModelSpec per pipeline stage, got none")
+    pp = len(specs)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < pp \
+            or world_size % pp:
+        raise ValueError(f"world_size must be a multiple of the {pp} pipeline stages (every "
+                         f"stage a dp group of the same size), got {world_size!r}")
+    dp = world_size // pp
+    shape = None if mesh is None else tuple(mesh)
+    sizes = role_sizes(shape, hpz, dp, pp=pp)  # the plan's roles (comm/plan.py)
+    if sizes.world != world_size:
+        raise ValueError(f"mesh {shape} has {sizes.dp} ranks; each of the {pp} stages has "
+                         f"{dp} (world_size {world_size})")
+    roles = {"shard": sizes.shard, "replicate": sizes.replicate, "hpz": sizes.hpz,
+             "tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "world": sizes.world}
+    out = []
+    for s, spec in enumerate(specs):
+        r = estimate(spec, sizes.dp, stage, precision, bucket_mb, offload, rank, comm,
+                     offload_params, master, optimizer, mesh, hpz, keep_for_backward_mb)
+        r["pp"] = {"stage": s, "size": pp}
+        r["roles"] = roles
+        out.append(r)
+    return out

@@ -138,7 +138,9 @@ def record_order(model: nn.Module, params: Sequence[nn.Parameter], units: Sequen
         dev = params[0].device if params else torch.device("meta")
         if dev.type != "meta":
             raise ValueError("the model is not on the meta device")
-        x = torch.zeros(1, _PROBE_SEQ, dtype=torch.long, device="meta")
+        probe = getattr(model, "probe_input", None)  # a pipeline stage's input kind
+        x = probe(1, _PROBE_SEQ, device="meta") if callable(probe) else \
+            torch.zeros(1, _PROBE_SEQ, dtype=torch.long, device="meta")
         out = model(x)
         recording[0] = False
         out = getattr(out, "logits", out)
@@ -239,6 +241,27 @@ def _hf_config(spec: str):
     except Exception as e:  # noqa: BLE001 - turn hub errors into one clear message
         raise ValueError(f"--model {spec!r}: could not load its config from the Hugging Face "
                          f"hub: {str(e).splitlines()[0]}") from e
+
+
+def load_stage_models(spec: str, pp: int) -> List[Tuple[nn.Module, str]]:
+    """The pipeline stages of `spec` on the meta device, in stage order: a zerokern.tools.gpt
+    preset split by layers (tools/gpt_stages.py [Note: a GPT pipeline stage]: the embeddings
+    on the first stage, the head on the last). Returns [(stage module, description)].
+
+    Raises:
+        ValueError: spec is not a gpt preset, or pp is not in [1, its layers].
+    """
+    from zerokern.tools.gpt import PRESETS
+    from zerokern.tools.gpt_stages import GPTStage
+
+    if spec not in PRESETS:
+        raise ValueError(f"--pp needs --model a zerokern.tools.gpt preset {tuple(PRESETS)}, "
+                         f"split into stages by layers; got {spec!r} (another model's split "
+                         "into stages is its own)")
+    with torch.device("meta"):
+        return [(GPTStage(PRESETS[spec], s, pp),
+                 f"zerokern.tools.gpt preset {spec!r}, pipeline stage {s} of {pp}")
+                for s in range(pp)]
 
 
 def load_model(spec: str) -> Tuple[nn.Module, str]:
