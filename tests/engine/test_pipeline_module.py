@@ -61,7 +61,24 @@ def _tied_out(module, x):
     return torch.nn.functional.linear(x, module.weight.t())
 
 
-def _specs(tied: bool):
+class MaskOut(torch.nn.Module):
+    """(x, x > 0): a stage output holding a bool tensor, which has no gradient."""
+
+    def forward(self, x):
+        return x, x > 0
+
+
+class MaskIn(torch.nn.Module):
+    """Takes MaskOut's tuple."""
+
+    def forward(self, inp):
+        x, mask = inp
+        return x * mask.to(x.dtype) + 0.5 * x
+
+
+def _specs(tied: bool, masked: bool = False):
+    """7 layers; masked: MaskOut / MaskIn in the middle (8 + 1 layers: with partition_method
+    'uniform' the stage boundary falls between them, so a (float, bool) tuple crosses it)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     nn = torch.nn
@@ -69,17 +86,20 @@ def _specs(tied: bool):
         LayerSpec(nn.Linear, D, H)
     last = TiedLayerSpec("proj", nn.Linear, D, H, bias=False, forward_fn=_tied_out) if tied \
         else LayerSpec(nn.Linear, H, D)
+    if masked:
+        return [first, LayerSpec(nn.Tanh), LayerSpec(nn.Linear, H, H), LayerSpec(MaskOut),
+                LayerSpec(MaskIn), LayerSpec(nn.Linear, H, H), nn.Tanh(), last]
     return [first, LayerSpec(nn.Tanh), LayerSpec(nn.Linear, H, H), LayerSpec(nn.Tanh),
             LayerSpec(nn.Linear, H, H), nn.Tanh(), last]
 
 
-def _module(stages: int, tied: bool = False, **kw):
+def _module(stages: int, tied: bool = False, masked: bool = False, **kw):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm over torch's group
     torch.manual_seed(MODEL_SEED)  # the same layers on every rank and in every run
-    return PipelineModule(layers=_specs(tied), num_stages=stages,
+    return PipelineModule(layers=_specs(tied, masked), num_stages=stages,
                           loss_fn=torch.nn.functional.mse_loss, **kw)
 
 
@@ -109,7 +129,8 @@ class Run(NamedTuple):
 
 
 def _train(which: str, rank: int, cfg, stages: int = 2, tied: bool = False, steps: int = STEPS,
-           module_kw=None, half: bool = False, loader: bool = False) -> Run:
+           module_kw=None, half: bool = False, loader: bool = False,
+           masked: bool = False) -> Run:
     """train_batch `steps` times, then eval_batch, through `which` in {"zerokern",
     "deepspeed"}; half: the micro-batches cast to fp16 by engine.set_batch_fn; loader: the
     same micro-batches as training_data= (one data-parallel rank), train_batch() without an
@@ -129,7 +150,7 @@ def _train(which: str, rank: int, cfg, stages: int = 2, tied: bool = False, step
 
         ctx, init = contextlib.nullcontext(), zerokern.initialize
     with ctx:
-        model = _module(stages, tied, **(module_kw or {}))
+        model = _module(stages, tied, masked, **(module_kw or {}))
         first = [None] * dist.get_world_size()
         dist.all_gather_object(first, {k: v.detach().clone()
                                        for k, v in model.state_dict().items()})
@@ -193,7 +214,8 @@ def _eval_variants(which: str, rank: int):
             det(mean_out), det(one_by_one))
 
 
-def _torch_reference(initial, cfg, dp: int, tied: bool = False, steps: int = STEPS):
+def _torch_reference(initial, cfg, dp: int, tied: bool = False, steps: int = STEPS,
+                     masked: bool = False):
     """One process, plain torch: the same layers with the pipeline run's initial weights,
     torch.optim.AdamW, per step the gradient of the mean over dp ranks of the sum over
     micro-batches of loss / gas, clip_grad_norm_(gradient_clipping), step. Returns (per-step
@@ -202,7 +224,7 @@ def _torch_reference(initial, cfg, dp: int, tied: bool = False, steps: int = STE
 
     gas = cfg["gradient_accumulation_steps"]
     shared, layers, named = {}, [], {}
-    for idx, spec in enumerate(_specs(tied)):
+    for idx, spec in enumerate(_specs(tied, masked)):
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in shared:
                 shared[spec.key] = spec.build()
@@ -366,6 +388,8 @@ def _cases(rank, ws):
     cases["zk-fp16"] = lambda: _train("zerokern", rank, fp16, half=True)
     if ws == 2:
         cases["zk-loader"] = lambda: _train("zerokern", rank, s1, loader=True)
+        cases["zk-masked"] = lambda: _train("zerokern", rank, s1, masked=True,
+                                            module_kw={"partition_method": "uniform"})
         cases["ds-eval"] = lambda: _eval_variants("deepspeed", rank)
         cases["zk-eval"] = lambda: _eval_variants("zerokern", rank)
         cases["errors"] = lambda: _errors(rank, ws)
@@ -448,6 +472,18 @@ def test_fp16_matches_deepspeed():
     for z, d in zip(case(_results(), "zk-fp16"), case(_results(), "ds-fp16")):
         assert C.rel(z.losses, d.losses) <= TOL["fp16"], (z.losses, d.losses)
         assert z.losses[0] != z.losses[-1]
+
+
+def test_tuple_with_a_bool_mask_crosses_the_stages():
+    """partition_method='uniform' puts the boundary between MaskOut and MaskIn: a (float,
+    bool) tuple goes forward, the float's gradient back; one process's AdamW on the same
+    layers is the reference (losses and params)."""
+    for z in case(_results(), "zk-masked"):
+        ref, ref_ev, ref_state = _torch_reference(z.initial, _config(1), dp=1, masked=True)
+        assert C.rel(z.losses, ref) <= TOL["torch"], (z.losses, ref)
+        assert _max_param_diff(z.state, ref_state) <= TOL["torch"]
+    first, last = (z.state for z in case(_results(), "zk-masked"))
+    assert "2.weight" in first and "5.weight" in last  # the boundary is where it should be
 
 
 def test_training_data_loader():
