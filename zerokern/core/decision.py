@@ -42,6 +42,7 @@ from zerokern.comm.tp import check_tensor_parallel, make_tensor_parallel
 from zerokern.core.loss_scale import make_loss_scaler
 from zerokern.core.model_sync import check_same_on_ranks, model_tensors
 from zerokern.kernels import blockquant
+from zerokern.kernels.param_codec import ParamCodec, check_param_format, make_param_codec
 from zerokern.layout.flat_group import FlatGroup
 from zerokern.layout.stages import StagePattern, pattern
 from zerokern.options.args import (
@@ -74,6 +75,8 @@ class Decision:
         units: stage 3's units, else None.
         scaler: the loss scaler.
         act_mode: activation checkpointing's mode, or None.
+        param_codec: how the params are stored given the fp32 master (`param_format=`;
+            kernels/param_codec.py), handed to every buffer through the placement.
     """
 
     stage: int
@@ -102,6 +105,7 @@ class Decision:
     free_grads: bool
     broadcast_params: bool
     act_mode: Optional[str]
+    param_codec: ParamCodec
 
     @property
     def comm(self):
@@ -121,7 +125,8 @@ def decide(opt: torch.optim.Optimizer, params_or_model: Union[torch.nn.Module, I
            process_group, backend: str, param_groups, units, offload_path, free_grads: bool,
            offload_params: Optional[str], master: str, mesh, hpz: bool,
            quantized_weights: bool, quantized_gradients, keep_for_backward_mb: float,
-           broadcast_params: bool, activation_checkpointing: Optional[str]) -> Decision:
+           broadcast_params: bool, activation_checkpointing: Optional[str],
+           param_format: Optional[str] = None) -> Decision:
     """Validate the constructor's arguments and decide the optimizer's plan, changing no user
     state ([Note: construction is a decision]); fills `opt.param_groups` (torch's
     normalization). Raises ValueError/TypeError naming the argument, on every rank where the
@@ -168,6 +173,11 @@ def decide(opt: torch.optim.Optimizer, params_or_model: Union[torch.nn.Module, I
     check_hpz_roles(hpz, shape, stage, offload_params)
     qwz, qgz_bits = check_quantized(quantized_weights, quantized_gradients, stage,
                                     offload_params)
+    # FP8 params: stage 3, a 16-bit precision, none of the options that keep or send the
+    # shard otherwise (kernels/param_codec.py [Note: FP8 params with an agreed scale])
+    check_param_format(param_format, dtype, stage, offload=(None, offload),
+                       offload_params=(None, offload_params), master=("fp32", master),
+                       hpz=(False, hpz), quantized_weights=(False, qwz))
     codec_for = functools.partial(blockquant.codec_for, backend=backend)
     if qwz or qgz_bits is not None:  # ValueError on CUDA without Triton
         codec_for(trainable[0][0].device)
@@ -189,6 +199,10 @@ def decide(opt: torch.optim.Optimizer, params_or_model: Union[torch.nn.Module, I
     plan = ParallelPlan(comm, role_sizes(
         shape, hpz, comm.world.world_size, tp=1 if tp is None else tp.comm.world_size,
         pp=model_dims.get("pp", 1)), tp, pipeline_comm(world_mesh, model_dims, comm.stats))
+    # the params' codec; FP8's per-param scales agreed (MAX) over the data-parallel world
+    param_codec = make_param_codec(dtype, param_format, functools.partial(
+        plan.agree_, op=torch.distributed.ReduceOp.MAX, model=False,
+        label="fp8 param scales"))
     P = pattern(stage)  # what the stage keeps (stages.py)
     unit_list = None
     if P.shards_params:
@@ -213,4 +227,5 @@ def decide(opt: torch.optim.Optimizer, params_or_model: Union[torch.nn.Module, I
         backend=backend, offload=offload, offload_path=offload_path,
         offload_params=offload_params, master=master, bucket_bytes=bucket_mb * 2**20,
         keep_for_backward_bytes=keep_for_backward_mb * 2**20, free_grads=free_grads,
-        broadcast_params=broadcast_params, act_mode=act_mode)
+        broadcast_params=broadcast_params, act_mode=act_mode,
+        param_codec=param_codec)

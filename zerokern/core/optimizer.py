@@ -51,7 +51,7 @@ from zerokern.layout.flat_group import FlatGroup
 from zerokern.options.args import (
     check_clip,
 )
-from zerokern.options.doc import ENGINE_ARGS
+from zerokern.options.doc import ENGINE_ARGS, PARAM_FORMAT_ARG
 from zerokern.rules import Rule
 from zerokern.state.placement import make_placement
 
@@ -68,7 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group]; each group is then checked by its own rule, and `defaults` only fills
             missing keys).
         defaults: the rule's hyperparameters (checked by `rule.check_group`), per group where
-            given in a group.""" + ENGINE_ARGS + """
+            given in a group.""" + ENGINE_ARGS + PARAM_FORMAT_ARG + """
     Gradients have torch's and DDP's semantics: they SUM over the backward passes since
     `zero_grad()` (also across a `step()` without `zero_grad()`) and are AVERAGED over ranks.
     With accumulation divide the loss by the number of micro-batches, as with DDP, and run all
@@ -105,6 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         keep_for_backward_mb: float = 0.0,
         broadcast_params: bool = True,
         activation_checkpointing: Optional[str] = None,
+        param_format: Optional[str] = None,
     ) -> None:
         # ---- decide: every check, the plan, nothing changed yet ([Note: construction is a
         # decision] in decision.py) ------------------------------------------------------------
@@ -117,7 +118,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             free_grads=free_grads, offload_params=offload_params, master=master, mesh=mesh,
             hpz=hpz, quantized_weights=quantized_weights,
             quantized_gradients=quantized_gradients, keep_for_backward_mb=keep_for_backward_mb,
-            broadcast_params=broadcast_params, activation_checkpointing=activation_checkpointing)
+            broadcast_params=broadcast_params, activation_checkpointing=activation_checkpointing,
+            param_format=param_format)
         self.decision = d
         self.rule, self.rules = d.rule, d.rules
         self.plan = d.plan  # the roles ([Note: one parallel plan] in comm/plan.py)
@@ -154,7 +156,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offload = d.offload
         self.master = d.master
         self.placement = make_placement(d.offload, d.reduce_dtype, d.offload_path, d.plan,
-                                        d.master, d.rule, d.per_group)
+                                        d.master, d.rule, d.per_group, d.param_codec)
         if P.shards_params:
             from zerokern.stage3.build import build_stage3
 
@@ -699,6 +701,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.model_watch is not None:
             self.model_watch.record_versions()
         self.grad_sync.generation += 1
+        for g in self.flat_groups:  # FP8 params: re-encoded from the loaded masters
+            g.params_loaded_()      # (collective; kernels/param_codec.py)
 
 
 class _NoStates:

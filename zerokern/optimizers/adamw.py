@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from zerokern.core.optimizer import ZeroOptimizer
-from zerokern.options.doc import ENGINE_ARGS
+from zerokern.options.doc import ENGINE_ARGS, PARAM_FORMAT_ARG
 from zerokern.rules.adamw import ADAMW
 from zerokern.rules.adamw8bit import adamw_rule_for_bits
 
@@ -32,7 +32,7 @@ class ZeroAdamW(ZeroOptimizer):
             element. Decoupled weight decay only (adamw=True); every offload (None, "cpu",
             "nvme": the codes and absmax in their own aligned files, bit for bit the device's
             update, tests/state/test_nvme_rules.py).""" + \
-        ENGINE_ARGS + """
+        ENGINE_ARGS + PARAM_FORMAT_ARG + """
     Gradients have torch's and DDP's semantics (see ZeroOptimizer).
     """
 
@@ -68,6 +68,7 @@ class ZeroAdamW(ZeroOptimizer):
         keep_for_backward_mb: float = 0.0,
         broadcast_params: bool = True,
         activation_checkpointing: Optional[str] = None,
+        param_format: Optional[str] = None,
     ) -> None:
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
@@ -86,5 +87,6 @@ class ZeroAdamW(ZeroOptimizer):
                          quantized_gradients=quantized_gradients,
                          keep_for_backward_mb=keep_for_backward_mb,
                          broadcast_params=broadcast_params,
-                         activation_checkpointing=activation_checkpointing)
+                         activation_checkpointing=activation_checkpointing,
+                         param_format=param_format)
         self.state_bits = state_bits

@@ -91,3 +91,17 @@ ENGINE_ARGS = """
             gains an "activations" row (see zerokern.stage3.activation_policy), and
             `zerokern estimate --batch --seq --activation-checkpointing` estimates the bytes.
 """
+
+# ZeroOptimizer's and ZeroAdamW's (the rules tested with it so far: AdamW)
+PARAM_FORMAT_ARG = """
+        param_format (str | None): (keyword) None (default): the params in the precision's
+            dtype. "fp8" (stage 3, precision "bf16" or "fp16"): each rank's shard of the
+            trainable params held as torch.float8_e4m3fn codes (1 byte per element; frozen
+            params stay 16-bit) with one fp32 scale per param, agreed across the ranks (amax
+            all-reduced MAX, scale = amax / 448); the stage-3 all-gathers send the codes (half
+            of bf16's bytes) and decode each unit to the precision's dtype, which forward and
+            backward compute with. The fp32 master and the rule's state are unchanged; the
+            params the model sees are rounded to 3 mantissa bits (see
+            zerokern.kernels.param_codec). Not with offload, offload_params, hpz,
+            quantized_weights or master="compact" (ValueError).
+"""
