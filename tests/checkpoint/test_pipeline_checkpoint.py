@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+import zerokern as zk
 import zerokern.checkpoint as ck
 
 from ..support.harness import cached, case, one_thread, run_cases  # noqa: F401
@@ -208,9 +209,52 @@ def _interleaved(world, root):
     return S.merge(S.params_of(c) for c in chunks)
 
 
+def _async(world, root):
+    """An asynchronous save of the pipelined job (stage 3), written while a step runs."""
+    s, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    model = S.stage_model(s, PP)
+    opt = S.zero_opt(model, 3, mesh=world)
+    S.train(model, opt, d, DP, 0, 1)
+    saved = S.params_of(model, opt)
+    h = ck.save(os.path.join(root, "runs", "step1"), model, opt, async_save=True)
+    S.train(model, opt, d, DP, 1, 1)
+    h.wait()
+    return saved
+
+
+def _rules(world, rank, root, singles, pairs):
+    """Other optimizer rules' states across layouts: ZeroAdafactor (per-matrix states on their
+    owner) saved at (pp=2, dp=2) and loaded on one rank; ZeroLion (one momentum; its sign update
+    shows any reordered sum, so no clip and the same dp rows) loaded at (pp=1, dp=2):
+    bitwise."""
+    s, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    out = {}
+    for name, cls, kw, clip in (("adafactor", zk.ZeroAdafactor, {"lr": 1e-2}, S.MAX_NORM),
+                                ("lion", zk.ZeroLion, {"lr": 1e-3, "weight_decay": 0.1}, None)):
+        def make(m, stage, cls=cls, kw=kw, clip=clip, **more):
+            return cls(m, stage=stage, precision="fp32", backend="cpu", max_grad_norm=clip,
+                       bucket_mb=S.BUCKET_MB, **kw, **more)
+        model = S.stage_model(s, PP)
+        opt = make(model, 1, mesh=world)
+        S.train(model, opt, d, DP, 0, SAVE_AT)
+        path = os.path.join(root, name)
+        ck.save(path, model, opt)
+        S.train(model, opt, d, DP, SAVE_AT, MORE)
+        whole = S.stage_model(0, 1, seed=S.SEED + 1)
+        if name == "adafactor":
+            opt2, r, n = make(whole, 2, process_group=singles[rank]), 0, 1
+        else:
+            opt2, r, n = make(whole, 2, process_group=pairs[rank // 2]), rank % 2, 2
+        ck.load(path, whole, opt2)
+        S.train(whole, opt2, r, n, SAVE_AT, MORE)
+        out[name] = {"after": S.params_of(model), "resumed": S.params_of(whole)}
+    return out
+
+
 def _worker(rank, ws, root):
     world = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     singles = [dist.new_group([r]) for r in range(ws)]  # every rank makes every group
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     ref = S.reference(SAVE_AT + MORE)
     cases = {
         "save": functools.partial(_save, world, root, 2),
@@ -223,6 +267,8 @@ def _worker(rank, ws, root):
         "submesh": functools.partial(_dp_submesh, world, root),
         "gpipe": functools.partial(_gpipe, world, root, rank, ws),
         "interleaved": functools.partial(_interleaved, world, root),
+        "async": functools.partial(_async, world, root),
+        "rules": functools.partial(_rules, world, rank, root, singles, pairs),
     }
     out = run_cases(cases)
     out["ref"], out["chain_ref"] = ref, _chain_reference()
@@ -406,3 +452,27 @@ def test_two_stages_per_rank_save_by_name(root):
     got = S.params_of(model)
     assert sorted(got) == sorted(saved)
     assert all(torch.equal(got[n], v) for n, v in saved.items())
+
+
+def test_an_async_save_of_every_stage_is_the_latest(root):
+    """save(async_save=True) of the pipelined job commits every stage; latest() finds it (its
+    parts complete and checked) and consolidate gives the params at the save, bitwise."""
+    saved = S.merge(case(_results(root), "async"))
+    runs = os.path.join(root, "runs")
+    assert ck.latest(runs) == os.path.join(runs, "step1")
+    sd = ck.consolidate(os.path.join(runs, "step1"))
+    assert sorted(saved) == sorted(n for n, _ in S.Net().named_parameters())
+    assert all(torch.equal(sd[n], v) for n, v in saved.items())
+
+
+def test_other_rules_states_move_across_layouts(root):
+    res = case(_results(root), "rules")
+    for name in ("adafactor", "lion"):
+        after = S.merge(r[name]["after"] for r in res)
+        for r in res:
+            got = r[name]["resumed"]
+            assert sorted(got) == sorted(after)
+            if name == "lion":
+                assert all(torch.equal(got[n], after[n]) for n in after), name
+            else:
+                assert S.rel_err(got, after) <= TOL["layout"], (name, S.rel_err(got, after))

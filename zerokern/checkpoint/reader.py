@@ -188,10 +188,12 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
     Args:
         path: checkpoint directory written by `zerokern.checkpoint.save`, the same on every
             rank.
-        model: the nn.Module `opt` was built on (same names and shapes as the saved one).
-        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload. A
-            tensor-parallel checkpoint loads at any dp size with the tp size and placements
-            it was saved with.
+        model: the nn.Module `opt` was built on (same names and shapes as the saved one), or
+            the list of one rank's pipeline stage modules under one optimizer. Params are
+            matched by name: a pipelined or tensor-parallel checkpoint (parts.py [Note: a
+            checkpoint in parts]) loads at any other pipeline and tp layout, each rank reading
+            its params from the stage that holds them.
+        opt: the zerokern.ZeroAdamW; any world size, stage, precision or offload.
         strict: True: the checkpoint must hold every tensor of the model. False: frozen
             params that a save with `exclude_frozen_parameters=True` left out keep the
             model's current values (DeepSpeed's `load_module_strict=False`); the model must
@@ -200,10 +202,11 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
             must match either way (the optimizer state loads with the model).
 
     Returns:
-        {"path", "world_size", "stage", "precision", "step", "excluded_frozen",
-        "client_state"} of the checkpoint read (excluded_frozen: the names of the frozen params
-        it left out, [] for most; client_state: what `save(client_state=...)` stored, or
-        None).
+        {"path", "world_size", "stage", "precision", "step", "parts", "excluded_frozen",
+        "client_state"} of the checkpoint read (world_size, stage, precision: its first
+        part's; parts: its part directories, [] for a checkpoint of one part; excluded_frozen:
+        the names of the frozen params it left out, [] for most; client_state: what
+        `save(client_state=...)` stored, or None).
 
     Raises:
         TypeError: bad argument types. ValueError: bad argument values.
@@ -211,7 +214,8 @@ def load(path, model: nn.Module, opt, *, strict: bool = True) -> Dict[str, Any]:
             ChecksumError (names the file), MissingFileError, VersionError and
             ModelMismatchError (names the param; also strict=True on a checkpoint that left
             frozen params out, and a param left out as frozen that is trainable here or has
-            another shape).
+            another shape; a param of the model the checkpoint lacks, and a param or buffer
+            of the checkpoint no rank of the loading job holds, by name).
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")

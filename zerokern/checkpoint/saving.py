@@ -25,8 +25,9 @@ def save(path, model: nn.Module, opt, *, exclude_frozen_parameters: bool = False
             `path/parts.json` and one checkpoint per (stage, tp rank) under it, all committed
             atomically as one (checkpoint/parts.py [Note: a checkpoint in parts]); every rank
             of the job calls save.
-        model: the nn.Module `opt` was built on; names come from `model.state_dict()` (a
-            pipeline stage's module keeps the whole model's names: parts.py).
+        model: the nn.Module `opt` was built on, or the list of one rank's pipeline stage
+            modules under one optimizer; names come from `model.state_dict()` (a pipeline
+            stage's module keeps the whole model's names: parts.py).
         opt: the zerokern.ZeroAdamW.
         exclude_frozen_parameters: leave out the values of the model's frozen params
             (`requires_grad=False`, not held by the optimizer), as DeepSpeed's

@@ -17,9 +17,13 @@
    A `latest` pointer file would also work but makes `path` something other than a checkpoint
    directory; the exchange keeps `path` itself the checkpoint.
 5. Every rank learns the outcome (`Collective.agree`): all return or all raise.
-"Rank" here is the rank in the world group (every data-parallel rank agrees); the rank files
-are named by the shard rank, and with HSDP replicas (comm/groups.py) only replica 0 of each
-shard writes one: the others hold the same shard.
+A job of several parts (pipeline stages, tp ranks: parts.py [Note: a checkpoint in parts])
+writes each part into `tmp/<part>/` (its dp rank 0 writes the part's metadata), and job rank 0
+writes `tmp/parts.json` before the commit: one exchange replaces every part at once.
+"Rank" here is the rank in the job (every data-parallel rank, and every stage and tp rank of a
+model-parallel job, agrees); the rank files are named by the shard rank, and with HSDP
+replicas (comm/groups.py) only replica 0 of each shard writes one: the others hold the same
+shard.
 A crash before step 4 leaves the previous checkpoint untouched plus a stale tmp directory,
 which the next successful save to the same path deletes.
 """
