@@ -14,7 +14,9 @@ writer.py [Note: atomic replace], the load rules in reader.py [Note: load is all
 everything read from the optimizer in views.py, asynchronous saves in async_save.py
 [Note: asynchronous saves], and the choice of the newest complete one in latest.py
 [Note: latest], and an HSDP replica's recovery from a live replica (no checkpoint) in
-replica.py [Note: recovery from a live replica].
+replica.py [Note: recovery from a live replica]. A pipelined or tensor-parallel job writes one
+checkpoint per (stage, tp rank) and loads by param name at any other layout: parts.py
+[Note: a checkpoint in parts].
 """
 
 from .async_save import AsyncSave, SaveState, wait
