@@ -214,6 +214,25 @@ def _eval_variants(which: str, rank: int):
             det(mean_out), det(one_by_one))
 
 
+def _reduce_scatters(rank: int):
+    """Reduce-scatter calls of one train_batch (the second) at stages 2 and 3 with 2 and with
+    4 micro-batches: {(stage, micro-batches): calls}."""
+    import zerokern
+
+    C.launcher_env(rank)
+    out = {}
+    for stage in (2, 3):
+        for gas in (2, 4):
+            model = _module(2)
+            engine, opt, _, _ = zerokern.initialize(model=model, config=_config(stage, gas=gas))
+            dp = engine.grid.get_data_parallel_rank()
+            engine.train_batch(_data(dp, 0, gas))
+            opt.reset_comm_stats()
+            engine.train_batch(_data(dp, 1, gas))
+            out[(stage, gas)] = opt.comm_stats()["calls"]["reduce_scatter"]
+    return out
+
+
 def _torch_reference(initial, cfg, dp: int, tied: bool = False, steps: int = STEPS,
                      masked: bool = False):
     """One process, plain torch: the same layers with the pipeline run's initial weights,
@@ -386,6 +405,8 @@ def _cases(rank, ws):
     fp16 = _config(1, fp16={"enabled": True})
     cases["ds-fp16"] = lambda: _train("deepspeed", rank, fp16, half=True)
     cases["zk-fp16"] = lambda: _train("zerokern", rank, fp16, half=True)
+    if ws == 4:  # (one data-parallel rank per stage reduce-scatters nothing)
+        cases["rs-count"] = lambda: _reduce_scatters(rank)
     if ws == 2:
         cases["zk-loader"] = lambda: _train("zerokern", rank, s1, loader=True)
         cases["zk-masked"] = lambda: _train("zerokern", rank, s1, masked=True,
@@ -484,6 +505,16 @@ def test_tuple_with_a_bool_mask_crosses_the_stages():
         assert _max_param_diff(z.state, ref_state) <= TOL["torch"]
     first, last = (z.state for z in case(_results(), "zk-masked"))
     assert "2.weight" in first and "5.weight" in last  # the boundary is where it should be
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_3_reduce_scatter_once_per_step(stage):
+    """Every micro-batch's backward but the last runs under no_sync(): 4 micro-batches
+    reduce-scatter as often per train_batch as 2 (once per bucket per step); 4 ranks, pp=2 x
+    dp=2."""
+    for counts in case(_results(4), "rs-count"):
+        assert counts[(stage, 2)] > 0 and counts[(stage, 4)] == counts[(stage, 2)], counts
 
 
 def test_training_data_loader():

@@ -322,6 +322,55 @@ def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=
             after_first.extend(p.detach().clone() for p in net.parameters())
 
 
+def failure(world, schedule: str, zero_stage: int):
+    """Rank 3 (the last stage) raises in its forward of micro-batch 2 at step 1: it drains the
+    schedule step and raises at its opt.step(); every other rank raises RankAborted in its
+    step, long before the process group's 60 s timeout. Run last in its group: the process
+    groups are out of step afterwards (comm/abort.py)."""
+    import time
+
+    pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    net = make_net()
+    layout = stage_blocks(schedule, pp)
+    mods = [nn.Sequential(*[net[b] for b in blocks]) for _, blocks in layout]
+    whole = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+    opt = zk.ZeroAdamW(whole, lr=LR, stage=zero_stage, precision="fp32", backend="cpu",
+                       bucket_mb=0.0002, mesh=world)
+    n_stages = PP * len(layout)
+    stages = [ZeroPipelineStage(m, i, n_stages, torch.device("cpu"), opt,
+                                group=world["pp"].get_group()) for m, (i, _) in zip(mods, layout)]
+    sched = SCHEDULES[schedule](stages[0] if len(stages) == 1 else stages, MICRO,
+                                loss_fn=loss_fn)
+    calls = [0]
+
+    def boom(mod, inp, out):
+        calls[0] += 1
+        if calls[0] == MICRO + 3:  # step 1, micro-batch 2
+            raise RuntimeError("boom on rank 3")
+        return out
+
+    if dist.get_rank() == 3:
+        mods[-1].register_forward_hook(boom)
+    first, last = any(i == 0 for i, _ in layout), any(i == n_stages - 1 for i, _ in layout)
+    for step in range(STEPS):
+        x, y = data(step, d)
+        t0 = time.perf_counter()
+        where = "schedule"
+        try:
+            sched.step(*((x,) if first else ()), **(dict(target=y) if last else {}))
+            where = "step"
+            opt.step()
+            opt.zero_grad()
+        except Exception as e:  # noqa: BLE001
+            chain, c = [], e
+            while c is not None and len(chain) < 6:  # torch wraps stage errors (`from e`)
+                chain.append(f"{type(c).__name__}: {c}")
+                c = c.__cause__ or c.__context__
+            return {"step": step, "where": where, "type": type(e).__name__,
+                    "chain": " | ".join(chain), "s": time.perf_counter() - t0}
+    return {"step": None}
+
+
 # ---- the spawned groups ------------------------------------------------------------------------
 # default: one parity case per schedule and ZeRO stage family, the controls, an overflow, fp16,
 # the errors; the rest of the matrix in the slow pass
@@ -347,6 +396,7 @@ def _worker(rank: int, world_size: int, slow: bool):
             if z >= 2:  # the same schedule at PP micro-batches (1F1B's least)
                 cases[f"{schedule}{z}_fewer"] = functools.partial(collectives, world,
                                                                   schedule, z, PP)
+        cases["failure"] = functools.partial(failure, world, "1f1b", 2)  # (last: see there)
     else:
         cases["overflow3"] = functools.partial(overflow, world, "interleaved", 3)
         cases["fp16_2"] = functools.partial(fp16, world, "gpipe", 2)
@@ -420,3 +470,16 @@ def test_overflow_at_stage_3_and_fp16_at_stage_2():
         assert r["skipped"] == [False, True, False] and r["moved"], r
     for r in case(_results(True), "fp16_2"):
         assert r["rel"] <= TOL["fp16"], r
+
+
+def test_a_failure_on_one_stage_reaches_every_rank():
+    """The failing rank raises its own error at opt.step(); the others RankAborted naming it,
+    in their step, within seconds (the process group's timeout is 60 s here). Before: the
+    failing rank raised from schedule.step() and its pipeline peers waited in a receive
+    until the timeout."""
+    rs = case(_results(), "failure")
+    assert "boom on rank 3" in rs[3]["chain"], rs
+    for r in rs:
+        assert r["step"] == 1 and r["where"] == "step" and r["s"] < 30, rs
+    for r in rs[:3]:  # (rank 2 met it in its last backward's reduce-scatter: torch wraps it)
+        assert "RankAborted: zerokern: rank 3 failed" in r["chain"], rs

@@ -28,15 +28,20 @@ raises the same ValueError on every rank, before anything changed. Compared:
   is refused too: tied weights across stages are not supported.
 
 [Note: a failure inside the schedule]
-A rank that raises inside a stage's forward or backward posts the error on its optimizer's
-failure channels (comm/abort.py) before raising: its dp peers waiting in a zerokern
-collective (the last backward's reduce-scatter, the step's agreement) raise RankAborted
-within a poll interval. Its pp peers may be waiting in one of torch's p2p receives, which no
-one can poll on gloo (a timed-out gloo wait closes the pair; `is_completed()` never turns
-True for a receive: both measured, torch 2.13): they are released when the failing process
-exits (gloo's "connection closed by peer", as under torchrun), or else at the process group's
-timeout. The failures zerokern itself could raise inside a schedule step on one stage only
-(stage 3 under 1F1B's interleaving) are fixed at their source.
+A rank whose stage raises inside a forward or backward must not leave its peers waiting.
+Its pipeline peers may be in one of torch's point-to-point receives, which nothing can poll
+on gloo (a timed-out gloo wait closes the pair; `is_completed()` never turns True for a
+receive; destroying a group closes nothing while references to it live: all measured, torch
+2.13). So the failing rank drains the schedule step instead of leaving it: it posts the error
+on every failure channel of its optimizer (dp, pp, tp: comm/abort.py), stops computing, and
+sends what its peers expect, NaN of torch's own metadata for each output and input grad, so
+the step completes everywhere; its next `opt.step()` raises the error. Its peers' first
+zerokern collective after that (the last backward's reduce-scatter of its dp peers, the
+step's agreement over pp for the others) sees the post and raises RankAborted naming it,
+within a poll interval. Nothing a drained step computed reaches a param: every rank raises
+before its update. A failure before torch's shape inference (the first step's first
+forward) has no metadata to drain with: it is posted and raised at once. The loss function
+runs in the schedule, outside the stage: an error there is not drained.
 """
 
 from __future__ import annotations
@@ -248,8 +253,28 @@ def _disagreement(everyone: List[dict]) -> Optional[str]:
 
 
 def post_failure(stage, error: BaseException) -> None:
-    """[Note: a failure inside the schedule]: post the error for the dp peers' waits."""
-    try:
-        stage.optimizer.comm.signal_failure(error)
-    except Exception:  # noqa: BLE001 (the original error is the one to raise)
-        pass
+    """[Note: a failure inside the schedule]: post the error on every channel the peers may
+    wait on (the optimizer's dp groups, its pp group, its tp group)."""
+    opt = stage.optimizer
+    comms = [opt.comm, opt.plan.pp, getattr(opt.plan.tp, "comm", None)]
+    for c in comms:
+        if c is None:
+            continue
+        try:
+            c.signal_failure(error)
+        except Exception:  # noqa: BLE001 (the original error is the one to raise)
+            pass
+
+
+def raise_at_next_step(opt, error: BaseException) -> None:
+    """The failing rank's next `opt.step()` raises `error` (as torch's lr schedulers do, the
+    instance's `step` is wrapped): every rank is then out of the schedule step, and the
+    peers' first collective of their step sees the posted error."""
+    inner = opt.step
+
+    def step(*args, **kwargs):
+        opt.step = inner
+        raise error
+
+    step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", False)
+    opt.step = step

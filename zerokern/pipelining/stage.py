@@ -45,6 +45,7 @@ from typing import Any, List, Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
 from zerokern.core.optimizer import ZeroOptimizer
 from zerokern.pipelining import agreement
@@ -54,12 +55,14 @@ _BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, _RankStages] = weakref.WeakKeyDict
 
 
 class _RankStages:
-    """The stages of one optimizer on this rank, and which of them ran their last backward of
-    the current schedule step ([Note: one reduction per schedule step])."""
+    """The stages of one optimizer on this rank, which of them ran their last backward of
+    the current schedule step ([Note: one reduction per schedule step]), and the error one
+    of them raised (the rank then drains: [Note: a failure inside the schedule])."""
 
     def __init__(self) -> None:
         self.stages: List[weakref.ref] = []
         self.done: set = set()
+        self.error: Optional[BaseException] = None
 
     def live(self) -> list:
         return [s for s in (r() for r in self.stages) if s is not None]
@@ -74,6 +77,13 @@ def _tensors(value) -> list:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     return []
+
+
+def _nan_like(meta, device) -> torch.Tensor:
+    """A tensor of torch's metadata, NaN where the dtype has one (zeros otherwise): what a
+    drained stage sends, so a value computed from it can never pass as a real one."""
+    t = _make_tensor_from_meta(meta, device)
+    return t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
 
 
 class ZeroPipelineStage(PipelineStage):
@@ -148,7 +158,8 @@ class ZeroPipelineStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None,
                           save_forward_output: bool = True):
-        """torch's forward of one micro-batch; an error is posted for the peers first.
+        """torch's forward of one micro-batch; after an error on this rank, a drained one
+        ([Note: a failure inside the schedule] in agreement.py).
 
         Args:
             fwd_chunk_id: the micro-batch index.
@@ -156,15 +167,23 @@ class ZeroPipelineStage(PipelineStage):
             kwargs: keyword inputs.
             save_forward_output: keep the last stage's output for the schedule's return.
         """
-        try:
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        except Exception as e:
-            self._failed(e)
-            raise
+        if self._rank_stages.error is None:
+            try:
+                return super().forward_one_chunk(fwd_chunk_id, args, kwargs,
+                                                 save_forward_output)
+            except Exception as e:
+                self._failed(e)
+        outs = tuple(_nan_like(m, self.device) for m in self._stage_meta.outputs)
+        self.fwd_cache[fwd_chunk_id] = (outs, [])
+        out = outs[0] if len(outs) == 1 else outs
+        if self.is_last and save_forward_output:
+            self.output_chunks.append(out)
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):
-        """torch's backward of one micro-batch; an error is posted for the peers first.
+        """torch's backward of one micro-batch; after an error on this rank, a drained one
+        ([Note: a failure inside the schedule] in agreement.py).
 
         Args:
             bwd_chunk_id: the micro-batch index.
@@ -172,11 +191,22 @@ class ZeroPipelineStage(PipelineStage):
             full_backward: weights and inputs at once (the supported schedules' only kind).
             last_backward: the stage's last backward of the step (set by the schedule).
         """
+        if self._rank_stages.error is None:
+            try:
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward,
+                                                  last_backward)
+            except Exception as e:
+                self._failed(e)
+        self.fwd_cache.pop(bwd_chunk_id, None)
+        n = len(self._stage_meta.inputs or ())
+        self.bwd_cache[bwd_chunk_id] = tuple(self._nan_grad(i) for i in range(n))
+
+    def _nan_grad(self, i: int):
         try:
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        except Exception as e:
-            self._failed(e)
-            raise
+            meta = self._get_grad_send_meta(i)
+        except Exception:  # noqa: BLE001 (no recv allocated: torch sends nothing for it)
+            return None
+        return None if meta is None else _nan_like(meta, self.device)
 
     def _backward_metadata_inference(self, *args, **kwargs):
         """torch's shape inference at the first step runs a backward (autograd.grad to the
@@ -193,9 +223,15 @@ class ZeroPipelineStage(PipelineStage):
             gs.require_scaled = required
 
     def _failed(self, error: BaseException) -> None:
-        """This rank raises inside the schedule: its peers must not wait for it
-        (agreement.py [Note: a failure inside the schedule])."""
+        """An error in this rank's forward or backward: post it, drain the rest of the
+        schedule step, raise it at the next opt.step() (agreement.py [Note: a failure inside
+        the schedule])."""
+        if self._stage_meta.outputs is None:  # before shape inference: nothing to drain
+            agreement.post_failure(self, error)
+            raise error
+        self._rank_stages.error = error
         agreement.post_failure(self, error)
+        agreement.raise_at_next_step(self.optimizer, error)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
                                    last_backward: bool = False):
