@@ -94,6 +94,21 @@ def _whole(rank, root, stage, ws, group=None, params_only=False):
     return {"loaded": loaded, "after": S.params_of(model, opt)}
 
 
+def _dp_submesh(world, root):
+    """tp stages with ZeroAdamW over world["dp"] (the tp DTensors, but no pp in the plan): the
+    job the optimizer knows (dp x tp, 4 ranks) is not the whole one, so the save refuses."""
+    s = world["pp"].get_local_rank()
+    model = _tp_stage(world, s)
+    opt = S.zero_opt(model, 2, mesh=world["dp"])
+    path = os.path.join(root, "submesh")
+    try:
+        ck.save(path, model, opt)
+        return {"error": None}
+    except ValueError as e:
+        dist.barrier()
+        return {"error": str(e), "written": os.path.exists(path)}
+
+
 def _worker(rank, ws, root):
     world = init_device_mesh("cpu", (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     world4 = init_device_mesh("cpu", (4, 2), mesh_dim_names=("pp", "dp"))
@@ -105,6 +120,7 @@ def _worker(rank, ws, root):
         "pp4": functools.partial(_pp4, world4, root),
         "one": functools.partial(_whole, rank, root, 1, 1, singles[rank]),
         "negative": functools.partial(_whole, rank, root, 2, ws, None, True),
+        "submesh": functools.partial(_dp_submesh, world, root),
     })
     out["ref"] = S.reference(SAVE_AT + MORE)[-1]
     return out
@@ -167,3 +183,9 @@ def test_negative_control_params_only_misses(root):
     ref = case(_results(root), "ref")[0]
     for r in case(_results(root), "negative"):
         assert S.rel_err(r["after"], ref) > TOL["negative_factor"] * TOL["layout"]
+
+
+def test_a_tp_stage_optimizer_over_the_dp_submesh_refuses_to_save(root):
+    for r in case(_results(root), "submesh"):
+        assert r["error"] is not None and "not the whole job" in r["error"], r
+        assert not r["written"], r

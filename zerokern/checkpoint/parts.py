@@ -126,7 +126,7 @@ def job_layout(opt) -> JobLayout:
     if key not in _JOB_GROUPS:
         _JOB_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
     return JobLayout(_JOB_GROUPS[key], ranks.index(dist.get_rank()), len(ranks), lead=lead,
-                     **coords)
+                     complete=complete, **coords)
 
 
 def placements(view) -> Dict[str, Dict[str, Any]]:
