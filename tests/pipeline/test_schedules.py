@@ -291,14 +291,26 @@ def bad(world):
     attempt("schedule", cls=ScheduleGPipe if pp == 0 else Schedule1F1B)
     attempt("overlap", overlap=True)
     attempt("dp_mesh", mesh_dp=True)
+    attempt("two_optimizers", two_optimizers=True)  # interleaved: one per stage module
     attempt("no_sync", no_sync=True)
     attempt("no_sync_later", no_sync="later")  # a later step: each rank raises on its own
     return out
 
 
 def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=False,
-             no_sync=False, after_first=None):
+             no_sync=False, after_first=None, two_optimizers=False):
     pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    if two_optimizers:  # stages pp and pp + 2 of 4, an optimizer each
+        mods = [nn.Sequential(net[pp]), nn.Sequential(net[pp + PP])]
+        stages = [ZeroPipelineStage(m, i, 2 * PP, torch.device("cpu"),
+                                    zk.ZeroAdamW(m, lr=LR, stage=2, precision="fp32",
+                                                 backend="cpu", mesh=world),
+                                    group=world["pp"].get_group())
+                  for m, i in zip(mods, (pp, pp + PP))]
+        x, y = data(0, d)
+        sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
+        sched.step(*((x,) if pp == 0 else ()), **(dict(target=y) if pp == PP - 1 else {}))
+        return
     blocks = [2 * pp, 2 * pp + 1]
     if overlap and pp == 1:
         blocks = [1, 2, 3]  # block 1 is in stage 0 too
@@ -456,6 +468,7 @@ def test_fp16_loss_scale_goes_through_the_pipeline():
 def test_bad_pipelines_raise_on_every_rank_before_any_change():
     want = {"micro": "micro-batches", "schedule": "the schedule", "overlap": "both hold",
             "dp_mesh": "no pipeline role", "no_sync": "inside opt.no_sync()",
+            "two_optimizers": "hold 2 optimizers",
             "no_sync_later": "inside opt.no_sync()"}
     for r in case(_results(), "bad"):
         for name, text in want.items():
