@@ -476,3 +476,26 @@ def test_other_rules_states_move_across_layouts(root):
                 assert all(torch.equal(got[n], after[n]) for n in after), name
             else:
                 assert S.rel_err(got, after) <= TOL["layout"], (name, S.rel_err(got, after))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_legacy_tp_index_is_read_as_tp_parts(tmp_path):
+    """A checkpoint written before parts.json (tp.json + tpNNNNN/, here of one tp rank) loads
+    and consolidates as a checkpoint in parts."""
+    model = S.Net()
+    opt = S.zero_opt(model, 1)
+    S.train(model, opt, 0, 1, 0, 1)
+    saved = S.params_of(model)
+    plain, top = str(tmp_path / "plain"), tmp_path / "legacy"
+    ck.save(plain, model, opt)
+    top.mkdir()
+    shutil.move(plain, str(top / "tp00000"))
+    params = {n: {"shard": None, "shape": list(p.shape)} for n, p in model.named_parameters()}
+    with open(top / "tp.json", "w") as f:
+        json.dump({"format": "zerokern-tp-checkpoint", "tp_size": 1, "params": params}, f)
+    fresh = S.Net(seed=S.SEED + 1)
+    opt2 = S.zero_opt(fresh, 2)
+    assert ck.load(str(top), fresh, opt2)["parts"] == ["tp00000"]
+    assert all(torch.equal(v, saved[n]) for n, v in S.params_of(fresh).items())
+    sd = ck.consolidate(str(top))
+    assert all(torch.equal(sd[n], v) for n, v in saved.items())
