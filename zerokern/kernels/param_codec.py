@@ -71,6 +71,8 @@ class ParamCodec:
                              f"float16, got {storage_dtype!r}")
         self.storage_dtype = storage_dtype
         self.compute_dtype = storage_dtype
+        # decided once: kernel_out runs per piece on the step path
+        self._kernel_writes = self.has_master and self.fused
 
     @property
     def name(self) -> str:
@@ -93,7 +95,7 @@ class ParamCodec:
         """The `param_out` to hand a step kernel whose master piece matches `params` (the
         resident params of the same elements): `params` where the kernel writes the cast-back,
         None where there is none to write (fp32) or the codec writes it after (`encode_`)."""
-        return params if self.has_master and self.fused else None
+        return params if self._kernel_writes else None
 
     def cast_(self, out: torch.Tensor, master: torch.Tensor, non_blocking: bool = False) -> None:
         """The cast-back outside a kernel: `out` (storage dtype) = `master` (fp32) rounded to
@@ -127,6 +129,7 @@ class Float8Codec(ParamCodec):
         self.storage_dtype = FP8_DTYPE
         self.compute_dtype = compute_dtype
         self.agree = agree
+        self._kernel_writes = False  # the kernels write no FP8: encode_ after the update
 
     @property
     def name(self) -> str:
