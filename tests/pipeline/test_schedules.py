@@ -137,7 +137,8 @@ def loss_fn(out, y):
 
 
 def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mesh="world",
-          plain=False, inf_at=None, loss_scale=None, micro=MICRO, keep_mb=0.0):
+          plain=False, inf_at=None, loss_scale=None, micro=MICRO, keep_mb=0.0,
+          keep_gathered=False):
     """One pipelined run; returns this rank's blocks' params, the losses (last stage), the
     reduce-scatter and all-gather counts per step, and the skipped flags."""
     pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
@@ -161,7 +162,8 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
         stages = [PipelineStage(m, i, n_stages, dev, group=group)
                   for m, (i, _) in zip(mods, layout)]
     else:
-        stages = [ZeroPipelineStage(m, i, n_stages, dev, opt, group=group)
+        stages = [ZeroPipelineStage(m, i, n_stages, dev, opt, group=group,
+                                    keep_gathered=keep_gathered)
                   for m, (i, _) in zip(mods, layout)]
     cls = SCHEDULES[schedule]
     one = stages[0] if len(stages) == 1 else stages
@@ -243,9 +245,10 @@ def parity(world, memo, schedule, zero_stage, **kw):
             "skipped": r["skipped"], "late": r["late"]}
 
 
-def collectives(world, schedule, zero_stage, micro, keep_mb=0.0):
+def collectives(world, schedule, zero_stage, micro, keep_mb=0.0, keep_gathered=False):
     """Reduce-scatter and all-gather calls per step of a run (no reference needed)."""
-    r = train(world, schedule, zero_stage, micro=micro, keep_mb=keep_mb)
+    r = train(world, schedule, zero_stage, micro=micro, keep_mb=keep_mb,
+              keep_gathered=keep_gathered)
     return {"rs": r["rs"], "ag": r["ag"]}
 
 
@@ -408,6 +411,10 @@ def _worker(rank: int, world_size: int, slow: bool):
             if z >= 2:  # the same schedule at PP micro-batches (1F1B's least)
                 cases[f"{schedule}{z}_fewer"] = functools.partial(collectives, world,
                                                                   schedule, z, PP)
+        cases["1f1b3_keep"] = functools.partial(parity, world, memo, "1f1b", 3,
+                                                keep_gathered=True)
+        cases["1f1b3_keep_fewer"] = functools.partial(collectives, world, "1f1b", 3, PP,
+                                                      keep_gathered=True)
         cases["failure"] = functools.partial(failure, world, "1f1b", 2)  # (last: see there)
     else:
         cases["overflow3"] = functools.partial(overflow, world, "interleaved", 3)
@@ -496,3 +503,17 @@ def test_a_failure_on_one_stage_reaches_every_rank():
         assert r["step"] == 1 and r["where"] == "step" and r["s"] < 30, rs
     for r in rs[:3]:  # (rank 2 met it in its last backward's reduce-scatter: torch wraps it)
         assert "RankAborted: zerokern: rank 3 failed" in r["chain"], rs
+
+
+def test_stage3_keep_gathered_gathers_once_per_step():
+    """keep_gathered=True: the same params as the reference, the same reduce-scatters, and
+    the all-gathers of a step do not grow with the micro-batches (2 per step at 2 and at 4,
+    against 8 at 4 without it: a unit gathered per micro-batch's forward and backward).
+    Step 0 is left out of the count: it holds torch's shape inference and the agreement."""
+    keep = case(_results(), "1f1b3_keep")
+    keep_fewer = case(_results(), "1f1b3_keep_fewer")
+    without = case(_results(), "1f1b3")
+    for a, b, c in zip(keep, keep_fewer, without):
+        assert a["rel"] <= TOL["param"] and a["loss_rel"] <= TOL["param"], a
+        assert a["rs"] == c["rs"], (a, c)
+        assert a["ag"][1:] == b["ag"][1:] and a["ag"][1] < c["ag"][1], (a, b, c)

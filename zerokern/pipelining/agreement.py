@@ -13,7 +13,8 @@ schedule. Every rank then holds every description and decides alone, alike, so a
 raises the same ValueError on every rank, before anything changed. Compared:
 - the schedule class, its micro-batch count and `scale_grads`;
 - the stage layout: num_stages, and every stage index held by the same number of ranks;
-- the optimizers' ZeRO stage, precision, loss scale, max_grad_norm and learning rates;
+- the optimizers' ZeRO stage, precision, loss scale, max_grad_norm and learning rates, and
+  the stages' keep_gathered (stage 3 gathers at other moments otherwise);
 - per rank: no `opt.no_sync()` around the schedule step (the stage decides which backward
   reduces; at later steps a rank inside no_sync() raises on its own and posts the error, as
   below); its stages' optimizer (one per rank, stage.py [Note: one optimizer per rank]) with
@@ -160,7 +161,8 @@ def _describe(schedule, stages: list) -> Dict[str, Any]:
         zero = {"optimizer": type(opt).__name__, "stage": opt.stage,
                 "precision": opt.precision, "loss_scale": float(opt.loss_scale),
                 "max_grad_norm": opt.max_grad_norm,
-                "lr": sorted({float(g["lr"]) for g in groups})}
+                "lr": sorted({float(g["lr"]) for g in groups}),
+                "keep_gathered": sorted({s.keep_gathered for s in ours})}
         with opt.gathered_params() if opt.stage == 3 else _Null():
             params = {s.stage_index: _fingerprints(s.submod) for s in ours}
     return {"rank": me, "schedule": type(schedule).__name__,

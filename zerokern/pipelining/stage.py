@@ -23,6 +23,17 @@ rank 1's of stage 3: two partial norms, neither global. One optimizer per rank m
 over the pp group the sum over every stage. Two stages of one rank holding different
 optimizers are refused (agreement.py).
 
+[Note: stage 3 across micro-batches]
+At stage 3 every micro-batch's forward and backward gather the units they run, as any
+forward and backward does: measured on tests/pipeline's model (2 units per stage module),
+2 all-gathers per micro-batch, 8 per step at 4 micro-batches, GPipe and 1F1B alike. With
+`keep_gathered=True` the rank's optimizer gathers all of its params once when the step
+begins (`gather_all`, the reference count that `gathered_params()` takes, so the runtime's
+frees pass them by) and releases them after the rank's last backward (torch's
+REDUCE_GRAD): one all-gather per unit per step, whatever the micro-batch count, for the
+whole stage held through the step (torchtitan's choice for pipelining:
+reshard_after_forward=False). The reduce-scatters do not change (one per step either way).
+
 [Note: the loss scale through the pipeline]
 The last stage's backward starts from `opt.scale_loss(loss)`: the loss times the loss scale.
 The grads it sends back carry that scale, so an earlier stage's grads are scaled by the same
@@ -63,6 +74,8 @@ class _RankStages:
         self.stages: List[weakref.ref] = []
         self.done: set = set()
         self.error: Optional[BaseException] = None
+        self.pinned = False  # keep_gathered: the params are gathered for this step
+        self.reduced: set = set()  # stages past their REDUCE_GRAD in this step
 
     def live(self) -> list:
         return [s for s in (r() for r in self.stages) if s is not None]
@@ -103,6 +116,11 @@ class ZeroPipelineStage(PipelineStage):
         group: the pipeline's process group (`world["pp"].get_group()`); it must be the
             optimizer's pp group.
         dw_builder: as torch's `PipelineStage` (not supported: must be None).
+        keep_gathered: stage 3 only: gather the rank's params once when a schedule step
+            begins and keep them whole until its last backward, instead of gathering each
+            unit around every micro-batch's forward and backward (torchtitan's
+            `reshard_after_forward=False` for pipelining); the same on every rank. Costs the
+            rank's whole stage params in memory through the step.
 
     Raises:
         TypeError: optimizer is not a zerokern optimizer.
@@ -113,7 +131,11 @@ class ZeroPipelineStage(PipelineStage):
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int,
                  device: torch.device, optimizer: ZeroOptimizer, input_args=None,
-                 output_args=None, group=None, dw_builder=None) -> None:
+                 output_args=None, group=None, dw_builder=None,
+                 keep_gathered: bool = False) -> None:
+        if not isinstance(keep_gathered, bool):
+            raise TypeError(f"keep_gathered must be True or False, got "
+                            f"{type(keep_gathered).__name__}")
         if not isinstance(optimizer, ZeroOptimizer):
             raise TypeError("optimizer must be a zerokern optimizer (ZeroAdamW, ZeroLion, ...) "
                             f"over this stage's params, got {type(optimizer).__name__}")
@@ -128,6 +150,7 @@ class ZeroPipelineStage(PipelineStage):
         self._rank_stages.stages.append(weakref.ref(self))
         self._schedule: Optional[weakref.ref] = None  # the schedule running this stage
         self._fold = 1  # the schedule's scale_grads divisor, folded into the loss
+        self.keep_gathered = keep_gathered  # [Note: stage 3 across micro-batches]
 
     # ---- the schedule step --------------------------------------------------------------------
     def clear_runtime_states(self) -> None:
@@ -142,11 +165,32 @@ class ZeroPipelineStage(PipelineStage):
             error = ValueError(f"ZeroPipelineStage: {agreement.NO_SYNC}")
             agreement.post_failure(self, error)
             raise error
+        rs, opt = self._rank_stages, self.optimizer
+        if (self.keep_gathered and opt.stage == 3 and not rs.pinned and schedule is not None
+                and schedule._has_backward):  # [Note: stage 3 across micro-batches]
+            opt.grad_sync.gather_all()
+            rs.pinned, rs.reduced = True, set()
         self._fold = 1
         if schedule is not None and schedule.scale_grads:
             self._fold = schedule._n_microbatches
         if schedule is not None:
             self._schedule = weakref.ref(schedule)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """torch's end of a stage's backwards in a step; with keep_gathered, the rank's last
+        one releases the params gathered since the step began ([Note: stage 3 across
+        micro-batches]).
+
+        Args:
+            grad_scale_factor: the schedule's divisor (folded into the loss: see scale_grads).
+        """
+        super().perform_reduce_grad(grad_scale_factor)
+        rs = self._rank_stages
+        if rs.pinned:
+            rs.reduced.add(self.stage_index)
+            if {s.stage_index for s in self._stages_of_step()} <= rs.reduced:
+                rs.pinned = False
+                self.optimizer.grad_sync.release_all(write_back=False)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """Nothing to do: the factor is folded into the last stage's loss ([Note: the loss
