@@ -8,10 +8,11 @@ the shards, a tie, a 0-d param, a frozen param), over real training steps:
   the float64 spec of the quantization (tests/kernels/test_param_codec.py `spec_param`) applied
   to this optimizer's own fp32 masters (gathered with plain dist.all_gather): after
   construction and after each step; the masters themselves train (the loss falls);
-- the shard costs 1 byte per element (memory_report) and one step's all-gathers move half the
-  bytes of the same run with bf16 params (comm_stats; every param trainable there: frozen
-  params have no master to encode from and stay in the precision's dtype);
-- opt.state_dict() round trip and gathered_params(modify=True) keep the spec;
+- the shard costs 1 byte per element (memory_report, measured and formula) and one step's
+  all-gathers move half the bytes of the same run with bf16 params (comm_stats; every param
+  trainable there: frozen params have no master to encode from and stay 16-bit);
+- opt.state_dict() round trip, gathered_params(modify=True) and zerokern.checkpoint save/load
+  keep the spec;
 - negative control: with the agreement switched off (each rank's scale from its own part of a
   param) the gathered params are not the spec, and the two ranks' scales differ;
 - bad input: TypeError/ValueError naming param_format, on every rank, before any change.
@@ -86,6 +87,7 @@ def _case_spec(rank, world_size):
             "losses": losses, "dtypes": sorted({str(g.param_shard.dtype)
                                                 for g in opt.flat_groups}),
             "params_bytes": opt.memory_report()["measured"]["params"],
+            "formula_params": opt.memory_report()["formula"]["params"],
             "shard_numel": sum(g.param_shard.numel() - g.state_padding
                                for g in opt.flat_groups)}
 
@@ -211,6 +213,14 @@ def test_fp8_params_are_the_spec_of_the_masters(world_size, tmp_path_factory):
         assert r["dtypes"] == ["torch.float8_e4m3fn"]
         assert r["params_bytes"] == r["shard_numel"]  # one byte per element held
         assert r["losses"][-1] < r["losses"][0]  # the masters train
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fp8_memory_formula_counts_one_byte(world_size, tmp_path_factory):
+    """memory_report's formula (DESIGN §4 with the codec's bytes) sums, over the ranks, to
+    what they hold: 1 byte per trainable element (2 with bf16 params)."""
+    rs = case(_run(world_size, tmp_path_factory), "spec")
+    assert sum(r["formula_params"] for r in rs) == sum(r["params_bytes"] for r in rs)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

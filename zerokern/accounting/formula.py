@@ -21,7 +21,8 @@ K_DEEPSPEED = 12
 
 def estimate_memory(num_params: int, world_size: int, stage: int, precision: str = "bf16",
                     offload: Optional[str] = None, reduce_bytes: Optional[int] = None,
-                    master: str = "fp32", optimizer="adamw") -> Dict[str, int]:
+                    master: str = "fp32", optimizer="adamw",
+                    param_format: Optional[str] = None) -> Dict[str, int]:
     """DESIGN §4 bytes per rank for `num_params` (Ψ) params over `world_size` (N) ranks.
 
     Args:
@@ -37,6 +38,8 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
             dict {rule or name: number of params} summing to num_params, for a rule per
             param group (ZeroMuon: `{"muon": matrices, "adamw": the rest}`; K = 8 bytes per
             Muon param, 12 per AdamW one).
+        param_format: None, or "fp8" (stage 3): the param shard in 1 byte per element
+            (zerokern.kernels.param_codec).
 
     Raises:
         ValueError: an argument out of range, naming it.
@@ -71,8 +74,12 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
         for st in rule.states:
             per_state[st.name] = per_state.get(st.name, 0) + st.bytes_per_elem * (
                 share if P.replicated_state else share / n)
+    if param_format not in (None, "fp8") or (param_format and not P.shards_params):
+        raise ValueError(f"param_format must be None, or 'fp8' at stage 3, got "
+                         f"{param_format!r} (stage {stage})")
+    pe = 1 if param_format == "fp8" else e  # the stored params' bytes per element
     out = {
-        "params": e * (psi / n if P.shards_params else psi),
+        "params": pe * (psi / n if P.shards_params else psi),
         "grads": g * psi / n if P.shards_grads else g * psi,
         # offload keeps an fp32 master on the host at every precision (the device params
         # are only the working copy); without offload fp32 params are the master

@@ -67,6 +67,13 @@ def _rule_shares(opt):
     return out
 
 
+def _param_format(opt):
+    """The optimizer's `param_format=` from its codec (kernels/param_codec.py)."""
+    d = getattr(opt, "decision", None)
+    codec = getattr(d, "param_codec", None)
+    return "fp8" if codec is not None and codec.scaled else None
+
+
 def memory_report(opt) -> Dict[str, Any]:
     """Measured bytes per category for a zerokern optimizer, the formula, and the allowed slack.
 
@@ -115,7 +122,8 @@ def memory_report(opt) -> Dict[str, Any]:
     formula = estimate_memory(psi, opt.comm.shard.world_size, opt.stage, opt.precision,
                               offload=opt.offload, reduce_bytes=reduce_bytes,
                               master=getattr(opt, "master", "fp32"),
-                              optimizer=_rule_shares(opt))
+                              optimizer=_rule_shares(opt),
+                              param_format=_param_format(opt))
     # Frozen params at stage 3 (not in the DESIGN §4 table, which counts trainable Ψ): their
     # 16-bit shard, Φ·e/N for Φ frozen elements.
     frozen_numel = sum(f.layout.numel for f in frozen)

@@ -268,7 +268,10 @@ class PipelineEngine(ZeroEngine):
         returns it. Without bcast the other stages return None."""
         agg = None
         if self.is_last_stage():
-            agg = torch.stack([v.detach() for v in values]).sum(0) / n
+            # a loss sums in fp32 (DeepSpeed sums in the loss's dtype: an fp16 sum of fp16
+            # losses rounds twice); outputs keep their dtype
+            agg = torch.stack([v.detach().float() if bcast else v.detach()
+                               for v in values]).sum(0) / n
             if self.layout.dp_size > 1:
                 dist.all_reduce(agg, group=self.layout.dp_group)
                 agg /= self.layout.dp_size
