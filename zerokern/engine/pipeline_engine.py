@@ -27,8 +27,16 @@ stage's loss_fn, as DeepSpeed), and runs them in the 1F1B order (pipeline_schedu
 - the returned loss: the mean over the micro-batches on the last stage, averaged over the
   data-parallel ranks and broadcast over the pipeline, so every rank returns the same 0-d
   float32 tensor (DeepSpeed's `agg_train_loss`).
-Stage 3 keeps ZeroAdamW's own gather/release of its units across the micro-batches (a unit is
-gathered for each micro-batch's forward and backward).
+
+[Note: stage 3 across the micro-batches]
+By default stage 3 gathers the units each micro-batch's forward and backward run, as any
+forward and backward does (per train_batch: about two all-gathers per unit per micro-batch),
+and holds only the units in use. `engine.keep_gathered = True` gathers the stage's params once
+when train_batch begins and releases them after its last backward (the optimizer's
+gather_all / release_all, as zerokern.pipelining's ZeroPipelineStage(keep_gathered=True) and
+torchtitan's reshard_after_forward=False for pipelining): one all-gather per unit per step
+whatever the number of micro-batches, for the whole stage held through the step. The
+reduce-scatters are once per step either way.
 
 [Note: why not torch.distributed.pipelining here]
 zerokern.pipelining's ZeroPipelineStage (torch's PipelineStage and schedules over a zerokern
@@ -78,7 +86,9 @@ class PipelineEngine(ZeroEngine):
 
     Attributes (besides ZeroEngine's): `num_stages`, `stage_id`, `micro_batches`,
     `micro_batch_size`, `grid` (the module's PipelineParallelGrid), `agg_train_loss` (the last
-    train_batch's loss), `data_iterator`.
+    train_batch's loss), `data_iterator`, `keep_gathered` (stage 3: hold the stage's params
+    gathered through each train_batch; default False: [Note: stage 3 across the
+    micro-batches]).
 
     Args:
         model: the PipelineModule.
@@ -106,6 +116,7 @@ class PipelineEngine(ZeroEngine):
         self.data_iterator = None
         self.batch_fn = None
         self.link = StageLink(layout.prev_rank, layout.next_rank, self.device)
+        self.keep_gathered = False  # [Note: stage 3 across the micro-batches]
         if training_data is not None:
             sampler = torch.utils.data.distributed.DistributedSampler(
                 training_data, num_replicas=layout.dp_size, rank=layout.dp_rank, shuffle=False)
@@ -310,6 +321,9 @@ class PipelineEngine(ZeroEngine):
         M, tied = self.micro_batches, bool(self.layout.tied)
         bufs: Dict[int, Any] = {}
         losses: List[torch.Tensor] = []
+        pinned = self.keep_gathered and opt.stage == 3
+        if pinned:  # [Note: stage 3 across the micro-batches]
+            opt.grad_sync.gather_all()
         for kind, i in train_order(self.num_stages, self.stage_id, M):
             if kind == FORWARD:
                 self._forward(i, bufs, losses, compute_loss=True)
@@ -317,6 +331,8 @@ class PipelineEngine(ZeroEngine):
             last = i == M - 1 and not tied
             with contextlib.nullcontext() if last else opt.no_sync():
                 self._backward(i, bufs)
+        if pinned:
+            opt.grad_sync.release_all(write_back=False)
         self.link.drain()
         if tied:
             self._reduce_tied_grads()
