@@ -42,13 +42,16 @@ def positive_float(text: str) -> float:
 
 
 def mesh_shape(text: str) -> tuple:
-    """argparse type: a 2-D data-parallel mesh "RxS" (replicate x shard), e.g. "2x2"."""
+    """argparse type: a 2-D data-parallel mesh "RxS" (replicate x shard), e.g. "2x2", or a 3-D
+    "PPxTPxDP" (pipeline x tensor x data parallel), e.g. "2x1x2"."""
     parts = text.lower().split("x")
     try:
-        r, s = (int(p) for p in parts)
+        dims = tuple(int(p) for p in parts)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected RxS (replicate x shard ranks, e.g. 2x2), "
-                                         f"got {text!r}") from None
-    if r < 1 or s < 1:
-        raise argparse.ArgumentTypeError(f"both dims must be >= 1, got {text!r}")
-    return r, s
+        dims = ()
+    if len(dims) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"expected RxS (replicate x shard ranks, e.g. 2x2) or "
+                                         f"PPxTPxDP (e.g. 2x1x2), got {text!r}") from None
+    if min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"every dim must be >= 1, got {text!r}")
+    return dims

@@ -51,7 +51,10 @@ class TrainConfig:
     device: str = "auto"              # "auto" | "cpu" | "cuda"
     bucket_mb: float = 25.0
     state_bits: int = 32              # ZeroAdamW's moments: 32 fp32, 8 block-quantized
-    mesh: Optional[Tuple[int, int]] = None  # (replicate, shard): HSDP (launch.py check_mesh)
+    # (replicate, shard): HSDP (launch.py check_mesh); or (pp, tp, dp): the GPT pipelined
+    mesh: Optional[Tuple[int, ...]] = None  # (pipeline.py [Note: the pipelined demo job])
+    micro_batches: Optional[int] = None  # with a pipeline mesh: per step (default: pp)
+    schedule: str = "1f1b"            # with a pipeline mesh: "1f1b" | "gpipe"
     hpz: bool = False                 # stage 3 on the mesh: ZeRO++'s hpZ
     quantize: str = "none"             # ZeRO++: "none" | "weights" | "grads" | "both"
     activation_checkpointing: str = "none"  # "none" | "full" | "selective" | "offload"
@@ -124,9 +127,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="AdamW moments: 32 fp32, 8 block-quantized 8-bit (default 32)")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="ZeroAdamW communication bucket size (default 25)")
-    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="RxS",
-                   help="2-D data-parallel mesh, R replicas x S shard ranks (HSDP: shard "
-                        "inside a node of S ranks, replicate across R nodes); R*S ranks")
+    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="RxS|PPxTPxDP",
+                   help="RxS: 2-D data-parallel mesh, R replicas x S shard ranks (HSDP: shard "
+                        "inside a node of S ranks, replicate across R nodes); PPxTPxDP: the "
+                        "GPT split into PP pipeline stages, its MLPs over TP ranks, ZeRO over "
+                        "DP (3-D); the product is the number of ranks")
+    p.add_argument("--micro-batches", type=int_at_least(1), default=None, metavar="M",
+                   help="with --mesh PPxTPxDP: micro-batches of --batch per step (default PP)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="with --mesh PPxTPxDP: the pipeline schedule (default 1f1b)")
     p.add_argument("--hpz", action="store_true",
                    help="with --mesh and --stage 3: ZeRO++'s hpZ (params sharded over all "
                         "ranks, a secondary copy inside the node for the backward gathers)")
@@ -170,6 +179,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
                        compare=args.compare, seed=args.seed, device=args.device,
                        bucket_mb=args.bucket_mb, quantize=args.quantize,
                        state_bits=args.state_bits, mesh=args.mesh, hpz=args.hpz,
+                       micro_batches=args.micro_batches, schedule=args.schedule,
                        activation_checkpointing=args.activation_checkpointing,
                        save_every=args.save_every, save_dir=args.save_dir, resume=args.resume,
                        stop_after=args.stop_after)

@@ -4,6 +4,7 @@ why nothing can hang), under torchrun, or in this process."""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -18,7 +19,8 @@ from zerokern.tools.spawn import PG_TIMEOUT_ENV, RankFailure, _env_s, spawn_rank
 
 from . import events
 from .config import TrainConfig, accumulation
-from .loop import run_rank
+from .loop import run_rank as run_flat_rank
+from .pipeline import run_rank_pipelined
 
 # [Note: a store per attempt]
 # torchrun's c10d rendezvous (torch 2.13) hands every attempt of a job the same store, its
@@ -59,20 +61,31 @@ def resolve_device(cfg: TrainConfig) -> str:
 
 
 def check_mesh(cfg: TrainConfig, world: Optional[int]) -> None:
-    """--mesh RxS must cover the `world` ranks (None: not known yet); --hpz needs --mesh and
-    --stage 3. ValueError naming the flag."""
-    if cfg.hpz and cfg.mesh is None:
+    """--mesh RxS or PPxTPxDP must cover the `world` ranks (None: not known yet); --hpz needs
+    --mesh RxS and --stage 3; --micro-batches and --schedule need --mesh PPxTPxDP. ValueError
+    naming the flag."""
+    three_d = cfg.mesh is not None and len(cfg.mesh) == 3
+    if cfg.hpz and (cfg.mesh is None or three_d):
         raise ValueError("--hpz needs --mesh RxS (the secondary copy is sharded over S, the "
                          "ranks of a node)")
     if cfg.hpz and cfg.stage != 3:
         raise ValueError(f"--hpz is for --stage 3 (its params are sharded), got --stage "
                          f"{cfg.stage}")
-    if cfg.mesh is not None and cfg.mesh[0] * cfg.mesh[1] < 2:
-        raise ValueError("--mesh 1x1 is one rank: give a mesh of >= 2 ranks, or no --mesh")
-    if cfg.mesh is not None and world is not None and cfg.mesh[0] * cfg.mesh[1] != world:
-        r, s = cfg.mesh
-        raise ValueError(f"--mesh {r}x{s} has {r * s} ranks but the job has {world} "
-                         "(--nproc, or torchrun's nnodes x nproc-per-node)")
+    if not three_d and (cfg.micro_batches is not None or cfg.schedule != "1f1b"):
+        raise ValueError("--micro-batches and --schedule are for a pipeline mesh "
+                         "(--mesh PPxTPxDP)")
+    n = mesh_ranks(cfg)
+    if n is not None and n < 2:
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} is one rank: give a mesh of "
+                         ">= 2 ranks, or no --mesh")
+    if n is not None and world is not None and n != world:
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} has {n} ranks but the job "
+                         f"has {world} (--nproc, or torchrun's nnodes x nproc-per-node)")
+
+
+def mesh_ranks(cfg: TrainConfig) -> Optional[int]:
+    """The ranks --mesh spans (None without one)."""
+    return None if cfg.mesh is None else math.prod(cfg.mesh)
 
 
 def plan(cfg: TrainConfig) -> Tuple[str, int]:
@@ -94,7 +107,7 @@ def plan(cfg: TrainConfig) -> Tuple[str, int]:
 
 
 def _nproc(cfg: TrainConfig, dev: str) -> int:
-    mesh_n = None if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]
+    mesh_n = mesh_ranks(cfg)
     if dev == "cuda":
         n_gpu = handle("cuda").device_count()
         nproc = cfg.nproc or mesh_n or n_gpu
@@ -121,6 +134,14 @@ def _not_implemented_message(e: NotImplementedError, cfg: TrainConfig) -> str:
     flags = " ".join(f for f, on in ((f"--stage {cfg.stage}", cfg.stage == 3),
                                      (f"--offload {cfg.offload}", cfg.offload)) if on)
     return f"{flags or 'this configuration'} is not available yet: {e}"
+
+
+def run_rank(cfg: TrainConfig, device: torch.device) -> Dict[str, Any]:
+    """This rank's job: the GPT in pipeline stages with --mesh PPxTPxDP (pipeline.py), else
+    the whole GPT on every rank (loop.py)."""
+    if cfg.mesh is not None and len(cfg.mesh) == 3:
+        return run_rank_pipelined(cfg, device)
+    return run_flat_rank(cfg, device)
 
 
 # ---------------------------------------------------------------------------- in process

@@ -17,7 +17,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from zerokern.accounting.estimate import categories, estimate, host_categories, spec_from_model
+from zerokern.accounting.estimate import (
+    categories,
+    estimate,
+    estimate_pipeline,
+    host_categories,
+    spec_from_model,
+)
 from zerokern.accounting.formula import estimate_memory
 from zerokern.options.args import elem_size
 from zerokern.platform.device import handle
@@ -48,12 +54,29 @@ def _unit(nbytes: float) -> tuple:
 
 
 def exact_estimate(cfg: TrainConfig, world: int, comm: str) -> Optional[Dict[str, Any]]:
-    """zerokern.accounting.estimate for this run's model (on meta), at its stage and offload."""
+    """zerokern.accounting.estimate for this run's model (on meta), at its stage and offload.
+    With --mesh PPxTPxDP: rank 0's pipeline stage (`stage_estimates` has every stage), None
+    with tp > 1 (estimate counts whole params, not a DTensor's local shards)."""
+    if cfg.mesh is not None and len(cfg.mesh) == 3:
+        stages = stage_estimates(cfg, world, comm)
+        return None if stages is None else stages[0]
     with torch.device("meta"):
         model = build_model(cfg, torch.device("meta"))
     return estimate(spec_from_model(model, f"gpt {cfg.model_size}"), world, cfg.stage,
                     cfg.precision, cfg.bucket_mb, cfg.offload, comm=comm,
                     optimizer=_rule(cfg), mesh=cfg.mesh, hpz=cfg.hpz)
+
+
+def stage_estimates(cfg: TrainConfig, world: int, comm: str) -> Optional[List[Dict[str, Any]]]:
+    """--mesh PPxTPxDP: `estimate_pipeline` of the GPT's stages (train/pipeline.py), one per
+    stage, for dp rank 0; None with tp > 1."""
+    from .pipeline import stage_specs
+
+    pp, tp, dp = cfg.mesh
+    if tp > 1:
+        return None
+    return estimate_pipeline(stage_specs(cfg), pp * dp, cfg.stage, cfg.precision,
+                             cfg.bucket_mb, cfg.offload, comm=comm, optimizer=_rule(cfg))
 
 
 def _figures(m: Dict[str, Any], cfg: TrainConfig) -> Dict[str, Any]:
@@ -149,7 +172,9 @@ def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
     """Everything `metrics.json` holds."""
     main, world = res["main"], res["world_size"]
     est = exact_estimate(cfg, world, "gloo" if comm_backend == "gloo" else "nccl")
-    psi = main["num_params"]
+    psi = main["num_params"]  # (--mesh PPxTPxDP: rank 0's stage, over its dp ranks)
+    three_d = cfg.mesh is not None and len(cfg.mesh) == 3
+    dp_world = cfg.mesh[2] if three_d else world
     out = {
         "config": cfg.to_dict(), "world_size": world, "device": res["device"],
         "comm_backend": comm_backend, "num_params": psi,
@@ -164,12 +189,17 @@ def summarize(cfg: TrainConfig, res: Dict[str, Any], timing: Dict[str, float],
         "memory": {"per_rank": main["memory_reports"],
                    "estimate": est,
                    "estimate_matches_rank0": estimate_matches(res, est, cfg),
-                   "formula_stage0": estimate_memory(psi, world, 0, cfg.precision)},
+                   "formula_stage0": estimate_memory(psi, dp_world, 0, cfg.precision),
+                   "estimate_per_stage": stage_estimates(
+                       cfg, world, "gloo" if comm_backend == "gloo" else "nccl")
+                   if three_d else None},
         "comm_per_step": main["comm_per_step"],
         "comm_calls_per_step": main["comm_calls_per_step"],
         "dims": main["dims"],  # group sizes by role ({"shard", "replicate", "world"[, "hpz"]})
         "comm_per_dim_per_step": main["comm_per_dim_per_step"],
-        "comm_formula_bytes_per_step": comm_formula_bytes(psi, world, cfg.stage, cfg.precision),
+        "comm_formula_bytes_per_step": comm_formula_bytes(psi, dp_world, cfg.stage,
+                                                          cfg.precision),
+        "pipeline": main.get("pipeline"),
         "timing": {**timing, "train_s": main["train_s"]},
         "compare": None,
     }
