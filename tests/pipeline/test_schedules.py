@@ -2,8 +2,8 @@
 schedules, 4 gloo ranks as a (pp=2, dp=2) world mesh, against ONE process.
 
 The model: `Net`, 4 residual blocks and a head. Two stages per pipeline (GPipe, 1F1B): blocks
-0-1 and 2-3 + head; four (Interleaved1F1B: two stages per rank): one block each, the head in
-the last. Each rank builds the whole net from one seed and keeps its part (names kept:
+0-1 and 2-3 + head; four (Interleaved1F1B, LoopedBFS: two stages per rank): one block each,
+the head in the last. Each rank builds the whole net from one seed and keeps its part (names kept:
 `Sequential` slices), `ZeroAdamW(part, mesh=world)` (the world mesh: the plan's pp role), one
 optimizer per rank over all of its stage modules. Each dp rank trains on its own batch, split
 into MICRO micro-batches by the schedule; mean-square loss with the schedule's default
@@ -45,6 +45,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 
 import zerokern as zk
@@ -58,7 +59,8 @@ LR, BETAS, EPS, WD = 1e-2, (0.5, 0.6), 0.25, 0.1
 MAX_NORM = 0.05  # the global grad norm here is ~1: every step is clipped
 LR_DECAY = lambda step: 1.0 / (1 + step)  # noqa: E731 (an lr schedule on both sides)
 SEED = 1234
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "looped": ScheduleLoopedBFS}
 
 TOL = {
     # params and losses vs the one-process AdamW reference (the issue's bound)
@@ -127,7 +129,7 @@ def reference(lr: float = LR):
 
 def stage_blocks(schedule: str, pp: int):
     """(stage index, block indices) of this pp rank's stages."""
-    if schedule == "interleaved":  # 4 stages, 2 per rank: rank r holds stages r and r + 2
+    if schedule in ("interleaved", "looped"):  # 4 stages, 2 per rank: r and r + 2
         return [(pp, [pp]), (pp + PP, [pp + PP])]
     return [(pp, [2 * pp, 2 * pp + 1])]
 
