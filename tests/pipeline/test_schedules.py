@@ -199,7 +199,8 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
         params = {b: [p.detach().float().clone() for p in net[b].parameters()]
                   for _, blocks in layout for b in blocks}
     return {"params": params, "losses": losses, "rs": rs, "ag": ag, "skipped": skipped,
-            "holds_last": holds_last, "late": getattr(opt.grad_sync, "late_units", 0)}
+            "holds_last": holds_last, "late": getattr(opt.grad_sync, "late_units", 0),
+            "scale": float(opt.loss_scale)}
 
 
 def _poison(module):
@@ -271,7 +272,7 @@ def fp16(world, schedule, zero_stage):
     c = train(world, schedule, zero_stage, precision="fp16")  # dynamic: the scale agrees
     return {"rel": max(float((x - y).norm() / y.norm()) for blk in a["params"]
                        for x, y in zip(a["params"][blk], b["params"][blk])),
-            "dynamic_skipped": c["skipped"]}
+            "dynamic_skipped": c["skipped"], "dynamic_scale": c["scale"]}
 
 
 def bad(world):
@@ -469,9 +470,11 @@ def test_an_inf_on_one_stage_skips_every_rank():
 
 
 def test_fp16_loss_scale_goes_through_the_pipeline():
-    for r in case(_results(), "fp16"):
+    rs = case(_results(), "fp16")
+    for r in rs:  # the dynamic scale: the same skips and the same scale on every rank
         assert r["rel"] <= TOL["fp16"], r
-        assert r["dynamic_skipped"] == case(_results(), "fp16")[0]["dynamic_skipped"], r
+        assert r["dynamic_skipped"] == rs[0]["dynamic_skipped"], rs
+        assert r["dynamic_scale"] == rs[0]["dynamic_scale"], rs
 
 
 def test_bad_pipelines_raise_on_every_rank_before_any_change():
