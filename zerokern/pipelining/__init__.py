@@ -27,7 +27,12 @@ What `ZeroPipelineStage` adds to torch's `PipelineStage` (stage.py):
   last stage's loss, because at stages 1-3 `p.grad` is sharded;
 - at the first step of each schedule, one agreement over the whole job (agreement.py): every
   rank's schedule, micro-batch count, stage layout, optimizer settings and params are compared,
-  and a difference raises ValueError on every rank before anything changes.
+  and a difference raises ValueError on every rank before anything changes; a schedule step
+  inside `opt.no_sync()` is refused;
+- an error in one rank's forward or backward drains that rank's schedule step (its peers'
+  receives complete) and is raised at its next `opt.step()`; the others raise RankAborted;
+- `keep_gathered=True` (stage 3): the rank's params gathered once per schedule step, not
+  around every micro-batch.
 
 Supported schedules: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
 `ScheduleLoopedBFS` (full backward passes). The split-backward ones (zero bubble, DualPipeV)

@@ -17,11 +17,11 @@ stages of one optimizer count their last backwards together (`_RankStages`).
 [Note: one optimizer per rank]
 With several stages per rank there is one optimizer over all of the rank's stage modules, not
 one per module. The plan's agreement (comm/plan.py: the grad norm, the overflow flag) sums
-over the pp group by position: rank r's optimizer meets rank r''s. With one optimizer per
-module, rank 0's optimizer of stage 0 would meet rank 1's of stage 1 and rank 0's of stage 2
-rank 1's of stage 3: two partial norms, neither global. One optimizer per rank makes the sum
-over the pp group the sum over every stage. Two stages of one rank holding different
-optimizers are refused (agreement.py).
+over the pp group by position: each rank's first optimizer meets the other ranks' first. With
+one optimizer per module, rank 0's optimizer of stage 0 would meet rank 1's of stage 1, and
+rank 0's of stage 2 rank 1's of stage 3: two partial norms, neither global. One optimizer
+per rank makes the sum over the pp group the sum over every stage. Two stages of one rank
+holding different optimizers are refused (agreement.py).
 
 [Note: stage 3 across micro-batches]
 At stage 3 every micro-batch's forward and backward gather the units they run, as any
