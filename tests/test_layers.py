@@ -76,3 +76,33 @@ def test_a_code_map_row_that_drifts_is_caught():
     assert drifted != text
     got, want = code_map_layers(drifted), contract_layers()
     assert got[0] != want[0] and got[1:] == want[1:]
+
+
+def package_rows(layers: list) -> dict:
+    """Top-level package -> the contract rows (0 = top) that hold its modules."""
+    rows: dict = {}
+    for i, row in enumerate(layers):
+        for m in row:
+            rows.setdefault(m.split(".")[0], set()).add(i)
+    return rows
+
+
+def gaps(layers: list) -> dict:
+    """Packages whose modules sit in rows that other packages' rows interrupt (a folder that
+    does not match the layers: issue 35)."""
+    return {p: sorted(r) for p, r in package_rows(layers).items()
+            if set(range(min(r), max(r) + 1)) != r}
+
+
+def test_each_folder_is_one_run_of_layers():
+    """A package's modules fill consecutive rows of the contract, so the folders show the
+    layers (zerokern/layout/ held the bottom row's math beside buffers above state/ before
+    geometry/ and memory/ were split out of layout/ and accounting/)."""
+    assert gaps(contract_layers()) == {}
+
+
+def test_a_folder_split_across_layers_is_caught():
+    layers = contract_layers()
+    moved = [set(r) for r in layers]
+    moved[-1].add("layout.moved_down")  # a layout module at the bottom row
+    assert "layout" in gaps(moved)

@@ -1,7 +1,7 @@
 """zerokern: ZeRO sharded data parallelism for PyTorch with fused optimizer kernels."""
 
-from zerokern.accounting.formula import estimate_memory
 from zerokern.core.optimizer import ZeroOptimizer
+from zerokern.memory.formula import estimate_memory
 from zerokern.optimizers.adafactor import ZeroAdafactor
 from zerokern.optimizers.adamw import ZeroAdamW
 from zerokern.optimizers.lion import ZeroLion

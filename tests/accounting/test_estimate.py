@@ -45,8 +45,8 @@ from tests.support.harness import cached, case, one_thread, run_cases  # noqa: F
 from zerokern import cli
 from zerokern.accounting import cli as EC
 from zerokern.accounting import estimate as E
-from zerokern.accounting.formula import estimate_memory
-from zerokern.layout.partition import ALIGN
+from zerokern.geometry.partition import ALIGN
+from zerokern.memory.formula import estimate_memory
 from zerokern.tools.gpt import GPT, PRESETS, build_gpt
 
 ELEM = {"fp32": 4, "bf16": 2}

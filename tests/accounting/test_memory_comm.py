@@ -26,9 +26,9 @@ import torch
 
 import zerokern as zk
 from zerokern.comm import shm
+from zerokern.geometry.partition import ALIGN
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT
 from zerokern.grads.released_grad import ReleasedGrad
-from zerokern.layout.partition import ALIGN
 
 from ..support import models as M
 from ..support.harness import cached, case, run_cases

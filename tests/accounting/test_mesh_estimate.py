@@ -104,7 +104,7 @@ def test_inter_node_bytes_equal_the_printed_formula(stage, precision):
     """HSDP: comm_stats()["nodes"]["inter_node"] is the replicate all-reduce plus the
     agreement (found_inf, sumsq and a flag per param tensor), and the replicate bytes equal `zerokern estimate --mesh`'s 2(Ψ/S)(R-1)/R line
     (Ψ the padded elements the shards are cut from) times the element size, to the byte."""
-    from zerokern.accounting.mesh import comm_formulas
+    from zerokern.memory.mesh import comm_formulas
 
     for r in case(cached(_worker, WS), f"{stage}-{precision}-False"):
         c, dims = r["comm"], r["dims"][0]

@@ -263,7 +263,7 @@ def test_muon_pieces_on_fake_tensors(no_launch, dev):
     """Muon's phases are plain torch ops: they run on fake tensors as they are, no op needed.
     momentum_ runs on fake cuda tensors always; apply_ and the orthogonalizer slice, so on
     fake cuda they need a CUDA device guard (see _fake_cuda_slicing_works)."""
-    from zerokern.layout.partition import ALIGN, make_layout
+    from zerokern.geometry.partition import ALIGN, make_layout
     from zerokern.rules.muon_orthogonalize import ShardedOrthogonalizer
     from zerokern.rules.muon_pieces import apply_, momentum_
 

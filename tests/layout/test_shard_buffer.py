@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zerokern.geometry.partition import ALIGN, make_layout
 from zerokern.layout.flat_group import FlatGroup
-from zerokern.layout.partition import ALIGN, make_layout
 from zerokern.layout.stages import pattern
 from zerokern.stage3 import ShardedFlat
 from zerokern.state.placement import DeviceState

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import zerokern as zk
-from zerokern.layout.dtensor_params import local
+from zerokern.geometry.dtensor_params import local
 
 from ..support import models as M
 from ..support.harness import cached, case, run_cases

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerokern.layout.partition import ALIGN, make_layout
+from zerokern.geometry.partition import ALIGN, make_layout
 from zerokern.rules.muon_orthogonalize import ShardedOrthogonalizer
 from zerokern.rules.muon_pieces import apply_, momentum_
 

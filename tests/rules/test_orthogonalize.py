@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from zerokern.layout.partition import ALIGN, make_layout
+from zerokern.geometry.partition import ALIGN, make_layout
 from zerokern.rules.muon_orthogonalize import (
     ShardedOrthogonalizer,
     adjusted_lr,

@@ -11,13 +11,13 @@ import json
 from typing import Any, Dict, List, Optional
 
 from zerokern.accounting.estimate import COMMS, estimate, estimate_pipeline
-from zerokern.accounting.mesh import mesh_lines
 from zerokern.accounting.model_spec import (
     load_model,
     load_stage_models,
     spec_from_model,
     spec_from_numel,
 )
+from zerokern.memory.mesh import mesh_lines
 from zerokern.options.args import PRECISIONS
 
 

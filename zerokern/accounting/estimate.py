@@ -70,7 +70,6 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from zerokern.accounting.formula import deepspeed_formula, estimate_memory
 from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model side, its API)
     _ONE_PARAM,
     ModelSpec,
@@ -84,6 +83,7 @@ from zerokern.accounting.model_spec import (  # noqa: F401 (the estimate's model
     stage3_units,
 )
 from zerokern.layout.stages import pattern
+from zerokern.memory.formula import deepspeed_formula, estimate_memory
 from zerokern.options.args import (
     check_keep_for_backward,
     check_master,
@@ -330,7 +330,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
             groups; needs a model spec) or a zerokern.rules.Rule: its state list gives the
             optimizer categories (K = 12, 8, 8 / 12 bytes/param with the master).
         mesh: None, or (R, S): ZeroAdamW(mesh=) a 2-D (replicate, shard) mesh with
-            R * S = world_size; [Note: per-rank bytes on a mesh] in accounting/mesh.py.
+            R * S = world_size; [Note: per-rank bytes on a mesh] in memory/mesh.py.
         hpz: stage 3 with a mesh: ZeroAdamW(hpz=True); adds `hpz_secondary`.
         keep_for_backward_mb: stage 3: as ZeroAdamW; the kept units raise
             `live_units_bound`.
@@ -345,7 +345,7 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     """
     _check(world_size, stage, precision, bucket_mb, offload, rank, comm)
     check_keep_for_backward(keep_for_backward_mb, stage)  # as ZeroAdamW
-    from zerokern.accounting.mesh import mesh_dims
+    from zerokern.memory.mesh import mesh_dims
 
     dims = mesh_dims(mesh, hpz, world_size, stage, offload_params)  # ValueError naming mesh
     # the layout's sharding: over S (HSDP) or every rank (hpZ); rank = its rank there

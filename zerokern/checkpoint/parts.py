@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
-from zerokern.layout.dtensor_params import is_dtensor
+from zerokern.geometry.dtensor_params import is_dtensor
 
 from .format import LEGACY_TP_META, META, PARTS_META, CheckpointError, ModelMismatchError
 

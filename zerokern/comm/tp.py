@@ -4,7 +4,7 @@ the tensor-parallel group the grad statistics are agreed over (issue 22, item 5)
 [Note: ZeRO on the dp dim of a TP model]
 FSDP2's convention: the model is parallelized over the "tp" sub-mesh (`parallelize_module`), and
 ZeroAdamW gets the *data-parallel* mesh (`world_mesh["dp"]`). Each rank's flat buffers then hold
-its local tp shards (layout/dtensor_params.py) and are sharded and reduced over dp only, which is
+its local tp shards (geometry/dtensor_params.py) and are sharded and reduced over dp only, which is
 right exactly when every dp peer of a rank holds the same tp coordinate (the same slice of every
 weight). So, before anything changes:
 - every DTensor param lives on one 1-D mesh (the tp mesh) with Shard(d) or Replicate()
@@ -44,7 +44,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from zerokern.layout.dtensor_params import is_dtensor
+from zerokern.geometry.dtensor_params import is_dtensor
 
 from .collectives import GroupComm
 from .debug import enabled as _debug_enabled

@@ -114,7 +114,7 @@ class Decision:
 
     @property
     def slot_aligns(self) -> List[int]:
-        """Each group's slot alignment (layout/partition.py [Note: block-aligned slots])."""
+        """Each group's slot alignment (geometry/partition.py [Note: block-aligned slots])."""
         return [slot_align(r) for r in self.rules]
 
 

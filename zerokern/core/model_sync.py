@@ -47,7 +47,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from zerokern.layout.dtensor_params import local
+from zerokern.geometry.dtensor_params import local
 
 
 class ModelWatch:

@@ -36,7 +36,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 import torch
 
 from zerokern import kernels
-from zerokern.accounting.memory import memory_report
 from zerokern.core.decision import decide
 from zerokern.core.frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
 from zerokern.core.model_sync import (
@@ -48,6 +47,7 @@ from zerokern.grads.full_grads import FullGrads
 from zerokern.grads.sharded_grads import BucketedGrads
 from zerokern.grads.tp_norm import TpStats
 from zerokern.layout.flat_group import FlatGroup
+from zerokern.memory.report import memory_report
 from zerokern.options.args import (
     check_clip,
 )
@@ -579,9 +579,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             A dict per collective type (all_reduce, reduce_scatter, all_gather) with the bytes
             sent and the number of calls; `dims`: the same per group ("shard", "replicate",
             "world", "hpz"); on a 2-D mesh `nodes`: {"intra_node", "inter_node"} bytes, dim 1
-            of the mesh being a node (zerokern.accounting.mesh.node_split).
+            of the mesh being a node (zerokern.memory.mesh.node_split).
         """
-        from zerokern.accounting.mesh import node_split
+        from zerokern.memory.mesh import node_split
 
         out = self.comm.stats.as_dict()
         split = node_split(out["dims"], self.comm.dims)

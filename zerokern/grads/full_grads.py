@@ -74,8 +74,8 @@ from typing import List, Optional
 
 import torch
 
+from zerokern.geometry.dtensor_params import like_param
 from zerokern.grads.grad_sync import GradSync, Schedule
-from zerokern.layout.dtensor_params import like_param
 from zerokern.state import huge_pages
 
 

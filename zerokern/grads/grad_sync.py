@@ -43,9 +43,9 @@ import torch
 from torch.autograd import Variable
 
 from zerokern.comm import Comm
+from zerokern.geometry.dtensor_params import is_dtensor, like_param, local
 from zerokern.grads.released_grad import ReleasedGrad
 from zerokern.grads.weak_hook import weak_hook
-from zerokern.layout.dtensor_params import is_dtensor, like_param, local
 from zerokern.layout.flat_group import FlatGroup
 
 # At most this many stage-2 reduce-scatters in flight before the oldest is waited for: two

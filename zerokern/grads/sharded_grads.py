@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from zerokern.geometry.dtensor_params import local as local_of
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
-from zerokern.layout.dtensor_params import local as local_of
 from zerokern.state import huge_pages
 
 

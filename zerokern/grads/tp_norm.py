@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from zerokern import kernels
-from zerokern.layout.dtensor_params import is_replicated
+from zerokern.geometry.dtensor_params import is_replicated
 
 
 class TpStats:

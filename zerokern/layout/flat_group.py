@@ -14,9 +14,9 @@ from typing import List
 
 import torch
 
-from zerokern.layout.dtensor_params import local, local_shape, set_local_
+from zerokern.geometry.dtensor_params import local, local_shape, set_local_
+from zerokern.geometry.partition import bucket_numel_for, make_layout
 from zerokern.layout.param_alias import own_storage_view
-from zerokern.layout.partition import bucket_numel_for, make_layout
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import StagePattern, pattern
 from zerokern.state import huge_pages

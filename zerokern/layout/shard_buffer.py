@@ -22,9 +22,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from zerokern.geometry.dtensor_params import local
+from zerokern.geometry.partition import FlatLayout
 from zerokern.kernels.param_codec import ParamCodec
-from zerokern.layout.dtensor_params import local
-from zerokern.layout.partition import FlatLayout
 from zerokern.layout.stages import StagePattern
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-from zerokern.layout.partition import FlatLayout
+from zerokern.geometry.partition import FlatLayout
 from zerokern.options.args import check_stage
 
 

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-from zerokern.accounting.formula import estimate_memory
+from zerokern.memory.formula import estimate_memory
 
 
 def categories(rule) -> tuple:

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from zerokern.core.optimizer import ZeroOptimizer
-from zerokern.layout.dtensor_params import is_dtensor
+from zerokern.geometry.dtensor_params import is_dtensor
 from zerokern.options.doc import ENGINE_ARGS
 from zerokern.rules.adamw import ADAMW
 from zerokern.rules.muon import MUON, MUON_KEYS, embedding_weight_ids, takes_muon

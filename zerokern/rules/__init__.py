@@ -319,7 +319,7 @@ def check_rule(rule) -> Rule:
             raise ValueError(f"rule {rule.name!r}: matrix state {s.name!r} must be fp32, "
                              "declare shape_of and sharded=False, and its rule be phased "
                              "([Note: state kinds and the owner protocol])")
-    from zerokern.layout.partition import ALIGN
+    from zerokern.geometry.partition import ALIGN
 
     for s in rule.states:
         ok = s.sharded and s.dtype in STATE_DTYPES and isinstance(s.block, int) \

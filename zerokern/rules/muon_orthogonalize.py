@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from zerokern.layout.partition import FlatLayout
+from zerokern.geometry.partition import FlatLayout
 from zerokern.rules.owners import OwnerPlan, balance, held_pieces  # noqa: F401 (re-exported)
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients), kept identical so results match.

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from zerokern.layout.partition import FlatLayout
+from zerokern.geometry.partition import FlatLayout
 
 
 def balance(costs: Sequence[int], world_size: int) -> List[int]:

@@ -29,8 +29,8 @@ from typing import List
 
 import torch
 
+from zerokern.geometry.dtensor_params import is_dtensor, like_param, local
 from zerokern.grads.weak_hook import weak_hook
-from zerokern.layout.dtensor_params import is_dtensor, like_param, local
 
 
 def _ddp_forward_active() -> bool:

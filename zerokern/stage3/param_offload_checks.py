@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from zerokern.layout.dtensor_params import local_shape
+from zerokern.geometry.dtensor_params import local_shape
 from zerokern.options.args import OFFLOAD_PARAMS as KINDS  # noqa: F401 (re-exported)
 from zerokern.options.args import check_offload_params as check_args  # noqa: F401
 from zerokern.state import aligned_io as aio

@@ -66,10 +66,10 @@ from typing import Dict, List
 import torch
 
 from zerokern.comm.host_agree import HostAgreement
+from zerokern.geometry.dtensor_params import local as local_of
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT, TrainingState
 from zerokern.grads.sharded_grads import ShardedGrads
 from zerokern.grads.weak_hook import weak_hook
-from zerokern.layout.dtensor_params import local as local_of
 from zerokern.state import huge_pages
 
 from . import guards, param_offload

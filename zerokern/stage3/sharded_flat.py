@@ -34,8 +34,8 @@ from typing import List
 
 import torch
 
-from zerokern.layout.dtensor_params import local_shape, set_local_
-from zerokern.layout.partition import make_layout, one_bucket_numel
+from zerokern.geometry.dtensor_params import local_shape, set_local_
+from zerokern.geometry.partition import make_layout, one_bucket_numel
 from zerokern.layout.shard_buffer import ShardBuffer
 from zerokern.layout.stages import pattern
 from zerokern.stage3 import gather_stream

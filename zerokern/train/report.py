@@ -24,7 +24,7 @@ from zerokern.accounting.estimate import (
     host_categories,
     spec_from_model,
 )
-from zerokern.accounting.formula import estimate_memory
+from zerokern.memory.formula import estimate_memory
 from zerokern.options.args import elem_size
 from zerokern.platform.device import handle
 from zerokern.platform.host import cpu_model
