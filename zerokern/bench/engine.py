@@ -18,6 +18,21 @@ loss.backward() only, timed in the same interleaving. `iter - bare` is what each
 where the model's own compute swamps both engines: on a CPU without AVX512-BF16/AMX torch
 emulates bf16 matmuls (~17x slower than fp32), so bf16 iterations are ~95% model compute.
 
+[Note: CPU time beside wall time] Each iteration is also timed in process CPU time (every
+thread of the rank: the ring threads too; max over ranks), and the overhead ratio is given on
+it as well (`overhead zk/DS (CPU)`). On a machine shared with other jobs a rank waits for a core
+for most of its wall time (measured 2026-11-29, load 9-26 on 2 cores: the bare 20m model's
+fp32 forward+backward 112-150 ms of CPU in 580-1340 ms of wall), so wall-time differences of
+tens of ms between contestants are the load's; the CPU time is what each engine asks of the
+machine. The load average is recorded per row (`load`: at its start and end).
+
+--before adds a fourth contestant, zerokern as it was before issue 40's changes, in the same
+interleaving (before/after in one run): its staging pool freed at every step (no
+[Note: the engine keeps its staging], engine/build.py), 25 MiB buckets at stage 2 when the config
+sets no reduce_bucket_size, and at stage 3 without DeepSpeed's stage-3 schedule keys
+(`use_schedule(None)`: the units kept as keep_for_backward_mb=0 keeps them, the root and the
+last one). At stage 1 nothing changed: a control.
+
 [Note: --optimizer muon]
 Both engines get `"optimizer": {"type": "Muon", ..., "ns_method": "standard"}` (zerokern runs
 only the standard Newton-Schulz; DeepSpeed's default "gram" is another algorithm) and, for
@@ -128,35 +143,54 @@ def _worker(rank: int, world: int, args) -> dict:
                     bare.to(torch.bfloat16)
                 engines["bare"] = (None, bare)
                 linear["bare"] = torch_linear
-                for name, init in (("zerokern", zerokern.initialize),
-                                   ("deepspeed", deepspeed.initialize)):
+                contestants = [("zerokern", zerokern.initialize),
+                               ("deepspeed", deepspeed.initialize)]
+                if args.before:
+                    contestants.append(("zerokern-before", zerokern.initialize))
+                for name, init in contestants:
                     before = held_bytes()
                     model = build_gpt(args.model_size, seed=0)
+                    run_cfg = copy.deepcopy(cfg)
+                    if name == "zerokern-before" and stage == 2 and not args.reduce_bucket_size:
+                        item = 2 if precision == "bf16" else 4  # the old default, 25 MiB
+                        run_cfg["zero_optimization"]["reduce_bucket_size"] = 25 * 2**20 // item
                     eng = init(model=model, model_parameters=model.parameters(),
-                               config=copy.deepcopy(cfg))[0]
+                               config=run_cfg)[0]
+                    if name == "zerokern-before":
+                        eng.optimizer.grad_sync.keep_staging = False
+                        if stage == 3:
+                            eng.optimizer.grad_sync.use_schedule(None)
                     linear[name] = F.linear
                     F.linear = torch_linear
                     engines[name] = (eng, model)
                     _iteration(eng, model, args, linear[name], torch_linear, rank)
                     mem[name] = held_bytes() - before
                 times: Dict[str, List[float]] = {n: [] for n in engines}
+                cpu: Dict[str, List[float]] = {n: [] for n in engines}
                 names = list(engines)
+                load = [os.getloadavg()[0]]
                 for rep in range(args.warmup + args.reps):
                     for i in range(len(names)):
                         name = names[(i + rep) % len(names)]
                         eng, model = engines[name]
                         dist.barrier()
-                        t0 = time.perf_counter()
+                        c0, t0 = time.process_time(), time.perf_counter()
                         _iteration(eng, model, args, linear[name], torch_linear, rank)
-                        dt = torch.tensor((time.perf_counter() - t0) * 1e3)
+                        dt = torch.tensor([(time.perf_counter() - t0) * 1e3,
+                                           (time.process_time() - c0) * 1e3])
                         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                         if rep >= args.warmup:
-                            times[name].append(float(dt))
-                m = torch.tensor([float(mem["zerokern"]), float(mem["deepspeed"])])
+                            times[name].append(float(dt[0]))
+                            cpu[name].append(float(dt[1]))
+                load.append(os.getloadavg()[0])
+                m = torch.tensor([float(mem["zerokern"]), float(mem["deepspeed"]),
+                                  float(mem.get("zerokern-before", 0))])
                 dist.all_reduce(m, op=dist.ReduceOp.MAX)
                 out[f"s{stage}-{precision}"] = {
-                    "stage": stage, "precision": precision, "times": times,
-                    "held_bytes": {"zerokern": m[0].item(), "deepspeed": m[1].item()},
+                    "stage": stage, "precision": precision, "times": times, "cpu": cpu,
+                    "load": load,
+                    "held_bytes": {"zerokern": m[0].item(), "deepspeed": m[1].item(),
+                                   "zerokern-before": m[2].item()},
                     "params": sum(p.numel() for p in build_gpt(args.model_size).parameters())}
                 for eng, _ in engines.values():
                     if eng is not None and hasattr(eng, "destroy"):
@@ -202,6 +236,11 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="the config's optimizer: AdamW (default) or Muon (both engines; "
                         "[Note: --optimizer muon])")
+    p.add_argument("--before", action="store_true",
+                   help="also zerokern as before issue 40's changes, interleaved "
+                        "([Note: CPU time beside wall time])")
+    p.add_argument("--tag", default="",
+                   help="appended to the result files' name (e.g. issue40-20261129)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -240,17 +279,44 @@ def report(args, res) -> int:
         z, d, b = (common.summarize(r["times"][n]) for n in ("zerokern", "deepspeed", "bare"))
         hz, hd = r["held_bytes"]["zerokern"], r["held_bytes"]["deepspeed"]
         zo, do = z["median_ms"] - b["median_ms"], d["median_ms"] - b["median_ms"]
-        rows.append({"config": key, "zk_ms": z["median_ms"], "ds_ms": d["median_ms"],
-                     "time_ratio": z["median_ms"] / d["median_ms"],
-                     "bare_ms": b["median_ms"], "zk_over_ms": zo, "ds_over_ms": do,
-                     "over_ratio": zo / do if do > 0 else float("nan"), "bare": b,
-                     "zk_MiB": hz / 2**20, "ds_MiB": hd / 2**20, "mem_ratio": hz / hd,
-                     "zk": z, "ds": d})
+        row = {"config": key, "zk_ms": z["median_ms"], "ds_ms": d["median_ms"],
+               "time_ratio": z["median_ms"] / d["median_ms"],
+               "bare_ms": b["median_ms"], "zk_over_ms": zo, "ds_over_ms": do,
+               "over_ratio": zo / do if do > 0 else float("nan"), "bare": b,
+               "zk_MiB": hz / 2**20, "ds_MiB": hd / 2**20, "mem_ratio": hz / hd,
+               "zk": z, "ds": d}
+        if "cpu" in r:  # [Note: CPU time beside wall time]
+            zc, dc, bc = (common.summarize(r["cpu"][n])["median_ms"]
+                          for n in ("zerokern", "deepspeed", "bare"))
+            row.update(zk_cpu_ms=zc, ds_cpu_ms=dc, bare_cpu_ms=bc,
+                       over_ratio_cpu=(zc - bc) / (dc - bc) if dc > bc else float("nan"),
+                       load=f"{r['load'][0]:.1f}-{r['load'][1]:.1f}")
+            if "zerokern-before" in r["times"]:
+                zb = common.summarize(r["times"]["zerokern-before"])["median_ms"]
+                zbc = common.summarize(r["cpu"]["zerokern-before"])["median_ms"]
+                row.update(zk_before_ms=zb, zk_before_cpu_ms=zbc,
+                           over_ratio_before=(zb - b["median_ms"]) / do if do > 0
+                           else float("nan"),
+                           over_ratio_cpu_before=(zbc - bc) / (dc - bc) if dc > bc
+                           else float("nan"),
+                           zk_before_MiB=r["held_bytes"].get("zerokern-before", 0) / 2**20)
+        rows.append(row)
     cols = [("config", "stage-precision"), ("zk_ms", "zerokern iter ms"),
             ("ds_ms", "DeepSpeed iter ms"), ("time_ratio", "time zk/DS"),
             ("bare_ms", "bare model fwd+bwd ms"), ("over_ratio", "overhead zk/DS"),
             ("zk_MiB", "zerokern held MiB/rank"), ("ds_MiB", "DeepSpeed held MiB/rank"),
             ("mem_ratio", "memory zk/DS")]
+    if all("zk_cpu_ms" in r for r in rows):
+        cols += [("zk_cpu_ms", "zerokern CPU ms"), ("ds_cpu_ms", "DeepSpeed CPU ms"),
+                 ("bare_cpu_ms", "bare CPU ms"), ("over_ratio_cpu", "overhead zk/DS (CPU)")]
+    if all("zk_before_ms" in r for r in rows):
+        cols += [("zk_before_ms", "before: zerokern iter ms"),
+                 ("over_ratio_before", "before: overhead zk/DS"),
+                 ("zk_before_cpu_ms", "before: zerokern CPU ms"),
+                 ("over_ratio_cpu_before", "before: overhead zk/DS (CPU)"),
+                 ("zk_before_MiB", "before: held MiB/rank")]
+    if all("load" in r for r in rows):
+        cols.append(("load", "load"))
     params = next(iter(res.values()))["params"]
     title = (f"engine benchmark: GPT {args.model_size} ({params / 1e6:.1f}M params), "
              f"{args.nproc} gloo ranks, batch {args.batch}x{args.seq}, medians of {args.reps}, "
@@ -262,12 +328,35 @@ def report(args, res) -> int:
         stem += f"-bucket{int(args.reduce_bucket_size)}"
     if args.optimizer != "adamw":
         stem += f"-{args.optimizer}"
+    if getattr(args, "tag", ""):
+        stem += f"-{args.tag}"
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / f"{stem}.json", {"env": env, "rows": rows})
     md = (f"# {title}\n\n{common.markdown_env(env)}\n\n{common.markdown_table(rows, cols)}\n\n"
           "Targets (issue 12): time zk/DS <= 0.5 and memory zk/DS <= 0.9 at every row.\n"
           "overhead zk/DS = (zerokern iter - bare) / (DeepSpeed iter - bare): what each engine "
-          "adds to the model's own forward and backward.\n")
+          "adds to the model's own forward and backward.\n" + _stage_ratios(rows))
     common.write_text(args.out / f"{stem}.md", md)
     print(f"wrote {args.out / stem}.json and .md")
     return 0
+
+
+def _stage_ratios(rows) -> str:
+    """Stage 3 against stage 2 (zerokern, the same run), and zerokern at stage 3 before
+    DeepSpeed's stage-3 keys were honoured (--s3-before), wall and CPU time."""
+    by = {r["config"]: r for r in rows}
+    out = []
+    for prec in ("fp32", "bf16"):
+        s2, s3 = by.get(f"s2-{prec}"), by.get(f"s3-{prec}")
+        if s2 is None or s3 is None:
+            continue
+        line = f"- {prec}: zerokern stage 3 / stage 2 = {s3['zk_ms'] / s2['zk_ms']:.2f} (wall)"
+        if "zk_cpu_ms" in s3 and "zk_cpu_ms" in s2:
+            line += f", {s3['zk_cpu_ms'] / s2['zk_cpu_ms']:.2f} (CPU)"
+        if "zk_before_ms" in s3:
+            line += (f"; before the stage-3 keys (root + last unit kept): "
+                     f"{s3['zk_before_ms'] / s2['zk_ms']:.2f} (wall)")
+            if "zk_cpu_ms" in s2:
+                line += f", {s3['zk_before_cpu_ms'] / s2['zk_cpu_ms']:.2f} (CPU)"
+        out.append(line)
+    return ("\nStage 3 vs stage 2, this run:\n\n" + "\n".join(out) + "\n") if out else ""

@@ -93,6 +93,9 @@ COMM_DTYPES = PRECISIONS  # communication_data_type takes the precision names
 # large as the model (at 23M params fp32: +88 MiB per rank at stages 1-2, measured by
 # `zerokern bench --engine`), where DeepSpeed's default costs it little between steps.
 ZK_BUCKET_MB_DEFAULT = 25.0
+# ...except at stage 2, where the engine keeps its staging pool (MAX_IN_FLIGHT = 2 buckets)
+# between steps (build.py [Note: the engine keeps its staging]): 6 MiB buckets hold 12 MiB.
+ZK_STAGE2_BUCKET_MB_DEFAULT = 6.0
 
 
 @dataclass
@@ -174,7 +177,7 @@ class EngineConfig:
     def bucket_mb(self) -> float:
         """reduce_bucket_size (elements) in MiB of the reduce dtype (zerokern's unit)."""
         if self.reduce_bucket_elements is None:
-            return ZK_BUCKET_MB_DEFAULT
+            return ZK_STAGE2_BUCKET_MB_DEFAULT if self.stage == 2 else ZK_BUCKET_MB_DEFAULT
         dtype = self.reduce_dtype or PRECISIONS[self.precision]
         return self.reduce_bucket_elements * dtype.itemsize / 2**20
 

@@ -43,10 +43,15 @@ class ShardedGrads(GradSync):
     def held_grads(self) -> List[torch.Tensor]:
         return list(self._grad_shards or ())
 
+    # zerokern.initialize keeps the staging pool between steps (engine/build.py [Note: the
+    # engine keeps its staging]); free() then drops the grad shards only
+    keep_staging = False
+
     def free(self) -> None:
         """The grad shards and the staging pool (a list, or stage 3's dict of lists)."""
         self._grad_shards = None
-        self._pool.clear()
+        if not self.keep_staging:
+            self._pool.clear()
 
     def _reduce_async(self, key, staging: torch.Tensor, shard: torch.Tensor) -> None:
         """Reduce-scatter `staging` into `shard` (the first reduction since zero_grad writes it,

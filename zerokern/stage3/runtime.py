@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -141,6 +141,7 @@ class Stage3Runtime(ShardedGrads):
         self._set_kept(kept_for_backward(  # [Note: kept units] in units.py
             self.schedule, lambda ui: self._need(self.units[ui]),
             lambda ui: sum(f.full_bytes for f in self._bufs(ui)), keep_for_backward_bytes))
+        self._own_kept = self.kept_units  # keep_for_backward_mb's (use_schedule(None))
         self._prefetch_numel = None  # DeepSpeed's prefetch bucket (use_schedule), elements
         self.fwd_order: List[int] = []       # units (not the root) in the last forward's order
         self._recording: List[int] = []
@@ -185,10 +186,15 @@ class Stage3Runtime(ShardedGrads):
     def _in_flight_or_gathered(self, ui: int) -> bool:
         return all(f.gathered or f.handle is not None for f in self._bufs(ui))
 
-    def use_schedule(self, keys: Stage3Keys) -> None:
+    def use_schedule(self, keys: Optional[Stage3Keys]) -> None:
         """DeepSpeed's four stage-3 keys ([Note: DeepSpeed's stage-3 keys] in ds_schedule.py):
         the units kept for the backward and the forward's prefetch budget, in place of
-        keep_for_backward_mb's. Call before the first forward, on every rank."""
+        keep_for_backward_mb's (None: back to those). Call between steps, on every rank."""
+        if keys is None:
+            self._set_kept(self._own_kept)
+            self._prefetch_numel = None
+            return
+
         def persistent(ui: int) -> bool:
             return all(s.numel <= keys.param_persistence_threshold
                        for f in self._bufs(ui) for s in f.layout.slots)
