@@ -288,6 +288,47 @@ def before_after_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def merged_breakdown(rs) -> dict:
+    """{config: {key: [wall ms, cpu ms]}}: the median over runs of each run's breakdown."""
+    out = {}
+    for c in CONFIGS:
+        keys = {k for x in rs for k in x["breakdown"][c]}
+        out[c] = {k: [statistics.median(x["breakdown"][c].get(k, [0.0, 0.0])[i] for x in rs)
+                      for i in (0, 1)] for k in sorted(keys)}
+    return out
+
+
+def merged_codec(rs) -> list:
+    """The codec rows with the median over runs of each fraction and time."""
+    rows = []
+    for i, r in enumerate(rs[0]["codec"]):
+        same = [x["codec"][i] for x in rs]
+        rows.append({**r, **{k: statistics.median(y[k] for y in same)
+                             for k in ("kernel_ms", "copy_ms", "frac", "frac_min", "GBps")}})
+    return rows
+
+
+def report_md(data: dict) -> str:
+    """The tables of a --trees result file (bench_mesh.py --report FILE)."""
+    runs = data["runs"]
+    out = ["## Step time, before and after (x plain stage 3 in the same run)", "",
+           before_after_table(runs), ""]
+    loads = {n: [x["load"] for x in rs] for n, rs in runs.items()}
+    out += ["Load average (1 min) at the start and end of each run: " + "; ".join(
+        f"{n}: " + ", ".join(f"{a:.0f}-{b:.0f}" for a, b in ls) for n, ls in loads.items()),
+        ""]
+    for n, rs in runs.items():
+        out += [f"## Where the time goes: {n} (ms per step, mean over the 4 ranks, median over "
+                f"the {len(rs)} runs; wall (CPU) where they differ)", "",
+                breakdown_table(merged_breakdown(rs)), ""]
+    for n, rs in runs.items():
+        if rs[0].get("codec"):
+            out += [f"## The codec against a copy of the same bytes: {n} (1 thread, median "
+                    f"over the {len(rs)} runs of each run's median of 15)", "",
+                    codec_table(merged_codec(rs)), ""]
+    return "\n".join(out)
+
+
 BREAKDOWN_KEYS = ("cpu", "wait@main", "codec@main", "codec@ring", "qgz@ring", "a2a@ring",
                   "qwz_hops@ring", "ring_ag@ring", "ring_rs@ring", "hpz_keep@main")
 
@@ -392,6 +433,7 @@ def main() -> None:
                     help="NAME=PATH,NAME=PATH: before/after, alternated ([Note: before and "
                          "after in one run])")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--report", default=None, help="print the tables of a --trees result file")
     ap.add_argument("--size", default="small")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
@@ -403,14 +445,23 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="time the codec, the hops and the waits ([Note: the breakdown])")
     a = ap.parse_args()
+    if a.report:
+        with open(a.report) as f:
+            print(report_md(json.load(f)))
+        return
     if a.trees:
         import sys
 
-        argv = [x for x in sys.argv[1:] if not x.startswith(("--trees", "--reps", "--json"))]
-        argv = [x for i, x in enumerate(argv) if not (i > 0 and argv[i - 1] in (
-            "--trees", "--reps", "--json"))]
+        argv, skip = [], False  # this run's own flags (and their values) stay here
+        for x in sys.argv[1:]:
+            if skip:
+                skip = False
+            elif x in ("--trees", "--reps", "--json"):
+                skip = True
+            elif not x.startswith(("--trees=", "--reps=", "--json=")):
+                argv.append(x)
         trees = [tuple(t.split("=", 1)) for t in a.trees.split(",")]
-        runs = alternate(trees, a.reps, [x for x in argv if x not in ("--trees", "--reps")])
+        runs = alternate(trees, a.reps, argv)
         print(before_after_table(runs))
         if a.json:
             with open(a.json, "w") as f:

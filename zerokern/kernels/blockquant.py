@@ -194,12 +194,18 @@ def codec_for(device: torch.device, backend: str = "auto"):
     `backend` (kernels.dispatch.resolve): Triton (triton_blockquant) on CUDA, the C++ kernel
     for "cpu" (and "auto" on the CPU), this module's reference ops for "reference".
 
-    [Note: the CPU codec] Measured on this 2-core VM (1 thread, 2^20 fp32 elements, min of
-    15, load ~12): int8 quantize 1.32 ms C++ vs 1.20 ms reference, dequantize 0.27 vs 0.23 ms
-    (a wash: torch's elementwise ops are vectorised already); int4 quantize 1.34 vs 2.14 ms,
-    dequantize 0.25 vs 11.2 ms (the reference unpacks nibbles through int16 tensors and a
-    stack). So the C++ kernel is used on the CPU (both widths: one code path), the reference
-    stays the spec the tests hold both to.
+    [Note: the CPU codec] The C++ kernel is used on the CPU (both widths: one code path); the
+    reference stays the spec the tests hold both to. First measured (1 thread, 2^20 fp32
+    elements, load ~12): the portable kernel quantized int8 in 1.32 ms (the reference 1.20 ms)
+    and dequantized in 0.27 ms; int4 1.34 / 0.25 ms against the reference's 2.14 / 11.2 ms
+    (nibbles through int16 tensors and a stack). Issue 40 added the AVX-512 bodies
+    (csrc/cpu/blockquant_cpu.cpp: codes by a product with the reciprocal, the IEEE division
+    only near a rounding boundary) and the calls the collectives' CPU path makes without
+    allocating or packing (`NativeCodec.quantize_into`, `dequantize_into`, `dequantize_add_`):
+    against a copy of the same bytes on one core (bench_mesh.py --codec,
+    benchmarks/results/mesh-quant-2x2-issue40-20261129.md), quantize int8 from fp32 runs at
+    ~70% of the copy in cache and out of it (2^20: 0.29 ms), dequantize at ~90-110%, and the
+    fused dequantize-add, which moves 9 bytes per element, in the time of a copy of ~4.
 
     Args:
         device: where the tensors to quantize live.
