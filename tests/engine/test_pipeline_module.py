@@ -240,6 +240,34 @@ def _reduce_scatters(rank: int):
     return out
 
 
+def _overflow_on_stage0(rank: int, poison: bool):
+    """fp16, 3 train_batch steps; at step 1 the first stage's first weight gets an inf
+    gradient (a hook on the first stage only, when `poison`). Returns (skipped_steps, whether
+    this stage's params changed over step 1 (bitwise), the loss scale after step 1)."""
+    import zerokern
+
+    C.launcher_env(rank)
+    model = _module(2)
+    # (scale 2^8: no overflow of its own; at DeepSpeed's 2^16 the first steps overflow)
+    fp16 = {"enabled": True, "initial_scale_power": 8}
+    engine, _, _, _ = zerokern.initialize(model=model, config=_config(1, fp16=fp16))
+    engine.set_batch_fn(lambda b: (b[0].half(), b[1].half()))
+    armed = {"on": False}
+    if engine.is_first_stage() and poison:
+        w = next(p for n, p in model.named_parameters() if n.endswith("weight"))
+        w.register_hook(lambda g: g * float("inf") if armed["on"] else g)
+    changed = scale = None
+    for step in range(3):
+        before = _state(engine, model)
+        armed["on"] = step == 1
+        engine.train_batch(_data(0, step))
+        if step == 1:
+            after = _state(engine, model)
+            changed = any(not torch.equal(before[k], after[k]) for k in before)
+            scale = float(engine.loss_scale)
+    return engine.skipped_steps, changed, scale
+
+
 def _torch_reference(initial, cfg, dp: int, tied: bool = False, steps: int = STEPS,
                      masked: bool = False):
     """One process, plain torch: the same layers with the pipeline run's initial weights,
@@ -422,6 +450,8 @@ def _cases(rank, ws):
         cases["zk-loader"] = lambda: _train("zerokern", rank, s1, loader=True)
         cases["zk-masked"] = lambda: _train("zerokern", rank, s1, masked=True,
                                             module_kw={"partition_method": "uniform"})
+        cases["inf-stage0"] = lambda: _overflow_on_stage0(rank, poison=True)
+        cases["inf-none"] = lambda: _overflow_on_stage0(rank, poison=False)
         cases["ds-eval"] = lambda: _eval_variants("deepspeed", rank)
         cases["zk-eval"] = lambda: _eval_variants("zerokern", rank)
         cases["errors"] = lambda: _errors(rank, ws)
@@ -541,6 +571,17 @@ def test_stage3_keep_gathered():
             assert c[(3, gas, True)][2] == c[(3, gas, False)][2], c
         assert c[(3, 2, True)][1] == c[(3, 4, True)][1] < c[(3, 2, False)][1], c
         assert c[(3, 4, False)][1] > c[(3, 2, False)][1], c
+
+
+def test_overflow_on_one_stage_skips_every_stage():
+    """fp16: an inf in the first stage's gradient only makes both stages skip the step
+    (params bitwise unchanged on each), with one loss scale on both; control: without the
+    inf neither skips and both change."""
+    for (skipped, changed, _), (clean, clean_changed, _) in zip(
+            case(_results(), "inf-stage0"), case(_results(), "inf-none")):
+        assert skipped == 1 and changed is False, (skipped, changed)
+        assert clean == 0 and clean_changed is True, (clean, clean_changed)
+    assert len({r[2] for r in case(_results(), "inf-stage0")}) == 1
 
 
 def test_training_data_loader():
