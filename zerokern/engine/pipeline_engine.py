@@ -117,6 +117,7 @@ class PipelineEngine(ZeroEngine):
         self.batch_fn = None
         self.link = StageLink(layout.prev_rank, layout.next_rank, self.device)
         self.keep_gathered = False  # [Note: stage 3 across the micro-batches]
+        self._data_checked = False  # _check_data: the first call agrees over the pipeline
         if training_data is not None:
             sampler = torch.utils.data.distributed.DistributedSampler(
                 training_data, num_replicas=layout.dp_size, rank=layout.dp_rank, shuffle=False)
@@ -193,9 +194,19 @@ class PipelineEngine(ZeroEngine):
 
     # ---- the schedule -----------------------------------------------------------------------
     def _check_data(self, what: str) -> None:
-        if (self.is_first_stage() or self.is_last_stage()) and self.data_iterator is None:
-            raise ValueError(f"{what}: no data: pass data_iter (an iterator of (inputs, "
-                             "labels) micro-batches) or training_data= to initialize")
+        """ValueError when the first or last stage has no data. At the first call the stages
+        agree on it (one all-reduce over the pipeline), so that a middle stage raises too
+        instead of waiting for activations that never come."""
+        missing = (self.is_first_stage() or self.is_last_stage()) and self.data_iterator is None
+        if not self._data_checked and self.num_stages > 1:
+            self._data_checked = True
+            flag = torch.tensor([int(missing)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.layout.pipe_group)
+            missing = bool(flag.item())
+        if missing:
+            raise ValueError(f"{what}: no data on the first or last stage: pass data_iter (an "
+                             "iterator of (inputs, labels) micro-batches) or training_data= to "
+                             "initialize")
 
     def _next_batch(self):
         batch = next(self.data_iterator) if self.data_iterator is not None else None
