@@ -30,7 +30,7 @@ import torch.distributed as dist
 from zerokern.platform.device import handle
 from zerokern.tools.spawn import RankFailure, spawn_ranks
 
-from . import common, step_rules
+from . import common, step_pipeline, step_rules
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # stage 3 with every unit kept gathered from its forward to its backward ([Note: kept units])
@@ -235,7 +235,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="zerokern precision (peers run fp32)")
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--stages", type=int, nargs="+", default=None, choices=[0, 1, 2, 3],
+                   help="zerokern stages (default 0-3; with --pp 1-3)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--optimizer", default="adamw", choices=step_rules.OPTIMIZERS,
                    help="zerokern's ZeroAdamW (default), ZeroMuon, ZeroLion or ZeroAdamW("
@@ -256,7 +257,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 3 reps, for tests (writes step-...-quick.*)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    step_pipeline.add_arguments(p)
     a = p.parse_args(argv)
+    a.stages = a.stages or ([1, 2, 3] if a.pp else [0, 1, 2, 3])
     if a.device == "cuda":
         cuda = handle("cuda")
         if not cuda.is_available():
@@ -264,12 +267,14 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
         a.nproc = a.nproc or cuda.device_count()
         if a.nproc > cuda.device_count():  # NCCL refuses two ranks on one GPU
             p.error(f"--nproc {a.nproc} > {cuda.device_count()} visible GPUs")
-    a.nproc = a.nproc or 2
+    a.nproc = a.nproc or (2 * a.pp if a.pp else 2)
     if a.quick:
         a.model_size, a.reps, a.warmup, a.seq = "tiny", 3, 1, 16
     a.fsdp2 = a.fsdp2 and 3 in a.stages and a.optimizer == "adamw"
     if a.nproc < 1 or a.reps < 1 or a.batch < 1 or a.seq < 1:
         p.error("--nproc, --reps, --batch and --seq must be >= 1")
+    if a.pp is not None:  # the pipeline row (step_pipeline.py)
+        step_pipeline.check_args(p, a)
     return a
 
 
@@ -279,6 +284,8 @@ def _cuda_of(rank: int) -> torch.device:
 
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
+    if args.pp is not None:  # the pipeline row: its own sides and result files
+        return step_pipeline.main(args)
     cuda = args.device == "cuda"
     # How busy the machine was: others' share before (the ranks' own CPU cannot be told apart
     # during the run, common.OtherLoad), and the 1-minute load average around the run.
