@@ -200,7 +200,7 @@ class Stage3Runtime(ShardedGrads):
                        for f in self._bufs(ui) for s in f.layout.slots)
 
         kept = deepspeed_keep(self.schedule, 0, self._numel, persistent, keys)
-        self._set_kept([uj for ui in kept for uj in dict.fromkeys(self._need(self.units[ui]))])
+        self._set_kept(list(dict.fromkeys(uj for ui in kept for uj in self._need(self.units[ui]))))
         self._prefetch_numel = keys.prefetch_numel
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -339,13 +339,17 @@ class Stage3Runtime(ShardedGrads):
             param_offload.read_ahead(self, self.schedule, self._fcur + 1)  # (nvme: its read)
         if torch.is_grad_enabled() and not u.is_root:  # rule 3: post-backward on the inputs
             ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
-            if ins:
+            if ins and all(t.grad_fn is not None for t in ins):  # [Note: a leaf input]
                 self._calls[u.index] += 1
                 left = [len(ins)]
                 hook = weak_hook(self, "_input_grad")
                 for t in ins:
                     t.register_hook(lambda g, u=u, left=left: hook(u, left))
             else:  # no signal from this call: the unit is done by its grads or the flush
+                # [Note: a leaf input] A leaf's hook runs in its AccumulateGrad, which has the
+                # params' priority: it may run before the AccumulateGrad of a param whose grad
+                # the same node computed (a LayerNorm on a pipeline stage's input, a leaf
+                # torch's stage makes), so it does not say that the unit's backward is over.
                 self._unsignalled.add(u.index)
 
     def _post_forward(self, u: Unit, out) -> None:
@@ -364,6 +368,8 @@ class Stage3Runtime(ShardedGrads):
         # Every rank keeps it, whether it called the unit or reached it as skipped (below),
         # so whether backward gathers it does not depend on the data (rule 1).
         # (the root's grad mode decides, not this call's: the same on every rank)
+        # Under DeepSpeed's stage-3 keys (use_schedule) the kept units are theirs, and may
+        # leave out the root and the last unit ([Note: DeepSpeed's stage-3 keys]).
         keep = set(self.kept_units) if self._fwd_grad else set()
         for ui in self._need(u):
             self._refs[ui] -= 1
@@ -461,7 +467,17 @@ class Stage3Runtime(ShardedGrads):
 
     def _input_grad(self, u: Unit, left: list) -> None:
         left[0] -= 1
-        if left[0] == 0:  # this call's backward is over; the unit's when all calls' are
+        if left[0] == 0 and self._calls[u.index] > 0:  # (0: a call forgotten by a synced end)
+            # this call's backward is over; the unit's when all calls' are
+            # [Note: graphs alive across backwards] Several forwards' graphs can be alive at
+            # once (a pipeline schedule: micro-batch 1's forward before micro-batch 0's
+            # backward, all but the last backward under no_sync()). The counts of calls whose
+            # backward is to come are kept across backwards under no_sync() (a call counted
+            # there may belong to a later backward) and dropped at the end of a synced one
+            # (it ends the accumulation: a call not backwarded by then never will be). So in
+            # the synced backward a unit is over when its last micro-batch's call is, not
+            # when the first one's is (which once left a count of -1 there, or a unit passed
+            # as unused, at 0, before its backward ran).
             self._calls[u.index] -= 1
             if self._calls[u.index] == 0:
                 if u.index not in self._unsignalled:
@@ -666,8 +682,9 @@ class Stage3Runtime(ShardedGrads):
         self._drain()
         self.state = TrainingState.PRE_BACKWARD  # IDLE once the queued end has run
         self._free_unreferenced()
-        self._calls.clear()
-        self._unsignalled.clear()
+        if self.sync:  # [Note: graphs alive across backwards]
+            self._calls.clear()
+            self._unsignalled.clear()
         self._reset_backward()
         self._hpz_invalidate()  # (after the frees above, which keep secondaries)
 
