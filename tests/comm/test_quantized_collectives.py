@@ -102,7 +102,7 @@ def _qgz_collective(rank, ws, memo, bits, levels_key="flat", judge_bits=None):
     chunks = contrib.view(ws, ws, c)[:, rank].double()  # every rank's chunk for me
     exact = chunks.sum(0)
     q = QMAX[judge_bits or bits]
-    if levels_key == "flat":
+    if levels_key in ("flat", "flat4"):
         bound = sum(_amax(chunks[r]) for r in range(ws) if r != rank) / (2 * q)
     else:
         bound = _two_hop_bound(contrib, rank, c, q)
@@ -344,13 +344,19 @@ def _worker4(rank, ws):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     comm = make_comm(mesh=mesh, hpz=True, qgz_bits=8, codec_for=codec_for)
     memo = {"mesh": mesh, "hier": comm.q_levels,
-            "flat_perm": [Q.Level(lv.gc, None) for lv in comm.q_levels]}
+            "flat_perm": [Q.Level(lv.gc, None) for lv in comm.q_levels],
+            # one hop over all 4 ranks: the CPU path's all_to_all_single branch (more than 2
+            # ranks), and qwZ's flat gather over 4 ([Note: qgZ on the CPU ring])
+            "flat4": [Q.Level(comm.shard.split(), None)], "gc": comm.shard}
     model = M.make_model()
     memo["plain"] = M.train_zero(model, M.zero_opt(model, 3), rank, ws, STEPS)
     cases = {
         "hier_int8": functools.partial(_qgz_collective, rank, ws, memo, 8, "hier"),
         "hier_int4": functools.partial(_qgz_collective, rank, ws, memo, 4, "hier"),
         "neg_hier_order": functools.partial(_qgz_collective, rank, ws, memo, 8, "flat_perm"),
+        "flat4_int8": functools.partial(_qgz_collective, rank, ws, memo, 8, "flat4"),
+        "flat4_int4": functools.partial(_qgz_collective, rank, ws, memo, 4, "flat4"),
+        "qwz4": functools.partial(_qwz_collective, rank, ws, memo),
         "train_all": functools.partial(_train_hpz, rank, ws, memo),
         "hsdp_qgz": functools.partial(_qgz_engine, rank, ws, 2, 8, mesh=mesh),
         "debug_log": functools.partial(_debug_log, rank, ws, memo),
@@ -475,6 +481,18 @@ def test_qgz_keeps_nonfinite_grads_nonfinite():
 def test_qgz_hierarchical_two_hops_within_bound(bits):
     for r, v in enumerate(case(_results4(), f"hier_int{bits}")):
         assert v["ratio"] <= 1.0 and v["max_err"] > 0, (r, v)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qgz_one_hop_over_four_ranks_within_bound(bits):
+    for r, v in enumerate(case(_results4(), f"flat4_int{bits}")):
+        assert v["ratio"] <= 1.0 and v["max_err"] > 0, (r, v)
+
+
+def test_qwz_gather_over_four_ranks_within_bound_own_piece_exact():
+    for r, v in enumerate(case(_results4(), "qwz4")):
+        assert v["ratio"] <= 1.0 and v["own_exact"], (r, v)
+        assert v["bytes"] == 3 * (1024 + 32), (r, v)  # 3 of the 4 payloads sent per rank
 
 
 def test_qgz_hierarchical_negative_control_chunk_order():
