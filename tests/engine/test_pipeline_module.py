@@ -80,9 +80,10 @@ class MaskIn(torch.nn.Module):
         return x * mask.to(x.dtype) + 0.5 * x
 
 
-def _specs(tied: bool, masked: bool = False):
-    """7 layers; masked: MaskOut / MaskIn in the middle (8 + 1 layers: with partition_method
-    'uniform' the stage boundary falls between them, so a (float, bool) tuple crosses it)."""
+def _specs(tied: bool, masked: bool = False, dropout: bool = False):
+    """7 layers; masked: MaskOut / MaskIn in the middle (8 layers: with partition_method
+    'uniform' the stage boundary falls between them, so a (float, bool) tuple crosses it);
+    dropout: a Dropout(0.2) after the first Tanh (8 layers)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     nn = torch.nn
@@ -93,17 +94,19 @@ def _specs(tied: bool, masked: bool = False):
     if masked:
         return [first, LayerSpec(nn.Tanh), LayerSpec(nn.Linear, H, H), LayerSpec(MaskOut),
                 LayerSpec(MaskIn), LayerSpec(nn.Linear, H, H), nn.Tanh(), last]
-    return [first, LayerSpec(nn.Tanh), LayerSpec(nn.Linear, H, H), LayerSpec(nn.Tanh),
+    drop = [LayerSpec(nn.Dropout, 0.2)] if dropout else []
+    return [first, LayerSpec(nn.Tanh), *drop, LayerSpec(nn.Linear, H, H), LayerSpec(nn.Tanh),
             LayerSpec(nn.Linear, H, H), nn.Tanh(), last]
 
 
-def _module(stages: int, tied: bool = False, masked: bool = False, **kw):
+def _module(stages: int, tied: bool = False, masked: bool = False, dropout: bool = False,
+            **kw):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm over torch's group
     torch.manual_seed(MODEL_SEED)  # the same layers on every rank and in every run
-    return PipelineModule(layers=_specs(tied, masked), num_stages=stages,
+    return PipelineModule(layers=_specs(tied, masked, dropout), num_stages=stages,
                           loss_fn=torch.nn.functional.mse_loss, **kw)
 
 
@@ -134,7 +137,7 @@ class Run(NamedTuple):
 
 def _train(which: str, rank: int, cfg, stages: int = 2, tied: bool = False, steps: int = STEPS,
            module_kw=None, cast=None, loader: bool = False,
-           masked: bool = False) -> Run:
+           masked: bool = False, dropout: bool = False) -> Run:
     """train_batch `steps` times, then eval_batch, through `which` in {"zerokern",
     "deepspeed"}; cast: the micro-batches cast to this dtype by engine.set_batch_fn; loader: the
     same micro-batches as training_data= (one data-parallel rank), train_batch() without an
@@ -154,7 +157,7 @@ def _train(which: str, rank: int, cfg, stages: int = 2, tied: bool = False, step
 
         ctx, init = contextlib.nullcontext(), zerokern.initialize
     with ctx:
-        model = _module(stages, tied, masked, **(module_kw or {}))
+        model = _module(stages, tied, masked, dropout, **(module_kw or {}))
         first = [None] * dist.get_world_size()
         dist.all_gather_object(first, {k: v.detach().clone()
                                        for k, v in model.state_dict().items()})
@@ -448,6 +451,17 @@ def _cases(rank, ws):
             "zerokern", rank, _config(1, pipeline={"use_reentrant": False}),
             module_kw={"activation_checkpoint_interval": 2})
         cases["zk-loader"] = lambda: _train("zerokern", rank, s1, loader=True)
+        # seed_layers: the module reseeds before each layer of each micro-batch's forward;
+        # with a Dropout the masks then depend on the same seeds in both engines
+        # (seed_fn: DeepSpeed 0.19.8's default reseeding, ds_utils.set_random_seed, raises
+        # TypeError in its own PipelineModule constructor with partition_method 'parameters':
+        # the partition's bounds are numpy integers, which random.seed refuses)
+        seeded = {"seed_layers": True, "seed_fn": torch.manual_seed}
+        cases["ds-seeded"] = lambda: _train("deepspeed", rank, s1, dropout=True,
+                                            module_kw=seeded)
+        cases["zk-seeded"] = lambda: _train("zerokern", rank, s1, dropout=True,
+                                            module_kw=seeded)
+        cases["zk-dropout"] = lambda: _train("zerokern", rank, s1, dropout=True)
         cases["zk-masked"] = lambda: _train("zerokern", rank, s1, masked=True,
                                             module_kw={"partition_method": "uniform"})
         cases["inf-stage0"] = lambda: _overflow_on_stage0(rank, poison=True)
@@ -582,6 +596,16 @@ def test_overflow_on_one_stage_skips_every_stage():
         assert skipped == 1 and changed is False, (skipped, changed)
         assert clean == 0 and clean_changed is True, (clean, clean_changed)
     assert len({r[2] for r in case(_results(), "inf-stage0")}) == 1
+
+
+def test_seed_layers_with_dropout_match_deepspeed():
+    """seed_layers=True with a Dropout: DeepSpeed's losses (the module reseeds before each
+    layer, micro-batch by micro-batch, in both engines); control: without seed_layers the
+    dropout masks differ and so do the losses."""
+    for z, d, u in zip(case(_results(), "zk-seeded"), case(_results(), "ds-seeded"),
+                       case(_results(), "zk-dropout")):
+        assert C.rel(z.losses, d.losses) <= TOL["deepspeed"], (z.losses, d.losses)
+        assert C.rel(u.losses, d.losses) > TOL["deepspeed"], (u.losses, d.losses)
 
 
 def test_training_data_loader():
