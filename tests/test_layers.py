@@ -106,3 +106,33 @@ def test_a_folder_split_across_layers_is_caught():
     moved = [set(r) for r in layers]
     moved[-1].add("layout.moved_down")  # a layout module at the bottom row
     assert "layout" in gaps(moved)
+
+
+def lazy_imports_of_own_package(path: Path, package: str) -> list:
+    """Imports inside functions of `path` (a package's __init__) of the package's own
+    submodules: a loop from the interface down to its implementations that import-linter
+    cannot see (issue 35)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    out = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module and \
+                        node.module.startswith(package + "."):
+                    out.append(node.module)
+    return out
+
+
+def test_the_rule_interface_imports_no_rule():
+    """zerokern/rules/__init__.py (the Rule interface) imported the concrete rules lazily, a
+    hidden loop; the registry (rules/registry.py) imports them at its top."""
+    assert lazy_imports_of_own_package(REPO / "zerokern" / "rules" / "__init__.py",
+                                       "zerokern.rules") == []
+
+
+def test_a_lazy_import_of_an_own_submodule_is_caught(tmp_path):
+    f = tmp_path / "init.py"
+    f.write_text("def f():\n    from zerokern.rules.adamw import ADAMW\n    return ADAMW\n")
+    assert lazy_imports_of_own_package(f, "zerokern.rules") == ["zerokern.rules.adamw"]

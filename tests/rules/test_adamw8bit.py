@@ -436,7 +436,7 @@ def test_300_steps_of_zerokern_train_final_loss_within_1pct_of_fp32_adamw(tmp_pa
 
 
 def test_the_formula_counts_6_0625_bytes_per_param():
-    from zerokern.rules import rule_by_name
+    from zerokern.rules.registry import rule_by_name
 
     rule = rule_by_name("adamw8bit")
     assert rule.k_bytes == 2 + 8 / 128

@@ -120,7 +120,7 @@ def human_bytes(n: Optional[float]) -> str:
 def _state_rows(r0, prefix: str, suffix: str = "", matrix: bool = True):
     """One row per optimizer state of the estimate's rule (zerokern.rules), master first, then
     (matrix) its per-matrix states, held on each param's owner rank."""
-    from zerokern.rules import rule_by_name
+    from zerokern.rules.registry import rule_by_name
 
     # a rule per param group (ZeroMuon) is named "muon+adamw": the union of their states
     kinds = {"master": "fp32"}

@@ -91,8 +91,9 @@ from zerokern.options.args import (
     check_precision,
     check_stage,
 )
-from zerokern.rules import adamw_rule, combine, rule_by_name, slot_align
+from zerokern.rules import combine, slot_align
 from zerokern.rules.matrix_states import names_of, owned_bytes
+from zerokern.rules.registry import adamw_rule, rule_by_name
 from zerokern.state.offload_nvme import CHUNK_NUMEL, QUEUE_DEPTH, pool_chunk, rules_granule
 from zerokern.state.placement import placement_class
 

@@ -49,7 +49,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zerokern.rules import Rule, adamw_rule
+from zerokern.rules import Rule
+from zerokern.rules.registry import adamw_rule
 from zerokern.state import aligned_io as aio
 from zerokern.state import nvme_state
 from zerokern.state import offload_nvme as nv

@@ -64,7 +64,7 @@ BYTES_NEEDED = 72
 
 
 def rule_of(name: str) -> Rule:
-    from ..rules import rule_by_name
+    from ..rules.registry import rule_by_name
 
     return rule_by_name(name)
 

@@ -94,7 +94,7 @@ def section_dtypes(rule) -> dict:
 
 def legacy_sections() -> tuple:
     """The sections of a checkpoint written before rules existed: the AdamW rule's."""
-    from zerokern.rules import rule_by_name
+    from zerokern.rules.registry import rule_by_name
 
     return sections(rule_by_name(LEGACY_RULE))
 

@@ -98,7 +98,7 @@ def estimate_memory(num_params: int, world_size: int, stage: int, precision: str
 def _shares(optimizer, num_params: int) -> dict:
     """{rule: Ψ_rule}: `optimizer` a name or Rule (all Ψ), or a dict {name or Rule: params}
     summing to Ψ (a rule per param group)."""
-    from zerokern.rules import rule_by_name
+    from zerokern.rules.registry import rule_by_name
 
     if not isinstance(optimizer, dict):
         return {rule_by_name(optimizer): num_params}

@@ -457,34 +457,6 @@ def combine(rules) -> Rule:
     return MixedRules(rules)
 
 
-def adamw_rule():
-    """The default rule (ZeroAdamW's), for callers that build buffers without an optimizer."""
-    from zerokern.rules.adamw import ADAMW
-
-    return ADAMW
-
-
-def rule_by_name(name: str) -> Rule:
-    """The built-in rules by name ("adamw", "adamw8bit", "lion", "muon", "adafactor"):
-    estimate's and the
-    CLI's `optimizer=` (the "muon" rule alone: ZeroMuon's AdamW params are the estimate's to
-    add)."""
-    from zerokern.rules.adafactor import ADAFACTOR
-    from zerokern.rules.adamw import ADAMW
-    from zerokern.rules.adamw8bit import ADAMW8BIT
-    from zerokern.rules.lion import LION
-    from zerokern.rules.muon import MUON
-
-    rules = {"adamw": ADAMW, "adamw8bit": ADAMW8BIT, "lion": LION, "muon": MUON,
-             "adafactor": ADAFACTOR}
-    if isinstance(name, Rule):
-        return check_rule(name)
-    if name not in rules:
-        raise ValueError(f"optimizer must be one of {tuple(rules)} (or a zerokern.rules.Rule), "
-                         f"got {name!r}")
-    return rules[name]
-
-
 def map_in_memory_(g, k: int, names, fn, params: bool) -> None:
     """A placement's map_piece_ (state/placement.py) where the state is in memory (device or
     host): one call `fn(a, b, views)` on bucket k's views of `names`, state elements [a, b);

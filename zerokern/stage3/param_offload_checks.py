@@ -44,7 +44,8 @@ def check_space(path: str, units, trainable, dtype: torch.dtype, world_size: int
     2 halves of the shard, one for a frozen buffer) against the free space of `path`, before
     the model is touched. The files are preallocated at construction all the same, which
     catches what this misses (other writers, file systems that count blocks differently)."""
-    from zerokern.rules import adamw_rule, slot_align
+    from zerokern.rules import slot_align
+    from zerokern.rules.registry import adamw_rule
     from zerokern.state.offload_nvme import NvmeOffloader
 
     rule = adamw_rule() if rule is None else rule

@@ -42,12 +42,12 @@ from zerokern.platform.device import handle
 from zerokern.rules import (
     Rule,
     RuleState,
-    adamw_rule,
     alloc_states,
     check_rule,
     map_in_memory_,
     rule_for,
 )
+from zerokern.rules.registry import adamw_rule
 from zerokern.state import pinned
 
 CHUNK_NUMEL = 1 << 22

@@ -68,7 +68,8 @@ from typing import List, Optional
 
 import torch
 
-from zerokern.rules import Rule, adamw_rule, check_rule, rule_for
+from zerokern.rules import Rule, check_rule, rule_for
+from zerokern.rules.registry import adamw_rule
 from zerokern.state import aligned_io as aio
 from zerokern.state.nvme_pool import (  # noqa: F401 (CHUNK_NUMEL, QUEUE_DEPTH: re-exported)
     CHUNK_NUMEL,

@@ -44,12 +44,12 @@ import torch
 from zerokern.rules import (
     Rule,
     RuleState,
-    adamw_rule,
     alloc_states,
     check_rule,
     map_in_memory_,
     rule_for,
 )
+from zerokern.rules.registry import adamw_rule
 from zerokern.state import huge_pages
 
 

@@ -37,7 +37,7 @@ MAX_RANK_COLUMNS = 4  # more ranks: rank 0 and the largest total are shown
 
 def _rule(cfg: TrainConfig):
     """The run's optimizer rule: ZeroAdamW's, 8-bit with --state-bits 8."""
-    from zerokern.rules import rule_by_name
+    from zerokern.rules.registry import rule_by_name
 
     return rule_by_name("adamw8bit" if cfg.state_bits == 8 else "adamw")
 
