@@ -175,12 +175,15 @@ def _md(payload) -> str:
              "repetition in rotating order, caches flushed before each call. `new`: this "
              "checkout's op; `old`: the op before (its .so in a helper process); `fp32`: "
              "zerokern's fp32-state adam_step (its GB/s and % RMW on its own 28 B/elem floor); "
-             "`rmw`: x.mul_(c), 8 B/elem. x fp32 = wall time / fp32's.", "",
-             "| n | case | provider | wall ms | CPU ms | GB/s | % RMW | x fp32 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "`rmw`: x.mul_(c), 8 B/elem. x fp32 = wall time / fp32's; x fp32 (CPU) = CPU time "
+             "/ fp32's (on a loaded machine the wall time waits on descheduled threads, the CPU "
+             "time less so).", "",
+             "| n | case | provider | wall ms | CPU ms | GB/s | % RMW | x fp32 | x fp32 (CPU) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, row in rows.items():
         rmw = row.get("rmw", {}).get("wall_ms")
         fp32 = row.get("fp32", {}).get("wall_ms")
+        fp32_cpu = row.get("fp32", {}).get("cpu_ms")
         size, case = key.split(" ")
         for name, r in row.items():
             w = r["wall_ms"]
@@ -188,8 +191,10 @@ def _md(payload) -> str:
             gbps = f"{b * (1 << int(size[2:])) / w / 1e6:.1f}"
             pct = f"{100 * rmw / w * (b / 8):.0f}%" if rmw and name != "rmw" else "-"
             ratio = f"{w / fp32:.2f}" if fp32 and name not in ("rmw", "fp32") else "-"
+            cpu_ratio = (f"{r['cpu_ms'] / fp32_cpu:.2f}"
+                         if fp32_cpu and name not in ("rmw", "fp32") else "-")
             lines.append(f"| {size} | {case} | {name} | {w:.1f} | {r['cpu_ms']:.1f} | {gbps} | "
-                         f"{pct} | {ratio} |")
+                         f"{pct} | {ratio} | {cpu_ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -204,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bnb", action="store_true")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--no-flush", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for every provider (default: torch's)")
     ap.add_argument("--serve-old", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -214,6 +221,9 @@ def main(argv=None) -> int:
     from zerokern.kernels.build import load_op
 
     new = load_op("cpu")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+        os.environ["ZK_BENCH_THREADS"] = str(a.threads)
     os.environ.setdefault("ZK_BENCH_THREADS", str(torch.get_num_threads()))
     flush = CacheFlusher(torch.device("cpu"), enabled=not a.no_flush)
     load0 = os.getloadavg()

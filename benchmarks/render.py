@@ -308,7 +308,7 @@ ADAMW8BIT_PEERS = (("bnb-8bit", "bitsandbytes AdamW8bit"), ("torchao-8bit", "tor
 
 
 def render_kernel_adamw8bit(results: Path) -> str:
-    f = "kernels-cpu-adamw8bit-issue40-20261129.json"
+    f = "kernels-cpu-adamw8bit-issue40-20261129-r2.json"
     data = load(f, results)
     floor = data["rule_floors"]["adamw8bit"]["bf16"]
     out = []
