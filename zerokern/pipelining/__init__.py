@@ -1,7 +1,9 @@
 """ZeRO on every pipeline stage: `torch.distributed.pipelining` with a zerokern optimizer
 (issue 38).
 
-The API, in full (the engine's PipelineModule support builds on exactly this):
+The API, in full (the engine's PipelineModule support, zerokern/engine/pipeline_engine.py,
+shares its mechanisms -- no_sync for all but the last backward, scaled non-last stages -- with
+its own 1F1B over DeepSpeed's micro-batch iterator):
 
     world = init_device_mesh("cuda", (pp, dp), mesh_dim_names=("pp", "dp"))   # or (pp, dp, tp)
     module = build_my_stage(world["pp"].get_local_rank())     # this rank's part of the model
