@@ -2,7 +2,8 @@
 
 from .config import EngineConfig, parse_config
 from .config_values import ConfigError
-from .engine import NoOptimizerError, NoSyncError, ZeroEngine, init_distributed, initialize
+from .engine import NoOptimizerError, NoSyncError, ZeroEngine, init_distributed
+from .entry import initialize
 from .pipeline_engine import PipelineEngine, PipelineModeError
 from .schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 

@@ -146,6 +146,7 @@ class ZeroPipelineStage(PipelineStage):
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)
         self.optimizer = optimizer
+        self.owned_by_zerokern = True  # what the agreement recognises (agreement.py)
         self._rank_stages = _BY_OPTIMIZER.setdefault(optimizer, _RankStages())
         self._rank_stages.stages.append(weakref.ref(self))
         self._schedule: Optional[weakref.ref] = None  # the schedule running this stage
