@@ -16,10 +16,13 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import (
+    custom_ops,  # noqa: F401 - registers torch.ops.zerokern ([Note: kernels as custom ops])
+    reference,
+)
 from .build import BuildError, load_op
-from .custom_ops import hyper_args, use_op
 from .dispatch import available_backends, backend_status, resolve
+from .op_routing import hyper_args, use_op
 from .validate import Scalar, check_adam_args, check_backend, check_grad_stats_args
 
 __all__ = ["adam_step_", "grad_stats_", "available_backends", "backend_status", "BuildError",

@@ -38,8 +38,8 @@ from typing import Optional
 
 import torch
 
-from .custom_ops import hyper_args, use_op
 from .dispatch import resolve
+from .op_routing import hyper_args, use_op
 from .quant8 import BLOCK, code_map, midpoints, step_scalars
 from .reference import advance_step_
 from .validate import (

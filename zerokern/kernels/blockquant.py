@@ -23,7 +23,7 @@ from typing import Tuple
 
 import torch
 
-from .custom_ops import use_op
+from .op_routing import use_op
 from .validate import BITS_Q, check_blockquant
 
 

@@ -63,10 +63,11 @@ adam_step_ there measured 44-46 us before this change and 44-46 us after (4 inte
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
+from .op_routing import _Tensor, hyper_args, rebuild, use_op  # noqa: F401 (re-exported)
 from .validate import (
     FOUND_INF_DTYPES,
     GRAD_DTYPES,
@@ -78,34 +79,6 @@ from .validate import (
     check_buffer,
     check_scalar_tensor,
 )
-
-_Tensor = torch.Tensor
-_is_compiling = torch.compiler.is_compiling
-
-
-def use_op(t: torch.Tensor) -> bool:
-    """Whether an entry point routes its call on data `t` through torch.ops.zerokern (Note:
-    routing): off the CPU, a tensor subclass (fake, functional), or under torch.compile."""
-    return _is_compiling() or not t.is_cpu or type(t) is not _Tensor  # ~0.15 us
-
-
-def hyper_args(values: Sequence) -> Tuple[List[float], List[Optional[torch.Tensor]]]:
-    """(floats, tensors) for the schema's `float[] hyper, Tensor?[] hyper_t` (Note)."""
-    floats, tensors = [], []
-    for x in values:
-        if isinstance(x, _Tensor):
-            floats.append(0.0)
-            tensors.append(x)
-        else:
-            floats.append(float(x))
-            tensors.append(None)
-    return floats, tensors
-
-
-def rebuild(hyper: Sequence[float], hyper_t: Sequence[Optional[torch.Tensor]]) -> list:
-    """The hyperparameters as the caller gave them (a float or a 0-d tensor each)."""
-    return [f if t is None else t for f, t in zip(hyper, hyper_t)]
-
 
 # ------------------------------------------------------------------ fake-side checks --------
 

@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from .custom_ops import hyper_args, use_op
 from .dispatch import resolve
+from .op_routing import hyper_args, use_op
 from .reference import _f64, advance_step_
 from .validate import (
     FOUND_INF_DTYPES,
