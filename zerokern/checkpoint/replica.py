@@ -165,9 +165,48 @@ def _layout_crc(view: OptimizerView, extras, tensors: List[torch.Tensor]) -> int
 
 
 def _crc(tensors: List[torch.Tensor]) -> int:
+    """crc32 of every tensor's bytes, in order (the crc of their concatenation).
+
+    [Note: the crc's host reads]
+    zlib reads host bytes. A device tensor read with `.cpu()` is a host sync per tensor
+    (thousands of small state views at stage 3), so device bytes are staged instead through
+    one pinned chunk of up to CHUNK_BYTES: non-blocking copies, then one wait for the stream
+    per chunk (the host needs the bytes: the one wait this function makes, as a checkpoint
+    write does), then zlib over the chunk. crc32 streams, so the value is the per-tensor
+    chain's. Host tensors are read where they are, the pending chunk first."""
     crc = 0
+    chunk, at = None, 0
+    dev = None
+
+    def flush() -> None:
+        nonlocal crc, at
+        if at:
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # the host reads the chunk
+            crc = zlib.crc32(tensor_bytes(chunk[:at]), crc)
+            at = 0
+
     for t in tensors:
-        crc = zlib.crc32(tensor_bytes(t.detach().reshape(-1)), crc)
+        flat = _bytes_of(t.detach().contiguous())
+        if flat.device.type == "cpu":
+            flush()
+            crc = zlib.crc32(tensor_bytes(flat), crc)
+            continue
+        if dev is not None and flat.device != dev:
+            flush()
+        if chunk is None:
+            size = min(CHUNK_BYTES, sum(x.numel() * x.element_size() for x in tensors
+                                        if x.device.type != "cpu"))
+            chunk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        dev = flat.device
+        i = 0
+        while i < flat.numel():
+            n = min(flat.numel() - i, chunk.numel() - at)
+            chunk[at:at + n].copy_(flat[i:i + n], non_blocking=True)
+            at, i = at + n, i + n
+            if at == chunk.numel():
+                flush()
+    flush()
     return crc
 
 

@@ -169,3 +169,9 @@ def _cpu_checkpointing(rank, world, dev, log):
 
 
 SCENARIOS["stage3-cpu-checkpointing"] = _cpu_checkpointing
+
+# The features of issues 35-39 (FP8 params, DeepSpeed's keys, replica recovery): their
+# scenarios live beside their checks in tests/gpu_control.
+from tests.gpu_control.feature_scenarios import register  # noqa: E402
+
+register(SCENARIOS)
