@@ -150,6 +150,7 @@ class Stage3Runtime(ShardedGrads):
         # grad-enabled calls per unit whose backward is still to come (rule 3)
         self._calls: Dict[int, int] = defaultdict(int)
         self._unsignalled: set = set()   # units called with no input that requires grad
+        self._deferred: List[Unit] = []  # calls over, signalled by a leaf input (applied later)
         self._unit_of = {id(u.module): u.index for u in self.active_units}
         self._fwd_grad = False  # the root's forward runs with grad (a backward follows)
         self.live_bytes = 0
@@ -339,17 +340,21 @@ class Stage3Runtime(ShardedGrads):
             param_offload.read_ahead(self, self.schedule, self._fcur + 1)  # (nvme: its read)
         if torch.is_grad_enabled() and not u.is_root:  # rule 3: post-backward on the inputs
             ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
-            if ins and all(t.grad_fn is not None for t in ins):  # [Note: a leaf input]
+            if ins:
                 self._calls[u.index] += 1
                 left = [len(ins)]
-                hook = weak_hook(self, "_input_grad")
-                for t in ins:
-                    t.register_hook(lambda g, u=u, left=left: hook(u, left))
-            else:  # no signal from this call: the unit is done by its grads or the flush
                 # [Note: a leaf input] A leaf's hook runs in its AccumulateGrad, which has the
                 # params' priority: it may run before the AccumulateGrad of a param whose grad
                 # the same node computed (a LayerNorm on a pipeline stage's input, a leaf
-                # torch's stage makes), so it does not say that the unit's backward is over.
+                # torch's stage makes), so it does not say that the unit's backward is over
+                # then. Such a call's signal is applied at the end of its backward instead
+                # (_deferred): in that backward the unit is done by its grads or the flush,
+                # and a later backward (micro-batches) sees the call over.
+                leaf = any(t.grad_fn is None for t in ins)
+                hook = weak_hook(self, "_input_grad")
+                for t in ins:
+                    t.register_hook(lambda g, u=u, left=left, leaf=leaf: hook(u, left, leaf))
+            else:  # no signal from this call: the unit is done by its grads or the flush
                 self._unsignalled.add(u.index)
 
     def _post_forward(self, u: Unit, out) -> None:
@@ -465,9 +470,15 @@ class Stage3Runtime(ShardedGrads):
             self._gstep = k + 1
             self._launch_ready(flush=False)
 
-    def _input_grad(self, u: Unit, left: list) -> None:
+    def _input_grad(self, u: Unit, left: list, leaf: bool = False) -> None:
         left[0] -= 1
-        if left[0] == 0 and self._calls[u.index] > 0:  # (0: a call forgotten by a synced end)
+        if left[0] == 0 and leaf:  # [Note: a leaf input]: at the end of this backward
+            self._deferred.append(u)
+        elif left[0] == 0:
+            self._call_over(u)
+
+    def _call_over(self, u: Unit) -> None:
+        if self._calls[u.index] > 0:  # (0: a call forgotten by a synced end)
             # this call's backward is over; the unit's when all calls' are
             # [Note: graphs alive across backwards] Several forwards' graphs can be alive at
             # once (a pipeline schedule: micro-batch 1's forward before micro-batch 0's
@@ -663,6 +674,9 @@ class Stage3Runtime(ShardedGrads):
         self._pool[staging.numel()].append(staging)
 
     def end_backward(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for u in deferred:  # [Note: a leaf input] (every AccumulateGrad has run by now)
+            self._call_over(u)
         if self._bcur < len(self._bsched):  # units this rank did not reach: their gathers,
             # through _gather_steps as when the cursor passes units (rule 4: the windows order
             # these gathers against the reduce-scatters as on the ranks that reached them; a
