@@ -112,3 +112,4 @@ def register(scenarios: Dict[str, Callable]) -> None:
     scenarios["stage3-ds-keys"] = _ds_keys
     scenarios["stage3-hsdp-replica"] = _replica(3)
     scenarios["stage2-hsdp-replica-offload-cpu"] = _replica(2, offload="cpu")
+
