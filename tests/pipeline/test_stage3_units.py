@@ -61,6 +61,11 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(D)
         self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        # never used: the unit's backward is over only by its input-grad signal (rule 3), in
+        # the synced backward the last micro-batch's ([Note: graphs alive across backwards]);
+        # no grad in the reference, zeros here: AdamW leaves it unchanged either way (1-D:
+        # no weight decay)
+        self.spare = nn.Parameter(torch.zeros(D))
 
     def forward(self, x):
         return x + self.down(torch.tanh(self.up(self.norm(x))))

@@ -267,6 +267,15 @@ class ZeroPipelineStage(PipelineStage):
         finally:
             gs.require_scaled = required
 
+    def _post_metadata_inference_cleanup(self) -> None:
+        """After the shape inference (all of the rank's stages): its forwards' graphs are
+        gone, so stage 3 forgets their calls (a first stage's had no backward), or their
+        counts outlive them into the step's synced backward (Stage3Runtime.forget_calls)."""
+        super()._post_metadata_inference_cleanup()
+        forget = getattr(self.optimizer.grad_sync, "forget_calls", None)
+        if forget is not None:
+            forget()
+
     def _failed(self, error: BaseException) -> None:
         """An error in this rank's forward or backward: post it, drain the rest of the
         schedule step, raise it at the next opt.step() (agreement.py [Note: a failure inside

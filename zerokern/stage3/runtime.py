@@ -702,6 +702,16 @@ class Stage3Runtime(ShardedGrads):
         self._reset_backward()
         self._hpz_invalidate()  # (after the frees above, which keep secondaries)
 
+    def forget_calls(self) -> None:
+        """Forget the grad-enabled calls whose backward is still to come: their graphs were
+        dropped (torch's pipeline shape inference runs a forward with grad and, on a first
+        stage, no backward). Kept, one would hold the unit's count above zero through the
+        next synced backward, which then reduces the unit late if a param of it is unused
+        ([Note: graphs alive across backwards]). Between backwards; no collective."""
+        self._calls.clear()
+        self._unsignalled.clear()
+        self._deferred = []
+
     # ---- between steps: every unit whole (gathered_params, checkpoints, generate) ----------
     def gather_all(self) -> None:
         param_offload.new_pass(self)
