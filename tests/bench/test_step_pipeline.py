@@ -78,3 +78,17 @@ def test_a_different_peer_loss_is_a_miss(tmp_path):
     assert step_pipeline.report(args, res) == 1
     md = next(tmp_path.glob("step-pp-*.md")).read_text()
     assert "[MISS] zerokern s2: step-1 loss equals the peer's" in md
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--pp", "2", "--nproc", "3"], "--nproc 3 is not a multiple of --pp 2"),
+    (["--pp", "5", "--model-size", "small"], "--pp must be in [2, 4]"),
+    (["--pp", "2", "--micro-batches", "1"], "--micro-batches 1 < --pp 2"),
+    (["--pp", "2", "--stages", "0"], "stages 1-3"),
+    (["--pp", "2", "--precision", "bf16"], "--precision fp32"),
+    (["--pp", "2", "--model-size", "tiny", "--seq", "64"], "--seq 64 > the tiny GPT's 32"),
+])
+def test_bad_pp_flags_are_errors_before_any_rank(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        step.parse_args(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
