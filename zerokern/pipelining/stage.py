@@ -33,6 +33,12 @@ frees pass them by) and releases them after the rank's last backward (torch's
 REDUCE_GRAD): one all-gather per unit per step, whatever the micro-batch count, for the
 whole stage held through the step (torchtitan's choice for pipelining:
 reshard_after_forward=False). The reduce-scatters do not change (one per step either way).
+Stage modules of several units (the demo GPT's blocks, a unit each) rely on two rules of
+stage 3's runtime: the unit fed the stage's input (a leaf torch makes) knows its backward
+is over only at the end of it ([Note: a leaf input] in stage3/runtime.py), and the call
+counts of the micro-batches' graphs alive at once are kept across the no_sync backwards
+([Note: graphs alive across backwards]); the shape inference's calls are forgotten
+(`_post_metadata_inference_cleanup`). tests/pipeline/test_stage3_units.py checks them.
 
 [Note: the loss scale through the pipeline]
 The last stage's backward starts from `opt.scale_loss(loss)`: the loss times the loss scale.

@@ -40,7 +40,9 @@ make the order independent of which params a rank used:
    inputs has been computed (FSDP2's post-backward: autograd runs a param's AccumulateGrad,
    which has the highest priority, as soon as it is ready, so a param without a grad by then
    was not used), or the schedule passed it without its backward running (not used on this
-   rank). Unused params count as zero. Without this a unit with one param unused on a rank
+   rank). Unused params count as zero. (An input that is a leaf signals at the end of the
+   backward instead: [Note: a leaf input]; calls from several graphs alive at once:
+   [Note: graphs alive across backwards].) Without this a unit with one param unused on a rank
    would be late there (rule 4) at every step.
 4. The two orders interleave the same way on every rank (issue 24, item 3: NCCL asks for one
    order across communicators): each unit is reduce-scattered in a window between two gathers
