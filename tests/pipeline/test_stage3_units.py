@@ -15,7 +15,8 @@ for each dp rank its batch's mean loss / DP backwarded, `clip_grad_norm_` over e
 fp32; exaggerated hyperparameters (betas 0.5/0.6, eps 0.25), every step clipped. Checked:
 params and losses within 1e-6 of it for each schedule, the same reduce-scatters every step and
 no unit caught up late (rule 4 of stage 3's collective order); negative control: lr x 1.01
-misses by more than 10 x the bound.
+misses by more than 10 x the bound. 1F1B also with `keep_gathered=True` (the stage's params
+gathered once per step).
 
 On the code before the fix (stage3/runtime.py [Note: a leaf input], [Note: graphs alive
 across backwards]) every schedule raised on the last stage "param 0 of unit 'blocks.0' got
@@ -144,7 +145,7 @@ def layout(schedule: str, pp: int):
     return [pp, pp + PP] if schedule == "interleaved" else [pp]
 
 
-def train(world, schedule: str, lr: float = LR):
+def train(world, schedule: str, lr: float = LR, keep_gathered: bool = False):
     """One pipelined stage-3 run; returns the rank's params by stage index, the losses (the
     last stage's, else zeros), the reduce-scatters per step and the late units."""
     pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
@@ -159,7 +160,8 @@ def train(world, schedule: str, lr: float = LR):
     assert len(opt.grad_sync.active_units) > 2 * len(mods)  # several units per stage module
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, LR_DECAY)
     stages = [ZeroPipelineStage(m, i, n_stages, torch.device("cpu"), opt,
-                                group=world["pp"].get_group()) for m, i in zip(mods, mine)]
+                                group=world["pp"].get_group(), keep_gathered=keep_gathered)
+              for m, i in zip(mods, mine)]
     sched = SCHEDULES[schedule](stages[0] if len(stages) == 1 else stages, MICRO,
                                 loss_fn=F.mse_loss)
     first, last = 0 in mine, n_stages - 1 in mine
@@ -184,7 +186,7 @@ def train(world, schedule: str, lr: float = LR):
             "late": opt.grad_sync.late_units}
 
 
-def parity(world, memo, schedule, lr=LR):
+def parity(world, memo, schedule, lr=LR, keep_gathered=False):
     n_stages = PP * len(layout(schedule, 0))
     if n_stages not in memo:
         memo[n_stages] = reference(n_stages)
@@ -193,7 +195,7 @@ def parity(world, memo, schedule, lr=LR):
     for s, m in enumerate(make_stages(n_stages)):  # the reference's flat list, by stage
         k = len(list(m.parameters()))
         by_stage[s], at = ref_params[at:at + k], at + k
-    r = train(world, schedule, lr=lr)
+    r = train(world, schedule, lr=lr, keep_gathered=keep_gathered)
     rel = max(float((a - b).norm() / b.norm()) for s, ps in r["params"].items()
               for a, b in zip(ps, by_stage[s]))
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
@@ -204,6 +206,7 @@ def _worker(rank, ws):
     world = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     memo = {}
     cases = {s: (lambda s=s: parity(world, memo, s)) for s in SCHEDULES}
+    cases["1f1b_keep_gathered"] = lambda: parity(world, memo, "1f1b", keep_gathered=True)
     cases["negative_lr"] = lambda: parity(world, memo, "1f1b", lr=LR * 1.01)
     return run_cases(cases)
 
@@ -212,7 +215,7 @@ def _results():
     return cached(_worker, WS)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", list(SCHEDULES) + ["1f1b_keep_gathered"])
 def test_stage3_multi_unit_stages_match_one_process(schedule):
     vals = case(_results(), schedule)
     for r, v in enumerate(vals):
