@@ -103,7 +103,9 @@ def job_layout(opt) -> JobLayout:
     dp = opt.comm.world
     tp = opt.tp.comm if getattr(opt, "tp", None) is not None else None
     plan = getattr(opt, "plan", None)
-    pp = getattr(plan, "pp", None)
+    # a world mesh's "pp" dim, or the stages a PipelineEngine set for checkpoints only
+    # (engine/pipeline_checkpoint.py: its norm agrees over the grid's group instead)
+    pp = getattr(plan, "pp", None) or getattr(opt, "checkpoint_pp", None)
     lead = dp.rank == 0
     coords = dict(pp=0 if pp is None else pp.rank, pp_size=1 if pp is None else pp.world_size,
                   tp=0 if tp is None else tp.rank, tp_size=1 if tp is None else tp.world_size)

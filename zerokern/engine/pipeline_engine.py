@@ -62,6 +62,7 @@ import torch.nn as nn
 
 from .config import EngineConfig
 from .engine import ZeroEngine
+from .pipeline_checkpoint import attach_stage_coord
 from .pipeline_module import PipeLayout, reentrant_checkpointing
 from .pipeline_p2p import StageLink, _as_tuple, floating
 from .pipeline_schedule import FORWARD, train_order
@@ -118,6 +119,8 @@ class PipelineEngine(ZeroEngine):
         self.link = StageLink(layout.prev_rank, layout.next_rank, self.device)
         self.keep_gathered = False  # [Note: stage 3 across the micro-batches]
         self._data_checked = False  # _check_data: the first call agrees over the pipeline
+        if optimizer is not None:  # [Note: a PipelineModule checkpoint]
+            attach_stage_coord(optimizer, layout)
         if training_data is not None:
             sampler = torch.utils.data.distributed.DistributedSampler(
                 training_data, num_replicas=layout.dp_size, rank=layout.dp_rank, shuffle=False)
@@ -180,17 +183,54 @@ class PipelineEngine(ZeroEngine):
         """Refused, as forward(); *args / **kwargs are not read."""
         self.forward()
 
-    def save_checkpoint(self, *args, **kwargs):
-        """Not supported yet for a PipelineModule engine (each stage would write the same
-        rank files: issue 38's checkpoints across pipeline layouts); *args / **kwargs are
-        not read."""
-        raise NotImplementedError("save_checkpoint with a PipelineModule is not supported by "
-                                  "zerokern yet (the stages' files would collide)")
+    def _no_mpu(self, what: str) -> None:
+        """The grid is the engine's mpu, and its checkpoints are in parts, one per stage
+        ([Note: a PipelineModule checkpoint], engine/pipeline_checkpoint.py): allowed."""
 
-    def load_checkpoint(self, *args, **kwargs):
-        """Not supported yet, as save_checkpoint; *args / **kwargs are not read."""
-        raise NotImplementedError("load_checkpoint with a PipelineModule is not supported by "
-                                  "zerokern yet")
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[Dict[str, Any]] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: Optional[bool] = None) -> bool:
+        """Collective over every rank of every stage: ZeroEngine's save_checkpoint
+        (engine/checkpointing.py: `save_dir/<tag>/zero/`, `latest`, the counters, scheduler
+        and client_state), one part per stage, by the global layer names ([Note: a
+        PipelineModule checkpoint]).
+
+        Args:
+            save_dir: as ZeroEngine.save_checkpoint.
+            tag: as ZeroEngine.save_checkpoint.
+            client_state: as ZeroEngine.save_checkpoint.
+            save_latest: as ZeroEngine.save_checkpoint.
+            exclude_frozen_parameters: as ZeroEngine.save_checkpoint.
+            async_save: as ZeroEngine.save_checkpoint.
+
+        Returns:
+            True.
+        """
+        return super().save_checkpoint(save_dir, tag, client_state, save_latest,
+                                       exclude_frozen_parameters, async_save)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Collective: ZeroEngine's load_checkpoint, by parameter name, from a checkpoint of
+        any pipeline layout (or of the same layers without a pipeline): [Note: a
+        PipelineModule checkpoint].
+
+        Args:
+            load_dir: as ZeroEngine.load_checkpoint.
+            tag: as ZeroEngine.load_checkpoint.
+            load_module_strict: as ZeroEngine.load_checkpoint.
+            load_optimizer_states: as ZeroEngine.load_checkpoint.
+            load_lr_scheduler_states: as ZeroEngine.load_checkpoint.
+            load_module_only: as ZeroEngine.load_checkpoint.
+
+        Returns:
+            (path, client_state), or (None, None) when nothing is found.
+        """
+        return super().load_checkpoint(load_dir, tag, load_module_strict,
+                                       load_optimizer_states, load_lr_scheduler_states,
+                                       load_module_only)
 
     # ---- the schedule -----------------------------------------------------------------------
     def _check_data(self, what: str) -> None:
