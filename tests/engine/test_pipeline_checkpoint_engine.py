@@ -64,11 +64,22 @@ def _layers(extra: bool = False):
     return out + [nn.Linear(D, D)] if extra else out
 
 
-def _specs(extra: bool = False):
-    """The layers as LayerSpecs (each stage builds its own); the same indices as _layers."""
-    from deepspeed.pipe import LayerSpec
+def _specs(extra: bool = False, tied: bool = False):
+    """The layers as LayerSpecs (each stage builds its own); the same indices as _layers.
+    tied: the first and the last layer one TiedLayerSpec "proj" (Linear(D, H) without bias;
+    the last uses its weight transposed, an LM head sharing the embedding)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    return [LayerSpec(type(m), *_args(m)) for m in _layers(extra)]
+    specs = [LayerSpec(type(m), *_args(m)) for m in _layers(extra)]
+    if tied:
+        nn = torch.nn
+        specs[0] = TiedLayerSpec("proj", nn.Linear, D, H, bias=False)
+        specs[-1] = TiedLayerSpec("proj", nn.Linear, D, H, bias=False, forward_fn=_tied_out)
+    return specs
+
+
+def _tied_out(module, x):
+    return torch.nn.functional.linear(x, module.weight.t())
 
 
 def _args(m):
@@ -96,7 +107,8 @@ def _mine(step: int, dp: int, dp_rank: int):
     return [_micro(step, m) for m in range(dp_rank * gas, (dp_rank + 1) * gas)]
 
 
-def _pipe_engine(stages: int, stage: int, seed: int = MODEL_SEED, extra: bool = False):
+def _pipe_engine(stages: int, stage: int, seed: int = MODEL_SEED, extra: bool = False,
+                 tied: bool = False):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -105,7 +117,7 @@ def _pipe_engine(stages: int, stage: int, seed: int = MODEL_SEED, extra: bool = 
     C.launcher_env(torch.distributed.get_rank())
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(seed)
-    model = PipelineModule(layers=_specs(extra), num_stages=stages,
+    model = PipelineModule(layers=_specs(extra, tied), num_stages=stages,
                            loss_fn=torch.nn.functional.mse_loss)
     dp = torch.distributed.get_world_size() // stages
     engine, _, _, _ = zerokern.initialize(model=model, model_parameters=model.parameters(),
@@ -161,9 +173,9 @@ def _counters(engine):
             "skipped": engine.skipped_steps}
 
 
-def _save_run(stages: int, path: str):
+def _save_run(stages: int, path: str, tied: bool = False):
     """train SAVE_AT steps, save (tag None: global_step3), train MORE: the uninterrupted run."""
-    engine = _pipe_engine(stages, 1)
+    engine = _pipe_engine(stages, 1, tied=tied)
     _pipe_train(engine, 0, SAVE_AT)
     saved = _whole(engine)
     engine.save_checkpoint(path, client_state={"epoch": 7})
@@ -173,8 +185,8 @@ def _save_run(stages: int, path: str):
             "end": _counters(engine), "tags": sorted(os.listdir(path))}
 
 
-def _resume_pipe(stages: int, path: str, stage: int = 1):
-    engine = _pipe_engine(stages, stage, seed=MODEL_SEED + 1)
+def _resume_pipe(stages: int, path: str, stage: int = 1, tied: bool = False):
+    engine = _pipe_engine(stages, stage, seed=MODEL_SEED + 1, tied=tied)
     loaded_path, client = engine.load_checkpoint(path)
     at_load = _counters(engine)
     loaded = _whole(engine)
@@ -237,7 +249,29 @@ def _cases2(rank: int, ws: int, root: str):
     cases["same"] = lambda: _resume_pipe(2, path)
     cases["seq-s2"] = lambda: _resume_seq(path, 2)
     cases["errors"] = lambda: _errors(path)
+    tied = os.path.join(root, "tied-pp2dp1")
+    cases["tied-save"] = lambda: _save_run(2, tied, tied=True)
+    cases["tied-same"] = lambda: _resume_pipe(2, tied, tied=True)
+    cases["tied-pp1"] = lambda: _resume_pipe(1, tied, tied=True)
+    cases["tied-index"] = lambda: _tied_index(tied)
     return run_cases(cases)
+
+
+def _tied_index(path: str):
+    """What the tied checkpoint holds: parts.json's params, and per part the names it indexes
+    and its rank files' bytes."""
+    import json
+
+    from zerokern.checkpoint.format import read_meta
+
+    top = os.path.join(path, "global_step3", "zero")
+    with open(os.path.join(top, "parts.json")) as f:
+        index = json.load(f)
+    parts = {}
+    for p in index["parts"]:
+        meta = read_meta(os.path.join(top, p["dir"]))
+        parts[p["dir"]] = [q["name"] for q in meta["params"]]
+    return {"params": sorted(index["params"]), "parts": parts}
 
 
 def _cases4_save(rank: int, ws: int, root: str):
@@ -324,5 +358,22 @@ def test_pp2_dp2_resumes_bitwise_and_at_other_layouts():
     for r in case(r2, "pp2dp1") + case(r2, "seq-s3"):
         assert r["client"] == {"epoch": 7}
         assert r["at_load"]["lr"] == ref["at_save"]["lr"]
+        assert _max_diff(r["loaded"], ref["saved"]) == 0.0
+        assert _max_diff(r["after"], ref["after"]) <= TOL["layout"]
+
+
+def test_tied_layers_saved_once_and_resumed():
+    """A TiedLayerSpec shared by the first and the last stage (ZeRO-1): parts.json indexes the
+    tied weight once, at the first stage; resumed bitwise at pp=2 and, by name, at pp=1 x dp=2
+    (one stage holding it once) within fp32 of the uninterrupted run."""
+    save, same = case(_r2(), "tied-save"), case(_r2(), "tied-same")
+    for s, r in zip(save, same):
+        _check_same(s, r)
+    idx = case(_r2(), "tied-index")[0]
+    assert idx["params"].count("tied_modules.proj.weight") == 1, idx
+    assert "tied_modules.proj.weight" in idx["parts"]["pp00000"], idx
+    ref = save[0]
+    for r in case(_r2(), "tied-pp1"):
+        assert r["client"] == {"epoch": 7} and r["at_load"] == ref["at_save"]
         assert _max_diff(r["loaded"], ref["saved"]) == 0.0
         assert _max_diff(r["after"], ref["after"]) <= TOL["layout"]

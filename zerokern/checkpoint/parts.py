@@ -19,7 +19,9 @@ with the other stages' layers deleted, so `layers.5.attn.wq.weight` keeps its na
 holding a trainable param of the same name are refused at save (ValueError naming it, before
 anything is written): the usual cause is a `nn.Sequential` cut into stages that all start at
 "0". Buffers and frozen params of the same name on several stages (a shared rotary table) are
-saved by each stage and read from the first.
+saved by each stage and read from the first; so is a trainable param that every stage but the
+first marks `ds_pipe_replicated` (DeepSpeed's TiedLayerSpec copies: equal after every step),
+indexed once at the first stage (engine/pipeline_checkpoint.py).
 
 Atomic. Every rank of the job (dp x tp x pp, `job_layout`) takes part in one save: the parts
 are written into one `path.tmp-<nonce>/`, each part's dp rank 0 writes its metadata, then job
@@ -140,8 +142,11 @@ def placements(view) -> Dict[str, Dict[str, Any]]:
         if is_dtensor(p):  # a DTensor's shape is the global one, freed or not
             dims = [pl.dim for pl in p.placements if pl.is_shard()]
             shard, shape = (dims[0] if dims else None), list(p.shape)
+        pl = {"shard": shard, "shape": shape}
+        if getattr(p, "ds_pipe_replicated", False):  # a TiedLayerSpec's copy on a later stage
+            pl["replica"] = True  # check_parts: the first stage holding it saves it
         for name in (spec.name, *spec.aliases):
-            out[name] = {"shard": shard, "shape": shape}
+            out[name] = pl
     return out
 
 
@@ -168,7 +173,13 @@ def check_parts(described: List[Dict[str, Any]]) -> Dict[str, Any]:
         names_of_stage.setdefault(d["pp"], {})[d["tp"]] = frozenset(d["placements"])
         for name, pl in d["placements"].items():
             s = stage_of.setdefault(name, d["pp"])
-            if s != d["pp"]:
+            if s != d["pp"] and (pl.get("replica") or params[name].get("replica")):
+                # DeepSpeed's tied weight (TiedLayerSpec) on several stages, equal after every
+                # step: indexed at the stage that does not mark it a replica, read from there
+                if pl.get("replica"):
+                    continue
+                stage_of[name] = d["pp"]
+            elif s != d["pp"]:
                 raise ValueError(
                     f"model: param {name!r} is trainable on pipeline stages {s} and {d['pp']}: "
                     "a checkpoint names params by their state_dict keys, which must be the "

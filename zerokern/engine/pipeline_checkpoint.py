@@ -21,9 +21,15 @@ over a plan `pp` role, so the stage coordinates are given to the checkpoint code
 `optimizer.checkpoint_pp` (`StageCoord`: the grid's pipe group, whose rank is the stage id),
 read by parts.job_layout.
 
-Tied weights (TiedLayerSpec): every stage holding one keeps a copy under the same name, so
-a save is refused by parts.check_parts (ValueError naming it, on every rank, nothing written)
-until the copy is saved once.
+Tied weights (TiedLayerSpec, ZeRO 0-1: [Note: a PipelineModule in zerokern.initialize]):
+every stage holding one keeps a copy under the same name ("tied_modules.<key>.weight"), equal
+after every step (the gradients are summed over those stages, the norm counts it once). The
+index (parts.json) lists it once, at the first stage holding it (the one DeepSpeed does not
+mark `ds_pipe_replicated`: parts.check_parts lets the marked copies share its name), and
+every loader reads that stage's copy, whatever its layout: a stage-1 copy at pp=2, the one
+copy at pp=1. The later stages' parts still hold their own copy's bytes (equal; DeepSpeed's
+per-layer files hold each stage's copy too): leaving them out needs the writer to drop a
+param from a part's files, not done.
 """
 
 from __future__ import annotations
