@@ -410,7 +410,7 @@ def _errors(rank, ws):
     calls = {}
     for name, call in (("forward", lambda: engine(torch.zeros(MICRO, D))),
                        ("step", engine.step), ("save_checkpoint", lambda: engine.save_checkpoint(
-                           "/nonexistent")),
+                           None)),
                        ("no-data", engine.train_batch)):
         try:
             call()
@@ -685,5 +685,6 @@ def test_engine_calls_outside_train_batch():
         calls = errors["engine-calls"]
         assert calls["forward"][0] == "PipelineModeError"
         assert calls["step"][0] == "PipelineModeError"
-        assert calls["save_checkpoint"][0] == "NotImplementedError"
+        # (supported since issue 38's pipeline checkpoints: a bad save_dir is the error)
+        assert calls["save_checkpoint"][0] == "ValueError", calls["save_checkpoint"]
         assert calls["no-data"][0] == "ValueError" and "data_iter" in calls["no-data"][1]
