@@ -226,33 +226,38 @@ def render_step(results: Path) -> str:
         ("step-20m-n4-fp32.json", n4))
 
 
-STEP_PP = "step-pp-20m-pp2-dp{dp}-1f1b-m4-run{run}.json"   # zerokern bench --step --pp 2
+STEP_PP = "step-pp-20m-pp2-dp{dp}-{sched}-m4-run{run}.json"   # zerokern bench --step --pp 2
+STEP_PP_RUNS = ((2, "1f1b", 1), (2, "1f1b", 2), (2, "1f1b", 3), (2, "gpipe", 1),
+                (1, "1f1b", 1), (1, "1f1b", 2), (1, "1f1b", 3))
 
 
 def render_step_pp(results: Path) -> str:
-    """The pipeline row (issue 38): pp 2 x dp 2 and pp 2 x dp 1, two runs each."""
-    runs = {(dp, run): load(STEP_PP.format(dp=dp, run=run), results)
-            for dp in (2, 1) for run in (1, 2)}
+    """The pipeline row (issue 38): pp 2 x dp 2 (1F1B three runs, GPipe one) and pp 2 x dp 1
+    (three runs); the times shown are the last run's (the least loaded)."""
+    runs = {k: load(STEP_PP.format(dp=k[0], sched=k[1], run=k[2]), results)
+            for k in STEP_PP_RUNS}
     rows = {k: _rows(d) for k, d in runs.items()}
+
+    def peer(dp, p, sched="1f1b", n=(1, 2, 3)):
+        return " / ".join(f"{rows[dp, sched, r][p]['vs_peer']:.2f}" for r in n)
     out = []
-    for p, a in rows[2, 2].items():
-        b = rows[1, 2].get(p, {})
-        loss = max(runs[k]["losses"]["step1_rel_diff_vs_peer"].get(p, 0.0) for k in runs)
+    for p, a in rows[2, "1f1b", 3].items():
+        b = rows[1, "1f1b", 3][p]
+        loss = max(d["losses"]["step1_rel_diff_vs_peer"].get(p, 0.0) for d in runs.values())
         out.append([p, f"{a['iter_ms']:.0f} ({a['p20_ms']:.0f}-{a['p80_ms']:.0f})",
-                    " / ".join(f"{rows[2, r][p]['vs_peer']:.2f}" for r in (1, 2)),
+                    peer(2, p), peer(2, p, "gpipe", (1,)),
                     " / ".join(f"{a[f's{s}_all_gathers']}, {a[f's{s}_reduce_scatters']}"
                                for s in (0, 1)),
                     " / ".join(f"{a[f's{s}_state_MiB']:.0f}" for s in (0, 1)),
-                    f"{b['iter_ms']:.0f} ({b['p20_ms']:.0f}-{b['p80_ms']:.0f})" if b else "",
-                    " / ".join(f"{rows[1, r][p]['vs_peer']:.2f}" for r in (1, 2)) if b else "",
-                    " / ".join(f"{b[f's{s}_state_MiB']:.0f}" for s in (0, 1)) if b else "",
+                    f"{b['iter_ms']:.0f} ({b['p20_ms']:.0f}-{b['p80_ms']:.0f})", peer(1, p),
+                    " / ".join(f"{b[f's{s}_state_MiB']:.0f}" for s in (0, 1)),
                     f"{loss:.0e}" if p != "FSDP2 + torch PipelineStage + AdamW(fused)" else ""])
-    head = ["provider", "pp 2 × dp 2: step ms (p20-p80)", "× peer (run 1 / 2)",
-            "all-gathers, reduce-scatters per step (stage 0 / 1)", "MiB/rank (stage 0 / 1)",
-            "pp 2 × dp 1: step ms", "× peer (run 1 / 2)", "MiB/rank (stage 0 / 1)",
-            "step-1 loss vs peer (rel.)"]
-    return table(head, ["---"] + ["---:"] * 8, out) + "\n\n" + runs_note(
-        *((STEP_PP.format(dp=dp, run=run), runs[dp, run]) for dp, run in runs))
+    head = ["provider", "pp 2 × dp 2, 1F1B: step ms, run 3 (p20-p80)", "× peer (runs 1 / 2 / 3)",
+            "GPipe × peer", "all-gathers, reduce-scatters per step (stage 0 / 1)",
+            "MiB/rank (stage 0 / 1)", "pp 2 × dp 1: step ms, run 3", "× peer (runs 1 / 2 / 3)",
+            "MiB/rank (stage 0 / 1)", "step-1 loss vs peer (rel.)"]
+    return table(head, ["---"] + ["---:"] * 9, out) + "\n\n" + runs_note(
+        *((STEP_PP.format(dp=k[0], sched=k[1], run=k[2]), runs[k]) for k in STEP_PP_RUNS))
 
 
 RULE_STEP = (("lion", "ZeroLion", "lion-pytorch `Lion`"),
