@@ -95,7 +95,7 @@ def test_two_nodes_under_torchrun_match_one_node(tmp_path):
     (["--mesh", "2x2", "--nproc", "2"], "--mesh 2x2 has 4 ranks but the job has 2"),
     (["--mesh", "1x1"], "--mesh 1x1 is one rank"),
     (["--mesh", "2by2"], "--mesh: expected RxS"),
-    (["--mesh", "0x2"], "--mesh: both dims must be >= 1"),
+    (["--mesh", "0x2"], "--mesh: every dim must be >= 1"),
 ])
 def test_mesh_flag_errors(flags, message):
     r = subprocess.run([sys.executable, "-m", "zerokern", "train", "--device", "cpu", *flags],

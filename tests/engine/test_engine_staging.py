@@ -5,6 +5,8 @@ reduce_bucket_size) is 6 MiB, so the pool holds 12 MiB at most. One process, wor
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -48,6 +50,17 @@ def test_stage2_default_bucket_holds_12_mib(one_thread):
     assert engine.config.bucket_mb == 6.0
     held = sum(b.numel() * b.element_size() for b in gs._pool)
     assert 0 < held <= 12 * 2**20, held
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """launcher_env sets RANK/LOCAL_RANK/WORLD_SIZE in this (the pytest) process: put them
+    back, or a later in-process test (accelerate's PartialState) takes the process for a
+    launched rank and asks for MASTER_ADDR."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture

@@ -78,6 +78,8 @@ def test_nvme_rollback_waits_for_the_copy_stream_first(monkeypatch):
         layout=types.SimpleNamespace(n_buckets=2),
         state_slice=lambda k: slice(8 * k, 8 * k + 8),
         param_out_piece=lambda k: _Piece(k),
+        # the buffer's param codec (kernels/param_codec.py) does the re-cast
+        codec=types.SimpleNamespace(cast_=lambda out, master: out.copy_(master)),
         publish_piece=lambda comm, k: log.append(("publish", k)))
     off.groups = [group]
     off.comm = types.SimpleNamespace(shard=None)  # the shard group: publish_piece takes it

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerokern.platform.device import handle
+
 from ..comm import liveness
 from .collective import Collective
 from .format import CheckpointError, tensor_bytes
@@ -182,7 +184,7 @@ def _crc(tensors: List[torch.Tensor]) -> int:
         nonlocal crc, at
         if at:
             if dev.type == "cuda":
-                torch.cuda.current_stream(dev).synchronize()  # the host reads the chunk
+                handle(dev).current_stream(dev).synchronize()  # the host reads the chunk
             crc = zlib.crc32(tensor_bytes(chunk[:at]), crc)
             at = 0
 
