@@ -36,6 +36,7 @@ def test_info_reports_versions_features_and_backends():
         assert "no CUDA device" in r.stdout
 
 
+@pytest.mark.slow  # (5 s: a kernel build in a subprocess)
 def test_build_prebuilds_cpu_op():
     r = zk("build", "cpu", timeout=600)
     assert r.returncode == 0, r.stderr
@@ -108,6 +109,7 @@ def test_consolidate_without_args_is_a_usage_error():
     assert "usage" in r.stderr
 
 
+@pytest.mark.slow  # (5 s: a spawned bench run)
 def test_bench_step_failing_ranks_end_the_command(tmp_path):
     """A rank that raises ends `bench --step` at once with its error (it used to wait up to an
     hour for a result that never came)."""
@@ -147,7 +149,7 @@ entry()
 """
 
 
-@pytest.mark.parametrize("torchrun", [False, True])
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_torchrun_rank_leaves_after_atexit_without_finalizing(tmp_path, torchrun):
     """[Note: leaving a torchrun rank] (cli.py): a torchrun rank (RANK and WORLD_SIZE set) runs
     the atexit handlers and exits with main()'s code but skips interpreter finalization, where

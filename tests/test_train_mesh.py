@@ -89,13 +89,19 @@ def test_two_nodes_under_torchrun_match_one_node(tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(cn[1:], c1[1:])) > 100 * TOL
 
 
+_SLOW = pytest.mark.slow  # (a subprocess each, 2.4 s: two stay in the default suite, one per
+#                           path -- a ValueError from the cross-checks, an argparse error)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--hpz", "--stage", "3"], "--hpz needs --mesh"),
-    (["--hpz", "--mesh", "2x2", "--stage", "2"], "--hpz is for --stage 3"),
-    (["--mesh", "2x2", "--nproc", "2"], "--mesh 2x2 has 4 ranks but the job has 2"),
-    (["--mesh", "1x1"], "--mesh 1x1 is one rank"),
+    pytest.param(["--hpz", "--mesh", "2x2", "--stage", "2"], "--hpz is for --stage 3",
+                 marks=_SLOW),
+    pytest.param(["--mesh", "2x2", "--nproc", "2"], "--mesh 2x2 has 4 ranks but the job has 2",
+                 marks=_SLOW),
+    pytest.param(["--mesh", "1x1"], "--mesh 1x1 is one rank", marks=_SLOW),
     (["--mesh", "2by2"], "--mesh: expected RxS"),
-    (["--mesh", "0x2"], "--mesh: every dim must be >= 1"),
+    pytest.param(["--mesh", "0x2"], "--mesh: every dim must be >= 1", marks=_SLOW),
 ])
 def test_mesh_flag_errors(flags, message):
     r = subprocess.run([sys.executable, "-m", "zerokern", "train", "--device", "cpu", *flags],

@@ -62,7 +62,7 @@ def _run(fn, *args, pg_timeout=SHORT):
                                 pg_timeout=pg_timeout, context=_CTX)
 
 
-@pytest.mark.parametrize("mode", ["tcp", pytest.param("shm", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("mode", [pytest.param("tcp", marks=pytest.mark.slow), pytest.param("shm", marks=pytest.mark.skipif(
     not shm.supported(), reason="no shared-memory ring here"))])
 def test_a_late_peer_past_the_timeout_raises_the_named_timeout(mode, monkeypatch):
     monkeypatch.delenv(PG_TIMEOUT_ENV, raising=False)

@@ -307,6 +307,7 @@ def _two_ranks(rank, ws, path):
     return run_cases({"loader": loader, "save": save})
 
 
+@pytest.mark.slow  # (12 s; the engine's checkpoint across world sizes: also test_async_save's engine case)
 def test_loader_and_checkpoint_across_world_sizes(tmp_path):
     res = cached(_two_ranks, 2, str(tmp_path))
     batches = case(res, "loader")

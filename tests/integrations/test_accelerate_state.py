@@ -140,7 +140,8 @@ def _rel(a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ws", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_save_load_state_equals_uninterrupted(stage, ws):
     res = _runs(ws, stage)

@@ -217,7 +217,7 @@ def _tied(values):
     return {**values, "lm_head.weight": values["transformer.wte.weight"]}
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", STAGES)
 def test_safetensors_torch_transformers_savers(stage, ws):
     runs = [(f"savers-s{stage}-fp32")] + ([f"savers-s{stage}-bf16"]

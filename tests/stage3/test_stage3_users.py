@@ -459,7 +459,7 @@ def test_debug_collectives_catches_an_injected_reorder(ws):
 
 
 # ---- tests: frozen params ----------------------------------------------------------------------
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_peft_lora_matches_ddp(ws):
     for r, x in enumerate(case(cached(_frozen_worker, ws), "lora")):
         assert x["moved"] > 100 * TOL["param"]
