@@ -167,28 +167,39 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
     handle(device).synchronize(device)
     train_s = max(time.perf_counter() - t0, 1e-9)
     bar.close()
-    run = max(stop - start, 1)  # steps trained by this process (comm and speed per step)
     losses = losses[:stop]
     if world > 1:  # the curve is the global batch's loss: the mean of the ranks' losses
         dist.all_reduce(losses)
         losses /= world
+    return run_result(opt, stage, losses, train_s, tokens_per_step, stop - start)
+
+
+def run_result(opt, stage: int, curve_t: torch.Tensor, train_s: float, tokens_per_step: int,
+               steps: int, **extra) -> Dict[str, Any]:
+    """A training run's result (train_once's; the pipelined job's too, train/pipeline.py):
+    the loss curve (the global batch's, already reduced over the ranks: one host read, after
+    training), speed, the ranks' memory reports and the collectives per step; `extra` adds or
+    overrides keys."""
+    run = max(steps, 1)  # steps trained by this process (comm and speed per step)
     comm = opt.comm_stats()
     reports = _gather(opt.memory_report())
-    curve: List[float] = losses.cpu().tolist()
-    return {"stage": stage, "loss_curve": curve,
-            "loss_first": curve[0], "loss_last": curve[-1],
-            "loss_final": sum(curve[-FINAL_WINDOW:]) / len(curve[-FINAL_WINDOW:]),
-            "train_s": train_s, "tokens_per_step": tokens_per_step,
-            "tokens_per_s": tokens_per_step * (stop - start) / train_s,
-            "memory_reports": reports,
-            "comm_per_step": {k: comm[k] / run
-                              for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
-            "comm_calls_per_step": {k: v / run for k, v in comm["calls"].items()},
-            "comm_per_dim_per_step": {d: v["total"] / run
-                                      for d, v in comm.get("dims", {}).items()},
-            "dims": opt.comm.dims,
-            "num_params": sum(g.layout.numel for g in opt.flat_groups),  # (stage 3: p is empty)
-            "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
+    curve: List[float] = curve_t.cpu().tolist()
+    out = {"stage": stage, "loss_curve": curve,
+           "loss_first": curve[0], "loss_last": curve[-1],
+           "loss_final": sum(curve[-FINAL_WINDOW:]) / len(curve[-FINAL_WINDOW:]),
+           "train_s": train_s, "tokens_per_step": tokens_per_step,
+           "tokens_per_s": tokens_per_step * steps / train_s,
+           "memory_reports": reports,
+           "comm_per_step": {k: comm[k] / run
+                             for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
+           "comm_calls_per_step": {k: v / run for k, v in comm["calls"].items()},
+           "comm_per_dim_per_step": {d: v["total"] / run
+                                     for d, v in comm.get("dims", {}).items()},
+           "dims": opt.comm.dims,
+           "num_params": sum(g.layout.numel for g in opt.flat_groups),  # (stage 3: p is empty)
+           "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
+    out.update(extra)
+    return out
 
 
 # ---- checkpoints (--save-every, --resume) ------------------------------------------------------

@@ -41,10 +41,10 @@ from .data import VOCAB, Batches, load_corpus
 from .loop import (
     HYPER,
     MAX_GRAD_NORM,
-    _gather,
     _Progress,
     lr_lambda,
     resume,
+    run_result,
     save,
     wait_for_save,
 )
@@ -177,31 +177,16 @@ def train_pipelined(cfg: TrainConfig, device: torch.device, corpus: torch.Tensor
     handle(device).synchronize(device)
     train_s = max(time.perf_counter() - t0, 1e-9)
     bar.close()
-    run = max(stop - start, 1)
     losses = losses[:stop]
     # the curve: the last stage's losses, their mean over dp (its tp ranks hold the same)
     mine = losses if (last and mesh["tp"].get_local_rank() == 0) else torch.zeros_like(losses)
     dist.all_reduce(mine)
     mine /= dp
-    comm = opt.comm_stats()
-    reports = _gather(opt.memory_report())
-    curve = mine.cpu().tolist()
-    return {"stage": cfg.stage, "loss_curve": curve, "loss_first": curve[0],
-            "loss_last": curve[-1], "loss_final": sum(curve[-10:]) / len(curve[-10:]),
-            "train_s": train_s, "tokens_per_step": tokens_per_step,
-            "tokens_per_s": tokens_per_step * (stop - start) / train_s,
-            "memory_reports": reports,
-            "comm_per_step": {k: comm[k] / run
-                              for k in ("all_reduce", "reduce_scatter", "all_gather", "total")},
-            "comm_calls_per_step": {k: v / run for k, v in comm["calls"].items()},
-            "comm_per_dim_per_step": {d: v["total"] / run
-                                      for d, v in comm.get("dims", {}).items()},
-            "dims": {**opt.comm.dims, "pp": pp, "tp": tp},
-            "pipeline": {"stages": [list(r) for r in stage_layers(
-                PRESETS[cfg.model_size].n_layers, pp)], "micro_batches": micro,
-                "schedule": cfg.schedule},
-            "num_params": sum(g.layout.numel for g in opt.flat_groups),
-            "grad_norm_last": float(opt.grad_norm), "loss_scale_last": float(opt.loss_scale)}
+    return run_result(opt, cfg.stage, mine, train_s, tokens_per_step, stop - start,
+                      dims={**opt.comm.dims, "pp": pp, "tp": tp},
+                      pipeline={"stages": [list(r) for r in stage_layers(
+                          PRESETS[cfg.model_size].n_layers, pp)], "micro_batches": micro,
+                          "schedule": cfg.schedule})
 
 
 def run_rank_pipelined(cfg: TrainConfig, device: torch.device) -> Dict[str, Any]:
