@@ -10,7 +10,8 @@ interrupted, bit for bit.
    start (pid, rank, torchrun restart count), each step done, and the time it raised
    PeerLost. The supervisor (this process) reads them to find the current attempt's pids, and
    kills one rank (SIGKILL) per scheduled kill, at steps drawn over the whole run: a random
-   rank, up to DELAY_S after the attempt reached the kill's step, or (one kill of the
+   rank, a random fraction of one step's time (at most DELAY_S) after the attempt reached the
+   kill's step, or (one kill of the
    schedule) the moment a checkpoint's temporary directory appears in the save dir after that
    step: mid-save, nothing committed yet. random.Random(seed)
    draws every choice; the seed is printed and recorded.
@@ -66,7 +67,12 @@ REPO = Path(__file__).resolve().parents[2]
 # rank and exit on their own, as ranks on another node must; it is also the longest a
 # restart waits for torchrun to notice.
 MONITOR_S = 10.0
-DELAY_S = 0.3  # a random kill lands up to this long after its step (a step: ~0.1-0.2 s)
+# A random kill lands a random fraction of one step's time after its step (the attempt's own
+# mean step time, from its step events), at most DELAY_S: a fixed 0.3 s was ~2 steps when a
+# step took 0.1-0.2 s, but 30 steps at the 10 ms a GPT-tiny step takes on an idle 2-core VM,
+# so the kill could land after the run had ended (the CI failure of 2026-11-29: no attempt
+# resumed after it).
+DELAY_S = 0.3
 POLL_S = 0.001  # the supervisor's poll of the save dir (a tiny model's save lasts ~10-50 ms)
 
 
@@ -292,10 +298,10 @@ def _after_resize(work: Path, args: List[str], kill: Kill, nproc: int, new: int,
 def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_dir: Path,
               save_dir: Path, steps: int, nproc: int, deadline: float) -> Optional[Kill]:
     """Wait for the attempt after the last kill's, with every rank up, to reach step
-    `target`; then kill a random rank: after a random delay of up to DELAY_S (random), or the
+    `target`; then kill a random rank: after a random fraction of its step time (at most DELAY_S), or the
     moment a new temporary directory appears in the save dir (mid-save)."""
     victim = rng.randrange(nproc)
-    delay = rng.uniform(0, DELAY_S)
+    frac = rng.uniform(0, 1)  # of one step's time (DELAY_S)
     seen_tmp = {p.name for p in save_dir.glob("*.tmp-*")} if save_dir.exists() else set()
     while time.time() < deadline and proc.poll() is None:
         events = read_events(events_dir) if events_dir.exists() else []
@@ -316,7 +322,7 @@ def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_d
             if saving is None:
                 continue  # the attempt ended (or the deadline): look again
         else:
-            time.sleep(delay)
+            time.sleep(frac * min(DELAY_S, _step_s(events, att["pids"][victim])))
         pid = att["pids"][victim]
         t = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -324,6 +330,13 @@ def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_d
         _watch_exits(k, att["pids"], deadline)
         return k
     return None
+
+
+def _step_s(events: List[dict], pid: int, last: int = 5) -> float:
+    """The mean time between the last `last` step events of process `pid` (DELAY_S if fewer
+    than two)."""
+    ts = [e["t"] for e in events if e["event"] == "step" and e["pid"] == pid][-last - 1:]
+    return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else DELAY_S
 
 
 def _new_tmp(save_dir: Path, seen: set, pids: List[int], deadline: float) -> Optional[str]:
