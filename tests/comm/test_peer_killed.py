@@ -147,6 +147,12 @@ def _killed(rank, ws, where, stage):
                 off.fault_hook = lambda path, offset: _kill_me()
             res = _run(lambda: _iteration(model, opt, rank, ws, 1))
             res["nvme_uncommitted"] = off.cur == cur and current_half() == before
+        elif where == "train-save":  # zerokern train gathers each rank's RNG for a save
+            from zerokern.train import loop
+
+            if victim:
+                _kill_me()
+            res = _run(lambda: loop._gather({"rank": rank}))
         else:
             if victim and where == "forward":
                 model.blocks[-1].register_forward_pre_hook(lambda *a: _kill_me())
@@ -213,7 +219,7 @@ def test_killed_mid_backward_is_named_by_its_peer():
 
 
 CASES = [("forward", 3), ("backward", 2), ("backward", 3), ("step", 2), ("step", 3),
-         ("checkpoint", 2), ("nvme", 2)]
+         ("checkpoint", 2), ("nvme", 2), ("train-save", 2)]
 
 
 @pytest.mark.slow
