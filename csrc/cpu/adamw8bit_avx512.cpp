@@ -123,40 +123,46 @@ ZK_Q8_AVX512_INLINE __m128i q8_exact16(const float* x, __m512 s, const Q8Search&
   return _mm512_cvtepi32_epi8(q8_nearest16(_mm512_div_ps(_mm512_load_ps(x), s), search));
 }
 
-// [Note: bucketed nearest code] (adamw8bit_cpu.h): the codes of x[0..127] / s for a block with
-// s in [kQ8FastMin, kQ8FastMax] and no NaN, written to q; false where some x' came within
-// kQ8Band floats of its bucket's midpoint (q then holds codes the caller must redo).
-// SIGNED: negative values reverse the low-bits compare (the unsigned map has no midpoint in a
-// negative bucket, so its compare is never set there).
+// [Note: bucketed nearest code] (adamw8bit_cpu.h): the codes of 16 values x[0..15] / s, given
+// rs = RN(1/s), written to q; far keeps the lanes (of all calls) whose x' was not close to a
+// midpoint: a block whose far mask lost a lane is redone by the caller (q8_all_far).
+// SIGNED: z = |bits| (vpabsd), the signed map's table; else z = the bits (v >= +0).
+template <bool SIGNED, bool VBMI>
+ZK_Q8_AVX512_INLINE void q8_bucket16(const float* x, __m512 rs, const uint32_t* entry, uint8_t* q,
+                                     __mmask16& far) {
+  __m512i z = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(x), rs));
+  if constexpr (SIGNED) z = _mm512_abs_epi32(z);
+  const __m512i d =
+      _mm512_add_epi32(z, _mm512_i32gather_epi32(_mm512_srli_epi32(z, kQ8KeyShift), entry, 4));
+  far = _mm512_mask_test_epi32_mask(far, d, _mm512_set1_epi32(kQ8CloseBits));
+  if constexpr (VBMI) {  // the codes are the top bytes of d: one vpermb (vpmovdb: 2 uops)
+    const __m128i code = _mm512_castsi512_si128(q8_vpermb(
+        _mm512_castsi128_si512(_mm_setr_epi8(3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55,
+                                             59, 63)), d));
+    _mm_storeu_si128((__m128i*)q, code);
+  } else {
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(_mm512_srli_epi32(d, 24)));
+  }
+}
+
+// Whether every lane stayed far from the midpoints (else the caller redoes the block).
+ZK_Q8_AVX512_INLINE bool q8_all_far(__mmask16 far) { return far == 0xFFFF; }
+
+// The codes of x[0..127] / s by bucket into q; false where some value was close to a midpoint.
 template <bool SIGNED, bool VBMI>
 ZK_Q8_AVX512_INLINE bool q8_bucket_block(const float* x, float s, const Q8Buckets& t, uint8_t* q) {
   const __m512 rs = _mm512_set1_ps(1.f / s);
-  const __m512i off = _mm512_set1_epi32(kQ8KeyOffset), low16 = _mm512_set1_epi32(0xFFFF00);
-  const __m512i bias = _mm512_set1_epi32(kQ8Bias), one = _mm512_set1_epi32(1);
-  __m512i near = _mm512_set1_epi32(-1);  // min of D over the block, unsigned
-  for (int j = 0; j < kQ8Block; j += 16) {
-    const __m512i xb = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(x + j), rs));
-    const __m512i u = _mm512_add_epi32(xb, off);
-    const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, kQ8KeyShift), t.entry, 4);
-    const __m512i sh = _mm512_slli_epi32(u, 8);
-    // the low 16 bits of u in bits 8..23, reversed for a negative x' (SIGNED): (sh ^ sign) & low16
-    const __m512i l = SIGNED ? _mm512_ternarylogic_epi32(sh, _mm512_srai_epi32(xb, 31), low16,
-                                                          0x28)
-                             : _mm512_and_si512(sh, low16);
-    const __m512i d = _mm512_sub_epi32(l, e);
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(d, bias);
-    if constexpr (VBMI) {  // the entries' low bytes by one vpermb (vpmovdb: 2 uops), plus up
-      const __m128i lo = _mm512_castsi512_si128(q8_vpermb(
-          _mm512_castsi128_si512(_mm_setr_epi8(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
-                                               52, 56, 60)), e));
-      _mm_storeu_si128((__m128i*)(q + j), _mm_mask_add_epi8(lo, up, lo, _mm_set1_epi8(1)));
-    } else {
-      _mm_storeu_si128((__m128i*)(q + j),
-                       _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(e, up, e, one)));
-    }
-    near = _mm512_min_epu32(near, d);
-  }
-  return !_mm512_cmple_epu32_mask(near, _mm512_add_epi32(bias, bias));
+  __mmask16 far = 0xFFFF;
+  for (int j = 0; j < kQ8Block; j += 16) q8_bucket16<SIGNED, VBMI>(x + j, rs, t.entry, q + j, far);
+  return q8_all_far(far);
+}
+
+// The exact codes of x[0..127] / s into q (the division and the search).
+ZK_Q8_AVX512_INLINE void q8_exact_block(const float* x, float s, const Q8Search& search,
+                                        uint8_t* q) {
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int j = 0; j < kQ8Block; j += 16)
+    _mm_storeu_si128((__m128i*)(q + j), q8_exact16(x + j, sv, search));
 }
 
 // Codes of x[0..127] / s into q: the buckets where the block allows them, else (or where a value
@@ -167,9 +173,7 @@ ZK_Q8_AVX512_INLINE void q8_quantize_block(const float* x, float s, bool clean, 
   if (__builtin_expect(clean && bk != nullptr && s >= kQ8FastMin && s <= kQ8FastMax, 1) &&
       __builtin_expect(q8_bucket_block<SIGNED, VBMI>(x, s, *bk, q), 1))
     return;
-  const __m512 sv = _mm512_set1_ps(s);
-  for (int j = 0; j < kQ8Block; j += 16)
-    _mm_storeu_si128((__m128i*)(q + j), q8_exact16(x + j, sv, search));
+  q8_exact_block(x, s, search, q);
 }
 
 // Prefetch the streams kQ8Ahead blocks ahead: without it the loads of a block wait on memory
@@ -215,62 +219,69 @@ struct Q8Vec {
   __m512 gs, decay, b1, omb1, b2, omb2, step, rbc2, eps;
 };
 
-// One block's update: the new master (stored, and param_out), the new m and v into m[], v[] and
-// their maxima (|m| as floats, v as unsigned integers: see below) into mmax, vmax.
+// The update of 16 elements at i (block b's am, av): the new master (stored, and param_out), the
+// new m and v into m[0..15], v[0..15] and their maxima (|m| as floats, v as unsigned integers:
+// see below) into mmax, vmax.
 template <int G, int O, bool BF16VBMI, bool STREAM>
-ZK_Q8_AVX512_INLINE void q8_update_block(const Q8Args& a, const Q8Vec& c, int64_t b,
-                                              float* m, float* v, __m512& mmax_out,
-                                              __m512i& vmax_out) {
-  const int64_t base = b * kQ8Block;
-  float* p = a.p + base;
-  const uint8_t* mq = a.mq + base;
-  const uint8_t* vq = a.vq + base;
-  const __m512 am = _mm512_set1_ps(a.ma[b]), av = _mm512_set1_ps(a.va[b]);
-  __m512 mmax = _mm512_setzero_ps();
-  __m512i vmax = _mm512_setzero_si512();
-#pragma GCC unroll 8
-  for (int j = 0; j < kQ8Block; j += 16) {
-    const __m512 g = _mm512_mul_ps(q8_load_grad16<G>(a.grad, base + j), c.gs);
-    __m512 mj = _mm512_mul_ps(q8_decode16(mq + j, a.code_s), am);
-    __m512 vj = _mm512_mul_ps(q8_decode16(vq + j, a.code_u), av);
-    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + j), c.decay);
-    mj = _mm512_add_ps(_mm512_mul_ps(c.b1, mj), _mm512_mul_ps(c.omb1, g));
-    vj = _mm512_add_ps(_mm512_mul_ps(c.b2, vj), _mm512_mul_ps(c.omb2, _mm512_mul_ps(g, g)));
-    const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), c.rbc2), c.eps);
-    x = _mm512_sub_ps(x, _mm512_mul_ps(c.step, _mm512_div_ps(mj, den)));
-    _mm512_storeu_ps(p + j, x);
-    if constexpr (O != kOutNone) {
-      __m256i h;
-      if constexpr (O == kOutF16)
-        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      else h = q8_bf16_16<BF16VBMI>(x);
-      __m256i* o = (__m256i*)(static_cast<uint16_t*>(a.out) + base + j);
-      if constexpr (STREAM) _mm256_stream_si256(o, h);  // 32-byte aligned (the caller checks)
-      else _mm256_storeu_si256(o, h);
-    }
-    _mm512_store_ps(m + j, mj);
-    _mm512_store_ps(v + j, vj);
-    // max of |m| (exact in any order): vrangeps imm 0xB = the larger magnitude, sign cleared
-    // (it skips a NaN operand). v's max as unsigned integers: the float order for v >= +0,
-    // and any NaN, inf or negative v (sign bit) lands at or above 0x7F800000 (the check below).
-    mmax = _mm512_range_ps(mmax, mj, 0xB);
-    vmax = _mm512_max_epu32(vmax, _mm512_castps_si512(vj));
+ZK_Q8_AVX512_INLINE void q8_update16(const Q8Args& a, const Q8Vec& c, int64_t i, __m512 am,
+                                     __m512 av, float* m, float* v, __m512& mmax,
+                                     __m512i& vmax) {
+  const __m512 g = _mm512_mul_ps(q8_load_grad16<G>(a.grad, i), c.gs);
+  __m512 mj = _mm512_mul_ps(q8_decode16(a.mq + i, a.code_s), am);
+  __m512 vj = _mm512_mul_ps(q8_decode16(a.vq + i, a.code_u), av);
+  __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a.p + i), c.decay);
+  mj = _mm512_add_ps(_mm512_mul_ps(c.b1, mj), _mm512_mul_ps(c.omb1, g));
+  vj = _mm512_add_ps(_mm512_mul_ps(c.b2, vj), _mm512_mul_ps(c.omb2, _mm512_mul_ps(g, g)));
+  const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), c.rbc2), c.eps);
+  x = _mm512_sub_ps(x, _mm512_mul_ps(c.step, _mm512_div_ps(mj, den)));
+  _mm512_storeu_ps(a.p + i, x);
+  if constexpr (O != kOutNone) {
+    __m256i h;
+    if constexpr (O == kOutF16)
+      h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    else h = q8_bf16_16<BF16VBMI>(x);
+    __m256i* o = (__m256i*)(static_cast<uint16_t*>(a.out) + i);
+    if constexpr (STREAM) _mm256_stream_si256(o, h);  // 32-byte aligned (the caller checks)
+    else _mm256_storeu_si256(o, h);
   }
-  mmax_out = mmax;
-  vmax_out = vmax;
+  _mm512_store_ps(m, mj);
+  _mm512_store_ps(v, vj);
+  // max of |m| (exact in any order): vrangeps imm 0xB = the larger magnitude, sign cleared
+  // (it skips a NaN operand). v's max as unsigned integers: the float order for v >= +0,
+  // and any NaN, inf or negative v (sign bit) lands at or above 0x7F800000 (q8_scales' check).
+  mmax = _mm512_range_ps(mmax, mj, 0xB);
+  vmax = _mm512_max_epu32(vmax, _mm512_castps_si512(vj));
 }
 
-// The block's absmaxes (stored) and codes, from its update's m[], v[] and maxima.
-template <bool BF16VBMI>
-ZK_Q8_AVX512_INLINE void q8_finish_block(const Q8Args& a, int64_t b, const float* m,
-                                         const float* v, __m512 mmax, __m512i vmax) {
-  const int64_t base = b * kQ8Block;
+// One block's update (q8_update16 over its 8 vectors).
+template <int G, int O, bool BF16VBMI, bool STREAM>
+ZK_Q8_AVX512_INLINE void q8_update_block(const Q8Args& a, const Q8Vec& c, int64_t b, float* m,
+                                         float* v, __m512& mmax, __m512i& vmax) {
+  const __m512 am = _mm512_set1_ps(a.ma[b]), av = _mm512_set1_ps(a.va[b]);
+  mmax = _mm512_setzero_ps();
+  vmax = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int j = 0; j < kQ8Block; j += 16)
+    q8_update16<G, O, BF16VBMI, STREAM>(a, c, b * kQ8Block + j, am, av, m + j, v + j, mmax, vmax);
+}
+
+// A block's quantization scales: the absmaxes (also stored in ma, va) and whether both moments
+// take the buckets ([Note: bucketed nearest code]: clean, scales in range, tables there).
+struct Q8Scales {
+  float sm, sv;  // the divisors: the absmax, or 1 for an all-zero (or NaN) block
+  bool clean, fast;
+};
+
+// Block b's absmaxes from its update's m[], v[] and maxima, stored; the old ma[b], va[b] must
+// still be there (the clean test reads them).
+ZK_Q8_AVX512_INLINE Q8Scales q8_scales(const Q8Args& a, int64_t b, const float* m, const float* v,
+                                       __m512 mmax, __m512i vmax) {
   float mm = _mm512_reduce_max_ps(mmax), vm;
   // Clean: every v finite and >= +0, so g and the old v are finite, and with finite old m
   // (its absmax finite; the maps' codes are finite: adamw8bit_cpu.cpp) every m is finite too.
   const uint32_t vmax_bits = _mm512_reduce_max_epu32(vmax);
   const bool clean = vmax_bits < 0x7F800000u && std::isfinite(a.ma[b]) && std::isfinite(a.va[b]);
-  if (clean) {
+  if (__builtin_expect(clean, 1)) {
     vm = q8_from_bits(vmax_bits);
   } else {  // rare: torch's amax (NaN propagates: the first NaN's |.|), v's max of |.|
     if (q8_has_nan(m)) mm = q8_nan_absmax(m);
@@ -284,33 +295,69 @@ ZK_Q8_AVX512_INLINE void q8_finish_block(const Q8Args& a, int64_t b, const float
   }
   a.ma[b] = mm;
   a.va[b] = vm;
-  q8_quantize_block<true, BF16VBMI>(m, mm > 0.f ? mm : 1.f, clean, a.buckets_s, *a.search_s,
-                                    a.mq + base);
-  q8_quantize_block<false, BF16VBMI>(v, vm > 0.f ? vm : 1.f, clean, a.buckets_u, *a.search_u,
-                                     a.vq + base);
+  Q8Scales s{mm > 0.f ? mm : 1.f, vm > 0.f ? vm : 1.f, clean, false};
+  s.fast = clean && a.buckets_s != nullptr && a.buckets_u != nullptr && s.sm >= kQ8FastMin &&
+           s.sm <= kQ8FastMax && s.sv >= kQ8FastMin && s.sv <= kQ8FastMax;
+  return s;
 }
 
-// Blocks [b0, b1), software-pipelined: block b + 1's update is issued before block b's
-// quantization, so the out-of-order core overlaps the one with the other (the quantization
-// waits on the block's absmax, a reduction at the end of its update).
+// Block b's codes, each moment on its own (the buckets where they apply, else the search).
+template <bool VBMI>
+ZK_Q8_AVX512_INLINE void q8_quantize_both(const Q8Args& a, int64_t b, const float* m,
+                                          const float* v, const Q8Scales& s) {
+  q8_quantize_block<true, VBMI>(m, s.sm, s.clean, a.buckets_s, *a.search_s, a.mq + b * kQ8Block);
+  q8_quantize_block<false, VBMI>(v, s.sv, s.clean, a.buckets_u, *a.search_u, a.vq + b * kQ8Block);
+}
+
+// [Note: 8-bit AVX-512 interleave] Blocks [b0, b1), software-pipelined: block b's codes are
+// found while block b + 1 is updated (the codes wait on the block's absmax, a reduction at the
+// end of its update), and the two are interleaved vector by vector: update 16 elements of b + 1,
+// then the bucket codes of 16 of b's m and 16 of its v. Issued block after block instead (the
+// kernel of aeab527), the out-of-order window (512 uops) held one phase at a time: the update
+// (bound on the divider: sqrt and div, ~24 cycles per 16 elements) and then the codes (bound on
+// the gathers' loads and the vector ports), so their times added (0.51 + 0.43 ns/element in
+// cache); mixed, the divider works under the codes' loads. Where a block is not fast
+// (Q8Scales), the phases run one after the other as before.
 template <int G, int O, bool BF16VBMI, bool STREAM>
 ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1) {
   alignas(64) float m[2][kQ8Block], v[2][kQ8Block];
   const Q8Vec c{_mm512_set1_ps(a.gs),   _mm512_set1_ps(a.decay),     _mm512_set1_ps(a.b1),
                 _mm512_set1_ps(a.omb1), _mm512_set1_ps(a.b2),        _mm512_set1_ps(a.omb2),
                 _mm512_set1_ps(a.step_size), _mm512_set1_ps(a.rsqrt_bc2), _mm512_set1_ps(a.eps)};
-  __m512 mmax[2];
-  __m512i vmax[2];
+  __m512 mmax;
+  __m512i vmax;
   if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b0);
-  q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b0, m[0], v[0], mmax[0], vmax[0]);
+  q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b0, m[0], v[0], mmax, vmax);
+  Q8Scales s = q8_scales(a, b0, m[0], v[0], mmax, vmax);
   for (int64_t b = b0; b < b1; ++b) {
-    const int cur = int((b - b0) & 1);
-    if (b + 1 < b1) {
-      if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b + 1);
-      q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b + 1, m[cur ^ 1], v[cur ^ 1], mmax[cur ^ 1],
-                                    vmax[cur ^ 1]);
+    const int cur = int((b - b0) & 1), nxt = cur ^ 1;
+    const bool next = b + 1 < b1;
+    if (next && kQ8Ahead > 0) q8_prefetch<G, O>(a, b + 1);
+    if (__builtin_expect(next && s.fast, 1)) {
+      const int64_t base = (b + 1) * kQ8Block;
+      const __m512 am = _mm512_set1_ps(a.ma[b + 1]), av = _mm512_set1_ps(a.va[b + 1]);
+      const __m512 rsm = _mm512_set1_ps(1.f / s.sm), rsv = _mm512_set1_ps(1.f / s.sv);
+      uint8_t* mq = a.mq + b * kQ8Block;
+      uint8_t* vq = a.vq + b * kQ8Block;
+      __mmask16 far = 0xFFFF;
+      mmax = _mm512_setzero_ps();
+      vmax = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < kQ8Block; j += 16) {
+        q8_update16<G, O, BF16VBMI, STREAM>(a, c, base + j, am, av, m[nxt] + j, v[nxt] + j, mmax,
+                                            vmax);
+        q8_bucket16<true, BF16VBMI>(m[cur] + j, rsm, a.buckets_s->entry, mq + j, far);
+        q8_bucket16<false, BF16VBMI>(v[cur] + j, rsv, a.buckets_u->entry, vq + j, far);
+      }
+      if (__builtin_expect(!q8_all_far(far), 0)) {  // rare: some value undecided, both redone
+        q8_exact_block(m[cur], s.sm, *a.search_s, mq);
+        q8_exact_block(v[cur], s.sv, *a.search_u, vq);
+      }
+    } else {
+      if (next) q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b + 1, m[nxt], v[nxt], mmax, vmax);
+      q8_quantize_both<BF16VBMI>(a, b, m[cur], v[cur], s);
     }
-    q8_finish_block<BF16VBMI>(a, b, m[cur], v[cur], mmax[cur], vmax[cur]);
+    if (next) s = q8_scales(a, b + 1, m[nxt], v[nxt], mmax, vmax);
   }
 }
 

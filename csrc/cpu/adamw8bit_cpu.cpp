@@ -146,21 +146,24 @@ bool all_finite(const float* x, int n) {
 // The bucket tables of a map ([Note: bucketed nearest code]), built once per distinct set of
 // midpoints (~1.5 M compares) and kept for the process: entries are never freed, so a pointer
 // handed to a running step stays valid. nullptr where the maps fail the table's conditions.
-const Q8Buckets* q8_buckets(const float* mids) {
+const Q8Buckets* q8_buckets(const float* mids, bool signed_map) {
   struct Entry {
     float mids[255];
+    bool signed_map;
     std::unique_ptr<Q8Buckets> t;
   };
   static std::mutex mu;
   static std::vector<std::unique_ptr<Entry>> cache;
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& e : cache)
-    if (std::memcmp(e->mids, mids, sizeof e->mids) == 0) return e->t->ok ? e->t.get() : nullptr;
+    if (e->signed_map == signed_map && std::memcmp(e->mids, mids, sizeof e->mids) == 0)
+      return e->t->ok ? e->t.get() : nullptr;
   if (cache.size() >= 16) return nullptr;  // not the library's maps: the search serves them
   auto e = std::make_unique<Entry>();
   std::memcpy(e->mids, mids, sizeof e->mids);
+  e->signed_map = signed_map;
   e->t = std::make_unique<Q8Buckets>();
-  q8_fill_buckets(*e->t, mids);
+  q8_fill_buckets(*e->t, mids, signed_map);
   cache.push_back(std::move(e));
   return cache.back()->t->ok ? cache.back()->t.get() : nullptr;
 }
@@ -232,8 +235,8 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
                  code_u.data_ptr<float>(), mid_s.data_ptr<float>(), mid_u.data_ptr<float>(),
                  &search_s, &search_u, nullptr, nullptr, n >= kQ8StreamMin};
   if (current_isa() == kAvx512) {  // the AVX-512 path reads them (adamw8bit_avx512.cpp)
-    a.buckets_s = q8_buckets(mid_s.data_ptr<float>());
-    a.buckets_u = q8_buckets(mid_u.data_ptr<float>());
+    a.buckets_s = q8_buckets(mid_s.data_ptr<float>(), true);
+    a.buckets_u = q8_buckets(mid_u.data_ptr<float>(), false);
   }
   const int gtype = gt == at::kFloat ? kF32 : gt == at::kHalf ? kF16 : kBF16;
   const bool maps_finite = all_finite(code_s.data_ptr<float>(), 256) &&

@@ -62,57 +62,44 @@ inline void q8_fill_search(Q8Search& t, const float* mids) {
 
 // [Note: bucketed nearest code] (issue 40)
 // The AVX-512 path finds the code of x = RN(m / s) (s: the block's absmax) without the 8-step
-// search and without the division. The key of a float is its top 16 bits after adding
-// kQ8KeyOffset to its bits: sign, exponent and 7 mantissa bits, so a bucket spans 2^16
-// consecutive floats of one sign, and 2^16 buckets cover every float (a 256 KiB table per map,
-// of which a step touches the few KiB of the binades its values reach). The maps' midpoints are
-// sparse enough that every bucket holds at most one, at least kQ8KeyGuard floats from the
-// bucket's edges (q8_fill_buckets checks both), so the code of x is base[key] (the count of
-// midpoints below the bucket's lowest float) plus [mid[key] < x].
-// - The key comes from x' = RN(m * RN(1/s)) instead of x: x' is within 3 floats of x (two
-//   roundings and RN(1/s)'s relative error, each <= 2^-24: |x'/x - 1| < 3.0001 * 2^-24, and an
-//   ulp is >= 2^-24 of the value), and no midpoint lies within kQ8KeyGuard = 4 floats of a
-//   bucket edge, so where x and x' fall in neighbouring buckets both buckets give the same count.
-// - [mid < x] is decided on x' when x' is more than kQ8Band floats from mid (x, within 3 floats
-//   of x', is then on the same side): within a bucket the floats of x' and mid differ only in
-//   the low 16 bits of bits + kQ8KeyOffset, so the test is an integer compare of those bits
-//   (reversed for negative floats, whose order runs the other way). When x' is within kQ8Band
-//   = 5 floats of the midpoint (at most 1 value in ~6000), the block's codes of that moment are
-//   recomputed by the division and the search ([Note: branchless nearest code]).
-// - Entry: one 32-bit word per bucket, e = (c << 8) - kQ8Bias + base, where c is the midpoint's
-//   low 16 bits in the order the compare wants (positive bucket: low; negative: 0xFFFF - low),
-//   or e = kQ8NoMid + base where the bucket holds none. With l the value's low 16 bits in the
-//   same order, shifted left by 8, D = l - e = 256 (l' - c) + kQ8Bias - base (l' = l >> 8), so
-//   one subtraction gives both answers: mid < x' iff D > kQ8Bias (signed), and x' within
-//   kQ8Band floats of mid only if D <= 2 kQ8Bias (unsigned); for kQ8NoMid, D < -2^29 (signed):
-//   neither. The code is e's low byte (kQ8Bias is a multiple of 256) plus the first answer: one
-//   16-lane gather per 16 values.
-// - The fast path takes blocks with s in [2^-64, 2^64] (the reciprocal stays normal) whose new
-//   moments are all finite (no NaN: a NaN's code is 255 and the absmax NaN; the division and the
-//   search give that).
+// search and without the division: one table entry per value, read with a gather, and three
+// vector operations after it.
+// - x' = RN(m * RN(1/s)) instead of x: x' is within 3 floats of x (two roundings and RN(1/s)'s
+//   relative error, each <= 2^-24: |x'/x - 1| < 3.0001 * 2^-24, and an ulp is >= 2^-24 of the
+//   value; s in [2^-64, 2^64] keeps RN(1/s) normal), and |x'| <= 1 + 2^-22.
+// - z: an integer that counts floats in value order. The unsigned map (v >= +0): z = the bits of
+//   x'. The signed map: z = |bits| as an int32 (vpabsd): a positive float's bits, or 2^31 minus a
+//   negative float's magnitude bits (-0: 2^31), which rises with the value too; with |x'| <= 2
+//   the two ranges [0, 2^30] and (2^30, 2^31] do not meet. So x is within 3 of x' in z.
+// - The table entry of key k = z >> 16 (a bucket of 2^16 floats) describes the window of z in
+//   [k 2^16 - G, k 2^16 + 2^16 - 1 + G] (G = kQ8Guard >= 3, so it holds x): base, the count of
+//   midpoints below the window, and the one midpoint in it if any, at z = Z (q8_fill_buckets
+//   refuses maps with two midpoints in a window: the maps' midpoints are sparse enough).
+//   The code of x is then base + [Z < z(x)].
+// - Entry e = ((base + 1) << 24) + kQ8Delta - 1 - (Z - k 2^16) - (k << 16), modulo 2^32; so
+//   d = z + e = ((base + 1) << 24) + t with t = z - Z - 1 + kQ8Delta, |t| < 2^24: the top byte of
+//   d is base + [t >= 0] = base + [z - Z >= 1 - kQ8Delta], the code wherever x' is not close to
+//   the midpoint. Close means t in [0, 16): the low 24 bits of d below 16, one vptestmd on bits
+//   4..23 (z - Z in [1 - kQ8Delta, 16 - kQ8Delta] = [-7, 8]); such a block is redone by the
+//   division and the search ([Note: branchless nearest code]). Elsewhere the answer holds for x:
+//   t >= 16 means z(x) - Z >= 16 - kQ8Delta - 3 >= 1, t < 0 means z(x) - Z <= 3 - kQ8Delta <= 0
+//   (so 3 <= kQ8Delta <= 13). A window without a midpoint: e = (base << 24) + 2^23 - (k << 16),
+//   so t = 2^23 + z - k 2^16 is never close and the top byte is base.
+// - Per value: the product, (vpabsd), the key's shift, the gather, one add, one vpermb for the
+//   code bytes (byte 3 of each d) and one vptestmd accumulated in a mask: 6-7 vector uops. The
+//   fast path takes blocks with s in [kQ8FastMin, kQ8FastMax] whose new moments are all finite
+//   (no NaN: a NaN's code is 255 and the absmax NaN; the division and the search give that).
 constexpr int kQ8KeyShift = 16;
-constexpr uint32_t kQ8KeyOffset = 1u << (kQ8KeyShift - 2);  // a quarter bucket: see below
-// Bucket edges sit a quarter bucket below the binary grid: a third of the top decade's midpoints
-// are dyadic (0.1 + 0.9 k / 64 in fp32: 119/128, ...) and would sit on a grid edge; offset, the
-// nearest midpoint is 654 floats from an edge (either map).
 constexpr int kQ8Keys = 1 << (32 - kQ8KeyShift);
-constexpr uint32_t kQ8KeyGuard = 4;
-constexpr uint32_t kQ8Band = 5;  // undecided: the floats of x' and mid differ by <= 5
-constexpr uint32_t kQ8NoMid = 0x40000000u;
-constexpr uint32_t kQ8Bias = (kQ8Band + 1) << 8;
+constexpr int64_t kQ8Guard = 4;   // window margin around a bucket, in floats (>= 3)
+constexpr uint32_t kQ8Delta = 8;  // the close band's offset (3..13: see above)
+constexpr uint32_t kQ8CloseBits = 0x00FFFFF0u;  // t in [0, 16) iff these bits of d are clear
 constexpr float kQ8FastMin = 0x1p-64f, kQ8FastMax = 0x1p64f;
 
 struct Q8Buckets {
-  bool ok;  // false: the maps break the one-midpoint or the guard condition (vector search only)
+  bool ok;  // false: the maps break the one-midpoint-per-window condition (vector search only)
   alignas(64) uint32_t entry[kQ8Keys];
 };
-
-// The key of x, as the vector path computes it.
-inline uint32_t q8_key(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return (b + kQ8KeyOffset) >> kQ8KeyShift;
-}
 
 inline float q8_from_bits(uint32_t b) {
   float f;
@@ -120,46 +107,71 @@ inline float q8_from_bits(uint32_t b) {
   return f;
 }
 
-// Fills t from the 255 ascending midpoints; t.ok says whether the fast path may use it.
-inline void q8_fill_buckets(Q8Buckets& t, const float* mids) {
+// z of a float with |x| <= 2 ([Note: bucketed nearest code]), as the vector path computes it.
+inline int64_t q8_z(float x, bool signed_map) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if (!signed_map) return b;
+  return b & 0x80000000u ? int64_t(0x80000000u) - (b & 0x7FFFFFFFu) : int64_t(b);
+}
+
+// The float of z (the inverse of q8_z on the range it covers).
+inline float q8_float_of_z(int64_t z, bool signed_map) {
+  if (!signed_map || z <= 0x40000000) return q8_from_bits(uint32_t(std::max<int64_t>(z, 0)));
+  return q8_from_bits(0x80000000u | uint32_t(int64_t(0x80000000u) - std::min<int64_t>(z, 0x80000000)));
+}
+
+// Fills t from the 255 ascending midpoints of a map; t.ok says whether the fast path may use it.
+// Keys the path cannot reach (|x'| > 2, or negative keys for the unsigned map) hold base 0.
+inline void q8_fill_buckets(Q8Buckets& t, const float* mids, bool signed_map) {
   t.ok = true;
   for (int i = 0; i + 1 < 255; ++i)
     if (!(mids[i] < mids[i + 1])) t.ok = false;  // the counts below assume ascending midpoints
-  auto count_below = [mids](float x) {           // midpoints < x; a NaN above all
-    return x != x ? 255 : int(std::lower_bound(mids, mids + 255, x) - mids);
+  auto count_below = [mids](float x) {           // midpoints < x
+    return int(std::lower_bound(mids, mids + 255, x) - mids);
   };
-  std::vector<int> at(kQ8Keys, -1);
+  std::vector<int64_t> zs;  // the midpoints' z, sorted
   for (int i = 0; i < 255; ++i) {
     const float m = mids[i];
-    // finite and normal: the 3-float bound on x' holds near it
-    if (!std::isfinite(m) || std::fabs(m) < 0x1p-100f) { t.ok = false; continue; }
-    const uint32_t k = q8_key(m);
-    if (at[k] >= 0) t.ok = false;  // two midpoints in one bucket
-    at[k] = i;
-    uint32_t b;
-    std::memcpy(&b, &m, 4);
-    const uint32_t low = (b + kQ8KeyOffset) & 0xFFFFu;  // floats above the bucket's edge
-    if (low < kQ8KeyGuard || low > 0xFFFFu - kQ8KeyGuard) t.ok = false;
-  }
-  for (uint32_t k = 0; k < uint32_t(kQ8Keys); ++k) {
-    const bool neg = k >= uint32_t(kQ8Keys / 2);
-    const uint32_t mag_key = neg ? k - kQ8Keys / 2 : k;
-    // The bucket's lowest float: the smallest magnitude (x >= 0) or the largest (x < 0).
-    const int64_t first = (int64_t(mag_key) << kQ8KeyShift) - kQ8KeyOffset;  // may be < 0
-    const int64_t last = first + (int64_t(1) << kQ8KeyShift) - 1;
-    float lo;
-    if (!neg) lo = q8_from_bits(uint32_t(std::max<int64_t>(first, 0)));
-    else lo = q8_from_bits(0x80000000u | uint32_t(std::min<int64_t>(last, 0x7FFFFFFF)));
-    const int base = count_below(lo);
-    uint32_t e = kQ8NoMid;
-    if (at[k] >= 0) {
-      uint32_t b;
-      std::memcpy(&b, &mids[at[k]], 4);
-      const uint32_t low = (b + kQ8KeyOffset) & 0xFFFFu;
-      e = ((neg ? 0xFFFFu - low : low) << 8) - kQ8Bias;  // modulo 2^32
-      if (base > 254) t.ok = false;  // cannot happen: a midpoint lies above
+    // finite, normal and within [-2, 2] (signed) or [0, 2] (unsigned): the 3-float bound holds
+    if (!std::isfinite(m) || std::fabs(m) < 0x1p-100f || std::fabs(m) > 2.f ||
+        (!signed_map && m < 0.f)) {
+      t.ok = false;
+      continue;
     }
-    t.entry[k] = e | uint32_t(base & 0xFF);
+    zs.push_back(q8_z(m, signed_map));
+  }
+  std::sort(zs.begin(), zs.end());
+  constexpr int64_t kSplit = 0x40000000;  // z <= kSplit: x >= +0 (and 2.0); above: x < 0 (signed)
+  const int64_t zmax = signed_map ? 0x80000000LL : kSplit;  // the reachable z
+  for (int64_t k = 0; k < kQ8Keys; ++k) {
+    const int64_t lo = k << kQ8KeyShift;
+    if (lo > zmax) {  // unreachable
+      t.entry[k] = uint32_t(-(k << kQ8KeyShift));
+      continue;
+    }
+    // the window, clipped to its sign's range of z (it never holds both signs' floats)
+    int64_t w0 = lo - kQ8Guard, w1 = lo + (int64_t(1) << kQ8KeyShift) - 1 + kQ8Guard;
+    if (lo <= kSplit) {
+      w0 = std::max<int64_t>(w0, 0);
+      w1 = std::min(w1, kSplit);
+    } else {
+      w0 = std::max(w0, kSplit + 1);
+    }
+    const auto first = std::lower_bound(zs.begin(), zs.end(), w0);
+    const auto n_in = std::upper_bound(zs.begin(), zs.end(), w1) - first;
+    if (n_in > 1) t.ok = false;  // two midpoints in one window
+    const int found = n_in > 0 ? int(first - zs.begin()) : -1;
+    const int base = count_below(q8_float_of_z(w0, signed_map));
+    uint32_t e;
+    if (found >= 0) {
+      if (base > 254) t.ok = false;  // cannot happen: a midpoint lies above
+      const int64_t c = zs[found] - lo;
+      e = uint32_t((int64_t(base + 1) << 24) + kQ8Delta - 1 - c - (k << kQ8KeyShift));
+    } else {
+      e = uint32_t((int64_t(base) << 24) + (1 << 23) - (k << kQ8KeyShift));
+    }
+    t.entry[k] = e;
   }
 }
 
