@@ -298,8 +298,8 @@ def _after_resize(work: Path, args: List[str], kill: Kill, nproc: int, new: int,
 def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_dir: Path,
               save_dir: Path, steps: int, nproc: int, deadline: float) -> Optional[Kill]:
     """Wait for the attempt after the last kill's, with every rank up, to reach step
-    `target`; then kill a random rank: after a random fraction of its step time (at most DELAY_S), or the
-    moment a new temporary directory appears in the save dir (mid-save)."""
+    `target`; then kill a random rank: after a random fraction of its step time (at most
+    DELAY_S), or the moment a new temporary directory appears in the save dir (mid-save)."""
     victim = rng.randrange(nproc)
     frac = rng.uniform(0, 1)  # of one step's time (DELAY_S)
     seen_tmp = {p.name for p in save_dir.glob("*.tmp-*")} if save_dir.exists() else set()

@@ -111,6 +111,14 @@ def _default_store():
         return None
 
 
+def forget_channels() -> None:
+    """Drop every channel and stop the liveness watcher: the process groups they served were
+    destroyed (comm/quorum.py); the first channel of the next groups starts a new watcher on
+    the new store, without the old verdict or posts."""
+    _ALL.clear()
+    liveness.stop()
+
+
 class AbortChannel:
     """Per process group: post this rank's failure, and see the peers' while waiting."""
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .abort import AbortChannel
+from .abort import AbortChannel, forget_channels
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .exit_guard import guard_gloo_exit
@@ -26,6 +26,14 @@ from .ring import FutureWork, RingRunner
 # are never destroyed, so one per optimizer would leak connections.
 _SPLIT_GROUPS: dict = {}
 _CHANNELS: dict = {}  # process group -> AbortChannel (abort.py)
+
+
+def forget_groups() -> None:
+    """Drop the groups made and cached here (split groups, abort channels): after
+    `dist.destroy_process_group()`, before a new default group (comm/quorum.py)."""
+    _SPLIT_GROUPS.clear()
+    _CHANNELS.clear()
+    forget_channels()
 
 # torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

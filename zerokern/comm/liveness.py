@@ -364,6 +364,16 @@ def start(store, rank: int, world_size: int) -> Optional[Liveness]:
     return _STATE[0]
 
 
+def stop() -> None:
+    """Stop this process's watcher (its store's groups were destroyed: abort.forget_channels)."""
+    cur, _STATE[0] = _STATE[0], None
+    if cur is not None:
+        cur.stop()
+    pool, _WATCHED[0] = _WATCHED[0], None  # its thread may still wait in an old collective
+    if pool is not None:
+        pool.shutdown(wait=False)
+
+
 def current() -> Optional[Liveness]:
     return _STATE[0]
 

@@ -152,6 +152,11 @@ def check_mesh(mesh: Any, process_group: Any = None, device_type: Optional[str] 
     return shape
 
 
+def forget_groups() -> None:
+    """Drop the dp world groups cached here (after `dist.destroy_process_group()`)."""
+    _WORLD_GROUPS.clear()
+
+
 def _dp_world_group(ranks):
     """The one process group of these (sorted) dp ranks: WORLD for every rank, else made
     once (groups are never destroyed; only these ranks take part in creating it)."""
