@@ -7,6 +7,7 @@
     zk.checkpoint.load(path, model, opt)     # collective; any world size, stage, precision
     zk.checkpoint.consolidate(path)          # full fp32 state dict for model.load_state_dict
     zk.checkpoint.recover_from_replica(model, opt)  # HSDP: a replica's state from a live one
+    zk.checkpoint.ReplicaJob(quorum, build).join()  # HSDP: a restarted replica joins the job
     zerokern consolidate DIR OUT             # the same, to a .pt or .safetensors file
 
 The format is in format.py [Note: checkpoint format, version 1], the atomic replace in
@@ -32,9 +33,11 @@ from .format import (
 from .latest import latest
 from .reader import load
 from .replica import recover_from_replica
+from .replica_join import Quorum, ReplicaJob, ReplicaJobError
 from .saving import save
 
 __all__ = ["save", "load", "consolidate", "verify", "latest", "wait", "recover_from_replica",
+           "ReplicaJob", "ReplicaJobError", "Quorum",
            "AsyncSave", "SaveState",
            "VERSION", "CheckpointError", "ChecksumError", "MissingFileError",
            "ModelMismatchError", "VersionError"]

@@ -111,7 +111,11 @@ class ReplicaJob:
         """Whether `error` is a failure of another replica this rank can survive by `join`:
         a peer's loss or abort (RankAborted, PeerLost, a closed connection) not naming a rank
         of this rank's own replica (then this replica is the one that failed: raise, and its
-        launcher restarts it)."""
+        launcher restarts it).
+
+        Args:
+            error: what the training step raised.
+        """
         if not (isinstance(error, RankAborted) or liveness.is_connection_error(error)):
             return False
         origin = getattr(error, "origin", None)

@@ -64,7 +64,12 @@ def serve(port: int = 0, host: str = "0.0.0.0") -> dist.TCPStore:
 
 
 def connect(address: Optional[str] = None, timeout_s: float = TIMEOUT_S) -> dist.TCPStore:
-    """A client of the lighthouse at `address` ("host:port"; default $ZEROKERN_LIGHTHOUSE)."""
+    """A client of the lighthouse.
+
+    Args:
+        address: "host:port" of the lighthouse (`serve`); default $ZEROKERN_LIGHTHOUSE.
+        timeout_s: how long a store operation waits.
+    """
     address = address or os.environ.get(LIGHTHOUSE_ENV)
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"address must be 'host:port' (or set ${LIGHTHOUSE_ENV}), got "
@@ -125,6 +130,7 @@ class Quorum:
 
     @property
     def world_size(self) -> int:
+        """Every rank of every replica: R x S."""
         return self.replicas * self.shards
 
     def formed(self) -> int:
