@@ -51,13 +51,31 @@ ZK_Q8_AVX512_INLINE __m512i q8_vpermb(__m512i idx, __m512i t) {
 namespace zk_cpu {
 namespace {
 
-template <int G>
+// vpermb with zeroing (AVX512_VBMI): byte idx[i] of t where bit i of k, else 0.
+ZK_Q8_AVX512_INLINE __m512i q8_vpermb_z(__mmask64 k, __m512i idx, __m512i t) {
+  __m512i r;
+  asm("vpermb %2, %1, %0%{%3%}%{z%}" : "=v"(r) : "v"(idx), "v"(t), "Yk"(k));
+  return r;
+}
+
+// 16 grads as floats. A bf16 grad is its bits shifted up 16: with VBMI one zeroing vpermb puts
+// bf16 i into bytes 2..3 of dword i (else a zero-extension and a shift).
+template <int G, bool VBMI>
 ZK_Q8_AVX512_INLINE __m512 q8_load_grad16(const void* base, int64_t i) {
   if constexpr (G == kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
   else {
     __m256i h = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(base) + i));
     if constexpr (G == kF16) return _mm512_cvtph_ps(h);  // exact, as f16_to_f32
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else if constexpr (VBMI) {
+      const __m512i idx = _mm512_set_epi8(
+          31, 30, 0, 0, 29, 28, 0, 0, 27, 26, 0, 0, 25, 24, 0, 0, 23, 22, 0, 0, 21, 20, 0, 0, 19, 18,
+          0, 0, 17, 16, 0, 0, 15, 14, 0, 0, 13, 12, 0, 0, 11, 10, 0, 0, 9, 8, 0, 0, 7, 6, 0, 0, 5, 4,
+          0, 0, 3, 2, 0, 0, 1, 0, 0, 0);
+      return _mm512_castsi512_ps(
+          q8_vpermb_z(0xCCCCCCCCCCCCCCCCull, idx, _mm512_castsi256_si512(h)));
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
   }
 }
 
@@ -76,6 +94,38 @@ ZK_Q8_AVX512_INLINE __m256i q8_f32_to_bf16_16(__m512 x) {
 ZK_Q8_AVX512_INLINE __m512 q8_decode16(const uint8_t* q, const float* codes) {
   __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
   return _mm512_i32gather_ps(idx, codes, 4);
+}
+
+// vpermt2b (AVX512_VBMI): byte idx[i] & 127 of the 128-byte table (t0, t1), for 64 bytes.
+ZK_Q8_AVX512_INLINE __m512i q8_vpermt2b(__m512i t0, __m512i idx, __m512i t1) {
+  asm("vpermt2b %2, %1, %0" : "+v"(t0) : "v"(idx), "vm"(t1));
+  return t0;
+}
+
+// [Note: 8-bit decode by byte planes] The codes of 64 bytes q[0..63] as 4 vectors of 16 floats,
+// without gathers: each byte k of the 256 codes is a 256-byte plane (Q8Planes), looked up by two
+// vpermt2b (the low 7 bits, in the two 128-byte halves) and a blend on bit 7; the 4 byte vectors
+// are then interleaved into dwords by unpacks. The unpacks work within 128-bit lanes, so the
+// indices are first transposed as 4x4 dwords (lane L of output j holds elements 16j + 4L..+3).
+// 22 vector uops per 64 codes against 4 gathers (16 loads each) and 4 zero-extensions.
+ZK_Q8_AVX512_INLINE void q8_decode64(const uint8_t* q, const uint8_t (*plane)[256], __m512* out) {
+  const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i idx = _mm512_permutexvar_epi32(tr, _mm512_loadu_si512(q));
+  const __mmask64 hi = _mm512_movepi8_mask(idx);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512i lo = q8_vpermt2b(_mm512_load_si512(plane[k]), idx,
+                                   _mm512_load_si512(plane[k] + 64));
+    const __m512i up = q8_vpermt2b(_mm512_load_si512(plane[k] + 128), idx,
+                                   _mm512_load_si512(plane[k] + 192));
+    b[k] = _mm512_mask_blend_epi8(hi, lo, up);
+  }
+  const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h));
 }
 
 // One search step: pos += s where !(probe >= x) ([Note: branchless nearest code]).
@@ -222,20 +272,20 @@ struct Q8Vec {
 // The update of 16 elements at i (block b's am, av): the new master (stored, and param_out), the
 // new m and v into m[0..15], v[0..15] and their maxima (|m| as floats, v as unsigned integers:
 // see below) into mmax, vmax.
-template <int G, int O, bool BF16VBMI, bool STREAM>
-ZK_Q8_AVX512_INLINE void q8_update16(const Q8Args& a, const Q8Vec& c, int64_t i, __m512 am,
-                                     __m512 av, float* m, float* v, __m512& mmax,
-                                     __m512i& vmax) {
-  const __m512 g = _mm512_mul_ps(q8_load_grad16<G>(a.grad, i), c.gs);
-  __m512 mj = _mm512_mul_ps(q8_decode16(a.mq + i, a.code_s), am);
-  __m512 vj = _mm512_mul_ps(q8_decode16(a.vq + i, a.code_u), av);
+template <int G, int O, bool BF16VBMI, bool STREAM, bool PAIRS = false>
+ZK_Q8_AVX512_INLINE __m512 q8_update16(const Q8Args& a, const Q8Vec& c, int64_t i, __m512 cm,
+                                       __m512 cv, __m512 am, __m512 av, float* m, float* v,
+                                       __m512& mmax, __m512i& vmax) {
+  const __m512 g = _mm512_mul_ps(q8_load_grad16<G, BF16VBMI>(a.grad, i), c.gs);
+  __m512 mj = _mm512_mul_ps(cm, am);
+  __m512 vj = _mm512_mul_ps(cv, av);
   __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a.p + i), c.decay);
   mj = _mm512_add_ps(_mm512_mul_ps(c.b1, mj), _mm512_mul_ps(c.omb1, g));
   vj = _mm512_add_ps(_mm512_mul_ps(c.b2, vj), _mm512_mul_ps(c.omb2, _mm512_mul_ps(g, g)));
   const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), c.rbc2), c.eps);
   x = _mm512_sub_ps(x, _mm512_mul_ps(c.step, _mm512_div_ps(mj, den)));
   _mm512_storeu_ps(a.p + i, x);
-  if constexpr (O != kOutNone) {
+  if constexpr (O != kOutNone && !(PAIRS && O == kOutBF16 && BF16VBMI)) {
     __m256i h;
     if constexpr (O == kOutF16)
       h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -251,18 +301,73 @@ ZK_Q8_AVX512_INLINE void q8_update16(const Q8Args& a, const Q8Vec& c, int64_t i,
   // and any NaN, inf or negative v (sign bit) lands at or above 0x7F800000 (q8_scales' check).
   mmax = _mm512_range_ps(mmax, mj, 0xB);
   vmax = _mm512_max_epu32(vmax, _mm512_castps_si512(vj));
+  return x;
 }
 
-// One block's update (q8_update16 over its 8 vectors).
+// vcvtne2ps2bf16 (AVX512_BF16): 32 bf16 of lo (elements 0..15) and hi (16..31), RNE.
+ZK_Q8_AVX512_INLINE __m512i q8_cvtne2ps2bf16(__m512 hi, __m512 lo) {
+  __m512i r;
+  asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(hi), "v"(lo));
+  return r;
+}
+
+// bf16 param_out of 32 masters at i (BF16VBMI): one vcvtne2ps2bf16 and one test for the pair
+// (q8_bf16_16's way-out where a lane is a NaN or a denormal).
+template <bool STREAM>
+ZK_Q8_AVX512_INLINE void q8_bf16_out32(const Q8Args& a, int64_t i, __m512 x0, __m512 x1) {
+  uint16_t* o = static_cast<uint16_t*>(a.out) + i;
+  if (__builtin_expect(!_kortestz_mask16_u8(_mm512_fpclass_ps_mask(x0, 0x01 | 0x80 | 0x20),
+                                            _mm512_fpclass_ps_mask(x1, 0x01 | 0x80 | 0x20)) == 0,
+                       1)) {
+    const __m512i h = q8_cvtne2ps2bf16(x1, x0);
+    if constexpr (STREAM) _mm512_stream_si512((__m512i*)o, h);  // 64-byte aligned (the caller)
+    else _mm512_storeu_si512(o, h);
+  } else {
+    _mm256_storeu_si256((__m256i*)o, q8_f32_to_bf16_16(x0));
+    _mm256_storeu_si256((__m256i*)(o + 16), q8_f32_to_bf16_16(x1));
+  }
+}
+
+// The update of 64 elements at i from their decoded codes (q8_update16 four times; bf16
+// param_out by pairs where BF16VBMI).
 template <int G, int O, bool BF16VBMI, bool STREAM>
+ZK_Q8_AVX512_INLINE void q8_update64(const Q8Args& a, const Q8Vec& c, int64_t i, const __m512* cm,
+                                     const __m512* cv, __m512 am, __m512 av, float* m, float* v,
+                                     __m512& mmax, __m512i& vmax) {
+#pragma GCC unroll 2
+  for (int k = 0; k < 4; k += 2) {
+    const __m512 x0 = q8_update16<G, O, BF16VBMI, STREAM, true>(
+        a, c, i + 16 * k, cm[k], cv[k], am, av, m + 16 * k, v + 16 * k, mmax, vmax);
+    const __m512 x1 = q8_update16<G, O, BF16VBMI, STREAM, true>(
+        a, c, i + 16 * k + 16, cm[k + 1], cv[k + 1], am, av, m + 16 * k + 16, v + 16 * k + 16,
+        mmax, vmax);
+    if constexpr (O == kOutBF16 && BF16VBMI) q8_bf16_out32<STREAM>(a, i + 16 * k, x0, x1);
+  }
+}
+
+// One block's update (q8_update16 over its 8 vectors). PLANES: decode by byte planes.
+template <int G, int O, bool BF16VBMI, bool STREAM, bool PLANES>
 ZK_Q8_AVX512_INLINE void q8_update_block(const Q8Args& a, const Q8Vec& c, int64_t b, float* m,
                                          float* v, __m512& mmax, __m512i& vmax) {
   const __m512 am = _mm512_set1_ps(a.ma[b]), av = _mm512_set1_ps(a.va[b]);
   mmax = _mm512_setzero_ps();
   vmax = _mm512_setzero_si512();
+  const int64_t base = b * kQ8Block;
+  if (PLANES) {
+    for (int j = 0; j < kQ8Block; j += 64) {
+      __m512 cm[4], cv[4];
+      q8_decode64(a.mq + base + j, a.planes->plane[0], cm);
+      q8_decode64(a.vq + base + j, a.planes->plane[1], cv);
+      q8_update64<G, O, BF16VBMI, STREAM>(a, c, base + j, cm, cv, am, av, m + j, v + j, mmax,
+                                          vmax);
+    }
+    return;
+  }
 #pragma GCC unroll 8
   for (int j = 0; j < kQ8Block; j += 16)
-    q8_update16<G, O, BF16VBMI, STREAM>(a, c, b * kQ8Block + j, am, av, m + j, v + j, mmax, vmax);
+    q8_update16<G, O, BF16VBMI, STREAM>(a, c, base + j, q8_decode16(a.mq + base + j, a.code_s),
+                                        q8_decode16(a.vq + base + j, a.code_u), am, av, m + j,
+                                        v + j, mmax, vmax);
 }
 
 // A block's quantization scales: the absmaxes (also stored in ma, va) and whether both moments
@@ -318,7 +423,7 @@ ZK_Q8_AVX512_INLINE void q8_quantize_both(const Q8Args& a, int64_t b, const floa
 // the gathers' loads and the vector ports), so their times added (0.51 + 0.43 ns/element in
 // cache); mixed, the divider works under the codes' loads. Where a block is not fast
 // (Q8Scales), the phases run one after the other as before.
-template <int G, int O, bool BF16VBMI, bool STREAM>
+template <int G, int O, bool BF16VBMI, bool STREAM, bool PLANES>
 ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1) {
   alignas(64) float m[2][kQ8Block], v[2][kQ8Block];
   const Q8Vec c{_mm512_set1_ps(a.gs),   _mm512_set1_ps(a.decay),     _mm512_set1_ps(a.b1),
@@ -327,7 +432,7 @@ ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1)
   __m512 mmax;
   __m512i vmax;
   if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b0);
-  q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b0, m[0], v[0], mmax, vmax);
+  q8_update_block<G, O, BF16VBMI, STREAM, PLANES>(a, c, b0, m[0], v[0], mmax, vmax);
   Q8Scales s = q8_scales(a, b0, m[0], v[0], mmax, vmax);
   for (int64_t b = b0; b < b1; ++b) {
     const int cur = int((b - b0) & 1), nxt = cur ^ 1;
@@ -342,19 +447,40 @@ ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1)
       __mmask16 far = 0xFFFF;
       mmax = _mm512_setzero_ps();
       vmax = _mm512_setzero_si512();
+      if (PLANES) {
+        for (int j = 0; j < kQ8Block; j += 64) {
+          __m512 cm[4], cv[4];
+          q8_decode64(a.mq + base + j, a.planes->plane[0], cm);
+          q8_decode64(a.vq + base + j, a.planes->plane[1], cv);
+          __m512 x[4];
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) {  // finer than update64 then codes: 0.72 vs 0.82 ns
+            const int jj = j + 16 * k;
+            x[k] = q8_update16<G, O, BF16VBMI, STREAM, true>(a, c, base + jj, cm[k], cv[k], am, av,
+                                                             m[nxt] + jj, v[nxt] + jj, mmax, vmax);
+            q8_bucket16<true, BF16VBMI>(m[cur] + jj, rsm, a.buckets_s->entry, mq + jj, far);
+            q8_bucket16<false, BF16VBMI>(v[cur] + jj, rsv, a.buckets_u->entry, vq + jj, far);
+            if constexpr (O == kOutBF16 && BF16VBMI)
+              if (k & 1) q8_bf16_out32<STREAM>(a, base + jj - 16, x[k - 1], x[k]);
+          }
+        }
+      } else {
 #pragma GCC unroll 8
-      for (int j = 0; j < kQ8Block; j += 16) {
-        q8_update16<G, O, BF16VBMI, STREAM>(a, c, base + j, am, av, m[nxt] + j, v[nxt] + j, mmax,
-                                            vmax);
-        q8_bucket16<true, BF16VBMI>(m[cur] + j, rsm, a.buckets_s->entry, mq + j, far);
-        q8_bucket16<false, BF16VBMI>(v[cur] + j, rsv, a.buckets_u->entry, vq + j, far);
+        for (int j = 0; j < kQ8Block; j += 16) {
+          q8_update16<G, O, BF16VBMI, STREAM>(
+              a, c, base + j, q8_decode16(a.mq + base + j, a.code_s),
+              q8_decode16(a.vq + base + j, a.code_u), am, av, m[nxt] + j, v[nxt] + j, mmax, vmax);
+          q8_bucket16<true, BF16VBMI>(m[cur] + j, rsm, a.buckets_s->entry, mq + j, far);
+          q8_bucket16<false, BF16VBMI>(v[cur] + j, rsv, a.buckets_u->entry, vq + j, far);
+        }
       }
       if (__builtin_expect(!q8_all_far(far), 0)) {  // rare: some value undecided, both redone
         q8_exact_block(m[cur], s.sm, *a.search_s, mq);
         q8_exact_block(v[cur], s.sv, *a.search_u, vq);
       }
     } else {
-      if (next) q8_update_block<G, O, BF16VBMI, STREAM>(a, c, b + 1, m[nxt], v[nxt], mmax, vmax);
+      if (next)
+        q8_update_block<G, O, BF16VBMI, STREAM, PLANES>(a, c, b + 1, m[nxt], v[nxt], mmax, vmax);
       q8_quantize_both<BF16VBMI>(a, b, m[cur], v[cur], s);
     }
     if (next) s = q8_scales(a, b + 1, m[nxt], v[nxt], mmax, vmax);
@@ -365,11 +491,21 @@ template <int G, int O, bool BF16VBMI>
 ZK_Q8_AVX512 void q8_blocks(const Q8Args& args, int64_t b0, int64_t b1) {
   const Q8Args a = args;  // a local copy: otherwise every store forces a reload of the pointers
   if (b0 >= b1) return;
-  if (O != kOutNone && a.stream_out && (reinterpret_cast<uintptr_t>(a.out) & 31) == 0) {
-    q8_blocks_impl<G, O, BF16VBMI, O != kOutNone>(a, b0, b1);
+#ifndef ZK_Q8_PLANES
+#define ZK_Q8_PLANES 1
+#endif
+  constexpr bool P = BF16VBMI && ZK_Q8_PLANES;
+  if (P && a.planes == nullptr) {  // not filled by the caller: the gathers
+    q8_blocks_impl<G, O, BF16VBMI, false, false>(a, b0, b1);
+    return;
+  }
+  // streamed: a 32-byte aligned param_out, 64 where bf16 goes out by pairs (q8_bf16_out32)
+  constexpr uintptr_t align = P && O == kOutBF16 ? 63 : 31;
+  if (O != kOutNone && a.stream_out && (reinterpret_cast<uintptr_t>(a.out) & align) == 0) {
+    q8_blocks_impl<G, O, BF16VBMI, O != kOutNone, P>(a, b0, b1);
     _mm_sfence();  // order the non-temporal stores before the caller's later reads
   } else {
-    q8_blocks_impl<G, O, BF16VBMI, false>(a, b0, b1);
+    q8_blocks_impl<G, O, BF16VBMI, false, P>(a, b0, b1);
   }
 }
 

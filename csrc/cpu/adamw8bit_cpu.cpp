@@ -233,10 +233,13 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
                  float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(lr / bc1),
                  float(1.0 / std::sqrt(bc2)), float(eps), code_s.data_ptr<float>(),
                  code_u.data_ptr<float>(), mid_s.data_ptr<float>(), mid_u.data_ptr<float>(),
-                 &search_s, &search_u, nullptr, nullptr, n >= kQ8StreamMin};
+                 &search_s, &search_u, nullptr, nullptr, nullptr, n >= kQ8StreamMin};
+  Q8Planes planes;
   if (current_isa() == kAvx512) {  // the AVX-512 path reads them (adamw8bit_avx512.cpp)
     a.buckets_s = q8_buckets(mid_s.data_ptr<float>(), true);
     a.buckets_u = q8_buckets(mid_u.data_ptr<float>(), false);
+    q8_fill_planes(planes, code_s.data_ptr<float>(), code_u.data_ptr<float>());
+    a.planes = &planes;
   }
   const int gtype = gt == at::kFloat ? kF32 : gt == at::kHalf ? kF16 : kBF16;
   const bool maps_finite = all_finite(code_s.data_ptr<float>(), 256) &&

@@ -175,6 +175,23 @@ inline void q8_fill_buckets(Q8Buckets& t, const float* mids, bool signed_map) {
   }
 }
 
+// The two code maps as byte planes for the AVX-512 VBMI dequantize ([Note: 8-bit decode by byte
+// planes], adamw8bit_avx512.cpp): plane[map][k][c] = byte k of code c (little-endian), map 0 the
+// signed codes, 1 the unsigned.
+struct Q8Planes {
+  alignas(64) uint8_t plane[2][4][256];
+};
+
+inline void q8_fill_planes(Q8Planes& t, const float* code_s, const float* code_u) {
+  for (int c = 0; c < 256; ++c) {
+    uint8_t b[2][4];
+    std::memcpy(b[0], &code_s[c], 4);
+    std::memcpy(b[1], &code_u[c], 4);
+    for (int map = 0; map < 2; ++map)
+      for (int k = 0; k < 4; ++k) t.plane[map][k][c] = b[map][k];
+  }
+}
+
 struct Q8Args {
   float* p;
   uint8_t* mq;
@@ -192,6 +209,7 @@ struct Q8Args {
   const Q8Search* search_u;
   const Q8Buckets* buckets_s;  // [Note: bucketed nearest code]; nullptr: the search only
   const Q8Buckets* buckets_u;
+  const Q8Planes* planes;      // the codes as byte planes (AVX-512 VBMI decode); may be nullptr
   // Write param_out with non-temporal stores (the AVX-512 path, where out is 32-byte aligned):
   // set from kQ8StreamMin elements (adamw8bit_cpu.cpp).
   bool stream_out;
