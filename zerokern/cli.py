@@ -248,23 +248,9 @@ def entry() -> None:
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not a torchrun rank
         sys.exit(main())
-    try:
-        code = main()
-    except SystemExit as e:  # a usage error (its message is printed) or --help
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - PeerLost (a killed peer) and any other error:
-        import traceback  # the same exit, so that torchrun sees exit 1 at once and restarts
+    from .comm.exit_guard import leave_rank
 
-        traceback.print_exc()
-        code = 1
-    import atexit
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_rank(main)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -89,12 +89,14 @@ def test_arguments_are_checked():
 
 
 @pytest.mark.slow  # [Note: the slow mark]: three runs of 4 ranks, ~60-120 s on 2 cores
-def test_a_killed_replica_is_replaced_and_the_run_is_bitwise_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_killed_replica_is_replaced_and_the_run_is_bitwise_the_uninterrupted_one(
+        tmp_path, stage):
     from zerokern.bench import replica_join
 
     # backend="reference": this is about the ranks, not the kernels (no C++ build needed)
     r = replica_join.run(tmp_path, replicas=2, shards=2, steps=16, kill_at=6, save_every=5,
-                         backend="reference", timeout_s=600, log=lambda m: None)
+                         stage=stage, backend="reference", timeout_s=600, log=lambda m: None)
     j, rs = r["join"], r["restart"]
     assert r["reference"]["exit_codes"] == [0, 0], r["reference"]
     assert j["exit_codes"] == [0, 0], j

@@ -133,6 +133,9 @@ def run(work: Path, replicas: int = 2, shards: int = 2, steps: int = 30, kill_at
     log(f"replica join: reference ({replicas} replicas x {shards} ranks, {steps} steps)")
     ref, _, rcs, ref_s = join_run("reference", 0, False)
     report["reference"] = {"exit_codes": rcs, "seconds": round(ref_s, 2)}
+    if any(rcs):
+        raise RuntimeError(f"replica join: the reference run failed (exit codes {rcs}); its "
+                           f"logs: {ref}/replica*.log")
     log(f"replica join: the join run (kill rank {victim} at step {kill_at})")
     d, kill, rcs, secs = join_run("join", 2, True)
     evs = chaos.read_events(d / "events")
@@ -188,6 +191,7 @@ def run(work: Path, replicas: int = 2, shards: int = 2, steps: int = 30, kill_at
         "final_bitwise_equal": bool(final) and all(v["bytes_differ"] == 0
                                                    for v in final.values()),
     }
+    report["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     j, r = report["join"], report["restart"]
     if j["back_s"] and r["back_s"]:
         report["join_over_restart"] = round(j["back_s"] / r["back_s"], 3)
@@ -200,8 +204,10 @@ def markdown(r: dict, env: dict) -> str:
              f"{r['replicas']} replicas x {r['shards']} ranks (gloo, CPU), GPT "
              f"{r.get('model_size', 'tiny')}, stage "
              f"{r['stage']}, {r['steps']} steps; rank {r['victim']} SIGKILLed at step "
-             f"{r['kill_at']}. Machine: {env.get('machine', '')}; commit "
-             f"{env.get('commit', '')}; load {env.get('load', '')}.", "",
+             f"{r['kill_at']}; kernels: {r.get('backend', 'auto')}. Machine: "
+             f"{env.get('cpu_count', '?')} x {env.get('cpu_model', '?')}, torch "
+             f"{env.get('torch', '?')}; commit {str(env.get('git_sha', ''))[:10]}; load "
+             f"{r.get('load', '?')}.", "",
              "| run | kill to the job training on (s) | steps recomputed | final state = "
              "reference | live ranks restarted |", "|---|---|---|---|---|",
              f"| replaced replica joins (zerokern ReplicaJob) | {j['back_s']} | "

@@ -34,9 +34,11 @@ ranks disagree on the step count is torn and is not a source; replicas that are 
 step apart take the one ahead (its update used the full agreement). If no replica is whole,
 `join` raises on every rank: restart from the last checkpoint.
 
-What is refused (ValueError from `join`, every rank): stage 3, offload="nvme" or
-offload_params, tensor or pipeline parallel params, hpZ and the quantized collectives (the
-re-built groups are tested at stages 0-2, HSDP). Memory: while a live rank copies, it holds
+What is refused (ValueError from `join`, every rank): stage 3 with frozen params (sharded
+with their unit: whole only through a collective of the old groups), offload="nvme" or
+offload_params, tensor or pipeline parallel params, hpZ and the quantized collectives (tested:
+stages 2 and 3, HSDP). At stage 3 a live rank's buffers may still be gathered when the step
+failed: its shards, which a gather does not change, are what it carries. Memory: while a live rank copies, it holds
 the old and the new model and optimizer (twice its model states, for the copy's duration).
 """
 
@@ -67,15 +69,16 @@ def _stepcount(view) -> int:
     return max(counts, default=0)
 
 
-def _snapshot(model, opt) -> Tuple[Any, list, list]:
-    view = optimizer_view(model, opt)
+def _snapshot(model, opt, between_steps: bool = True) -> Tuple[Any, list, list]:
+    view = optimizer_view(model, opt, between_steps=between_steps)
     extras = model_extras(model, view)
     return view, extras, _state_tensors(view, extras)
 
 
 def _refusal(opt) -> Optional[str]:
-    if opt.stage == 3:
-        return "stage 3 (its runtime is not re-built here); use stages 0-2"
+    if opt.stage == 3 and getattr(opt.grad_sync, "frozen", None):
+        return ("stage 3 with frozen params (they are sharded with their unit, and whole only "
+                "through a collective of the old groups)")
     if getattr(opt, "offload", None) == "nvme" or getattr(opt, "param_homes", None) is not None:
         return "offload='nvme' or offload_params"
     if opt.plan.has_model_parallel:
@@ -149,7 +152,9 @@ class ReplicaJob:
             why = _refusal(opt)
             if why is not None:
                 raise ValueError(f"ReplicaJob: {why} is not supported")
-            old = _snapshot(model, opt)  # local views: before the old groups go
+            # local views, before the old groups go; a stage-3 buffer may still be gathered
+            # (the failure came mid-step): its shards are what is read
+            old = _snapshot(model, opt, between_steps=False)
         mesh = self.quorum.form()
         formed = time.perf_counter()
         new = tuple(self.build(mesh))

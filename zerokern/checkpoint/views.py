@@ -159,8 +159,11 @@ def state_dict_keys(model) -> Dict[int, List[str]]:
     return out
 
 
-def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
+def optimizer_view(model: nn.Module, opt: ZeroOptimizer, *,
+                   between_steps: bool = True) -> OptimizerView:
     """Describe what `opt` holds on this rank, named after `model`'s state_dict keys.
+    `between_steps=False`: a stage-3 buffer may be gathered (a step that failed mid-way:
+    replica_join.py reads its shards, which a gather does not change).
 
     Raises:
         TypeError: model is not an nn.Module or opt not a zerokern optimizer.
@@ -187,7 +190,8 @@ def optimizer_view(model: nn.Module, opt: ZeroOptimizer) -> OptimizerView:
             opt.param_groups))), job=job)
     plans = getattr(opt, "_plans", {})
     for gi, g in enumerate(opt.flat_groups):
-        g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
+        if between_steps:
+            g.check_between_steps()  # stage 3: not inside gathered_params() or a forward
         base = len(view.params)
         _buffer_view(view, keys, g)
         states = getattr(plans.get(gi), "states", None)  # a phased rule's matrix states

@@ -42,6 +42,7 @@ import atexit
 import os
 import sys
 import time
+from typing import Callable, NoReturn, Optional
 
 _registered = False
 _FIRST_S = 0.02
@@ -105,3 +106,30 @@ def let_gloo_workers_finish() -> None:
             sys.stderr.flush()
             return
         time.sleep(_STEP_S)
+
+
+def leave_rank(main: Callable[[], Optional[int]]) -> NoReturn:
+    """Run `main()` as a torchrun rank and end the process the way cli.py's [Note: leaving a
+    torchrun rank] says: the atexit handlers, the output flushed, then `os._exit` (no
+    interpreter finalization for gloo's worker threads to crash into). A usage error exits
+    with its code; any other exception (PeerLost: a peer was killed) is printed and exits 1,
+    so that torchrun sees the failure at once and restarts.
+
+    Args:
+        main: the rank's work; returns its exit code (None: 0).
+    """
+    try:
+        code = main() or 0
+    except SystemExit as e:  # a usage error (its message is printed) or --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - PeerLost (a killed peer) and any other error
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

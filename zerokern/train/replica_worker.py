@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 VOCAB = 256
@@ -29,7 +28,7 @@ def _build(args, mesh):
     from zerokern.tools.gpt import build_gpt
 
     model = build_gpt(args.model_size, seed=args.seed, vocab=VOCAB, seq=args.seq)
-    opt = zk.ZeroAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, stage=args.stage,
+    opt = zk.ZeroAdamW(model, lr=1e-3, weight_decay=0.01, stage=args.stage,
                        mesh=mesh, backend=args.backend)
     return model, opt
 
@@ -166,5 +165,7 @@ def main(argv=None) -> int:
     return worker(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a torchrun rank: cli.py [Note: leaving a torchrun rank]
+    from zerokern.comm.exit_guard import leave_rank
+
+    leave_rank(main)
