@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     work = Path(a.work or tempfile.mkdtemp(prefix="zerokern-replica-join-"))
     r = replica_join.run(work, replicas=a.replicas, shards=a.shards, steps=a.steps,
                          kill_at=a.kill_at, save_every=a.save_every, seq=a.seq, batch=a.batch,
-                         model_size=a.model_size, backend=a.backend, log=lambda m: print(m, flush=True))
+                         model_size=a.model_size, backend=a.backend,
+                         log=lambda m: print(m, flush=True))
     env = environment(torch.device("cpu"))
     md = replica_join.markdown(r, env)
     print(md)

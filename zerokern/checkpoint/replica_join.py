@@ -38,8 +38,9 @@ What is refused (ValueError from `join`, every rank): stage 3 with frozen params
 with their unit: whole only through a collective of the old groups), offload="nvme" or
 offload_params, tensor or pipeline parallel params, hpZ and the quantized collectives (tested:
 stages 2 and 3, HSDP). At stage 3 a live rank's buffers may still be gathered when the step
-failed: its shards, which a gather does not change, are what it carries. Memory: while a live rank copies, it holds
-the old and the new model and optimizer (twice its model states, for the copy's duration).
+failed: its shards, which a gather does not change, are what it carries. Memory: while a live
+rank copies, it holds the old and the new model and optimizer (twice its model states, for the
+copy's duration).
 """
 
 from __future__ import annotations
