@@ -19,19 +19,31 @@ where the model's own compute swamps both engines: on a CPU without AVX512-BF16/
 emulates bf16 matmuls (~17x slower than fp32), so bf16 iterations are ~95% model compute.
 
 [Note: CPU time beside wall time] Each iteration is also timed in process CPU time (every
-thread of the rank: the ring threads too; max over ranks), and the overhead ratio is given on
+thread of the rank: the ring threads too; mean over ranks), and the overhead ratio is given on
 it as well (`overhead zk/DS (CPU)`). On a machine shared with other jobs a rank waits for a core
 for most of its wall time (measured 2026-11-29, load 9-26 on 2 cores: the bare 20m model's
 fp32 forward+backward 112-150 ms of CPU in 580-1340 ms of wall), so wall-time differences of
 tens of ms between contestants are the load's; the CPU time is what each engine asks of the
 machine. The load average is recorded per row (`load`: at its start and end).
 
---before adds a fourth contestant, zerokern as it was before issue 40's changes, in the same
-interleaving (before/after in one run): its staging pool freed at every step (no
-[Note: the engine keeps its staging], engine/build.py), 25 MiB buckets at stage 2 when the config
-sets no reduce_bucket_size, and at stage 3 without DeepSpeed's stage-3 schedule keys
-(`use_schedule(None)`: the units kept as keep_for_backward_mb=0 keeps them, the root and the
-last one). At stage 1 nothing changed: a control.
+[Note: the paired overhead ratio] Every repetition runs each contestant once (the order
+rotated), so one repetition's bare, zerokern and DeepSpeed iterations met the same load. Besides
+the ratio of the medians (`overhead zk/DS (CPU)`), each repetition gives its own ratio
+(zk_i - bare_i) / (DS_i - bare_i) on CPU time, and `paired` reports their median with the
+20th-80th percentiles: a load change during the run moves the three iterations of a
+repetition together, not one contestant's median against another's. The CPU time of an
+iteration is the mean over ranks (the machine's CPU per rank: each rank's own noise, a cache
+or memory-bandwidth bump, is averaged rather than the larger of two taken), wall time the max
+over ranks (the step ends with the slowest rank). Stage 1 (the control: nothing changed there)
+gave 0.07-0.14 between identical runs on 2026-11-29 (shared 2-core VM, 6-8 repetitions, the max
+over ranks); the defaults are now 12 repetitions after 2 warm-up ones.
+
+--before adds a fourth contestant in the same interleaving (before/after in one run): zerokern as
+it was before issue 40's third round (37d10a7..), i.e. with its grad shards freed at every step
+at stages 2-3 (no [Note: the engine keeps its grad shard], engine/build.py). Where the engine
+frees them anyway (stage 2 with a separate master, stage 1) the two zerokern contestants are the
+same code: a control. (Earlier result files' `before` was zerokern before the first round: their
+reading sections say so.)
 
 [Note: --optimizer muon]
 Both engines get `"optimizer": {"type": "Muon", ..., "ns_method": "standard"}` (zerokern runs
@@ -151,15 +163,10 @@ def _worker(rank: int, world: int, args) -> dict:
                     before = held_bytes()
                     model = build_gpt(args.model_size, seed=0)
                     run_cfg = copy.deepcopy(cfg)
-                    if name == "zerokern-before" and stage == 2 and not args.reduce_bucket_size:
-                        item = 2 if precision == "bf16" else 4  # the old default, 25 MiB
-                        run_cfg["zero_optimization"]["reduce_bucket_size"] = 25 * 2**20 // item
                     eng = init(model=model, model_parameters=model.parameters(),
                                config=run_cfg)[0]
-                    if name == "zerokern-before":
-                        eng.optimizer.grad_sync.keep_staging = False
-                        if stage == 3:
-                            eng.optimizer.grad_sync.use_schedule(None)
+                    if name == "zerokern-before":  # grad shards freed at every step, as before
+                        eng.optimizer.grad_sync.free_on_zero = True
                     linear[name] = F.linear
                     F.linear = torch_linear
                     engines[name] = (eng, model)
@@ -176,12 +183,13 @@ def _worker(rank: int, world: int, args) -> dict:
                         dist.barrier()
                         c0, t0 = time.process_time(), time.perf_counter()
                         _iteration(eng, model, args, linear[name], torch_linear, rank)
-                        dt = torch.tensor([(time.perf_counter() - t0) * 1e3,
-                                           (time.process_time() - c0) * 1e3])
-                        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                        wall = torch.tensor([(time.perf_counter() - t0) * 1e3])
+                        cpu_ms = torch.tensor([(time.process_time() - c0) * 1e3])
+                        dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank
+                        dist.all_reduce(cpu_ms)  # [Note: the paired overhead ratio]: the mean
                         if rep >= args.warmup:
-                            times[name].append(float(dt[0]))
-                            cpu[name].append(float(dt[1]))
+                            times[name].append(float(wall))
+                            cpu[name].append(float(cpu_ms) / dist.get_world_size())
                 load.append(os.getloadavg()[0])
                 m = torch.tensor([float(mem["zerokern"]), float(mem["deepspeed"]),
                                   float(mem.get("zerokern-before", 0))])
@@ -237,12 +245,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="the config's optimizer: AdamW (default) or Muon (both engines; "
                         "[Note: --optimizer muon])")
     p.add_argument("--before", action="store_true",
-                   help="also zerokern as before issue 40's changes, interleaved "
-                        "([Note: CPU time beside wall time])")
+                   help="also zerokern as before issue 40's third round (grad shards freed "
+                        "at every step), interleaved ([Note: the paired overhead ratio])")
     p.add_argument("--tag", default="",
                    help="appended to the result files' name (e.g. issue40-20261129)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -291,6 +299,9 @@ def report(args, res) -> int:
             row.update(zk_cpu_ms=zc, ds_cpu_ms=dc, bare_cpu_ms=bc,
                        over_ratio_cpu=(zc - bc) / (dc - bc) if dc > bc else float("nan"),
                        load=f"{r['load'][0]:.1f}-{r['load'][1]:.1f}")
+            row.update(_paired(r["cpu"], "zerokern", "paired"))
+            if "zerokern-before" in r["cpu"]:
+                row.update(_paired(r["cpu"], "zerokern-before", "paired_before"))
             if "zerokern-before" in r["times"]:
                 zb = common.summarize(r["times"]["zerokern-before"])["median_ms"]
                 zbc = common.summarize(r["cpu"]["zerokern-before"])["median_ms"]
@@ -309,11 +320,15 @@ def report(args, res) -> int:
     if all("zk_cpu_ms" in r for r in rows):
         cols += [("zk_cpu_ms", "zerokern CPU ms"), ("ds_cpu_ms", "DeepSpeed CPU ms"),
                  ("bare_cpu_ms", "bare CPU ms"), ("over_ratio_cpu", "overhead zk/DS (CPU)")]
+    if all("paired" in r for r in rows):
+        cols += [("paired", "paired overhead zk/DS (CPU)"), ("paired_range", "p20-p80")]
     if all("zk_before_ms" in r for r in rows):
         cols += [("zk_before_ms", "before: zerokern iter ms"),
                  ("over_ratio_before", "before: overhead zk/DS"),
                  ("zk_before_cpu_ms", "before: zerokern CPU ms"),
                  ("over_ratio_cpu_before", "before: overhead zk/DS (CPU)"),
+                 ("paired_before", "before: paired (CPU)"),
+                 ("paired_before_range", "before: p20-p80"),
                  ("zk_before_MiB", "before: held MiB/rank")]
     if all("load" in r for r in rows):
         cols.append(("load", "load"))
@@ -341,9 +356,24 @@ def report(args, res) -> int:
     return 0
 
 
+def _paired(cpu: Dict[str, List[float]], name: str, key: str) -> dict:
+    """[Note: the paired overhead ratio]: the median over repetitions of (name_i - bare_i) /
+    (DS_i - bare_i), CPU time, with its 20th-80th percentiles."""
+    import numpy as np
+
+    z, d, b = (np.asarray(cpu[n], dtype=np.float64) for n in (name, "deepspeed", "bare"))
+    ok = d > b
+    if not ok.any():
+        return {key: float("nan"), f"{key}_range": "-"}
+    ratios = (z[ok] - b[ok]) / (d[ok] - b[ok])
+    p20, med, p80 = np.percentile(ratios, [20, 50, 80])
+    return {key: float(med), f"{key}_range": f"{p20:.2f}-{p80:.2f}",
+            f"{key}_all": [float(x) for x in ratios]}
+
+
 def _stage_ratios(rows) -> str:
-    """Stage 3 against stage 2 (zerokern, the same run), and zerokern at stage 3 before
-    DeepSpeed's stage-3 keys were honoured (--s3-before), wall and CPU time."""
+    """Stage 3 against stage 2 (zerokern, the same run), and the same for the --before
+    contestant, wall and CPU time."""
     by = {r["config"]: r for r in rows}
     out = []
     for prec in ("fp32", "bf16"):
@@ -354,7 +384,7 @@ def _stage_ratios(rows) -> str:
         if "zk_cpu_ms" in s3 and "zk_cpu_ms" in s2:
             line += f", {s3['zk_cpu_ms'] / s2['zk_cpu_ms']:.2f} (CPU)"
         if "zk_before_ms" in s3 and "zk_before_ms" in s2:  # before against before
-            line += (f"; before (--before: root + last unit kept, staging freed): "
+            line += (f"; before (--before: grad shards freed at every step): "
                      f"{s3['zk_before_ms'] / s2['zk_before_ms']:.2f} (wall), "
                      f"{s3['zk_before_cpu_ms'] / s2['zk_before_cpu_ms']:.2f} (CPU)")
         out.append(line)

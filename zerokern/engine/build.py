@@ -48,7 +48,10 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
                      mpu: Optional[MpuGroups] = None) -> ZeroOptimizer:
     # free_grads: the grads (and staging) are freed at the engine's zero_grad after each step,
     # as DeepSpeed's engine does: held memory between steps is params + optimizer state only
-    # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept).
+    # (engine-20m-n2.md: 1.23-1.41x DeepSpeed's held memory at stages 1-2 with them kept);
+    # except the staging pool and, where DeepSpeed holds as much, the grad shard
+    # (_engine_owned: [Note: the engine keeps its staging], [Note: the engine keeps its grad
+    # shard]).
     zero_kw = dict(stage=cfg.stage, precision=cfg.precision, loss_scale=cfg.loss_scale,
                    offload=cfg.offload, bucket_mb=cfg.bucket_mb, reduce_dtype=cfg.reduce_dtype,
                    free_grads=True, offload_params=cfg.offload_params,
@@ -94,7 +97,8 @@ def _build_optimizer(model, cfg: EngineConfig, optimizer, model_parameters,
 
 
 def _engine_owned(opt: ZeroOptimizer, cfg: EngineConfig) -> ZeroOptimizer:
-    """An optimizer the engine built: DeepSpeed's stage-3 keys, and its staging kept.
+    """An optimizer the engine built: DeepSpeed's stage-3 keys, its staging kept, and its grad
+    shard where DeepSpeed holds as much (`_keeps_grad_shard`).
 
     [Note: the engine keeps its staging] The engine builds with free_grads=True (held memory
     between steps as DeepSpeed's), but keeps the staging pool of stages 2-3 (the buffers grads
@@ -108,7 +112,37 @@ def _engine_owned(opt: ZeroOptimizer, cfg: EngineConfig) -> ZeroOptimizer:
     buffer is the model's size."""
     if opt.stage >= 2 and hasattr(opt.grad_sync, "keep_staging"):
         opt.grad_sync.keep_staging = True
+    if _keeps_grad_shard(opt):
+        opt.grad_sync.free_on_zero = False
     return _use_stage3_keys(opt, cfg)
+
+
+def _keeps_grad_shard(opt: ZeroOptimizer) -> bool:
+    """[Note: the engine keeps its grad shard] Whether the engine's optimizer keeps its grad
+    shard (Ψ/N elements of the reduce dtype) between steps instead of freeing it at zero_grad.
+    Freed, the next backward's first reduce-scatter writes into fresh pages, and the kernel
+    zeroes them first: on the 20m GPT, stage 2 fp32, 2 gloo ranks, 46 MB of 2 MiB pages per
+    step, 11.6 ms of the ring thread's CPU in clear_page (perf, 2026-11-29, of ~95 ms that
+    zerokern adds to the bare model's iteration). It is kept where DeepSpeed holds as much:
+    - stage 3: DeepSpeed's stage 3 allocates its grad partitions once and keeps them
+      (stage3.py, grad_partitions_flat_buffer), and its bucket besides;
+    - stage 2 when the flat params are the master (fp32, no offload): DeepSpeed's stage 1-2
+      frees its grad partitions at each step but holds an fp32 copy of this rank's params
+      (its fp32 partition, 4Ψ/N bytes) that zerokern does not; the fp32 grad shard takes that
+      room, so the state between steps is DeepSpeed's 4Ψ + 12Ψ/N (`bench --engine`: 249 MiB
+      per rank against DeepSpeed's 293).
+    Elsewhere (stage 2 with a separate or compact master, e.g. bf16: 0.86x DeepSpeed's held
+    memory with the shard freed, 0.97x with it kept, over issue 12's 0.9; stage 1, whose
+    buffer is Ψ; offload) the grads are freed at each step as before. The numbers do not
+    change: the first reduction after zero_grad overwrites the shard either way."""
+    if opt.offload is not None or getattr(opt, "offload_params", None) is not None or \
+            not hasattr(opt.grad_sync, "keep_staging"):
+        return False
+    if opt.stage == 3:
+        return True
+    # fp32 on the device: no master besides the params (shard_buffer.py `master`; not read
+    # here: reading a compact master's `master` expands it)
+    return opt.stage == 2 and opt.precision == "fp32"
 
 
 def _use_stage3_keys(opt: ZeroOptimizer, cfg: EngineConfig) -> ZeroOptimizer:
