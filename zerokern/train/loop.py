@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
