@@ -7,12 +7,14 @@
 // whatever the float -> int8 cast gives: unspecified, the scale carries the non-finite).
 // Two paths, the same bits:
 // - AVX-512 (when the dispatcher's ISA is avx512: adam_cpu.cpp's current_isa(), so force_isa
-//   switches it too): a block is 2, 4 or 8 registers of 16 lanes, loaded once; absmax by
-//   vmaxps and one horizontal max, the scale by one scalar IEEE division, the codes from a
-//   product by the reciprocal with the IEEE division only near a rounding boundary ([Note:
-//   codes without a division per element]), converted to integers rounding to nearest even,
-//   and a narrowing store (int8: vpmovsdb; int4: nibble pairs joined in 64-bit lanes,
-//   vpmovqb). A block whose scale is non-finite or 0 gets codes 0. Dequantize: vpmovsxbd (int4: vpmovzxbq and a nibble
+//   switches it too): blocks in groups of 16, whose 16 absmaxes are one vector (integer maxima
+//   of |x|'s bits, one transposing reduction), so the scales and reciprocals are one vdivps
+//   each; the codes from a product by the reciprocal with the IEEE division only near a
+//   rounding boundary ([Note: codes without a division per element]), converted to integers
+//   rounding to nearest even, narrowed by vpackssdw / vpacksswb (int4: nibble pairs joined on
+//   the bytes); the next group's absmaxes are taken while this group's codes are computed
+//   ([Note: the quantizer's instruction budget]). A block whose scale is non-finite or 0 gets
+//   codes 0. Dequantize: vpmovsxbd (int4: vpmovzxbq and a nibble
 //   split), vcvtdq2ps, one vmulps, the out dtype's RNE conversion (kernels_avx512.cpp's).
 //   Compiled without -march: the target attribute confines AVX-512 to these bodies.
 // - portable C++ the compiler vectorises (the scalar ISA, and CPUs without AVX-512): blocks
@@ -154,80 +156,213 @@ ZK_BQ_INLINE __m256i bq_to_bf16(__m512 x) {
 // product rounded once more: |y - x/s| <= 128 · 3 · 2^-24 < 2^-15 for |x / s| <= q + 1 < 128,
 // and fl(x / s) is within 2^-17 of x / s. So where y is farther than 2^-13 from every
 // half-integer k + 1/2 (the only places where rounding to an integer changes its result),
-// rne(fl(x / s)) = rne(y); the test is | |y - rne(y)| - 1/2 | >= 2^-13. Vectors with a lane
-// nearer (about 1 in 250 for spread-out values; every exact tie) take the IEEE division, the
-// whole vector at once; so does a block whose scale is below 2^-120 (q / absmax could
-// overflow). s itself is the IEEE division. No clamp: |x| <= absmax makes |x / s| < q + 2^-16,
-// so rne(x / s) is within [-q, q] already (and so is rne(y)).
-// Two passes over a group of blocks, so no step waits on a long chain: the absmaxes, scales and
-// reciprocals of up to kGroup blocks first (independent chains the core overlaps; 16-bit input
-// widened to fp32 once, into a stack buffer), then their codes from L1 (16 KiB at most).
-// Per 16 elements the codes pass is 8 vector uops (mul, RNE convert, convert back, sub, and,
-// compare, the 2-uop narrowing): 512-bit ops issue on 2 ports only.
-constexpr int64_t kGroup = 32;
+// rne(fl(x / s)) = rne(y); the test is |y - rne(y)| > 1/2 - 2^-13, y - rne(y) being one
+// vreduceps (exact). Where a lane of 4 vectors (2 for a block of 32) is nearer (about 1 in 64
+// for spread-out values; every exact tie), those vectors take the IEEE division; so does a
+// block whose scale is below 2^-120 (q / absmax could overflow). s itself is the IEEE
+// division. No clamp: |x| <= absmax makes |x / s| < q + 2^-16, so rne(x / s) is within
+// [-q, q] already (and so is rne(y)).
+//
+// [Note: the quantizer's instruction budget] 512-bit ops issue on 2 ports only, so the
+// quantizer counts vector uops per 64 elements (a copy of the same bytes: ~6 loads and stores):
+// - Scales 16 blocks at a time: a block's absmax is a tree of integer maxima of |x|'s bits
+//   (finite floats order as their bits; a NaN's bits exceed inf's, so "NaN in the block" is one
+//   compare of the result); one transposing reduction (shuffles of halves, quarters, pairs,
+//   ~3 uops a block instead of a horizontal max each) turns the 16 blocks' vectors into one
+//   vector of absmaxes, and the scales and reciprocals are one vdivps each for the 16. bf16
+//   input is reduced as 16-bit integers, 32 elements per uop, without widening.
+// - Codes: per 16 elements mul, vreduceps, convert; per 4 vectors 3 vrangeps (the largest
+//   |y - rne(y)|), one compare and one branch. Narrowing: vpackssdw / vpacksswb over 4 vectors
+//   and one vpermd putting the 128-bit lanes' pieces in order (vpmovsdb would be 2 uops a
+//   vector); int4 joins nibble pairs on the bytes (a 16-bit shift, a vpternlogd, vpmovwb).
+//   bf16 input is widened by vpunpck{l,h}wd with zero (1 uop per 16 elements, the elements
+//   permuted within 128-bit lanes), which vpackssdw undoes. The tie test is a third of these
+//   uops (measured: without it, bf16 -> int4 at 2^20 ran 1.45x faster).
+// - Memory: the next group's absmax loads are issued between this group's blocks of codes
+//   (whose loads then hit L1), and the group after that is prefetched, so the loads of one
+//   overlap the arithmetic of the other instead of a burst of loads, then a burst of work.
+constexpr int64_t kGroup = 16;  // blocks whose scales are one vector
+
+// The absmax bits of 16 vectors (one per block), lane j of the result = max over vector j.
+ZK_BQ_INLINE __m512i bq_transpose_max16(__m512i* m) {
+  for (int j = 0; j < 8; ++j)  // halves: 256-bit half h of result j = block 2j + h
+    m[j] = _mm512_max_epu32(_mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0x44),
+                            _mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // quarters: 128-bit lane c of result j = block 4j + c
+    m[j] = _mm512_max_epu32(_mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0x88),
+                            _mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)  // pairs: lane c holds blocks 8j + c (2 lanes), 8j + 4 + c (2)
+    m[j] = _mm512_max_epu32(_mm512_unpacklo_epi64(m[2 * j], m[2 * j + 1]),
+                            _mm512_unpackhi_epi64(m[2 * j], m[2 * j + 1]));
+  const __m512 a = _mm512_castsi512_ps(m[0]), b = _mm512_castsi512_ps(m[1]);
+  const __m512i t = _mm512_max_epu32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x88)),
+                                     _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xDD)));
+  // lane 4c + k holds block c + 4k
+  return _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
+
+// |x|'s bits, reduced over a block to one vector of 16 lanes (any lane order).
+template <int T, int V>
+ZK_BQ_INLINE __m512i bq_block_absmax(const void* x, int64_t o) {
+  if constexpr (T == kBF16) {  // 16-bit integers, then the two halves of each lane
+    const __m512i abs = _mm512_set1_epi32(0x7FFF7FFF);
+    __m512i m[V / 2];
+    for (int k = 0; k < V / 2; ++k)
+      m[k] = _mm512_and_si512(
+          _mm512_loadu_si512(static_cast<const uint16_t*>(x) + o + 32 * k), abs);
+    for (int w = V / 4; w >= 1; w /= 2)
+      for (int k = 0; k < w; ++k) m[k] = _mm512_max_epu16(m[k], m[k + w]);
+    return _mm512_max_epu32(_mm512_slli_epi32(m[0], 16),
+                            _mm512_and_si512(m[0], _mm512_set1_epi32(0xFFFF0000)));
+  } else {
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i m[V];
+    for (int k = 0; k < V; ++k)
+      m[k] = _mm512_and_si512(_mm512_castps_si512(bq_load16<T>(x, o + 16 * k)), abs);
+    for (int w = V / 2; w >= 1; w /= 2)  // a tree, not a chain
+      for (int k = 0; k < w; ++k) m[k] = _mm512_max_epu32(m[k], m[k + w]);
+    return m[0];
+  }
+}
+
+// The codes rne(x / s) of N vectors (N = 2 or 4) by the reciprocal r, or by the division where
+// a lane of y = x·r is near a half-integer (any lane of the N: one branch per N vectors; the
+// largest |y - rne(y)| of them by vrangeps, max of |.|), or by the division everywhere (DIV: a
+// scale below 2^-120).
+template <int N, bool DIV>
+ZK_BQ_INLINE void bq_codes(const __m512* v, __m512i* c, __m512 rv, __m512 sv) {
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  bool divide = DIV;
+  if constexpr (!DIV) {
+    __m512 y[N], d[N];
+    for (int k = 0; k < N; ++k) {
+      y[k] = _mm512_mul_ps(v[k], rv);
+      d[k] = _mm512_reduce_ps(y[k], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    __m512 far = _mm512_range_ps(d[0], d[1], 0x0B);  // max |d|, sign cleared
+    if constexpr (N == 4) far = _mm512_range_ps(far, _mm512_range_ps(d[2], d[3], 0x0B), 0x0B);
+    divide = _mm512_cmp_ps_mask(far, _mm512_set1_ps(0.5f - 0x1p-13f), _CMP_GT_OQ) != 0;
+
+    if (!divide)
+      for (int k = 0; k < N; ++k) c[k] = _mm512_cvt_roundps_epi32(y[k], kRne);
+  }
+  if (divide)
+    for (int k = 0; k < N; ++k) c[k] = _mm512_cvt_roundps_epi32(_mm512_div_ps(v[k], sv), kRne);
+}
+
+// 64 int8 codes in order (bytes of a zmm) -> 32 bytes of nibble pairs, element 2i low:
+// byte 2i of (words >> 4) has byte 2i+1's low nibble on top; vpternlogd picks the nibbles.
+ZK_BQ_INLINE __m256i bq_nibbles64(__m512i c) {
+  return _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(
+      _mm512_set1_epi16(0x0F), c, _mm512_srli_epi16(c, 4), 0xCA));  // 0xCA: a ? b : c
+}
+ZK_BQ_INLINE __m128i bq_nibbles32(__m256i c) {
+  return _mm256_cvtepi16_epi8(_mm256_ternarylogic_epi32(
+      _mm256_set1_epi16(0x0F), c, _mm256_srli_epi16(c, 4), 0xCA));
+}
+
+template <int BITS>
+ZK_BQ_INLINE void bq_store64(void* codes, int64_t i, __m512i b) {  // 64 codes in order
+  if constexpr (BITS == 8) _mm512_storeu_si512(static_cast<int8_t*>(codes) + i, b);
+  else _mm256_storeu_si256((__m256i*)(static_cast<uint8_t*>(codes) + i / 2), bq_nibbles64(b));
+}
+template <int BITS>
+ZK_BQ_INLINE void bq_store32(void* codes, int64_t i, __m256i b) {  // 32 codes in order
+  if constexpr (BITS == 8) _mm256_storeu_si256((__m256i*)(static_cast<int8_t*>(codes) + i), b);
+  else _mm_storeu_si128((__m128i*)(static_cast<uint8_t*>(codes) + i / 2), bq_nibbles32(b));
+}
+
+// The codes of one block (scale s, reciprocal r > 0, or DIV), 64 elements at a time (32 for
+// a block of 32).
+template <int T, int BITS, int V, bool DIV>
+ZK_BQ_INLINE void bq_block_codes(const void* x, void* codes, int64_t o, __m512 rv, __m512 sv) {
+  constexpr int N = V >= 4 ? 4 : 2;  // vectors of 16 per step
+  for (int k = 0; k < V; k += N) {
+    const int64_t i = o + 16 * k;
+    __m512 v[N];
+    __m512i c[N];
+    if constexpr (T == kBF16) {
+      // vpunpck{l,h}wd with zero: per 128-bit lane, elements 0-3 and 4-7 of its 8
+      const __m512i z = _mm512_setzero_si512();
+      for (int u = 0; u < N / 2; ++u) {
+        const __m512i h = _mm512_loadu_si512(static_cast<const uint16_t*>(x) + i + 32 * u);
+        v[2 * u] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h));
+        v[2 * u + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h));
+      }
+      bq_codes<N, DIV>(v, c, rv, sv);
+      // vpackssdw undoes the unpacking: 32 words in element order per load
+      const __m512i w0 = _mm512_packs_epi32(c[0], c[1]);
+      if constexpr (N == 4) {
+        // vpacksswb: qword 2c + u of lane c = elements 32u + 8c..: qwords 0 2 4 6 1 3 5 7
+        bq_store64<BITS>(codes, i, _mm512_permutexvar_epi64(
+            _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+            _mm512_packs_epi16(w0, _mm512_packs_epi32(c[2], c[3]))));
+      } else {
+        bq_store32<BITS>(codes, i, _mm512_cvtsepi16_epi8(w0));
+      }
+    } else {
+      for (int u = 0; u < N; ++u) v[u] = bq_load16<T>(x, i + 16 * u);
+      bq_codes<N, DIV>(v, c, rv, sv);
+      // vpackssdw + vpacksswb leave dword 4c + u of lane c = elements 16u + 4c..: vpermd
+      const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      const __m512i w0 = _mm512_packs_epi32(c[0], c[1]);
+      if constexpr (N == 4) {
+        bq_store64<BITS>(codes, i, _mm512_permutexvar_epi32(
+            idx, _mm512_packs_epi16(w0, _mm512_packs_epi32(c[2], c[3]))));
+      } else {
+        bq_store32<BITS>(codes, i, _mm512_castsi512_si256(
+            _mm512_permutexvar_epi32(idx, _mm512_packs_epi16(w0, w0))));
+      }
+    }
+  }
+}
 
 template <int T, int BITS, int V>  // V = block / 16
 ZK_BQ_AVX512 void quant_avx512(const void* x, void* codes, float* scale, int64_t b0, int64_t b1) {
   constexpr float q = BITS == 8 ? 127.f : 7.f;
   constexpr int64_t block = 16 * V;
-  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m512 near = _mm512_set1_ps(0.5f - 0x1p-13f);
-  float recip[kGroup];
-  alignas(64) float wide[T == kF32 ? 1 : kGroup * block];  // 16-bit input, widened once
+  constexpr int64_t kInBytes = T == kF32 ? 4 : 2;
+  alignas(64) float recip[kGroup];
+  __m512i m[kGroup];  // the absmax vectors of the group to come
+  for (int j = 0; j < kGroup; ++j)
+    m[j] = b0 + j < b1 ? bq_block_absmax<T, V>(x, (b0 + j) * block) : _mm512_setzero_si512();
   for (int64_t g0 = b0; g0 < b1; g0 += kGroup) {
-    const int64_t g1 = std::min(b1, g0 + kGroup);
-    for (int64_t b = g0; b < g1; ++b) {  // pass 1: scales
-      const int64_t o = b * block;
-      __m512 m[V];
-      __mmask16 nan = 0;
-      for (int k = 0; k < V; ++k) {
-        const __m512 v = bq_load16<T>(x, o + 16 * k);
-        if constexpr (T != kF32) _mm512_store_ps(wide + (b - g0) * block + 16 * k, v);
-        m[k] = _mm512_and_ps(v, absmask);
-        nan |= _mm512_cmp_ps_mask(m[k], m[k], _CMP_UNORD_Q);
+    const int nb = int(std::min<int64_t>(kGroup, b1 - g0));
+    const __m512i abits = bq_transpose_max16(m);  // the group's scales and reciprocals
+    const __m512 amax = _mm512_castsi512_ps(abits);
+    const __m512 s = _mm512_mask_mov_ps(
+        _mm512_div_ps(amax, _mm512_set1_ps(q)),
+        _mm512_cmpgt_epu32_mask(abits, _mm512_set1_epi32(0x7F800000)),
+        _mm512_set1_ps(std::nanf("")));
+    _mm512_mask_storeu_ps(scale + g0, __mmask16((1u << nb) - 1), s);
+    // 0: codes 0 (an all-zero or non-finite block); -1: divide; else the reciprocal
+    const __mmask16 ok = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                         _mm512_cmp_ps_mask(s, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    const __mmask16 big = _mm512_cmp_ps_mask(s, _mm512_set1_ps(0x1p-120f), _CMP_GE_OQ);
+    _mm512_store_ps(recip, _mm512_maskz_mov_ps(
+        ok, _mm512_mask_mov_ps(_mm512_set1_ps(-1.f), big,
+                               _mm512_div_ps(_mm512_set1_ps(q), amax))));
+    for (int j = 0; j < kGroup; ++j) {
+      // the next group's block j first: its loads overlap this group's codes ([Note: the
+      // quantizer's instruction budget])
+      const int64_t next = g0 + kGroup + j;
+      if (next + kGroup < b1) {  // and the one after that on its way to L1
+        const char* p = static_cast<const char*>(x) + (next + kGroup) * block * kInBytes;
+        for (int64_t l = 0; l < block * kInBytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
       }
-      for (int w = V / 2; w >= 1; w /= 2)  // a tree, not a chain
-        for (int k = 0; k < w; ++k) m[k] = _mm512_max_ps(m[k], m[k + w]);
-      const float amax = _mm512_reduce_max_ps(m[0]);
-      const float s = nan ? std::nanf("") : amax / q;
-      scale[b] = s;
-      // 0: codes 0 (an all-zero or non-finite block); -1: divide; else the reciprocal
-      recip[b - g0] = !(s > 0.f) || !std::isfinite(s) ? 0.f : (s >= 0x1p-120f ? q / amax : -1.f);
-    }
-    for (int64_t b = g0; b < g1; ++b) {  // pass 2: codes
-      const int64_t o = b * block;
-      const float r = recip[b - g0];
+      m[j] = next < b1 ? bq_block_absmax<T, V>(x, next * block) : _mm512_setzero_si512();
+      if (j >= nb) continue;
+      const int64_t o = (g0 + j) * block;
+      const float r = recip[j];
       if (r == 0.f) {
         if (BITS == 8) std::memset(static_cast<int8_t*>(codes) + o, 0, block);
         else std::memset(static_cast<uint8_t*>(codes) + o / 2, 0, block / 2);
         continue;
       }
-      const __m512 sv = _mm512_set1_ps(scale[b]), rv = _mm512_set1_ps(r);
-      for (int k = 0; k < V; ++k) {
-        __m512 v;
-        if constexpr (T == kF32) v = _mm512_loadu_ps(static_cast<const float*>(x) + o + 16 * k);
-        else v = _mm512_load_ps(wide + (b - g0) * block + 16 * k);
-        __m512i ci;
-        if (r > 0.f) {
-          const __m512 y = _mm512_mul_ps(v, rv);
-          ci = _mm512_cvt_roundps_epi32(y, kRne);
-          const __m512 d = _mm512_and_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(ci)), absmask);
-          if (_mm512_cmp_ps_mask(d, near, _CMP_GT_OQ))  // within 2^-13 of k + 1/2
-            ci = _mm512_cvt_roundps_epi32(_mm512_div_ps(v, sv), kRne);
-        } else {
-          ci = _mm512_cvt_roundps_epi32(_mm512_div_ps(v, sv), kRne);
-        }
-        if (BITS == 8) {
-          _mm_storeu_si128((__m128i*)(static_cast<int8_t*>(codes) + o + 16 * k),
-                           _mm512_cvtsepi32_epi8(ci));
-        } else {  // lanes 2i, 2i+1 -> the low and high nibble of byte i
-          ci = _mm512_and_si512(ci, _mm512_set1_epi32(0xF));
-          __m512i w = _mm512_or_si512(ci, _mm512_srli_epi64(ci, 28));
-          _mm_storel_epi64((__m128i*)(static_cast<uint8_t*>(codes) + (o + 16 * k) / 2),
-                           _mm512_cvtepi64_epi8(w));
-        }
-      }
+      const __m512 sv = _mm512_set1_ps(scale[g0 + j]), rv = _mm512_set1_ps(r);
+      if (r > 0.f) bq_block_codes<T, BITS, V, false>(x, codes, o, rv, sv);
+      else bq_block_codes<T, BITS, V, true>(x, codes, o, rv, sv);
     }
   }
 }
