@@ -64,6 +64,27 @@ def test_survivable_errors_are_other_replicas_losses():
     assert not job.survivable(RuntimeError("shape mismatch"))
 
 
+def test_recover_raises_what_it_cannot_survive_and_retries_a_failed_join():
+    job = _job(replica=1)
+    mine = PeerLost(Lost(3, "vm", 124, "its process exited"), 2)
+    with pytest.raises(PeerLost):  # this replica lost a rank: the error stands
+        job.recover((None, None), mine, {"step": 3})
+    calls = []
+
+    def join(objects, client_state):  # the first join meets another replica's loss
+        calls.append(client_state)
+        if len(calls) == 1:
+            raise PeerLost(Lost(0, "vm", 123, "its process exited"), 2)
+        return ("model", "opt"), {"step": 3}
+    job.join = join
+    other = PeerLost(Lost(0, "vm", 123, "its process exited"), 2)
+    assert job.recover((None, None), other, {"step": 3}) == (("model", "opt"), {"step": 3})
+    assert calls == [{"step": 3}, {"step": 3}]
+    job.join = lambda objects, client_state: (_ for _ in ()).throw(ValueError("a bug"))
+    with pytest.raises(ValueError, match="a bug"):  # not a lost peer: raised, not retried
+        job.recover((None, None), other, {"step": 3})
+
+
 def test_arguments_are_checked():
     store = quorum.dist.HashStore()
     with pytest.raises(ValueError, match="replicas must be >= 2"):

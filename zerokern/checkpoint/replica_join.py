@@ -127,6 +127,28 @@ class ReplicaJob:
         mine = range(q.replica * q.shards, (q.replica + 1) * q.shards)
         return origin is None or origin < 0 or origin not in mine
 
+    def recover(self, objects: Sequence[Any], error: BaseException, client_state: Any = None
+                ) -> Tuple[Tuple[Any, ...], Any]:
+        """After a training step raised `error`: `join` again if it is survivable (and again
+        while a join itself fails survivably: a replica lost while the epoch formed), else
+        raise `error`.
+
+        Args:
+            objects: what the last join returned (model, opt, *rest).
+            error: what the step raised.
+            client_state: this rank's loop state at the failed step (the data position).
+
+        Returns:
+            As `join`.
+        """
+        while True:
+            if not self.survivable(error):
+                raise error
+            try:
+                return self.join(objects, client_state)
+            except Exception as e:  # noqa: BLE001 - judged by survivable() above
+                error = e
+
     def join(self, objects: Optional[Sequence[Any]] = None, client_state: Any = None
              ) -> Tuple[Tuple[Any, ...], Any]:
         """Form the next epoch, build, and take the state of a live replica. Collective over

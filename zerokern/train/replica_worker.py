@@ -95,13 +95,10 @@ def worker(args) -> int:
             try:
                 _train_step(objects[0], objects[1],
                             _batch(args.seed, step, rank, args.batch, args.seq))
-            except Exception as e:  # noqa: BLE001 - survivable ones only (job.survivable)
-                if not job.survivable(e):
-                    events.record("lost", rank=rank, names=getattr(e, "origin", None))
-                    raise
+            except Exception as e:  # noqa: BLE001 - survivable ones only (job.recover)
                 events.record("lost", rank=rank, names=getattr(e, "origin", None),
-                              survived=True)
-                objects, state = job.join(objects, {"step": step})
+                              survived=job.survivable(e))
+                objects, state = job.recover(objects, e, {"step": step})
                 step = state["step"]
                 events.record("joined", rank=rank, **job.joins[-1])
                 continue
