@@ -14,8 +14,8 @@
 //   rounding to nearest even, narrowed by vpackssdw / vpacksswb (int4: nibble pairs joined on
 //   the bytes); the next group's absmaxes are taken while this group's codes are computed
 //   ([Note: the quantizer's instruction budget]). A block whose scale is non-finite or 0 gets
-//   codes 0. Dequantize: vpmovsxbd (int4: vpmovzxbq and a nibble
-//   split), vcvtdq2ps, one vmulps, the out dtype's RNE conversion (kernels_avx512.cpp's).
+//   codes 0. Dequantize: vpmovsxbd, vcvtdq2ps, one vmulps (int4: vpermps from the block's 16
+//   values code · s), the out dtype's RNE conversion (kernels_avx512.cpp's).
 //   Compiled without -march: the target attribute confines AVX-512 to these bodies.
 // - portable C++ the compiler vectorises (the scalar ISA, and CPUs without AVX-512): blocks
 //   <= 128 elements staged in a stack array so the absmax, the division and the codes are
@@ -367,39 +367,81 @@ ZK_BQ_AVX512 void quant_avx512(const void* x, void* codes, float* scale, int64_t
   }
 }
 
+// 32 finite fp32 -> bf16 bits in order, RNE as bq_to_bf16 (b + 0x7FFF + lsb, the top half):
+// the lsb by vptestmd and a masked add, the halves narrowed by vpackusdw + vpermq (a NaN would
+// need bq_to_bf16's fix-up: a block whose scale is not finite takes that path).
+ZK_BQ_INLINE __m512i bq_to_bf16x2(__m512 a, __m512 b) {
+  const __m512i lsb = _mm512_set1_epi32(0x10000), one = _mm512_set1_epi32(1);
+  const __m512i half = _mm512_set1_epi32(0x7FFF);
+  __m512i r[2] = {_mm512_castps_si512(a), _mm512_castps_si512(b)};
+  for (__m512i& x : r) {
+    const __m512i t = _mm512_add_epi32(x, half);
+    x = _mm512_srli_epi32(_mm512_mask_add_epi32(t, _mm512_test_epi32_mask(x, lsb), t, one), 16);
+  }
+  return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                  _mm512_packus_epi32(r[0], r[1]));
+}
+
+// Write 32 dequantized values f0, f1 to out at element i (O: kF32, kAcc, kF16, kBF16;
+// FINITE: the scale is finite, so are the values).
+template <int O, bool FINITE>
+ZK_BQ_INLINE void bq_emit32(void* out, int64_t i, __m512 f0, __m512 f1) {
+  if constexpr (O == kF32) {
+    _mm512_storeu_ps(static_cast<float*>(out) + i, f0);
+    _mm512_storeu_ps(static_cast<float*>(out) + i + 16, f1);
+  } else if constexpr (O == kAcc) {
+    float* d = static_cast<float*>(out) + i;
+    _mm512_storeu_ps(d, _mm512_add_ps(_mm512_loadu_ps(d), f0));
+    _mm512_storeu_ps(d + 16, _mm512_add_ps(_mm512_loadu_ps(d + 16), f1));
+  } else if constexpr (O == kBF16 && FINITE) {
+    _mm512_storeu_si512(static_cast<uint16_t*>(out) + i, bq_to_bf16x2(f0, f1));
+  } else {
+    constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    uint16_t* d = static_cast<uint16_t*>(out) + i;
+    _mm256_storeu_si256((__m256i*)d, O == kBF16 ? bq_to_bf16(f0) : _mm512_cvtps_ph(f0, kRne));
+    _mm256_storeu_si256((__m256i*)(d + 16),
+                        O == kBF16 ? bq_to_bf16(f1) : _mm512_cvtps_ph(f1, kRne));
+  }
+}
+
+template <int BITS, int O, int V, bool FINITE>
+ZK_BQ_INLINE void bq_dequant_block(const void* codes, __m512 sv, void* out, int64_t o) {
+  if constexpr (BITS == 8) {
+    for (int k = 0; k < V; k += 2) {
+      const int64_t i = o + 16 * k;
+      const __m256i c = _mm256_loadu_si256((const __m256i*)(static_cast<const int8_t*>(codes) + i));
+      const __m512 f0 = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))), sv);
+      const __m512 f1 = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))), sv);
+      bq_emit32<O, FINITE>(out, i, f0, f1);
+    }
+  } else {
+    // int4: the block's 16 possible values code · s (the same product, rounded once), looked
+    // up by vpermps, which reads only the low 4 bits of each index lane: zero-extended bytes
+    // whose low nibble is the code (the bytes interleaved with themselves shifted right by 4)
+    const __m512 table = _mm512_mul_ps(
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1), sv);
+    for (int k = 0; k < V; k += 2) {
+      const int64_t i = o + 16 * k;
+      const __m128i c = _mm_loadu_si128(
+          (const __m128i*)(static_cast<const uint8_t*>(codes) + i / 2));
+      const __m128i hi = _mm_srli_epi16(c, 4);  // byte j: byte j's high nibble at the bottom
+      bq_emit32<O, FINITE>(
+          out, i, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(c, hi)), table),
+          _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(c, hi)), table));
+    }
+  }
+}
+
 template <int BITS, int O, int V>
 ZK_BQ_AVX512 void dequant_avx512(const void* codes, const float* scale, void* out, int64_t b0,
                                  int64_t b1) {
   constexpr int64_t block = 16 * V;
   for (int64_t b = b0; b < b1; ++b) {
     const __m512 sv = _mm512_set1_ps(scale[b]);
-    const int64_t o = b * block;
-    for (int k = 0; k < V; ++k) {
-      const int64_t i = o + 16 * k;
-      __m512i ci;
-      if (BITS == 8) {
-        ci = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(codes) + i)));
-      } else {  // byte j -> lanes 2j (low nibble), 2j+1 (high), sign-extended: (n ^ 8) - 8
-        __m512i w = _mm512_cvtepu8_epi64(
-            _mm_loadl_epi64((const __m128i*)(static_cast<const uint8_t*>(codes) + i / 2)));
-        w = _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi64(0xF)),
-                            _mm512_slli_epi64(_mm512_srli_epi64(w, 4), 32));
-        const __m512i eight = _mm512_set1_epi32(8);
-        ci = _mm512_sub_epi32(_mm512_xor_si512(w, eight), eight);
-      }
-      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(ci), sv);
-      if constexpr (O == kF32) {
-        _mm512_storeu_ps(static_cast<float*>(out) + i, f);
-      } else if constexpr (O == kAcc) {
-        float* d = static_cast<float*>(out) + i;
-        _mm512_storeu_ps(d, _mm512_add_ps(_mm512_loadu_ps(d), f));
-      } else {
-        __m256i h = O == kBF16 ? bq_to_bf16(f)
-                               : _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(out) + i), h);
-      }
-    }
+    if (std::isfinite(scale[b])) bq_dequant_block<BITS, O, V, true>(codes, sv, out, b * block);
+    else bq_dequant_block<BITS, O, V, false>(codes, sv, out, b * block);
   }
 }
 

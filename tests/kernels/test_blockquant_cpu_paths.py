@@ -214,3 +214,41 @@ def test_nonfinite_of_either_sign_in_any_block_of_a_group(op, dtype):
                 if isa == "avx512":
                     assert (cb[bad_blocks] == 0).all()
     op.force_isa("auto")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_edge_scales_every_out_dtype(op, bits):
+    """Decoding arbitrary codes with scales whose products are subnormal, overflow to inf,
+    or are NaN / inf (a non-finite block, or bytes off the wire): every finite value bitwise
+    the reference's in fp32, bf16 and fp16 (and the fused add), NaN where it has NaN. The
+    AVX-512 decoder converts to bf16 without a NaN fix-up when the scale is finite, and reads
+    int4 values from a per-block table ([Note: the quantizer's instruction budget])."""
+    codec = ref.NativeCodec(op)
+    g = torch.Generator().manual_seed(bits)
+    nblocks, block = 40, 64
+    n = nblocks * block
+    codes = torch.randint(0, 256, (n * bits // 8,), generator=g, dtype=torch.uint8)
+    if bits == 8:
+        codes = codes.view(torch.int8).clamp(-127, 127)
+    scale = torch.randn(nblocks, generator=g).abs() * 10 ** torch.randint(
+        -44, 39, (nblocks,), generator=g).float()
+    scale[:6] = torch.tensor([0.0, 1e-45, 3e38, float("nan"), float("inf"), 1e-40])
+    # code · s halfway between two bf16 values (low 16 bits 0x8000): ties to even both ways
+    scale[6:10] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 2 ** -100 * (1 + 2 ** -8),
+                                2 ** 60 * (1 + 3 * 2 ** -8)])
+    want32 = ref.dequantize(codes, scale, block, bits)
+    for isa in _isas(op):
+        op.force_isa(isa)
+        for out in (torch.float32, torch.bfloat16, torch.float16):
+            d = codec.dequantize(codes, scale, block, bits, out)
+            want = ref.dequantize(codes, scale, block, bits, out)
+            fin = torch.isfinite(want) | torch.isinf(want)
+            assert torch.equal(_bits_view(d)[fin], _bits_view(want)[fin]), (isa, out)
+            assert torch.equal(torch.isnan(d), torch.isnan(want)), (isa, out)
+        acc = torch.randn(n, generator=g)
+        want_acc = acc + want32
+        codec.dequantize_add_(codes, scale, acc, block, bits)
+        fin = ~torch.isnan(want_acc)
+        assert torch.equal(_bits_view(acc)[fin], _bits_view(want_acc)[fin]), isa
+        assert torch.equal(torch.isnan(acc), torch.isnan(want_acc)), isa
+    op.force_isa("auto")
