@@ -184,25 +184,35 @@ ZK_BQ_INLINE __m256i bq_to_bf16(__m512 x) {
 constexpr int64_t kGroup = 16;  // blocks whose scales are one vector
 
 // The absmax bits of 16 vectors (one per block), lane j of the result = max over vector j.
+// W16: the vectors hold |bf16| bits as 32 16-bit lanes, reduced as such; the halves of each
+// 32-bit lane (one block's) are folded once at the end, into fp32 bit positions.
+template <bool W16>
+ZK_BQ_INLINE __m512i bq_max(__m512i a, __m512i b) {
+  return W16 ? _mm512_max_epu16(a, b) : _mm512_max_epu32(a, b);
+}
+template <bool W16>
 ZK_BQ_INLINE __m512i bq_transpose_max16(__m512i* m) {
   for (int j = 0; j < 8; ++j)  // halves: 256-bit half h of result j = block 2j + h
-    m[j] = _mm512_max_epu32(_mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0x44),
-                            _mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0xEE));
+    m[j] = bq_max<W16>(_mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0x44),
+                       _mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0xEE));
   for (int j = 0; j < 4; ++j)  // quarters: 128-bit lane c of result j = block 4j + c
-    m[j] = _mm512_max_epu32(_mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0x88),
-                            _mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0xDD));
+    m[j] = bq_max<W16>(_mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0x88),
+                       _mm512_shuffle_i64x2(m[2 * j], m[2 * j + 1], 0xDD));
   for (int j = 0; j < 2; ++j)  // pairs: lane c holds blocks 8j + c (2 lanes), 8j + 4 + c (2)
-    m[j] = _mm512_max_epu32(_mm512_unpacklo_epi64(m[2 * j], m[2 * j + 1]),
-                            _mm512_unpackhi_epi64(m[2 * j], m[2 * j + 1]));
+    m[j] = bq_max<W16>(_mm512_unpacklo_epi64(m[2 * j], m[2 * j + 1]),
+                       _mm512_unpackhi_epi64(m[2 * j], m[2 * j + 1]));
   const __m512 a = _mm512_castsi512_ps(m[0]), b = _mm512_castsi512_ps(m[1]);
-  const __m512i t = _mm512_max_epu32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x88)),
-                                     _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xDD)));
+  __m512i t = bq_max<W16>(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x88)),
+                          _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xDD)));
+  if constexpr (W16)
+    t = _mm512_max_epu32(_mm512_slli_epi32(t, 16),
+                         _mm512_and_si512(t, _mm512_set1_epi32(0xFFFF0000)));
   // lane 4c + k holds block c + 4k
   return _mm512_permutexvar_epi32(
       _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
 }
 
-// |x|'s bits, reduced over a block to one vector of 16 lanes (any lane order).
+// |x|'s bits, reduced over a block to one vector of 16 lanes (any lane order; bf16: 32).
 template <int T, int V>
 ZK_BQ_INLINE __m512i bq_block_absmax(const void* x, int64_t o) {
   if constexpr (T == kBF16) {  // 16-bit integers, then the two halves of each lane
@@ -213,8 +223,7 @@ ZK_BQ_INLINE __m512i bq_block_absmax(const void* x, int64_t o) {
           _mm512_loadu_si512(static_cast<const uint16_t*>(x) + o + 32 * k), abs);
     for (int w = V / 4; w >= 1; w /= 2)
       for (int k = 0; k < w; ++k) m[k] = _mm512_max_epu16(m[k], m[k + w]);
-    return _mm512_max_epu32(_mm512_slli_epi32(m[0], 16),
-                            _mm512_and_si512(m[0], _mm512_set1_epi32(0xFFFF0000)));
+    return m[0];  // 16-bit lanes: bq_transpose_max16<true> folds them
   } else {
     const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
     __m512i m[V];
@@ -329,7 +338,7 @@ ZK_BQ_AVX512 void quant_avx512(const void* x, void* codes, float* scale, int64_t
     m[j] = b0 + j < b1 ? bq_block_absmax<T, V>(x, (b0 + j) * block) : _mm512_setzero_si512();
   for (int64_t g0 = b0; g0 < b1; g0 += kGroup) {
     const int nb = int(std::min<int64_t>(kGroup, b1 - g0));
-    const __m512i abits = bq_transpose_max16(m);  // the group's scales and reciprocals
+    const __m512i abits = bq_transpose_max16<T == kBF16>(m);  // the group's scales and reciprocals
     const __m512 amax = _mm512_castsi512_ps(abits);
     const __m512 s = _mm512_mask_mov_ps(
         _mm512_div_ps(amax, _mm512_set1_ps(q)),
