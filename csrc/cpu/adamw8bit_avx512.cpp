@@ -24,6 +24,27 @@
 // Tried before (the first issue-40 round) and dropped: the dequantize from 4 byte planes with
 // AVX512-VBMI vpermi2b (64 codes per 22 ops) ran 3% slower than its 2 gathers; the quantizer's
 // exact division, 10% slower. Prefetching 8 blocks ahead: 8% less time at 2^24, 2 threads.
+//
+// Round 3 (issue 40; the same box, one thread, n = 2^16 in cache, ns/element, median of 300-600
+// steps alternated in one process with the kernel above (aeab527), a standalone harness that
+// links both builds; load average 5-13 from other sessions, so only the ratios are kept):
+//   aeab527                                                        0.93 bf16 / 0.88 fp32 grads
+//   bucket entry with the code on top and the midpoint as a carry ([Note: bucketed nearest
+//     code]): 5-6 uops per value after the gather instead of 10-11; codes of block b
+//     interleaved per 16 elements with block b + 1's update ([Note: 8-bit AVX-512
+//     interleave])                                                 0.85 / 0.80
+//   + v dequantized from byte planes (m keeps its gather: both by planes 3% slower, the planes'
+//     permutes and unpacks share port 5 with the codes' vpermb and vptestmd), bf16 grads
+//     widened by one vpermb, bf16 param_out by pairs (vcvtne2ps2bf16), the Q8Args pointers
+//     copied to locals (25 scalar reloads per 64 elements), codes of two vectors stored by one
+//     vpermt2b                                                     0.75 / 0.72 (0.79x / 0.80x)
+// Without AVX512_BF16/VBMI (ZEROKERN_Q8_AVX512_BASE) 0.90 / 0.80 (0.89x of aeab527's base).
+// Ablations of the round-3 kernel (bf16): without the 2 quantizer gathers 0.67, without the
+// sqrt 0.67, without the div 0.70, without both 0.69 and all three 0.59: the ports 0 and 5 are
+// the bound (~53 vector uops per 16 elements, ~3 of them gathers that also hold the load
+// ports); an exact sqrt from rsqrt14 and 4 FMAs (no divider) ran 3% slower, not faster.
+// Tried and dropped: grad * grad_scale skipped when grad_scale is 1 (no gain), the bf16 grad by
+// a zero-extension and a shift (same), the codes' close test split over two mask chains (same).
 #include <immintrin.h>
 
 #include "adamw8bit_cpu.h"
@@ -177,14 +198,21 @@ ZK_Q8_AVX512_INLINE __m128i q8_exact16(const float* x, __m512 s, const Q8Search&
 // rs = RN(1/s), written to q; far keeps the lanes (of all calls) whose x' was not close to a
 // midpoint: a block whose far mask lost a lane is redone by the caller (q8_all_far).
 // SIGNED: z = |bits| (vpabsd), the signed map's table; else z = the bits (v >= +0).
-template <bool SIGNED, bool VBMI>
-ZK_Q8_AVX512_INLINE void q8_bucket16(const float* x, __m512 rs, const uint32_t* entry, uint8_t* q,
-                                     __mmask16& far) {
+template <bool SIGNED>
+ZK_Q8_AVX512_INLINE __m512i q8_bucket_d16(const float* x, __m512 rs, const uint32_t* entry,
+                                          __mmask16& far) {
   __m512i z = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(x), rs));
   if constexpr (SIGNED) z = _mm512_abs_epi32(z);
   const __m512i d =
       _mm512_add_epi32(z, _mm512_i32gather_epi32(_mm512_srli_epi32(z, kQ8KeyShift), entry, 4));
   far = _mm512_mask_test_epi32_mask(far, d, _mm512_set1_epi32(kQ8CloseBits));
+  return d;
+}
+
+template <bool SIGNED, bool VBMI>
+ZK_Q8_AVX512_INLINE void q8_bucket16(const float* x, __m512 rs, const uint32_t* entry, uint8_t* q,
+                                     __mmask16& far) {
+  const __m512i d = q8_bucket_d16<SIGNED>(x, rs, entry, far);
   if constexpr (VBMI) {  // the codes are the top bytes of d: one vpermb (vpmovdb: 2 uops)
     const __m128i code = _mm512_castsi512_si128(q8_vpermb(
         _mm512_castsi128_si512(_mm_setr_epi8(3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55,
@@ -193,6 +221,15 @@ ZK_Q8_AVX512_INLINE void q8_bucket16(const float* x, __m512 rs, const uint32_t* 
   } else {
     _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(_mm512_srli_epi32(d, 24)));
   }
+}
+
+// The codes (top bytes) of two vectors of d into q[0..31]: one vpermt2b (VBMI).
+ZK_Q8_AVX512_INLINE void q8_codes32(__m512i d0, __m512i d1, uint8_t* q) {
+  const __m512i idx = _mm512_set_epi8(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      0, 127, 123, 119, 115, 111, 107, 103, 99, 95, 91, 87, 83, 79, 75, 71, 67, 63, 59, 55, 51, 47,
+      43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3);
+  _mm256_storeu_si256((__m256i*)q, _mm512_castsi512_si256(q8_vpermt2b(d0, idx, d1)));
 }
 
 // Whether every lane stayed far from the midpoints (else the caller redoes the block).
@@ -264,6 +301,15 @@ ZK_Q8_AVX512_INLINE __m256i q8_bf16_16(__m512 x) {
   return q8_f32_to_bf16_16(x);
 }
 
+// The streams the update reads and writes, copied out of Q8Args into locals: the compiler
+// reloads a field of Q8Args after every vector store (the intrinsic types may alias anything),
+// 25 scalar loads per 64 elements in the interleaved loop before.
+struct Q8Io {
+  float* p;
+  const void* grad;
+  void* out;
+};
+
 // The step's scalars in registers.
 struct Q8Vec {
   __m512 gs, decay, b1, omb1, b2, omb2, step, rbc2, eps;
@@ -273,7 +319,7 @@ struct Q8Vec {
 // new m and v into m[0..15], v[0..15] and their maxima (|m| as floats, v as unsigned integers:
 // see below) into mmax, vmax.
 template <int G, int O, bool BF16VBMI, bool STREAM, bool PAIRS = false>
-ZK_Q8_AVX512_INLINE __m512 q8_update16(const Q8Args& a, const Q8Vec& c, int64_t i, __m512 cm,
+ZK_Q8_AVX512_INLINE __m512 q8_update16(Q8Io a, const Q8Vec& c, int64_t i, __m512 cm,
                                        __m512 cv, __m512 am, __m512 av, float* m, float* v,
                                        __m512& mmax, __m512i& vmax) {
   const __m512 g = _mm512_mul_ps(q8_load_grad16<G, BF16VBMI>(a.grad, i), c.gs);
@@ -314,7 +360,7 @@ ZK_Q8_AVX512_INLINE __m512i q8_cvtne2ps2bf16(__m512 hi, __m512 lo) {
 // bf16 param_out of 32 masters at i (BF16VBMI): one vcvtne2ps2bf16 and one test for the pair
 // (q8_bf16_16's way-out where a lane is a NaN or a denormal).
 template <bool STREAM>
-ZK_Q8_AVX512_INLINE void q8_bf16_out32(const Q8Args& a, int64_t i, __m512 x0, __m512 x1) {
+ZK_Q8_AVX512_INLINE void q8_bf16_out32(Q8Io a, int64_t i, __m512 x0, __m512 x1) {
   uint16_t* o = static_cast<uint16_t*>(a.out) + i;
   if (__builtin_expect(!_kortestz_mask16_u8(_mm512_fpclass_ps_mask(x0, 0x01 | 0x80 | 0x20),
                                             _mm512_fpclass_ps_mask(x1, 0x01 | 0x80 | 0x20)) == 0,
@@ -331,7 +377,7 @@ ZK_Q8_AVX512_INLINE void q8_bf16_out32(const Q8Args& a, int64_t i, __m512 x0, __
 // The update of 64 elements at i from their decoded codes (q8_update16 four times; bf16
 // param_out by pairs where BF16VBMI).
 template <int G, int O, bool BF16VBMI, bool STREAM>
-ZK_Q8_AVX512_INLINE void q8_update64(const Q8Args& a, const Q8Vec& c, int64_t i, const __m512* cm,
+ZK_Q8_AVX512_INLINE void q8_update64(Q8Io a, const Q8Vec& c, int64_t i, const __m512* cm,
                                      const __m512* cv, __m512 am, __m512 av, float* m, float* v,
                                      __m512& mmax, __m512i& vmax) {
 #pragma GCC unroll 2
@@ -349,24 +395,30 @@ ZK_Q8_AVX512_INLINE void q8_update64(const Q8Args& a, const Q8Vec& c, int64_t i,
 template <int G, int O, bool BF16VBMI, bool STREAM, bool PLANES>
 ZK_Q8_AVX512_INLINE void q8_update_block(const Q8Args& a, const Q8Vec& c, int64_t b, float* m,
                                          float* v, __m512& mmax, __m512i& vmax) {
+  const Q8Io io{a.p, a.grad, a.out};
+  const uint8_t* mq = a.mq;
+  const uint8_t* vq = a.vq;
+  const float* code_s = a.code_s;
+  const float* code_u = a.code_u;
   const __m512 am = _mm512_set1_ps(a.ma[b]), av = _mm512_set1_ps(a.va[b]);
   mmax = _mm512_setzero_ps();
   vmax = _mm512_setzero_si512();
   const int64_t base = b * kQ8Block;
   if (PLANES) {
+    const uint8_t(*vplane)[256] = a.planes->plane[1];
     for (int j = 0; j < kQ8Block; j += 64) {
       __m512 cm[4], cv[4];
-      q8_decode64(a.mq + base + j, a.planes->plane[0], cm);
-      q8_decode64(a.vq + base + j, a.planes->plane[1], cv);
-      q8_update64<G, O, BF16VBMI, STREAM>(a, c, base + j, cm, cv, am, av, m + j, v + j, mmax,
+      for (int k = 0; k < 4; ++k) cm[k] = q8_decode16(mq + base + j + 16 * k, code_s);
+      q8_decode64(vq + base + j, vplane, cv);
+      q8_update64<G, O, BF16VBMI, STREAM>(io, c, base + j, cm, cv, am, av, m + j, v + j, mmax,
                                           vmax);
     }
     return;
   }
 #pragma GCC unroll 8
   for (int j = 0; j < kQ8Block; j += 16)
-    q8_update16<G, O, BF16VBMI, STREAM>(a, c, base + j, q8_decode16(a.mq + base + j, a.code_s),
-                                        q8_decode16(a.vq + base + j, a.code_u), am, av, m + j,
+    q8_update16<G, O, BF16VBMI, STREAM>(io, c, base + j, q8_decode16(mq + base + j, code_s),
+                                        q8_decode16(vq + base + j, code_u), am, av, m + j,
                                         v + j, mmax, vmax);
 }
 
@@ -416,13 +468,13 @@ ZK_Q8_AVX512_INLINE void q8_quantize_both(const Q8Args& a, int64_t b, const floa
 
 // [Note: 8-bit AVX-512 interleave] Blocks [b0, b1), software-pipelined: block b's codes are
 // found while block b + 1 is updated (the codes wait on the block's absmax, a reduction at the
-// end of its update), and the two are interleaved vector by vector: update 16 elements of b + 1,
-// then the bucket codes of 16 of b's m and 16 of its v. Issued block after block instead (the
-// kernel of aeab527), the out-of-order window (512 uops) held one phase at a time: the update
-// (bound on the divider: sqrt and div, ~24 cycles per 16 elements) and then the codes (bound on
-// the gathers' loads and the vector ports), so their times added (0.51 + 0.43 ns/element in
-// cache); mixed, the divider works under the codes' loads. Where a block is not fast
-// (Q8Scales), the phases run one after the other as before.
+// end of its update), and the two are interleaved vector by vector in the program: update 16
+// elements of b + 1, then the bucket codes of 16 of b's m and 16 of its v. Measured (round 3,
+// the harness of [Note: 8-bit AVX-512 step cost]): the update alone takes 0.51 ns/element and
+// the codes 0.43; issued as whole blocks (aeab527) their times nearly add up (0.93), issued as
+// 64 elements of update then 64 of codes 0.82, vector by vector 0.72: the update's long sqrt/div
+// chains and the codes' gathers then share the out-of-order window. Where a block is not fast
+// (Q8Scales), the phases run one after the other.
 template <int G, int O, bool BF16VBMI, bool STREAM, bool PLANES>
 ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1) {
   alignas(64) float m[2][kQ8Block], v[2][kQ8Block];
@@ -431,6 +483,10 @@ ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1)
                 _mm512_set1_ps(a.step_size), _mm512_set1_ps(a.rsqrt_bc2), _mm512_set1_ps(a.eps)};
   __m512 mmax;
   __m512i vmax;
+  const Q8Io io{a.p, a.grad, a.out};
+  const float* code_s = a.code_s;
+  const float* code_u = a.code_u;
+  const uint8_t(*vplane)[256] = PLANES ? a.planes->plane[1] : nullptr;
   if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b0);
   q8_update_block<G, O, BF16VBMI, STREAM, PLANES>(a, c, b0, m[0], v[0], mmax, vmax);
   Q8Scales s = q8_scales(a, b0, m[0], v[0], mmax, vmax);
@@ -444,34 +500,44 @@ ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1)
       const __m512 rsm = _mm512_set1_ps(1.f / s.sm), rsv = _mm512_set1_ps(1.f / s.sv);
       uint8_t* mq = a.mq + b * kQ8Block;
       uint8_t* vq = a.vq + b * kQ8Block;
+      const uint8_t* mq_in = mq + kQ8Block;
+      const uint8_t* vq_in = vq + kQ8Block;
+      const uint32_t* entry_s = a.buckets_s->entry;
+      const uint32_t* entry_u = a.buckets_u->entry;
       __mmask16 far = 0xFFFF;
       mmax = _mm512_setzero_ps();
       vmax = _mm512_setzero_si512();
       if (PLANES) {
         for (int j = 0; j < kQ8Block; j += 64) {
-          __m512 cm[4], cv[4];
-          q8_decode64(a.mq + base + j, a.planes->plane[0], cm);
-          q8_decode64(a.vq + base + j, a.planes->plane[1], cv);
+          __m512 cm[4], cv[4];  // m by gathers, v by planes: 3% faster than both by planes
+          for (int k = 0; k < 4; ++k) cm[k] = q8_decode16(mq_in + j + 16 * k, code_s);
+          q8_decode64(vq_in + j, vplane, cv);
           __m512 x[4];
+          __m512i dm[4], dv[4];
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {  // finer than update64 then codes: 0.72 vs 0.82 ns
             const int jj = j + 16 * k;
-            x[k] = q8_update16<G, O, BF16VBMI, STREAM, true>(a, c, base + jj, cm[k], cv[k], am, av,
-                                                             m[nxt] + jj, v[nxt] + jj, mmax, vmax);
-            q8_bucket16<true, BF16VBMI>(m[cur] + jj, rsm, a.buckets_s->entry, mq + jj, far);
-            q8_bucket16<false, BF16VBMI>(v[cur] + jj, rsv, a.buckets_u->entry, vq + jj, far);
-            if constexpr (O == kOutBF16 && BF16VBMI)
-              if (k & 1) q8_bf16_out32<STREAM>(a, base + jj - 16, x[k - 1], x[k]);
+            x[k] = q8_update16<G, O, BF16VBMI, STREAM, true>(io, c, base + jj, cm[k], cv[k], am,
+                                                             av, m[nxt] + jj, v[nxt] + jj, mmax,
+                                                             vmax);
+            dm[k] = q8_bucket_d16<true>(m[cur] + jj, rsm, entry_s, far);
+            dv[k] = q8_bucket_d16<false>(v[cur] + jj, rsv, entry_u, far);
+            if (k & 1) {  // pairs: the codes by one vpermt2b, bf16 param_out by vcvtne2ps2bf16
+              q8_codes32(dm[k - 1], dm[k], mq + jj - 16);
+              q8_codes32(dv[k - 1], dv[k], vq + jj - 16);
+              if constexpr (O == kOutBF16 && BF16VBMI)
+                q8_bf16_out32<STREAM>(io, base + jj - 16, x[k - 1], x[k]);
+            }
           }
         }
       } else {
 #pragma GCC unroll 8
         for (int j = 0; j < kQ8Block; j += 16) {
-          q8_update16<G, O, BF16VBMI, STREAM>(
-              a, c, base + j, q8_decode16(a.mq + base + j, a.code_s),
-              q8_decode16(a.vq + base + j, a.code_u), am, av, m[nxt] + j, v[nxt] + j, mmax, vmax);
-          q8_bucket16<true, BF16VBMI>(m[cur] + j, rsm, a.buckets_s->entry, mq + j, far);
-          q8_bucket16<false, BF16VBMI>(v[cur] + j, rsv, a.buckets_u->entry, vq + j, far);
+          q8_update16<G, O, BF16VBMI, STREAM>(io, c, base + j, q8_decode16(mq_in + j, code_s),
+                                              q8_decode16(vq_in + j, code_u), am, av, m[nxt] + j,
+                                              v[nxt] + j, mmax, vmax);
+          q8_bucket16<true, BF16VBMI>(m[cur] + j, rsm, entry_s, mq + j, far);
+          q8_bucket16<false, BF16VBMI>(v[cur] + j, rsv, entry_u, vq + j, far);
         }
       }
       if (__builtin_expect(!q8_all_far(far), 0)) {  // rare: some value undecided, both redone

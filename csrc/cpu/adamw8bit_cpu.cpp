@@ -20,8 +20,9 @@
 // search by 1.6-2.5x, and to the vector paths by the rest.
 //
 // Issue 40 (Intel Xeon, AVX-512): the AVX-512 path finds codes by bucket ([Note: bucketed nearest
-// code], adamw8bit_cpu.h) without the quantizer's two divisions, prefetches its streams and
-// streams param_out; measured in adamw8bit_avx512.cpp ([Note: 8-bit AVX-512 step cost]) and
+// code], adamw8bit_cpu.h) without the quantizer's two divisions, dequantizes v from byte planes
+// of the map (Q8Planes, filled per call), prefetches its streams and streams param_out; measured
+// in adamw8bit_avx512.cpp ([Note: 8-bit AVX-512 step cost]) and
 // benchmarks/results/adamw8bit-cpu-kernel-issue40-*.md.
 #include <torch/extension.h>
 
