@@ -243,7 +243,7 @@ def test_a_dead_rank_fails_the_command_and_the_other_is_killed(monkeypatch):
     (["--nproc", "0"], "--nproc"), (["--steps", "-1"], "--steps"),
     (["--precision", "fp8"], "--precision"), (["--batch", "x"], "--batch"),
     (["--lr", "0"], "--lr"), (["--lr", "inf"], "--lr"), (["--stage", "4"], "--stage"),
-    (["--offload", "nvme"], "--offload"), (["--model-size", "huge"], "--model-size"),
+    (["--offload", "disk"], "--offload"), (["--model-size", "huge"], "--model-size"),
     (["--seq", "1"], "--seq"), (["--stage", "0", "--offload", "cpu"], "--offload cpu needs"),
     (["--quantize", "int2"], "--quantize"),
     (["--stage", "2", "--quantize", "weights"], "--quantize weights quantizes"),

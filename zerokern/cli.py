@@ -153,8 +153,8 @@ def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser, t0: float) -> int:
     from . import train
 
-    cfg = train.from_args(args)
     try:
+        cfg = train.from_args(args)  # (a ValueError names the flag: usage line, exit 2)
         from .train import launch
 
         if not launch.under_torchrun():

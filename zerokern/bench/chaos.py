@@ -13,7 +13,8 @@ interrupted, bit for bit.
    rank, a random fraction of one step's time (at most DELAY_S) after the attempt reached the
    kill's step, or (one kill of the
    schedule) the moment a checkpoint's temporary directory appears in the save dir after that
-   step: mid-save, nothing committed yet. random.Random(seed)
+   step: mid-save, nothing committed yet; with offload="nvme", one more kill of the schedule
+   is mid-write ([Note: a mid-write kill]). random.Random(seed)
    draws every choice; the seed is printed and recorded.
    torchrun's --monitor-interval is MONITOR_S (10 s, not its 0.1 s): the survivor must find
    the dead rank itself (liveness.py, within ~0.5 s) and exit, as a rank on another node
@@ -26,6 +27,18 @@ Reported per kill: the step it hit, the steps recomputed (steps the killed attem
 the checkpoint the next attempt resumed from: at most the save interval plus the steps trained
 while an async save was still writing), and each survivor's detection time (its PeerLost's
 time minus the kill's).
+
+[Note: a mid-write kill]
+With offload="nvme" (`zerokern train --offload nvme`: each rank's master and moments in files
+under <save dir>/.offload-nvme/rank<R>), one kill of the schedule (seeded, drawn after the
+others so that a seed's schedule without nvme is unchanged; not the mid-save one) lands in the
+middle of an NVMe state write. A write of the tiny GPT's state lasts microseconds, so the
+victim kills itself on request (train/chaos_kill.py [Note: a kill mid-write on request]): once
+the attempt reached the kill's step, the supervisor writes <events dir>/mid-write.json
+(attempt, rank, after_step, nth: the write of the step that dies, drawn in [0, 3)) and waits
+for the victim to die; its last event, "mid-write", gives the time, the file and the offset.
+The rank reads the request once per committed step, so the kill lands 1-2 steps after the
+kill's step, in a step whose other half is partly written and never committed.
 
 [Note: a restart at another world size]
 With `resize_to` (2 -> 3 ranks), one kill of the schedule (seeded; not the mid-save one) ends
@@ -74,18 +87,26 @@ MONITOR_S = 10.0
 # resumed after it).
 DELAY_S = 0.3
 POLL_S = 0.001  # the supervisor's poll of the save dir (a tiny model's save lasts ~10-50 ms)
+# [Note: a mid-write kill]: the names train/chaos_kill.py reads (zerokern.train and
+# zerokern.bench are sibling layers: neither imports the other) and train/config.py's
+# OFFLOAD_DIR, where each rank's NVMe state files live under the save dir.
+CHAOS_ENV = "ZEROKERN_CHAOS_DIR"
+MID_WRITE_REQUEST = "mid-write.json"
+OFFLOAD_DIR = ".offload-nvme"
+MID_WRITE_NTH = 3  # the write of the step that dies: 0, 1 or 2 (master, exp_avg, exp_avg_sq)
 
 
 @dataclass
 class Kill:
     index: int
-    kind: str            # "random" | "mid-save"
+    kind: str            # "random" | "mid-save" | "mid-write"
     restart: int         # torchrun's restart count of the attempt killed
     rank: int
     pid: int
     t: float             # time.time() of the kill
     step: int            # the last step any rank of the attempt logged before the kill
     saving: Optional[str] = None  # mid-save: the temporary directory seen
+    writing: Optional[str] = None  # mid-write: "<state file> at <offset>, step <s>"
     resumed_from: Optional[int] = None
     recomputed: Optional[int] = None
     detect_s: Dict[int, Optional[float]] = field(default_factory=dict)  # survivor rank -> s
@@ -96,11 +117,12 @@ class Kill:
 
 
 def train_args(steps: int, save_every: int, seq: int, batch: int, seed: int,
-               global_batch: Optional[int] = None) -> List[str]:
+               global_batch: Optional[int] = None, offload: Optional[str] = None) -> List[str]:
     g = [] if global_batch is None else ["--global-batch", str(global_batch)]
+    o = [] if offload is None else ["--offload", offload]  # (nvme: under the save dir)
     return ["--model-size", "tiny", "--device", "cpu", "--steps", str(steps), "--seq", str(seq),
             "--batch", str(batch), "--seed", str(seed), "--save-every", str(save_every),
-            "--resume", "auto", *g]
+            "--resume", "auto", *g, *o]
 
 
 def torchrun_cmd(args: List[str], nproc: int, max_restarts: int,
@@ -110,11 +132,16 @@ def torchrun_cmd(args: List[str], nproc: int, max_restarts: int,
             "--monitor-interval", f"{monitor_s:g}", "-m", "zerokern", "train", *args]
 
 
-def _env(events: Optional[Path]) -> dict:
+def _env(events: Optional[Path], chaos_dir: bool = False) -> dict:
+    """The ranks' environment; with chaos_dir, mid-write requests are read from the events
+    dir ([Note: a mid-write kill])."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
+    env.pop(CHAOS_ENV, None)
     if events is not None:
         env["ZEROKERN_TRAIN_EVENTS"] = str(events)
+        if chaos_dir:
+            env[CHAOS_ENV] = str(events)
     return env
 
 
@@ -157,13 +184,20 @@ def _alive(pid: int) -> bool:
 def run_chaos(work: Path, steps: int, save_every: int, kills: int, seed: int, nproc: int = 2,
               seq: int = 128, batch: int = 16, max_restarts: int = 8, timeout_s: float = 900,
               monitor_s: float = MONITOR_S, log=print, resize_to: Optional[int] = None,
-              global_batch: Optional[int] = None) -> dict:
+              global_batch: Optional[int] = None, offload: Optional[str] = None) -> dict:
     """Steps 1-3 of [Note: the chaos run] (4 with `resize_to`: [Note: a restart at another
-    world size]); returns the report (see `summarize`)."""
+    world size]); with offload="nvme" one kill is mid-write ([Note: a mid-write kill]);
+    returns the report (see `summarize`)."""
     if resize_to is not None and global_batch is None:
         raise ValueError("resize_to needs global_batch (the global batch the runs keep)")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload == "nvme" and kills < 2:
+        raise ValueError(f"offload='nvme' needs kills >= 2 (one mid-save, one mid-write), "
+                         f"got {kills}")
     rng = random.Random(seed)
-    args = train_args(steps, save_every, seq, batch, seed=0, global_batch=global_batch)
+    args = train_args(steps, save_every, seq, batch, seed=0, global_batch=global_batch,
+                      offload=offload)
     ref_dir, run_dir = work / "reference", work / "chaos"
     log(f"chaos: seed {seed}; reference run ({steps} steps, {nproc} ranks)")
     t0 = time.time()
@@ -179,6 +213,11 @@ def run_chaos(work: Path, steps: int, save_every: int, kills: int, seed: int, np
         resize_at = rng.choice([i for i in range(kills) if i != mid_save_at] or [0])
         jobs = [(nproc, range(resize_at + 1), resize_at),
                 (resize_to, range(resize_at + 1, kills), max_restarts)]
+    mid_write_at = -1  # drawn last: the draws above stay those of a run without nvme
+    if offload == "nvme":
+        mid_write_at = rng.choice([i for i in range(kills) if i not in (mid_save_at, resize_at)]
+                                  or [i for i in range(kills) if i != mid_save_at])
+    kind_of = {mid_save_at: "mid-save", mid_write_at: "mid-write"}
     save_dir = run_dir / "ck"
     run_dir.mkdir(parents=True, exist_ok=True)
     done: List[Kill] = []
@@ -195,12 +234,13 @@ def run_chaos(work: Path, steps: int, save_every: int, kills: int, seed: int, np
             proc = subprocess.Popen(torchrun_cmd([*args, "--save-dir", str(save_dir), "--out",
                                                   str(run_dir / "out")], n, restarts,
                                                  monitor_s),
-                                    env=_env(events_dir), cwd=REPO, stdout=logf,
+                                    env=_env(events_dir, offload == "nvme"), cwd=REPO,
+                                    stdout=logf,
                                     stderr=subprocess.STDOUT)
             try:
                 for i in idx:
-                    k = _one_kill(i - idx.start, "mid-save" if i == mid_save_at else "random",
-                                  targets[i], proc, rng, events_dir, save_dir, steps, n, deadline)
+                    k = _one_kill(i - idx.start, kind_of.get(i, "random"), targets[i], proc,
+                                  rng, events_dir, save_dir, steps, n, deadline)
                     if k is None:
                         log(f"chaos: kill {i}: the run ended first")
                         break
@@ -210,6 +250,7 @@ def run_chaos(work: Path, steps: int, save_every: int, kills: int, seed: int, np
                     log(f"chaos: kill {i} ({k.kind}): rank {k.rank} (pid {k.pid}) of attempt "
                         f"{k.restart} ({n} ranks) after step {k.step}" +
                         (f", while {Path(k.saving).name} was being written" if k.saving else "")
+                        + (f", writing {k.writing}" if k.writing else "")
                         + (f"; the job ends: it restarts on {resize_to} ranks" if k.ends_job
                            else ""))
                 rcs.append(proc.wait(timeout=max(1.0, deadline - time.time())))
@@ -233,6 +274,8 @@ def run_chaos(work: Path, steps: int, save_every: int, kills: int, seed: int, np
                   ref_dir / "ck", save_dir, ref_s, chaos_s, run_dir / "torchrun.log", cmp=cmp)
     r["torchrun_monitor_interval_s"] = monitor_s
     r["global_batch"] = global_batch
+    r["offload"] = offload
+    r["nvme_files_left"] = _nvme_files(save_dir)
     r["job_exit_codes"] = rcs
     r["resize"] = resize
     return r
@@ -299,7 +342,8 @@ def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_d
               save_dir: Path, steps: int, nproc: int, deadline: float) -> Optional[Kill]:
     """Wait for the attempt after the last kill's, with every rank up, to reach step
     `target`; then kill a random rank: after a random fraction of its step time (at most
-    DELAY_S), or the moment a new temporary directory appears in the save dir (mid-save)."""
+    DELAY_S), the moment a new temporary directory appears in the save dir (mid-save), or in
+    an NVMe state write (mid-write: [Note: a mid-write kill])."""
     victim = rng.randrange(nproc)
     frac = rng.uniform(0, 1)  # of one step's time (DELAY_S)
     seen_tmp = {p.name for p in save_dir.glob("*.tmp-*")} if save_dir.exists() else set()
@@ -317,6 +361,11 @@ def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_d
             time.sleep(0.005)
             continue
         saving = None
+        if kind == "mid-write":
+            k = _mid_write(i, att, victim, int(frac * MID_WRITE_NTH), events_dir, deadline)
+            if k is not None:
+                _watch_exits(k, att["pids"], deadline)
+            return k
         if kind == "mid-save":  # a save lives ~10-50 ms: poll the directory alone
             saving = _new_tmp(save_dir, seen_tmp, list(att["pids"].values()), deadline)
             if saving is None:
@@ -330,6 +379,38 @@ def _one_kill(i: int, kind: str, target: int, proc, rng: random.Random, events_d
         _watch_exits(k, att["pids"], deadline)
         return k
     return None
+
+
+def _mid_write(i: int, att: dict, victim: int, nth: int, events_dir: Path,
+               deadline: float) -> Optional[Kill]:
+    """[Note: a mid-write kill]: ask rank `victim` of attempt `att` to die at write `nth` of
+    its next step, wait for it to die, and read where (its "mid-write" event). None if it
+    exited without one (the run ended first)."""
+    pid = att["pids"][victim]
+    req = events_dir / MID_WRITE_REQUEST
+    tmp = req.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"attempt": att["restart"], "rank": victim,
+                               "after_step": att["step"], "nth": nth}))
+    os.replace(tmp, req)  # whole: a rank never reads half a request
+    try:
+        while time.time() < deadline and _alive(pid):
+            time.sleep(0.002)
+    finally:
+        req.unlink(missing_ok=True)
+    ev = [e for e in read_events(events_dir) if e["pid"] == pid and e["event"] == "mid-write"]
+    if not ev:
+        return None
+    e = ev[-1]
+    return Kill(i, "mid-write", att["restart"], victim, pid, e["t"], att["step"],
+                writing=f"{e['file']} at offset {e['offset']} (write {e['nth']} of step "
+                        f"{e['step']})")
+
+
+def _nvme_files(save_dir: Path) -> List[str]:
+    """The NVMe state files left under the save dir (the ranks remove theirs at exit, and a
+    restarted rank those of its dead predecessor: train/config.py)."""
+    root = save_dir / OFFLOAD_DIR
+    return sorted(str(p.relative_to(root)) for p in root.glob("*/*")) if root.exists() else []
 
 
 def _step_s(events: List[dict], pid: int, last: int = 5) -> float:
@@ -515,16 +596,20 @@ def markdown(r: dict, env: dict) -> str:
         ex = ", ".join(f"rank {s}: {v:.3f}" + (" (SIGTERM)" if int(s) in k["sigtermed"] else "")
                        if v is not None else f"rank {s}: ?" for s, v in k["exit_s"].items())
         kind = k["kind"] + (" (ends the job)" if k.get("ends_job") else "")
+        if k.get("writing"):
+            kind += f": {k['writing']}"
         rows.append(f"| {k['index']} | {kind} | {k['restart']} ({k.get('nproc', r['nproc'])}) "
                     f"| {k['rank']} ({k['pid']}) "
                     f"| {k['step']} | {k['resumed_from']} | {k['recomputed']} | {det} | {ex} |")
     cmp = r["checkpoints_compared"]
     return "\n".join([
         f"# Chaos run: {len(r['kills'])} SIGKILLs, seed {r['seed']}" +
+        (f", offload {r['offload']}" if r.get("offload") else "") +
         (f", {r['nproc']} -> {r['resize']['to_ranks']} ranks" if r.get("resize") else ""),
         "",
         f"`zerokern train` (GPT tiny, seq {r['seq']}, batch {r['batch']} per rank, "
-        f"{r['steps']} steps, `--save-every {r['save_every']}`, async saves) on "
+        f"{r['steps']} steps, `--save-every {r['save_every']}`, async saves"
+        + (f", `--offload {r['offload']}`" if r.get("offload") else "") + ") on "
         f"{r['nproc']} gloo ranks under `torchrun --standalone --max-restarts "
         f"{r['max_restarts']} --monitor-interval {r['torchrun_monitor_interval_s']:g}`; "
         "zerokern/bench/chaos.py [Note: the chaos run].",
@@ -540,6 +625,8 @@ def markdown(r: dict, env: dict) -> str:
         f"- survivor exit after the kill: max {r['exit_s_max']} s; stopped by torchrun's "
         f"SIGTERM instead of exiting on their own: {r['sigtermed']}",
         f"- uncommitted temporary dirs left in the save dir: {len(r['uncommitted_tmp_dirs_left'])}",
+        *([f"- NVMe state files left by the killed ranks after the run: "
+           f"{len(r['nvme_files_left'])}"] if r.get("offload") == "nvme" else []),
         f"- wall time: reference {r['reference_s']} s, chaos run {r['chaos_s']} s",
         *_resize_lines(r),
         "",

@@ -7,7 +7,9 @@ the usage line and the flag's name before any process is spawned.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -38,7 +40,8 @@ class TrainConfig:
     stage: int = DEFAULTS["stage"]
     nproc: Optional[int] = None       # None: one rank per GPU, else 2 CPU ranks
     precision: str = DEFAULTS["precision"]
-    offload: Optional[str] = None
+    offload: Optional[str] = None      # None | "cpu" | "nvme"
+    offload_path: Optional[str] = None  # --offload nvme: the ranks' state files (offload_dir)
     steps: int = DEFAULTS["steps"]
     model_size: str = DEFAULTS["model_size"]
     batch: int = DEFAULTS["batch"]    # sequences per rank per step (per micro-step)
@@ -81,8 +84,65 @@ def default_out_dir() -> str:
 def _offload(text: str) -> Optional[str]:
     if text in ("none", "None"):
         return None
-    if text != "cpu":
-        raise argparse.ArgumentTypeError(f"must be 'cpu' or 'none', got {text!r}")
+    if text not in ("cpu", "nvme"):
+        raise argparse.ArgumentTypeError(f"must be 'cpu', 'nvme' or 'none', got {text!r}")
+    return text
+
+
+# [Note: the NVMe state of zerokern train]
+# --offload nvme keeps each rank's master and AdamW moments in files (ZeroAdamW offload="nvme",
+# state/offload_nvme.py) under its own directory, <--offload-path>/rank<R>: the world rank, so
+# two ranks of one host never share a directory, and a restarted rank (torchrun --max-restarts)
+# finds its predecessor's. The default root is under the save dir, hidden
+# (<save dir>/.offload-nvme: checkpoint.latest skips names starting with "."), which is stable
+# across restarts (--out's default is a new timestamp per run). The files are scratch: a step
+# commits or rolls back as a whole in memory, and they are removed when the process ends; the
+# durable state is the checkpoint (zerokern.checkpoint.save reads the files' current half,
+# load writes it), so --resume is as bitwise with nvme as without. A rank SIGKILLed leaves its
+# files behind (nothing runs at a SIGKILL): the next rank of that directory removes the files
+# whose process (the pid in their name, zerokern-<pid>-<uuid>-...) is no longer alive on this
+# host, so a job that restarts K times does not hold K copies of its state on disk.
+OFFLOAD_DIR = ".offload-nvme"
+
+
+def offload_root(cfg: TrainConfig) -> str:
+    """The root of the ranks' NVMe directories: --offload-path, else <save dir>/.offload-nvme."""
+    return cfg.offload_path or os.path.join(save_dir(cfg), OFFLOAD_DIR)
+
+
+def offload_dir(cfg: TrainConfig, rank: int) -> str:
+    """This rank's directory for its NVMe state files ([Note: the NVMe state of zerokern
+    train]), created, with the files of dead processes removed.
+
+    Raises:
+        ValueError: the directory cannot be created (names --offload-path).
+    """
+    d = os.path.join(offload_root(cfg), f"rank{rank}")
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--offload-path {offload_root(cfg)}: cannot create {d} "
+                         f"({e.strerror})") from e
+    _remove_dead_files(d)
+    return d
+
+
+def _remove_dead_files(d: str) -> None:
+    """The state files in `d` of processes that are gone (a SIGKILLed rank's)."""
+    for name in os.listdir(d):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "zerokern" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(d, name))
+
+
+def _offload_path(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
     return text
 
 
@@ -95,8 +155,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ignored under torchrun)")
     p.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
                    help=f"model dtype; masters and moments stay fp32 (default {d['precision']})")
-    p.add_argument("--offload", type=_offload, default=None, metavar="{cpu,none}",
-                   help="ZeRO-Offload of master/m/v to the host (default none)")
+    p.add_argument("--offload", type=_offload, default=None, metavar="{cpu,nvme,none}",
+                   help="ZeRO-Offload of master/m/v to the host (cpu) or to files streamed "
+                        "through host memory each step (nvme, ZeRO-Infinity's optimizer half; "
+                        "see --offload-path); default none")
+    p.add_argument("--offload-path", type=_offload_path, default=None, metavar="DIR",
+                   help="with --offload nvme: the state files' directory, one subdirectory "
+                        "rank<R> per rank, created (default <--save-dir>/.offload-nvme)")
     p.add_argument("--steps", type=int_at_least(1), default=d["steps"],
                    help=f"optimizer steps (default {d['steps']})")
     p.add_argument("--model-size", choices=list(PRESETS), default=d["model_size"],
@@ -172,8 +237,21 @@ QUANTIZE = {"none": {}, "weights": {"quantized_weights": True},
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
+    """The config of the parsed flags.
+
+    Raises:
+        ValueError: --offload-path without --offload nvme, or --offload nvme with a pipeline
+            mesh (the pipelined job keeps its state in memory or host memory).
+    """
+    if args.offload_path is not None and args.offload != "nvme":
+        raise ValueError(f"--offload-path is for --offload nvme (the state files' directory), "
+                         f"got --offload {args.offload or 'none'}")
+    if args.offload == "nvme" and args.mesh is not None and len(args.mesh) == 3:
+        raise ValueError("--offload nvme is not available with a pipeline mesh (--mesh "
+                         "PPxTPxDP) yet: use --offload cpu, or a 1-D or RxS mesh")
     return TrainConfig(stage=args.stage, nproc=args.nproc, precision=args.precision,
-                       offload=args.offload, steps=args.steps, model_size=args.model_size,
+                       offload=args.offload, offload_path=args.offload_path,
+                       steps=args.steps, model_size=args.model_size,
                        batch=args.batch, global_batch=args.global_batch, seq=args.seq,
                        lr=args.lr, out=args.out,
                        compare=args.compare, seed=args.seed, device=args.device,

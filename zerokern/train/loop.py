@@ -18,8 +18,8 @@ import torch.distributed as dist
 from zerokern.platform.device import handle
 from zerokern.tools.gpt import build_gpt
 
-from . import events
-from .config import QUANTIZE, TrainConfig, accumulation, save_dir
+from . import chaos_kill, events
+from .config import QUANTIZE, TrainConfig, accumulation, offload_dir, save_dir
 from .data import VOCAB, Batches, GlobalBatches, load_corpus
 
 # Loss and loss scale are read on the host (a device sync) only to refresh the progress bar,
@@ -116,8 +116,10 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
     rank, world = _world()
     model = build_model(cfg, device)
     # --compare's stage-0 run keeps its state on the device: ZeroAdamW offloads at stages 1-3.
+    offload = cfg.offload if stage > 0 else None
+    nvme = {"offload_path": offload_dir(cfg, rank)} if offload == "nvme" else {}
     opt = zk.ZeroAdamW(model, lr=cfg.lr, stage=stage, precision=cfg.precision,
-                       offload=cfg.offload if stage > 0 else None, max_grad_norm=MAX_GRAD_NORM,
+                       offload=offload, max_grad_norm=MAX_GRAD_NORM, **nvme,
                        bucket_mb=cfg.bucket_mb, state_bits=cfg.state_bits, mesh=mesh,
                        hpz=cfg.hpz and stage == 3, **HYPER,
                        activation_checkpointing=cfg.activation_checkpointing,
@@ -129,6 +131,7 @@ def train_once(cfg: TrainConfig, stage: int, device: torch.device, corpus: torch
     losses = torch.zeros(cfg.steps, dtype=torch.float32, device=device)  # (steps,) on device
     tokens_per_step = cfg.batch * cfg.seq * world * accum
     start = resume(cfg, model, opt, sched, losses, device) if checkpoints else 0
+    chaos_kill.install(opt, rank, start)  # $ZEROKERN_CHAOS_DIR only (the chaos run)
     stop = min(cfg.steps, cfg.stop_after or cfg.steps)
     bar = _Progress(show, cfg.steps, desc)
     bar.update(start)
