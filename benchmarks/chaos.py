@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import math
+import os
 import random
 import sys
 import tempfile
@@ -67,9 +68,12 @@ def main(argv=None) -> int:
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"chaos: seed {seed} (rerun with --seed {seed})", flush=True)
     work = Path(a.work or tempfile.mkdtemp(prefix="zerokern-chaos-"))
+    load_start = os.getloadavg()  # the machine is shared: the load goes with the result
     r = chaos.run_chaos(work, a.steps, a.save_every, a.kills, seed, seq=a.seq, batch=a.batch,
                         monitor_s=a.monitor_interval, log=lambda m: print(m, flush=True),
                         resize_to=a.resize_to, global_batch=a.global_batch, offload=offload)
+    r["load_avg"] = {"start": [round(x, 2) for x in load_start],
+                     "end": [round(x, 2) for x in os.getloadavg()]}
     env = environment(torch.device("cpu"))
     md = chaos.markdown(r, env)
     print(md)

@@ -402,8 +402,13 @@ def _mid_write(i: int, att: dict, victim: int, nth: int, events_dir: Path,
         return None
     e = ev[-1]
     return Kill(i, "mid-write", att["restart"], victim, pid, e["t"], att["step"],
-                writing=f"{e['file']} at offset {e['offset']} (write {e['nth']} of step "
-                        f"{e['step']})")
+                writing=_writing(e["file"], e["offset"], e["nth"], e["step"]))
+
+
+def _writing(file: str, offset: int, nth: int, step: int) -> str:
+    """A mid-write kill's place: the state file without its zerokern-<pid>-<uuid>- prefix
+    (rank<R>-buf<B>-<state>.bin), the offset, the write of the step and the step."""
+    return f"{file.split('-', 3)[-1]} at offset {offset} (write {nth} of step {step})"
 
 
 def _nvme_files(save_dir: Path) -> List[str]:
@@ -584,6 +589,11 @@ def _resize_lines(r: dict) -> List[str]:
         f"{z['from_ranks']}-rank run's {z.get('loss_curve_max_diff_vs_reference', 0):.3g}"]
 
 
+def _load(load: dict) -> str:
+    """The 1-minute load averages recorded with a run (benchmarks/chaos.py)."""
+    return ", ".join(f"{k} {v[0]:g}" for k, v in load.items() if isinstance(v, list))
+
+
 def markdown(r: dict, env: dict) -> str:
     from .common import markdown_env
 
@@ -627,7 +637,8 @@ def markdown(r: dict, env: dict) -> str:
         f"- uncommitted temporary dirs left in the save dir: {len(r['uncommitted_tmp_dirs_left'])}",
         *([f"- NVMe state files left by the killed ranks after the run: "
            f"{len(r['nvme_files_left'])}"] if r.get("offload") == "nvme" else []),
-        f"- wall time: reference {r['reference_s']} s, chaos run {r['chaos_s']} s",
+        f"- wall time: reference {r['reference_s']} s, chaos run {r['chaos_s']} s" +
+        (f" (load average {_load(r['load_avg'])})" if r.get("load_avg") else ""),
         *_resize_lines(r),
         "",
         *rows,
