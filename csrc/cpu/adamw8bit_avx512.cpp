@@ -265,9 +265,11 @@ ZK_Q8_AVX512_INLINE void q8_quantize_block(const float* x, float s, bool clean, 
 
 // Prefetch the streams kQ8Ahead blocks ahead: without it the loads of a block wait on memory
 // after its compute (one thread, n = 2^24, the previous kernel: 3.3 ns/element, its in-cache
-// compute 1.7 plus the transfer at the single-thread RMW rate 1.6; see the header).
+// compute 1.7 plus the transfer at the single-thread RMW rate 1.6; see the header). Round 3:
+// 4 blocks (was 8); the harness at n = 2^24, bf16, one thread, caches flushed, against aeab527:
+// ahead 0 / 2 / 4 / 6 / 8 / 16: 0.97 / 0.82 / 0.81-0.83 / 0.80 / 0.86 / 0.94x.
 #ifndef ZK_Q8_AHEAD
-#define ZK_Q8_AHEAD 8
+#define ZK_Q8_AHEAD 4
 #endif
 constexpr int64_t kQ8Ahead = ZK_Q8_AHEAD;
 

@@ -5,6 +5,8 @@ CPU has them, and without (ZEROKERN_Q8_AVX512_BASE, as on Skylake-X / Cascade La
 
 - moments whose x' = m * RN(1/s) lands within a few floats of a midpoint (the block's codes of
   that moment are redone by division and search);
+- moments on and around every bucket edge (z = k * 2^16 +- 8 floats, both signs; absmax 1, so
+  x' = x), where a midpoint can sit in the guard of the neighbouring bucket's window;
 - masters that are denormal or NaN with a bf16 param_out (vcvtneps2bf16 flushes denormals and
   keeps NaN payloads: those vectors take the integer rounding);
 - blocks that are not clean (a NaN/inf grad, an inf/NaN/negative/-0.0 absmax in the state):
@@ -106,6 +108,36 @@ def test_values_next_to_a_midpoint_equal_the_reference(avx512):
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     up = torch.bucketize(blocks / absmax, midpoints(True, "cpu"), right=True)
     assert int((up.to(torch.uint8).view(-1) != want[0][1]).sum()) > 100
+
+
+def _edge_values():
+    """Floats within 8 of every bucket edge z = k * 2^16 in (1e-8, 1), each sign: the bits for
+    x >= 0 and, for x < 0, 2^31 minus the magnitude bits ([Note: bucketed nearest code])."""
+    lo, hi = np.float32(1e-8).view(np.int32) >> 16, np.float32(1.0).view(np.int32) >> 16
+    k = np.arange(lo, hi + 1, dtype=np.int64)[:, None]
+    z = (k << 16) + np.arange(-8, 9, dtype=np.int64)[None, :]
+    pos = z.reshape(-1).astype(np.int32).view(np.float32)
+    neg = -((1 << 31) - z.reshape(-1)).astype(np.int32).view(np.float32)
+    vals = np.concatenate([pos, neg])
+    return vals[np.abs(vals) < 1].astype(np.float32)
+
+
+def test_values_at_bucket_edges_equal_the_reference(avx512):
+    """m / absmax = x exactly (absmax 1) at every bucket edge of the signed map; v = g * g with
+    g = sqrt of the edge values, so v / absmax lands within a float or two of each unsigned edge
+    (absmax 1 again)."""
+    vals = _edge_values()
+    per = BLOCK - 1
+    vals = vals[:len(vals) // per * per].reshape(-1, per)
+    ones = np.ones((vals.shape[0], 1), np.float32)
+    g_m = torch.from_numpy(np.concatenate([ones, vals], 1).reshape(-1))
+    pos = np.abs(vals).astype(np.float64)
+    g_v = torch.from_numpy(np.concatenate([ones, np.sqrt(pos).astype(np.float32)], 1)
+                           .reshape(-1))
+    for g in (g_m, g_v):
+        state = _random_state(g.numel())
+        want = _step0("reference", state, g)
+        _assert_same(want, _step0("cpu", state, g))
 
 
 def test_denormal_and_nan_masters_give_the_reference_bf16_param_out(avx512):
