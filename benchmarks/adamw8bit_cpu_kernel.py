@@ -168,6 +168,7 @@ def _md(payload) -> str:
     load = " / ".join(f"{v:.1f}" for v in meta["loadavg_at_start"])
     load_end = " / ".join(f"{v:.1f}" for v in meta["loadavg_at_end"])
     lines = [f"# CPU 8-bit AdamW kernel: before / after ({meta['date'][:10]})", "",
+             f"Commit (new): {meta.get('commit')}; old: {meta.get('old_so')}.", "",
              f"Machine: {meta['cpu']} ({meta['nproc']} CPUs, {meta['threads']} torch threads, "
              f"ISA {meta['isa']}), torch {meta['torch']}; load average {load} (1/5/15 min) at "
              f"the start, {load_end} at the end (other jobs on the 2 cores). Median of "
@@ -276,12 +277,27 @@ def main(argv=None) -> int:
             "torch": torch.__version__, **versions,
             "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(), "reps": a.reps,
             "warmup": a.warmup, "flush": not a.no_flush, "old_so": a.old_so,
-            "floor_bytes_per_elem": FLOOR}
+            "floor_bytes_per_elem": FLOOR, "commit": _commit()}
     payload = {"meta": meta, "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(payload, indent=1))
     a.out.with_suffix(".md").write_text(_md(payload))
     return 0
+
+
+def _commit() -> str:
+    """The checkout's commit (with -dirty when its tracked files differ), or None."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "csrc", "zerokern"],
+                               cwd=here).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("-dirty" if dirty else "")
 
 
 def _cpu_name() -> str:
