@@ -42,6 +42,28 @@ SIZES = (1 << 20, 1 << 24)
 BLOCK = 128
 
 
+
+def time_against_copy(f, nbytes: int, reps: int):
+    """Seconds of `f()` and of a copy of `nbytes // 2` bytes (its byte floor: read + write =
+    `nbytes`), alternated call by call `reps` times after one warm-up of each, so both see the
+    same machine load: (f's times, the copy's). Here, not in zerokern: it must time the codec
+    of an older tree too (--trees); bench_mesh.py's codec rows use it as well."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    f(), dst.copy_(src)
+    tk, tc = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        t1 = time.perf_counter()
+        dst.copy_(src)
+        t2 = time.perf_counter()
+        tk.append(t1 - t0)
+        tc.append(t2 - t1)
+    return tk, tc
+
 def _call(codec, what: str, n: int, bits: int, dtype):
     """(a call of the codec on n elements, the bytes it reads and writes)."""
     import torch
@@ -72,18 +94,7 @@ def rows(reps: int, sizes=SIZES) -> list:
     for n in sizes:
         for what, bits, dt in CONFIGS:
             f, nbytes = _call(codec, what, n, bits, getattr(torch, dt))
-            src = torch.empty(nbytes // 2, dtype=torch.uint8).fill_(1)
-            dst = torch.empty_like(src)
-            tk, tc = [], []
-            f(), dst.copy_(src)
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                f()
-                t1 = time.perf_counter()
-                dst.copy_(src)
-                t2 = time.perf_counter()
-                tk.append(t1 - t0)
-                tc.append(t2 - t1)
+            tk, tc = time_against_copy(f, nbytes, reps)
             out.append({"n": n, "op": what, "bits": bits, "dtype": dt, "bytes": nbytes,
                         "kernel_ms": 1e3 * statistics.median(tk),
                         "copy_ms": 1e3 * statistics.median(tc),

@@ -206,6 +206,8 @@ def codec_rows(sizes=(1 << 20, 1 << 24), reps: int = 15) -> list:
     ceiling for streaming bytes on one core); fraction = copy time / kernel time. Medians over
     `reps` alternated calls, and the minimum of each (on a shared machine the minimum is the
     least disturbed)."""
+    from bench_codec import time_against_copy  # (benchmarks/, this script's folder)
+
     from zerokern.kernels import blockquant, load_op
 
     torch.set_num_threads(1)
@@ -220,18 +222,7 @@ def codec_rows(sizes=(1 << 20, 1 << 24), reps: int = 15) -> list:
             if what == "dequantize_add" and not hasattr(codec, "dequantize_add_"):
                 continue  # an older tree
             f, nbytes = _codec_call(codec, what, n, dt, bits)
-            src = torch.empty(nbytes // 2, dtype=torch.uint8).fill_(1)
-            dst = torch.empty_like(src)
-            tk, tc = [], []
-            f(), dst.copy_(src)
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                f()
-                t1 = time.perf_counter()
-                dst.copy_(src)
-                t2 = time.perf_counter()
-                tk.append(t1 - t0)
-                tc.append(t2 - t1)
+            tk, tc = time_against_copy(f, nbytes, reps)
             rows.append({"n": n, "op": what, "bits": bits, "in": str(dt).split(".")[-1],
                          "bytes": nbytes, "kernel_ms": 1e3 * statistics.median(tk),
                          "copy_ms": 1e3 * statistics.median(tc),
