@@ -26,20 +26,28 @@ SEED = 1  # draws a mid-save kill first, then a random one (rank 0 both times)
 SAVE_EVERY = 10
 
 
+def _check_run(r: dict, kinds: list, steps: int = 40) -> None:
+    """The checks every chaos run passes: exit 0, every kill of `kinds` survived, the final and
+    every committed checkpoint bitwise the uninterrupted run's, each attempt resumed from a
+    committed checkpoint with at most 2 save intervals recomputed."""
+    log = open(r["log"]).read()[-4000:]
+    assert r["exit_code"] == 0, log
+    assert r["kills_survived"] == len(kinds) and len(r["kills"]) == len(kinds), r["kills"]
+    assert sorted(k["kind"] for k in r["kills"]) == sorted(kinds)
+    assert r["final_bitwise_equal"], r["checkpoints_compared"]
+    assert r["bytes_lost"] == 0
+    assert f"step{steps:08d}" in r["checkpoints_compared"]
+    for k in r["kills"]:
+        assert k["resumed_from"] is not None and k["resumed_from"] % SAVE_EVERY == 0, k
+        assert 0 <= k["recomputed"] <= 2 * SAVE_EVERY, k
+
+
 @pytest.mark.slow  # [Note: the slow mark] (pyproject.toml): two torchrun jobs, 30-60 s
 def test_killed_ranks_restart_and_end_bitwise_the_uninterrupted_run(tmp_path):
     r = chaos.run_chaos(tmp_path, steps=40, save_every=SAVE_EVERY, kills=2, seed=SEED,
                         seq=64, batch=8, timeout_s=300, log=lambda m: None)
-    log = open(r["log"]).read()[-4000:]
-    assert r["exit_code"] == 0, log
-    assert r["kills_survived"] == 2 and len(r["kills"]) == 2, r["kills"]
-    assert {k["kind"] for k in r["kills"]} == {"mid-save", "random"}
-    assert r["final_bitwise_equal"], r["checkpoints_compared"]
-    assert r["bytes_lost"] == 0
-    assert f"step{40:08d}" in r["checkpoints_compared"]
+    _check_run(r, ["mid-save", "random"])
     for k in r["kills"]:
-        assert k["resumed_from"] is not None and k["resumed_from"] % SAVE_EVERY == 0, k
-        assert 0 <= k["recomputed"] <= 2 * SAVE_EVERY, k
         if k["kind"] == "mid-save":  # nothing of the save in flight was committed
             assert k["resumed_from"] < int(k["saving"].rsplit("step", 1)[1][:8]), k
     # every survivor named the lost rank (PeerLost) and exited on its own, far below the
@@ -101,16 +109,7 @@ def test_a_kill_mid_nvme_write_and_mid_save_end_bitwise_the_uninterrupted_run(tm
     had no --offload nvme (and run_chaos no offload=): the test cannot run there."""
     r = chaos.run_chaos(tmp_path, steps=40, save_every=SAVE_EVERY, kills=3, seed=SEED,
                         seq=64, batch=8, timeout_s=600, log=lambda m: None, offload="nvme")
-    log = open(r["log"]).read()[-4000:]
-    assert r["exit_code"] == 0, log
-    assert r["kills_survived"] == 3 and len(r["kills"]) == 3, r["kills"]
-    assert sorted(k["kind"] for k in r["kills"]) == ["mid-save", "mid-write", "random"]
-    assert r["final_bitwise_equal"], r["checkpoints_compared"]
-    assert r["bytes_lost"] == 0
-    assert f"step{40:08d}" in r["checkpoints_compared"]
-    for k in r["kills"]:
-        assert k["resumed_from"] is not None and k["resumed_from"] % SAVE_EVERY == 0, k
-        assert 0 <= k["recomputed"] <= 2 * SAVE_EVERY, k
+    _check_run(r, ["mid-save", "mid-write", "random"])
     (w,) = [k for k in r["kills"] if k["kind"] == "mid-write"]
     assert "offset" in w["writing"] and w["writing"].endswith(")"), w
     # the step being written when it died is past the checkpoint the next attempt resumed from

@@ -28,7 +28,7 @@ from zerokern import cli
 from zerokern.train import chaos_kill, events
 from zerokern.train.config import TrainConfig, offload_dir, offload_root
 
-REPO = Path(__file__).resolve().parents[1]
+from .support.train_cli import N, train
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -118,18 +118,10 @@ def test_the_mid_write_kill_only_on_request(tmp_path, monkeypatch):
         [("mid-write", 1, 19, "zerokern-1-x-rank1-buf0-f1.bin", 4096, 1)]
 
 
-N = 3
-TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--device", "cpu",
-        "--nproc", "2", "--steps", str(2 * N), "--save-every", str(N)]
 
 
 def _train(*args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-m", "zerokern", "train", *TINY, *args],
-                         capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+    return train(*args, timeout=timeout)
 
 
 def _curve(out_dir) -> list:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,19 +23,11 @@ import torch
 
 import zerokern.checkpoint as ck
 
-REPO = Path(__file__).resolve().parents[1]
-N = 3
-TINY = ["--model-size", "tiny", "--seq", "32", "--batch", "4", "--device", "cpu",
-        "--nproc", "2", "--steps", str(2 * N), "--save-every", str(N)]
+from .support.train_cli import N, train
 
 
 def _train(*args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-m", "zerokern", "train", *TINY, *args],
-                         capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+    return train(*args, timeout=timeout)
 
 
 def _metrics(out_dir) -> dict:
