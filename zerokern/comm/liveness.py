@@ -61,7 +61,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .errors import PeerLost
 
@@ -369,8 +369,9 @@ def stop() -> None:
     cur, _STATE[0] = _STATE[0], None
     if cur is not None:
         cur.stop()
-    pool, _WATCHED[0] = _WATCHED[0], None  # its thread may still wait in an old collective
-    if pool is not None:
+    pools = list(_WATCHED.values())  # their threads may still wait in an old collective
+    _WATCHED.clear()
+    for pool in pools:
         pool.shutdown(wait=False)
 
 
@@ -401,7 +402,13 @@ def is_connection_error(error: BaseException) -> bool:
         w in text for w in _CONN_WORDS)
 
 
-_WATCHED: List[Optional[ThreadPoolExecutor]] = [None]
+# [Note: one watcher thread per group] The helper thread that runs a watched collective is
+# the group's own: a collective of one group waits there, never behind another group's. One
+# thread for all groups deadlocked `zerokern train`'s save (the 2026-11-29 CI run): the async
+# writer's commit agreement (on the checkpoint's own group, from the writer thread) and the
+# main thread's gather of the train state (on the training group) queued on one thread in
+# different orders on two ranks, each waiting for a peer's collective queued behind its own.
+_WATCHED: Dict[Any, ThreadPoolExecutor] = {}
 
 
 def watched(fn: Callable[[], object], what: str, group=None, poll_s: float = 0.05):
@@ -415,9 +422,12 @@ def watched(fn: Callable[[], object], what: str, group=None, poll_s: float = 0.0
     live = _STATE[0]
     if live is None or dist.get_backend(group) != "gloo":
         return fn()
-    if _WATCHED[0] is None:
-        _WATCHED[0] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-watched")
-    fut = _WATCHED[0].submit(fn)
+    key = group if group is not None else dist.group.WORLD  # (one key for the default group)
+    pool = _WATCHED.get(key)
+    if pool is None:
+        pool = _WATCHED[key] = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="zerokern-watched")
+    fut = pool.submit(fn)
     while True:
         try:
             return fut.result(poll_s)
