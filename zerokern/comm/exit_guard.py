@@ -26,12 +26,14 @@ Measured on the 2-core VM, runs that crashed at exit under torchrun (2 ranks):
 | `zerokern train` (before cli.py's [Note: leaving a torchrun rank]) | 7 of 170 |
 
 So the first GroupComm on a gloo group registers an atexit handler. The handler sleeps with the
-GIL released: 20 ms, then on in steps of 10 ms while a `pt_gloo_runloop` thread is running or
+GIL released: 100 ms, then on in steps of 10 ms while a `pt_gloo_runloop` thread is running or
 runnable, at most 10 s ($ZEROKERN_GLOO_EXIT_WAIT_S; it was 1 s, which a runnable worker could
 miss on a busy machine: at the limit it says so on stderr, naming the variable). A worker
 finishing its release gets the GIL now, while the interpreter is
-whole. The same plain DDP script with a 50 ms atexit sleep crashed in 0 of 40 runs. Cost: about
-20 ms at exit, once per process that used gloo. The torchrun ranks of `zerokern train` run it too:
+whole. The same plain DDP script with a 50 ms atexit sleep crashed in 0 of 40 runs; with 20 ms,
+examples/accelerate_loop.py at stage 3 still crashed once at load ~8 (a local CI run,
+2026-11-29), so the first sleep is 100 ms. Cost: about 0.1 s at exit, once per process that
+used gloo. The torchrun ranks of `zerokern train` run it too:
 they run the atexit handlers before `os._exit` (cli.py [Note: leaving a torchrun rank]). spawn.py's
 ranks skip interpreter teardown, and with it this wait, altogether.
 """
@@ -45,7 +47,7 @@ import time
 from typing import Callable, NoReturn, Optional
 
 _registered = False
-_FIRST_S = 0.02
+_FIRST_S = 0.1  # (see the Note: 20 ms missed a worker once at load ~8)
 _STEP_S = 0.01
 MAX_ENV = "ZEROKERN_GLOO_EXIT_WAIT_S"
 
