@@ -60,12 +60,6 @@ def _state_crc(model, opt) -> int:
     return _crc(_state_tensors(view, model_extras(model, view)))
 
 
-def quorum_timeout():
-    import datetime
-
-    return datetime.timedelta(seconds=120)
-
-
 def worker(args) -> int:
     """One rank: `--mode join` (a replica's torchrun, at the lighthouse) or `--mode restart`
     (one torchrun of every rank, resuming from its checkpoints)."""
@@ -109,12 +103,17 @@ def worker(args) -> int:
         dist.destroy_process_group()
         return 0
     # --mode restart: every rank in one torchrun job
+    import datetime
+
     from torch.distributed.device_mesh import init_device_mesh
 
     import zerokern as zk
-    from zerokern.train.launch import attempt_store
+    from zerokern.tools.spawn import PG_TIMEOUT_ENV, _env_s
+    from zerokern.train.launch import PG_TIMEOUT_S, attempt_store
 
-    store = attempt_store(quorum_timeout())  # a restart must not read the last attempt's keys
+    # zerokern train's store per attempt and timeout: a restart must not read the last
+    # attempt's keys
+    store = attempt_store(datetime.timedelta(seconds=_env_s(PG_TIMEOUT_ENV, PG_TIMEOUT_S)))
     if store is None:
         dist.init_process_group("gloo")
     else:
