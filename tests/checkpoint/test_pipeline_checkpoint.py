@@ -123,11 +123,12 @@ def _renumbered(world, root):
 
 
 def _dp_submesh(world, root):
-    """One ZeroAdamW per stage over world["dp"] alone: either the checkpoint knows the stages
-    (it holds both) or the save refuses; never one stage's files over the other's."""
+    """One ZeroAdamW per stage over its dp group alone (process_group=; mesh=world["dp"] is
+    refused at construction since issue 38's round): either the checkpoint knows the stages (it
+    holds both) or the save refuses; never one stage's files over the other's."""
     s = world["pp"].get_local_rank()
     model = S.stage_model(s, PP)
-    opt = S.zero_opt(model, 2, mesh=world["dp"])
+    opt = S.zero_opt(model, 2, process_group=world["dp"].get_group())
     path = os.path.join(root, "submesh")
     try:
         ck.save(path, model, opt)

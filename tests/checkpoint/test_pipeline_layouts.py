@@ -95,11 +95,12 @@ def _whole(rank, root, stage, ws, group=None, params_only=False):
 
 
 def _dp_submesh(world, root):
-    """tp stages with ZeroAdamW over world["dp"] (the tp DTensors, but no pp in the plan): the
-    job the optimizer knows (dp x tp, 4 ranks) is not the whole one, so the save refuses."""
+    """tp stages with ZeroAdamW over the dp group alone (process_group=: the tp DTensors, but no
+    pp in the plan; mesh=world["dp"] is refused at construction): the job the optimizer knows
+    (dp x tp, 4 ranks) is not the whole one, so the save refuses."""
     s = world["pp"].get_local_rank()
     model = _tp_stage(world, s)
-    opt = S.zero_opt(model, 2, mesh=world["dp"])
+    opt = S.zero_opt(model, 2, process_group=world["dp"].get_group())
     path = os.path.join(root, "submesh")
     try:
         ck.save(path, model, opt)

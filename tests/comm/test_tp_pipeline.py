@@ -11,7 +11,7 @@ divided by the number of micro-batches, a manual all-reduce of the local grads o
 (/ dp size), the global norm over every stage (each param's full gradient, DTensors gathered
 over tp so each element counts once, summed over the pp group) and its clip, then
 torch.optim.AdamW on the DTensor params. Every step is clipped (the norm is >= 0.3).
-Negative controls: lr x 1.01; and the stage's own norm (`mesh=world["dp"]` with torch's
+Negative controls: lr x 1.01; and the stage's own norm (its dp group as `process_group=`, with torch's
 PipelineStage, the way before issue 38), which clips differently. Marked slow (8 processes
 on 2 cores); tests/pipeline/test_schedules.py is the fast representative (2 pp x 2 dp).
 """
@@ -84,7 +84,8 @@ def _groups(model):
 
 def _train(world, schedule, zero_stage=None, lr=LR, own_norm=False) -> dict:
     """zero_stage None: the reference (manual dp all-reduce, global clip, torch AdamW);
-    own_norm: ZeroAdamW(mesh=world["dp"]) with torch's PipelineStage (the negative control)."""
+    own_norm: ZeroAdamW over the stage's dp group alone (process_group=; mesh=world["dp"] is
+    refused) with torch's PipelineStage (the negative control)."""
     part, pp = _part(world)
     cpu, group = torch.device("cpu"), world["pp"].get_group()
     if zero_stage is None:
@@ -94,7 +95,8 @@ def _train(world, schedule, zero_stage=None, lr=LR, own_norm=False) -> dict:
         opt = zk.ZeroAdamW(part, param_groups=_groups(part), lr=lr, betas=BETAS, eps=EPS,
                            weight_decay=WD, stage=zero_stage, precision="fp32",
                            bucket_mb=0.0002, backend="cpu", max_grad_norm=MAX_NORM,
-                           mesh=world["dp"] if own_norm else world)
+                           **({"process_group": world["dp"].get_group()} if own_norm
+                              else {"mesh": world}))
     if zero_stage is None or own_norm:
         stage = PipelineStage(part, pp, PP, cpu, group=group)
         sched = SCHEDULES[schedule](stage, MICRO, scale_grads=False,

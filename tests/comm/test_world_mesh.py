@@ -10,8 +10,9 @@ Reference, in every process: both stages' params in one torch model, each stage'
 average over dp of what its ranks computed, `clip_grad_norm_` over all of them (the global
 norm of a pipelined model), then `torch.optim.AdamW`.
 
-Negative control: the same run with `mesh=world["dp"]` (the stage's dp group alone): its norm
-covers one stage, so it clips differently and misses the reference.
+Negative control: the same run over the stage's dp group alone (`process_group=`; `mesh=world["dp"]`
+is refused since issue 38's round): its norm covers one stage, so it clips differently and misses
+the reference.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def _run(world, stage: int, dp_only: bool = False, inf_at=None):
     s, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     model = _stage(s)
     opt = zk.ZeroAdamW(model, lr=LR, stage=stage, precision="fp32", backend="cpu",
-                       max_grad_norm=MAX_NORM, mesh=world["dp"] if dp_only else world)
+                       max_grad_norm=MAX_NORM,
+                       **({"process_group": world["dp"].get_group()} if dp_only else
+                          {"mesh": world}))
     norms, skipped = [], []
     for step in range(STEPS):
         loss = _loss(model, s, d, step)
@@ -110,7 +113,11 @@ def _bad(world):
     cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))
     tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     nodp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    for name, mesh in (("cp", cp), ("tp_plain", tp), ("no_dp", nodp)):
+    # a dp sub-mesh of a pipelined (or cp) job: refused ([Note: a dp sub-mesh of a pipelined
+    # job]); of a tp-only job: accepted (the DTensor params carry tp)
+    for name, mesh in (("cp", cp), ("tp_plain", tp), ("no_dp", nodp),
+                       ("pp_submesh", world["dp"]), ("cp_submesh", cp["dp"]),
+                       ("tp_submesh", tp["dp"])):
         model = _stage(0)
         before = [p.detach().clone() for p in model.parameters()]
         try:
@@ -160,7 +167,7 @@ def test_world_mesh_clips_over_every_pipeline_stage(stage):
 
 
 def test_the_stage_alone_misses_the_global_norm():
-    """Negative control: the dp mesh alone clips by one stage's norm."""
+    """Negative control: the stage's dp group alone clips by one stage's norm."""
     rs = case(_results(), "dp_only")
     assert max(r["norm_rel"] for r in rs) > 0.05, rs
     assert max(r["rel"] for r in rs) > 100 * TOL, rs
@@ -175,6 +182,8 @@ def test_an_inf_on_one_stage_skips_every_stage(stage):
 def test_bad_world_meshes_raise_before_any_change():
     for r in case(_results(), "bad"):
         for name, want in (("cp", "context-parallel"), ("tp_plain", "not DTensors"),
-                           ("no_dp", "data-parallel dims")):
+                           ("no_dp", "data-parallel dims"), ("pp_submesh", "pp=2"),
+                           ("cp_submesh", "cp=2")):
             msg, same = r[name]
             assert want in msg and "mesh" in msg and same, (name, msg)
+        assert r["tp_submesh"] == "no error", r["tp_submesh"]

@@ -19,9 +19,10 @@ Checked: params and losses within 1e-6 (the issue's bound) at ZeRO stages 0-3; t
 reduce-scatters per step (stages 2-3: one pass over the buckets per step, not one per
 micro-batch); an inf on one stage skips every rank of every stage, bitwise; fp16 (the loss scale
 through the pipeline) against the same run in fp32 with a static scale; bad input (a schedule
-or micro-batch count that differs, overlapping stage params, mesh=world["dp"]) raises
+or micro-batch count that differs, overlapping stage params, mesh=world["dp"] (refused by
+ZeroAdamW itself), the dp group as process_group=) raises
 ValueError on every rank before any change; schedule.step() inside opt.no_sync() is refused
-the same way. Negative controls: plain torch `PipelineStage` with `mesh=world["dp"]` (the old
+the same way. Negative controls: plain torch `PipelineStage` over the dp group alone (`process_group=`; the old
 way: per-stage clip) misses the reference; lr x 1.01 misses it.
 
 On the code before zerokern.pipelining (plain PipelineStage + ZeroAdamW(mesh=world)): stages
@@ -155,7 +156,9 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
     opt = zk.ZeroAdamW(whole, param_groups=_groups(list(whole.named_parameters())), lr=lr,
                        betas=BETAS, eps=EPS, weight_decay=WD, stage=zero_stage,
                        precision=precision, bucket_mb=0.0002, backend="cpu",
-                       max_grad_norm=MAX_NORM, mesh=world if mesh == "world" else world["dp"],
+                       max_grad_norm=MAX_NORM,
+                       **({"mesh": world} if mesh == "world" else
+                          {"process_group": world["dp"].get_group()}),
                        **kw)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, LR_DECAY)
     group = world["pp"].get_group()
@@ -296,7 +299,8 @@ def bad(world):
     attempt("micro", micro=4 if pp == 0 else 2)
     attempt("schedule", cls=ScheduleGPipe if pp == 0 else Schedule1F1B)
     attempt("overlap", overlap=True)
-    attempt("dp_mesh", mesh_dp=True)
+    attempt("dp_mesh", mesh_dp=True)  # refused by ZeroAdamW itself (a pp world's sub-mesh)
+    attempt("dp_group", mesh_dp="group")  # its dp group as process_group=: by the stage
     attempt("two_optimizers", two_optimizers=True)  # interleaved: one per stage module
     attempt("no_sync", no_sync=True)
     attempt("no_sync_later", no_sync="later")  # a later step: each rank raises on its own
@@ -322,7 +326,9 @@ def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=
         blocks = [1, 2, 3]  # block 1 is in stage 0 too
     mod = nn.Sequential(*[net[b] for b in blocks])
     opt = zk.ZeroAdamW(mod, lr=LR, stage=2, precision="fp32", backend="cpu",
-                       mesh=world["dp"] if mesh_dp else world)
+                       **({"mesh": world["dp"]} if mesh_dp is True else
+                          {"process_group": world["dp"].get_group()} if mesh_dp == "group" else
+                          {"mesh": world}))
     stage = ZeroPipelineStage(mod, pp, PP, torch.device("cpu"), opt,
                               group=world["pp"].get_group())
     sched = cls(stage, micro, loss_fn=loss_fn)
@@ -451,7 +457,7 @@ def test_stages_2_3_reduce_scatter_once_per_step(schedule, zero_stage):
 
 
 def test_plain_stage_with_the_dp_mesh_misses_the_reference():
-    """Negative control: torch's PipelineStage and mesh=world['dp'] (the way before): the
+    """Negative control: torch's PipelineStage and the dp group alone (the way before): the
     clip covers one stage's norm."""
     assert max(r["rel"] for r in case(_results(), "plain_dp_mesh")) > \
         TOL["negative_factor"] * TOL["param"]
@@ -479,7 +485,8 @@ def test_fp16_loss_scale_goes_through_the_pipeline():
 
 def test_bad_pipelines_raise_on_every_rank_before_any_change():
     want = {"micro": "micro-batches", "schedule": "the schedule", "overlap": "both hold",
-            "dp_mesh": "no pipeline role", "no_sync": "inside opt.no_sync()",
+            "dp_mesh": "sub-mesh", "dp_group": "no pipeline role",
+            "no_sync": "inside opt.no_sync()",
             "two_optimizers": "hold 2 optimizers",
             "no_sync_later": "inside opt.no_sync()"}
     for r in case(_results(), "bad"):

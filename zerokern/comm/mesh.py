@@ -64,6 +64,7 @@ def split_world_mesh(mesh: Any) -> Tuple[Any, Dict[str, int]]:
         return mesh, {}
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if not any(n in MODEL_DIM_NAMES for n in names):
+        check_not_a_pipeline_submesh(mesh)
         return mesh, {}
     dp = [n for n in names if n not in MODEL_DIM_NAMES]
     other = [n for n in dp if n not in DP_DIM_NAMES]
@@ -79,6 +80,32 @@ def split_world_mesh(mesh: Any) -> Tuple[Any, Dict[str, int]]:
                          "it (or cp of size 1)")
     dp_mesh = mesh[dp[0]] if len(dp) == 1 else mesh[tuple(dp)]
     return dp_mesh, sizes
+
+
+def check_not_a_pipeline_submesh(mesh: Any) -> None:
+    """[Note: a dp sub-mesh of a pipelined job] `mesh=world["dp"]` of a world mesh whose "pp"
+    (or "cp") dim has more than one rank: ValueError naming mesh. Each pipeline stage holds
+    other params, so an optimizer that knows only its stage's dp ranks clips by its stage's norm
+    and skips only its stage on an overflow: a plausible wrong number (issue 38's report: the
+    norm 1.25 against the global 2.0, params 1.8e-3 off), and its checkpoint would hold one
+    stage. The world mesh itself is always right (its "pp" dim joins the agreement); a "tp"
+    root dim is fine (the DTensor params carry it, comm/tp.py). A job that really wants one
+    stage's optimizer alone passes that stage's dp group as process_group= instead."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    if root is None or root is mesh:
+        return
+    names = tuple(getattr(root, "mesh_dim_names", None) or ())
+    shape = tuple(int(s) for s in root.mesh.shape)
+    big = {n: shape[i] for i, n in enumerate(names) if n in ("pp", "cp") and shape[i] > 1}
+    if big:
+        dims = ", ".join(f"{n}={k}" for n, k in big.items())
+        raise ValueError(
+            f"mesh is a sub-mesh {tuple(getattr(mesh, 'mesh_dim_names', None) or ())} of a "
+            f"world mesh with dims {names} ({dims}): an optimizer over it would clip by this "
+            "stage's grad norm and skip only this stage on an overflow. Pass the world mesh "
+            "itself, mesh=world_mesh (ZeRO runs over its data-parallel dims and agrees over "
+            "the pipeline)")
 
 
 def check_world_tp(world_mesh: Any, sizes: Dict[str, int], tp_mesh: Any) -> None:
@@ -125,8 +152,9 @@ def check_mesh(mesh: Any, process_group: Any = None, device_type: Optional[str] 
     if len(shape) not in (1, 2):
         raise ValueError(f"mesh must be the 1-D or 2-D data-parallel mesh ((shard,) or "
                          f"(replicate, shard)), got a {len(shape)}-D mesh of shape {shape}; "
-                         "for tensor or pipeline parallelism pass the dp sub-mesh, e.g. "
-                         "world_mesh['dp']")
+                         "for a job with tensor or pipeline parallelism pass the world mesh "
+                         "with named dims (e.g. ('pp', 'dp', 'tp')) or, tensor parallelism "
+                         "only, its dp sub-mesh world_mesh['dp']")
     if any(s == 0 for s in shape):
         raise ValueError(f"mesh has a dim of size 0 (shape {shape}); every dim needs >= 1 rank")
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]

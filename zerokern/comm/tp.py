@@ -151,7 +151,8 @@ def check_tensor_parallel(trainable: List[List[torch.Tensor]], others: List[torc
             f"{arg}: the model is tensor-parallel over ranks {tp_ranks} (its DTensor params' "
             f"mesh) and the data-parallel ranks {sorted(dp_ranks)} include its tp peers "
             f"{[r for r in both if r != me]}: ZeRO would average different tp shards. Pass the "
-            "data-parallel sub-mesh: ZeroAdamW(model, mesh=world_mesh['dp'])")
+            "data-parallel sub-mesh, ZeroAdamW(model, mesh=world_mesh['dp']), or the world "
+            "mesh with named dims (mesh=world_mesh, e.g. ('pp', 'dp', 'tp'))")
     # every dp peer holds the same tp coordinate (the same local shapes)
     coord = torch.tensor([tp_mesh.get_local_rank(), tp_mesh.size()], dtype=torch.int64)
     if process_group is not None:
