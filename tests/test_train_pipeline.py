@@ -108,7 +108,7 @@ def test_two_stages_match_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,stage,extra", [("2x1x2", 1, ("--schedule", "gpipe")),
                                               ("2x2x1", 2, ()), ("2x1x2", 3, ()),
-                                              ("2x2x1", 3, ())])
+                                              ("2x2x1", 3, ()), ("2x2x2", 3, ())])
 def test_pipeline_meshes_match_one_process(tmp_path, mesh, stage, extra):
     pp, tp, dp = (int(v) for v in mesh.split("x"))
     m = _train(tmp_path / "run", mesh, stage, *extra)
