@@ -231,7 +231,8 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", own
         params = _full(net, layout)
     return {"params": params, "losses": losses, "skipped": skipped, "snaps": snaps,
             "finite": finite, "holds_last": holds_last, "scale": float(opt.loss_scale),
-            "norms": norms}
+            "norms": norms, "sharded": sum(isinstance(p, DTensor) and p.to_local().numel()
+                                           < p.numel() for p in whole.parameters())}
 
 
 def _poison_grad(param):
@@ -268,7 +269,7 @@ def parity(world, memo, schedule, zero_stage, **kw):
     losses = _exchange_losses(r, world)
     return {"rel": _rel(r["params"], ref_params),
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "skipped": r["skipped"], "norms": r["norms"]}
+            "skipped": r["skipped"], "norms": r["norms"], "sharded": r["sharded"]}
 
 
 def overflow(world, schedule, zero_stage):
@@ -324,6 +325,7 @@ def test_3d_pipeline_equals_one_process(schedule, zero_stage):
         assert r["rel"] <= TOL["param"] and r["loss_rel"] <= TOL["param"], r
         assert r["skipped"] == [False] * STEPS, r
         assert min(r["norms"]) > MAX_NORM, r  # every step clipped (the agreed global norm)
+        assert r["sharded"] >= 2, r  # each stage module's up/down are tp-sharded DTensors
 
 
 @pytest.mark.slow
