@@ -11,6 +11,8 @@ Variants (zerokern built the same way, then changed):
   40's third round at stages 2-3 ([Note: the engine keeps its grad shard], engine/build.py);
 - `kept`: grad buffers kept between steps (`free_on_zero = False`), whatever the memory;
 - `plain`, `plainkept`: no compact master at bf16 (a plain fp32 one), freed / kept.
+- `nopool`: the engine as built, with the lazy pool of freed host mappings off around its
+  iterations (state/huge_pages.py [Note: freed mappings kept lazily]): the engine before it.
 
 Printed per rank: medians of process CPU | main-thread CPU per phase, ms. Process minus main
 thread is the ring threads' share (the collectives). The per-phase split is what the bench's
@@ -69,9 +71,12 @@ def _worker(rank: int, world: int, args) -> dict:
         F.linear = torch_linear
     out = {n: {p + s: [] for p in PHASES for s in ("", "_main")} for n in engines}
 
+    from zerokern.state.huge_pages import POOL
+
     def iteration(name: str, record: bool) -> None:
         eng, model, linear = engines[name]
         F.linear = linear
+        POOL.enabled = name != "nopool"
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, model.config.vocab, (args.batch, args.seq + 1), generator=g)
         dist.barrier()
@@ -109,7 +114,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--variants", nargs="*", default=["freed"],
-                   choices=["freed", "kept", "plain", "plainkept"])
+                   choices=["freed", "kept", "plain", "plainkept", "nopool"])
     p.add_argument("--model-size", default="20m")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)

@@ -41,8 +41,28 @@ def test_small_and_meta_buffers_are_torch_zeros():
     assert meta.device.type == "meta"
 
 
-def test_memory_returns_when_the_last_view_dies():
-    """free_grads relies on it: the mapping goes with the last tensor that views it."""
+def _status_mib(field: str, path: str = "/proc/self/status") -> float:
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in {path}")
+
+
+@pytest.fixture
+def pool():
+    """The process's lazy pool, emptied before and after (other tests' mappings out of it)."""
+    huge_pages.POOL.clear()
+    enabled = huge_pages.POOL.enabled
+    yield huge_pages.POOL
+    huge_pages.POOL.enabled = enabled
+    huge_pages.POOL.clear()
+
+
+def test_memory_returns_when_the_last_view_dies(pool):
+    """With the pool off (the code before [Note: freed mappings kept lazily]): the mapping goes
+    with the last tensor that views it."""
+    pool.enabled = False
     gc.collect()
     base = _rss_mib()
     t = huge_pages.zeros(64 << 18, torch.float32, "cpu")  # 64 MiB
@@ -56,3 +76,76 @@ def test_memory_returns_when_the_last_view_dies():
     del view
     gc.collect()
     assert _rss_mib() - base < 8, "the mapping was not released"
+
+
+@pytest.mark.skipif(huge_pages._LAZY is None, reason="no MADV_FREE on this platform: no pool")
+def test_a_freed_mapping_is_lazily_free_and_reused_zeroed(pool):
+    """[Note: freed mappings kept lazily]: the last view's death hands the mapping to the pool
+    advised MADV_FREE (the kernel counts it as LazyFree: reclaimable), and the next buffer of
+    that size is the same pages, zero again."""
+    n = 64 << 18  # 64 MiB of fp32
+    lazy0 = _status_mib("LazyFree", "/proc/self/smaps_rollup")
+    t = huge_pages.zeros(n, torch.float32, "cpu")
+    t.fill_(3.0)
+    ptr, view = t.data_ptr(), t[7:9]
+    del t
+    gc.collect()
+    assert pool.bytes == 0, "a live view: the mapping must not be reused"
+    assert float(view.sum()) == 6.0  # the user's tensor keeps its values
+    del view
+    assert pool.bytes == n * 4
+    lazy = _status_mib("LazyFree", "/proc/self/smaps_rollup") - lazy0
+    assert lazy > 60, f"64 MiB given back lazily, LazyFree grew {lazy:.0f} MiB"
+    other = huge_pages.zeros(n // 2, torch.float32, "cpu")  # another size: a fresh mapping
+    assert other.data_ptr() != ptr and pool.bytes == n * 4
+    again = huge_pages.zeros(n, torch.float32, "cpu")
+    assert again.data_ptr() == ptr and pool.bytes == 0 and pool.reused >= 1
+    assert not again.any(), "a reused mapping must be zero"
+
+
+@pytest.mark.skipif(huge_pages._LAZY is None, reason="no MADV_FREE on this platform: no pool")
+def test_the_pool_keeps_at_most_its_bounds(pool):
+    n = huge_pages.MIN_BYTES
+    bufs = [huge_pages.zeros(n, torch.uint8, "cpu") for _ in range(pool.per_size + 2)]
+    del bufs
+    gc.collect()
+    assert pool.bytes == pool.per_size * n  # the rest were unmapped
+    pool.clear()
+    pool.enabled = False
+    t = huge_pages.zeros(n, torch.uint8, "cpu")
+    del t
+    assert pool.bytes == 0
+
+
+@pytest.mark.skipif(huge_pages._LAZY is None, reason="no MADV_FREE on this platform: no pool")
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_kept_grad_keeps_its_values_across_freed_steps(pool, stage):
+    """A user who keeps `p.grad` (stage 0: a view of the Ψ grad buffer) across zero_grad()
+    with free_grads=True holds the old buffer: it must keep torch's values while the next steps
+    reuse pooled mappings, and the steps must equal the run without the pool (bitwise)."""
+    import zerokern as zk
+
+    def run(use_pool: bool):
+        pool.clear()
+        pool.enabled = use_pool
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1100), torch.nn.Linear(1100, 8))
+        opt = zk.ZeroAdamW(model, lr=1e-3, stage=stage, precision="fp32", backend="reference",
+                           free_grads=True)
+        kept, want = None, None
+        for step in range(4):
+            x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            if step == 1 and stage == 0:
+                kept = model[0].weight.grad
+                want = kept.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], kept, want, pool.reused
+
+    with_pool, kept, want, reused = run(True)
+    without, _, _, _ = run(False)
+    assert reused >= 2, "the freed grad buffer was not reused"
+    assert all(torch.equal(a, b) for a, b in zip(with_pool, without))
+    if stage == 0:
+        assert torch.equal(kept, want), "a kept p.grad changed under the user"

@@ -39,11 +39,14 @@ gave 0.07-0.14 between identical runs on 2026-11-29 (shared 2-core VM, 6-8 repet
 over ranks); the defaults are now 12 repetitions after 2 warm-up ones.
 
 --before adds a fourth contestant in the same interleaving (before/after in one run): zerokern as
-it was before issue 40's third round (37d10a7..), i.e. with its grad shards freed at every step
-at stages 2-3 (no [Note: the engine keeps its grad shard], engine/build.py). Where the engine
-frees them anyway (stage 2 with a separate master, stage 1) the two zerokern contestants are the
-same code: a control. (Earlier result files' `before` was zerokern before the first round: their
-reading sections say so.)
+it was before issue 40's fourth round, i.e. with the lazy pool of freed host mappings off around
+its iterations (state/huge_pages.py [Note: freed mappings kept lazily]): each buffer freed at
+zero_grad is a fresh mapping again at the next backward. Where the engine frees nothing large
+(stage 3, stage 2 fp32: [Note: the engine keeps its grad shard]) the two are nearly the same
+code: a control. The pool's bytes after the run are reported as "lazily freed" (reclaimable by
+the kernel), beside the held bytes. (Earlier result files' `before` was zerokern before the
+third round, grad shards freed at every step, or before the first: their reading sections say
+so.)
 
 [Note: --optimizer muon]
 Both engines get `"optimizer": {"type": "Muon", ..., "ns_method": "standard"}` (zerokern runs
@@ -71,6 +74,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from zerokern.state.huge_pages import POOL
 from zerokern.tools.spawn import RankFailure, spawn_ranks
 
 from . import common
@@ -165,11 +169,10 @@ def _worker(rank: int, world: int, args) -> dict:
                     run_cfg = copy.deepcopy(cfg)
                     eng = init(model=model, model_parameters=model.parameters(),
                                config=run_cfg)[0]
-                    if name == "zerokern-before":  # grad shards freed at every step, as before
-                        eng.optimizer.grad_sync.free_on_zero = True
                     linear[name] = F.linear
                     F.linear = torch_linear
                     engines[name] = (eng, model)
+                    POOL.enabled = name != "zerokern-before"
                     _iteration(eng, model, args, linear[name], torch_linear, rank)
                     mem[name] = held_bytes() - before
                 times: Dict[str, List[float]] = {n: [] for n in engines}
@@ -181,6 +184,7 @@ def _worker(rank: int, world: int, args) -> dict:
                         name = names[(i + rep) % len(names)]
                         eng, model = engines[name]
                         dist.barrier()
+                        POOL.enabled = name != "zerokern-before"
                         c0, t0 = time.process_time(), time.perf_counter()
                         _iteration(eng, model, args, linear[name], torch_linear, rank)
                         wall = torch.tensor([(time.perf_counter() - t0) * 1e3])
@@ -191,14 +195,16 @@ def _worker(rank: int, world: int, args) -> dict:
                             times[name].append(float(wall))
                             cpu[name].append(float(cpu_ms) / dist.get_world_size())
                 load.append(os.getloadavg()[0])
+                POOL.enabled = True
                 m = torch.tensor([float(mem["zerokern"]), float(mem["deepspeed"]),
-                                  float(mem.get("zerokern-before", 0))])
+                                  float(mem.get("zerokern-before", 0)), float(POOL.bytes)])
                 dist.all_reduce(m, op=dist.ReduceOp.MAX)
                 out[f"s{stage}-{precision}"] = {
                     "stage": stage, "precision": precision, "times": times, "cpu": cpu,
                     "load": load,
                     "held_bytes": {"zerokern": m[0].item(), "deepspeed": m[1].item(),
-                                   "zerokern-before": m[2].item()},
+                                   "zerokern-before": m[2].item(),
+                                   "lazily_freed": m[3].item()},
                     "params": sum(p.numel() for p in build_gpt(args.model_size).parameters())}
                 for eng, _ in engines.values():
                     if eng is not None and hasattr(eng, "destroy"):
@@ -245,8 +251,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="the config's optimizer: AdamW (default) or Muon (both engines; "
                         "[Note: --optimizer muon])")
     p.add_argument("--before", action="store_true",
-                   help="also zerokern as before issue 40's third round (grad shards freed "
-                        "at every step), interleaved ([Note: the paired overhead ratio])")
+                   help="also zerokern as before issue 40's fourth round (freed host "
+                        "buffers unmapped, no lazy pool), interleaved ([Note: the paired "
+                        "overhead ratio])")
     p.add_argument("--tag", default="",
                    help="appended to the result files' name (e.g. issue40-20261129)")
     p.add_argument("--reps", type=int, default=12)
@@ -292,6 +299,7 @@ def report(args, res) -> int:
                "bare_ms": b["median_ms"], "zk_over_ms": zo, "ds_over_ms": do,
                "over_ratio": zo / do if do > 0 else float("nan"), "bare": b,
                "zk_MiB": hz / 2**20, "ds_MiB": hd / 2**20, "mem_ratio": hz / hd,
+               "lazy_MiB": r["held_bytes"].get("lazily_freed", 0) / 2**20,
                "zk": z, "ds": d}
         if "cpu" in r:  # [Note: CPU time beside wall time]
             zc, dc, bc = (common.summarize(r["cpu"][n])["median_ms"]
@@ -316,7 +324,8 @@ def report(args, res) -> int:
             ("ds_ms", "DeepSpeed iter ms"), ("time_ratio", "time zk/DS"),
             ("bare_ms", "bare model fwd+bwd ms"), ("over_ratio", "overhead zk/DS"),
             ("zk_MiB", "zerokern held MiB/rank"), ("ds_MiB", "DeepSpeed held MiB/rank"),
-            ("mem_ratio", "memory zk/DS")]
+            ("mem_ratio", "memory zk/DS"),
+            ("lazy_MiB", "zerokern lazily freed MiB/rank (reclaimable)")]
     if all("zk_cpu_ms" in r for r in rows):
         cols += [("zk_cpu_ms", "zerokern CPU ms"), ("ds_cpu_ms", "DeepSpeed CPU ms"),
                  ("bare_cpu_ms", "bare CPU ms"), ("over_ratio_cpu", "overhead zk/DS (CPU)")]
@@ -384,7 +393,7 @@ def _stage_ratios(rows) -> str:
         if "zk_cpu_ms" in s3 and "zk_cpu_ms" in s2:
             line += f", {s3['zk_cpu_ms'] / s2['zk_cpu_ms']:.2f} (CPU)"
         if "zk_before_ms" in s3 and "zk_before_ms" in s2:  # before against before
-            line += (f"; before (--before: grad shards freed at every step): "
+            line += (f"; before (--before: no lazy pool of freed host buffers): "
                      f"{s3['zk_before_ms'] / s2['zk_before_ms']:.2f} (wall), "
                      f"{s3['zk_before_cpu_ms'] / s2['zk_before_cpu_ms']:.2f} (CPU)")
         out.append(line)

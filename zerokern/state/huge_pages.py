@@ -32,12 +32,37 @@ shards (sharded_flat.py) come from here too: every large stream starts on a page
 2 MiB pages, fewer TLB misses). step() at world size 1: 23.0 -> 17.0 ms (torch's fused AdamW
 over the same params: 15.7 ms); paired in one pair of gloo ranks against the previous
 allocation (30 pairs): the iteration 0.969x at stage 0, 0.962x at stage 2.
+
+[Note: freed mappings kept lazily]
+Huge pages removed the fault per 4 KiB, not the cost of a fresh mapping: the kernel still
+zeroes every page of it (clear_page: 5-21% of a stage-1 iteration in two perf recordings) and
+may compact memory to find 2 MiB pages (one 92 MB mapping took 137 ms here, the next 8 ms). With
+free_grads=True that is paid again at every step: stage 1 fp32 on the 20m GPT, 2 gloo ranks,
+spent 322 ms of CPU per iteration over the bare model with its Ψ grad buffer freed and 95 with
+it kept (benchmarks/results/engine-20m-n2-issue40-20261129-r3-stage1-phases.md). Keeping the
+buffer would hold it between steps (0.96x DeepSpeed's memory, over issue 12's 0.9x).
+So a mapping whose last tensor dies is not unmapped at once: it is advised MADV_FREE and kept in
+`POOL` for the next buffer of the same size. MADV_FREE hands the pages back to the kernel
+lazily: it reclaims them when it needs memory, without writing them anywhere, and until then
+the next write reuses them without a fault. The memory is free in the kernel's accounting (it
+counts them as reclaimable; RSS still shows them until reclaimed), so `free_grads` still frees.
+A reused buffer's old bytes (or zeros, if reclaimed) are cleared with one memset on warm pages.
+Measured (92 MB, a copy into it, load ~4.7, 5 repetitions): a fresh buffer 111-176 ms, a
+pooled one 51-89 ms plus 1.4 ms for the madvise, a kept one 73-115 ms.
+The pool keeps at most POOL_PER_SIZE mappings of one size and POOL_MAX_BYTES in all
+($ZEROKERN_HOST_POOL_MB); `POOL.bytes` is what it holds (the benchmarks report it as
+reclaimable, not as held). No MADV_FREE (not Linux >= 4.5): no pool, as before.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import threading
+import weakref
+from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 # Smaller buffers are served from malloc's heap (glibc raises its mmap threshold to 32 MiB
@@ -46,21 +71,92 @@ MIN_BYTES = 4 << 20
 
 _ANON = getattr(mmap, "MAP_ANONYMOUS", None)
 _HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_LAZY = getattr(mmap, "MADV_FREE", None)
+
+# [Note: freed mappings kept lazily]: one step's freed buffers are a handful of sizes (the grad
+# buffer per group, the grad shards, a staging bucket or two), so 4 per size covers a step;
+# 8 GiB bounds what a job of changing sizes could leave advised in the pool.
+POOL_PER_SIZE = 4
+POOL_MAX_BYTES = int(float(os.environ.get("ZEROKERN_HOST_POOL_MB", 8192)) * 2**20)
 
 
-def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zeroed 1-D tensor; on the CPU, large ones on their own huge-page mapping."""
-    device = torch.device(device)
-    nbytes = numel * dtype.itemsize
-    if device.type != "cpu" or nbytes < MIN_BYTES or _ANON is None:
-        return torch.zeros(numel, dtype=dtype, device=device)
+class LazyPool:
+    """Freed anonymous mappings, advised MADV_FREE, by size ([Note: freed mappings kept
+    lazily]). Thread-safe: a tensor may die on the async writer's or a ring's thread."""
+
+    def __init__(self, per_size: int = POOL_PER_SIZE, max_bytes: int = POOL_MAX_BYTES):
+        self.per_size, self.max_bytes = per_size, max_bytes
+        self._free: Dict[int, List[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        self.bytes = 0      # held in the pool now (reclaimable by the kernel)
+        self.reused = 0     # buffers served from the pool (tests, benchmarks)
+        self.enabled = True  # False: take nothing, keep nothing (the benchmarks' before)
+
+    def take(self, nbytes: int) -> Optional[mmap.mmap]:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if not free or not self.enabled:
+                return None
+            self.bytes -= nbytes
+            self.reused += 1
+            return free.pop()
+
+    def give(self, mm: mmap.mmap) -> None:
+        """The last tensor over `mm` is being freed: keep it, advised, or let it unmap."""
+        n = len(mm)
+        with self._lock:
+            free = self._free.setdefault(n, [])
+            if not self.enabled or len(free) >= self.per_size or \
+                    self.bytes + n > self.max_bytes:
+                return  # not kept: unmapped once its last reference (the array's) is gone
+            try:
+                mm.madvise(_LAZY)
+            except (OSError, ValueError):
+                return
+            free.append(mm)
+            self.bytes += n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.bytes = 0
+
+
+POOL = LazyPool()
+
+
+def _mapping(nbytes: int) -> tuple:
+    """(an anonymous mapping of nbytes, whether it is fresh: zero without a memset)."""
+    mm = POOL.take(nbytes) if _LAZY is not None else None
+    if mm is not None:
+        return mm, False
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _ANON)
     if _HUGE is not None:
         try:
             mm.madvise(_HUGE)
         except OSError:  # THP compiled out: 4 KiB pages, still zero
             pass
-    return torch.frombuffer(mm, dtype=dtype)  # the tensor keeps the mapping alive
+    return mm, True
+
+
+def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed 1-D tensor; on the CPU, large ones on their own huge-page mapping, reused
+    from the lazy pool when one of the size was freed ([Note: freed mappings kept lazily])."""
+    device = torch.device(device)
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or nbytes < MIN_BYTES or _ANON is None:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    mm, fresh = _mapping(nbytes)
+    if _LAZY is None:
+        return torch.frombuffer(mm, dtype=dtype)  # the tensor keeps the mapping alive
+    # the tensor keeps the array alive and the array the mapping; when the array dies (the
+    # last tensor over the mapping is gone) the mapping goes back to the pool
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    weakref.finalize(arr, POOL.give, mm)
+    t = torch.from_numpy(arr).view(dtype)
+    if not fresh:
+        t.zero_()
+    return t
 
 
 def zeros_like(t: torch.Tensor) -> torch.Tensor:
