@@ -17,13 +17,18 @@ apex's way of making bugs show), every step clipped.
 
 Checked: params and losses within 1e-6 (the issue's bound) at ZeRO stages 0-3; the number of
 reduce-scatters per step (stages 2-3: one pass over the buckets per step, not one per
-micro-batch); an inf on one stage skips every rank of every stage, bitwise; fp16 (the loss scale
-through the pipeline) against the same run in fp32 with a static scale; bad input (a schedule
-or micro-batch count that differs, overlapping stage params, mesh=world["dp"] (refused by
-ZeroAdamW itself), the dp group as process_group=) raises
-ValueError on every rank before any change; schedule.step() inside opt.no_sync() is refused
-the same way. Negative controls: plain torch `PipelineStage` over the dp group alone (`process_group=`; the old
-way: per-stage clip) misses the reference; lr x 1.01 misses it.
+micro-batch); an inf on one stage skips every rank of every stage, bitwise (each rank's params
+before and after the skipped opt.step()), with the same step counters and lr everywhere; fp16
+(the loss scale through the pipeline) against the same run in fp32 with a static scale;
+scale_grads=False (torch's sum over micro-batches), over one schedule step and over two
+before one opt.step(), unclipped, against the one-process sum; bad input (a schedule or
+micro-batch count that differs, overlapping stage params, mesh=world["dp"] (refused by
+ZeroAdamW itself), the dp group as process_group=, an lr, ZeRO stage, max_grad_norm or loss
+scale that differs on one pipeline stage, a second schedule step with scale_grads=True before
+opt.zero_grad()) raises ValueError on every rank before any change; schedule.step() inside
+opt.no_sync() is refused the same way. Negative controls: plain torch `PipelineStage` over the
+dp group alone (`process_group=`; the old way: per-stage clip) misses the reference; lr x 1.01
+misses it; the scale_grads=False runs miss the reference that averages over micro-batches.
 
 On the code before zerokern.pipelining (plain PipelineStage + ZeroAdamW(mesh=world)): stages
 2-3 reduce-scattered once per micro-batch (MICRO x the buckets), fp16 raised "did not go
@@ -94,8 +99,10 @@ def make_net() -> nn.Sequential:
     return net
 
 
-def data(step: int, d: int):
-    g = torch.Generator().manual_seed(1000 * step + d)
+def data(step: int, d: int, sub: int = 0):
+    """dp rank d's batch of optimizer step `step` (its schedule step `sub`, when several
+    schedule steps accumulate before one opt.step())."""
+    g = torch.Generator().manual_seed(1000 * step + d + 100 * sub)
     return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, 3, generator=g)
 
 
@@ -105,8 +112,12 @@ def _groups(params_named):
     return [dict(params=decay, weight_decay=WD), dict(params=rest, weight_decay=0.0)]
 
 
-def reference(lr: float = LR):
-    """The whole net in one process: params per block, losses per step (mean over dp)."""
+def reference(lr: float = LR, max_norm=MAX_NORM, micro_sum: bool = False, accum: int = 1):
+    """The whole net in one process: params per block, losses per schedule step (mean over dp).
+
+    micro_sum: the micro-batch grads summed (torch's scale_grads=False: the sum of the MICRO
+    chunks' mean losses is MICRO x the batch's mean loss), not averaged; accum: schedule steps
+    (batches) whose grads sum before each optimizer step; max_norm None: no clipping."""
     net = make_net()
     opt = torch.optim.AdamW(_groups(list(net.named_parameters())), lr=lr, betas=BETAS,
                             eps=EPS, foreach=False)
@@ -114,16 +125,18 @@ def reference(lr: float = LR):
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        total = 0.0
-        for d in range(DP):
-            x, y = data(step, d)
-            loss = F.mse_loss(net(x), y)
-            (loss / DP).backward()
-            total += float(loss.detach()) / DP
-        torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
+        for sub in range(accum):
+            total = 0.0
+            for d in range(DP):
+                x, y = data(step, d, sub)
+                loss = F.mse_loss(net(x), y)
+                (loss * (MICRO if micro_sum else 1) / DP).backward()
+                total += float(loss.detach()) / DP
+            losses.append(total)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
         opt.step()
         sched.step()
-        losses.append(total)
     return {i: [p.detach().clone() for p in blk.parameters()] for i, blk in enumerate(net)}, \
         losses
 
@@ -141,9 +154,11 @@ def loss_fn(out, y):
 
 def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mesh="world",
           plain=False, inf_at=None, loss_scale=None, micro=MICRO, keep_mb=0.0,
-          keep_gathered=False):
-    """One pipelined run; returns this rank's blocks' params, the losses (last stage), the
-    reduce-scatter and all-gather counts per step, and the skipped flags."""
+          keep_gathered=False, max_norm=MAX_NORM, scale_grads=True, accum=1):
+    """One pipelined run; returns this rank's blocks' params, the losses (last stage, one per
+    schedule step), the reduce-scatter and all-gather counts per step, the skipped flags,
+    whether each optimizer step left every param of this rank bitwise as it was, and the
+    optimizer's step counters and lrs at the end. accum: schedule steps per opt.step()."""
     pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     net = make_net()
     layout = stage_blocks(schedule, pp)
@@ -156,7 +171,7 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
     opt = zk.ZeroAdamW(whole, param_groups=_groups(list(whole.named_parameters())), lr=lr,
                        betas=BETAS, eps=EPS, weight_decay=WD, stage=zero_stage,
                        precision=precision, bucket_mb=0.0002, backend="cpu",
-                       max_grad_norm=MAX_NORM,
+                       max_grad_norm=max_norm,
                        **({"mesh": world} if mesh == "world" else
                           {"process_group": world["dp"].get_group()}),
                        **kw)
@@ -175,35 +190,47 @@ def train(world, schedule: str, zero_stage: int, *, lr=LR, precision="fp32", mes
     if plain:  # torch's stage cannot divide a released p.grad: divide the loss instead
         sched = cls(one, micro, loss_fn=lambda o, t: loss_fn(o, t) / micro, scale_grads=False)
     else:
-        sched = cls(one, micro, loss_fn=loss_fn)
+        sched = cls(one, micro, loss_fn=loss_fn, scale_grads=scale_grads)
     holds_last = any(i == n_stages - 1 for i, _ in layout)
     holds_first = any(i == 0 for i, _ in layout)
-    losses, rs, ag, skipped = [], [], [], []
+    losses, rs, ag, skipped, unchanged = [], [], [], [], []
     dtype = opt.dtype
+
+    def snapshot():
+        with opt.gathered_params() if zero_stage == 3 else _null():
+            return [p.detach().clone() for m in mods for p in m.parameters()]
+
     for step in range(STEPS):
-        x, y = data(step, d)
-        mb_losses = []
         opt.reset_comm_stats()
         if inf_at is not None and inf_at[0] == step and dist.get_rank() == inf_at[1]:
             _poison(mods[0])
-        args = (x.to(dtype),) if holds_first else ()
-        kwargs = dict(target=y.to(dtype), losses=mb_losses) if holds_last else {}
-        sched.step(*args, **kwargs)
+        for sub in range(accum):
+            x, y = data(step, d, sub)
+            mb_losses = []
+            args = (x.to(dtype),) if holds_first else ()
+            kwargs = dict(target=y.to(dtype), losses=mb_losses) if holds_last else {}
+            sched.step(*args, **kwargs)
+            if holds_last:
+                losses.append(sum(float(v.detach()) for v in mb_losses) / (1 if plain else micro))
         st = opt.comm_stats()
         rs.append(st["calls"]["reduce_scatter"])
         ag.append(st["calls"]["all_gather"])
+        before = snapshot() if inf_at is not None else None
         opt.step()
+        if before is not None:  # bitwise: every param of this rank as it was
+            unchanged.append(all(torch.equal(a, b) for a, b in zip(before, snapshot())))
         lr_sched.step()
         skipped.append(bool(opt.step_skipped))
         opt.zero_grad()
-        if holds_last:
-            losses.append(float(sum(float(v) for v in mb_losses) / (1 if plain else micro)))
     with opt.gathered_params() if zero_stage == 3 else _null():
         params = {b: [p.detach().float().clone() for p in net[b].parameters()]
                   for _, blocks in layout for b in blocks}
     return {"params": params, "losses": losses, "rs": rs, "ag": ag, "skipped": skipped,
             "holds_last": holds_last, "late": getattr(opt.grad_sync, "late_units", 0),
-            "scale": float(opt.loss_scale)}
+            "scale": float(opt.loss_scale), "unchanged": unchanged,
+            "step_counts": sorted({int(v) for g in opt.flat_groups
+                                   for v in g.steps.reshape(-1).tolist()}),
+            "lrs": [float(g["lr"]) for g in opt.param_groups]}
 
 
 def _poison(module):
@@ -225,9 +252,9 @@ class _null:
         return False
 
 
-def _exchange_losses(r, world):
+def _exchange_losses(r, world, n=STEPS):
     """The losses live on the last stage: send them to every rank (dp rank's own mean)."""
-    t = torch.tensor(r["losses"] if r["holds_last"] else [0.0] * STEPS, dtype=torch.float64)
+    t = torch.tensor(r["losses"] if r["holds_last"] else [0.0] * n, dtype=torch.float64)
     dist.all_reduce(t, group=world["pp"].get_group())
     dist.all_reduce(t, group=world["dp"].get_group())
     return [float(v) / DP for v in t]
@@ -238,17 +265,29 @@ def _rel(r, ref_params) -> float:
                for a, b in zip(ps, ref_params[blk]))
 
 
-def parity(world, memo, schedule, zero_stage, **kw):
-    lr = kw.get("lr", LR)
-    key = ("ref", lr)
+def _ref(memo, **kw):
+    key = tuple(sorted(kw.items()))
     if key not in memo:
-        memo[key] = reference(lr=LR)  # (the reference always uses the true lr)
-    ref_params, ref_losses = memo[key]
+        memo[key] = reference(**kw)
+    return memo[key]
+
+
+def parity(world, memo, schedule, zero_stage, **kw):
+    """This run against the one-process reference (always at the true lr: the lr control
+    must miss it). Without clipping (max_norm=None) and with scale_grads=False (torch's sum
+    over micro-batches) or accum > 1 the reference follows, and `rel_mean` is the distance to
+    the reference averaged over micro-batches (a negative control: sum and mean must differ)."""
+    ref_kw = {"max_norm": kw.get("max_norm", MAX_NORM), "accum": kw.get("accum", 1)}
+    micro_sum = not kw.get("scale_grads", True)
+    ref_params, ref_losses = _ref(memo, micro_sum=micro_sum, **ref_kw)
     r = train(world, schedule, zero_stage, **kw)
-    losses = _exchange_losses(r, world)
+    losses = _exchange_losses(r, world, STEPS * ref_kw["accum"])
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    return {"rel": _rel(r, ref_params), "loss_rel": loss_rel, "rs": r["rs"], "ag": r["ag"],
-            "skipped": r["skipped"], "late": r["late"]}
+    out = {"rel": _rel(r, ref_params), "loss_rel": loss_rel, "rs": r["rs"], "ag": r["ag"],
+           "skipped": r["skipped"], "late": r["late"]}
+    if micro_sum:
+        out["rel_mean"] = _rel(r, _ref(memo, micro_sum=False, **ref_kw)[0])
+    return out
 
 
 def collectives(world, schedule, zero_stage, micro, keep_mb=0.0, keep_gathered=False):
@@ -259,10 +298,15 @@ def collectives(world, schedule, zero_stage, micro, keep_mb=0.0, keep_gathered=F
 
 
 def overflow(world, schedule, zero_stage):
-    """An inf on rank 0 (pipeline stage 0, dp 0) at step 1: every rank skips it, bitwise."""
+    """An inf on rank 0 (pipeline stage 0, dp 0) at step 1: every rank skips it, bitwise
+    (each rank's params before and after each opt.step(): `unchanged`), and every rank of
+    every stage ends with the same step counters and lrs."""
     r = train(world, schedule, zero_stage, inf_at=(1, 0))
-    clean = train(world, schedule, zero_stage)  # the same run, without the inf
+    clean = train(world, schedule, zero_stage, inf_at=(STEPS, 0))  # no inf, same snapshots
     return {"skipped": r["skipped"], "clean_skipped": clean["skipped"],
+            "unchanged": r["unchanged"], "clean_unchanged": clean["unchanged"],
+            "step_counts": r["step_counts"], "lrs": r["lrs"],
+            "clean_step_counts": clean["step_counts"],
             "moved": any(not torch.equal(a, b) for blk in r["params"]
                          for a, b in zip(r["params"][blk], clean["params"][blk]))}
 
@@ -302,13 +346,44 @@ def bad(world):
     attempt("dp_mesh", mesh_dp=True)  # refused by ZeroAdamW itself (a pp world's sub-mesh)
     attempt("dp_group", mesh_dp="group")  # its dp group as process_group=: by the stage
     attempt("two_optimizers", two_optimizers=True)  # interleaved: one per stage module
+    # the optimizer's settings differ on pipeline stage 1 (its two dp ranks)
+    attempt("opt_lr", opt_kw=dict(lr=LR * 2) if pp == 1 else {})
+    attempt("opt_stage", opt_kw=dict(stage=0) if pp == 1 else {})
+    attempt("opt_max_grad_norm", opt_kw=dict(max_grad_norm=1.0) if pp == 1 else {})
+    attempt("opt_loss_scale", opt_kw=dict(loss_scale=1024.0) if pp == 1 else {})
     attempt("no_sync", no_sync=True)
     attempt("no_sync_later", no_sync="later")  # a later step: each rank raises on its own
+    out["two_steps"] = two_steps_refused(world)
     return out
 
 
+def two_steps_refused(world):
+    """A second schedule step with scale_grads=True before opt.step()/zero_grad() (torch
+    would divide the first step's grads twice): ValueError on every rank at that step, and the
+    first step's grads untouched by it: the opt.step() after the error gives bitwise the
+    params of the same run without the refused step. (message, params equal)"""
+    pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    finals, msg = [], "no error"
+    for refused in (True, False):
+        net = make_net()
+        mod = nn.Sequential(net[2 * pp], net[2 * pp + 1])
+        opt = zk.ZeroAdamW(mod, lr=LR, stage=2, precision="fp32", backend="cpu", mesh=world)
+        sched = ScheduleGPipe(ZeroPipelineStage(mod, pp, PP, torch.device("cpu"), opt,
+                                                group=world["pp"].get_group()),
+                              MICRO, loss_fn=loss_fn)
+        for sub in range(2 if refused else 1):
+            x, y = data(0, d, sub)
+            try:
+                sched.step(*((x,) if pp == 0 else ()), **({} if pp == 0 else dict(target=y)))
+            except ValueError as e:
+                msg = str(e)
+        opt.step()
+        finals.append([p.detach().clone() for p in mod.parameters()])
+    return msg, all(torch.equal(a, b) for a, b in zip(*finals))
+
+
 def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=False,
-             no_sync=False, after_first=None, two_optimizers=False):
+             no_sync=False, after_first=None, two_optimizers=False, opt_kw=None):
     pp, d = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     if two_optimizers:  # stages pp and pp + 2 of 4, an optimizer each
         mods = [nn.Sequential(net[pp]), nn.Sequential(net[pp + PP])]
@@ -325,7 +400,8 @@ def _bad_run(world, net, micro=MICRO, cls=ScheduleGPipe, overlap=False, mesh_dp=
     if overlap and pp == 1:
         blocks = [1, 2, 3]  # block 1 is in stage 0 too
     mod = nn.Sequential(*[net[b] for b in blocks])
-    opt = zk.ZeroAdamW(mod, lr=LR, stage=2, precision="fp32", backend="cpu",
+    kw = {"lr": LR, "stage": 2, "precision": "fp32", **(opt_kw or {})}
+    opt = zk.ZeroAdamW(mod, backend="cpu", **kw,
                        **({"mesh": world["dp"]} if mesh_dp is True else
                           {"process_group": world["dp"].get_group()} if mesh_dp == "group" else
                           {"mesh": world}))
@@ -414,6 +490,13 @@ def _worker(rank: int, world_size: int, slow: bool):
                                                    mesh="dp", plain=True)
         cases["lr_control"] = functools.partial(parity, world, memo, "1f1b", 2, lr=LR * 1.01)
         cases["overflow"] = functools.partial(overflow, world, "1f1b", 2)
+        # no clipping (a clip hides a factor on the grads): torch's sum over micro-batches,
+        # one schedule step, then two schedule steps per opt.step()
+        cases["sum_gpipe2"] = functools.partial(parity, world, memo, "gpipe", 2,
+                                                max_norm=None, scale_grads=False)
+        cases["sum_two_steps_1f1b3"] = functools.partial(parity, world, memo, "1f1b", 3,
+                                                         max_norm=None, scale_grads=False,
+                                                         accum=2)
         cases["fp16"] = functools.partial(fp16, world, "1f1b", 3)
         cases["bad"] = functools.partial(bad, world)
         for schedule, z in DEFAULT:
@@ -463,16 +546,35 @@ def test_plain_stage_with_the_dp_mesh_misses_the_reference():
         TOL["negative_factor"] * TOL["param"]
 
 
+@pytest.mark.parametrize("name", ["sum_gpipe2", "sum_two_steps_1f1b3"])
+def test_scale_grads_false_sums_as_torch(name):
+    """scale_grads=False: the micro-batch grads sum (torch's PipelineStage divides nothing),
+    over one schedule step and over two before one opt.step() (g1 + g2), against one process
+    summing the same micro-batch losses, unclipped. Negative control: the same run is far
+    from the reference that averages over the micro-batches."""
+    for r in case(_results(), name):
+        assert r["rel"] <= TOL["param"] and r["loss_rel"] <= TOL["param"], r
+        assert r["rel_mean"] > TOL["negative_factor"] * TOL["param"], r
+
+
 def test_lr_control_is_caught():
     assert max(r["rel"] for r in case(_results(), "lr_control")) > \
         TOL["negative_factor"] * TOL["param"]
 
 
 def test_an_inf_on_one_stage_skips_every_rank():
-    for r in case(_results(), "overflow"):
+    """Every rank of every stage skips step 1: its params bitwise as before that opt.step()
+    (and moved by the others: the comparison can fail), its step counters at STEPS - 1 on
+    every bucket, and its lr the schedule's, the same on every rank."""
+    rs = case(_results(), "overflow")
+    for r in rs:
         assert r["skipped"] == [False, True, False], r
         assert r["clean_skipped"] == [False] * STEPS, r
+        assert r["unchanged"] == [False, True, False], r
+        assert r["clean_unchanged"] == [False] * STEPS, r
         assert r["moved"], r  # the skip changed the run (it is not a no-op comparison)
+        assert r["step_counts"] == [STEPS - 1] and r["clean_step_counts"] == [STEPS], r
+        assert r["lrs"] == rs[0]["lrs"] and set(r["lrs"]) == {LR * LR_DECAY(STEPS)}, rs
 
 
 def test_fp16_loss_scale_goes_through_the_pipeline():
@@ -484,22 +586,30 @@ def test_fp16_loss_scale_goes_through_the_pipeline():
 
 
 def test_bad_pipelines_raise_on_every_rank_before_any_change():
+    settings = "the optimizer's settings"
     want = {"micro": "micro-batches", "schedule": "the schedule", "overlap": "both hold",
             "dp_mesh": "sub-mesh", "dp_group": "no pipeline role",
             "no_sync": "inside opt.no_sync()",
             "two_optimizers": "hold 2 optimizers",
-            "no_sync_later": "inside opt.no_sync()"}
+            "no_sync_later": "inside opt.no_sync()",
+            "opt_lr": settings, "opt_stage": settings, "opt_max_grad_norm": settings,
+            "opt_loss_scale": settings, "two_steps": "scale_grads=False"}
     for r in case(_results(), "bad"):
         for name, text in want.items():
             assert r[name] != "no error", (name, r[name])
             msg, same = r[name]
             assert text in msg and same, (name, msg)
+        assert "'lr': [0.02]" in r["opt_lr"][0], r["opt_lr"]  # names the value that differs
+        assert "n_microbatches" in r["two_steps"][0], r["two_steps"]
 
 
 @pytest.mark.slow
 def test_overflow_at_stage_3_and_fp16_at_stage_2():
-    for r in case(_results(True), "overflow3"):
+    rs = case(_results(True), "overflow3")
+    for r in rs:
         assert r["skipped"] == [False, True, False] and r["moved"], r
+        assert r["unchanged"] == [False, True, False], r  # (the shards gathered: whole params)
+        assert r["step_counts"] == [STEPS - 1] and r["lrs"] == rs[0]["lrs"], rs
     for r in case(_results(True), "fp16_2"):
         assert r["rel"] <= TOL["fp16"], r
 

@@ -26,7 +26,9 @@ What `ZeroPipelineStage` adds to torch's `PipelineStage` (stage.py):
 - the loss goes through the optimizer's loss scale at the last stage, and the other stages'
   backwards are marked as scaled (their output grads carry that scale), so fp16 works;
 - the schedule's `scale_grads` (divide by the number of micro-batches) is folded into the
-  last stage's loss, because at stages 1-3 `p.grad` is sharded;
+  last stage's loss, because at stages 1-3 `p.grad` is sharded; so a second schedule step
+  with scale_grads=True before `opt.zero_grad()` is refused (torch would divide the first
+  step's grads twice); with scale_grads=False several schedule steps sum, as torch's;
 - at the first step of each schedule, one agreement over the whole job (agreement.py): every
   rank's schedule, micro-batch count, stage layout, optimizer settings and params are compared,
   and a difference raises ValueError on every rank before anything changes; a schedule step

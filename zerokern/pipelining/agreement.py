@@ -66,8 +66,17 @@ SUPPORTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B
 NO_SYNC = ("schedule.step() inside opt.no_sync(): the stage decides "
            "which backward reduces (the step's last, [Note: one reduction per schedule step] "
            "in zerokern/pipelining/stage.py). To accumulate over more micro-batches raise "
-           "n_microbatches, or run several schedule steps before one opt.step() outside "
-           "no_sync() (their gradients sum)")
+           "n_microbatches, or run several schedule steps with scale_grads=False before one "
+           "opt.step() outside no_sync() (their gradients sum)")
+ACCUMULATED = (
+    "schedule.step() with scale_grads=True while the optimizer holds the gradients of {n} "
+    "earlier backward(s) (a second schedule step before opt.step()/opt.zero_grad()): torch's "
+    "PipelineStage divides whatever p.grad holds at every such step, (g1 / n + g2) / n over "
+    "two steps, which zerokern (the division folded into the loss) does not reproduce. To "
+    "accumulate over several schedule steps build the schedule with scale_grads=False (the "
+    "micro-batch gradients then sum, as torch's) and scale the loss yourself (e.g. divide it "
+    "by steps x n_microbatches), or use more micro-batches (n_microbatches) and one schedule "
+    "step per opt.step(); nothing was changed")
 _SUPPORTED = (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS)
 
 

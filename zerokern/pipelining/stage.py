@@ -50,9 +50,19 @@ agreed overflow flag (the plan's pp role), so one scale divides every stage's gr
 The schedule's `scale_grads` (divide the grads by the number of micro-batches) is folded into
 the same product: the last stage's loss is divided by n before the backward, and every
 stage's grads follow (they are linear in the loss). torch divides `p.grad` after the last
-backward instead; at stages 1-3 `p.grad` is sharded, so it cannot be divided there. The one
-difference: two schedule steps before one `opt.step()` sum as (g1 + g2) / n here, and as
-(g1 / n + g2) / n in torch (which divides whatever `p.grad` holds).
+backward instead; at stages 1-3 `p.grad` is sharded, so it cannot be divided there.
+
+[Note: several schedule steps before one opt.step()]
+torch divides whatever `p.grad` holds at the end of every step with scale_grads=True, so two
+such steps before one `opt.step()` give (g1 / n + g2) / n: the first step's grads divided
+twice. The fold above gives (g1 + g2) / n instead: a plausible, silently different number.
+So a schedule step with scale_grads=True (and a backward) while the optimizer holds grads of
+an earlier backward (`grad_sync.micro_steps` > 0: no `opt.zero_grad()` since) raises
+ValueError in `clear_runtime_states`, before the step's first communication, on every rank
+that runs the same program (and posts it for the others, as a step inside `no_sync()` is):
+the grads of the earlier steps stay as they were. With scale_grads=False nothing is divided,
+in torch or here: the steps' micro-batch grads sum (g1 + g2), so accumulating over several
+schedule steps is done with scale_grads=False and the loss divided by the user.
 """
 
 from __future__ import annotations
@@ -132,7 +142,10 @@ class ZeroPipelineStage(PipelineStage):
         TypeError: optimizer is not a zerokern optimizer.
         ValueError: dw_builder given. Everything that needs the other ranks (the schedule,
             the stage layout, overlapping params, the optimizer's mesh) is checked at the
-            first `schedule.step()`, on every rank at once (agreement.py).
+            first `schedule.step()`, on every rank at once (agreement.py). A schedule step
+            with scale_grads=True while the optimizer holds grads of an earlier one (no
+            `opt.zero_grad()` since) is refused at that step ([Note: several schedule steps
+            before one opt.step()]): accumulate over steps with scale_grads=False.
     """
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int,
@@ -170,6 +183,12 @@ class ZeroPipelineStage(PipelineStage):
             agreement.agree_on_schedule(schedule, self)  # ValueError on every rank
         if not self.optimizer.grad_sync.sync:  # (at the first step: in the agreement)
             error = ValueError(f"ZeroPipelineStage: {agreement.NO_SYNC}")
+            agreement.post_failure(self, error)
+            raise error
+        held = self.optimizer.grad_sync.micro_steps
+        if (schedule is not None and schedule.scale_grads and schedule._has_backward
+                and held > 0):  # [Note: several schedule steps before one opt.step()]
+            error = ValueError(f"ZeroPipelineStage: {agreement.ACCUMULATED.format(n=held)}")
             agreement.post_failure(self, error)
             raise error
         rs, opt = self._rank_stages, self.optimizer
