@@ -353,6 +353,18 @@ class _ExtraLosses:
                          loss_fn=torch.nn.functional.mse_loss)
 
 
+def _dualpipev():
+    """DeepSpeed's DualPipeVModule (a PipelineModule subclass for its DualPipeV schedule:
+    each rank holds two chunks, split backward), the layers of _module."""
+    import deepspeed
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(MODEL_SEED)
+    return DualPipeVModule(layers=_specs(False), num_stages=2,
+                           loss_fn=torch.nn.functional.mse_loss)
+
+
 def _refused(rank, cfg, build, **init_kw):
     """initialize on a PipelineModule zerokern refuses: (exception type, message), and
     whether the module was left as it was (same tensors, no zerokern hooks)."""
@@ -393,6 +405,7 @@ def _errors(rank, ws):
     out["topology-model-axis"] = _refused(
         rank, s1, lambda: _module(None, topology=topo))
     out["additional-losses"] = _refused(rank, s1, _ExtraLosses.build)
+    out["dualpipev"] = _refused(rank, s1, _dualpipev)
 
     import deepspeed
 
@@ -658,6 +671,7 @@ REFUSED = {
     "topology-model-axis": ("NotImplementedError", "'model'"),
     "ranks-disagree": ("ConfigError", "gradient_accumulation_steps differs"),
     "additional-losses": ("NotImplementedError", "get_additional_losses"),
+    "dualpipev": ("NotImplementedError", "DualPipeVModule"),
 }
 
 
