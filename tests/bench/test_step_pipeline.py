@@ -48,6 +48,14 @@ def test_pp_row_fields_and_equal_first_losses(run):
     for s in (0, 1):
         assert rows["zerokern s3"][f"s{s}_all_gathers"] > \
             rows["zerokern s3 keep_gathered"][f"s{s}_all_gathers"]
+        # ...for holding the whole stage gathered: the peer's (FSDP2 without resharding)
+        # whole params; the default holds a unit or two at a time plus its prefetch, which
+        # on the tiny GPT's one-block stages is the whole stage too
+        keep = rows["zerokern s3 keep_gathered"][f"s{s}_gathered_MiB"]
+        default = rows["zerokern s3"][f"s{s}_gathered_MiB"]
+        assert 0 < default <= keep, (default, keep)
+        assert keep == pytest.approx(rows[step_pipeline.PEER][f"s{s}_gathered_MiB"], rel=0.05)
+        assert rows["zerokern s2"][f"s{s}_gathered_MiB"] is None
     losses = res["losses"]["losses"]
     peer = losses[step_pipeline.PEER]
     assert len(peer) == 2  # 1 timed step + the counted one

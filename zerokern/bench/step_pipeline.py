@@ -72,10 +72,13 @@ def _schedule_class(name: str):
 class _Side:
     """One side of the comparison on this rank: its stage, schedule, optimizer and data."""
 
-    def __init__(self, name, module, schedule, opt, data, first, last, count, memory):
+    def __init__(self, name, module, schedule, opt, data, first, last, count, memory,
+                 gathered=None):
         self.name, self.module, self.schedule, self.opt = name, module, schedule, opt
         self.data, self.first, self.last = data, first, last
         self.count, self.memory = count, memory  # collective counter, model-state bytes
+        # stage 3: the most param bytes held gathered at once in a step, beside the shards
+        self.gathered = gathered
         self.steps, self.losses, self.mem_bytes = 0, [], 0
 
     def step(self, probe: bool = False) -> None:
@@ -162,8 +165,11 @@ def _make_sides(args, rank: int, world):
                 r = opt.memory_report()
                 return int(r["measured_total"] - r["measured"]["buckets"])
             name = f"zerokern s{stage}" + (" keep_gathered" if keep else "")
+            # the runtime's own high-water mark of gathered unit bytes (stage3/runtime.py)
+            gathered = (lambda opt=opt: opt.grad_sync.peak_live_bytes) if stage == 3 else None
             sides.append(_Side(name, m, sched, opt, data, first, last,
-                               lambda opt=opt: opt.comm_stats(reset=True)["calls"], memory))
+                               lambda opt=opt: opt.comm_stats(reset=True)["calls"], memory,
+                               gathered))
     if args.peers:
         m = copy.deepcopy(proto)
         dp_mesh = world["dp"]
@@ -180,7 +186,12 @@ def _make_sides(args, rank: int, world):
                      if isinstance(v, torch.Tensor)]
             return _storage_bytes(ps) + _storage_bytes(p.grad for p in ps) + \
                 _storage_bytes(state)
-        sides.append(_Side(PEER, m, sched, opt, data, first, last, None, memory))
+        # reshard_after_forward=False: every param of the stage stays unsharded from its
+        # first all-gather of a step to the step's last backward (FSDP2's contract): the
+        # stage's whole params, fp32
+        whole = 4 * sum(p.numel() for p in proto.parameters())
+        sides.append(_Side(PEER, m, sched, opt, data, first, last, None, memory,
+                           lambda whole=whole: whole))
     return sides, sum(p.numel() for p in proto.parameters())
 
 
@@ -202,7 +213,7 @@ def _worker(rank: int, world_size: int, args):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if rep >= args.warmup:
                 times[sd.name].append(float(dt))
-    calls, mem = {}, {}
+    calls, mem, gathered = {}, {}, {}
     for sd in sides:  # one more step each, counted, outside the timed ones
         dist.barrier()
         if sd.count is not None:
@@ -215,9 +226,11 @@ def _worker(rank: int, world_size: int, args):
         calls[sd.name] = {k: int(c.get(k, 0)) for k in ("all_gather", "reduce_scatter",
                                                           "all_reduce")}
         mem[sd.name] = sd.mem_bytes
+        if sd.gathered is not None:
+            gathered[sd.name] = int(sd.gathered())
     stage = world["pp"].get_local_rank()
     mine = {"rank": rank, "stage": stage, "dp_rank": world["dp"].get_local_rank(),
-            "calls": calls, "mem": mem,
+            "calls": calls, "mem": mem, "gathered": gathered,
             "params": params,
             "losses": {sd.name: sd.losses for sd in sides} if sides[0].last else None}
     everyone: List[dict] = [None] * world_size  # type: ignore[list-item]
@@ -331,6 +344,9 @@ def report(args, res) -> int:
             row[f"s{st}_reduce_scatters"] = c["reduce_scatter"]
             row[f"s{st}_all_reduces"] = c["all_reduce"]
             row[f"s{st}_state_MiB"] = max(r["mem"][name] for r in rs) / 2**20
+            peaks = [r.get("gathered", {}).get(name) for r in rs]
+            row[f"s{st}_gathered_MiB"] = (max(peaks) / 2**20 if None not in peaks
+                                          else None)
         row["loss_step1"] = checks["losses"][name][0]
         rows.append(row)
     stages = sorted(by_stage)
@@ -340,7 +356,8 @@ def report(args, res) -> int:
         cols += [(f"s{st}_all_gathers", f"stage {st} AG/step"),
                  (f"s{st}_reduce_scatters", f"stage {st} RS/step"),
                  (f"s{st}_all_reduces", f"stage {st} AR/step"),
-                 (f"s{st}_state_MiB", f"stage {st} MiB/rank")]
+                 (f"s{st}_state_MiB", f"stage {st} MiB/rank"),
+                 (f"s{st}_gathered_MiB", f"stage {st} gathered params peak MiB")]
     cols.append(("loss_step1", "loss, step 1"))
     title = (f"step benchmark, pipeline: GPT {args.model_size} in {args.pp} stages × dp {dp} "
              f"({args.nproc} gloo ranks), {args.schedule}, {args.micro_batches} micro-batches "
@@ -365,7 +382,12 @@ def report(args, res) -> int:
           common.markdown_table(rows, cols), "",
           *[f"- [{'PASS' if ok else 'MISS'}] {t}: {v}" for t, v, ok in targets], "",
           "Collectives are per step on one rank of each stage; MiB/rank are the params, "
-          "grads and optimizer state a rank of the stage holds (max over its dp ranks).", ""]
+          "grads and optimizer state a rank of the stage holds (max over its dp ranks). "
+          "Gathered params peak (stage 3): zerokern's high-water mark of unit params held "
+          "gathered at once in a step (the runtime's peak_live_bytes), and for the peer "
+          "(reshard_after_forward=False) the stage's whole fp32 params, which FSDP2 holds "
+          "unsharded through the step; the cost of keep_gathered beside its fewer "
+          "all-gathers.", ""]
     common.write_text(args.out / f"{stem}.md", "\n".join(md))
     # a step-1 loss that differs: the sides did not do the same work, the ratios mean nothing
     return 0 if all(ok for *_, ok in targets) else 1
