@@ -144,8 +144,8 @@ class Store:
         k.call = k.ready = k.ready_done = None
         index = self._index
         self._index += 1
-        handle = x.is_floating_point() and (self.split or self.cpu or self.contiguous)
-        if not handle:
+        managed = x.is_floating_point() and (self.split or self.cpu or self.contiguous)
+        if not managed:
             k.data, k.where = x, "device"
         else:
             k.split = self.split and partition.splittable(x, self.tp)
@@ -154,7 +154,7 @@ class Store:
             if self.contiguous is not None and self._row is not None:
                 row = self.contiguous.row(self._row, index, src)
             if row is not None:
-                if row.device.type == "cpu" and src.is_cuda:
+                if row.device.type == "cpu" and handle(src).has_streams:
                     k.data, k.event = self._copy_into_host(src, row)
                 else:
                     row.copy_(src)

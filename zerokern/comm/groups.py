@@ -53,7 +53,7 @@ def _replicate_after(h, out: torch.Tensor, issue):
     reduce-scatter and the issue run on a side stream, so the compute stream goes on with the
     backward; the returned handle is the all-reduce's. On the host the reduce-scatter is
     waited for first (gloo's own collectives, ZEROKERN_GLOO_RING=0)."""
-    if out.device.type != "cuda":
+    if not handle(out).has_streams:
         h.wait()
         return issue()
     side = _side_stream(out.device)

@@ -583,7 +583,7 @@ def _side_stream(device: torch.device):
 
 def _side_stream_for(levels: Sequence[Level], inp: torch.Tensor):
     """The side stream when hops run before the last one, on a GPU; else None."""
-    if len(levels) > 1 and inp.device.type == "cuda":
+    if len(levels) > 1 and handle(inp).has_streams:
         return _side_stream(inp.device)
     return None
 

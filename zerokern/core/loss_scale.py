@@ -14,6 +14,7 @@ from typing import Any, Dict, Mapping
 import torch
 
 from zerokern.options.args import check_precision
+from zerokern.platform.device import handle
 
 __all__ = ["LossScaler", "DynamicLossScaler", "make_loss_scaler"]
 
@@ -167,8 +168,9 @@ class DynamicLossScaler(LossScaler):
         dev = self.scale.device
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=dev)
         self.hysteresis_left = torch.full((), self.hysteresis, dtype=torch.int32, device=dev)
-        # Pinned so the per-step device->host copy is truly asynchronous on CUDA.
-        self._hit_host = torch.zeros((), dtype=torch.bool, pin_memory=dev.type == "cuda")
+        # Pinned so the per-step device->host copy is truly asynchronous on a GPU.
+        self._hit_host = torch.zeros((), dtype=torch.bool,
+                                     pin_memory=handle(dev).pins_host_memory)
 
     def update_(self, found_inf: torch.Tensor) -> None:
         """Updates scale, growth tracker and hysteresis in place, without host synchronisation.

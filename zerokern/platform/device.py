@@ -15,6 +15,18 @@ The torch module is looked up at every call (`getattr(torch, type)`), never kept
 fake-CUDA harness (tests/support/fake_cuda) replaces `torch.cuda.Stream`/`Event` with
 recording stand-ins after import, and they must be the ones used.
 
+[Note: what a device can do]
+The library's choices of pinning, side streams and events ask the handle what the device can
+do (`has_streams`, `pins_host_memory`), never whether its type is "cuda", so a new device type
+with streams is one entry in `_STREAMED`, not an edit in every module that copies to the host.
+Both are True exactly for "cuda" (ROCm too) and "xpu": for cpu, meta and cuda the answers are
+what `device.type == "cuda"` gave before; an MPS device (a torch module, but no streams in it)
+stays on the CPU's code path as before. The choice of which kernel runs (kernels/dispatch.py
+and the kernels it picks) stays with the kernels: it is a choice of code compiled for CUDA,
+not of a capability (tests/test_device_type_compares.py lists the modules that still compare
+a type with "cuda", and why). No XPU has run this code: "xpu" is in `_STREAMED` because
+torch.xpu has the same Stream/Event/pin_memory API as torch.cuda.
+
 On the CPU every stream operation is a no-op: `stream()` is None, `use_stream(None)` is a null
 context, `event()` is None, so callers write one code path with `if stream is not None` only
 where the copy itself differs (a non-blocking copy needs pinned memory and a stream).
@@ -32,6 +44,9 @@ DeviceLike = Union[str, torch.device, None]
 
 # Device types without a runtime to drive: their stream operations are the CPU's no-ops.
 _NOT_ACCELERATORS = ("cpu", "meta")
+# Device types whose runtime has streams, events and page-locked host memory, so that a copy
+# between the device and the host can run asynchronously ([Note: what a device can do]).
+_STREAMED = ("cuda", "xpu")
 # The collective backend of each device type: torch.distributed's own names.
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}
 
@@ -56,6 +71,18 @@ class DeviceHandle:
         """A device with a runtime of its own (cuda, xpu, ...): not the CPU, not `meta`
         (shapes only), and one torch has a module for."""
         return self.type not in _NOT_ACCELERATORS and getattr(torch, self.type, None) is not None
+
+    @property
+    def has_streams(self) -> bool:
+        """Streams and events drive this device's work: a copy to or from the host can run on
+        a side stream and be waited for by an event ([Note: what a device can do])."""
+        return self.type in _STREAMED
+
+    @property
+    def pins_host_memory(self) -> bool:
+        """Host buffers that exchange data with this device are pinned (page-locked), so that
+        a non-blocking copy is truly asynchronous; False on the CPU."""
+        return self.type in _STREAMED
 
     @property
     def backend(self) -> str:

@@ -133,7 +133,7 @@ class MuonRule(Rule):
                                      comm_shard.group)
         buf = g.rule_states.get("momentum_buffer")
         plan.host_staging = None
-        if g.device.type == "cuda" and buf is not None and buf.device.type == "cpu":
+        if handle(g.device).pins_host_memory and buf is not None and buf.device.type == "cpu":
             STAGING.reserve(g.state_numel)
             plan.host_staging = STAGING
         return plan
@@ -230,9 +230,9 @@ class MuonRule(Rule):
 
 def _recorded(device: torch.device):
     """An event after the copies queued on `device`'s current stream (a GPU), else None."""
-    if device.type != "cuda":
-        return None
     h = handle(device)
+    if not h.has_streams:
+        return None
     return h.recorded_event(h.current_stream(device))
 
 

@@ -307,7 +307,7 @@ class ActivationPolicy:
             if not param:  # host memory is the device: kept as is (params and their views,
                 self._host.add(t.untyped_storage())  # weight.t(), always stay)
             return self._record(_Packed(None, t, self._call))
-        pin = t.is_cuda if self.pin_memory is None else self.pin_memory
+        pin = handle(t).pins_host_memory if self.pin_memory is None else self.pin_memory
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
         host.copy_(t, non_blocking=pin)
         self._host.add(host.untyped_storage())

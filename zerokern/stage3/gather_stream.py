@@ -76,7 +76,7 @@ _STREAMS: Dict[torch.device, GatherStream] = {}
 
 def for_device(device: torch.device):
     """The gather stream of a CUDA device (made once), or None on the CPU."""
-    if device.type != "cuda":
+    if not handle(device).has_streams:
         return None
     if device.index is None:
         device = handle(device).current_device()

@@ -43,7 +43,7 @@ class ParamHomes:
     def __init__(self, kind: str, device: torch.device, host_update: bool,
                  root: Optional[str] = None, rank: int = 0) -> None:
         self.kind, self.device, self.rank = kind, device, rank
-        self.pin = device.type == "cuda"
+        self.pin = handle(device).pins_host_memory
         self.host_update = host_update  # offload="cpu"/"nvme": the host writes the params
         self.flats: List[OffloadedShardedFlat] = []
         self.files: List[_ParamFile] = []

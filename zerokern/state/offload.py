@@ -61,7 +61,7 @@ class HostState(RuleState):
     dtype and param (S,) the model dtype (None at fp32): staging, distinct buffers."""
 
     def __init__(self, buf, grad_dtype: torch.dtype, rule: Rule) -> None:
-        self.pin = buf.device.type == "cuda"
+        self.pin = handle(buf.device).pins_host_memory
         n = buf.state_numel
         fp32 = torch.float32
         self.master = pinned.host_empty(n, fp32, self.pin).zero_()
@@ -86,23 +86,23 @@ class CopyPipeline:
     step's [grad_scale, found_inf] on the host, and [Note: the one blocking wait]."""
 
     def _init_copies(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.streamed = handle(device).has_streams  # pinned host buffers, a copy stream
         # This step's [grad_scale, found_inf] on the host, once for every group; found_inf is
         # read through the numpy view once it has arrived (a host read of host memory, no
         # device sync), to skip an overflowed step's copies.
-        self.scalars = pinned.host_empty(2, torch.float32, self.cuda)
+        self.scalars = pinned.host_empty(2, torch.float32, self.streamed)
         self.scalars_np = self.scalars.numpy()
         # the used flags' host copy (frozen_slots.HostUnused, set by the optimizer as
         # `self.unused`): one fp32 per param of the buffers, read through its numpy view
         bufs = getattr(self, "buffers", None) or getattr(self, "groups", None) or []
         n_flags = sum(len(g.params) for g in bufs)
-        self.flags_host = pinned.host_empty(max(n_flags, 1), torch.float32, self.cuda)
+        self.flags_host = pinned.host_empty(max(n_flags, 1), torch.float32, self.streamed)
         self.flags_np = self.flags_host.numpy()
         self.unused = getattr(self, "unused", None)
         self._planned = False
         self._flags_shipped = False
         self.dev = handle(device)
-        self.stream = self.dev.stream(device) if self.cuda else None
+        self.stream = self.dev.stream(device) if self.streamed else None
         # Host seconds in the blocking wait and in the cpu kernel (benchmark diagnostics;
         # perf_counter reads the host clock, not a device value).
         self.wait_s = 0.0
@@ -110,7 +110,7 @@ class CopyPipeline:
 
     # -- copies: async on the copy stream on a GPU, plain copies on a CPU-only machine --------
     def _copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if not self.cuda:
+        if not self.streamed:
             dst.copy_(src)
             return None
         with self.dev.use_stream(self.stream):
@@ -129,7 +129,7 @@ class CopyPipeline:
         params' used flags (summed over the ranks) behind them in the same stream: the one
         wait covers them (frozen_slots.py [Note: a param no rank used, on the host])."""
         self._planned = False
-        if self.cuda:
+        if self.streamed:
             self.stream.wait_stream(self.dev.current_stream(self.stream.device))
         self._flags_shipped = used is not None and self.unused is not None and \
             used.numel() == self.flags_host.numel()
@@ -177,7 +177,7 @@ class CopyPipeline:
 
     def end(self) -> None:
         """The device may use the params once every H2D copy has landed (stream order)."""
-        if self.cuda:
+        if self.streamed:
             self.dev.current_stream(self.stream.device).wait_stream(self.stream)
 
 

@@ -157,7 +157,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         self.groups = buffers
         self.dtype = buffers[0].dtype
         self._init_copies(buffers[0].device)  # stream, host scalars (offload.py)
-        self.pin = self.cuda
+        self.pin = self.streamed
         self.configure(*self._pool_args)
 
     def close(self) -> None:
