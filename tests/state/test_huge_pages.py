@@ -85,7 +85,7 @@ def test_a_freed_mapping_is_lazily_free_and_reused_zeroed(pool):
     that size is the same pages, zero again."""
     n = 64 << 18  # 64 MiB of fp32
     lazy0 = _status_mib("LazyFree", "/proc/self/smaps_rollup")
-    t = huge_pages.zeros(n, torch.float32, "cpu")
+    t = huge_pages.zeros(n, torch.float32, "cpu", reuse=True)
     t.fill_(3.0)
     ptr, view = t.data_ptr(), t[7:9]
     del t
@@ -96,9 +96,9 @@ def test_a_freed_mapping_is_lazily_free_and_reused_zeroed(pool):
     assert pool.bytes == n * 4
     lazy = _status_mib("LazyFree", "/proc/self/smaps_rollup") - lazy0
     assert lazy > 60, f"64 MiB given back lazily, LazyFree grew {lazy:.0f} MiB"
-    other = huge_pages.zeros(n // 2, torch.float32, "cpu")  # another size: a fresh mapping
+    other = huge_pages.zeros(n // 2, torch.float32, "cpu", reuse=True)  # another size: a fresh mapping
     assert other.data_ptr() != ptr and pool.bytes == n * 4
-    again = huge_pages.zeros(n, torch.float32, "cpu")
+    again = huge_pages.zeros(n, torch.float32, "cpu", reuse=True)
     assert again.data_ptr() == ptr and pool.bytes == 0 and pool.reused >= 1
     assert not again.any(), "a reused mapping must be zero"
 
@@ -106,12 +106,16 @@ def test_a_freed_mapping_is_lazily_free_and_reused_zeroed(pool):
 @pytest.mark.skipif(huge_pages._LAZY is None, reason="no MADV_FREE on this platform: no pool")
 def test_the_pool_keeps_at_most_its_bounds(pool):
     n = huge_pages.MIN_BYTES
-    bufs = [huge_pages.zeros(n, torch.uint8, "cpu") for _ in range(pool.per_size + 2)]
+    bufs = [huge_pages.zeros(n, torch.uint8, "cpu", reuse=True) for _ in range(pool.per_size + 2)]
     del bufs
     gc.collect()
     assert pool.bytes == pool.per_size * n  # the rest were unmapped
     pool.clear()
     pool.enabled = False
+    t = huge_pages.zeros(n, torch.uint8, "cpu", reuse=True)
+    del t
+    assert pool.bytes == 0
+    pool.enabled = True  # a buffer not made for reuse (params, states) is never pooled
     t = huge_pages.zeros(n, torch.uint8, "cpu")
     del t
     assert pool.bytes == 0

@@ -140,7 +140,8 @@ class FullGrads(GradSync):
     # -- the buffer ------------------------------------------------------------------------------
     def _alloc(self, groups=None, bufs=None) -> None:
         groups = groups or self.groups
-        self.grads = bufs if bufs is not None else [huge_pages.zeros_like(g.flat) for g in groups]
+        self.grads = bufs if bufs is not None else [huge_pages.zeros_like(g.flat, reuse=True)
+                                                    for g in groups]
         if bufs is None:  # fresh zero pages: copying a grad in beats adding into them
             self._mark_stale(groups)
         # a DTensor param's p.grad is a DTensor over its view (dtensor_params.py)
@@ -181,7 +182,7 @@ class FullGrads(GradSync):
         if not self._consumed:
             return
         for gi, (g, buf) in enumerate(zip(self.groups, self.grads)):
-            carry = huge_pages.zeros(g.state_numel, buf.dtype, buf.device)
+            carry = huge_pages.zeros(g.state_numel, buf.dtype, buf.device, reuse=True)
             for k in range(g.layout.n_buckets):
                 carry[g.state_slice(k)].copy_(g.piece(buf, k))
             self._carry[gi] = carry
@@ -298,7 +299,7 @@ class FullGrads(GradSync):
                 # from it; p.grad gets the result rounded to the param dtype, as DDP's.
                 if self._wide[gi] is None:
                     self._wide[gi] = huge_pages.zeros(buf.numel(), self.reduce_dtype,
-                                                     buf.device)
+                                                     buf.device, reuse=True)
                 src = g.bucket(self._wide[gi], k)
                 src.copy_(b)
             # fp32 in place: each param's part was divided by N before (DDP's order, [Note:
@@ -315,7 +316,7 @@ class FullGrads(GradSync):
             src = b.to(self.reduce_dtype)
             if self._shard[gi] is None:
                 self._shard[gi] = huge_pages.zeros(g.layout.shard_numel, self.reduce_dtype,
-                                                  g.device)
+                                                  g.device, reuse=True)
             out = self._shard[gi][g.state_slice(k)]
         h = self.comm.reduce_grads_(out, src, async_op=True, label=f"group {gi} bucket {k}")
         self._handles.append((gi, k, h, None, None))

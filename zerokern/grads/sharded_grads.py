@@ -26,7 +26,7 @@ class ShardedGrads(GradSync):
         # The reduce-scatters' group: comm, or stage 3's own ([Note: stage-3 collective order])
         self.rs_comm = comm if rs_comm is None else rs_comm
         self._grad_shards: Optional[List[torch.Tensor]] = [
-            huge_pages.zeros(g.layout.shard_numel, reduce_dtype, g.device)
+            huge_pages.zeros(g.layout.shard_numel, reduce_dtype, g.device, reuse=True)
             for g in groups]  # (S,) reduce dtype; None: freed (free_grads=True)
         self._fresh = True            # first reduction since zero_grad: write the shard directly
         self._issued = False          # a reduce-scatter was issued since the last drain
@@ -37,7 +37,7 @@ class ShardedGrads(GradSync):
     def grad_shards(self) -> List[torch.Tensor]:
         if self._grad_shards is None:  # freed at zero_grad: the next reduction writes it
             self._grad_shards = [huge_pages.zeros(g.layout.shard_numel, self.reduce_dtype,
-                                                  g.device) for g in self.groups]
+                                                  g.device, reuse=True) for g in self.groups]
         return self._grad_shards
 
     def held_grads(self) -> List[torch.Tensor]:
@@ -57,7 +57,7 @@ class ShardedGrads(GradSync):
         """Reduce-scatter `staging` into `shard` (the first reduction since zero_grad writes it,
         later ones land in a scratch shard added on completion); `key` names the staging
         buffer: (group, bucket) at stage 2, the unit buffer's index at stage 3."""
-        out = shard if self._fresh else huge_pages.zeros_like(shard)
+        out = shard if self._fresh else huge_pages.zeros_like(shard, reuse=True)
         self._issued = True
         h = self.rs_comm.reduce_grads_(out, staging, async_op=True,
                                          label=self._reduce_label(key))
@@ -129,7 +129,7 @@ class BucketedGrads(ShardedGrads):
                 buf = self._pool.pop()
             else:
                 buf = huge_pages.zeros(self.bucket_numel, self.reduce_dtype,
-                                       self.groups[gi].device)
+                                       self.groups[gi].device, reuse=True)
                 self.staging_allocated += 1
             L = self.groups[gi].layout
             lo, hi = L.bucket_range(k)
@@ -149,7 +149,7 @@ class BucketedGrads(ShardedGrads):
         if not self.sync:  # no_sync(): local accumulation, no communication
             if self._local is None:
                 self._local = [huge_pages.zeros(h.layout.padded_numel, self.reduce_dtype,
-                                                h.device) for h in self.groups]
+                                                h.device, reuse=True) for h in self.groups]
             self._local[gi][s.offset:s.offset + s.numel].add_(flat_grad)
             return
         if self._sched.arrived[gi][i]:

@@ -523,7 +523,8 @@ class Stage3Runtime(ShardedGrads):
         if pool:
             return pool.pop()
         self.staging_allocated += 1
-        return huge_pages.zeros(L.padded_numel, self.reduce_dtype, self.groups[fi].device)
+        return huge_pages.zeros(L.padded_numel, self.reduce_dtype, self.groups[fi].device,
+                                reuse=True)
 
     def _acquire(self, fi: int) -> torch.Tensor:
         if fi not in self._staging:
@@ -575,7 +576,7 @@ class Stage3Runtime(ShardedGrads):
         if self._local[fi] is None:
             L = self.groups[fi].layout
             self._local[fi] = huge_pages.zeros(L.padded_numel, self.reduce_dtype,
-                                               self.groups[fi].device)
+                                               self.groups[fi].device, reuse=True)
         return self._local[fi]
 
     # ---- rule 4: reduce-scatter windows -----------------------------------------------------

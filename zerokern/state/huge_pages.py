@@ -41,12 +41,16 @@ free_grads=True that is paid again at every step: stage 1 fp32 on the 20m GPT, 2
 spent 322 ms of CPU per iteration over the bare model with its Ψ grad buffer freed and 95 with
 it kept (benchmarks/results/engine-20m-n2-issue40-20261129-r3-stage1-phases.md). Keeping the
 buffer would hold it between steps (0.96x DeepSpeed's memory, over issue 12's 0.9x).
-So a mapping whose last tensor dies is not unmapped at once: it is advised MADV_FREE and kept in
-`POOL` for the next buffer of the same size. MADV_FREE hands the pages back to the kernel
-lazily: it reclaims them when it needs memory, without writing them anywhere, and until then
-the next write reuses them without a fault. The memory is free in the kernel's accounting (it
-counts them as reclaimable; RSS still shows them until reclaimed), so `free_grads` still frees.
-A reused buffer's old bytes (or zeros, if reclaimed) are cleared with one memset on warm pages.
+So a grad-side buffer's mapping (`reuse=True`: the grad buffer, grad shards, staging and
+accumulators, made again at every step) whose last tensor dies is not unmapped at once: it is
+advised MADV_FREE and kept in `POOL` for the next buffer of the same size. Other buffers are not
+pooled: pooling construction's temporaries too (stage 3's whole flat group, freed once sharded)
+left 378 MiB per rank in the pool on the 20m GPT, never asked for again. MADV_FREE hands the
+pages back to the kernel lazily: it reclaims them when it needs memory, without writing them
+anywhere, and until then the next write reuses them without a fault. The memory is free in the
+kernel's accounting (it counts them as reclaimable; RSS still shows them until reclaimed), so
+`free_grads` still frees. A reused buffer's old bytes (or zeros, if reclaimed) are cleared with
+one memset on warm pages.
 Measured (92 MB, a copy into it, load ~4.7, 5 repetitions): a fresh buffer 111-176 ms, a
 pooled one 51-89 ms plus 1.4 ms for the madvise, a kept one 73-115 ms.
 The pool keeps at most POOL_PER_SIZE mappings of one size and POOL_MAX_BYTES in all
@@ -125,9 +129,9 @@ class LazyPool:
 POOL = LazyPool()
 
 
-def _mapping(nbytes: int) -> tuple:
+def _mapping(nbytes: int, reuse: bool) -> tuple:
     """(an anonymous mapping of nbytes, whether it is fresh: zero without a memset)."""
-    mm = POOL.take(nbytes) if _LAZY is not None else None
+    mm = POOL.take(nbytes) if reuse and _LAZY is not None else None
     if mm is not None:
         return mm, False
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _ANON)
@@ -139,15 +143,19 @@ def _mapping(nbytes: int) -> tuple:
     return mm, True
 
 
-def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zeroed 1-D tensor; on the CPU, large ones on their own huge-page mapping, reused
-    from the lazy pool when one of the size was freed ([Note: freed mappings kept lazily])."""
+def zeros(numel: int, dtype: torch.dtype, device, *, reuse: bool = False) -> torch.Tensor:
+    """A zeroed 1-D tensor; on the CPU, large ones on their own huge-page mapping.
+
+    reuse: a buffer made again at every step (the grads' side: freed at zero_grad or after
+    its reduction): its mapping comes from and goes back to the lazy pool ([Note: freed
+    mappings kept lazily]). Long-lived buffers (params, master, states) and construction's
+    temporaries are not pooled: their pages go back to the kernel when they die."""
     device = torch.device(device)
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _ANON is None:
         return torch.zeros(numel, dtype=dtype, device=device)
-    mm, fresh = _mapping(nbytes)
-    if _LAZY is None:
+    mm, fresh = _mapping(nbytes, reuse)
+    if _LAZY is None or not reuse:
         return torch.frombuffer(mm, dtype=dtype)  # the tensor keeps the mapping alive
     # the tensor keeps the array alive and the array the mapping; when the array dies (the
     # last tensor over the mapping is gone) the mapping goes back to the pool
@@ -159,5 +167,5 @@ def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def zeros_like(t: torch.Tensor) -> torch.Tensor:
-    return zeros(t.numel(), t.dtype, t.device).view(t.shape)
+def zeros_like(t: torch.Tensor, *, reuse: bool = False) -> torch.Tensor:
+    return zeros(t.numel(), t.dtype, t.device, reuse=reuse).view(t.shape)
