@@ -160,7 +160,9 @@ def zeros(numel: int, dtype: torch.dtype, device, *, reuse: bool = False) -> tor
     # the tensor keeps the array alive and the array the mapping; when the array dies (the
     # last tensor over the mapping is gone) the mapping goes back to the pool
     arr = np.frombuffer(mm, dtype=np.uint8)
-    weakref.finalize(arr, POOL.give, mm)
+    # not at interpreter exit: a buffer still alive then (an atexit save reading it) must not
+    # be advised free under its user
+    weakref.finalize(arr, POOL.give, mm).atexit = False
     t = torch.from_numpy(arr).view(dtype)
     if not fresh:
         t.zero_()
