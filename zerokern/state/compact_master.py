@@ -81,7 +81,7 @@ class _HostFlag:
 
     def __init__(self, flag: torch.Tensor) -> None:
         self.event = None
-        if handle(flag).has_streams:
+        if handle(flag.device).has_streams:
             # (issue 24, item 8) On the flag's device: the copy runs on that device's current
             # stream, and Event.record() records on the *current device's* stream, so with
             # params on cuda:1 and cuda:0 current the event would complete without the copy.
