@@ -81,8 +81,9 @@ class DeviceHandle:
     @property
     def pins_host_memory(self) -> bool:
         """Host buffers that exchange data with this device are pinned (page-locked), so that
-        a non-blocking copy is truly asynchronous; False on the CPU."""
-        return self.type in _STREAMED
+        a non-blocking copy is truly asynchronous; False on the CPU. (Pinning pays only where
+        a stream copies asynchronously: the same devices as `has_streams`.)"""
+        return self.has_streams
 
     @property
     def backend(self) -> str:

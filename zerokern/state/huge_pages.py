@@ -109,7 +109,7 @@ class LazyPool:
         """The last tensor over `mm` is being freed: keep it, advised, or let it unmap."""
         n = len(mm)
         with self._lock:
-            free = self._free.setdefault(n, [])
+            free = self._free.get(n, [])
             if not self.enabled or len(free) >= self.per_size or \
                     self.bytes + n > self.max_bytes:
                 return  # not kept: unmapped once its last reference (the array's) is gone
@@ -117,7 +117,7 @@ class LazyPool:
                 mm.madvise(_LAZY)
             except (OSError, ValueError):
                 return
-            free.append(mm)
+            self._free.setdefault(n, free).append(mm)
             self.bytes += n
 
     def clear(self) -> None:
