@@ -48,6 +48,41 @@ def test_the_wait_lasts_while_a_gloo_worker_runs(name, waits):
         assert took < exit_guard._FIRST_S + 0.1, took
 
 
+def _waiting_named(name: bytes, timeout, started: threading.Event, release: threading.Event):
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)
+    started.set()
+    release.wait(timeout)  # a futex wait with a timeout (timeout=None: without one)
+
+
+@linux
+@pytest.mark.parametrize("timed,waits", [(True, True), (False, False)])
+def test_the_wait_lasts_while_a_gloo_worker_waits_with_a_timeout(timed, waits):
+    """A pt_gloo_runloop thread blocked in a timed futex wait (what a worker waiting for the GIL
+    in CPython's take_gil looks like, state S) holds the wait until it leaves (0.4 s here); a
+    worker waiting on its queue without a timeout (idle; the control) does not. The first
+    version, which looked for state R alone, ended after _FIRST_S in both cases: the CI abort
+    of 2026-11-29 ([Note: the gloo exit race])."""
+    started, release = threading.Event(), threading.Event()
+    t = threading.Thread(target=_waiting_named,
+                         args=(b"pt_gloo_runloop", 30.0 if timed else None, started, release))
+    t.start()
+    started.wait()
+    time.sleep(0.05)  # into its wait
+    timer = threading.Timer(0.4, release.set)
+    timer.start()
+    t0 = time.monotonic()
+    exit_guard.let_gloo_workers_finish()
+    took = time.monotonic() - t0
+    release.set()
+    t.join()
+    timer.cancel()
+    if waits:
+        assert 0.35 <= took <= exit_guard._MAX_S, took
+    else:
+        assert took < exit_guard._FIRST_S + 0.1, took
+
+
 def test_no_gloo_thread_is_seen_in_a_plain_process():
     assert not exit_guard._gloo_workers_running()
 

@@ -26,11 +26,21 @@ Measured on the 2-core VM, runs that crashed at exit under torchrun (2 ranks):
 | `zerokern train` (before cli.py's [Note: leaving a torchrun rank]) | 7 of 170 |
 
 So the first GroupComm on a gloo group registers an atexit handler. The handler sleeps with the
-GIL released: 100 ms, then on in steps of 10 ms while a `pt_gloo_runloop` thread is running or
-runnable, at most 10 s ($ZEROKERN_GLOO_EXIT_WAIT_S; it was 1 s, which a runnable worker could
-miss on a busy machine: at the limit it says so on stderr, naming the variable). A worker
-finishing its release gets the GIL now, while the interpreter is
-whole. The same plain DDP script with a 50 ms atexit sleep crashed in 0 of 40 runs; with 20 ms,
+GIL released: 100 ms, then on in steps of 10 ms until two scans in a row find no
+`pt_gloo_runloop` thread busy, at most 10 s ($ZEROKERN_GLOO_EXIT_WAIT_S; it was 1 s, which a
+runnable worker could miss on a busy machine: at the limit it says so on stderr, naming the
+variable). A worker finishing its release gets the GIL now, while the interpreter is whole.
+
+Busy is running or runnable, or blocked in a futex wait with a timeout. The scan itself holds the
+GIL, so a worker that reaches its release during the scan sleeps in CPython's take_gil, which is
+a timed wait (the switch interval), not state R. The first version looked for R alone and ended
+there; the Python that ran next could hand that worker the GIL only after finalization had
+begun (a CI run of the slow suite, 2026-11-29: examples/deepspeed_config.py zero2_fp16, rank 1,
+1 abort in 692 tests). An idle worker waits on its queue with no timeout; a collective in
+flight waits with gloo's, and is waited for too. Two idle scans, because a worker can start its
+release between them.
+
+The same plain DDP script with a 50 ms atexit sleep crashed in 0 of 40 runs; with 20 ms,
 examples/accelerate_loop.py at stage 3 still crashed once at load ~8 (a local CI run,
 2026-11-29), so the first sleep is 100 ms. Cost: about 0.1 s at exit, once per process that
 used gloo. The torchrun ranks of `zerokern train` run it too:
@@ -72,8 +82,29 @@ def guard_gloo_exit() -> None:
         atexit.register(let_gloo_workers_finish)
 
 
+# futex's syscall number in /proc/<pid>/task/<tid>/syscall, by machine (Linux x86_64, aarch64).
+_FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine if hasattr(os, "uname") else "")
+_IDLE_SCANS = 2  # consecutive idle scans, a GIL-released sleep apart (see the Note above)
+
+
+def _waits_with_a_timeout(task: str) -> bool:
+    """The thread sits in a futex wait that has a timeout: a GIL wait (CPython's take_gil
+    waits in steps of the switch interval) or a collective in flight (gloo waits with its
+    timeout). An idle gloo worker waits on its queue's condition variable with none."""
+    if _FUTEX_NR is None:
+        return False
+    try:
+        with open(f"/proc/self/task/{task}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return False
+    # "nr arg0 arg1 arg2 arg3 ..." while blocked; arg3 is futex's timeout pointer
+    return len(fields) > 4 and fields[0] == str(_FUTEX_NR) and int(fields[4], 16) != 0
+
+
 def _gloo_workers_running() -> bool:
-    """A thread named pt_gloo_runloop is running or runnable (Linux /proc; False elsewhere)."""
+    """A thread named pt_gloo_runloop is running, runnable, or blocked in a timed wait (a GIL
+    wait, or a collective in flight): Linux /proc; False elsewhere."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -85,19 +116,29 @@ def _gloo_workers_running() -> bool:
         except OSError:
             continue
         name = stat[stat.find("(") + 1:stat.rfind(")")]
-        if name == "pt_gloo_runloop" and stat[stat.rfind(")") + 2] == "R":
+        if name != "pt_gloo_runloop":
+            continue
+        if stat[stat.rfind(")") + 2] == "R" or _waits_with_a_timeout(t):
             return True
     return False
 
 
 def let_gloo_workers_finish() -> None:
-    """Sleep (the GIL released) until gloo's workers are idle: 20 ms, then while one runs,
-    at most _MAX_S in all; past that, say on stderr that it timed out and what to raise (at
-    exit there is no caller to raise to: [Note: timeouts under load])."""
+    """Sleep (the GIL released) until gloo's workers are idle: _FIRST_S, then until
+    _IDLE_SCANS scans in a row, _STEP_S apart, find none busy, at most _MAX_S in all; past
+    that, say on stderr that it timed out and what to raise (at exit there is no caller to
+    raise to: [Note: timeouts under load])."""
     t0 = time.monotonic()
     deadline = t0 + _MAX_S
     time.sleep(_FIRST_S)
-    while _gloo_workers_running():
+    idle = 0
+    while idle < _IDLE_SCANS:
+        if not _gloo_workers_running():
+            idle += 1
+            if idle == _IDLE_SCANS:
+                return
+        else:
+            idle = 0
         if time.monotonic() >= deadline:
             sys.stderr.write(
                 f"zerokern: timed out after {time.monotonic() - t0:.1f} s waiting at exit for "
