@@ -96,7 +96,8 @@ def test_a_freed_mapping_is_lazily_free_and_reused_zeroed(pool):
     assert pool.bytes == n * 4
     lazy = _status_mib("LazyFree", "/proc/self/smaps_rollup") - lazy0
     assert lazy > 60, f"64 MiB given back lazily, LazyFree grew {lazy:.0f} MiB"
-    other = huge_pages.zeros(n // 2, torch.float32, "cpu", reuse=True)  # another size: a fresh mapping
+    # another size: a fresh mapping
+    other = huge_pages.zeros(n // 2, torch.float32, "cpu", reuse=True)
     assert other.data_ptr() != ptr and pool.bytes == n * 4
     again = huge_pages.zeros(n, torch.float32, "cpu", reuse=True)
     assert again.data_ptr() == ptr and pool.bytes == 0 and pool.reused >= 1
@@ -153,3 +154,78 @@ def test_a_kept_grad_keeps_its_values_across_freed_steps(pool, stage):
     assert all(torch.equal(a, b) for a, b in zip(with_pool, without))
     if stage == 0:
         assert torch.equal(kept, want), "a kept p.grad changed under the user"
+
+
+class _Branchy(torch.nn.Module):
+    """A param used only on even steps (no grad on odd ones) and sizes that leave padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(1024, 1100)
+        self.b = torch.nn.Linear(1100, 8)
+        self.side = torch.nn.Linear(1024, 8)
+
+    def forward(self, x, step):
+        y = self.b(self.a(x))
+        return y + self.side(x) if step % 2 == 0 else y
+
+
+@pytest.mark.skipif(huge_pages._LAZY is None, reason="no MADV_FREE on this platform: no pool")
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_reused_grad_buffer_full_of_nans_changes_nothing(pool, monkeypatch, stage,
+                                                           set_to_none):
+    """The full grad buffer (stages 0-1) takes a pooled mapping without a memset
+    (`huge_pages.maybe_zeros`): each view is written or zeroed before it is read and the padding is
+    zeroed. Here every mapping the pool hands out is first filled with NaN bytes: the params,
+    and every p.grad the user sees after each backward (a param with no grad on odd steps, so
+    None or zeros as torch gives), must equal the run without the pool, bit for bit. A view
+    or padding read unzeroed would show a NaN (the negative control below shows they do)."""
+    import numpy as np
+
+    import zerokern as zk
+    from zerokern.grads.released_grad import ReleasedGrad
+
+    take = huge_pages.LazyPool.take
+
+    def poisoned_take(self, nbytes):
+        mm = take(self, nbytes)
+        if mm is not None:
+            np.frombuffer(mm, dtype=np.uint8)[:] = 0xFF  # NaN in every fp32 element
+        return mm
+
+    monkeypatch.setattr(huge_pages.LazyPool, "take", poisoned_take)
+
+    def run(use_pool: bool):
+        pool.clear()
+        pool.enabled = use_pool
+        torch.manual_seed(0)
+        model = _Branchy()
+        opt = zk.ZeroAdamW(model, lr=1e-3, stage=stage, precision="fp32", backend="reference",
+                           free_grads=True)
+        grads = []
+        for step in range(5):
+            x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(step))
+            model(x, step).square().mean().backward()
+            # stage 1 releases p.grad after the backward (grads/released_grad.py)
+            grads.append([p.grad if p.grad is None or isinstance(p.grad, ReleasedGrad)
+                          else p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return [p.detach().clone() for p in model.parameters()], grads, pool.reused
+
+    with_pool, grads_pool, reused = run(True)
+    without, grads_plain, _ = run(False)
+    assert reused >= 3, "the freed grad buffer was not reused"
+    assert all(torch.equal(a, b) for a, b in zip(with_pool, without))
+    for step, (gp, gq) in enumerate(zip(grads_pool, grads_plain)):
+        for a, b in zip(gp, gq):
+            assert type(a) is type(b), step
+            assert a is None or isinstance(a, ReleasedGrad) or torch.equal(a, b), step
+    # negative control: the poison reaches the buffer (a raw maybe_zeros() of a pooled size is NaN)
+    pool.enabled = True
+    t, zero = huge_pages.maybe_zeros(1 << 21, torch.float32, "cpu", reuse=True)
+    del t
+    gc.collect()
+    u, zero = huge_pages.maybe_zeros(1 << 21, torch.float32, "cpu", reuse=True)
+    assert not zero and torch.isnan(u).all()

@@ -140,10 +140,20 @@ class FullGrads(GradSync):
     # -- the buffer ------------------------------------------------------------------------------
     def _alloc(self, groups=None, bufs=None) -> None:
         groups = groups or self.groups
-        self.grads = bufs if bufs is not None else [huge_pages.zeros_like(g.flat, reuse=True)
-                                                    for g in groups]
-        if bufs is None:  # fresh zero pages: copying a grad in beats adding into them
+        if bufs is None:
+            # every view stale: each is written by its grad or zeroed before it is read, so a
+            # reused mapping's old bytes need no memset; only the padding, which no grad
+            # writes, is zeroed ([Note: no per-step memset]). Copying a grad in also beats
+            # adding into fresh pages.
+            bufs = []
+            for g in groups:
+                buf, zero = huge_pages.maybe_zeros(g.flat.numel(), g.flat.dtype,
+                                                   g.flat.device, reuse=True)
+                if not zero:
+                    g.zero_padding_(buf, 0)
+                bufs.append(buf)
             self._mark_stale(groups)
+        self.grads = bufs
         # a DTensor param's p.grad is a DTensor over its view (dtensor_params.py)
         self._views = [[like_param(p, buf[s.offset:s.offset + s.numel].view(s.shape))
                         for p, s in zip(g.params, g.layout.slots)]

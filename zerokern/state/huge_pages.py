@@ -50,7 +50,8 @@ pages back to the kernel lazily: it reclaims them when it needs memory, without 
 anywhere, and until then the next write reuses them without a fault. The memory is free in the
 kernel's accounting (it counts them as reclaimable; RSS still shows them until reclaimed), so
 `free_grads` still frees. A reused buffer's old bytes (or zeros, if reclaimed) are cleared with
-one memset on warm pages.
+one memset on warm pages; the full grad buffer skips even that (`maybe_zeros`: each param's view is
+written or zeroed before it is read, [Note: no per-step memset], and its padding is zeroed).
 Measured (92 MB, a copy into it, load ~4.7, 5 repetitions): a fresh buffer 111-176 ms, a
 pooled one 51-89 ms plus 1.4 ms for the madvise, a kept one 73-115 ms.
 The pool keeps at most POOL_PER_SIZE mappings of one size and POOL_MAX_BYTES in all
@@ -64,7 +65,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -150,23 +151,46 @@ def zeros(numel: int, dtype: torch.dtype, device, *, reuse: bool = False) -> tor
     its reduction): its mapping comes from and goes back to the lazy pool ([Note: freed
     mappings kept lazily]). Long-lived buffers (params, master, states) and construction's
     temporaries are not pooled: their pages go back to the kernel when they die."""
+    t, fresh = _buffer(numel, dtype, device, reuse)
+    if not fresh:
+        t.zero_()
+    return t
+
+
+def maybe_zeros(numel: int, dtype: torch.dtype, device, *,
+                reuse: bool = False) -> Tuple[torch.Tensor, bool]:
+    """As `zeros`, without the memset of a reused mapping: (the tensor, whether it is zero).
+    A reused one holds the pool's old bytes. For a buffer whose user writes or zeroes every
+    element before reading it (the full grad buffer: [Note: no per-step memset] in
+    grads/full_grads.py); a fresh mapping is left untouched (zeroing even its padding would
+    fault in a 2 MiB page per padded spot).
+
+    Args:
+        numel: elements.
+        dtype: element type.
+        device: where (CPU buffers of at least MIN_BYTES come from a mapping).
+        reuse: take and give back the mapping through the lazy pool.
+    """
+    t, zero = _buffer(numel, dtype, device, reuse)
+    return t, zero
+
+
+def _buffer(numel: int, dtype: torch.dtype, device, reuse: bool) -> tuple:
+    """(a 1-D tensor, whether it is zero): `zeros` and `maybe_zeros`."""
     device = torch.device(device)
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _ANON is None:
-        return torch.zeros(numel, dtype=dtype, device=device)
+        return torch.zeros(numel, dtype=dtype, device=device), True
     mm, fresh = _mapping(nbytes, reuse)
     if _LAZY is None or not reuse:
-        return torch.frombuffer(mm, dtype=dtype)  # the tensor keeps the mapping alive
+        return torch.frombuffer(mm, dtype=dtype), True  # the tensor keeps the mapping alive
     # the tensor keeps the array alive and the array the mapping; when the array dies (the
     # last tensor over the mapping is gone) the mapping goes back to the pool
     arr = np.frombuffer(mm, dtype=np.uint8)
     # not at interpreter exit: a buffer still alive then (an atexit save reading it) must not
     # be advised free under its user
     weakref.finalize(arr, POOL.give, mm).atexit = False
-    t = torch.from_numpy(arr).view(dtype)
-    if not fresh:
-        t.zero_()
-    return t
+    return torch.from_numpy(arr).view(dtype), fresh
 
 
 def zeros_like(t: torch.Tensor, *, reuse: bool = False) -> torch.Tensor:
