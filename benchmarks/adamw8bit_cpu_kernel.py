@@ -196,7 +196,24 @@ def _md(payload) -> str:
                          if fp32_cpu and name not in ("rmw", "fp32") else "-")
             lines.append(f"| {size} | {case} | {name} | {w:.1f} | {r['cpu_ms']:.1f} | {gbps} | "
                          f"{pct} | {ratio} | {cpu_ratio} |")
+    lines += ["", "Per-repetition ratios (wall): each repetition runs every provider once, so "
+              "a ratio of two providers within one repetition shares that moment's load; "
+              "median [quartiles] over the repetitions.", "",
+              "| n | case | new / fp32 | new / old |", "|---|---|---|---|"]
+    for key, row in rows.items():
+        size, case = key.split(" ")
+        cells = [_rep_ratios(row, "new", peer) for peer in ("fp32", "old")]
+        lines.append(f"| {size} | {case} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def _rep_ratios(row, a, b) -> str:
+    """median [q1, q3] of a's wall time over b's, repetition by repetition ('-' without b)."""
+    if a not in row or b not in row:
+        return "-"
+    r = sorted(x / y for x, y in zip(row[a]["wall_all"], row[b]["wall_all"]))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    return f"{q[1]:.2f} [{q[0]:.2f}, {q[2]:.2f}]"
 
 
 def main(argv=None) -> int:
