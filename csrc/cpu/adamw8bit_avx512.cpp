@@ -45,6 +45,27 @@
 // ports); an exact sqrt from rsqrt14 and 4 FMAs (no divider) ran 3% slower, not faster.
 // Tried and dropped: grad * grad_scale skipped when grad_scale is 1 (no gain), the bf16 grad by
 // a zero-extension and a shift (same), the codes' close test split over two mask chains (same).
+//
+// Round 4 (issue 40; the same box, one thread, n = 2^16 in cache, the round-3 harness rebuilt
+// against e140ddc, medians of 300-400 alternated pairs, ratios to e140ddc; load average 2-6 from
+// other sessions, whose memory traffic swung the 2^24-2^26 timings 2-5x within minutes, so the
+// in-cache ratios are what this round kept):
+//   which ports bind: 4 extra vpsrld (port 0 only) per 16 elements +8%, 4 vpermd (port 5) +3.5%,
+//     4 vpaddd (port 0 or 5) +3.3%: every vector uop on ports 0/5 costs ~1%, port 0's ~2%
+//   uops moved from port 0 to port 5 (the gathers' all-ones masks by vpcmpeqd, not kmovw; the
+//     bucket keys by vpshufb, not vpsrld): +1%, so both ports are full, not port 0 alone
+//   uops removed: grad * grad_scale skipped at gs = 1: -2% bf16 / -0.7% fp32 grads (not kept: one
+//     more template dimension, 18 more instantiations, for 1-2%); the two maxima reduced in one
+//     tree (12 vector ops per block, not 18): +-1%
+//   fewer loads for more port-5 uops: m by byte planes too +1-4%, in one 64-element half +2%
+//   the dequantize one block ahead into a buffer (off the update's dependency chain): +4% as its
+//     own loop, +4-6% interleaved per 64 elements (16 more stores and loads per 64)
+//   ablations (not exact): the 2 quantizer gathers removed -17%, sqrt and div as muls -9%
+// Microbenchmarks: a 512-bit dword gather from an L1 table issues every 6-8 cycles, two 256-bit
+// ones every 5.8-7.2 (no gain, and 2 more uops); sqrt 12-13 and div 10.7 cycles per 16 lanes,
+// the same in two 256-bit halves. So the step is bound on the vector uops of ports 0 and 5 (~55
+// per 16 elements with the gathers' own), and each is an operation of the reference's order or
+// a lookup; less time needs fewer lookups (a gather-free bucket table: they are 256 KiB).
 #include <immintrin.h>
 
 #include "adamw8bit_cpu.h"
@@ -272,8 +293,16 @@ ZK_Q8_AVX512_INLINE void q8_quantize_block(const float* x, float s, bool clean, 
 #define ZK_Q8_AHEAD 4
 #endif
 constexpr int64_t kQ8Ahead = ZK_Q8_AHEAD;
+// Round 4: where param_out goes out by non-temporal stores (STREAM), its lines are not prefetched:
+// the stores overwrite whole lines without reading them, and a prefetch read 2 more B/element
+// (bf16) from memory for nothing. One thread, n = 2^24, bf16: 0.95-1.02x (no change, the thread
+// is not bandwidth-bound); on 2 threads this round's noise (other sessions' memory traffic) hid
+// it.
+#ifndef ZK_Q8_NOPF_STREAMED_OUT
+#define ZK_Q8_NOPF_STREAMED_OUT 1
+#endif
 
-template <int G, int O>
+template <int G, int O, bool STREAM>
 ZK_Q8_AVX512_INLINE void q8_prefetch(const Q8Args& a, int64_t b) {
   const int64_t i = (b + kQ8Ahead) * kQ8Block;
   const char* p = reinterpret_cast<const char*>(a.p + i);
@@ -281,7 +310,7 @@ ZK_Q8_AVX512_INLINE void q8_prefetch(const Q8Args& a, int64_t b) {
   constexpr int gbytes = G == kF32 ? 512 : 256;
   const char* g = static_cast<const char*>(a.grad) + i * (gbytes / kQ8Block);
   for (int l = 0; l < gbytes; l += 64) __builtin_prefetch(g + l, 0, 3);
-  if constexpr (O != kOutNone) {
+  if constexpr (O != kOutNone && !(STREAM && ZK_Q8_NOPF_STREAMED_OUT)) {
     const char* o = static_cast<const char*>(a.out) + i * 2;
     for (int l = 0; l < 256; l += 64) __builtin_prefetch(o + l, 1, 3);
   }
@@ -489,13 +518,13 @@ ZK_Q8_AVX512_INLINE void q8_blocks_impl(const Q8Args& a, int64_t b0, int64_t b1)
   const float* code_s = a.code_s;
   const float* code_u = a.code_u;
   const uint8_t(*vplane)[256] = PLANES ? a.planes->plane[1] : nullptr;
-  if (kQ8Ahead > 0) q8_prefetch<G, O>(a, b0);
+  if (kQ8Ahead > 0) q8_prefetch<G, O, STREAM>(a, b0);
   q8_update_block<G, O, BF16VBMI, STREAM, PLANES>(a, c, b0, m[0], v[0], mmax, vmax);
   Q8Scales s = q8_scales(a, b0, m[0], v[0], mmax, vmax);
   for (int64_t b = b0; b < b1; ++b) {
     const int cur = int((b - b0) & 1), nxt = cur ^ 1;
     const bool next = b + 1 < b1;
-    if (next && kQ8Ahead > 0) q8_prefetch<G, O>(a, b + 1);
+    if (next && kQ8Ahead > 0) q8_prefetch<G, O, STREAM>(a, b + 1);
     if (__builtin_expect(next && s.fast, 1)) {
       const int64_t base = (b + 1) * kQ8Block;
       const __m512 am = _mm512_set1_ps(a.ma[b + 1]), av = _mm512_set1_ps(a.va[b + 1]);
