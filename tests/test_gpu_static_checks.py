@@ -44,7 +44,6 @@ import ast
 import functools
 import re
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -892,12 +891,10 @@ def test_planted(tmp_path):
 
 
 def test_a_passes_on_the_tree():
-    t0 = time.process_time()
     bad, used = tree_test_findings()
     assert not bad, "tests that use CUDA past the toolchain skip:\n" + _report(bad)
     stale = set(TEST_CUDA_ALLOWED) - used
     assert not stale, f"TEST_CUDA_ALLOWED entries that match nothing now: {sorted(stale)}"
-    assert time.process_time() - t0 < 2.0
 
 
 def test_b_catches_each_kind_of_host_copy():
@@ -947,14 +944,12 @@ class MuonRule:
 
 
 def test_b_passes_on_the_tree():
-    t0 = time.process_time()
     bad, used = tree_step_copy_findings()
     assert not bad, ("host-to-device copies of host data in the step modules (build them at "
                      "construction, or allowlist with a reason):\n" + _report(bad))
     stale = {k for k in set(STEP_COPY_ALLOWED) - used
              if not STEP_COPY_ALLOWED[k].startswith("being fixed")}
     assert not stale, f"STEP_COPY_ALLOWED entries that match nothing now: {sorted(stale)}"
-    assert time.process_time() - t0 < 2.0
 
 
 def test_c_catches_loops_over_every_gpu():
@@ -986,12 +981,10 @@ def test_c_catches_the_old_kernel_image_check():
 
 
 def test_c_passes_on_the_tree():
-    t0 = time.process_time()
     bad, used = tree_device_loop_findings()
     assert not bad, "loops over every visible GPU:\n" + _report(bad)
     stale = set(DEVICE_LOOP_ALLOWED) - used
     assert not stale, f"DEVICE_LOOP_ALLOWED entries that match nothing now: {sorted(stale)}"
-    assert time.process_time() - t0 < 2.0
 
 
 # ======================================================================== the device run ======
