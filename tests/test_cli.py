@@ -56,7 +56,10 @@ def test_bench_kernels_quick_writes_results(tmp_path):
     assert list(tmp_path.glob("*.md"))
 
 
-@pytest.mark.parametrize("args", [["bogus"], ["build", "gpu"], ["info", "--nope"], []])
+# [Note: the slow mark]: each case is a Python start-up with torch (~5 s on 2 cores); an unknown
+# command and no command in the default suite, the sub-command errors in CI's -m slow pass
+@pytest.mark.parametrize("args", [["bogus"], pytest.param(["build", "gpu"], marks=pytest.mark.slow),
+                                  pytest.param(["info", "--nope"], marks=pytest.mark.slow), []])
 def test_bad_usage_exits_2_with_usage(args):
     r = zk(*args)
     assert r.returncode == 2
@@ -87,6 +90,7 @@ def test_bench_step_quick_writes_json_markdown_and_plot(tmp_path):
     assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 25 s; `bench --step --quick` stays in the default run
 def test_bench_kernels_quick_plot_has_ceiling(tmp_path):
     r = zk("bench", "--kernels", "--quick", "--sizes", "12", "--providers", "cpu",
            "--dtype-cases", "bf16", "--out", str(tmp_path), timeout=300)
@@ -97,6 +101,7 @@ def test_bench_kernels_quick_plot_has_ceiling(tmp_path):
     assert next(tmp_path.glob("kernels-*-quick.png")).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # (a Python start-up; the usage errors above cover the parser's exit)
 def test_bench_bad_flag_is_an_error():
     r = zk("bench", "--kernels", "--sizes", "x")
     assert r.returncode == 2

@@ -434,6 +434,7 @@ def test_read_only_and_full_tmpfs(tmp_path, monkeypatch):
         subprocess.run(["umount", str(big)], check=True)
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 25 s (a CLI subprocess); estimate() itself is tested
 def test_estimate_cli_offload_nvme():
     """`zerokern estimate --offload nvme`: disk rows (both halves) and the I/O pool on the host,
     device optimizer rows 0; the JSON equals the Python API."""
