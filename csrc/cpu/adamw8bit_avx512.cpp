@@ -64,8 +64,10 @@
 // Microbenchmarks: a 512-bit dword gather from an L1 table issues every 6-8 cycles, two 256-bit
 // ones every 5.8-7.2 (no gain, and 2 more uops); sqrt 12-13 and div 10.7 cycles per 16 lanes,
 // the same in two 256-bit halves. So the step is bound on the vector uops of ports 0 and 5 (~55
-// per 16 elements with the gathers' own), and each is an operation of the reference's order or
-// a lookup; less time needs fewer lookups (a gather-free bucket table: they are 256 KiB).
+// per 16 elements by count, the gathers' own included), each an operation of the reference's
+// order, a lookup or its indexing. 0.7x of the fp32 step would take ~15% fewer of them; a lookup
+// without gathers (tables in registers: the bucket tables are 256 KiB) needs as many permutes,
+// compares and blends as the ~5 uops of the gather it replaces, as the byte planes showed.
 #include <immintrin.h>
 
 #include "adamw8bit_cpu.h"
