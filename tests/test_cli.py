@@ -66,6 +66,7 @@ def test_bad_usage_exits_2_with_usage(args):
     assert "usage: zerokern" in r.stderr
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 25 s of the default run; CI runs it in -m slow
 def test_bench_step_quick_writes_json_markdown_and_plot(tmp_path):
     r = zk("bench", "--step", "--quick", "--no-peers", "--no-fsdp2", "--stages", "0", "2", "3",
            "--reps", "2", "--out", str(tmp_path), timeout=300)

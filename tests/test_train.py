@@ -153,6 +153,7 @@ def _check_estimate_matches(m: dict, stdout: str, stage: int, offload) -> None:
         assert "live" in stdout and "bound" in stdout  # its row (may wrap)
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 10 s; train's two-rank run stays in the default suite
 def test_stage3_on_two_ranks_works_and_matches_the_estimate(tmp_path):
     out = tmp_path / "s3"
     r = zk_cmd("train", *TINY, "--steps", "3", "--stage", "3", "--nproc", "2",

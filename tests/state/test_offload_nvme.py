@@ -351,6 +351,7 @@ def test_files_removed_at_gc(ws):
         assert res["before"] == 6 and res["after"] == 0  # 2 param groups x master/m/v
 
 
+@pytest.mark.slow  # [Note: the slow mark]: 10 s (a subprocess); removal at GC stays default
 def test_files_removed_at_exit(tmp_path):
     # The process exits without close(); a forked child exiting first (sys.exit runs atexit)
     # must leave the parent's files alone.
