@@ -53,6 +53,7 @@ the process down). Acting on the verdict there needs the thread to abort the com
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -67,6 +68,8 @@ from .errors import PeerLost
 
 BEAT_S = 0.5  # s between two beats of the thread (heartbeat, pid checks, the verdict key)
 JOIN_WAIT_S = 10.0  # the longest a new watcher waits for the peers' identities
+EXIT_JOIN_S = 5.0  # the longest exit waits for the thread's store operation ([Note: the watcher
+#                    at exit]); a healthy one takes milliseconds
 PEER_DEAD_ENV = "ZEROKERN_PEER_DEAD_S"
 PEER_DEAD_DEFAULT_S = 30.0
 CONFIRM_S = 2.0  # s a connection error waits for the thread to name the lost rank (4 beats)
@@ -236,6 +239,7 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name="zerokern-liveness",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.stop_and_join)  # [Note: the watcher at exit]
 
     # the verdict, read by the waits: no I/O
     def lost(self) -> Optional[Lost]:
@@ -253,6 +257,22 @@ class Liveness:
 
     def stop(self) -> None:
         self._stop.set()
+
+    # [Note: the watcher at exit]
+    # The thread is a daemon (it must never keep a process alive), and Python does not join
+    # daemon threads: at interpreter finalization one inside a store operation (the c10d store
+    # releases the GIL around its network call) takes the GIL back in a C++ destructor, gets
+    # pthread_exit from the finalizing interpreter, and the unwind through that noexcept
+    # destructor aborts the process: "terminate called without an active exception", SIGABRT,
+    # after the script's work is done. A store operation is ~1 ms of every BEAT_S, longer on a
+    # loaded machine: examples/deepspeed_config.py (zero2_fp16) aborted so at exit in two CI
+    # runs of the slow suite on 2026-11-29 (rank 1), after all 10 steps had printed. So an
+    # atexit handler stops the thread and joins it (it ends after its current store operation);
+    # a store that no longer answers is given EXIT_JOIN_S, then the exit goes on as before.
+    def stop_and_join(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(EXIT_JOIN_S)
 
     def _run(self) -> None:
         last = time.monotonic()
