@@ -132,13 +132,10 @@ def let_gloo_workers_finish() -> None:
     deadline = t0 + _MAX_S
     time.sleep(_FIRST_S)
     idle = 0
-    while idle < _IDLE_SCANS:
-        if not _gloo_workers_running():
-            idle += 1
-            if idle == _IDLE_SCANS:
-                return
-        else:
-            idle = 0
+    while True:
+        idle = 0 if _gloo_workers_running() else idle + 1
+        if idle == _IDLE_SCANS:
+            return
         if time.monotonic() >= deadline:
             sys.stderr.write(
                 f"zerokern: timed out after {time.monotonic() - t0:.1f} s waiting at exit for "

@@ -171,8 +171,7 @@ def maybe_zeros(numel: int, dtype: torch.dtype, device, *,
         device: where (CPU buffers of at least MIN_BYTES come from a mapping).
         reuse: take and give back the mapping through the lazy pool.
     """
-    t, zero = _buffer(numel, dtype, device, reuse)
-    return t, zero
+    return _buffer(numel, dtype, device, reuse)
 
 
 def _buffer(numel: int, dtype: torch.dtype, device, reuse: bool) -> tuple:
