@@ -32,6 +32,19 @@ memory for the step (as with offload="cpu"); the state never is. Measured
 ~13): a Muon step is dominated by bf16 Newton-Schulz on the CPU (1.6-23 s), and device / "cpu"
 / "nvme" medians differ by less than the run-to-run spread (23.2M GPT: 22.7 / 24.2 / 16.6 s).
 
+[Note: one write in flight per range]
+Two writes to the same bytes from the I/O threads land in whichever order the threads run. A
+rule whose passes stream the same file twice (Adafactor: ("master",) read in pass 1 and written
+behind unchanged, then the new master in pass 2) writes each chunk of the other half twice, and
+the second must land last. A write is therefore submitted only once no earlier write of the
+step to an overlapping range of a shared file is in flight (`_order_write`: it waits for that
+one). Without it, a first-pass write held up under load landed after the second pass's and the
+step's update was lost from the master while the params on the device had it (CI: Adafactor,
+stage 3, N=1, params 0.109 off relative, states bitwise; tests/rules/test_adafactor.py
+test_late_first_pass_writes_land_first_n2 holds pass 1's writes back 0.2 s and fails without
+it). The wait costs nothing in the usual order: pass 1's write of a chunk was submitted a whole
+exchange (the gather, the owners' update, the scatter) before pass 2's.
+
 [Note: all or nothing]
 A step never writes the half it reads. The current half is `self.cur`, one index for every
 file of this rank; the step reads half `cur` and writes half `1 - cur`, and only once every
@@ -249,9 +262,19 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         s.futs = []
         self.io_wait_s += time.perf_counter() - t0
 
+    def _order_write(self, job) -> None:
+        """Wait for every write in flight to an overlapping range of a file `job` writes
+        (Note: one write in flight per range)."""
+        gi, lo, hi, files = job
+        for w in self.writing:
+            wg, wlo, whi, wfiles = w.job
+            if w.futs and wg == gi and wlo < hi and lo < whi and set(wfiles) & set(files):
+                self._settle(w)
+
     def _refill(self, need: bool = False) -> None:
         """Read ahead into every free set; with need, wait for a write to free one first."""
-        while self.writing and (self.writing[0].futs[0].done() or (need and not self.free)):
+        while self.writing and (not self.writing[0].futs or self.writing[0].futs[0].done()
+                                or (need and not self.free)):
             s = self.writing.popleft()
             self._settle(s)
             self.free.append(s)
@@ -369,6 +392,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
             plo = b
             if b == hi:  # the chunk is complete: write it behind, read further ahead
                 self.loaded.popleft()
+                self._order_write(s.job)
                 self._submit(s, write=True)
                 self.writing.append(s)
                 self._refill()
