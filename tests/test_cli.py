@@ -57,9 +57,9 @@ def test_bench_kernels_quick_writes_results(tmp_path):
 
 
 # [Note: the slow mark]: each case is a Python start-up with torch (~5 s on 2 cores); an unknown
-# command and no command in the default suite, the sub-command errors in CI's -m slow pass
-@pytest.mark.parametrize("args", [["bogus"], pytest.param(["build", "gpu"], marks=pytest.mark.slow),
-                                  pytest.param(["info", "--nope"], marks=pytest.mark.slow), []])
+# command in the default suite, no command and the sub-command errors in CI's -m slow pass
+@pytest.mark.parametrize("args", [["bogus"], *(pytest.param(a, marks=pytest.mark.slow) for a in
+                                               (["build", "gpu"], ["info", "--nope"], []))])
 def test_bad_usage_exits_2_with_usage(args):
     r = zk(*args)
     assert r.returncode == 2
@@ -109,6 +109,7 @@ def test_bench_bad_flag_is_an_error():
     assert "usage" in r.stderr
 
 
+@pytest.mark.slow  # a Python start-up with torch (6 s on 2 loaded cores)
 def test_consolidate_without_args_is_a_usage_error():
     r = zk("consolidate")
     assert r.returncode == 2

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from zerokern.bench import activations
 
 
+@pytest.mark.slow  # two bench runs in subprocesses (10 s on 2 loaded cores)
 def test_quick_run_writes_the_fields_and_full_holds_less(tmp_path):
     assert activations.main(["--quick", "--out", str(tmp_path), "--stem", "q"]) == 0
     res = json.loads((tmp_path / "q.json").read_text())

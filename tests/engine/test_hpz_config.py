@@ -62,6 +62,7 @@ def _res():
     return cached(_worker, WS)
 
 
+@pytest.mark.slow  # the 4-rank group (17 s on 2 loaded cores)
 def test_hpz_config_is_bitwise_plain_stage3():
     hpz, plain = case(_res(), "hpz"), case(_res(), "plain")
     assert hpz == plain
@@ -69,12 +70,14 @@ def test_hpz_config_is_bitwise_plain_stage3():
     assert all(rel(n, p) > 1e-5 for n, p in zip(neg, plain))
 
 
+@pytest.mark.slow  # the 4-rank group (17 s on 2 loaded cores)
 def test_hpz_groups_are_deepspeeds_consecutive_ranks():
     for rank, g in enumerate(case(_res(), "groups")):
         assert g["dims"]["hpz"] == H and g["dims"]["shard"] == WS
         assert g["hpz_ranks"] == [rank // H * H + i for i in range(H)]
 
 
+@pytest.mark.slow  # the 4-rank group (17 s on 2 loaded cores)
 def test_hpz_config_matches_deepspeed():
     zk, ds = case(_res(), "hpz"), case(_res(), "deepspeed")
     for a, b in zip(zk, ds):

@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from tests.engine import common as C  # noqa: E402
-from tests.support.harness import cached, case, run_cases  # noqa: E402
+from tests.support.harness import cached, case, run_cases, ws_params  # noqa: E402
 
 from . import hf_common as H  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_negative_control_weights_only_resume_differs():
         assert _rel(neg["losses"], full["losses"][SAVE_AT * GAS:]) > 1e-4
 
 
-@pytest.mark.parametrize("ws", [1, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 3))
 def test_state_saved_at_n2_loads_at_other_world_size_and_stage(ws):
     from zerokern.checkpoint import consolidate
 

@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
 from tests.engine import common as C  # noqa: E402
-from tests.support.harness import cached, case, run_cases  # noqa: E402
+from tests.support.harness import cached, case, run_cases, ws_params  # noqa: E402
 
 from . import hf_common as H  # noqa: E402
 
@@ -217,7 +217,7 @@ def _tied(values):
     return {**values, "lm_head.weight": values["transformer.wte.weight"]}
 
 
-@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("stage", STAGES)
 def test_safetensors_torch_transformers_savers(stage, ws):
     runs = [(f"savers-s{stage}-fp32")] + ([f"savers-s{stage}-bf16"]
@@ -243,7 +243,7 @@ def test_safetensors_torch_transformers_savers(stage, ws):
             assert torch.equal(v, want.to(dt).float()), k
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("stage", STAGES)
 def test_accelerate_save_model_holds_every_param(stage, ws):
     values, saved = case(_runs(ws), f"accelerate-s{stage}")[0]

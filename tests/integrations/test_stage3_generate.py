@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.engine import common as C  # noqa: E402
-from tests.support.harness import cached, case, run_cases  # noqa: E402
+from tests.support.harness import cached, case, run_cases, ws_params  # noqa: E402
 
 NEW = 8  # max_new_tokens
 
@@ -78,7 +78,7 @@ def _worker(rank, ws):
     return run_cases(cases)
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", ws_params(2, 3))
 @pytest.mark.parametrize("name", ["default", "explicit-false", "peft"])
 def test_stage3_generate_ranks_stop_at_different_lengths(name, ws):
     if name == "peft":

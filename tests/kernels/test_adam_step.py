@@ -78,6 +78,7 @@ BIG = [  # a representative subset for the large sizes
 ]
 
 
+@pytest.mark.slow  # 9 cases, 7 s on 2 loaded cores ([Note: the slow mark])
 @pytest.mark.parametrize("grad_dtype,out_dtype,adamw,weight_decay,hp", BIG)
 def test_matches_f64_278011(backend, grad_dtype, out_dtype, adamw, weight_decay, hp):
     case = R.make_case(278011, grad_dtype, out_dtype)

@@ -118,6 +118,7 @@ def test_bench_kernels_rules_quick(tmp_path):
     assert "## lion_step_ fp32" in md and "## Newton-Schulz" in md
 
 
+@pytest.mark.slow  # a bench run with DDP + torch Muon (9 s on 2 loaded cores)
 @pytest.mark.parametrize("optimizer, peer", [("muon", "DDP + torch Muon + AdamW")])
 def test_bench_step_optimizer_quick(tmp_path, optimizer, peer):
     """`bench --step --optimizer muon`: ZeroMuon at the stage asked for and the DDP peer, the

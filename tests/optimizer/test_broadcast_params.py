@@ -28,7 +28,7 @@ import zerokern as zk
 from zerokern.geometry.dtensor_params import local
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 2
 STAGES = [0, 1, 2, 3]
@@ -170,7 +170,7 @@ def _worker(rank, ws):
     return run_cases(cases)
 
 
-WORLD_SIZES = [2, 3]
+WORLD_SIZES = ws_params(2, 3)  # harness [Note: world sizes in the default run]
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 6
 # [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
-WORLD_SIZES = [1, 2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))]
+WORLD_SIZES = ws_params(1, 2, 3, 4)  # harness [Note: world sizes in the default run]
 STAGES = [0, 1, 2, 3]
 KINDS = {  # name: (precision, loss_scale, reduce in fp32)
     "bf16": ("bf16", None, False),

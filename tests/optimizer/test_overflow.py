@@ -14,10 +14,10 @@ import functools
 import pytest
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 # [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
-WORLD_SIZES = [1, 2, pytest.param(3, marks=pytest.mark.slow)]
+WORLD_SIZES = ws_params(1, 2, 3)  # harness [Note: world sizes in the default run]
 STAGES = [0, 1, 2, 3]
 KINDS = {  # name: (precision, loss_scale, injected value)
     "fp32": ("fp32", None, float("inf")),

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 6
 MAX_NORM = 0.05  # the global grad norm here is >= 2: every step is clipped (by >= 40x)
 MICRO = 3
 # [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
-WORLD_SIZES = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
+WORLD_SIZES = ws_params(1, 2, 3, 4)  # harness [Note: world sizes in the default run]
 STAGES = [0, 1, 2, 3]
 
 # Tolerances: relative = max|a - b| / max|b| per param, the max over params (models.rel_err).

@@ -34,7 +34,7 @@ import torch.nn as nn
 import zerokern as zk
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 5
 LR, WD = 1e-2, 0.1
@@ -208,7 +208,7 @@ def _worker(rank, ws):
 
 # N = 3 in the slow pass ([Note: the slow mark]: its spawn runs every case, 18 s); the 8-bit
 # file's N = 3 is slow too
-@pytest.fixture(scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=ws_params(1, 2, 3))
 def results(request):
     return request.param, cached(_worker, request.param)
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 import zerokern as zk
 
 from ..support import models as M
-from ..support.harness import cached, case, one_thread, run_cases  # noqa: F401 (fixture)
+from ..support.harness import cached, case, one_thread, run_cases, ws_params  # noqa: F401 (fixture)
 
 STEPS, MICRO, CLIP = 3, 3, 0.05
 TOL = 1e-6        # params vs DDP + AdamW (test_parity's bound; measured <= 2e-7)
@@ -406,7 +406,7 @@ def _rank_cases(rank, ws):
 
 
 # [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
-WS = [1, 2, pytest.param(3, marks=pytest.mark.slow)]
+WS = ws_params(1, 2, 3)  # harness [Note: world sizes in the default run]
 
 
 def _res(ws):

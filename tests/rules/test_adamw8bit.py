@@ -30,7 +30,7 @@ from zerokern.kernels.adamw8bit import reference_adamw8bit_step_
 from zerokern.kernels.quant8 import BLOCK
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 3
 TOL = {
@@ -307,7 +307,7 @@ def _res(ws, root):
     return cached(_worker, ws, root if ws > 1 else None)
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3, default=(1, 2)))
 def test_every_stage_equals_the_single_copy_8bit_reference(ws, root):
     res = _res(ws, root)
     keys = [f"parity-{s}-{o}" for s, o in _placements(ws)]
@@ -392,6 +392,7 @@ def _dist(a, b):
     return (num / den) ** 0.5
 
 
+@pytest.mark.slow  # 50 s on 2 loaded cores (harness [Note: world sizes in the default run])
 def test_close_to_fp32_adamw_as_bitsandbytes_adamw8bit_is():
     """N=1, 30 steps of the tiny LM: ZeroAdamW(state_bits=8) drifts from fp32 AdamW by no more
     than bitsandbytes' AdamW8bit does (its blocks are 256 per tensor, ours 128 per tensor: the

@@ -333,6 +333,7 @@ def test_parity_n1_n3(root, ws):
     _parity_ws(ws, root)
 
 
+@pytest.mark.slow  # a third spawn at N = 3 (14 s on 2 loaded cores)
 def test_checkpoint_n2_to_n3(root):
     saved = case(cached(_worker, 2, root), "save")[0]
     res = _run(3, root)

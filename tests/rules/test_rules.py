@@ -29,7 +29,7 @@ from zerokern.checkpoint import CheckpointError
 from zerokern.core.optimizer import ZeroOptimizer
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 from ..support.sgd_rule import SGD
 
 TOL = {
@@ -243,7 +243,7 @@ def _run(ws, root):
     return cached(_worker, ws, root)
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("kind", KINDS)
 def test_parity_every_placement(root, ws, kind):
     res = _run(ws, root)
@@ -263,7 +263,7 @@ def test_bf16_every_placement_bitwise(root, kind):
         assert x["moved"] > 1e-3, f"{kind} bf16 rank {r}: the params did not move"
 
 
-@pytest.mark.parametrize("ws", [1, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 3))
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpoint_reshards(root, ws, kind):
     saved = case(cached(_worker, 2, root), f"save-{kind}")[0]

@@ -30,7 +30,7 @@ from zerokern.accounting import estimate as E
 from zerokern.state.aligned_io import align_up
 
 from ..support import models as M
-from ..support.harness import cached, case, one_thread, run_cases  # noqa: F401 - one_thread: the fixture
+from ..support.harness import cached, case, one_thread, run_cases, ws_params  # noqa: F401 - one_thread: the fixture
 
 STEPS, MICRO, BAD_STEP = 4, 2, 1
 CHUNK = 2048  # nvme pool chunk (elements): several chunks per buffer, 4096-byte aligned
@@ -362,7 +362,7 @@ def _results(ws):
     return cached(_worker, ws, _root())
 
 
-@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_bitwise_parity_with_the_run_without_param_offload(ws):
     for prec, (off, poff) in PLAN[ws]:
         for r, res in enumerate(case(_results(ws), f"parity_{prec}_{off}_{poff}")):
@@ -378,7 +378,7 @@ def test_bitwise_parity_with_the_run_without_param_offload(ws):
                 assert res["hits"] >= 2 * MICRO * STEPS, what
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_negative_control_a_corrupted_home_shard_is_seen(ws):
     for res in case(_results(ws), "control"):
         assert not res["params_equal"]

@@ -34,11 +34,12 @@ from ..support.harness import (
     case,
     one_thread,  # noqa: F401 (a fixture used by name)
     run_cases,
+    ws_params,
 )
 
 STEPS = 6
 # [Note: the slow mark] (pyproject.toml): the largest world runs in CI's -m slow pass
-WORLD_SIZES = [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)]
+WORLD_SIZES = ws_params(1, 2, 3, 4)  # harness [Note: world sizes in the default run]
 TOL = {
     # params vs DDP + AdamW and vs stage 0 after 6 steps (the bound); stage 3 reduces
     # the same per-element sums as stage 0 (measured <= 1.1e-7, from the ring's sum order).

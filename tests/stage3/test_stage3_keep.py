@@ -31,7 +31,7 @@ import zerokern as zk
 from zerokern.accounting import estimate as E
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 from .test_stage3_users import TOL, _with_debug, _zero3, ddp_reference, make_dyn
 
 BUDGETS = ("default", "one_more", "all")
@@ -139,7 +139,7 @@ def _worker(rank, ws):
     return run_cases(cases)
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("model", ["gpt", "dyn", "tied"])
 def test_kept_units_train_as_ddp_and_save_their_gathers(ws, model):
     res = {b: case(cached(_worker, ws), f"{model}_{b}") for b in BUDGETS}
@@ -176,7 +176,7 @@ def test_kept_units_train_as_ddp_and_save_their_gathers(ws, model):
     assert every["all_units"] > d["bound"] or len(sched) == 2
 
 
-@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("ws", ws_params(1, 2))
 def test_kept_units_with_param_offload_train_bitwise_the_same(ws):
     for r, (d, every) in enumerate(zip(case(cached(_worker, ws), "offload_default"),
                                        case(cached(_worker, ws), "offload_all"))):

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 from .test_stage3_users import STEPS, TOL, _with_debug, _zero3, ddp_reference, make_dyn, train3
 
 D = 16
@@ -153,7 +153,7 @@ def _worker(rank, ws):
 
 
 # ---- tests ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", ws_params(2, 3))
 def test_one_interleaving_on_every_rank_under_data_dependent_flow(ws):
     res = case(cached(_worker, ws), "order")
     assert len({tuple(x["trace"]) for x in res}) == ws, "the ranks must take different paths"
@@ -172,12 +172,12 @@ def test_one_interleaving_on_every_rank_under_data_dependent_flow(ws):
     assert len({tuple(x["kinds"]) for x in res}) == 1
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_a_sequential_model_has_no_late_units(ws):
     assert case(cached(_worker, ws), "sequential") == [0] * ws
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("name", ["side", "encdec"])
 def test_late_units_are_caught_up(ws, name):
     res = case(cached(_worker, ws), name)
@@ -191,7 +191,7 @@ def test_late_units_are_caught_up(ws, name):
         assert any(len({x["trace"][s] for x in res}) > 1 for s in range(STEPS)), res
 
 
-@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("ws", ws_params(1, 2))
 @pytest.mark.parametrize("name", ["side", "encdec"])
 def test_without_the_catch_up_training_is_wrong(ws, name):
     # Measured: with the catch-up <= 1.6e-7 (both models, N = 1-3); without, SideLM misses by

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zerokern as zk
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 4
 TOL = {
@@ -415,7 +415,7 @@ def _misc_worker(rank, ws):
 
 
 # ---- tests: data-dependent control flow ------------------------------------------------------
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_data_dependent_control_flow_matches_ddp(ws):
     res = case(cached(_flow_worker, ws), "flow")
     for r, x in enumerate(res):
@@ -425,27 +425,27 @@ def test_data_dependent_control_flow_matches_ddp(ws):
         assert len({tuple(x["trace"]) for x in res}) == ws
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", ws_params(2, 3))
 def test_unused_param_on_one_rank_does_not_deadlock(ws):
     for r, x in enumerate(case(cached(_flow_worker, ws), "stall")):
         assert x["moved"] > 100 * TOL["param"]
         assert x["rel"] <= TOL["param"], f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_control_flow_negative_control(ws):
     for err in case(cached(_flow_worker, ws), "flow_negative"):
         assert err > TOL["negative_factor"] * TOL["param"], f"wrong betas undetected {err:.3g}"
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", ws_params(2, 3))
 def test_debug_collectives_passes_on_consistent_ranks(ws):
     for r, x in enumerate(case(cached(_flow_worker, ws), "flow_debug")):
         assert x["rel"] <= TOL["param"], f"rank {r}: {x['rel']:.3g}"
         assert x["debug_checks"] == STEPS, "the debug mode must check at every step()"
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", ws_params(2, 3))
 def test_debug_collectives_catches_an_injected_reorder(ws):
     # Without the debug mode the swap is silent: same-sized reduce-scatters pair up wrongly.
     silent = case(cached(_flow_worker, ws), "reorder_silent")
@@ -459,7 +459,7 @@ def test_debug_collectives_catches_an_injected_reorder(ws):
 
 
 # ---- tests: frozen params ----------------------------------------------------------------------
-@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_peft_lora_matches_ddp(ws):
     for r, x in enumerate(case(cached(_frozen_worker, ws), "lora")):
         assert x["moved"] > 100 * TOL["param"]
@@ -470,7 +470,7 @@ def test_peft_lora_matches_ddp(ws):
             ws * 128 * 3
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_lora_frozen_params_are_sharded(ws):
     for r, x in enumerate(case(cached(_frozen_worker, ws), "lora")):
         full = x["frozen_numel"] * 4
@@ -480,7 +480,7 @@ def test_lora_frozen_params_are_sharded(ws):
             abs(x["report_frozen"] - full / ws) <= TOL["frozen_pad_elems"] * ws * 4
 
 
-@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("ws", ws_params(1, 2))
 def test_frozen_params_cast_to_precision_and_reported(ws):
     for x in case(cached(_frozen_worker, ws), "lora_bf16"):
         assert x["dtypes"] == ["torch.bfloat16"], x["dtypes"]

@@ -31,7 +31,7 @@ import torch
 import zerokern as zk
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 9
 STAGES = [0, 1, 2]
@@ -126,7 +126,7 @@ def ckpt_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("compact_muon"))
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", ws_params(1, 2))
 @pytest.mark.parametrize("stage", STAGES)
 def test_compact_master_trains_bitwise_like_fp32_master(world_size, stage, ckpt_dir):
     results = cached(_worker, world_size, os.path.join(ckpt_dir, str(world_size)))
