@@ -272,6 +272,13 @@ void compact_expand(at::Tensor out, at::Tensor low, at::Tensor ties, at::Tensor 
 void compact_store(at::Tensor low, at::Tensor ties, at::Tensor master, at::Tensor nan_flag);
 }  // namespace zk_cpu
 
+namespace zk_cpu {  // compact_adam_cpu.cpp (master="compact", AdamW fused)
+void compact_adam_step(at::Tensor low, at::Tensor ties, at::Tensor param, at::Tensor exp_avg,
+                       at::Tensor exp_avg_sq, at::Tensor grad, at::Tensor nan_flag, double lr,
+                       double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                       at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf);
+}  // namespace zk_cpu
+
 namespace zk_cpu {  // lion_cpu.cpp (ZeroLion)
 void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
                std::optional<at::Tensor> param_out, double lr, double beta1, double beta2,
@@ -311,6 +318,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact_store", &zk_cpu::compact_store, nogil,
         "master='compact': low halves and tie bits of an fp32 master; nan_flag |= any NaN",
         "low"_a, "ties"_a, "master"_a, "nan_flag"_a);
+  m.def("compact_adam_step", &zk_cpu::compact_adam_step, nogil,
+        "master='compact': expand -> AdamW step -> compact in one pass; nan_flag |= any NaN",
+        "low"_a, "ties"_a, "param"_a, "exp_avg"_a, "exp_avg_sq"_a, "grad"_a, "nan_flag"_a,
+        "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "adamw"_a, "step"_a,
+        "grad_scale"_a, "found_inf"_a);
   m.def("lion_step", &zk_cpu::lion_step, nogil, "Fused Lion step with cast-back (kernels/lion.py)",
         "master"_a, "exp_avg"_a, "grad"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a,
         "weight_decay"_a, "step"_a, "grad_scale"_a, "found_inf"_a);

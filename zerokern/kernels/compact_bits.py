@@ -104,3 +104,32 @@ def verify(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     compaction expands back to it exactly."""
     ok = master.to(torch.bfloat16).view(torch.int16).eq(param.view(torch.int16)).all()
     return ok & ~torch.isnan(master).any()
+
+
+def compact_adam_step_(low: torch.Tensor, ties: torch.Tensor, param: torch.Tensor,
+                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                       nan: torch.Tensor, *, lr, beta1, beta2, eps, weight_decay, adamw: bool,
+                       step: torch.Tensor, grad_scale: torch.Tensor,
+                       found_inf: torch.Tensor) -> None:
+    """The compact master's AdamW step in one CPU pass (csrc/cpu/compact_adam_cpu.cpp; Note:
+    fused compact step on the CPU, in state/compact_master.py): bit for bit expand_ -> the cpu
+    adam_step_ with param_out = param -> compact_(..., nan).
+
+    low (n,) int16, ties (n/8,) uint8, param (n,) bf16, exp_avg / exp_avg_sq (n,) fp32 are
+    updated in place; grad (n,) fp32/fp16/bf16; nan a 0-d bool set if a new master is NaN; n a
+    multiple of 8. lr, betas, eps, weight_decay (floats or 0-d CPU tensors), step, grad_scale
+    and found_inf as `kernels.adam_step_` (a skipped step writes nothing, step included, and
+    still reports a NaN master in nan, as the chain's compact_ does).
+    """
+    n = low.numel()
+    if n % 8 or ties.numel() != n // 8 or param.dtype != torch.bfloat16 or param.numel() != n:
+        raise ValueError(f"compact step: low ({low.numel()}), ties ({ties.numel()}) and bf16 "
+                         f"param ({param.numel()}, {param.dtype}) do not describe one master "
+                         "of n = 8k elements")
+    op = _native(low)
+    if op is None:
+        raise ValueError("compact_adam_step_: needs CPU tensors and the cpu op (the chunked "
+                         "path, CompactState.update_piece, serves the other cases)")
+    op.compact_adam_step(low, ties, param, exp_avg, exp_avg_sq, grad, nan, float(lr),
+                         float(beta1), float(beta2), float(eps), float(weight_decay), adamw,
+                         step, grad_scale, found_inf)

@@ -57,6 +57,7 @@ from zerokern.kernels.compact_bits import (
     TIE,
     _native,
     compact_,
+    compact_adam_step_,
     compact_torch_,
     expand_,
     expand_torch_,
@@ -70,6 +71,9 @@ from zerokern.rules import Rule, RuleState, alloc_states
 from zerokern.rules.adamw import AdamWRule
 
 CHUNK_NUMEL = 1 << 20
+# AdamW on the cpu backend takes the one-pass op ([Note: fused compact step on the CPU]);
+# False runs the chunked three-pass chain instead (tests and benchmarks compare the two).
+FUSED_CPU = True
 
 __all__ = ["CHUNK_NUMEL", "TIE", "CompactState", "_native", "compact_", "compact_torch_",
            "expand_", "expand_torch_", "tie_bytes", "unpack_ties", "verify"]
@@ -213,8 +217,18 @@ class CompactState(RuleState):
         step = self.steps[k]
         if self._nan is None:
             self._nan = torch.zeros((), dtype=torch.bool, device=self.low.device)
-        if isinstance(self.rule, AdamWRule) and \
-                kernels.resolve(backend, self.low.device) == "triton":
+        kind = kernels.resolve(backend, self.low.device) \
+            if isinstance(self.rule, AdamWRule) else None
+        if kind == "cpu" and FUSED_CPU and not use_op(self.low) and _native(self.low):
+            # [Note: fused compact step on the CPU] (AdamW's one-pass op; the chunked path
+            # below stays for the other rules, the reference backend and traced calls)
+            m, v = states
+            compact_adam_step_(self.low[sl], self.ties[s0 // 8:sl.stop // 8], param, m, v, grad,
+                               self._nan, step=step, grad_scale=grad_scale,
+                               found_inf=found_inf, **hyper)
+            self.compact_pieces += 1
+            return
+        if kind == "triton":
             # [Note: fused compact step] in kernels/compact_triton.py (AdamW's fused kernel;
             # other rules take the chunked path below)
             m, v = states
