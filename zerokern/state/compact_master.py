@@ -18,8 +18,10 @@ the tie bit; never wrapping below NaN patterns). Unit tests check every one of t
 halves with several high halves (tests/state/test_compact_master.py).
 - Step path (compact): bucket k's piece is expanded chunk by chunk into an fp32 scratch, the same
   fused kernel runs on the chunk with param_out the chunk's params, and the chunk is compacted
-  back. Proved by construction: the kernel writes b = RNE(new master) (or, skipped, changes
-  neither), so only a NaN master can break it; a NaN check per chunk feeds a device flag, read
+  back (AdamW on the cpu and triton backends runs all three as one pass, bit for bit the same:
+  [Note: fused compact step on the CPU] below, compact_triton.py). Proved by construction:
+  the kernel writes b = RNE(new master) (or, skipped, changes neither), so only a NaN master
+  can break it; a NaN check per chunk feeds a device flag, read
   at finish() on the CPU and one step later from a pinned copy on a GPU (no sync), and a NaN
   raises there (its bits are gone: never a silently different master).
 - Other paths (`master` read or written between steps: model_sync, checkpoint save/load,
@@ -41,6 +43,40 @@ fp32-master twin, shared 2-core VM): stage 2 +5 / +20 / +9 ms over 37-40 ms in t
 stage 1 +13 ms; chunks of 2^17 +14 ms, 2^22 +21 ms. `verify` (torch ops: a cast, a compare
 and a NaN test per element; 1.85 ms per 2^20 elements on one thread, ~21 ms for a rank's 11.6M
 here) runs only in the step after an outside access (a checkpoint, state_dict, a param write).
+
+[Note: fused compact step on the CPU] (issue 40)
+The chunked path above makes three passes per 2^20-element chunk (expand into the scratch, the
+Adam kernel on it, compact with the NaN test), each a call from Python with its own argument
+checks and OpenMP fork/join. A cProfile of the stage-1 bf16 engine step (2 gloo ranks, 20M GPT)
+put adam_step at ~60 ms, compact_expand 25 ms and compact_store 12 ms a step, and bf16's engine
+overhead (zk - bare) / (DeepSpeed - bare) at 0.23 / 0.27 / 0.21 (stages 1-3, r5: target <= 0.2)
+where fp32 met it. So AdamW on the cpu backend takes one op (csrc/cpu/compact_adam_cpu.cpp,
+`compact_adam_step_` in kernels/compact_bits.py) that reads low, the tie bits, the bf16 param,
+m, v and the grad once, rebuilds the master in registers, runs the Adam kernel's update
+(kernels_scalar.cpp operation for operation, the same fp64 host scalars) and writes param (RNE),
+low, ties, m and v, with the NaN test: 14.1 B read + 12.1 B written per element with a bf16
+grad, no scratch, one call per piece. AVX-512 / AVX2 / scalar by the extension's ISA dispatch,
+like the Adam kernel. A skipped step writes nothing, step included, and still flags a NaN
+master, as the chain's compact_ does (which rewrites low/ties from their own expansion: the same
+bytes for any state compact_ wrote). Bit for bit the chain on every ISA, 1 and 2 threads
+(tests/state/test_compact_cpu_fused.py); the chain stays for the other rules, the reference
+backend, traced calls and as the reference (FUSED_CPU = False).
+Measured 2026-11-29 (shared 2-core Xeon VM, AVX-512; `benchmarks/compact_cpu_fused.py --sizes
+20 24 --threads 1 2 --reps 9`, load 1.6, medians, the three rotated in one process), ms per
+call, bf16 grads: the chain / this op / master="fp32"'s Adam step on the same shard:
+    2^20, 1 thread    2.10 / 0.70 / 0.76   (op / chain 0.33, op / fp32 0.92)
+    2^24, 1 thread   47.8 / 22.3 / 24.5    (0.47, 0.91)
+    2^24, 2 threads  30.9 / 13.3 / 14.3    (0.43, 0.93)
+(2^20 on 2 threads: 23.9 / 8.0 / 8.2, all three waiting on a descheduled thread of the pool.)
+So the compact step now costs what the fp32 master's does, for 2 + 1/8 master bytes an element.
+Engine, stage 1 bf16, step phase per rank, process CPU ms (`benchmarks/engine_phase_cpu.py
+--stage 1 --precision bf16 --variants kept --reps 8`, before and after alternated, load 4-6):
+grad buffer kept 111 / 92 and 179 / 146 before, 63 / 55 and 55 / 54 after; freed (the
+engine's stage-1 default) 103 / 84 and 158 / 125 before, 92 / 80 and 109 / 113 after.
+`zerokern bench --engine --precisions bf16`, overhead zk/DS (CPU) at stages 1-3, three runs
+alternated: after 0.18 / 0.19 / 0.17 (load 1.8-4.7), before (main) 0.19 / 0.36 / 0.18 (load
+2.5-5.4), after 0.19 / 0.24 / 0.19 (load 4.1-5.1); r5 had 0.23 / 0.27 / 0.21
+(benchmarks/results/engine-20m-n2-issue40-20261129-r6*.md).
 """
 
 from __future__ import annotations
