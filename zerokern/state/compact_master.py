@@ -77,6 +77,11 @@ engine's stage-1 default) 103 / 84 and 158 / 125 before, 92 / 80 and 109 / 113 a
 alternated: after 0.18 / 0.19 / 0.17 (load 1.8-4.7), before (main) 0.19 / 0.36 / 0.18 (load
 2.5-5.4), after 0.19 / 0.24 / 0.19 (load 4.1-5.1); r5 had 0.23 / 0.27 / 0.21
 (benchmarks/results/engine-20m-n2-issue40-20261129-r6*.md).
+Open: inside the engine (stage 1, pieces of 6.5M elements, both ranks stepping at once) the op
+took 15-38 ms of thread CPU per piece with the grad buffer kept and 22-60 ms freed (the
+engine's stage-1 default; load 4), i.e. 2.5-9 ns an element against 1.3 alone; the freed
+buffer's extra cost was also seen in the step phase (engine_phase_cpu --variants freed kept:
+112-136 vs 62-67 ms) and is not explained yet (before this op, freed and kept cost the same).
 """
 
 from __future__ import annotations
