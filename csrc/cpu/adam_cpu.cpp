@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "step_scalars.h"
 
 namespace zk_cpu {
 namespace {
@@ -77,36 +78,10 @@ void check_scalar(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.numel() == 1, name, " must have exactly one element, got ", t.numel());
 }
 
-// found_inf is a 0-d bool or float32 tensor; any nonzero value means "skip".
-bool read_flag(const at::Tensor& f) {
-  if (f.scalar_type() == at::kBool) return *f.data_ptr<bool>();
-  return *f.data_ptr<float>() != 0.0f;
-}
-
 void check_flag(const at::Tensor& f) {
   check_scalar(f, "found_inf");
   TORCH_CHECK(f.scalar_type() == at::kBool || f.scalar_type() == at::kFloat,
               "found_inf must be bool or float32, got ", f.scalar_type());
-}
-
-double read_step(const at::Tensor& s) {
-  switch (s.scalar_type()) {
-    case at::kLong: return double(*s.data_ptr<int64_t>());
-    case at::kInt: return double(*s.data_ptr<int32_t>());
-    case at::kFloat: return double(*s.data_ptr<float>());
-    case at::kDouble: return *s.data_ptr<double>();
-    default: TORCH_CHECK(false, "step must be int64, int32, float32 or float64, got ", s.scalar_type());
-  }
-  return 0.0;
-}
-
-void increment_step(at::Tensor& s) {
-  switch (s.scalar_type()) {
-    case at::kLong: *s.data_ptr<int64_t>() += 1; break;
-    case at::kInt: *s.data_ptr<int32_t>() += 1; break;
-    case at::kFloat: *s.data_ptr<float>() += 1.0f; break;
-    default: *s.data_ptr<double>() += 1.0; break;
-  }
 }
 
 // Runs fn(chunk_index) for every chunk; OpenMP's static schedule hands each thread one
@@ -157,21 +132,8 @@ void adam_step(at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq, at:
 
   if (read_flag(found_inf)) return;  // skipped step: nothing is written, step included
 
-  // Bias corrections in float64: fp32 pow loses 1e-5..1e-3 relative for beta2 >= 0.999.
-  const double t = step_value + 1.0;
-  const double bc1 = 1.0 - std::pow(beta1, t);
-  const double bc2 = 1.0 - std::pow(beta2, t);
-  AdamScalars s;
-  s.gs = *grad_scale.data_ptr<float>();
-  s.decay = float(1.0 - lr * weight_decay);
-  s.wd = float(weight_decay);
-  s.b1 = float(beta1);
-  s.b2 = float(beta2);
-  s.omb1 = float(1.0 - beta1);
-  s.omb2 = float(1.0 - beta2);
-  s.step_size = float(lr / bc1);
-  s.rsqrt_bc2 = float(1.0 / std::sqrt(bc2));
-  s.eps = float(eps);
+  const AdamScalars s = adam_scalars(step_value, lr, beta1, beta2, eps, weight_decay,
+                                     *grad_scale.data_ptr<float>());
 
   const AdamPtrs ptrs{master.data_ptr<float>(), exp_avg.data_ptr<float>(),
                       exp_avg_sq.data_ptr<float>(), grad.data_ptr(), out,

@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "cpu_kernels.h"
+#include "step_scalars.h"
 
 namespace zk_cpu {
 namespace {
@@ -370,17 +371,8 @@ void compact_adam_step(at::Tensor low, at::Tensor ties, at::Tensor param, at::Te
   const auto fdt = found_inf.scalar_type();
   TORCH_CHECK(fdt == at::kBool || fdt == at::kFloat, "compact_adam_step: found_inf must be bool "
               "or float32, got ", fdt);
-  double step_value;
-  switch (step.scalar_type()) {
-    case at::kLong: step_value = double(*step.data_ptr<int64_t>()); break;
-    case at::kInt: step_value = double(*step.data_ptr<int32_t>()); break;
-    case at::kFloat: step_value = double(*step.data_ptr<float>()); break;
-    case at::kDouble: step_value = *step.data_ptr<double>(); break;
-    default: TORCH_CHECK(false, "compact_adam_step: step must be int64, int32, float32 or "
-                         "float64, got ", step.scalar_type());
-  }
-  const bool skip = fdt == at::kBool ? *found_inf.data_ptr<bool>()
-                                     : *found_inf.data_ptr<float>() != 0.0f;
+  const double step_value = read_step(step);
+  const bool skip = read_flag(found_inf);
   auto* l = reinterpret_cast<uint16_t*>(low.data_ptr());
   auto* t = ties.data_ptr<uint8_t>();
   auto* b = reinterpret_cast<uint16_t*>(param.data_ptr());
@@ -392,21 +384,9 @@ void compact_adam_step(at::Tensor low, at::Tensor ties, at::Tensor param, at::Te
     if (any_nan.load()) *nan_flag.data_ptr<bool>() = true;
     return;
   }
-  // The host scalars exactly as adam_cpu.cpp's adam_step computes them (fp64 bias corrections).
-  const double tt = step_value + 1.0;
-  const double bc1 = 1.0 - std::pow(beta1, tt);
-  const double bc2 = 1.0 - std::pow(beta2, tt);
-  AdamScalars s;
-  s.gs = *grad_scale.data_ptr<float>();
-  s.decay = float(1.0 - lr * weight_decay);
-  s.wd = float(weight_decay);
-  s.b1 = float(beta1);
-  s.b2 = float(beta2);
-  s.omb1 = float(1.0 - beta1);
-  s.omb2 = float(1.0 - beta2);
-  s.step_size = float(lr / bc1);
-  s.rsqrt_bc2 = float(1.0 / std::sqrt(bc2));
-  s.eps = float(eps);
+  // adam_step's host scalars (cpu_kernels.h), so the fused op stays bit for bit its update
+  const AdamScalars s = adam_scalars(step_value, lr, beta1, beta2, eps, weight_decay,
+                                     *grad_scale.data_ptr<float>());
 
   const int gtype = gdt == at::kFloat ? kF32 : gdt == at::kHalf ? kF16 : kBF16;
   const CompactChunkFn fn = compact_table().fn[current_isa()][gtype][adamw ? 1 : 0];
@@ -419,12 +399,7 @@ void compact_adam_step(at::Tensor low, at::Tensor ties, at::Tensor param, at::Te
     if (bad) any_nan.store(true, std::memory_order_relaxed);
   });
   if (any_nan.load()) *nan_flag.data_ptr<bool>() = true;
-  switch (step.scalar_type()) {
-    case at::kLong: *step.data_ptr<int64_t>() += 1; break;
-    case at::kInt: *step.data_ptr<int32_t>() += 1; break;
-    case at::kFloat: *step.data_ptr<float>() += 1.0f; break;
-    default: *step.data_ptr<double>() += 1.0; break;
-  }
+  increment_step(step);
 }
 
 }  // namespace zk_cpu

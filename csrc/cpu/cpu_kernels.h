@@ -24,6 +24,28 @@ struct AdamScalars {
   float eps;
 };
 
+// The step's host scalars (adam_step and the compact master's fused step share them, so the
+// two stay bit for bit): bias corrections in float64, since fp32 pow loses 1e-5..1e-3
+// relative for beta2 >= 0.999.
+inline AdamScalars adam_scalars(double step_value, double lr, double beta1, double beta2,
+                                double eps, double weight_decay, float grad_scale) {
+  const double t = step_value + 1.0;
+  const double bc1 = 1.0 - std::pow(beta1, t);
+  const double bc2 = 1.0 - std::pow(beta2, t);
+  AdamScalars s;
+  s.gs = grad_scale;
+  s.decay = float(1.0 - lr * weight_decay);
+  s.wd = float(weight_decay);
+  s.b1 = float(beta1);
+  s.b2 = float(beta2);
+  s.omb1 = float(1.0 - beta1);
+  s.omb2 = float(1.0 - beta2);
+  s.step_size = float(lr / bc1);
+  s.rsqrt_bc2 = float(1.0 / std::sqrt(bc2));
+  s.eps = float(eps);
+  return s;
+}
+
 struct AdamPtrs {
   float* master;
   float* m;
