@@ -23,25 +23,12 @@ import torch
 from zerokern import kernels
 from zerokern.state import compact_master as C
 
+from .test_compact_triton_step import _masters  # the same tie-heavy masters
+
 HYPER = dict(lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)  # exaggerated
 HIGHS = [0x0000, 0x8000, 0x3F80, 0x3F81, 0xBF80, 0xBF81, 0x0001, 0x4120]
 SIZES = [8, 24, 1016, 4104, 32776, 278024]
 
-
-def _masters(n: int) -> torch.Tensor:
-    x = torch.randn(n) * 3
-    bits = x.view(torch.int32)
-    k = torch.arange(n)
-    lo = bits & 0xFFFF
-    lo = torch.where(k % 5 == 0, torch.full_like(lo, 0x8000), lo)   # exact ties
-    lo = torch.where(k % 7 == 1, torch.full_like(lo, 0x8001), lo)
-    lo = torch.where(k % 11 == 2, torch.full_like(lo, 0x7FFF), lo)
-    bits = (bits & ~0xFFFF) | lo
-    bits = torch.where(k % 13 == 3, bits ^ 0x10000, bits)           # flip the high parity
-    x = bits.view(torch.float32).clone()
-    x[k % 97 == 4] = 0.0
-    x[k % 89 == 5] = -0.0
-    return x
 
 
 def _every_low_half() -> torch.Tensor:
