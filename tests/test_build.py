@@ -103,6 +103,7 @@ def test_killed_lock_holder_releases_lock(tiny):
     assert "RESULT 15" in r.stdout
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_live_lock_holder_times_out_with_clear_error(tiny):
     src, cache = tiny
     cache.mkdir()
@@ -133,6 +134,7 @@ def test_build_failure_names_command_and_fallback(tiny):
     assert "tiny.cpp" in r.stderr  # the compiler's own message survives in the error
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_missing_sources_is_a_build_error(tmp_path):
     r = _run(_load_code(tmp_path / "nowhere"), tmp_path / "cache")
     assert r.returncode != 0

@@ -56,10 +56,10 @@ def test_bench_kernels_quick_writes_results(tmp_path):
     assert list(tmp_path.glob("*.md"))
 
 
-# [Note: the slow mark]: each case is a Python start-up with torch (~5 s on 2 cores); an unknown
-# command in the default suite, no command and the sub-command errors in CI's -m slow pass
-@pytest.mark.parametrize("args", [["bogus"], *(pytest.param(a, marks=pytest.mark.slow) for a in
-                                               (["build", "gpu"], ["info", "--nope"], []))])
+# [Note: the slow mark]: each case is a Python start-up with torch (~5 s on 2 cores): CI's -m slow
+# pass (the parser's errors run in process in test_train.py's flag tests)
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["bogus"], ["build", "gpu"], ["info", "--nope"], []])
 def test_bad_usage_exits_2_with_usage(args):
     r = zk(*args)
     assert r.returncode == 2
@@ -156,7 +156,8 @@ entry()
 """
 
 
-@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
+@pytest.mark.parametrize("torchrun", [False, True])
 def test_a_torchrun_rank_leaves_after_atexit_without_finalizing(tmp_path, torchrun):
     """[Note: leaving a torchrun rank] (cli.py): a torchrun rank (RANK and WORLD_SIZE set) runs
     the atexit handlers and exits with main()'s code but skips interpreter finalization, where

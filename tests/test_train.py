@@ -228,6 +228,7 @@ def _rank1_dies_rank0_hangs(cfg, device):
     time.sleep(600)  # stands for a collective the dead peer never joins
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_a_dead_rank_fails_the_command_and_the_other_is_killed(monkeypatch):
     monkeypatch.setattr(launch, "GRACE_S", 2.0)
     t0 = time.monotonic()

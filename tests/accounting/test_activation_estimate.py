@@ -126,6 +126,7 @@ def _cli(capsys, *argv):
     return rc, capsys.readouterr()
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_cli_prints_the_whole_peak(capsys):
     rc, out = _cli(capsys, "estimate", "--model", "tiny", "--batch", "2", "--seq", "32",
                    "--activation-checkpointing", "full", "--stage", "3", "--world-size", "2",

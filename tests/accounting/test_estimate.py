@@ -210,6 +210,7 @@ def test_estimate_equals_memory_report_single_process(name, stage, precision, bu
         assert est["host_total"] == sum(meas["host"].values())
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("name,stage,precision,bucket_mb,offload", ALL_CASES)
 def test_estimate_equals_memory_report_every_rank(world_size, name, stage, precision,
@@ -232,6 +233,7 @@ def test_estimate_equals_memory_report_compact_master(name, stage, precision, bu
     assert meas["measured"]["master"] < 0.54 * fp32["bytes"]["master"]  # 2.125 / 4 + ties
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("name,stage,precision,bucket_mb", COMPACT_CASES)
 def test_estimate_equals_memory_report_compact_master_every_rank(world_size, name, stage,
@@ -242,6 +244,7 @@ def test_estimate_equals_memory_report_compact_master_every_rank(world_size, nam
         _assert_equal(meas, est, f"world size {world_size}, rank {rank}, master='compact'")
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("world_size", [2])
 def test_negative_control_wrong_grad_order_and_stage1_in_place(world_size):
     results = cached(_multi_rank, world_size)
@@ -254,6 +257,7 @@ def test_negative_control_wrong_grad_order_and_stage1_in_place(world_size):
     assert meas1["measured"]["buckets"] == 0 == extra1["nccl"]["buckets"]
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("world_size", [2])
 def test_negative_controls_stage3_wrong_units_and_forward_order(world_size):
     results = cached(_multi_rank, world_size)

@@ -264,6 +264,7 @@ print("EXITING", flush=True)
 """
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_exit_without_wait_commits_the_pending_save(tmp_path):
     path = str(tmp_path / "ck")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -62,6 +62,7 @@ print("NOT KILLED", flush=True)
 """
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("point,exchange", [  # a killed subprocess each (3 s on 2 loaded cores)
     ("files_written", True), pytest.param("files_written", False, marks=pytest.mark.slow),
     ("old_moved", False)])

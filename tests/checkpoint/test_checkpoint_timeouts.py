@@ -46,6 +46,7 @@ def _run(fn, *args):
                                 pg_timeout=SHORT, context=_CTX)
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_a_slow_rank_in_the_agreement_raises_the_named_timeout(monkeypatch):
     monkeypatch.delenv(PG_TIMEOUT_ENV, raising=False)
     (typ, msg), _ = _run(_slow_agree)

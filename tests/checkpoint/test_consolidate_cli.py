@@ -76,6 +76,7 @@ def test_errors_are_one_line_and_exit_1(ckpt, tmp_path, capsys):
     assert not (tmp_path / "o.pt").exists()
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_python_dash_m_entry(ckpt, tmp_path):
     out = tmp_path / "m.safetensors"
     env = dict(os.environ, PYTHONPATH=str(REPO))

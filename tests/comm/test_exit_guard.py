@@ -106,6 +106,7 @@ def _rank(rank, world):
     return before, exit_guard._registered
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_a_gloo_optimizer_registers_the_wait():
     assert spawn_ranks(_rank, 2, backend="gloo", timeout=120) == [(False, True)] * 2
 

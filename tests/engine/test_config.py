@@ -326,6 +326,7 @@ def test_loader_and_checkpoint_across_world_sizes(tmp_path):
 
 
 # ---- the process group from the launcher's environment -------------------------------------
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 def test_init_distributed_from_launcher_env(launcher):
     """torchrun/deepspeed set RANK/WORLD_SIZE/LOCAL_RANK; mpirun OMPI_COMM_WORLD_*; gloo on

@@ -70,6 +70,7 @@ def _ds_worker(rank, ws):
     return out
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_deepspeed_raises_assertion_error_for_them():
     pytest.importorskip("deepspeed")
     from tests.support.harness import cached

@@ -25,6 +25,10 @@ from tests.support.harness import cached, case, run_cases  # noqa: E402
 
 from . import common as C  # noqa: E402
 
+# A DeepSpeed-reference matrix: the whole module runs in CI's -m slow pass (the default run's
+# budget, pyproject.toml [Note: the slow mark]).
+pytestmark = pytest.mark.slow
+
 # One tolerance table (relative, per-step loss or lr, max over the steps).
 TOL = {
     "fp32": 1e-5,  # test_deepspeed_parity's bound (summation order only; measured there 4.9e-8)

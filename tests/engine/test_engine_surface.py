@@ -183,6 +183,7 @@ def _r(name):
     return case(cached(_worker, 2), name)
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_gradient_clipping_is_deepspeeds():
     for r in _r("clipping"):
         assert r["zerokern-None"] == r["deepspeed-None"] == 1.0, r

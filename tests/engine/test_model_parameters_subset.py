@@ -76,6 +76,7 @@ def test_zerokern_refuses_and_says_why():
     assert "## `model_parameters` that leave out trainable params" in text
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_freezing_gives_deepspeeds_result():
     pytest.importorskip("deepspeed")
     from tests.support.harness import cached

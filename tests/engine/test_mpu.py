@@ -27,6 +27,10 @@ from tests.support.harness import cached, case, run_cases
 from ..support.tp_ops import CopyToTP as _CopyToTP
 from ..support.tp_ops import ReduceFromTP as _ReduceFromTP
 
+# A DeepSpeed-reference matrix: the whole module runs in CI's -m slow pass (the default run's
+# budget, pyproject.toml [Note: the slow mark]).
+pytestmark = pytest.mark.slow
+
 WS, TP, DP = 4, 2, 2
 D, H, B = 8, 16, 6     # model width, hidden width (split over tp), rows per dp rank
 STEPS = 4

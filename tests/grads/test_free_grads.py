@@ -81,6 +81,7 @@ def _worker(rank, ws):
     return run_cases(cases)
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("stage,prec", CASES)
 def test_free_grads_trains_bitwise_as_kept_buffers(ws, stage, prec):
@@ -99,6 +100,7 @@ def test_free_grads_trains_bitwise_as_kept_buffers(ws, stage, prec):
     assert not M.bitwise_equal(kept[0]["params"][0], kept[0]["params"][-1])
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("stage,prec", [(0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32")])
 def test_free_grads_releases_the_memory_at_zero_grad(ws, stage, prec):

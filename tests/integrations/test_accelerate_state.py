@@ -23,6 +23,10 @@ from tests.support.harness import cached, case, run_cases, ws_params  # noqa: E4
 
 from . import hf_common as H  # noqa: E402
 
+# Accelerate's save_state/load_state at every stage: the whole module runs in CI's -m slow pass
+# (the default run's budget, pyproject.toml [Note: the slow mark]).
+pytestmark = pytest.mark.slow
+
 STEPS, SAVE_AT, GAS, CLIP = 6, 3, 2, 0.5
 TOL_DDP = 1e-5  # zerokern vs DDP + torch AdamW (the integration tests' fp32 bound)
 _TMP = tempfile.mkdtemp(prefix="zk_accstate_")

@@ -217,6 +217,7 @@ def _tied(values):
     return {**values, "lm_head.weight": values["transformer.wte.weight"]}
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("stage", STAGES)
 def test_safetensors_torch_transformers_savers(stage, ws):
@@ -243,6 +244,7 @@ def test_safetensors_torch_transformers_savers(stage, ws):
             assert torch.equal(v, want.to(dt).float()), k
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("stage", STAGES)
 def test_accelerate_save_model_holds_every_param(stage, ws):
@@ -250,6 +252,7 @@ def test_accelerate_save_model_holds_every_param(stage, ws):
     _same(saved, _tied(values), _reference_keys("accelerate"))
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peft_save_pretrained(stage):
     pytest.importorskip("peft")

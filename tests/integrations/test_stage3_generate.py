@@ -78,6 +78,7 @@ def _worker(rank, ws):
     return run_cases(cases)
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("ws", ws_params(2, 3))
 @pytest.mark.parametrize("name", ["default", "explicit-false", "peft"])
 def test_stage3_generate_ranks_stop_at_different_lengths(name, ws):

@@ -182,6 +182,7 @@ json.dump(out, open(sys.argv[1], "w"))
 '''
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_kernels_compile_for_hopper_with_ieee_division_and_no_spills(tmp_path):
     """sm_90 PTX (no GPU needed): IEEE division only, no fp64, no spills, 128-bit loads of x."""
     import json

@@ -48,6 +48,7 @@ def _brute(ptrs_sizes, n):
     return -1
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("gsize,osize", [(4, 0), (2, 2), (2, 0), (4, 2)],
                          ids=["fp32-noout", "16bit-out", "16bit-noout", "fp32grad-16bitout"])
 def test_head_aligns_every_pointer(lib, gsize, osize):

@@ -223,6 +223,7 @@ DIRECT_CUDA_CASES = [
 ]
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_gpu_run_without_nvcc_skips_the_cuda_backend_cases(tmp_path):
     """`python -m pytest -m gpu` on a GPU box without nvcc: the cuda-backend cases skip, with
     the toolchain's reason, before their bodies touch the GPU."""

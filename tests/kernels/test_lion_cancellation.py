@@ -257,6 +257,7 @@ def _lion_pytorch_step(p, m, g):
     return param.detach(), opt.state[param]["exp_avg"]
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_lion_pytorch_default_kernels_match_bitwise(tmp_path):
     """lion_pytorch.Lion under ATEN_CPU_CAPABILITY=default (its ops as written, each alpha
     product rounded) equals the torch order, and so every backend, bit for bit."""

@@ -172,6 +172,7 @@ def test_bad_arguments_raise_before_writing():
 NVCC = shutil.which("nvcc")
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 def test_nvcc_compile_lion(tmp_path):
     """csrc/cuda/lion.cu builds alone for Hopper under cpp_extension's flags with no warning,

@@ -60,6 +60,7 @@ def test_offload_pins_exactly_the_reported_bytes(cudart, n, dtype):
     assert not cudart.live and pinned.pinned_bytes() == before
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_views_keep_the_pages_locked(cudart):
     t = pinned.empty(4096, torch.float32)
     view = t[100:200]

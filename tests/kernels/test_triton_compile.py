@@ -338,6 +338,7 @@ def _controls(kind):
     return [v for v in VARIANTS if v.get("control") == kind]
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _ids("adam"), ids=lambda v: v["id"])
 def test_adam_variant(compiled, v):
     r = compiled[v["id"]]
@@ -368,6 +369,7 @@ def test_adam_variant(compiled, v):
         assert narrowing and all(op.startswith(want) for op in narrowing), narrowing
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _ids("scalars"), ids=lambda v: v["id"])
 def test_adam_scalars_prologue(compiled, v):
     """The fp64 set-up compiles (one program, 32 threads) without spills; it is the negative
@@ -378,6 +380,7 @@ def test_adam_scalars_prologue(compiled, v):
     assert _count(r["ops"], "st.global") >= 11
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _ids("advance"), ids=lambda v: v["id"])
 def test_advance_step_variant(compiled, v):
     r = compiled[v["id"]]
@@ -385,6 +388,7 @@ def test_advance_step_variant(compiled, v):
     assert _count(r["ops"], "st.global") >= 1 and _count(r["ops"], "ld.global") >= 2
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _ids("partial") + _ids("final"), ids=lambda v: v["id"])
 def test_grad_stats_variant(compiled, v):
     r = compiled[v["id"]]
@@ -398,6 +402,7 @@ def test_grad_stats_variant(compiled, v):
 
 # ---- negative controls: each check fails on a variant built to fail it ----------------------
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _controls("scalar"), ids=lambda v: v["id"])
 def test_control_scalar_variant_fails_vector_check(compiled, v):
     """An odd n or a misaligned pointer compiles to scalar accesses (what defect 7 launched)."""
@@ -408,6 +413,7 @@ def test_control_scalar_variant_fails_vector_check(compiled, v):
         assert not regs_ok(r["ptxas"], TOL["adam_registers"]), r["ptxas"]["registers"]
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _controls("spill"), ids=lambda v: v["id"])
 def test_control_register_cap_fails_spill_check(compiled, v):
     usage = compiled[v["id"]]["ptxas"]
@@ -415,11 +421,13 @@ def test_control_register_cap_fails_spill_check(compiled, v):
     assert not regs_ok(usage, 0)  # and the register check rejects a bound it exceeds
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("v", _controls("atomic"), ids=lambda v: v["id"])
 def test_control_atomic_reduction_fails_atomics_check(compiled, v):
     assert atomics(compiled[v["id"]]["ops"])
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_register_counts_report(compiled):
     """The numbers behind the bounds, printed for the record (pytest -s shows them)."""
     rows = {k: (r["ptxas"]["registers"], max(r["ptxas"]["spill_stores"] or [0]))
@@ -428,6 +436,7 @@ def test_register_counts_report(compiled):
     assert rows
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_per_step_values_do_not_recompile(compiled):
     """One JIT cache key per layout, whatever lr, step, grad_scale and found_inf are; and the
     key does see a layout change (adamw, hyperparameters as tensors), so the check can fail."""

@@ -88,6 +88,7 @@ json.dump(dict(seen=seen, warnings=[str(x.message) for x in w]), open(sys.argv[1
 '''
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_every_launch_pins_fp_fusion_without_the_env(tmp_path):
     why = _triton_and_ptxas_present()
     if why:

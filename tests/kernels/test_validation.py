@@ -344,6 +344,7 @@ NO_INTERPRETER = """
 """
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, triton runs compiled")
 def test_triton_on_cpu_tensors_without_interpreter():
     """In a fresh process without TRITON_INTERPRET, backend='triton' on CPU tensors is refused

@@ -213,6 +213,7 @@ def results(request):
     return request.param, cached(_worker, request.param)
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("kind,stage", CASES)
 def test_param_no_rank_used_is_skipped(results, kind, stage):
     ws, res = results
@@ -226,6 +227,7 @@ def test_param_no_rank_used_is_skipped(results, kind, stage):
                 f"rank {r}: the unused experts vs DDP+AdamW {got['rel_unused']:.3g}"
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("cfg,kind,stage", CFG_CASES)
 def test_param_no_rank_used_is_skipped_offload_compact(results, cfg, kind, stage):
     """offload="cpu"/"nvme", master="compact" (bf16, bitwise its master="fp32" twin),

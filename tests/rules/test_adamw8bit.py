@@ -329,6 +329,7 @@ def test_bf16_device_and_cpu_offload_bitwise(root):
         assert x["moved"] > 1e-3
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_checkpoint_n2_to_n3_resumes_the_quantized_state(root):
     """Saved at N=2 stage 2, loaded at N=3, stages 1, 2 (cpu offload) and 3: every param's
     blocks are its own and start at its first element in every buffer (partition.py [Note:

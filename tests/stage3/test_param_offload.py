@@ -384,7 +384,7 @@ def test_negative_control_a_corrupted_home_shard_is_seen(ws):
         assert not res["params_equal"]
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 @pytest.mark.parametrize("poff", ["cpu", "nvme"])
 def test_device_holds_only_live_units(ws, poff):
     for res in case(_results(ws), f"live_{poff}"):
@@ -393,7 +393,7 @@ def test_device_holds_only_live_units(ws, poff):
         assert res[None]["in_fwd_params"] > 0 and res[None]["between_params"] > 0
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_memory_report_equals_the_estimate(ws):
     names = [k for k in _results(ws)[0] if k.startswith("memory_")]
     assert len(names) == len(MEMORY[ws])
@@ -407,7 +407,7 @@ def test_memory_report_equals_the_estimate(ws):
                 assert res["disk"][0]["params"] > 0 and res["host"][0]["params"] == 0
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_checkpoint_to_and_from_runs_without_param_offload(ws):
     for r, res in enumerate(case(_results(ws), "resume")):
         for k, v in res.items():

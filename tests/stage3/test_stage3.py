@@ -386,7 +386,7 @@ def test_state_dict_resume_is_bitwise(ws):
         assert res["bitwise"]
 
 
-@pytest.mark.parametrize("ws", [1, 3])
+@pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_gathered_params_modify(ws):
     for res in case(_results(ws), "modify"):
         assert res["discarded"], "changes with modify=False must be discarded"

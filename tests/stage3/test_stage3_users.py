@@ -459,6 +459,7 @@ def test_debug_collectives_catches_an_injected_reorder(ws):
 
 
 # ---- tests: frozen params ----------------------------------------------------------------------
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.parametrize("ws", ws_params(1, 2, 3))
 def test_peft_lora_matches_ddp(ws):
     for r, x in enumerate(case(cached(_frozen_worker, ws), "lora")):

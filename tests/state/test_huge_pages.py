@@ -59,6 +59,7 @@ def pool():
     huge_pages.POOL.clear()
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 def test_memory_returns_when_the_last_view_dies(pool):
     """With the pool off (the code before [Note: freed mappings kept lazily]): the mapping goes
     with the last tensor that views it."""

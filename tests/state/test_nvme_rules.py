@@ -34,7 +34,7 @@ import torch
 import zerokern as zk
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, run_cases, ws_params
 
 STEPS = 4
 STAGES = [1, 2, 3]
@@ -317,7 +317,7 @@ def test_nvme_equals_device_bitwise(ws, kind, stage, root):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("ws", ws_params(1, 2))
 def test_nvme_equals_device_bitwise_fp32(ws, kind, root):
     """fp32 params (the master is the param on the device, a file here), stage 2."""
     _check_parity(ws, root, kind, 2, "fp32")

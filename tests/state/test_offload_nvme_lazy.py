@@ -79,8 +79,9 @@ def _run(stage: int, path) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the default run's budget (pyproject.toml [Note: the slow mark])
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB: Linux")
-@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])  # a 33.5M model each
+@pytest.mark.parametrize("stage", [1, 3])  # a 33.5M model each
 def test_building_and_stepping_never_hold_the_state_in_memory(stage, tmp_path):
     r = _run(stage, tmp_path)
     state = 12 * r["psi"]  # fp32 master, m, v: what must stay on disk
