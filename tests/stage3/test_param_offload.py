@@ -422,7 +422,8 @@ def test_checkpoint_reshards_from_2_to_3_ranks():
             assert v, f"rank {r}: {k}"
 
 
-@pytest.mark.parametrize("ws, kind", [(ws, k) for ws, ks in FAULTS.items() for k in ks])
+@pytest.mark.parametrize("ws, kind", [(ws, k) if ws == 2 else pytest.param(ws, k, marks=pytest.mark.slow)
+                                      for ws, ks in FAULTS.items() for k in ks])
 def test_param_file_failure_leaves_the_state_unchanged(ws, kind):
     for r, res in enumerate(case(_results(ws), kind)):
         assert res["error"] is not None, f"rank {r}: the step must raise"
