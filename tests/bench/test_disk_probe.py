@@ -13,6 +13,7 @@ that was never probed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -190,6 +191,43 @@ def test_probe_replays_an_8bit_state_step(tmp_path, trace):
     with pytest.raises(ValueError, match="files per buffer"):  # AdamW's files instead
         dp.check_same(dp.pattern_for([f.n for f in off.files], chunk_numel=1 << 17,
                                      queue_depth=DEPTH, direct=off.direct), pat)
+    opt.close()
+
+
+def test_probe_replays_an_adafactor_step_whose_first_pass_only_reads(tmp_path, trace):
+    """Adafactor over NVMe: two passes over the master file, the first a read pass
+    (offload_nvme.py [Note: a read pass writes nothing]): the step and the probe's replay issue
+    the same requests, the writes half the reads; a pattern whose passes both write is another
+    pattern."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "probe").mkdir()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 40))
+    opt = zk.ZeroAdafactor(m, lr=1e-2, stage=2, precision="fp32", offload="nvme",
+                           offload_path=str(tmp_path / "state"))
+    off = opt.offloader
+    off.configure(chunk_numel=CHUNK, queue_depth=DEPTH)
+    _take(trace)
+    _step(m, opt, 1)
+    step_trace = _take(trace)
+    rule = off.files[0].rule
+    pat = dp.pattern_for([f.n for f in off.files], rule=rule, chunk_numel=CHUNK,
+                         queue_depth=DEPTH, direct=off.direct)
+    dp.check_same(pat, dp.pattern_of(off))
+    assert pat.passes[0] == ((0,), (0,)) and pat.writes[0] == (False, True)
+    assert pat.requests(0) == step_trace
+    assert len(step_trace["read"]) == 2 * len(step_trace["write"]) > 0
+    assert pat.bytes_per_step == 3 * sum(n for *_, n in step_trace["write"])
+    files = dp.ProbeFiles.create(str(tmp_path / "probe"), pat)
+    try:
+        _take(trace)  # (create's zero fill)
+        dp.replay(files, pat)
+        assert _take(trace) == step_trace
+    finally:
+        files.close()
+    both = dataclasses.replace(pat, writes=tuple((True, True) for _ in pat.writes))
+    with pytest.raises(ValueError, match="passes written back"):
+        dp.check_same(both, pat)
     opt.close()
 
 

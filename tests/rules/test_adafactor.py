@@ -107,6 +107,15 @@ def build(model, stage, offload=None, **kw):
                             bucket_mb=BUCKET_MB, backend="cpu", **kw)
 
 
+def build_with(model, rule, stage=2):
+    """offload="nvme" with another rule object (ZeroOptimizer, as a rule of one's own)."""
+    path = tempfile.mkdtemp(prefix="zk_adafactor_")
+    atexit.register(shutil.rmtree, path, True)
+    return zk.ZeroOptimizer(model, rule=rule, defaults=dict(HYPER, maximize=False), stage=stage,
+                            precision="fp32", offload="nvme", offload_path=path,
+                            bucket_mb=BUCKET_MB, backend="cpu")
+
+
 def train(model, opt, rank, ws, steps, start=0):
     grads = []
     for s in range(start, start + steps):
@@ -358,7 +367,35 @@ def _more_worker(rank, ws):
     cases["tp"] = lambda: _tp_refused(ws)
     cases["fault-nvme"] = lambda: _fault(rank, ws)
     cases["late-writes-nvme"] = lambda: _late_writes(rank, ws)
+    cases["bytes-nvme"] = lambda: _bytes_moved(rank, ws)
     return run_cases(cases)
+
+
+def _bytes_moved(rank, ws):
+    """offload="nvme", stage 2: the bytes one step moves, against the master's requests
+    counted from the plan's chunks (nvme_pool.request_span) for 2 reads and 1 write (pass 1
+    reads only: offload_nvme.py [Note: a read pass writes nothing]); and the disk probe's
+    replay of the same pattern."""
+    from zerokern.bench import disk_probe as dp
+    from zerokern.state.nvme_pool import request_span
+
+    model = make_net()
+    opt = build(model, 2, "nvme")
+    train(model, opt, rank, ws, 1)
+    off = opt.offloader
+    b0 = off.bytes_moved
+    train(model, opt, rank, ws, 1, start=1)
+    moved = off.bytes_moved - b0
+    master = 0
+    for f in off.files:
+        (i,) = [i for i, (nm, _, _) in enumerate(f.specs) if nm == "master"]
+        _, dt, b = f.specs[i]
+        master += sum(request_span(f.halves[i], 0, lo, min(lo + off.chunk, f.n), dt, b)[1]
+                      for lo in range(0, f.n, off.chunk))
+    out = {"moved": moved, "master": master, "files": [len(f.specs) for f in off.files],
+           "probe": dp.pattern_of(off).bytes_per_step}
+    opt.close()
+    return out
 
 
 def _fault(rank, ws):
@@ -375,9 +412,9 @@ def _fault(rank, ws):
     before = (snapshot(model, opt), matrix_states(opt, model))
     writes, hits = [], []
 
-    def fault(path, offset):  # the step's plan: pass 1's chunks, then pass 2's (the same
-        writes.append(path)   # file, the same chunks): fail the first write of pass 2
-        if path.endswith("-master.bin") and len(writes) > len(off.plan) // 2 and not hits:
+    def fault(path, offset):  # pass 1 reads only (offload_nvme.py [Note: a read pass writes
+        writes.append(path)   # nothing]): the step's first master write is pass 2's
+        if path.endswith("-master.bin") and not hits:
             hits.append(path)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     victim = rank == ws - 1
@@ -405,21 +442,34 @@ def _fault(rank, ws):
 
 
 def _late_writes(rank, ws):
-    """offload="nvme", stage 3: every write of the step's first pass (the master as read,
-    written behind into the other half) is held back 0.2 s in its I/O thread, so that it is
-    still in flight when the second pass writes the new master over the same bytes. The files
-    must end with the second pass's master, in order: params and per-matrix states equal the
-    device run bit for bit. On 38500ac the late first-pass write landed last and the step's
-    update was lost from the master (params 0.1 off relative, states equal: the CI failure of
-    test_parity_n1_n3[1] under load)."""
-    import time
+    """offload="nvme", stage 3, both passes declared writing (Adafactor's own pass 1 is a read
+    pass now): every write of the step's first pass (the master as read, written behind into
+    the other half) is held back 0.2 s in its I/O thread, so that it is still in flight when
+    the second pass writes the new master over the same bytes. The files must end with the
+    second pass's master, in order: params and per-matrix states equal the device run bit for
+    bit. On 38500ac the late first-pass write landed last and the step's update was lost from
+    the master (params 0.1 off relative, states equal: the CI failure of test_parity_n1_n3[1]
+    under load)."""
+    from zerokern.rules.adafactor import AdafactorRule
 
     ref_model = make_net()
     ref_opt = build(ref_model, 3)
     train(ref_model, ref_opt, rank, ws, STEPS)
-    model = make_net()
-    opt = build(model, 3, "nvme")
-    off = opt.offloader
+    # Pass 1 is a read pass ([Note: a read pass writes nothing]); declared writing here, as a
+    # rule may, so that two writes of the step meet on the same bytes
+    declared = AdafactorRule.nvme_read_passes
+    AdafactorRule.nvme_read_passes = ()
+    try:
+        model = make_net()
+        opt = build(model, 3, "nvme")
+        return _held_back(rank, ws, model, opt, opt.offloader, ref_model, ref_opt)
+    finally:
+        AdafactorRule.nvme_read_passes = declared
+
+
+def _held_back(rank, ws, model, opt, off, ref_model, ref_opt):
+    import time
+
     held = []
 
     def late(path, offset):  # the I/O thread: pass 1's writes are the plan's first half
@@ -548,6 +598,39 @@ def test_skipped_step_changes_nothing_n2():
             assert x["skipped"], f"{where}: the overflowing step was not skipped"
             assert x["params"] and x["states"], f"{where}: a skipped step changed something"
             assert x["moved"], f"{where}: the next step did not run"
+
+
+def test_a_step_moves_the_master_three_times_n2():
+    """offload="nvme": pass 1 reads the master and writes nothing back, so a step moves it 3
+    times (2 reads, 1 write: 12 bytes per element), not 4; the disk probe replays the same
+    bytes. 4 times on 91da182 (pass 1 wrote the unchanged master behind)."""
+    for r, x in enumerate(case(cached(_more_worker, 2), "bytes-nvme")):
+        assert x["files"] == [1] * len(x["files"]), x  # the master is the only element file
+        assert x["moved"] == 3 * x["master"], (r, x)
+        assert x["probe"] == x["moved"], (r, x)
+
+
+def test_a_read_pass_must_leave_its_states_to_a_writing_pass():
+    """A read pass's states must be written by another pass (the files' other half is the
+    next step's state): else offload="nvme" is refused, naming the declaration."""
+    from zerokern.rules.adafactor import AdafactorRule
+
+    class OnlyRead(AdafactorRule):
+        nvme_passes = (("master",), ("master",))
+        nvme_read_passes = (0, 1)
+
+    class OutOfRange(AdafactorRule):
+        nvme_read_passes = (2,)
+
+    assert AdafactorRule().unsupported(offload="nvme") is None
+    arg, why = OnlyRead().unsupported(offload="nvme")
+    assert arg == "offload" and "['master']" in why and "no other pass writes" in why, why
+    arg, why = OutOfRange().unsupported(offload="nvme")
+    assert arg == "offload" and "pass 2 of 2" in why, why
+    assert OnlyRead().unsupported(offload="cpu") is None
+    model = make_net()
+    with pytest.raises(ValueError, match="no other pass writes"):
+        build_with(model, OnlyRead())
 
 
 def test_late_first_pass_writes_land_first_n2():

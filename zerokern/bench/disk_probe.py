@@ -4,7 +4,8 @@ disk moves the step's bytes, now, in the step's pattern.
 `IOPattern` is what one optimizer step reads and writes (zerokern/state/offload_nvme.py): per
 flat buffer one file per state (`nvme_state.specs`: the master, then the rule's states, each in
 its dtype and block), two halves each (`nvme_state.file_bytes`); each pass (`nvme_state.passes`)
-reads every chunk of its files' half `cur` and writes it to half `1 - cur`, in
+reads every chunk of its files' half `cur` and, unless it is a read pass (`nvme_state.writes`),
+writes it to half `1 - cur`, in
 `nvme_pool.step_plan` order, one request per file per chunk (`nvme_pool.request_span`),
 through `depth` aligned buffer sets
 (`nvme_pool._Set`), so at most depth x files requests in flight, on the offloader's thread pool
@@ -74,14 +75,16 @@ Spec = Tuple[str, torch.dtype, int]  # (file name, dtype, block): nvme_state.spe
 @dataclass(frozen=True)
 class IOPattern:
     """One offload="nvme" step's I/O: per buffer its state elements (`numels`, DiskState.n),
-    its files (`specs`: name, dtype, block) and passes (file indices per pass,
-    nvme_state.passes); `chunk` param elements per request, `depth` buffer sets, `direct`
+    its files (`specs`: name, dtype, block), passes (file indices per pass,
+    nvme_state.passes) and whether each pass writes its chunks back (`writes`,
+    nvme_state.writes); `chunk` param elements per request, `depth` buffer sets, `direct`
     O_DIRECT (else buffered, dropped from the page cache). `rules`: each buffer's rule (the
     pool sets are carved for it; not compared)."""
 
     numels: Tuple[int, ...]
     specs: Tuple[Tuple[Spec, ...], ...]
     passes: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    writes: Tuple[Tuple[bool, ...], ...]
     chunk: int
     depth: int
     direct: bool
@@ -97,15 +100,15 @@ class IOPattern:
                      for n, sp in zip(self.numels, self.specs))
 
     def plan(self) -> List[Tuple[int, int, int, Tuple[int, ...]]]:
-        return step_plan(list(zip(self.numels, self.passes)), self.chunk)
+        return step_plan(list(zip(self.numels, self.passes, self.writes)), self.chunk)
 
     def requests(self, cur: int = 0) -> Dict[str, List[Tuple[int, str, int, int]]]:
         """{"read": [...], "write": [...]}: (buffer, file name, offset, bytes) per request, in
         the order the step submits each kind."""
         out: Dict[str, List[Tuple[int, str, int, int]]] = {"read": [], "write": []}
-        for gi, lo, hi, files in self.plan():
+        for gi, lo, hi, files, write in self.plan():
             halves = self.halves(gi)
-            for kind, half in (("read", cur), ("write", 1 - cur)):
+            for kind, half in (("read", cur), ("write", 1 - cur))[:2 if write else 1]:
                 for i in files:
                     nm, dt, b = self.specs[gi][i]
                     out[kind].append((gi, nm, *request_span(halves[i], half, lo, hi, dt, b)))
@@ -139,7 +142,8 @@ def pattern_of(offloader) -> IOPattern:
                          "also writes offload_params='nvme' param files")
     fs = offloader.files
     return IOPattern(tuple(f.n for f in fs), tuple(tuple(f.specs) for f in fs),
-                     tuple(tuple(f.passes()) for f in fs), offloader.chunk, offloader.depth,
+                     tuple(tuple(f.passes()) for f in fs), tuple(tuple(f.writes()) for f in fs),
+                     offloader.chunk, offloader.depth,
                      offloader.direct, tuple(f.rule for f in fs))
 
 
@@ -163,7 +167,8 @@ def pattern_for(state_numels: Sequence[int], rule=None, chunk_numel: Optional[in
     gran = rules_granule(list(dict.fromkeys(rules)))
     chunk = pool_chunk(numels, CHUNK_NUMEL if chunk_numel is None else chunk_numel, gran)
     return IOPattern(tuple(numels), tuple(tuple(nvme_state.specs(r)) for r in rules),
-                     tuple(tuple(nvme_state.passes(r)) for r in rules), chunk,
+                     tuple(tuple(nvme_state.passes(r)) for r in rules),
+                     tuple(tuple(nvme_state.writes(r)) for r in rules), chunk,
                      QUEUE_DEPTH if queue_depth is None else queue_depth, bool(direct),
                      tuple(rules))
 
@@ -172,7 +177,8 @@ def differences(probe: IOPattern, step: IOPattern) -> List[str]:
     """What differs between a probe's pattern and the step's, one line each ([] if none)."""
     out = []
     for name, what in (("numels", "state elements per buffer"), ("specs", "files per buffer"),
-                       ("passes", "passes per buffer"), ("chunk", "elements per request"),
+                       ("passes", "passes per buffer"), ("writes", "passes written back"),
+                       ("chunk", "elements per request"),
                        ("depth", "buffer sets in flight"), ("direct", "O_DIRECT")):
         a, b = getattr(probe, name), getattr(step, name)
         if a != b:
@@ -302,7 +308,7 @@ def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
 
     def submit(s: _Set, write: bool) -> None:
         nonlocal moved, count
-        gi, lo, hi, which = s.job
+        gi, lo, hi, which, _ = s.job
         halves, half = pattern.halves(gi), (1 - cur) if write else cur
         fn = aio.write_chunk if write else aio.read_chunk
         extra = (pattern.direct, None) if write else (pattern.direct,)
@@ -342,8 +348,11 @@ def replay(files: ProbeFiles, pattern: IOPattern) -> dict:
                 refill(need=True)
             s = loaded.popleft()
             settle(s)
-            submit(s, write=True)
-            writing.append(s)
+            if s.job[4]:
+                submit(s, write=True)
+                writing.append(s)
+            else:  # offload_nvme [Note: a read pass writes nothing]
+                free.append(s)
             refill()
         for s in writing:
             settle(s)

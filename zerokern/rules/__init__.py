@@ -97,6 +97,11 @@ phased rule says so with:
   `placement.map_piece_`, in order (Muon: ("momentum_buffer",) then ("master",)); the NVMe
   placement plans its reads from it (state/offload_nvme.py [Note: a phased rule over NVMe]).
   None (the default): offload="nvme" is refused.
+- `nvme_read_passes`: the indices of the passes in `nvme_passes` whose function changes none
+  of the views it is given (Adafactor's pass 1 reads the master into its exchange): the NVMe
+  placement reads their chunks and writes nothing back. Every state such a pass names must be
+  written by another pass (the step's flip needs the other half whole), else offload="nvme"
+  is refused.
 - `compact_master_ok`: its group step reads and writes the master only through
   `map_piece_` (which expands and compacts a compact master chunk by chunk); False (the
   default for a phased rule): master="compact" is refused.
@@ -161,6 +166,7 @@ class Rule:
     # [Note: what a rule supports]: a phased rule's passes over its states (None: no NVMe),
     # and whether its group step handles a compact master (None: True unless phased).
     nvme_passes: Optional[Tuple[Tuple[str, ...], ...]] = None
+    nvme_read_passes: Tuple[int, ...] = ()
     compact_master_ok: Optional[bool] = None
 
     def unsupported(self, offload=None, master: str = "fp32") -> Optional[Tuple[str, str]]:
@@ -177,11 +183,33 @@ class Rule:
             return ("offload", f"offload='nvme' is not supported by the {self.name!r} rule: "
                                "its phased update declares no nvme_passes (the states it "
                                "streams per piece); use offload=None or 'cpu'")
+        if offload == "nvme" and self.phased:
+            bad = self._unwritten_read_passes()
+            if bad:
+                return ("offload", f"offload='nvme' is not supported by the {self.name!r} "
+                                   f"rule: {bad}")
         ok = self.compact_master_ok
         if master == "compact" and (self.phased if ok is None else not ok):
             return ("master", f"master='compact' is not supported by the {self.name!r} rule: "
                               "its update reads the master other than through the placement's "
                               "map_piece_; use master='fp32'")
+        return None
+
+    def _unwritten_read_passes(self) -> Optional[str]:
+        """Why nvme_read_passes is not a valid declaration (None if it is): an index outside
+        nvme_passes, or a state that only read passes name (its other half would never be
+        written before the step's flip)."""
+        n = len(self.nvme_passes)
+        for i in self.nvme_read_passes:
+            if not (isinstance(i, int) and 0 <= i < n):
+                return f"its nvme_read_passes names pass {i!r} of {n}"
+        written = {name for i, p in enumerate(self.nvme_passes)
+                   if i not in self.nvme_read_passes for name in p}
+        unwritten = sorted({name for i in self.nvme_read_passes for name in self.nvme_passes[i]}
+                           - written)
+        if unwritten:
+            return (f"its nvme_read_passes only read {unwritten}, which no other pass writes "
+                    "(the state files' other half would never be written)")
         return None
 
     @property

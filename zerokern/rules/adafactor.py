@@ -113,12 +113,15 @@ class AdafactorRule(Rule):
     # zerokern.rules [Note: what a rule supports]: the master is read and written only
     # through map_piece_, so a compact master works, and so do the NVMe files: two passes over
     # the master (1. read it into the exchange, 2. write the new one), whose second writes
-    # every element, so the journal holds (offload_nvme.py [Note: a phased rule over NVMe]).
+    # every element, so the journal holds (offload_nvme.py [Note: a phased rule over NVMe]);
+    # pass 1 changes nothing and is declared a read pass: its chunks are not written back
+    # (offload_nvme.py [Note: a read pass writes nothing]).
     # The per-matrix states are not in the files: they stay on the host (rows + cols per
     # matrix, [Note: per-matrix states on the owner]) and roll back with a failed step through
     # the plan's snapshot (AdafactorPlan.snapshot / restore_).
     compact_master_ok = True
     nvme_passes = (("master",), ("master",))
+    nvme_read_passes = (0,)
 
     def check_group(self, group: Dict[str, Any], where: str = "") -> None:
         sfx = f" (in {where})" if where else ""

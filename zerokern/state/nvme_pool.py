@@ -35,14 +35,16 @@ def pool_chunk(state_numels: List[int], chunk_numel: int, gran: int = aio.ALIGN 
     return min(chunk_numel, aio.align_up(max(state_numels), gran))
 
 
-def step_plan(buffers: Sequence[Tuple[int, Sequence[Tuple[int, ...]]]], chunk: int
-              ) -> List[Tuple[int, int, int, Tuple[int, ...]]]:
-    """The chunks one step streams, in order: (buffer, lo, hi, files) for `buffers` given as
-    (state elements, passes: the file indices each pass streams, DiskState.passes), every pass
-    over the buffer's whole range in `chunk`-element requests (offload_nvme.py;
-    zerokern.bench.disk_probe replays the same list)."""
-    return [(gi, lo, min(lo + chunk, n), files) for gi, (n, passes) in enumerate(buffers)
-            for files in passes for lo in range(0, n, chunk)]
+def step_plan(buffers: Sequence[Tuple[int, Sequence[Tuple[int, ...]], Sequence[bool]]],
+              chunk: int) -> List[Tuple[int, int, int, Tuple[int, ...], bool]]:
+    """The chunks one step streams, in order: (buffer, lo, hi, files, write) for `buffers`
+    given as (state elements, passes: the file indices each pass streams, DiskState.passes,
+    and per pass whether it writes its chunks back, DiskState.writes), every pass over the
+    buffer's whole range in `chunk`-element requests (offload_nvme.py; zerokern.bench.disk_probe
+    replays the same list)."""
+    return [(gi, lo, min(lo + chunk, n), files, write)
+            for gi, (n, passes, writes) in enumerate(buffers)
+            for files, write in zip(passes, writes) for lo in range(0, n, chunk)]
 
 
 def request_span(half_bytes: int, half: int, lo: int, hi: int, dtype: torch.dtype,
@@ -77,7 +79,7 @@ class _Set:
         self._mv = memoryview(self.raw.numpy())
         self.grad = host_empty(chunk, grad_dtype, pin)
         self.param = None if dtype == _F32 else host_empty(chunk, dtype, pin)
-        self.job = None   # (gi, lo, hi, files): the chunk's state range in buffer gi
+        self.job = None   # (gi, lo, hi, files, write): the chunk's state range in buffer gi
         self.state: List[torch.Tensor] = []
         self.mv: List[memoryview] = []
         self.rule = None  # the rule `state` is carved for

@@ -100,6 +100,14 @@ def passes(rule: Rule) -> List[Tuple[int, ...]]:
     return [tuple(nms.index(n) for n in p) for p in rule.nvme_passes]
 
 
+def writes(rule: Rule) -> List[bool]:
+    """Per pass of `passes(rule)`, whether its chunks are written back: all but a phased rule's
+    `nvme_read_passes` (offload_nvme.py [Note: a read pass writes nothing])."""
+    if not rule.phased:
+        return [True]
+    return [i not in rule.nvme_read_passes for i in range(len(rule.nvme_passes))]
+
+
 class DiskState(RuleState):
     """One buffer's master and rule states in files (`names(rule)`); steps (n_buckets,) int64
     on the host. `n` state elements; `halves[i]` bytes per half of file i (`half`: the
@@ -174,6 +182,10 @@ class DiskState(RuleState):
     def passes(self) -> List[Tuple[int, ...]]:
         """The file indices each pass of this buffer's step streams (`passes(rule)`)."""
         return passes(self.rule)
+
+    def writes(self) -> List[bool]:
+        """Per pass, whether its chunks are written back (`writes(rule)`)."""
+        return writes(self.rule)
 
     def release(self) -> None:
         """Drop the mappings (the files are removed by offload_nvme's cleanup)."""

@@ -32,17 +32,25 @@ memory for the step (as with offload="cpu"); the state never is. Measured
 ~13): a Muon step is dominated by bf16 Newton-Schulz on the CPU (1.6-23 s), and device / "cpu"
 / "nvme" medians differ by less than the run-to-run spread (23.2M GPT: 22.7 / 24.2 / 16.6 s).
 
+[Note: a read pass writes nothing]
+A pass the rule declares read-only (`nvme_read_passes`: Adafactor's pass 1, which copies the
+master into its exchange) reads its chunks from the current half and hands each set back
+without writing it: the other half of those files is written whole by a later pass (the rule
+declaration is checked, zerokern.rules `_unwritten_read_passes`). Adafactor's master then
+moves 3 times per step instead of 4 (read, read, write: 12 bytes per element, not 16).
+
 [Note: one write in flight per range]
 Two writes to the same bytes from the I/O threads land in whichever order the threads run. A
-rule whose passes stream the same file twice (Adafactor: ("master",) read in pass 1 and written
-behind unchanged, then the new master in pass 2) writes each chunk of the other half twice, and
-the second must land last. A write is therefore submitted only once no earlier write of the
-step to an overlapping range of a shared file is in flight (`_order_write`: it waits for that
-one). Without it, a first-pass write held up under load landed after the second pass's and the
-step's update was lost from the master while the params on the device had it (CI: Adafactor,
-stage 3, N=1, params 0.109 off relative, states bitwise; tests/rules/test_adafactor.py
-test_late_first_pass_writes_land_first_n2 holds pass 1's writes back 0.2 s and fails without
-it). The wait costs nothing in the usual order: pass 1's write of a chunk was submitted a whole
+rule whose passes write the same file twice (Adafactor wrote pass 1's master behind unchanged
+before it had a read pass; a rule may still declare two writing passes over one file) writes
+each chunk of the other half twice, and the second must land last. A write is therefore
+submitted only once no earlier write of the step to an overlapping range of a shared file is in
+flight (`_order_write`: it waits for that one). Without it, a first-pass write held up under
+load landed after the second pass's and the step's update was lost from the master while the
+params on the device had it (CI: Adafactor, stage 3, N=1, params 0.109 off relative, states
+bitwise; tests/rules/test_adafactor.py test_late_first_pass_writes_land_first_n2 runs
+Adafactor with both passes writing, holds pass 1's writes back 0.2 s and fails without it).
+The wait costs nothing in the usual order: pass 1's write of a chunk was submitted a whole
 exchange (the gather, the owners' update, the scatter) before pass 2's.
 
 [Note: all or nothing]
@@ -218,7 +226,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         self.phase = StepPhase.STARTED
         self.dirty = []       # (gi, k) whose device params this step wrote
         self.steps0 = [f.steps.clone() for f in self.files]
-        self.plan = step_plan([(f.n, f.passes()) for f in self.files], self.chunk)
+        self.plan = step_plan([(f.n, f.passes(), f.writes()) for f in self.files], self.chunk)
         self.next_read = 0
         self.free = list(self.pool)
         self.loaded = collections.deque()
@@ -238,7 +246,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
         return ev
 
     def _submit(self, s: _Set, write: bool) -> None:
-        gi, lo, hi, files = s.job
+        gi, lo, hi, files, _ = s.job
         f = self.files[gi]
         half = (1 - self.cur) if write else self.cur
         fn = aio.write_chunk if write else aio.read_chunk
@@ -265,9 +273,9 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
     def _order_write(self, job) -> None:
         """Wait for every write in flight to an overlapping range of a file `job` writes
         (Note: one write in flight per range)."""
-        gi, lo, hi, files = job
+        gi, lo, hi, files, _ = job
         for w in self.writing:
-            wg, wlo, whi, wfiles = w.job
+            wg, wlo, whi, wfiles, _ = w.job
             if w.futs and wg == gi and wlo < hi and lo < whi and set(wfiles) & set(files):
                 self._settle(w)
 
@@ -381,7 +389,7 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
             if self.error is not None:
                 self._drain()
                 return False
-            cg, lo, hi, fs = s.job
+            cg, lo, hi, fs, write = s.job
             assert cg == gi and fs == files and lo <= plo < hi, (s.job, gi, files, plo)
             a, b = plo, min(phi, hi)
             self._wait(s.h2d)  # the set's param buffer is free again
@@ -392,9 +400,12 @@ class NvmeOffloader(NvmeBytes, CopyPipeline):
             plo = b
             if b == hi:  # the chunk is complete: write it behind, read further ahead
                 self.loaded.popleft()
-                self._order_write(s.job)
-                self._submit(s, write=True)
-                self.writing.append(s)
+                if write:
+                    self._order_write(s.job)
+                    self._submit(s, write=True)
+                    self.writing.append(s)
+                else:  # [Note: a read pass writes nothing]
+                    self.free.append(s)
                 self._refill()
         self.end()  # bucket k's params are on the device before its all-gather
         return True
