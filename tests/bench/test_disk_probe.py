@@ -69,6 +69,17 @@ def trace(monkeypatch):
     return log
 
 
+def _replay_issues(folder, pat, trace, step_trace):
+    """A replay of `pat` on fresh probe files issues exactly the step's requests."""
+    files = dp.ProbeFiles.create(str(folder), pat)
+    try:
+        _take(trace)  # (create's zero fill)
+        dp.replay(files, pat)
+        assert _take(trace) == step_trace
+    finally:
+        files.close()
+
+
 def _take(log):
     out = {k: list(v) for k, v in log.items()}
     for v in log.values():
@@ -181,13 +192,7 @@ def test_probe_replays_an_8bit_state_step(tmp_path, trace):
     assert len(pat.specs[0]) == 5 and len(pat.plan()) == 3
     assert tuple(os.stat(p).st_size for p in off.files[0].paths) == pat.file_bytes()[0]
     assert pat.requests(0) == step_trace
-    files = dp.ProbeFiles.create(str(tmp_path / "probe"), pat)
-    try:
-        _take(trace)  # (create's zero fill)
-        dp.replay(files, pat)
-        assert _take(trace) == step_trace
-    finally:
-        files.close()
+    _replay_issues(tmp_path / "probe", pat, trace, step_trace)
     with pytest.raises(ValueError, match="files per buffer"):  # AdamW's files instead
         dp.check_same(dp.pattern_for([f.n for f in off.files], chunk_numel=1 << 17,
                                      queue_depth=DEPTH, direct=off.direct), pat)
@@ -218,13 +223,7 @@ def test_probe_replays_an_adafactor_step_whose_first_pass_only_reads(tmp_path, t
     assert pat.requests(0) == step_trace
     assert len(step_trace["read"]) == 2 * len(step_trace["write"]) > 0
     assert pat.bytes_per_step == 3 * sum(n for *_, n in step_trace["write"])
-    files = dp.ProbeFiles.create(str(tmp_path / "probe"), pat)
-    try:
-        _take(trace)  # (create's zero fill)
-        dp.replay(files, pat)
-        assert _take(trace) == step_trace
-    finally:
-        files.close()
+    _replay_issues(tmp_path / "probe", pat, trace, step_trace)
     both = dataclasses.replace(pat, writes=tuple((True, True) for _ in pat.writes))
     with pytest.raises(ValueError, match="passes written back"):
         dp.check_same(both, pat)
