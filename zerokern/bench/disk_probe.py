@@ -99,7 +99,7 @@ class IOPattern:
         return tuple(tuple(nvme_state.file_bytes(n, dt, b) for _, dt, b in sp)
                      for n, sp in zip(self.numels, self.specs))
 
-    def plan(self) -> List[Tuple[int, int, int, Tuple[int, ...]]]:
+    def plan(self) -> List[Tuple[int, int, int, Tuple[int, ...], bool]]:
         return step_plan(list(zip(self.numels, self.passes, self.writes)), self.chunk)
 
     def requests(self, cur: int = 0) -> Dict[str, List[Tuple[int, str, int, int]]]:
