@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "adamw8bit_cpu.h"
+#include "step_scalars.h"
 
 namespace zk_cpu {
 namespace {
@@ -212,17 +213,8 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
   TORCH_CHECK(step.numel() == 1 && grad_scale.numel() == 1 && found_inf.numel() == 1,
               "step, grad_scale and found_inf must have one element each");
   TORCH_CHECK(grad_scale.scalar_type() == at::kFloat, "grad_scale must be float32");
-  const bool skip = found_inf.scalar_type() == at::kBool ? *found_inf.data_ptr<bool>()
-                                                          : *found_inf.data_ptr<float>() != 0.0f;
-  if (skip) return;  // nothing is written, step included (DESIGN §3)
-  double t;
-  switch (step.scalar_type()) {
-    case at::kLong: t = double(*step.data_ptr<int64_t>()) + 1.0; break;
-    case at::kInt: t = double(*step.data_ptr<int32_t>()) + 1.0; break;
-    case at::kFloat: t = double(*step.data_ptr<float>()) + 1.0; break;
-    case at::kDouble: t = *step.data_ptr<double>() + 1.0; break;
-    default: TORCH_CHECK(false, "step must be int64, int32, float32 or float64");
-  }
+  const double t = read_step(step) + 1.0;  // (step_scalars.h; checks step's dtype first)
+  if (read_flag(found_inf)) return;  // nothing is written, step included (DESIGN §3)
   // float64, rounded once: reference.bias_corrections and adamw8bit._scalars.
   const double bc1 = 1.0 - std::pow(beta1, t), bc2 = 1.0 - std::pow(beta2, t);
   Q8Search search_s, search_u;  // [Note: branchless nearest code]
@@ -249,12 +241,7 @@ void adamw8bit_step(at::Tensor master, at::Tensor m_q, at::Tensor m_absmax, at::
   at::parallel_for(0, (nb + kBlocksPerItem - 1) / kBlocksPerItem, 1, [&](int64_t c0, int64_t c1) {
     fn(a, c0 * kBlocksPerItem, std::min(nb, c1 * kBlocksPerItem));
   });
-  switch (step.scalar_type()) {
-    case at::kLong: *step.data_ptr<int64_t>() += 1; break;
-    case at::kInt: *step.data_ptr<int32_t>() += 1; break;
-    case at::kFloat: *step.data_ptr<float>() += 1.0f; break;
-    default: *step.data_ptr<double>() += 1.0; break;
-  }
+  increment_step(step);
 }
 
 }  // namespace zk_cpu

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cpu_kernels.h"
+#include "step_scalars.h"
 
 // [Note: Lion rounds every product] c = b1*m + (1-b1)*g is rounded as torch ops round it (the
 // reference backend, and lion-pytorch's exp_avg.clone().mul_(b1).add(g, alpha=1-b1) on torch's
@@ -133,9 +134,8 @@ void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
   check_one(grad_scale, "grad_scale");
   TORCH_CHECK(grad_scale.scalar_type() == at::kFloat, "grad_scale must be float32");
   check_one(found_inf, "found_inf");
-  const bool skip = found_inf.scalar_type() == at::kBool ? *found_inf.data_ptr<bool>()
-                                                          : *found_inf.data_ptr<float>() != 0.0f;
-  if (skip) return;  // nothing is written, step included (DESIGN §3)
+  read_step(step);  // step's dtype checked before anything is written (step_scalars.h)
+  if (read_flag(found_inf)) return;  // nothing is written, step included (DESIGN §3)
   // Derived scalars in float64, rounded once (as adam_cpu.cpp and the reference).
   const LionScalars s{*grad_scale.data_ptr<float>(), float(1.0 - lr * weight_decay), float(lr),
                       float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2)};
@@ -145,13 +145,7 @@ void lion_step(at::Tensor master, at::Tensor exp_avg, at::Tensor grad,
   if (gt == at::kFloat) run_grad<kF32>(otype, p, m, g, out, s, n);
   else if (gt == at::kHalf) run_grad<kF16>(otype, p, m, g, out, s, n);
   else run_grad<kBF16>(otype, p, m, g, out, s, n);
-  switch (step.scalar_type()) {
-    case at::kLong: *step.data_ptr<int64_t>() += 1; break;
-    case at::kInt: *step.data_ptr<int32_t>() += 1; break;
-    case at::kFloat: *step.data_ptr<float>() += 1.0f; break;
-    case at::kDouble: *step.data_ptr<double>() += 1.0; break;
-    default: TORCH_CHECK(false, "step must be int64, int32, float32 or float64");
-  }
+  increment_step(step);
 }
 
 }  // namespace zk_cpu

@@ -1,5 +1,6 @@
-// The host-side reads of a step's 0-d tensors (found_inf, step), shared by adam_cpu.cpp and
-// compact_adam_cpu.cpp so the fused compact step reads and advances them as adam_step does.
+// The host-side reads of a step's 0-d tensors (found_inf, step), shared by every CPU step op
+// (adam_cpu.cpp, compact_adam_cpu.cpp, adamw8bit_cpu.cpp, lion_cpu.cpp) so they read, check and
+// advance them alike.
 #pragma once
 
 #include <torch/extension.h>
