@@ -126,8 +126,11 @@ class _InstantComm:
         def wait(self) -> bool:
             return True
 
-    def __init__(self, world_size: int, rank: int, node=None) -> None:
+    def __init__(self, world_size: int, rank: int, node=None, reads_pieces=False) -> None:
         self.world_size, self.rank = world_size, rank
+        # gloo on one host: the shared-memory exchange reads stages 2-3's grads in place
+        # (comm/pieces.py [Note: grads read where they lie]): no staging buffer is held
+        self.reads_pieces = reads_pieces and world_size > 1
         self.shard = self.world = self  # the roles of zerokern.comm.Comm, one group
         self.replicate = None
         # hpZ: the node group (size, rank) the secondary copies are sharded over
@@ -169,13 +172,15 @@ def _meta_group(spec: ModelSpec, idx: Sequence[int], dtype, world_size, rank, pa
                      slot_align=slot_align)
 
 
-def _staging_bytes(spec: ModelSpec, groups, idx, reduce_dtype) -> int:
+def _staging_bytes(spec: ModelSpec, groups, idx, reduce_dtype, reads_pieces: bool) -> int:
     """Stage-2 staging buffers after one backward in spec.grad_order, via BucketedGrads over
-    the buffers `groups` (buffer gi holds the params idx[gi])."""
+    the buffers `groups` (buffer gi holds the params idx[gi]); `reads_pieces`: the grads are
+    read in place (gloo on one host), so none is held."""
     from zerokern.grads.sharded_grads import BucketedGrads
 
     where = {j: (gi, slot) for gi, ix in enumerate(idx) for slot, j in enumerate(ix)}
-    comm = _InstantComm(groups[0].layout.world_size, groups[0].rank)
+    comm = _InstantComm(groups[0].layout.world_size, groups[0].rank,
+                        reads_pieces=reads_pieces)
     gs = BucketedGrads(list(groups), comm, reduce_dtype)
     try:
         for i in spec.grad_order:
@@ -210,7 +215,8 @@ class _GradOf:
 
 
 def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dtype,
-                   idx=None, node=None, keep_bytes: float = 0, aligns=None):
+                   idx=None, node=None, keep_bytes: float = 0, aligns=None,
+                   reads_pieces: bool = False):
     """Stage 3 through zerokern's own ShardedFlat and Stage3Runtime on meta tensors.
 
     One forward (the recorded unit calls, so Stage3Runtime derives its reduce-scatter order as in
@@ -240,7 +246,8 @@ def _stage3_replay(spec: ModelSpec, dtype, world_size: int, rank: int, reduce_dt
               for i, us in enumerate(spec.units) if us.frozen]
     where = {j: (fi, slot) for fi, (_, _, js) in enumerate(members)
              for slot, j in enumerate(js)}
-    sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank, node), reduce_dtype,
+    sync = Stage3Runtime(flats, units, _InstantComm(world_size, rank, node, reads_pieces),
+                         reduce_dtype,
                          stubs[0], frozen, keep_bytes)
     try:
         stubs[0].calls = [stubs[i] for i in spec.fwd_units]
@@ -374,6 +381,13 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
     rdt = dtype  # the reduce dtype: the precision's (ZeroAdamW's default)
     live_bound = None
     notes = []
+    # gloo: the ranks on one host, the shared-memory exchange reads stages 2-3's grads where
+    # autograd left them (comm/pieces.py [Note: grads read where they lie]): no staging buffer
+    in_place = comm == "gloo" and world_size > 1 and P.shards_grads
+    if in_place:
+        notes.append("gloo on one host: stages 2-3 read their grads in place through shared "
+                     "memory, no staging buckets (gloo over TCP, ZEROKERN_SHM=0 or a full "
+                     "/dev/shm: the staging buckets of an nccl estimate)")
     if not P.shards_params:
         groups = [_meta_group(spec, ix, dtype, world_size, rank, P, bucket_mb * 2**20,
                               slot_align(r)) for ix, r in zip(idx, rules)]
@@ -386,14 +400,14 @@ def estimate(spec: ModelSpec, world_size: int, stage: int, precision: str = "bf1
                 b["grads"] += (L.padded_numel - L.padding) * e
                 b["padding"] += L.padding * e
         if P.shards_grads:  # BucketedGrads: staging buffers (the grad shard is counted below)
-            b["buckets"] = _staging_bytes(spec, groups, idx, dtype)
+            b["buckets"] = _staging_bytes(spec, groups, idx, dtype, in_place)
             if spec.order_source != _ONE_PARAM:  # a model: say where its grad order came from
                 notes.append(f"stage-2 staging buckets replay the grad order of "
                              f"{spec.order_source}")
     else:
         flats, frozen, b["buckets"], live_bound, secondary = _stage3_replay(
             spec, dtype, world_size, rank, dtype, idx, node, keep_for_backward_mb * 2**20,
-            [slot_align(r) for r in rules])
+            [slot_align(r) for r in rules], in_place)
         if hpz:
             b["hpz_secondary"] = secondary
         layouts = [f.layout for f in flats]

@@ -19,6 +19,7 @@ from .abort import AbortChannel, forget_channels
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .exit_guard import guard_gloo_exit
+from .pieces import contiguous
 from .ring import FutureWork, RingRunner
 
 # One extra group per parent group for stage 3's reduce-scatters ([Note: stage-3 collective
@@ -274,12 +275,14 @@ class GroupComm:
         the buffer in the ZEROKERN_DEBUG_COLLECTIVES record.
         """
         if self.world_size == 1:
-            return self._local(out, inp)
+            return self._local(out, contiguous(inp))
         self._record("reduce_scatter", inp, label)
         self.stats.add("reduce_scatter", int(self._frac() * inp.numel() * inp.element_size()),
                        self.dim)
-        if self._ring_for(inp) is not None:
+        if self._ring_for(inp) is not None:  # (it reads Pieces: [Note: grads read where they
+            # lie])
             return self._on_ring(async_op, self.ring.reduce_scatter, out, inp)
+        inp = contiguous(inp)
         if self.backend == "gloo" and _overlaps(out, inp):
             # gloo's own reduce-scatter corrupts an output that aliases its input (NCCL's is in
             # place by design): reduce into a temporary, copied to out when waited for.

@@ -38,6 +38,7 @@ from .abort import Watch
 from .collectives import CommStats, GroupComm, _Done
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
+from .pieces import contiguous
 from .quantized import Level, _side_stream, all_gather_quantized_, reduce_scatter_quantized_
 from .ring import FutureWork
 
@@ -213,7 +214,7 @@ class Comm:
         order). Elsewhere (NCCL, native gloo) the all-reduce is issued when the caller waits
         for the handle, which every caller does in issue order."""
         if self.qgz_bits is not None:  # qgZ: quantized all-to-all(s), reduced in fp32
-            h = reduce_scatter_quantized_(self.q_levels, out, inp, self.qgz_bits,
+            h = reduce_scatter_quantized_(self.q_levels, out, contiguous(inp), self.qgz_bits,
                                           self.codec_for, async_op=True, label=label)
         else:
             h = self.shard.reduce_scatter_(out, inp, async_op=True, label=label)
@@ -234,6 +235,23 @@ class Comm:
             h.wait()
             return _Done()
         return h
+
+    def prepare_pieces(self) -> None:
+        """Collective over the shard group: set its shared-memory exchange up now (where its
+        ring can have one), so `reads_pieces` holds from the first reduce-scatter on."""
+        ring = self.shard.ring
+        if ring is not None and self.shard.world_size > 1:  # (every rank: the set-up says
+            # collectively whether all of them can)
+            self.shard._on_ring(False, ring.connect_shm)
+
+    @property
+    def reads_pieces(self) -> bool:
+        """reduce_grads_ reads a Pieces input where it lies (the shared-memory exchange carries
+        the shard group, no qgZ): [Note: grads read where they lie] (pieces.py). Elsewhere it
+        would only be copied into one buffer first."""
+        ring = self.shard.ring
+        return self.qgz_bits is None and self.shard.world_size > 1 and ring is not None \
+            and ring.uses_shm
 
     def all_reduce_grads_(self, t: torch.Tensor, async_op: bool = False,
                           label: Optional[str] = None):

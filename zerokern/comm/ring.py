@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from . import liveness, shm
 from .abort import PeerLost, RankAborted, explain, is_timeout, on_abort, polled, timeout_error
+from .pieces import Pieces
 
 
 class RingRunner:
@@ -112,10 +113,16 @@ class RingRunner:
         """The shared-memory exchange for a collective on t, or None (TCP, send/recv)."""
         if self._shm is False or not shm.usable(t, self.world_size):
             return None
-        if self._shm is None:  # collective: every rank takes part, also one that cannot
+        self.connect_shm()  # collective: every rank takes part, also one that cannot
+        return self._shm or None
+
+    def connect_shm(self) -> None:
+        """Collective, on the ring thread (submit it): set the shared-memory exchange up now
+        rather than at the first collective that can use it (grads/sharded_grads.py: so the
+        first backward reads its grads in place too)."""
+        if self._shm is None:
             self._shm = shm.ShmExchange.connect(self.group, self.rank, self.world_size,
                                                 lambda: self._broken) or False
-        return self._shm or None
 
     @property
     def uses_shm(self) -> bool:
@@ -153,6 +160,13 @@ class RingRunner:
         torch.add(chunk, recv, out=out), kept the scratch and measured within noise (stage 2,
         3 alternated pairs: 1.07-1.16x DDP with it, 1.04-1.08x without)."""
         n, r = self.world_size, self.rank
+        if isinstance(work, Pieces):  # [Note: grads read where they lie] (pieces.py)
+            ex = self._shm_for(work)  # (the same answer as for a staging buffer)
+            if ex is not None and out.dtype == work.dtype and out.is_contiguous() and \
+                    out.numel() * n == work.numel():
+                ex.reduce_scatter(out, work, True)
+                return
+            work = work.materialize()  # the TCP ring works in a buffer
         chunks = work.chunk(n)
         into_out = _apart(out, work) and out.dtype == work.dtype and \
             out.shape == chunks[r].shape and out.is_contiguous()

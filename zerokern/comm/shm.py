@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from . import liveness
 from .abort import PeerLost, timeout_error
+from .pieces import Pieces
 
 SLOT_BYTES = int(os.environ.get("ZEROKERN_SHM_SLOT_BYTES", 4 << 20))
 _ALIGN = 64
@@ -350,12 +351,30 @@ class ShmExchange:
                 b[q * S + a:q * S + a + L].copy_(self.segs[q].slot(s)[:L])
             self._publish(_CONSUMED, s + 1)
 
-    def _reduce_scatter(self, out: torch.Tensor, work: torch.Tensor, into_out: bool) -> None:
+    def _reduce_scatter(self, out: torch.Tensor, work, into_out: bool) -> None:
         n, r = self.n, self.rank
-        w = work.view(-1)
-        S = w.numel() // n
-        chunks = [w[q * S:(q + 1) * S] for q in range(n)]
-        dst = out.view(-1) if into_out else chunks[r]
+        if isinstance(work, Pieces):  # [Note: grads read where they lie] (pieces.py)
+            if not into_out:
+                raise ValueError("a reduce-scatter of Pieces lands in an output of its own")
+            w, dtype, S = work, work.dtype, work.numel() // n
+
+            def send(dst, q, a):  # dst := chunk q's elements [a, a + L)
+                work.copy_to(dst, q * S + a)
+
+            def add_ours(theirs, acc, a):  # acc := ours [a, a + L) + theirs
+                work.add_to(theirs, acc, r * S + a)
+            dst = out.view(-1)
+        else:
+            w = work.view(-1)
+            dtype, S = w.dtype, w.numel() // n
+            chunks = [w[q * S:(q + 1) * S] for q in range(n)]
+
+            def send(dst, q, a):
+                dst.copy_(chunks[q][a:a + dst.numel()])
+
+            def add_ours(theirs, acc, a):
+                torch.add(chunks[r][a:a + acc.numel()], theirs, out=acc)
+            dst = out.view(-1) if into_out else chunks[r]
         esz = w.element_size()
         region = (SLOT_BYTES // n) // _ALIGN * _ALIGN // esz  # elements per destination
         if region < 1:
@@ -366,9 +385,8 @@ class ShmExchange:
             s = self._begin()
             slot = self.segs[r].slot(s)
             for d in self._peers():
-                slot[d * region * esz:(d * region + L) * esz].view(w.dtype).copy_(
-                    chunks[d][a:a + L])
-            desc = (_RS + 16 * _DTYPE_CODE.get(w.dtype, 16 + esz), w.numel() * esz,
+                send(slot[d * region * esz:(d * region + L) * esz].view(dtype), d, a)
+            desc = (_RS + 16 * _DTYPE_CODE.get(dtype, 16 + esz), w.numel() * esz,
                     a * esz)
             self._write(s, desc)
             acc, first = dst[a:a + L], True
@@ -377,9 +395,9 @@ class ShmExchange:
                     continue
                 self._read(q, s, desc)
                 theirs = self.segs[q].slot(s)[r * region * esz:(r * region + L) * esz] \
-                    .view(w.dtype)
+                    .view(dtype)
                 if first:
-                    torch.add(chunks[r][a:a + L], theirs, out=acc)
+                    add_ours(theirs, acc, a)
                     first = False
                 else:
                     acc.add_(theirs)
@@ -396,8 +414,9 @@ class ShmExchange:
         self.all_gather(flat)
 
 
-def usable(t: torch.Tensor, n: int) -> bool:
-    """The segments can carry a collective on t: the same answer on every rank (it depends
-    only on what every rank passes alike)."""
-    return t.device.type == "cpu" and t.is_contiguous() and t.numel() % n == 0 \
-        and t.numel() > 0
+def usable(t, n: int) -> bool:
+    """The segments can carry a collective on t (a tensor or Pieces): the same answer on every
+    rank (it depends only on what every rank passes alike; a staging buffer is contiguous, as
+    Pieces reads, so a rank passing either decides alike)."""
+    return t.device.type == "cpu" and (isinstance(t, Pieces) or t.is_contiguous()) \
+        and t.numel() % n == 0 and t.numel() > 0

@@ -9,8 +9,10 @@ the fixed launch order); the stages are:
 - FullGrads (stages 0 and 1, full_grads.py): a full grad buffer that p.grad views, each bucket
   reduced during backward (stage 0 all-reduce: p.grad is DDP's gradient; stage 1
   reduce-scatter into a shard).
-- BucketedGrads (stage 2, sharded_grads.py): each grad copied into its bucket's staging buffer,
-  a full bucket reduce-scattered at once into this rank's grad shard; p.grad released.
+- BucketedGrads (stage 2, sharded_grads.py): each grad held by reference in its bucket (where
+  the shared-memory exchange reads it in place: comm/pieces.py [Note: grads read where they
+  lie]) or copied into its bucket's staging buffer, a full bucket reduce-scattered at once into
+  this rank's grad shard; p.grad released.
 - Stage3Runtime (stage 3, stage3/runtime.py): the same shard accumulation (ShardedGrads), per
   unit, inside the runtime that gathers, frees and prefetches the units' params.
 

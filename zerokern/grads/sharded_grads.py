@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from zerokern.comm.pieces import Pieces
 from zerokern.geometry.dtensor_params import local as local_of
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT, GradSync, Schedule
 from zerokern.state import huge_pages
@@ -32,6 +33,12 @@ class ShardedGrads(GradSync):
         self._issued = False          # a reduce-scatter was issued since the last drain
         self._in_flight: List[tuple] = []
         super().__init__(groups, comm, reduce_dtype)
+        # [Note: grads read where they lie] (comm/pieces.py): the exchange set up now
+        # (collective: every rank builds its optimizer alike), so the first backward reads its
+        # grads in place too and no staging buffer is ever allocated where it can
+        if all(g.device.type == "cpu" for g in groups) and \
+                hasattr(self.rs_comm, "prepare_pieces"):
+            self.rs_comm.prepare_pieces()
 
     @property
     def grad_shards(self) -> List[torch.Tensor]:
@@ -121,8 +128,23 @@ class BucketedGrads(ShardedGrads):
         super().__init__(groups, comm, reduce_dtype)
         self._staging: Dict[Tuple[int, int], torch.Tensor] = {}
 
-    def _acquire(self, gi: int, k: int) -> torch.Tensor:
+    def _acquire(self, gi: int, k: int):
+        """Bucket (gi, k)'s staging: where the reduce-scatter reads Pieces ([Note: grads read
+        where they lie] in comm/pieces.py), Pieces that hold its grads by reference (or, after
+        backward passes under no_sync(), the local accumulator's range, which the grads are
+        added into in place); else a pooled buffer view. Either waits for the oldest
+        reduce-scatter past MAX_IN_FLIGHT: the memory a bucket holds is bounded alike."""
         if (gi, k) not in self._staging:
+            if getattr(self.rs_comm, "reads_pieces", False):
+                while len(self._in_flight) >= MAX_IN_FLIGHT:
+                    self._complete_oldest()
+                L = self.groups[gi].layout
+                lo, hi = L.bucket_range(k)
+                ref = Pieces(hi - lo, self.reduce_dtype, self.groups[gi].device)
+                if self._local is not None:
+                    ref.put(0, self._local[gi][lo:hi])
+                self._staging[(gi, k)] = ref
+                return ref
             while len(self._in_flight) >= MAX_IN_FLIGHT and not self._pool:
                 self._complete_oldest()
             if self._pool:
@@ -163,10 +185,16 @@ class BucketedGrads(ShardedGrads):
         for k in reversed(g.layout.buckets_of_slot(i)):
             lo, hi = g.layout.bucket_range(k)
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            dst = self._acquire(gi, k)[a - lo:b - lo]
-            if local is None:
-                dst.copy_(flat_grad[a - s.offset:b - s.offset])
+            staging = self._acquire(gi, k)
+            if isinstance(staging, Pieces):
+                if local is None:
+                    staging.put(a - lo, flat_grad[a - s.offset:b - s.offset])
+                else:  # the Pieces read local: local + grad, the bits of grad + local
+                    local[a:b].add_(flat_grad[a - s.offset:b - s.offset])
+            elif local is None:
+                staging[a - lo:b - lo].copy_(flat_grad[a - s.offset:b - s.offset])
             else:
+                dst = staging[a - lo:b - lo]
                 torch.add(flat_grad[a - s.offset:b - s.offset], local[a:b], out=dst)
             self._sched.pending[gi][k] -= 1
             if self._sched.pending[gi][k] == 0:
@@ -178,7 +206,9 @@ class BucketedGrads(ShardedGrads):
         for gi, k in self._sched.ready(flush):
             g = self.groups[gi]
             staging = self._acquire(gi, k)
-            if self._sched.pending[gi][k] > 0:  # flushed: params that got no grad here
+            if self._sched.pending[gi][k] > 0 and not isinstance(staging, Pieces):
+                # flushed: params that got no grad here (Pieces read those as zeros, or
+                # as the local accumulator they read)
                 lo = g.layout.bucket_range(k)[0]
                 for i, a, b in self._sched.overlaps[gi][k]:
                     if not self._sched.arrived[gi][i]:
@@ -188,8 +218,9 @@ class BucketedGrads(ShardedGrads):
                             staging[a - lo:b - lo].copy_(self._local[gi][a:b])
             self._reduce_async((gi, k), staging, self.grad_shards[gi][g.state_slice(k)])
 
-    def _recycle(self, staging: torch.Tensor) -> None:
-        self._pool.append(staging._base)
+    def _recycle(self, staging) -> None:
+        if not isinstance(staging, Pieces):  # (Pieces: dropped, and their grads with them)
+            self._pool.append(staging._base)
 
     def _reduce_all(self) -> None:
         self._launch_ready(flush=True)

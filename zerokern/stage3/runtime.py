@@ -10,7 +10,9 @@ Forward (module hooks on every unit):
 Backward:
     output hook   (fires when the grad of the unit's output is ready, before any of the unit's
                   backward runs) re-gather the unit, as the forward did, and prefetch the next
-    grad hooks    copy each param's grad into the unit's staging buffer; once the unit is
+    grad hooks    hold each param's grad by reference for the unit's reduce-scatter where
+                  the shared-memory exchange reads it in place (comm/pieces.py), else copy it
+                  into the unit's staging buffer; once the unit is
                   done (every param has its grad, or the grad of its input is ready: params
                   without one were not used) it is freed and reduce-scattered, in the static
                   order, into the grad shard (accumulating over backward passes, DESIGN §2)
@@ -68,6 +70,7 @@ from typing import Dict, List, Optional
 import torch
 
 from zerokern.comm.host_agree import HostAgreement
+from zerokern.comm.pieces import Pieces, held_tensors
 from zerokern.geometry.dtensor_params import local as local_of
 from zerokern.grads.grad_sync import MAX_IN_FLIGHT, TrainingState
 from zerokern.grads.sharded_grads import ShardedGrads
@@ -526,8 +529,21 @@ class Stage3Runtime(ShardedGrads):
         return huge_pages.zeros(L.padded_numel, self.reduce_dtype, self.groups[fi].device,
                                 reuse=True)
 
-    def _acquire(self, fi: int) -> torch.Tensor:
+    def _acquire(self, fi: int):
+        """Unit buffer fi's staging: where the reduce-scatter reads Pieces ([Note: grads read
+        where they lie] in comm/pieces.py), Pieces that hold its grads by reference (or, after
+        backward passes under no_sync(), the local accumulator, which the grads are added into
+        in place): the unit's grads live until its reduce-scatter lands, as its staging buffer
+        would; else a pooled buffer."""
         if fi not in self._staging:
+            if getattr(self.rs_comm, "reads_pieces", False):
+                ref = Pieces(self.groups[fi].layout.padded_numel, self.reduce_dtype,
+                             self.groups[fi].device)
+                local = None if self._local is None else self._local[fi]
+                if local is not None:
+                    ref.put(0, local)
+                self._staging[fi] = ref
+                return ref
             buf = self._pooled(fi)
             self.groups[fi].zero_padding_(buf, 0)  # padding (gaps too); params get grads
             self._staging[fi] = buf
@@ -553,11 +569,18 @@ class Stage3Runtime(ShardedGrads):
         grad = local_of(p.grad).reshape(-1)  # a DTensor grad: its local part
         if not self.sync:  # no_sync(): a full local accumulator per buffer, no reduce-scatter
             self._local_buf(gi)[s.offset:s.offset + s.numel].add_(grad)
-        elif self._local is not None and self._local[gi] is not None:
-            torch.add(grad, self._local[gi][s.offset:s.offset + s.numel],
-                      out=self._acquire(gi)[s.offset:s.offset + s.numel])
         else:
-            self._acquire(gi)[s.offset:s.offset + s.numel].copy_(grad)
+            local = None if self._local is None else self._local[gi]
+            staging, sl = self._acquire(gi), slice(s.offset, s.offset + s.numel)
+            if isinstance(staging, Pieces):
+                if local is None:
+                    staging.put(s.offset, grad)
+                else:  # the Pieces read local: local + grad, the bits of grad + local
+                    local[sl].add_(grad)
+            elif local is None:
+                staging[sl].copy_(grad)
+            else:
+                torch.add(grad, local[sl], out=staging[sl])
         self._arrived[gi][i] = True
         p.grad = None
         self._pending[ui] -= 1
@@ -623,9 +646,11 @@ class Stage3Runtime(ShardedGrads):
         """Reduce-scatter this rank's grads of unit ui into the shards."""
         for fi in self.unit_flats[ui]:
             f = self.groups[fi]
-            staging = self._acquire(fi)
             local = None if self._local is None else self._local[fi]
-            if self._pending[ui] > 0:  # params without a grad count as zero
+            staging = self._acquire(fi)
+            if self._pending[ui] > 0 and not isinstance(staging, Pieces):
+                # params without a grad count as zero (Pieces read them as zeros, or as the
+                # local accumulator they read)
                 for i, s in enumerate(f.layout.slots):
                     if not self._arrived[fi][i]:
                         sl = slice(s.offset, s.offset + s.numel)
@@ -673,8 +698,9 @@ class Stage3Runtime(ShardedGrads):
     def _reduce_label(self, key) -> str:
         return self._label(self.groups[key[0] if isinstance(key, tuple) else key])
 
-    def _recycle(self, staging: torch.Tensor) -> None:
-        self._pool[staging.numel()].append(staging)
+    def _recycle(self, staging) -> None:
+        if not isinstance(staging, Pieces):  # (Pieces: dropped, and their grads with them)
+            self._pool[staging.numel()].append(staging)
 
     def end_backward(self) -> None:
         deferred, self._deferred = self._deferred, []
@@ -784,7 +810,7 @@ class Stage3Runtime(ShardedGrads):
         local = [t for t in (self._local or []) if t is not None]  # no_sync() accumulators
         return {"grads": self.held_grads(),
                 "buckets": [b for bufs in self._pool.values() for b in bufs]
-                + list(self._staging.values()) + local,
+                + [t for b in self._staging.values() for t in held_tensors(b)] + local,
                 "hpz": [] if self.hpz is None else self.hpz.held()}
 
     def clear_all(self) -> None:
