@@ -16,10 +16,13 @@ padding of §4.
   - offload="cpu" at stages 1, 2 and 3, fp32 and bf16, on the odd model with tiny buckets.
   World size 3 passed too when tried for stages 0-2 (commit message); it is left out to keep
   this file near 45 s on 2 busy cores (its spawn alone costs ~10 s there).
-- Negative controls: the estimate with the wrong grad order (reverse registration) misses the
-  stage-2 staging bytes (stage 1 holds no communication buffer at all: it reduces in place); at
-  stage 3 another unit policy (every Linear a unit) gives other params/padding, pool and bound,
-  and a reversed forward order gives gpt-deep a larger pool.
+- Over gloo on one host stages 2-3 read their grads in place (comm/pieces.py): no staging
+  pool, whatever the grad order. Where they stage (the TCP ring here, ZEROKERN_SHM=0; NCCL) the
+  pool is the replay's to the byte (comm="nccl"), and the negative controls tell it apart: the
+  wrong grad order (reverse registration) misses the stage-2 staging bytes (stage 1 holds no
+  communication buffer at all: it reduces in place); at stage 3 another unit policy (every
+  Linear a unit) gives other params/padding, pool and bound, and a reversed forward order gives
+  gpt-deep a larger pool.
 - `--params`: a one-param model matches exactly; for Ψ up to 7e9 the total minus buckets lies
   within DESIGN §4's padding term (< N*128 elements per buffer) above the formula, at stages
   0-3, and with offload the device and host optimizer bytes likewise.
@@ -144,20 +147,42 @@ def _key(n, s, p, b, off=None) -> str:
     return f"{n}-s{s}-{p}-b{b}" + (f"-{off}" if off else "")
 
 
+def _staged_run(n, s, p, b, rank, world_size) -> dict:
+    """The same run over gloo's TCP ring (ZEROKERN_SHM=0): stages 2-3 copy their grads into
+    staging buffers there, as over NCCL, so the grad order and the units decide the pool
+    ([Note: categories that depend on the run] in accounting/estimate.py)."""
+    import os
+
+    os.environ["ZEROKERN_SHM"] = "0"
+    try:
+        return _train_and_report(n, s, p, b, rank, world_size)
+    finally:
+        os.environ.pop("ZEROKERN_SHM")
+
+
 def _controls(specs, n, s, p, b, rank, world_size) -> dict:
-    """Estimates from deliberately wrong inputs, for the negative controls."""
+    """Estimates from deliberately wrong inputs, for the negative controls, and (stages 2-3)
+    a staging run with its own estimate: over shared memory the grads are read in place, no
+    staging pool that the controls could tell apart (comm/pieces.py)."""
     est = functools.partial(E.estimate, world_size=world_size, stage=s, precision=p,
                             bucket_mb=b, rank=rank)
     if s == 3:  # another unit policy (every Linear a unit); the grad order reversed
         with torch.device("meta"):
             linear = E.spec_from_model(MAKERS[n](), n, units=nn.Linear)
         rev = dataclasses.replace(specs[n], grad_order=tuple(reversed(specs[n].grad_order)))
-        return {"policy": _predicted(est(linear, comm="gloo")),
-                "grad_reversed": _predicted(est(rev, comm="gloo"))}
+        return {"policy": _predicted(est(linear, comm="nccl")),
+                "grad_reversed": _predicted(est(rev, comm="nccl")),
+                "staged": _staged_run(n, s, p, b, rank, world_size),
+                "staged_est": _predicted(est(specs[n], comm="nccl")),
+                "shm_reversed": _predicted(est(rev, comm="gloo"))}
     wrong = dataclasses.replace(specs[n],
                                 grad_order=tuple(reversed(range(len(specs[n].shapes)))))
-    return {"reversed": est(wrong, comm="gloo")["bytes"],
-            "nccl": est(specs[n], comm="nccl")["bytes"]}
+    out = {"reversed": est(wrong, comm="nccl")["bytes"],
+           "nccl": est(specs[n], comm="nccl")["bytes"],
+           "shm_reversed": est(wrong, comm="gloo")["bytes"]}
+    if s == 2:
+        out["staged"] = _staged_run(n, s, p, b, rank, world_size)
+    return out
 
 
 CONTROLS = {_key("tinylm", 2, "bf16", M.BUCKET_MB), _key("tinylm", 1, "bf16", M.BUCKET_MB),
@@ -249,8 +274,13 @@ def test_estimate_equals_memory_report_compact_master_every_rank(world_size, nam
 def test_negative_control_wrong_grad_order_and_stage1_in_place(world_size):
     results = cached(_multi_rank, world_size)
     meas, _, extra = case(results, _key("tinylm", 2, "bf16", M.BUCKET_MB))[0]
-    # Reverse registration order launches buckets differently: fewer staging buffers.
-    assert extra["reversed"]["buckets"] != meas["measured"]["buckets"]
+    # Over shared memory the grads are read in place: no staging buffer, whatever the order
+    assert meas["measured"]["buckets"] == 0 == extra["shm_reversed"]["buckets"]
+    # Staging (the TCP ring, as NCCL): the replay's pool, to the byte; reverse registration
+    # order launches buckets differently: fewer staging buffers.
+    staged = extra["staged"]["measured"]["buckets"]
+    assert staged == extra["nccl"]["buckets"] > 0
+    assert extra["reversed"]["buckets"] != staged
     meas1, _, extra1 = case(results, _key("tinylm", 1, "bf16", M.BUCKET_MB))[0]
     # Stage 1 reduce-scatters in place over gloo's ring: no scratch bucket, no grad shard held
     # (before the in-place reduction the ring kept a bucket-sized scratch here).
@@ -264,18 +294,24 @@ def test_negative_controls_stage3_wrong_units_and_forward_order(world_size):
     for name in ("tinylm", "gpt-deep"):
         for rank, (meas, _, extra) in enumerate(case(results, _key(name, 3, "bf16", 25.0))):
             m, where = meas["measured"], f"{name}, rank {rank}"
+            # Over shared memory no staging pool, whatever the grad order; staging (TCP, as
+            # NCCL): the replay's pool to the byte, which the controls below tell apart
+            assert m["buckets"] == 0 == extra["shm_reversed"]["measured"]["buckets"], where
+            staged = extra["staged"]["measured"]
+            assert staged == extra["staged_est"]["measured"], where
+            assert staged["buckets"] > 0, where
             # Every Linear its own unit: other buffers, so other padding, pool and bound.
             pol = extra["policy"]
             assert (pol["measured"]["params"], pol["measured"]["padding"]) != \
                 (m["params"], m["padding"]), where
-            assert pol["measured"]["buckets"] != m["buckets"], where
+            assert pol["measured"]["buckets"] != staged["buckets"], where
             assert pol["live_units_bound"] != meas["live_units_bound"], where
             # The reduce-scatter order is static (the reversed unit order, [Note: stage-3
             # collective order]); grads arriving in the reversed order complete the units the
             # other way round, so no unit can launch before backward ends and every unit holds
             # a staging buffer. gpt-deep has enough blocks that the real pool is smaller.
             if name == "gpt-deep":
-                assert extra["grad_reversed"]["measured"]["buckets"] > m["buckets"], where
+                assert extra["grad_reversed"]["measured"]["buckets"] > staged["buckets"], where
 
 
 def test_stage3_forward_order_is_recorded_and_matters():

@@ -673,7 +673,13 @@ class Stage3Runtime(ShardedGrads):
         one, so the order stays the same on every rank."""
         for fi in self.unit_flats[ui]:
             key = (fi, "zeros")
-            buf = self._staging[key] = self._pooled(fi).zero_()
+            if getattr(self.rs_comm, "reads_pieces", False):  # Pieces with none: all zeros,
+                # no buffer ([Note: grads read where they lie] in comm/pieces.py)
+                buf = Pieces(self.groups[fi].layout.padded_numel, self.reduce_dtype,
+                             self.groups[fi].device)
+            else:
+                buf = self._pooled(fi).zero_()
+            self._staging[key] = buf
             while len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._complete_oldest()
             self._reduce_async(key, buf, self.grad_shards[fi])
