@@ -7,7 +7,8 @@
   across them) and through the TCP ring (materialized) equals the same elements' reduce-scatter
   from one buffer, bit for bit, at N = 2 and 3.
 - ZeroAdamW stages 2 and 3 through shared memory read their grads by reference from the first
-  backward on and train to the same bits as with staging buffers (forced), at fp32 and bf16, with
+  backward on and train to the same bits as with staging buffers (forced), at fp32 and bf16
+  (reduced in bf16, and in fp32: bf16 pieces read converted), with
   two backward passes per step (the second accumulates; or the first under no_sync(), whose
   accumulator the synced one adds into in place and the exchange reads), a param that gets no
   grad on one rank, and (stage 2) params that straddle buckets. No staging buffer is
@@ -136,7 +137,8 @@ class _Net(nn.Module):
         return h.pow(2).mean() + (self.only_rank0(x).pow(2).mean() if rank == 0 else 0)
 
 
-def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False):
+def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False,
+           reduce_dtype=None):
     import zerokern as zk
     from zerokern.comm import Comm
     from zerokern.grads import sharded_grads
@@ -165,7 +167,7 @@ def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False):
             model.to(torch.bfloat16)
         opt = zk.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2,
                            stage=stage, precision=precision, bucket_mb=0.004,
-                           max_grad_norm=0.5)
+                           max_grad_norm=0.5, reduce_dtype=reduce_dtype)
         pooled = []
         for s in range(3):
             opt.zero_grad()
@@ -199,6 +201,10 @@ def _stages(rank, ws):
         for by_ref in (True, False):
             cases[f"{stage}-nosync-{by_ref}"] = (
                 lambda s=stage, b=by_ref: _train(rank, ws, "fp32", b, stage=s, no_sync=True))
+            # bf16 grads reduced in fp32: the pieces are read converted (exactly)
+            cases[f"{stage}-bf16r32-{by_ref}"] = (
+                lambda s=stage, b=by_ref: _train(rank, ws, "bf16", b, stage=s,
+                                                 reduce_dtype=torch.float32))
     cases["corrupt"] = lambda: _train(rank, ws, "fp32", True, corrupt=True)
     return run_cases(cases)
 
@@ -207,7 +213,7 @@ def _stages(rank, ws):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_grads_read_by_reference_with_the_bits_of_staging(ws, stage):
     res = cached(_stages, ws)
-    for mode in ("fp32", "bf16", "nosync"):
+    for mode in ("fp32", "bf16", "nosync", "bf16r32"):
         ref = case(res, f"{stage}-{mode}-True")
         staged = case(res, f"{stage}-{mode}-False")
         for r in range(ws):

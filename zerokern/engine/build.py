@@ -109,7 +109,9 @@ def _engine_owned(opt: ZeroOptimizer, cfg: EngineConfig) -> ZeroOptimizer:
     of 8, load ~20, 2026-11-29): 161 ms freeing both at 25 MiB buckets, 90 ms keeping the pool
     (50 MiB held), 116 ms freeing both at 6 MiB buckets, 102 ms keeping a pool of 6 MiB buckets
     (12 MiB held; ZK_STAGE2_BUCKET_MB_DEFAULT in config.py). Stage 1 keeps nothing: its grad
-    buffer is the model's size."""
+    buffer is the model's size. Where the shared-memory exchange reads the grads in place (gloo
+    ranks on one host: comm/pieces.py [Note: grads read where they lie]) no staging buffer is
+    ever allocated, so there is no pool to keep; over NCCL or the TCP ring there is."""
     if opt.stage >= 2 and hasattr(opt.grad_sync, "keep_staging"):
         opt.grad_sync.keep_staging = True
     if _keeps_grad_shard(opt):

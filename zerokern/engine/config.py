@@ -94,7 +94,8 @@ COMM_DTYPES = PRECISIONS  # communication_data_type takes the precision names
 # `zerokern bench --engine`), where DeepSpeed's default costs it little between steps.
 ZK_BUCKET_MB_DEFAULT = 25.0
 # ...except at stage 2, where the engine keeps its staging pool (MAX_IN_FLIGHT = 2 buckets)
-# between steps (build.py [Note: the engine keeps its staging]): 6 MiB buckets hold 12 MiB.
+# between steps (build.py [Note: the engine keeps its staging]): 6 MiB buckets hold 12 MiB (over
+# NCCL or gloo's TCP ring; over shared memory the grads are read in place, with no pool).
 ZK_STAGE2_BUCKET_MB_DEFAULT = 6.0
 
 
