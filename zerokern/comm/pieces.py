@@ -45,7 +45,7 @@ class Pieces:
         self._numel, self.dtype, self.device = int(numel), dtype, torch.device(device)
         self._starts: List[int] = []
         self._tensors: List[torch.Tensor] = []
-        self._sorted = True
+        self._sealed = True  # sorted and checked since the last put
 
     @property
     def shape(self) -> Tuple[int]:
@@ -55,7 +55,7 @@ class Pieces:
         return self._numel
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def put(self, start: int, t: torch.Tensor) -> None:
         """Elements [start, start + t.numel()) are `t` (1-D, held by reference until this
@@ -66,21 +66,23 @@ class Pieces:
                              f"[0, {self._numel})")
         if t.dtype != self.dtype and t.dtype not in _EXACT_INTO.get(self.dtype, ()):
             t = t.to(self.dtype)  # a rounding conversion: once, as the staging copy did
-        if self._starts and start < self._starts[-1]:
-            self._sorted = False
+        self._sealed = False
         self._starts.append(int(start))
         self._tensors.append(t)
 
     def _seal(self) -> None:
-        if not self._sorted:
-            order = sorted(range(len(self._starts)), key=self._starts.__getitem__)
-            self._starts = [self._starts[i] for i in order]
-            self._tensors = [self._tensors[i] for i in order]
-            self._sorted = True
+        """Sort the pieces and check they do not overlap, once after the last put (spans runs
+        per slot round and peer on the ring thread)."""
+        if self._sealed:
+            return
+        order = sorted(range(len(self._starts)), key=self._starts.__getitem__)
+        self._starts = [self._starts[i] for i in order]
+        self._tensors = [self._tensors[i] for i in order]
         for i in range(1, len(self._starts)):
             if self._starts[i - 1] + self._tensors[i - 1].numel() > self._starts[i]:
                 raise ValueError(f"pieces at {self._starts[i - 1]} and {self._starts[i]} "
                                  "overlap")
+        self._sealed = True
 
     def spans(self, a: int, b: int) -> Iterator[Tuple[int, int, Optional[torch.Tensor]]]:
         """(lo, hi, piece elements [lo, hi) or None for zeros) covering [a, b) in order."""

@@ -529,6 +529,11 @@ class Stage3Runtime(ShardedGrads):
         return huge_pages.zeros(L.padded_numel, self.reduce_dtype, self.groups[fi].device,
                                 reuse=True)
 
+    def _no_pieces(self, fi: int) -> Pieces:
+        """Unit buffer fi's elements as Pieces with none put yet (all zeros)."""
+        return Pieces(self.groups[fi].layout.padded_numel, self.reduce_dtype,
+                      self.groups[fi].device)
+
     def _acquire(self, fi: int):
         """Unit buffer fi's staging: where the reduce-scatter reads Pieces ([Note: grads read
         where they lie] in comm/pieces.py), Pieces that hold its grads by reference (or, after
@@ -537,8 +542,7 @@ class Stage3Runtime(ShardedGrads):
         would; else a pooled buffer."""
         if fi not in self._staging:
             if getattr(self.rs_comm, "reads_pieces", False):
-                ref = Pieces(self.groups[fi].layout.padded_numel, self.reduce_dtype,
-                             self.groups[fi].device)
+                ref = self._no_pieces(fi)
                 local = None if self._local is None else self._local[fi]
                 if local is not None:
                     ref.put(0, local)
@@ -675,8 +679,7 @@ class Stage3Runtime(ShardedGrads):
             key = (fi, "zeros")
             if getattr(self.rs_comm, "reads_pieces", False):  # Pieces with none: all zeros,
                 # no buffer ([Note: grads read where they lie] in comm/pieces.py)
-                buf = Pieces(self.groups[fi].layout.padded_numel, self.reduce_dtype,
-                             self.groups[fi].device)
+                buf = self._no_pieces(fi)
             else:
                 buf = self._pooled(fi).zero_()
             self._staging[key] = buf
