@@ -22,7 +22,7 @@ import torch.nn as nn
 from zerokern.comm import GroupComm, shm
 from zerokern.comm.pieces import Pieces
 
-from ..support.harness import cached, case, run_cases
+from ..support.harness import CaseError, cached, case, run_cases
 
 N = 1000
 
@@ -137,8 +137,31 @@ class _Net(nn.Module):
         return h.pow(2).mean() + (self.only_rank0(x).pow(2).mean() if rank == 0 else 0)
 
 
+def _user_hooks(model, hook, before_optimizer):
+    """A user's post-accumulate-grad hooks on the last layer's weight (its grad arrives first).
+    Registered before the optimizer (they run before zerokern's hook): "inplace" keeps p.grad,
+    "clone" keeps a clone, "before" adds 0.5 to p.grad in place. Registered after (they run after
+    zerokern's hook took the grad): "inplace" and "clone" add 0.5 to what was kept, in place."""
+    p = model.layers[3].weight
+    kept = model.__dict__.setdefault("_kept", [])
+
+    def shift(q):  # (an add, not a scale: Adam's step is nearly blind to a per-param scale)
+        q.grad.add_(0.5)
+
+    def keep(q):
+        kept.append(q.grad if hook == "inplace" else q.grad.clone())
+
+    def shift_kept(q):
+        kept.pop().add_(0.5)
+
+    if before_optimizer:
+        p.register_post_accumulate_grad_hook(shift if hook == "before" else keep)
+    elif hook in ("inplace", "clone"):
+        p.register_post_accumulate_grad_hook(shift_kept)
+
+
 def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False,
-           reduce_dtype=None):
+           reduce_dtype=None, hook=None):
     import zerokern as zk
     from zerokern.comm import Comm
     from zerokern.grads import sharded_grads
@@ -151,10 +174,10 @@ def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False,
             super().__init__(*a)
             made.append(1)
 
-        def put(self, start, t):
+        def put(self, start, t, *args, **kwargs):  # (watch=: this change's; old code none)
             if corrupt and rank == 0 and len(made) == 3 and start == 0:
                 t = t * 1.0001
-            super().put(start, t)
+            super().put(start, t, *args, **kwargs)
 
     sharded_grads.Pieces, saved = Counted, sharded_grads.Pieces
     runtime.Pieces = Counted
@@ -165,9 +188,13 @@ def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False,
         model = _Net()
         if precision == "bf16":
             model.to(torch.bfloat16)
+        if hook:
+            _user_hooks(model, hook, before_optimizer=True)
         opt = zk.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2,
                            stage=stage, precision=precision, bucket_mb=0.004,
                            max_grad_norm=0.5, reduce_dtype=reduce_dtype)
+        if hook:
+            _user_hooks(model, hook, before_optimizer=False)
         pooled = []
         for s in range(3):
             opt.zero_grad()
@@ -182,7 +209,10 @@ def _train(rank, ws, precision, by_ref, corrupt=False, stage=2, no_sync=False,
             opt.step()
             pool = opt.grad_sync._pool
             pooled.append(len(pool) if stage == 2 else sum(map(len, pool.values())))
-        return {"params": [p.detach().clone() for p in model.parameters()],
+        with opt.gathered_params():  # (stage 3: the params are empty outside it)
+            params = [p.detach().clone() for p in model.parameters()]
+        assert all(p.numel() > 0 for p in params)
+        return {"params": params,
                 "norm": float(opt.grad_norm), "pieces": len(made), "pooled": pooled,
                 "buckets": opt.flat_groups[0].layout.n_buckets if stage == 2
                 else len(opt.flat_groups)}
@@ -206,6 +236,12 @@ def _stages(rank, ws):
                 lambda s=stage, b=by_ref: _train(rank, ws, "bf16", b, stage=s,
                                                  reduce_dtype=torch.float32))
     cases["corrupt"] = lambda: _train(rank, ws, "fp32", True, corrupt=True)
+    for stage in (2, 3):  # a user's hooks (_user_hooks); "inplace" by reference raises
+        for hook in ("before", "clone", "inplace"):
+            for by_ref in (True, False):
+                cases[f"{stage}-hook-{hook}-{by_ref}"] = (
+                    lambda s=stage, h=hook, b=by_ref: _train(rank, ws, "fp32", b, stage=s,
+                                                             hook=h))
     return run_cases(cases)
 
 
@@ -230,3 +266,34 @@ def test_grads_read_by_reference_with_the_bits_of_staging(ws, stage):
     bad = case(res, "corrupt")
     assert any(not torch.equal(a, b) for a, b in zip(bad[0]["params"],
                                                      case(res, "2-fp32-True")[0]["params"]))
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_grad_changed_in_place_after_it_was_taken_raises(ws, stage):
+    """[Note: grads read where they lie]: a user's hook keeps p.grad before zerokern's hook takes
+    it and a later hook changes it in place. Staging copied the grad when it arrived (the change
+    never reached the sum, as under DDP); read by reference the change would be in the sum or
+    not by timing, so the backward raises, naming the change, before any step. Controls: the
+    same change on a clone, and an in-place change before zerokern's hook took the grad, train
+    to the staging run's bits (and the latter changes the params: the hook acts)."""
+    res = cached(_stages, ws)
+    for r in range(ws):
+        err = res[r][f"{stage}-hook-inplace-True"]
+        assert isinstance(err, CaseError), err
+        assert "was changed in place after zerokern took it" in err.tb, err.tb
+    staged_inplace = case(res, f"{stage}-hook-inplace-False")
+    for hook in ("before", "clone"):
+        ref = case(res, f"{stage}-hook-{hook}-True")
+        staged = case(res, f"{stage}-hook-{hook}-False")
+        for r in range(ws):
+            assert ref[r]["pieces"] > 0 and staged[r]["pieces"] == 0
+            for a, b in zip(ref[r]["params"], staged[r]["params"]):
+                assert torch.equal(a, b), hook
+    plain = case(res, f"{stage}-fp32-False")
+    for r in range(ws):  # the clone's change and the kept grad's change never reach the sum
+        for a, b, c in zip(case(res, f"{stage}-hook-clone-False")[r]["params"],
+                           staged_inplace[r]["params"], plain[r]["params"]):
+            assert torch.equal(a, c) and torch.equal(b, c)
+        assert any(not torch.equal(a, c) for a, c in  # the in-place change before: it acts
+                   zip(case(res, f"{stage}-hook-before-True")[r]["params"], plain[r]["params"]))

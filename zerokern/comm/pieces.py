@@ -20,6 +20,18 @@ more than the bare model holds after its backward (all of them).
 Other transports (gloo's TCP ring, NCCL, torch's gloo collectives, qgZ) take a contiguous tensor:
 `materialize()` makes one, so `Pieces` is never wrong, only no faster there; stage 2 passes
 `Pieces` only where the shared-memory exchange carries the group (sharded_grads.py).
+
+A gradient changed in place after it was put: the staging copy was taken when the grad arrived,
+so a later change never reached the reduction; a held piece is read whenever the exchange gets
+to it, so the change would be in the sum or not by timing. zerokern's hook sets p.grad = None
+when it takes a grad, so only code that kept its own reference can change it: a user's hook that
+ran first and kept p.grad, then changed it in place later in the backward. `put` records each
+piece's version counter (what autograd checks for "modified by an inplace operation");
+`changed_in_place`, asked when the reduce-scatter has landed (grads/sharded_grads.py), says if
+one moved, and the backward raises at its end, once every reduce-scatter of it has landed (so
+the ranks leave no exchange half done), before any step can use such a sum. The local
+accumulator after no_sync() is zerokern's own buffer (put with watch=False): it is added into
+in place by design.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ class Pieces:
         self._numel, self.dtype, self.device = int(numel), dtype, torch.device(device)
         self._starts: List[int] = []
         self._tensors: List[torch.Tensor] = []
+        self._watched: List[Tuple[torch.Tensor, int]] = []  # (piece as put, its _version)
         self._sealed = True  # sorted and checked since the last put
 
     @property
@@ -57,15 +70,18 @@ class Pieces:
     def element_size(self) -> int:
         return self.dtype.itemsize
 
-    def put(self, start: int, t: torch.Tensor) -> None:
+    def put(self, start: int, t: torch.Tensor, watch: bool = True) -> None:
         """Elements [start, start + t.numel()) are `t` (1-D, held by reference until this
-        object is dropped). Raises ValueError outside the range."""
+        object is dropped). Raises ValueError outside the range. watch: `check_unchanged`
+        raises if `t` is changed in place after this (False: zerokern's own buffer)."""
         t = t.reshape(-1)
         if start < 0 or start + t.numel() > self._numel:
             raise ValueError(f"a piece at {start} of {t.numel()} elements is outside "
                              f"[0, {self._numel})")
         if t.dtype != self.dtype and t.dtype not in _EXACT_INTO.get(self.dtype, ()):
             t = t.to(self.dtype)  # a rounding conversion: once, as the staging copy did
+        elif watch:  # (a converted piece is a copy: a later change cannot reach it)
+            self._watched.append((t, t._version))
         self._sealed = False
         self._starts.append(int(start))
         self._tensors.append(t)
@@ -123,6 +139,25 @@ class Pieces:
                 torch.add(th, 0.0, out=o)
             else:
                 torch.add(t, th, out=o)
+
+    def changed_in_place(self, what: str) -> Optional[str]:
+        """The error message if a watched piece was changed in place since it was put (the
+        Note above: the reduction read it at some moment in between, so the sum is unusable),
+        else None."""
+        for t, version in self._watched:
+            if t._version != version:
+                return (
+                    f"zerokern: a gradient ({t.numel()} elements, {what}) was changed in place "
+                    "after zerokern took it for the reduce-scatter. Some code kept a reference "
+                    "to p.grad (a gradient hook registered before the optimizer was built?) and "
+                    "changed it during the backward; zerokern reads gradients where autograd "
+                    "left them, so the change may or may not be in the reduced gradient, and "
+                    "this backward's gradients must not be stepped on. Change the gradient "
+                    "before zerokern's hook takes it, or change a clone. (Grads that are views "
+                    "of one tensor, as from a forward that concatenated params, share one "
+                    "counter: changing one counts for all.) ZEROKERN_SHM=0 copies every "
+                    "gradient when it arrives (a later change is then never reduced)")
+        return None
 
     def materialize(self) -> torch.Tensor:
         """One contiguous tensor of the elements (for a transport that needs one)."""

@@ -32,6 +32,7 @@ class ShardedGrads(GradSync):
         self._fresh = True            # first reduction since zero_grad: write the shard directly
         self._issued = False          # a reduce-scatter was issued since the last drain
         self._in_flight: List[tuple] = []
+        self._changed_in_place: Optional[str] = None  # a held grad changed: raise at the end
         super().__init__(groups, comm, reduce_dtype)
         # [Note: grads read where they lie] (comm/pieces.py): the exchange set up now
         # (collective: every rank builds its optimizer alike), so the first backward reads its
@@ -76,11 +77,22 @@ class ShardedGrads(GradSync):
     def _complete_oldest(self) -> None:
         h, key, tmp, shard = self._in_flight.pop(0)
         h.wait()
+        staging = self._staging.pop(key)
+        if isinstance(staging, Pieces) and self._changed_in_place is None:
+            # raised at the backward's end ([Note: grads read where they lie], comm/pieces.py)
+            self._changed_in_place = staging.changed_in_place(self._reduce_label(key))
         if tmp is not None:
             shard.add_(tmp)
-        self._recycle(self._staging.pop(key))
+        self._recycle(staging)
 
     def _recycle(self, staging: torch.Tensor) -> None: ...
+
+    def _raise_if_changed_in_place(self) -> None:
+        """End of a backward, every reduce-scatter landed: raise if a grad read by reference
+        was changed in place meanwhile ([Note: grads read where they lie])."""
+        msg, self._changed_in_place = self._changed_in_place, None
+        if msg is not None:
+            raise RuntimeError(msg)
 
     def _drain(self) -> None:
         """End of a reduction: every reduce-scatter has landed; the next one accumulates."""
@@ -142,7 +154,7 @@ class BucketedGrads(ShardedGrads):
                 lo, hi = L.bucket_range(k)
                 ref = Pieces(hi - lo, self.reduce_dtype, self.groups[gi].device)
                 if self._local is not None:
-                    ref.put(0, self._local[gi][lo:hi])
+                    ref.put(0, self._local[gi][lo:hi], watch=False)  # ours, added into
                 self._staging[(gi, k)] = ref
                 return ref
             while len(self._in_flight) >= MAX_IN_FLIGHT and not self._pool:
@@ -233,6 +245,7 @@ class BucketedGrads(ShardedGrads):
             self._reduce_all()
         else:
             self._sched.reset()
+        self._raise_if_changed_in_place()
 
     def reduced_buckets(self):
         if self._local is not None:  # backward passes under no_sync() only: reduce them now

@@ -545,7 +545,7 @@ class Stage3Runtime(ShardedGrads):
                 ref = self._no_pieces(fi)
                 local = None if self._local is None else self._local[fi]
                 if local is not None:
-                    ref.put(0, local)
+                    ref.put(0, local, watch=False)  # ours, added into in place
                 self._staging[fi] = ref
                 return ref
             buf = self._pooled(fi)
@@ -738,6 +738,7 @@ class Stage3Runtime(ShardedGrads):
             self._calls.clear()
             self._unsignalled.clear()
         self._reset_backward()
+        self._raise_if_changed_in_place()
         self._hpz_invalidate()  # (after the frees above, which keep secondaries)
 
     def forget_calls(self) -> None:
