@@ -41,7 +41,9 @@ def _run(stage: int, keep: bool, steps: int = 4, precision: str = "fp32",
         losses.append(float(loss.detach()))
         shards.append(None if gs._grad_shards is None
                       else tuple(t.data_ptr() for t in gs._grad_shards))
-    params = [p.detach().float().clone() for p in model.parameters()]
+    with opt.gathered_params():  # (stage 3: the params are empty outside it)
+        params = [p.detach().float().clone() for p in model.parameters()]
+    assert all(p.numel() > 0 for p in params)
     return allocated, losses, gs, engine, shards, params
 
 
