@@ -68,6 +68,13 @@
 // order, a lookup or its indexing. 0.7x of the fp32 step would take ~15% fewer of them; a lookup
 // without gathers (tables in registers: the bucket tables are 256 KiB) needs as many permutes,
 // compares and blends as the ~5 uops of the gather it replaces, as the byte planes showed.
+// Round 5 (2026-11-30; both builds loaded in one process, alternated per repetition, two
+// threads): the time per element is flat from in-cache to DRAM (0.47 ns at 2^20, 0.49-0.52 at
+// 2^24, 0.47 at 2^26) and halves with the second thread, so the kernel is compute-bound at every
+// size; on a quiet memory system it is 0.76-0.81x of the bandwidth-bound fp32-state step
+// (benchmarks/results/adamw8bit-cpu-kernel-issue40-20261130-bound.md). Tried and dropped: the
+// read streams prefetched into L2 (prefetcht1) 16-64 blocks ahead besides the L1 prefetch,
+// 0.90-1.02x at 2^24, 0.94-0.97x at 2^26 over four runs, 0.99-1.02x in the last: noise.
 #include <immintrin.h>
 
 #include "adamw8bit_cpu.h"
