@@ -72,8 +72,8 @@ class Pieces:
 
     def put(self, start: int, t: torch.Tensor, watch: bool = True) -> None:
         """Elements [start, start + t.numel()) are `t` (1-D, held by reference until this
-        object is dropped). Raises ValueError outside the range. watch: `check_unchanged`
-        raises if `t` is changed in place after this (False: zerokern's own buffer)."""
+        object is dropped). Raises ValueError outside the range. watch: `changed_in_place`
+        reports `t` changed in place after this (False: zerokern's own buffer)."""
         t = t.reshape(-1)
         if start < 0 or start + t.numel() > self._numel:
             raise ValueError(f"a piece at {start} of {t.numel()} elements is outside "
