@@ -75,9 +75,37 @@
 // (benchmarks/results/adamw8bit-cpu-kernel-issue40-20261130-bound.md). Tried and dropped: the
 // read streams prefetched into L2 (prefetcht1) 16-64 blocks ahead besides the L1 prefetch,
 // 0.90-1.02x at 2^24, 0.94-0.97x at 2^26 over four runs, 0.99-1.02x in the last: noise.
+// Correction (round 6): that A/B loaded both builds under one module name, and Python hands back
+// the first module for the second load, so it timed one build against itself; the prefetch
+// result above is void. Round 6 measured it again with the harness below: still noise.
+//
+// Round 6 (2026-11-30; a harness that loads each build under its own module name
+// (TORCH_EXTENSION_NAME) and links it -Bsymbolic, so each runs its own code, checked by output
+// bits differing where the code differs; alternated per repetition; load average < 1):
+//   marginal cost per 16 elements (one thread, n = 2^16, ~50 cycles at 3.5 GHz): + 4 vpaddd
+//     +4.3%, + 4 vpsrld (port 0) +7.0%, + 4 vpermd (port 5) +2.3%, + 1 vsqrtps +13.5%: port 0
+//     is the busier port, and the divider (vsqrtps 12 cycles, vdivps 10 per 16 lanes, not
+//     overlapping: 22 of the ~50) is close to binding
+//   ablations (not exact): the three gathers as permutes -14%, sqrt and div as muls -7.5%, all
+//     four -29%: the rest, ~36 vector uops, still runs at about one per cycle
+//   tried and dropped: m dequantized from byte planes +4% (as round 4); the update staged four
+//     vectors at a time (sqrts, then m's codes, divs, v's codes) +8.5%; the gathers' masks by
+//     vpcmpeqd +0.2%; prefetch 2/6/8/12/16 blocks ahead and an L2 prefetch 32 ahead at 2^24,
+//     two threads: -1 to +5%, noise; -mtune=sapphirerapids/icelake-server: +0%
+//   kept: GCC's pre-allocation scheduler (the pragma below the includes): 0.974x bf16, 0.963x
+//     fp32 grads; two threads 2^24/2^26: 0.90-1.06x (memory noise)
+// Still ~0.8x of the fp32-state step at 2^24 and 2^26, two threads: the three gathers (~14%)
+// and the divider (~8%) are fixed costs of the exact reference, and the rest is issue-bound.
 #include <immintrin.h>
 
 #include "adamw8bit_cpu.h"
+
+// GCC's first scheduling pass (before register allocation; off by default on x86) for this
+// file's bodies: it spreads each 16-element group's long sqrt/div/gather chains among the
+// others' independent work. Round 6 ([Note: 8-bit AVX-512 step cost]): 2.6-3.7% less time per
+// element in cache, one thread, bf16 and fp32 grads; every bit equal. Scheduling moves no
+// floating-point operation across another's rounding, so the results cannot change.
+#pragma GCC optimize("schedule-insns")
 
 #define ZK_Q8_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
