@@ -63,6 +63,31 @@ def _grad_changed(rank, ws, stage, how):
     return _outcome(rest)
 
 
+def _grad_changed_in_place(rank, ws, stage):
+    """Rank 0's hooks keep a grad and change it in place after zerokern took it by reference
+    ([Note: grads read where they lie] in comm/pieces.py); the other ranks' backward is clean."""
+    import zerokern as zk
+
+    from .test_pieces import _Net, _user_hooks
+
+    model = _Net()
+    if rank == 0:
+        _user_hooks(model, "inplace", before_optimizer=True)
+    opt = zk.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage,
+                       precision="fp32", bucket_mb=0.004)
+    if rank == 0:
+        _user_hooks(model, "inplace", before_optimizer=False)
+
+    def run():
+        for s in range(3):
+            opt.zero_grad()
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * s + rank))
+            opt.backward(model(x, rank))
+            opt.step()
+
+    return _outcome(run)
+
+
 def _param_file_truncated(rank, ws):
     from ..stage3.test_param_offload import _opt
 
@@ -111,3 +136,12 @@ def test_p_grad_assigned_on_one_rank_fails_every_rank_promptly(ws, stage):
 @pytest.mark.parametrize("ws", [1, 2, 3])
 def test_param_file_truncated_on_one_rank_fails_every_rank_promptly(ws):
     _check(spawn(_param_file_truncated, ws), ws - 1, "OSError", "truncated")
+
+
+@pytest.mark.parametrize("ws,stage", [(2, 2), (2, 3), pytest.param(3, 3, marks=pytest.mark.slow)])
+def test_a_grad_changed_in_place_on_one_rank_fails_every_rank_promptly(ws, stage):
+    """Rank 0 raises at the end of its backward (every reduce-scatter landed); the others, whose
+    backward was clean, raise RankAborted in their next collective instead of waiting for the
+    process group's timeout there (before: CollectiveTimeout after PG_TIMEOUT)."""
+    _check(spawn(_grad_changed_in_place, ws, stage), 0, "RuntimeError",
+           "was changed in place after zerokern took it")

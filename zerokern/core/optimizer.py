@@ -261,6 +261,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "zerokern optimizer (ZeroAdamW) was created on the same model "
                                "and took them over")
         self._follow_model("step()")
+        gs.finish_aborted_backward("step()")  # [Note: a backward that raised]
         try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
             self._check_grads_ready(gs)
         except RuntimeError as e:

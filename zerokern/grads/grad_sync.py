@@ -42,6 +42,7 @@ import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
 from zerokern.comm import Comm
@@ -236,7 +237,41 @@ class GradSync:
         self._hooks = []
         self.detached = True
 
+    def finish_aborted_backward(self, where: str) -> None:
+        """[Note: a backward that raised] A backward that raised before its end (an error in
+        the model or a hook, out of memory) never ran its queued end: the state is not IDLE,
+        and buckets, stage 3's units and the staging of that backward are half done. Before,
+        the next backward took it for the same one ("a parameter's gradient arrived twice ...
+        reentrant checkpointing?"), or step() saw no backward, or stage 3's ranks issued
+        different collectives. Called by zero_grad() and step():
+        - one process (nothing is exchanged with a peer): the backward's end is run now, so its
+          reductions finish locally, and zero_grad() then drops the partial gradients, as
+          torch's optimizer lets a loop that caught the error go on; step() without that
+          zero_grad() raises (its gradients would be partial);
+        - several ranks: they may have stopped at different points of their exchanges, so no
+          rank can finish its own alone; this rank raises, and posts the error first so the
+          others raise too instead of waiting in a collective it will not join (comm/abort.py).
+        """
+        if self.state is TrainingState.IDLE:
+            return
+        alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        if alone and where == "zero_grad()":
+            self._end_backward()  # (its reductions are local copies at world size 1)
+            return
+        if alone:
+            why = ("its gradients are partial: call zero_grad() before the next backward "
+                   "(and step()), as after any failed backward")
+        else:
+            why = ("the ranks may have stopped at different points of their gradient exchange, "
+                   "so this process group cannot go on: restart from the last checkpoint "
+                   "(`zerokern train` and `torchrun --max-restarts` restart the ranks)")
+        error = RuntimeError(f"zerokern: {where} after a backward that raised before it "
+                             f"finished (an error in the model or a hook, or out of memory): {why}")
+        self.comm.signal_failure(error)
+        raise error
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.finish_aborted_backward("zero_grad()")
         self.micro_steps = 0
         self.generation += 1
         self.unscaled_backward = False

@@ -92,7 +92,11 @@ class ShardedGrads(GradSync):
         was changed in place meanwhile ([Note: grads read where they lie])."""
         msg, self._changed_in_place = self._changed_in_place, None
         if msg is not None:
-            raise RuntimeError(msg)
+            error = RuntimeError(msg)
+            # maybe on this rank only: posted, so the peers raise in their next collective, not
+            # at the process group's timeout ([Note: an error only some ranks see], abort.py)
+            self.rs_comm.signal_failure(error)
+            raise error
 
     def _drain(self) -> None:
         """End of a reduction: every reduce-scatter has landed; the next one accumulates."""
