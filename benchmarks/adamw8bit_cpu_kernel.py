@@ -38,7 +38,16 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
+# The old op runs in a helper process (_OldProc): this process's OpenMP threads must not spin
+# while the helper's run. With libgomp's default (active) wait they kept both cores busy after
+# each of this process's parallel regions: the same build timed as `old` read 1.30x slower than
+# as `new` (2^24, bf16, 2026-11-30), so every new/old ratio of this script before then
+# overstated the gain; with passive waits 0.98x. libgomp reads it when torch loads it, so here,
+# before the import (the helper inherits it). The in-process rows are unaffected (same ratio
+# to fp32 either way).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 
 def _load_so(path: str):
@@ -174,7 +183,8 @@ def _md(payload) -> str:
              f"the start, {load_end} at the end (other jobs on the 2 cores). Median of "
              f"{meta['reps']} after {meta['warmup']} warm-up, every provider once per "
              "repetition in rotating order, caches flushed before each call. `new`: this "
-             "checkout's op; `old`: the op before (its .so in a helper process); `fp32`: "
+             "checkout's op; `old`: the op before (its .so in a helper process; passive "
+             "OpenMP waits, see the script); `fp32`: "
              "zerokern's fp32-state adam_step (its GB/s and % RMW on its own 28 B/elem floor); "
              "`rmw`: x.mul_(c), 8 B/elem. x fp32 = wall time / fp32's; x fp32 (CPU) = CPU time "
              "/ fp32's (on a loaded machine the wall time waits on descheduled threads, the CPU "

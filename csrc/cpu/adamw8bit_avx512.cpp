@@ -93,7 +93,8 @@
 //     vpcmpeqd +0.2%; prefetch 2/6/8/12/16 blocks ahead and an L2 prefetch 32 ahead at 2^24,
 //     two threads: -1 to +5%, noise; -mtune=sapphirerapids/icelake-server: +0%
 //   kept: GCC's pre-allocation scheduler (the pragma below the includes): 0.974x bf16, 0.963x
-//     fp32 grads; two threads 2^24/2^26: 0.90-1.06x (memory noise)
+//     fp32 grads in cache; at 2^24 and 2^26 on two threads, against cb1c210's build in
+//     benchmarks/adamw8bit_cpu_kernel.py: 0.94-0.97x and 1.00-1.03x in two runs (noise-level)
 // Still ~0.8x of the fp32-state step at 2^24 and 2^26, two threads: the three gathers (~14%)
 // and the divider (~8%) are fixed costs of the exact reference, and the rest is issue-bound.
 #include <immintrin.h>
