@@ -252,8 +252,8 @@ class GradSync:
           rank can finish its own alone; this rank raises, and posts the error first so the
           others raise too instead of waiting in a collective it will not join (comm/abort.py).
         """
-        if self.state is TrainingState.IDLE:
-            return
+        if self.state is TrainingState.IDLE or torch._C._current_graph_task_id() != -1:
+            return  # (called from inside a running backward, e.g. a hook: not an aborted one)
         alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
         if alone and where == "zero_grad()":
             self._end_backward()  # (its reductions are local copies at world size 1)
