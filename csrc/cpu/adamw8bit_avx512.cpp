@@ -89,7 +89,10 @@
 //   ablations (not exact): the three gathers as permutes -14%, sqrt and div as muls -7.5%, all
 //     four -29%: the rest, ~36 vector uops, still runs at about one per cycle
 //   tried and dropped: m dequantized from byte planes +4% (as round 4); the update staged four
-//     vectors at a time (sqrts, then m's codes, divs, v's codes) +8.5%; the gathers' masks by
+//     vectors at a time (sqrts, then m's codes, divs, v's codes) +8.5% (27 more spills); the
+//     codes found 2, 3 or 4 blocks behind the update instead of 1 (a ring of m/v buffers, so
+//     a block's absmax reduction is long done when its codes start) +2% over the same ring at
+//     depth 1, itself +2% over this loop: the block recurrence is not what binds; the gathers' masks by
 //     vpcmpeqd +0.2%; prefetch 2/6/8/12/16 blocks ahead and an L2 prefetch 32 ahead at 2^24,
 //     two threads: -1 to +5%, noise; -mtune=sapphirerapids/icelake-server: +0%
 //   kept: GCC's pre-allocation scheduler (the pragma below the includes): 0.974x bf16, 0.963x
