@@ -1,5 +1,6 @@
 """A backward that raises before its end (an error in the model or a hook, out of memory)
-([Note: a backward that raised] in zerokern/grads/grad_sync.py).
+([Note: a backward that raised] in zerokern/grads/grad_sync.py), and a forward that raises
+([Note: a forward that raised] in zerokern/stage3/runtime.py).
 
 - One process: a loop that catches the error, calls zero_grad() and goes on trains to the bits
   of a run that never made the failed attempt, at stages 0-3, fp32 and bf16, as torch's own
@@ -11,6 +12,10 @@
   posts it, so a rank whose backward did not fail raises RankAborted in the collective it waits
   in, within PROMPT_S, not at the process group's timeout. Before: the same misleading errors,
   or stage 3's ranks issued different collectives.
+- A forward that raises, caught, then zero_grad() and on: stage 3 kept the units that forward
+  was in gathered, with their params as before the next step(), and trained to other params
+  without a word (1 and 2 ranks). Now every stage trains to the bits of a run without the
+  attempt, at 1 rank and at 2 ranks (failing on both), with nothing left gathered.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ STAGES = (0, 1, 2, 3)
 FAILED = "after a backward that raised before it finished"
 
 
-def _train(rank, ws, stage, precision, fail, step_first=False):
+def _train(rank, ws, stage, precision, fail, step_first=False, forward=False):
     """4 steps; before step 1, an attempt whose backward raises in a hook on layers[fail]'s
-    weight (on the ranks in `fail_ranks`), caught; then zero_grad() (or step() first)."""
+    weight (forward: in that layer's forward hook), caught; then zero_grad() (or step()
+    first)."""
     import zerokern as zk
 
     model = _Net()
@@ -39,7 +45,9 @@ def _train(rank, ws, stage, precision, fail, step_first=False):
             armed[0] = False
             raise RuntimeError("simulated out of memory")
 
-    if fail is not None:
+    if fail is not None and forward:
+        model.layers[fail].register_forward_hook(lambda m, i, o: boom(o))
+    elif fail is not None:
         model.layers[fail].weight.register_post_accumulate_grad_hook(boom)
     opt = zk.ZeroAdamW(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage,
                        precision=precision, bucket_mb=0.004)
@@ -62,7 +70,8 @@ def _train(rank, ws, stage, precision, fail, step_first=False):
         opt.step()
     with opt.gathered_params():
         params = [p.detach().clone() for p in model.parameters()]
-    return {"raised": raised, "params": params}
+    return {"raised": raised, "params": params,
+            "live": opt.grad_sync.live_bytes if stage == 3 else 0}
 
 
 def _alone(rank, ws):
@@ -72,6 +81,9 @@ def _alone(rank, ws):
             for fail in (None, 3, 1):  # 3: the first grad to arrive; 1: midway
                 cases[f"{stage}-{precision}-{fail}"] = (
                     lambda s=stage, p=precision, f=fail: _train(rank, ws, s, p, f))
+        for fail in (0, 2):  # a forward that raises in its first unit, or midway
+            cases[f"{stage}-fwd-{fail}"] = (
+                lambda s=stage, f=fail: _train(rank, ws, s, "fp32", f, forward=True))
         cases[f"{stage}-step-first"] = (
             lambda s=stage: _train(rank, ws, s, "fp32", 1, step_first=True))
     return run_cases(cases)
@@ -89,6 +101,33 @@ def test_one_process_goes_on_after_a_failed_backward_as_torch_does(stage):
                 assert torch.equal(a, b), (precision, fail)
     err = res[0][f"{stage}-step-first"]
     assert FAILED in err.tb and "call zero_grad()" in err.tb, err.tb
+    ref = case(res, f"{stage}-fp32-None")[0]
+    for fail in (0, 2):
+        got = case(res, f"{stage}-fwd-{fail}")[0]
+        assert got["raised"] == "simulated out of memory" and got["live"] == 0
+        for a, b in zip(ref["params"], got["params"]):
+            assert torch.equal(a, b), ("forward", fail)
+
+
+def _forward_fails_everywhere(rank, ws):
+    return run_cases({f"{stage}-{fail}": (lambda s=stage, f=fail: _train(
+        rank, ws, s, "fp32", f, forward=f is not None)) for stage in (2, 3)
+        for fail in (None, 0, 2)})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ranks_go_on_after_a_forward_that_raised_on_every_rank(stage):
+    """A forward error caught on every rank (the same point: no exchange is left half done;
+    stage 3's gathers of that forward landed): the ranks train to the bits of a run without
+    the attempt (stage 2: the control, nothing gathered in forward)."""
+    res = cached(_forward_fails_everywhere, 2)
+    for r in range(2):
+        ref = case(res, f"{stage}-None")[r]
+        for fail in (0, 2):
+            got = case(res, f"{stage}-{fail}")[r]
+            assert got["raised"] == "simulated out of memory" and got["live"] == 0
+            for a, b in zip(ref["params"], got["params"]):
+                assert torch.equal(a, b), (r, fail)
 
 
 def _ranks(rank, ws, stage, fail_ranks):

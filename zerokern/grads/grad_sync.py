@@ -252,8 +252,11 @@ class GradSync:
           rank can finish its own alone; this rank raises, and posts the error first so the
           others raise too instead of waiting in a collective it will not join (comm/abort.py).
         """
-        if self.state is TrainingState.IDLE or torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1:
             return  # (called from inside a running backward, e.g. a hook: not an aborted one)
+        self.finish_aborted_forward()
+        if self.state is TrainingState.IDLE:
+            return
         alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
         if alone and where == "zero_grad()":
             self._end_backward()  # (its reductions are local copies at world size 1)
@@ -269,6 +272,10 @@ class GradSync:
                              f"finished (an error in the model or a hook, or out of memory): {why}")
         self.comm.signal_failure(error)
         raise error
+
+    def finish_aborted_forward(self) -> None:
+        """Stage 3 ([Note: a forward that raised] in stage3/runtime.py): what a forward that
+        raised left gathered; other stages gather nothing in forward."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.finish_aborted_backward("zero_grad()")

@@ -152,6 +152,10 @@ class Stage3Runtime(ShardedGrads):
         self._recording: List[int] = []
         self._fcur = 0
         self._refs: Dict[int, int] = defaultdict(int)   # forward reference counts per unit
+        # units whose forward began and has not ended, and the calls (rule 3) this forward
+        # counted: what a forward that raised leaves behind ([Note: a forward that raised])
+        self._fwd_open: List[int] = []
+        self._fwd_calls: List[int] = []
         # grad-enabled calls per unit whose backward is still to come (rule 3)
         self._calls: Dict[int, int] = defaultdict(int)
         self._unsignalled: set = set()   # units called with no input that requires grad
@@ -326,6 +330,7 @@ class Stage3Runtime(ShardedGrads):
             param_offload.new_pass(self)
             self._hpz_invalidate()
         if u.is_root:
+            self.finish_aborted_forward()
             self.guard.check_forward()
             self._recording, self._fcur = [], 0
             self._fwd_grad = torch.is_grad_enabled()
@@ -334,6 +339,7 @@ class Stage3Runtime(ShardedGrads):
         need = self._need(u)
         for ui in need:
             self._refs[ui] += 1
+        self._fwd_open.append(u.index)
         pos = self._fpos.get(u.index, -1)
         if pos >= self._fcur:
             self._reach(self.schedule, self._fcur, pos)
@@ -347,6 +353,7 @@ class Stage3Runtime(ShardedGrads):
             ins = [t for t in _tensors((args, kwargs or {}), []) if t.requires_grad]
             if ins:
                 self._calls[u.index] += 1
+                self._fwd_calls.append(u.index)
                 left = [len(ins)]
                 # [Note: a leaf input] A leaf's hook runs in its AccumulateGrad, which has the
                 # params' priority: it may run before the AccumulateGrad of a param whose grad
@@ -381,6 +388,7 @@ class Stage3Runtime(ShardedGrads):
         # Under DeepSpeed's stage-3 keys (use_schedule) the kept units are theirs, and may
         # leave out the root and the last unit ([Note: DeepSpeed's stage-3 keys]).
         keep = set(self.kept_units) if self._fwd_grad else set()
+        self._fwd_open.remove(u.index)
         for ui in self._need(u):
             self._refs[ui] -= 1
             if self._refs[ui] == 0 and ui not in keep:
@@ -405,6 +413,7 @@ class Stage3Runtime(ShardedGrads):
                     seen.add(id(fn))
                     fn.register_prehook(lambda grads, u=u: hook(u))
         if u.is_root:
+            self._fwd_calls = []  # (the forward ended: its calls' backward is to come)
             self.fwd_order = self._recording
             if self._fcur < len(self.schedule):  # units this rank skipped at the end
                 self._reach(self.schedule, self._fcur, len(self.schedule) - 1)
@@ -412,6 +421,28 @@ class Stage3Runtime(ShardedGrads):
                     self._release(self.schedule[-1])
                 self._fcur = len(self.schedule)
             self._free_unreferenced(keep)  # prefetches the forward did not use
+
+    def finish_aborted_forward(self) -> None:
+        """[Note: a forward that raised] A forward that raised (an error in the model, out of
+        memory) never ran the post-forward hooks of the units it was in: their reference
+        counts stayed up, so those units stayed gathered through the next step() and the
+        next forward used their params as they were before that step, silently (measured:
+        a caught forward error at stage 3 trained to other params, 1 and 2 ranks). Called
+        where a new forward begins, at zero_grad() and at step(): undo what that forward
+        counted (its references, and its calls whose backward will never come) and free what
+        nothing references. No collective: its gathers landed or are dropped as prefetches.
+        A forward that is running (a unit's own forward hook) is never cut short: every
+        caller runs outside a forward."""
+        if not self._fwd_open:
+            return
+        open_units, self._fwd_open = self._fwd_open, []
+        for ui in open_units:
+            for uj in self._need(self.units[ui]):
+                self._refs[uj] -= 1
+        for ui in self._fwd_calls:
+            self._calls[ui] = max(0, self._calls[ui] - 1)
+        self._fwd_calls = []
+        self._free_unreferenced()
 
     # ---- backward: re-gather units as backward reaches them, reduce-scatter their grads ----
     @property
