@@ -14,8 +14,10 @@
   or stage 3's ranks issued different collectives.
 - A forward that raises, caught, then zero_grad() and on: stage 3 kept the units that forward
   was in gathered, with their params as before the next step(), and trained to other params
-  without a word (1 and 2 ranks). Now every stage trains to the bits of a run without the
-  attempt, at 1 rank and at 2 ranks (failing on both), with nothing left gathered.
+  without a word (1 and 2 ranks). Now one process trains to the bits of a run without the
+  attempt at every stage, with nothing left gathered; at stage 3 with several ranks the failed
+  rank raises, posted (its gathers are out of step with a rank that went on), and the others
+  raise RankAborted; stage 2 (nothing gathered in forward) goes on at 2 ranks.
 """
 
 from __future__ import annotations
@@ -109,23 +111,43 @@ def test_one_process_goes_on_after_a_failed_backward_as_torch_does(stage):
             assert torch.equal(a, b), ("forward", fail)
 
 
-def _forward_fails_everywhere(rank, ws):
-    return run_cases({f"{stage}-{fail}": (lambda s=stage, f=fail: _train(
-        rank, ws, s, "fp32", f, forward=f is not None)) for stage in (2, 3)
-        for fail in (None, 0, 2)})
+def _forward_fails(rank, ws, stage, fail_ranks):
+    return _outcome(lambda: _train(rank, ws, stage, "fp32", 2 if rank in fail_ranks else None,
+                                   forward=True))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_ranks_go_on_after_a_forward_that_raised_on_every_rank(stage):
-    """A forward error caught on every rank (the same point: no exchange is left half done;
-    stage 3's gathers of that forward landed): the ranks train to the bits of a run without
-    the attempt (stage 2: the control, nothing gathered in forward)."""
-    res = cached(_forward_fails_everywhere, 2)
+@pytest.mark.parametrize("fail_ranks", [(0, 1), (0,)])
+def test_ranks_raise_promptly_after_a_stage3_forward_that_raised(fail_ranks):
+    """Several ranks: the gathers of a failed forward are out of step with a rank that went on
+    (whose next gathers would pair with this rank's next forward's, same-size units swapping
+    params unseen), so the failed rank raises at its zero_grad(), posted; a rank whose forward
+    did not fail raises RankAborted (in its backward's gather) within PROMPT_S. Stage 2 does not
+    gather in forward: the control below."""
+    for r, res in enumerate(spawn(_forward_fails, 2, 3, fail_ranks)):
+        assert res["err"] is not None, f"rank {r} did not raise"
+        name, msg = res["err"]
+        text = "a forward raised before it finished"
+        if r in fail_ranks:
+            assert name == "RuntimeError" and text in msg and "restart" in msg, (r, msg)
+        else:
+            assert name == "RankAborted" and text in msg, (r, name, msg)
+        assert res["elapsed"] < PROMPT_S, (r, res["elapsed"])
+
+
+def _stage2_forward_fails(rank, ws):
+    return run_cases({f"{fail}": (lambda f=fail: _train(rank, ws, 2, "fp32", f, forward=True))
+                      for fail in (None, 0, 2)})
+
+
+def test_stage2_ranks_go_on_after_a_forward_that_raised_on_every_rank():
+    """Stage 2 gathers nothing in forward: a forward error caught on every rank leaves no
+    exchange behind, and the ranks train to the bits of a run without the attempt."""
+    res = spawn(_stage2_forward_fails, 2)
     for r in range(2):
-        ref = case(res, f"{stage}-None")[r]
+        ref = case(res, "None")[r]
         for fail in (0, 2):
-            got = case(res, f"{stage}-{fail}")[r]
-            assert got["raised"] == "simulated out of memory" and got["live"] == 0
+            got = case(res, f"{fail}")[r]
+            assert got["raised"] == "simulated out of memory"
             for a, b in zip(ref["params"], got["params"]):
                 assert torch.equal(a, b), (r, fail)
 

@@ -68,6 +68,7 @@ from contextlib import contextmanager
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from zerokern.comm.host_agree import HostAgreement
 from zerokern.comm.pieces import Pieces, held_tensors
@@ -432,9 +433,23 @@ class Stage3Runtime(ShardedGrads):
         counted (its references, and its calls whose backward will never come) and free what
         nothing references. No collective: its gathers landed or are dropped as prefetches.
         A forward that is running (a unit's own forward hook) is never cut short: every
-        caller runs outside a forward."""
+        caller runs outside a forward.
+        With several ranks this rank raises instead (posted first, so the others raise
+        RankAborted within a poll, comm/abort.py): a rank whose forward went on issued the
+        gathers of the units after the failure, and this rank's next forward would pair its
+        first gathers with those, units of the same size exchanging each other's params
+        without a mismatch to see."""
         if not self._fwd_open:
             return
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            error = RuntimeError(
+                "zerokern stage 3: a forward raised before it finished (an error in the model "
+                "or a hook, or out of memory), after it had gathered some units' params with "
+                "the other ranks; the ranks' gathers are out of step, so this process group "
+                "cannot go on: restart from the last checkpoint (`zerokern train` and "
+                "`torchrun --max-restarts` restart the ranks)")
+            self.comm.signal_failure(error)
+            raise error
         open_units, self._fwd_open = self._fwd_open, []
         for ui in open_units:
             for uj in self._need(self.units[ui]):
