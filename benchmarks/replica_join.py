@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--backend", default="auto",
                    help="the optimizer's kernels (reference: no C++ build in the restarts)")
+    p.add_argument("--join-attempts", type=int, default=3,
+                   help="run the join again after a torn attempt (zerokern/bench/"
+                        "replica_join.py [Note: a torn attempt]), up to this many in all")
     p.add_argument("--work", default=None, help="the runs' directory (default: a temp dir)")
     p.add_argument("--no-write", action="store_true", help="do not write benchmarks/results")
     a = p.parse_args(argv)
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
     r = replica_join.run(work, replicas=a.replicas, shards=a.shards, steps=a.steps,
                          kill_at=a.kill_at, save_every=a.save_every, seq=a.seq, batch=a.batch,
                          model_size=a.model_size, backend=a.backend,
-                         log=lambda m: print(m, flush=True))
+                         join_attempts=a.join_attempts, log=lambda m: print(m, flush=True))
     env = environment(torch.device("cpu"))
     md = replica_join.markdown(r, env)
     print(md)

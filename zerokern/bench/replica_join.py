@@ -93,12 +93,54 @@ def _back_s(evs: List[dict], kill: dict, world: int) -> Optional[float]:
     return round(max(at.values()) - kill["t"], 3) if len(at) == world else None
 
 
+def _join_report(d: Path, kill: Optional[dict], rcs: List[int], secs: float, ref: Path,
+                 world: int, shards: int, victim_ranks: List[int]) -> dict:
+    """The checks and times of one join run (run 2 of [Note: the replica-join run])."""
+    evs = chaos.read_events(d / "events")
+    starts: Dict[int, List[int]] = {}
+    for e in evs:
+        if e["event"] == "start":
+            starts.setdefault(e["rank"], []).append(e["pid"])
+    joins = [e for e in evs if e["event"] == "joined" and kill and e["t"] > kill["t"]]
+    live = [r for r in range(world) if r not in victim_ranks]
+    lost = {e["rank"]: round(e["t"] - kill["t"], 3) for e in evs
+            if kill and e["event"] == "lost" and e["t"] > kill["t"] and e["rank"] in live}
+    torn = sorted({e["rank"] for e in evs if e["event"] == "torn"})
+    cmp = chaos.compare_checkpoints(ref / "ck", d / "ck")
+    crcs: Dict[int, set] = {}  # shard rank -> the final state crcs of its replicas
+    for e in evs:
+        if e["event"] == "final":
+            crcs.setdefault(e["rank"] % shards, set()).add(e["crc"])
+    return {
+        "dir": d.name, "exit_codes": rcs, "seconds": round(secs, 2), "kill": kill,
+        # [Note: a torn attempt]: the live ranks that raised ReplicaJobError, and why
+        "torn": bool(torn) and all(r in torn for r in live),
+        "torn_ranks": torn,
+        "torn_error": next((e.get("error") for e in evs if e["event"] == "torn"), None),
+        "live_ranks_never_restarted": all(len(starts.get(r, [])) == 1 for r in live),
+        "victim_replica_starts": {r: len(starts.get(r, [])) for r in victim_ranks},
+        "detect_s": lost,
+        "back_s": _back_s(evs, kill, world) if kill else None,
+        "joins": [{k: e[k] for k in ("rank", "epoch", "source", "receivers", "form_s",
+                                     "build_s", "transfer_s", "verify_s", "bytes", "seconds")
+                   if k in e} for e in joins],
+        "recomputed_steps": 1 if kill else 0,  # the step in flight, done again
+        "checkpoints_compared": cmp,
+        "bitwise_equal": bool(cmp) and all(v["bytes_differ"] == 0 for v in cmp.values()),
+        "replicas_equal": len(crcs) == shards and all(len(c) == 1 for c in crcs.values()),
+        "first_step_after_join": {r: min((e["step"] for e in evs if e["event"] == "step"
+                                          and e["pid"] == starts[r][-1]), default=None)
+                                  for r in victim_ranks if starts.get(r)},
+    }
+
+
 def run(work: Path, replicas: int = 2, shards: int = 2, steps: int = 30, kill_at: int = 12,
         victim_replica: int = 1, victim_shard: int = 0, save_every: int = 10, seq: int = 32,
         batch: int = 4, seed: int = 0, stage: int = 2, backend: str = "auto",
-        model_size: str = "tiny",
+        model_size: str = "tiny", join_attempts: int = 1,
         timeout_s: float = 600, log=print) -> dict:
-    """Runs 1-3 of [Note: the replica-join run]; returns the report."""
+    """Runs 1-3 of [Note: the replica-join run]; returns the report. `join_attempts`: run 2
+    again after a torn attempt ([Note: a torn attempt]), up to that many times in all."""
     from zerokern.comm import quorum
 
     work.mkdir(parents=True, exist_ok=True)
@@ -136,39 +178,25 @@ def run(work: Path, replicas: int = 2, shards: int = 2, steps: int = 30, kill_at
     if any(rcs):
         raise RuntimeError(f"replica join: the reference run failed (exit codes {rcs}); its "
                            f"logs: {ref}/replica*.log")
-    log(f"replica join: the join run (kill rank {victim} at step {kill_at})")
-    d, kill, rcs, secs = join_run("join", 2, True)
-    evs = chaos.read_events(d / "events")
-    starts: Dict[int, List[int]] = {}
-    for e in evs:
-        if e["event"] == "start":
-            starts.setdefault(e["rank"], []).append(e["pid"])
-    joins = [e for e in evs if e["event"] == "joined" and kill and e["t"] > kill["t"]]
-    live = [r for r in range(world) if r not in victim_ranks]
-    lost = {e["rank"]: round(e["t"] - kill["t"], 3) for e in evs
-            if kill and e["event"] == "lost" and e["t"] > kill["t"] and e["rank"] in live}
-    cmp = chaos.compare_checkpoints(ref / "ck", d / "ck")
-    crcs: Dict[int, set] = {}  # shard rank -> the final state crcs of its replicas
-    for e in evs:
-        if e["event"] == "final":
-            crcs.setdefault(e["rank"] % shards, set()).add(e["crc"])
-    report["join"] = {
-        "exit_codes": rcs, "seconds": round(secs, 2), "kill": kill,
-        "live_ranks_never_restarted": all(len(starts.get(r, [])) == 1 for r in live),
-        "victim_replica_starts": {r: len(starts.get(r, [])) for r in victim_ranks},
-        "detect_s": lost,
-        "back_s": _back_s(evs, kill, world) if kill else None,
-        "joins": [{k: e[k] for k in ("rank", "epoch", "source", "receivers", "form_s",
-                                     "build_s", "transfer_s", "verify_s", "bytes", "seconds")
-                   if k in e} for e in joins],
-        "recomputed_steps": 1 if kill else 0,  # the step in flight, done again
-        "checkpoints_compared": cmp,
-        "bitwise_equal": bool(cmp) and all(v["bytes_differ"] == 0 for v in cmp.values()),
-        "replicas_equal": len(crcs) == shards and all(len(c) == 1 for c in crcs.values()),
-        "first_step_after_join": {r: min((e["step"] for e in evs if e["event"] == "step"
-                                          and e["pid"] == starts[r][-1]), default=None)
-                                  for r in victim_ranks if starts.get(r)},
-    }
+    # [Note: a torn attempt] A kill inside the step's agreement can leave the live replica
+    # torn (its ranks one step apart: some finished the all-reduce, others did not; checkpoint/
+    # replica_join.py [Note: the step's agreement comes first]). With no whole replica left,
+    # every rank raises ReplicaJobError and the launchers restart all of them: the designed
+    # fallback, not a join. Measured: 2 of 27 stage-3 attempts on the quiet 2-core VM (the
+    # live replica at step counts [6, 5] both times). Such an attempt is reported (`join_torn`, with its
+    # own checks) and the join is tried again, up to `join_attempts` times in all.
+    torn_attempts: List[dict] = []
+    for attempt in range(join_attempts):
+        name = "join" if attempt == 0 else f"join{attempt + 1}"
+        log(f"replica join: the join run (kill rank {victim} at step {kill_at}), attempt "
+            f"{attempt + 1}")
+        d, kill, rcs, secs = join_run(name, 2, True)
+        j = _join_report(d, kill, rcs, secs, ref, world, shards, victim_ranks)
+        if not j["torn"] or attempt + 1 == join_attempts:
+            break
+        torn_attempts.append(j)
+    report["join"] = j
+    report["join_torn"] = torn_attempts
     log(f"replica join: the restart run ({world} ranks in one torchrun, save every "
         f"{save_every})")
     d2 = work / "restart"
@@ -226,4 +254,9 @@ def markdown(r: dict, env: dict) -> str:
                       f"the transfer {x.get('transfer_s', 0):.4f} s of {x.get('bytes', 0)} "
                       f"bytes per rank (crc check {x.get('verify_s', 0):.4f} s).", ""]
     lines += [f"Detection (kill to the live ranks' error): {j['detect_s']}.", ""]
+    for t in r.get("join_torn", []):  # [Note: a torn attempt]
+        lines += [f"An earlier attempt ({t['dir']}) was torn: the kill fell inside the step's "
+                  f"agreement and no replica was whole, so every rank raised ReplicaJobError "
+                  f"and the launchers restarted all of them (final state = reference: "
+                  f"{t['bitwise_equal']}): {t['torn_error']}", ""]
     return "\n".join(lines)

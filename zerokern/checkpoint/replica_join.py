@@ -22,6 +22,16 @@ failure:
    highest step count (see below); `recover_from_replica(source)` copies its state and its
    `client_state` (the data position) to every other replica, crc-verified.
 
+[Note: build's other objects]
+build's objects after the model and the optimizer (an LR scheduler, anything with
+state_dict() and load_state_dict()) are new at every join too. A live rank loads its old
+objects' state into them; the replicas that take the source's state take these objects' state
+from it as well (with client_state, over recover_from_replica). Before, a LambdaLR built there
+began its schedule again at the join: the step after it ran with the LR of step 1, on every
+replica, silently (the optimizer's LR was carried, the scheduler's count not;
+tests/checkpoint/test_replica_join.py). Objects without a state are left as built. A
+scheduler made outside build still drives the old optimizer: keep it in build.
+
 [Note: the step's agreement comes first]
 A replica is lost in the middle of a step. Its peers see it in a collective with it: a
 backward's replicate all-reduce or the step's agreement over the world (found_inf, the norm),
@@ -45,6 +55,7 @@ copy's duration).
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -57,6 +68,22 @@ from ..comm.quorum import Quorum
 from .collective import Collective
 from .replica import _layout_crc, _state_tensors, recover_from_replica
 from .views import model_extras, optimizer_view
+
+
+def _state_of(obj) -> Optional[dict]:
+    """A copy of the state of one of build's other objects (an LR scheduler: anything with
+    state_dict() and load_state_dict()), None for the others ([Note: build's other
+    objects])."""
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict",
+                                                                        None)):
+        return copy.deepcopy(obj.state_dict())
+    return None
+
+
+def _load_states(objs: Sequence[Any], states: Sequence[Optional[dict]]) -> None:
+    for obj, state in zip(objs, states):
+        if state is not None:
+            obj.load_state_dict(state)
 
 
 class ReplicaJobError(RuntimeError):
@@ -178,6 +205,7 @@ class ReplicaJob:
             # local views, before the old groups go; a stage-3 buffer may still be gathered
             # (the failure came mid-step): its shards are what is read
             old = _snapshot(model, opt, between_steps=False)
+            old_rest = [_state_of(o) for o in objects[2:]]
         mesh = self.quorum.form()
         formed = time.perf_counter()
         new = tuple(self.build(mesh))
@@ -186,11 +214,16 @@ class ReplicaJob:
         model, opt = new[0], new[1]
         world = Collective(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
         why = _refusal(opt)
-        world.agree(None if why is None else ValueError(f"ReplicaJob: {why} is not supported"))
+        err = None if why is None else ValueError(f"ReplicaJob: {why} is not supported")
+        if objects is not None and len(new) != len(objects):  # (agreed: no rank waits alone)
+            err = ValueError(f"ReplicaJob: build(mesh) returned {len(new)} objects, the last "
+                             f"join's {len(objects)} (the same build on every join)")
+        world.agree(err)
         view, extras, tensors = _snapshot(model, opt)
         copied = 0
         if old is not None:
             copied = self._carry(old, (view, extras, tensors), opt)
+            _load_states(new[2:], old_rest)
         built = time.perf_counter()
         q = self.quorum
         held = old is not None
@@ -199,9 +232,12 @@ class ReplicaJob:
         report = {"epoch": q.epoch, "source": source, "receivers": receivers,
                   "form_s": formed - t0, "build_s": built - formed, "carried_bytes": copied}
         if receivers:  # (the first start too: every replica takes replica 0's, equal or not)
+            mine = {"client": client_state, "rest": [_state_of(o) for o in new[2:]]}
             rec = recover_from_replica(model, opt, source=0 if source is None else source,
-                                       client_state=client_state)
-            client_state = rec["client_state"]
+                                       client_state=mine)
+            client_state = rec["client_state"]["client"]
+            if rec["received"]:  # the source's scheduler (and the like) with its state
+                _load_states(new[2:], rec["client_state"]["rest"])
             report.update(transfer_s=rec["seconds"], verify_s=rec["verify_seconds"],
                           bytes=rec["bytes"], received=rec["received"])
         report["seconds"] = time.perf_counter() - t0

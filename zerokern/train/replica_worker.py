@@ -2,7 +2,8 @@
 run]): GPT tiny on a (replicate, shard) mesh with seeded data, `--mode join` as one replica's
 torchrun meeting the others at a lighthouse (checkpoint/replica_join.py `ReplicaJob`), or
 `--mode restart` as one torchrun of every rank resuming from its checkpoints. Each rank logs
-its events ($ZEROKERN_TRAIN_EVENTS, events.py): start, joined, step, lost, resumed, final.
+its events ($ZEROKERN_TRAIN_EVENTS, events.py): start, joined, step, lost, torn, resumed,
+final.
 
     python -m zerokern.train.replica_worker --mode join --lighthouse HOST:PORT --replica R ...
 """
@@ -74,7 +75,7 @@ def worker(args) -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local, local_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.mode == "join":
-        from zerokern.checkpoint.replica_join import ReplicaJob
+        from zerokern.checkpoint.replica_join import ReplicaJob, ReplicaJobError
         from zerokern.comm import quorum
 
         q = quorum.Quorum(quorum.connect(args.lighthouse), replica=args.replica,
@@ -82,7 +83,11 @@ def worker(args) -> int:
         rank = q.rank
         events.record("start", rank=rank, replica=args.replica, restart=restart)
         job = ReplicaJob(q, lambda mesh: _build(args, mesh))
-        objects, state = job.join()
+        try:
+            objects, state = job.join()
+        except ReplicaJobError as torn:  # [Note: the step's agreement comes first]: every rank
+            events.record("torn", rank=rank, error=str(torn)[:400])
+            raise
         events.record("joined", rank=rank, **job.joins[-1])
         step = 0 if state is None else state["step"]
         while step < args.steps:
@@ -91,8 +96,12 @@ def worker(args) -> int:
                             _batch(args.seed, step, rank, args.batch, args.seq))
             except Exception as e:  # noqa: BLE001 - survivable ones only (job.recover)
                 events.record("lost", rank=rank, names=getattr(e, "origin", None),
-                              survived=job.survivable(e))
-                objects, state = job.recover(objects, e, {"step": step})
+                              survived=job.survivable(e), error=f"{type(e).__name__}: {e}"[:400])
+                try:
+                    objects, state = job.recover(objects, e, {"step": step})
+                except ReplicaJobError as torn:  # no whole replica: the launchers restart all
+                    events.record("torn", rank=rank, error=str(torn)[:400])
+                    raise
                 step = state["step"]
                 events.record("joined", rank=rank, **job.joins[-1])
                 continue
