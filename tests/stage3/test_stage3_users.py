@@ -402,6 +402,78 @@ def _to(rank, ws):
     return out
 
 
+CLIP = 0.05  # weight clipping (WGAN-style): every param clamped after each step
+
+
+def _clip(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-CLIP, CLIP)
+
+
+def _clip_reference(rank, ws, steps) -> dict:
+    """DDP + torch AdamW with the params clipped after each step."""
+    model = M.make_model()
+    net = model if ws == 1 else DDP(model)
+    opt = M.torch_adamw(model)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        M.loss_fn(net, M.rank_tokens(s, rank, ws)).backward()
+        opt.step()
+        _clip(model)
+    return M.snapshot(model)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads which error
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _writes(rank, ws, case):
+    """[Note: a write to a sharded param] (stage3/sharded_flat.py): in-place writes to stage-3
+    params outside a forward."""
+    model = M.make_model()
+    opt = M.zero_opt(model, 3)
+    if case == "clip_inside":  # the way that works: inside gathered_params(modify=True)
+        for s in range(3):
+            train3(model, opt, rank, ws, steps=1, start=s)
+            with opt.gathered_params(modify=True):
+                _clip(model)
+        got = M.full_snapshot(model, opt)
+        ref = _clip_reference(rank, ws, 3)
+        # the negative control: the same run without the clipping
+        plain = M.train_torch(M.make_model(), rank, ws, 3)["params"][-1]
+        return {"rel": M.rel_err(got, ref), "rel_unclipped": M.rel_err(got, plain)}
+    train3(model, opt, rank, ws, steps=1)
+    if case == "clip_between":  # every rank: the write did nothing; the next forward raises
+        _clip(model)
+        return {"error": _raised(lambda: train3(model, opt, rank, ws, steps=1, start=1))}
+    if case == "init_one_rank":  # rank 0 alone re-inits a layer: it raises, the others abort
+        if rank == 0:
+            torch.nn.init.zeros_(model.head.bias)
+        return {"error": _raised(lambda: train3(model, opt, rank, ws, steps=1, start=1))}
+    if case == "inside_no_modify":  # discarded at the block's end: raises there
+        return {"error": _raised(lambda: _gathered_write(opt, model))}
+    if case == "load_then_train":  # a full load between steps is not a lost write
+        with opt.gathered_params():
+            sd = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+        return {"error": _raised(lambda: train3(model, opt, rank, ws, steps=1, start=1))}
+    raise ValueError(case)
+
+
+def _gathered_write(opt, model):
+    with opt.gathered_params():
+        _clip(model)
+
+
+def _writes_worker(rank, ws, case):
+    return _writes(rank, ws, case)
+
+
 def _misc_worker(rank, ws):
     return run_cases({
         "ddp": functools.partial(_ddp_wrap, rank, ws),
@@ -536,3 +608,43 @@ def test_model_to_after_the_optimizer():
             assert "error" in x[what], f"model.to({what}) was silently ignored: {x[what]}"
             assert "precision=" in x[what]["error"] and "before creating" in x[what]["error"]
         assert x["same"].get("rel", 1.0) <= TOL["param"], x["same"]  # a no-op .to() is fine
+
+
+# ---- in-place writes to sharded params ([Note: a write to a sharded param]) -----------------
+@pytest.mark.parametrize("ws", ws_params(1, 2))
+def test_weight_clipping_inside_gathered_params_matches_ddp(ws):
+    for r, x in enumerate(cached(_writes_worker, ws, "clip_inside")):
+        assert x["rel"] <= TOL["param"], f"rank {r}: clipped run vs DDP {x['rel']:.3g}"
+        assert x["rel_unclipped"] > TOL["negative_factor"] * TOL["param"], x
+
+
+@pytest.mark.parametrize("ws", ws_params(1, 2))
+def test_an_in_place_write_between_steps_is_a_clear_error(ws):
+    """Before, `p.clamp_()` between steps clamped a 0-element tensor: nothing happened and
+    training went on unclipped, silently (shown on the old code: no error, rel to the clipped
+    reference ~0.3)."""
+    for r, x in enumerate(cached(_writes_worker, ws, "clip_between")):
+        assert x["error"] is not None, f"rank {r}: trained on after a lost write"
+        assert "changed in place between steps" in x["error"], x["error"]
+        assert "gathered_params(modify=True)" in x["error"], x["error"]
+
+
+def test_a_write_on_one_rank_fails_every_rank():
+    res = cached(_writes_worker, 2, "init_one_rank")
+    assert "'head.bias' was changed in place" in res[0]["error"], res[0]
+    # rank 1 waited in the forward's gather: rank 0's posted error, or its exit after it
+    err = res[1]["error"]
+    assert err is not None and ("RankAborted" in err or "PeerLost" in err) and "rank 0" in err, \
+        res[1]
+
+
+@pytest.mark.parametrize("ws", ws_params(1, 2))
+def test_a_write_inside_gathered_params_without_modify_is_a_clear_error(ws):
+    for x in cached(_writes_worker, ws, "inside_no_modify"):
+        assert x["error"] is not None and "without modify=True" in x["error"], x
+
+
+@pytest.mark.parametrize("ws", ws_params(1, 2))
+def test_a_load_between_steps_is_not_a_lost_write(ws):
+    for x in cached(_writes_worker, ws, "load_then_train"):
+        assert x["error"] is None, x["error"]

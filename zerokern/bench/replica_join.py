@@ -183,8 +183,9 @@ def run(work: Path, replicas: int = 2, shards: int = 2, steps: int = 30, kill_at
     # replica_join.py [Note: the step's agreement comes first]). With no whole replica left,
     # every rank raises ReplicaJobError and the launchers restart all of them: the designed
     # fallback, not a join. Measured: 2 of 27 stage-3 attempts on the quiet 2-core VM (the
-    # live replica at step counts [6, 5] both times). Such an attempt is reported (`join_torn`, with its
-    # own checks) and the join is tried again, up to `join_attempts` times in all.
+    # live replica at step counts [6, 5] both times). Such an attempt is reported
+    # (`join_torn`, with its own checks) and the join is tried again, up to `join_attempts`
+    # times in all.
     torn_attempts: List[dict] = []
     for attempt in range(join_attempts):
         name = "join" if attempt == 0 else f"join{attempt + 1}"

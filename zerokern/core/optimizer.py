@@ -611,8 +611,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_sync.gather_all()
         try:
             yield
-        finally:
-            self.grad_sync.release_all(write_back=modify)
+        except BaseException:
+            self.grad_sync.release_all(write_back=modify, check=False)  # (its error stands)
+            raise
+        self.grad_sync.release_all(write_back=modify)
 
     # ---- this rank's own state dict (zerokern.checkpoint reshards) -----------------------
 
@@ -701,6 +703,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         state, so param writes made before the load are not taken into them again."""
         if self.model_watch is not None:
             self.model_watch.record_versions()
+        self.grad_sync.see_param_writes()  # stage 3's ([Note: a write to a sharded param])
         self.grad_sync.generation += 1
         for g in self.flat_groups:  # FP8 params: re-encoded from the loaded masters
             g.params_loaded_()      # (collective; kernels/param_codec.py)

@@ -273,6 +273,10 @@ class GradSync:
         self.comm.signal_failure(error)
         raise error
 
+    def see_param_writes(self) -> None:
+        """Stage 3 ([Note: a write to a sharded param] in stage3/sharded_flat.py): a load
+        replaced the params' values, so writes to them before it are not lost writes."""
+
     def finish_aborted_forward(self) -> None:
         """Stage 3 ([Note: a forward that raised] in stage3/runtime.py): what a forward that
         raised left gathered; other stages gather nothing in forward."""

@@ -49,7 +49,13 @@ class ModelGuard:
         f0 = sync.groups[0]
         self.dtype, self.device = f0.dtype, f0.device
         self.hooks: List = []
+        self._names = {}  # param id -> its (first) name, for the errors
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(p), name)
+        self._loaded = []  # (buffer, slot) that this load_state_dict wrote ([Note: a write to
+        # a sharded param]: torch's copy_ moves their counters; the post-hook takes them)
         on_sd, on_load = weak_hook(self, "_on_state_dict"), weak_hook(self, "_on_load")
+        loaded = weak_hook(self, "_after_load")
         own = weak_hook(self, "_own_values")
         for mod in model.modules():  # any module's state_dict() may be the top call
             self.hooks.append(mod.register_state_dict_post_hook(
@@ -61,6 +67,8 @@ class ModelGuard:
                 lambda m, prefix, keep_vars: on_sd(keep_vars)))
             self.hooks.append(mod.register_load_state_dict_pre_hook(
                 lambda m, sd, prefix, *rest: on_load(m, sd, prefix, *rest)))
+            self.hooks.append(mod.register_load_state_dict_post_hook(
+                lambda m, incompatible: loaded()))
 
     # ---- checks -------------------------------------------------------------------------------
     def check_forward(self) -> None:
@@ -99,6 +107,41 @@ class ModelGuard:
                              "wrapped it (a module replaced or added, or a parameter created "
                              "after wrapping); build the model completely, then create the "
                              "optimizer")
+        self.check_writes(where)
+
+    def check_writes(self, where: str) -> None:
+        """[Note: a write to a sharded param] (sharded_flat.py): raise where a param was written
+        in place between steps (the write did nothing)."""
+        sync = self._sync()
+        if sync is None:
+            return
+        for f in list(sync.groups) + sync.frozen:
+            if f.residency.value == "shard":
+                written = f.unseen_writes()
+                if written:
+                    self.raise_write(where, f.params[written[0]], inside_block=False)
+
+    def raise_write(self, where: str, p, inside_block: bool) -> None:
+        """Raise, posted (a write on one rank only leaves the others waiting in the next
+        gather: comm/abort.py), for an in-place write to p between steps, or inside
+        gathered_params() without modify=True (`inside_block`: discarded at its end)."""
+        name = self._names.get(id(p), "?")
+        if inside_block:
+            why = (f"param '{name}' was changed in place inside opt.gathered_params() without "
+                   "modify=True, and the change was discarded at the block's end: use `with "
+                   "opt.gathered_params(modify=True):`")
+        else:
+            why = (f"param '{name}' was changed in place between steps (an in-place op under "
+                   "no_grad such as weight clipping, nn.init, model.apply(init)), but at stage "
+                   "3 a param holds no values between steps (they are sharded in the "
+                   "optimizer), so the change did nothing. Change params inside `with "
+                   "opt.gathered_params(modify=True):` (collective), or load them with "
+                   "model.load_state_dict(full_state_dict)")
+        error = RuntimeError(f"zerokern stage 3 ({where}): {why}")
+        sync = self._sync()
+        if sync is not None:
+            sync.comm.signal_failure(error)
+        raise error
 
     # ---- state dicts ----------------------------------------------------------------------------
     def _on_state_dict(self, keep_vars: bool) -> None:
@@ -162,6 +205,7 @@ class ModelGuard:
                                                                 device=p.device))
                     continue
                 value = local(value)
+            self._loaded.append((f, i))
             if f.gathered:  # inside gathered_params(): torch copies into the full view
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape:
                     self._load_piece(f, i, value)  # and the shard keeps it on release
@@ -185,6 +229,13 @@ class ModelGuard:
             # The param is an empty tensor now: hand torch's own copy an empty value (of the
             # param's kind: a DTensor keeps its global shape over an empty local tensor).
             state_dict[key] = like_param(p, torch.empty(0, dtype=p.dtype, device=p.device))
+
+    def _after_load(self) -> None:
+        """After a module's load: its params' counters moved by torch's copies, which wrote
+        the loaded values into the shards (_on_load), not a write to lose."""
+        for f, i in self._loaded:
+            f.see_writes(i)
+        self._loaded = []
 
     @staticmethod
     def _load_piece(f, i: int, value: torch.Tensor) -> None:

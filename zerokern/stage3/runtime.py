@@ -799,19 +799,30 @@ class Stage3Runtime(ShardedGrads):
 
     # ---- between steps: every unit whole (gathered_params, checkpoints, generate) ----------
     def gather_all(self) -> None:
+        self.guard.check_writes("gathered_params()")  # [Note: a write to a sharded param]
         param_offload.new_pass(self)
         self._hpz_invalidate()
         for u in self.active_units:
             self._refs[u.index] += 1
         self._gather([u.index for u in self.active_units], exact=True)
 
-    def release_all(self, write_back: bool) -> None:
+    def see_param_writes(self) -> None:
+        for f in list(self.groups) + self.frozen:
+            f.see_writes()
+
+    def release_all(self, write_back: bool, check: bool = True) -> None:
+        """The end of gathered_params(); check: raise where a param was written inside
+        without write_back (after the release; not while an error is already on its way)."""
+        written = [f.params[w[0]] for f in list(self.groups) + self.frozen
+                   for w in [f.unseen_writes()] if w] if check and not write_back else []
         for u in self.active_units:
             self._refs[u.index] -= 1
         if write_back:
             for f in list(self.groups) + self.frozen:
                 f.write_back_()
         self._free_unreferenced()
+        if written:  # [Note: a write to a sharded param]
+            self.guard.raise_write("gathered_params()", written[0], inside_block=True)
 
     @contextmanager
     def frozen_whole(self, write_back: bool = False):

@@ -199,6 +199,7 @@ class ShardedFlat(ShardBuffer):
             gs.used_by_compute(self.full)
         for p in self.params:
             set_local_(p, self._empty)
+        self.see_writes()
         if not self.full.untyped_storage().resizable():
             # Exported while gathered (t.numpy(), as checkpoint and safetensors writers do,
             # marks the storage fixed-size): leave it to its holders and take a new one.
@@ -208,6 +209,25 @@ class ShardedFlat(ShardBuffer):
         self.full.untyped_storage().resize_(0)
         self.residency = Residency.SHARD
         self.quantized = False
+
+    # [Note: a write to a sharded param] Between steps a param is a 0-element tensor
+    # (freeing by storage resize above), so an in-place write to it (`p.clamp_()` for weight
+    # clipping, `nn.init.*`, `p.fill_()`, `model.apply(init)`) does nothing, without a word: the
+    # next forward gathers the old values. Every in-place op on p bumps p._version, a host
+    # counter that the swaps of p.data here never move, so the counters taken when a param is
+    # freed tell a write since then (guards.py raises at the next forward, step() and
+    # gathered_params()). `p.data.clamp_()` is not seen: .data has a counter of its own, as it
+    # escapes autograd (stages 0-2 have the same limit, core/model_sync.py).
+    def see_writes(self, i=None) -> None:
+        """Take the params' (or param i's) version counters as seen: no write since."""
+        if i is None:
+            self._versions = [p._version for p in self.params]
+        else:
+            self._versions[i] = self.params[i]._version
+
+    def unseen_writes(self) -> List[int]:
+        """The params written in place since see_writes (their indices)."""
+        return [i for i, p in enumerate(self.params) if p._version != self._versions[i]]
 
     def write_back_(self) -> None:
         """After the user changed gathered params: take this rank's piece back into the shard.
