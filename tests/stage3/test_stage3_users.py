@@ -474,6 +474,43 @@ def _writes_worker(rank, ws, case):
     return _writes(rank, ws, case)
 
 
+def _some_ranks(rank, ws, case):
+    """[Note: a write on some ranks only] (stage3/runtime.py): a change inside
+    gathered_params() on rank 0 alone (DeepSpeed's GatheredParameters(modifier_rank=0) habit)."""
+    model = M.make_model()
+    opt = M.zero_opt(model, 3)
+    train3(model, opt, rank, ws, steps=1)
+    before = M.full_snapshot(model, opt)
+    sd = M.make_model(seed=7).state_dict()
+    out = {}
+    try:
+        if case == "init_rank0":
+            with opt.gathered_params(modify=True):
+                if rank == 0:
+                    torch.nn.init.zeros_(model.head.bias)
+        elif case == "load_rank0":
+            with opt.gathered_params():
+                if rank == 0:
+                    model.load_state_dict(sd)
+        elif case == "load_every_rank":
+            with opt.gathered_params():
+                model.load_state_dict(sd)
+        else:
+            raise ValueError(case)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    after = M.full_snapshot(model, opt)
+    out["unchanged"] = M.bitwise_equal(before, after)
+    out["loaded"] = all(torch.equal(after[n], sd[n]) for n in after)
+    train3(model, opt, rank, ws, steps=1, start=1)  # the group is still usable
+    return out
+
+
+def _some_ranks_worker(rank, ws):
+    return run_cases({c: functools.partial(_some_ranks, rank, ws, c)
+                      for c in ("init_rank0", "load_rank0", "load_every_rank")})
+
+
 def _misc_worker(rank, ws):
     return run_cases({
         "ddp": functools.partial(_ddp_wrap, rank, ws),
@@ -648,3 +685,22 @@ def test_a_write_inside_gathered_params_without_modify_is_a_clear_error(ws):
 def test_a_load_between_steps_is_not_a_lost_write(ws):
     for x in cached(_writes_worker, ws, "load_then_train"):
         assert x["error"] is None, x["error"]
+
+
+@pytest.mark.parametrize("ws", ws_params(2, 3))
+@pytest.mark.parametrize("what", ["init_rank0", "load_rank0"])
+def test_a_change_inside_gathered_params_on_one_rank_is_a_clear_error(ws, what):
+    """Before, each rank took back its own piece: rank 0's piece of the new values and the
+    others' pieces of the old, a mixed model, silently (shown on the old code: no error, the
+    params changed)."""
+    for r, x in enumerate(case(cached(_some_ranks_worker, ws), what)):
+        assert "error" in x, f"rank {r}: no error, unchanged={x['unchanged']}"
+        assert "on some ranks only" in x["error"], x["error"]
+        assert x["unchanged"], f"rank {r}: the failed block changed the params"
+
+
+@pytest.mark.parametrize("ws", ws_params(2, 3))
+def test_a_load_inside_gathered_params_on_every_rank_is_kept(ws):
+    for r, x in enumerate(case(cached(_some_ranks_worker, ws), "load_every_rank")):
+        assert "error" not in x, x["error"]
+        assert x["loaded"], f"rank {r}: the load inside gathered_params() was not kept"

@@ -47,6 +47,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from zerokern.comm.fingerprint import differ_across_ranks, fingerprint
 from zerokern.geometry.dtensor_params import local
 
 
@@ -355,35 +356,6 @@ def sync_from_first_rank(tensors: Sequence[Tuple[str, torch.Tensor]], gc,
     return issued
 
 
-_CHUNK = 1 << 22  # elements per fingerprint pass (a 32 MiB int64 temporary)
-
-
-def fingerprint(t: torch.Tensor) -> int:
-    """An int64 fingerprint of t's bits: sum over elements of bits(x_i) * w(i) with int64
-    wrap-around, w(i) in [1, 2^31) a pseudo-random function of the position, so a changed
-    bit, a swap of two elements or a sign of zero changes it (barring a 2^-64-ish collision).
-    Bitwise equal tensors give the same value on every rank (integer sums do not depend on the
-    order). One pass over t on its device.
-
-    Args:
-        t: any dense tensor (a float, integer, bool or complex dtype).
-    """
-    x = t.detach().reshape(-1)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    x = x.contiguous()
-    es = x.element_size()
-    # the bits as integers of at most 4 bytes (8-byte elements: two int32 each)
-    x = x.view(torch.uint8 if es == 1 else torch.int16 if es == 2 else torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=x.device)
-    for lo in range(0, x.numel(), _CHUNK):
-        v = x[lo:lo + _CHUNK].to(torch.int64)
-        i = torch.arange(lo, lo + v.numel(), dtype=torch.int64, device=x.device)
-        w = (i % 2147483629) * 48271 % 2147483647 + 1  # < 2^31: v * w never overflows
-        total += (v * w).sum()
-    return int(total)
-
-
 def check_same_on_ranks(tensors: Sequence[Tuple[str, torch.Tensor]], gc,
                         flag: str = "broadcast_params=False") -> None:
     """ValueError on every rank if some tensor differs across the group's ranks
@@ -400,13 +372,11 @@ def check_same_on_ranks(tensors: Sequence[Tuple[str, torch.Tensor]], gc,
     n, rank, group = _size_rank(gc)
     if n <= 1 or not tensors:
         return
-    fp = torch.tensor([fingerprint(t) for _, t in tensors], dtype=torch.int64)
-    # MAX of -x is -MIN of x (int64 wrap-around included): one all-reduce gives both
-    both = torch.cat([fp, -fp]).to(tensors[0][1].device)
-    _collective(gc, dist.all_reduce, both, dist.ReduceOp.MAX, label="param fingerprints")
-    both = both.cpu()
-    k = fp.numel()
-    differ = torch.nonzero(both[:k] != -both[k:]).reshape(-1).tolist()
+    k = len(tensors)
+    differ = differ_across_ranks(
+        [fingerprint(t) for _, t in tensors],
+        lambda both: _collective(gc, dist.all_reduce, both, dist.ReduceOp.MAX,
+                                 label="param fingerprints"), tensors[0][1].device)
     if differ:
         names = [tensors[i][0] for i in differ]
         raise ValueError(

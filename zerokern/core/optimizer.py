@@ -612,9 +612,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             yield
         except BaseException:
-            self.grad_sync.release_all(write_back=modify, check=False)  # (its error stands)
+            self.grad_sync.release_all(write_back=modify)  # (its error stands: no check)
             raise
-        self.grad_sync.release_all(write_back=modify)
+        self.grad_sync.release_all(write_back=modify, check=True)
 
     # ---- this rank's own state dict (zerokern.checkpoint reshards) -----------------------
 

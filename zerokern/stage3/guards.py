@@ -121,11 +121,15 @@ class ModelGuard:
                 if written:
                     self.raise_write(where, f.params[written[0]], inside_block=False)
 
+    def param_name(self, p) -> str:
+        """p's name in the model (its first, for a tied param)."""
+        return self._names.get(id(p), "?")
+
     def raise_write(self, where: str, p, inside_block: bool) -> None:
         """Raise, posted (a write on one rank only leaves the others waiting in the next
         gather: comm/abort.py), for an in-place write to p between steps, or inside
         gathered_params() without modify=True (`inside_block`: discarded at its end)."""
-        name = self._names.get(id(p), "?")
+        name = self.param_name(p)
         if inside_block:
             why = (f"param '{name}' was changed in place inside opt.gathered_params() without "
                    "modify=True, and the change was discarded at the block's end: use `with "
@@ -208,7 +212,10 @@ class ModelGuard:
             self._loaded.append((f, i))
             if f.gathered:  # inside gathered_params(): torch copies into the full view
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape:
-                    self._load_piece(f, i, value)  # and the shard keeps it on release
+                    # the shard takes it when the unit is freed, unless the ranks disagree
+                    # ([Note: a write on some ranks only] in runtime.py)
+                    f.pending_loads.append((i, value))
+                    f.loaded_while_gathered = True
                 continue
             if local_metadata.get("assign_to_params_buffers", False):
                 error_msgs.append(f"{key}: load_state_dict(assign=True) would replace a "
@@ -225,28 +232,15 @@ class ModelGuard:
                                   "opt.gathered_params(modify=True) (their FP8 scales are "
                                   "agreed across ranks)")
             else:
-                self._load_piece(f, i, value)
+                f.load_piece_(i, value)
             # The param is an empty tensor now: hand torch's own copy an empty value (of the
             # param's kind: a DTensor keeps its global shape over an empty local tensor).
             state_dict[key] = like_param(p, torch.empty(0, dtype=p.dtype, device=p.device))
 
     def _after_load(self) -> None:
         """After a module's load: its params' counters moved by torch's copies, which wrote
-        the loaded values into the shards (_on_load), not a write to lose."""
+        the loaded values into the shards (_on_load; or will, when a gathered unit is freed),
+        not a write to lose."""
         for f, i in self._loaded:
             f.see_writes(i)
         self._loaded = []
-
-    @staticmethod
-    def _load_piece(f, i: int, value: torch.Tensor) -> None:
-        L = f.layout
-        lo, hi = L.piece_range(0, f.rank)
-        off = L.slots[i].offset
-        flat_value = value.detach().reshape(-1)
-        for j, a, b in L.overlaps(lo, hi):
-            if j != i:
-                continue
-            src = flat_value[a - off:b - off].to(f.device)
-            f.param_shard[a - lo:b - lo].copy_(src)  # round to nearest even, as the cast-back
-            if f.master is not None:
-                f.master[a - lo:b - lo].copy_(src)  # the full fp32 value

@@ -70,6 +70,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from zerokern.comm.fingerprint import differ_across_ranks, fingerprint
 from zerokern.comm.host_agree import HostAgreement
 from zerokern.comm.pieces import Pieces, held_tensors
 from zerokern.geometry.dtensor_params import local as local_of
@@ -806,13 +807,63 @@ class Stage3Runtime(ShardedGrads):
             self._refs[u.index] += 1
         self._gather([u.index for u in self.active_units], exact=True)
 
+    def _writes_agree(self, write_back: bool) -> None:
+        """[Note: a write on some ranks only] gathered_params(modify=True) takes each rank's own
+        piece of the gathered params back into its shard (sharded_flat.write_back_). A change
+        made on some ranks only (`if rank == 0: nn.init.normal_(w)`, DeepSpeed's
+        GatheredParameters(modifier_rank=0) habit, which broadcasts rank 0's values) or to
+        different values on different ranks (an init with per-rank seeds) would leave a model
+        that is a mix of the ranks' values, silently. So at the block's end the ranks agree
+        which units any of them wrote ([Note: a write to a sharded param]: the version
+        counters) and compare those units' gathered values by fingerprint (comm/fingerprint.py):
+        two host all-reduces over the data-parallel world, and one pass over the written units.
+        If they differ, every rank raises and nothing is taken back. A load_state_dict inside
+        the block writes each rank's piece into its shard at once, with or without modify, so
+        it counts as a write here in both."""
+        world = self.comm.world
+        if world.world_size <= 1:
+            return
+        bufs = list(self.groups) + self.frozen
+
+        def agree_max(t):
+            world.agree_(t, dist.ReduceOp.MAX, "gathered_params writes")
+
+        wrote = torch.tensor([1 if f.loaded_while_gathered or (write_back and f.unseen_writes())
+                              else 0 for f in bufs], dtype=torch.int64)
+        agree_max(wrote)
+        cand = [i for i, w in enumerate(wrote.tolist()) if w]
+        if not cand:
+            return
+        differ = differ_across_ranks([fingerprint(bufs[i].full) for i in cand], agree_max)
+        if differ:
+            f = bufs[cand[differ[0]]]
+            mine = f.unseen_writes()
+            name = self.guard.param_name(f.params[mine[0] if mine else 0])
+            raise RuntimeError(
+                "zerokern stage 3 (gathered_params(modify=True)): params of a unit (first "
+                f"'{name}') were changed inside the block on some ranks only, or to different "
+                f"values on different ranks (of {world.world_size}); each rank takes back only "
+                "its own piece, so the model would be a mix of the ranks' values. Make the same "
+                "change on every rank (an init: seed it alike; or load one state dict with "
+                "model.load_state_dict on every rank); nothing was taken back")
+
     def see_param_writes(self) -> None:
         for f in list(self.groups) + self.frozen:
             f.see_writes()
 
-    def release_all(self, write_back: bool, check: bool = True) -> None:
-        """The end of gathered_params(); check: raise where a param was written inside
-        without write_back (after the release; not while an error is already on its way)."""
+    def release_all(self, write_back: bool, check: bool = False) -> None:
+        """The end of gathered_params() (check=True, collective then) and of the internal
+        gathers (check=False): raise where the params were changed inside on some ranks only
+        (before anything is taken back: [Note: a write on some ranks only]), or written
+        without write_back (after the release: [Note: a write to a sharded param])."""
+        if check:
+            try:
+                self._writes_agree(write_back)
+            except RuntimeError:
+                for f in list(self.groups) + self.frozen:
+                    f.pending_loads = []  # nothing is taken back
+                self.release_all(write_back=False)
+                raise
         written = [f.params[w[0]] for f in list(self.groups) + self.frozen
                    for w in [f.unseen_writes()] if w] if check and not write_back else []
         for u in self.active_units:

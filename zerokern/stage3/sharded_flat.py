@@ -95,6 +95,11 @@ class ShardedFlat(ShardBuffer):
         self._full_bytes = self.full.untyped_storage().nbytes()
         self.residency = Residency.GATHERED  # full is allocated (freed just below)
         self.handle = None  # the all-gather in flight into full (GATHERING)
+        # (slot, full value) of a model.load_state_dict while gathered, taken into the shard
+        # when the unit is freed, unless the load is dropped ([Note: a write on some ranks
+        # only] in runtime.py)
+        self.pending_loads: List = []
+        self.loaded_while_gathered = False
         self.free()
 
     @property
@@ -189,6 +194,9 @@ class ShardedFlat(ShardBuffer):
                 set_local_(p, v)
 
     def free(self) -> None:
+        for i, value in self.pending_loads:
+            self.load_piece_(i, value)
+        self.pending_loads = []
         if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
             self._compute_waits_gather()
             self.handle.wait()
@@ -200,6 +208,7 @@ class ShardedFlat(ShardBuffer):
         for p in self.params:
             set_local_(p, self._empty)
         self.see_writes()
+        self.loaded_while_gathered = False
         if not self.full.untyped_storage().resizable():
             # Exported while gathered (t.numpy(), as checkpoint and safetensors writers do,
             # marks the storage fixed-size): leave it to its holders and take a new one.
@@ -228,6 +237,23 @@ class ShardedFlat(ShardBuffer):
     def unseen_writes(self) -> List[int]:
         """The params written in place since see_writes (their indices)."""
         return [i for i, p in enumerate(self.params) if p._version != self._versions[i]]
+
+    @torch.no_grad()
+    def load_piece_(self, i: int, value: torch.Tensor) -> None:
+        """Param i's full value (a loaded state dict's): this rank's piece into the shard
+        (rounded to the model dtype, as the cast-back) and the full fp32 value into the
+        master."""
+        L = self.layout
+        lo, hi = L.piece_range(0, self.rank)
+        off = L.slots[i].offset
+        flat_value = value.detach().reshape(-1)
+        for j, a, b in L.overlaps(lo, hi):
+            if j != i:
+                continue
+            src = flat_value[a - off:b - off].to(self.device)
+            self.param_shard[a - lo:b - lo].copy_(src)  # round to nearest even
+            if self.master is not None:
+                self.master[a - lo:b - lo].copy_(src)  # the full fp32 value
 
     def write_back_(self) -> None:
         """After the user changed gathered params: take this rank's piece back into the shard.
