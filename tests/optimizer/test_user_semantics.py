@@ -625,3 +625,33 @@ def test_torch_compile_whole_model_stage2(one_thread):  # noqa: F811 - the fixtu
         M.loss_fn(ref, M.rank_tokens(s, 0, 1)).backward()
         ref_opt.step()
     assert M.rel_err(M.snapshot(model), M.snapshot(ref)) <= TOL
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_opt_state_of_a_param_is_a_clear_error_not_an_empty_dict(stage, one_thread):  # noqa: F811
+    """[Note: no per-param opt.state] (core/optimizer.py). Code written for torch reads or
+    resets a param's moments in opt.state[p]; torch's defaultdict gave a new empty dict there,
+    so `if "exp_avg" in opt.state[p]: opt.state[p]["exp_avg"].zero_()` reset nothing, silently
+    (shown on the old code: no error, the moments unchanged)."""
+    model = M.make_model()
+    opt = M.zero_opt(model, stage)
+    opt.zero_grad()
+    M.loss_fn(model, M.rank_tokens(0, 0, 1)).backward()
+    opt.step()
+    before = [{k: t.clone() for k, t in g.state_tensors().items()} for g in opt.flat_groups]
+    p = opt.param_groups[0]["params"][0]
+    for use in (lambda: "exp_avg" in opt.state[p], lambda: opt.state.get(p),
+                lambda: opt.state.setdefault(p, {}), lambda: opt.state.__setitem__(p, {})):
+        with pytest.raises(RuntimeError, match=r"ZeroAdamW.state\[p\]: a zerokern optimizer "
+                                               r"keeps its state .* zerokern.checkpoint"):
+            use()
+    # walking it finds nothing (library code that moves optimizer tensors has none to move)
+    assert len(opt.state) == 0 and not list(opt.state.values()) and p not in opt.state
+    after = [{k: t.clone() for k, t in g.state_tensors().items()} for g in opt.flat_groups]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(before, after) for k in a)
+    # the torch optimizer it stands in for: the same code does reach the state there
+    ref = torch.optim.AdamW(M.make_model().parameters())
+    q = ref.param_groups[0]["params"][0]
+    q.grad = torch.ones_like(q)
+    ref.step()
+    assert "exp_avg" in ref.state[q]

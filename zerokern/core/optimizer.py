@@ -128,6 +128,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comm.enable_debug_log()  # ZEROKERN_DEBUG_COLLECTIVES=1: checked at every step()
 
         # ---- now change the model, as decided ------------------------------------------------
+        self.state = FlatState(type(self).__name__)  # [Note: no per-param opt.state]
         self.param_homes = None  # offload_params (stage3/param_offload.py)
         self.stage, self.precision, self.dtype = d.stage, d.precision, d.dtype
         self.max_grad_norm = d.max_grad_norm
@@ -707,6 +708,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_sync.generation += 1
         for g in self.flat_groups:  # FP8 params: re-encoded from the loaded masters
             g.params_loaded_()      # (collective; kernels/param_codec.py)
+
+
+class FlatState(dict):
+    """`opt.state` of a zerokern optimizer: empty, and `opt.state[p]` raises.
+
+    [Note: no per-param opt.state] torch's optimizers keep each param's state in `opt.state[p]`
+    (AdamW's "step", "exp_avg", "exp_avg_sq"), and user code reads or changes it there: resets
+    the moments of some params, logs them, checks `"exp_avg" in opt.state[p]`. A zerokern
+    optimizer keeps the moments, the fp32 masters and the step counts in flat buffers sharded
+    across the ranks, so torch's defaultdict here answered `opt.state[p]` with a new empty dict:
+    such code read nothing and changed nothing, silently. Now indexing (and get, setdefault,
+    assignment) raises, naming what to use; iterating finds nothing (library code that walks
+    `opt.state.values()` to move tensors has nothing to move: the optimizer places its own
+    buffers), `len()` is 0. torch.distributed.checkpoint's get_state_dict, seeing no state,
+    calls step() with zero grads to create it: that step() raises (no backward) before
+    anything changes; save a zerokern optimizer with zerokern.checkpoint."""
+
+    def __init__(self, owner: str = "the zerokern optimizer") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __reduce__(self):
+        return (type(self), (self.owner,))
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self.owner}.state[p]: a zerokern optimizer keeps its state (the moments, the "
+            "fp32 masters, the step counts) in flat buffers sharded across the ranks, not in "
+            "torch's per-param opt.state dicts, so opt.state[p] holds nothing to read or "
+            "change. Save and load it with zerokern.checkpoint, which reshards it on load "
+            "(opt.state_dict() is this rank's shard)")
+
+    __getitem__ = __setitem__ = get = setdefault = _refuse
 
 
 class _NoStates:
