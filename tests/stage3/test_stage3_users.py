@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zerokern as zk
 
 from ..support import models as M
-from ..support.harness import cached, case, run_cases, ws_params
+from ..support.harness import cached, case, one_thread, run_cases, ws_params  # noqa: F401 (fixture)
 
 STEPS = 4
 TOL = {
@@ -704,3 +704,22 @@ def test_a_load_inside_gathered_params_on_every_rank_is_kept(ws):
     for r, x in enumerate(case(cached(_some_ranks_worker, ws), "load_every_rank")):
         assert "error" not in x, x["error"]
         assert x["loaded"], f"rank {r}: the load inside gathered_params() was not kept"
+
+
+def test_a_load_then_a_write_inside_gathered_params_keeps_both(one_thread):  # noqa: F811
+    """Inside gathered_params(modify=True) a load_state_dict then a write: the written param
+    takes the write, the others the load, with their exact fp32 masters (bf16 params)."""
+    model = M.make_model()
+    opt = M.zero_opt(model, 3, "bf16")
+    sd = M.make_model(seed=7).state_dict()
+    with opt.gathered_params(modify=True):
+        model.load_state_dict(sd)
+        with torch.no_grad():
+            model.head.bias.zero_()
+    params = M.full_snapshot(model, opt)
+    masters = M.gather_state(opt, model, "master")
+    assert not params["head.bias"].any() and not masters["head.bias"].any()
+    for n in masters:
+        if n != "head.bias":
+            assert torch.equal(masters[n], sd[n]), n  # the full fp32 value, not the rounding
+            assert torch.equal(params[n], sd[n].to(torch.bfloat16)), n

@@ -870,6 +870,7 @@ class Stage3Runtime(ShardedGrads):
             self._refs[u.index] -= 1
         if write_back:
             for f in list(self.groups) + self.frozen:
+                f.apply_pending_loads()  # (exact fp32 masters of a load; a later write wins)
                 f.write_back_()
         self._free_unreferenced()
         if written:  # [Note: a write to a sharded param]

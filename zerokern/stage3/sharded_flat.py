@@ -194,9 +194,7 @@ class ShardedFlat(ShardBuffer):
                 set_local_(p, v)
 
     def free(self) -> None:
-        for i, value in self.pending_loads:
-            self.load_piece_(i, value)
-        self.pending_loads = []
+        self.apply_pending_loads()
         if self.residency is Residency.GATHERING:  # a prefetch nobody used: let it land
             self._compute_waits_gather()
             self.handle.wait()
@@ -237,6 +235,13 @@ class ShardedFlat(ShardBuffer):
     def unseen_writes(self) -> List[int]:
         """The params written in place since see_writes (their indices)."""
         return [i for i, p in enumerate(self.params) if p._version != self._versions[i]]
+
+    def apply_pending_loads(self) -> None:
+        """Take the loads made while gathered into the shard (before a write-back, so that a
+        write after the load inside the block wins where it changed a value)."""
+        for i, value in self.pending_loads:
+            self.load_piece_(i, value)
+        self.pending_loads = []
 
     @torch.no_grad()
     def load_piece_(self, i: int, value: torch.Tensor) -> None:
