@@ -568,15 +568,17 @@ STEP_COPY_ALLOWED: Dict[Tuple[str, str], str] = {
         "offload the master is on the host and `new` comes from the device",
     ("zerokern/core/model_sync.py", "_bitwise_equal"):
         "device tensors compared once per model move (model_sync.py), not per step",
-    ("zerokern/core/model_sync.py", "check_same_on_ranks"):
-        "construction only (broadcast_params=False): the params' fingerprints, one all-reduce",
+    ("zerokern/comm/fingerprint.py", "differ_across_ranks"):
+        "construction (broadcast_params=False, model_sync.py) and the end of a "
+        "gathered_params() block (stage3/runtime.py): a few fingerprints, one all-reduce; "
+        "not per step",
     ("zerokern/stage3/sharded_flat.py", "ShardedFlat.write_back_"):
         "between steps: keeps what the user wrote into whole params (whole_params.py: "
         "release_all / frozen_whole with write_back), not per step",
     ("zerokern/stage3/param_offload.py", "OffloadedShardedFlat.write_back_"):
         "between steps, as ShardedFlat.write_back_",
-    ("zerokern/stage3/guards.py", "ModelGuard._load_piece"):
-        "checkpoint IO: model.load_state_dict into a stage-3 model",
+    ("zerokern/stage3/sharded_flat.py", "ShardedFlat.load_piece_"):
+        "checkpoint IO: model.load_state_dict into a stage-3 model (stage3/guards.py)",
     ("zerokern/comm/debug.py", "CollectiveLog.check"):
         "ZEROKERN_DEBUG_COLLECTIVES=1 only: the debug check compares the ranks' logs and "
         "waits by design",
