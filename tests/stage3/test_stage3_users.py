@@ -495,6 +495,15 @@ def _some_ranks(rank, ws, case):
         elif case == "load_every_rank":
             with opt.gathered_params():
                 model.load_state_dict(sd)
+        elif case == "same_write_other_padding":  # the padding past the params is not
+            with opt.gathered_params(modify=True):  # compared (FP8 gathers leave it as is)
+                with torch.no_grad():
+                    model.head.bias.mul_(0.5)
+                bufs = list(opt.grad_sync.groups) + opt.grad_sync.frozen
+                padded = [f for f in bufs if f.layout.padded_numel > f.layout.numel]
+                out["padded_units"] = len(padded)
+                for f in padded:
+                    f.full[f.layout.numel:].fill_(float(rank + 1))
         else:
             raise ValueError(case)
     except RuntimeError as e:
@@ -508,7 +517,8 @@ def _some_ranks(rank, ws, case):
 
 def _some_ranks_worker(rank, ws):
     return run_cases({c: functools.partial(_some_ranks, rank, ws, c)
-                      for c in ("init_rank0", "load_rank0", "load_every_rank")})
+                      for c in ("init_rank0", "load_rank0", "load_every_rank",
+                                "same_write_other_padding")})
 
 
 def _misc_worker(rank, ws):
@@ -723,3 +733,13 @@ def test_a_load_then_a_write_inside_gathered_params_keeps_both(one_thread):  # n
         if n != "head.bias":
             assert torch.equal(masters[n], sd[n]), n  # the full fp32 value, not the rounding
             assert torch.equal(params[n], sd[n].to(torch.bfloat16)), n
+
+
+@pytest.mark.parametrize("ws", ws_params(2, 3))
+def test_the_same_change_on_every_rank_is_kept_whatever_the_padding(ws):
+    """The ranks compare the params' values, not the buffers' padding (which an FP8 gather
+    leaves unwritten: the CI run at 251f0d5 failed test_param_fp8 on it, a false alarm)."""
+    for r, x in enumerate(case(cached(_some_ranks_worker, ws), "same_write_other_padding")):
+        assert x["padded_units"] > 0, "no unit has padding: the case shows nothing"
+        assert "error" not in x, x["error"]
+        assert not x["unchanged"], f"rank {r}: the write was not kept"
