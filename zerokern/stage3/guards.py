@@ -32,6 +32,8 @@ import torch
 from zerokern.geometry.dtensor_params import is_dtensor, like_param, local
 from zerokern.grads.weak_hook import weak_hook
 
+from .sharded_flat import Residency
+
 
 def _ddp_forward_active() -> bool:
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -116,7 +118,7 @@ class ModelGuard:
         if sync is None:
             return
         for f in list(sync.groups) + sync.frozen:
-            if f.residency.value == "shard":
+            if f.residency is Residency.SHARD:
                 written = f.unseen_writes()
                 if written:
                     self.raise_write(where, f.params[written[0]], inside_block=False)
@@ -207,15 +209,16 @@ class ModelGuard:
                                       f"{getattr(value, 'placements', type(value).__name__)})")
                     state_dict[key] = like_param(p, torch.empty(0, dtype=p.dtype,
                                                                 device=p.device))
+                    self._loaded.append((f, i))
                     continue
                 value = local(value)
-            self._loaded.append((f, i))
             if f.gathered:  # inside gathered_params(): torch copies into the full view
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape:
                     # the shard takes it when the unit is freed, unless the ranks disagree
                     # ([Note: a write on some ranks only] in runtime.py)
                     f.pending_loads.append((i, value))
                     f.loaded_while_gathered = True
+                    self._loaded.append((f, i))
                 continue
             if local_metadata.get("assign_to_params_buffers", False):
                 error_msgs.append(f"{key}: load_state_dict(assign=True) would replace a "
@@ -233,6 +236,7 @@ class ModelGuard:
                                   "agreed across ranks)")
             else:
                 f.load_piece_(i, value)
+            self._loaded.append((f, i))  # (torch's copy of the empty value moves its counter)
             # The param is an empty tensor now: hand torch's own copy an empty value (of the
             # param's kind: a DTensor keeps its global shape over an empty local tensor).
             state_dict[key] = like_param(p, torch.empty(0, dtype=p.dtype, device=p.device))
