@@ -706,6 +706,8 @@ def test_a_change_inside_gathered_params_on_one_rank_is_a_clear_error(ws, what):
     for r, x in enumerate(case(cached(_some_ranks_worker, ws), what)):
         assert "error" in x, f"rank {r}: no error, unchanged={x['unchanged']}"
         assert "on some ranks only" in x["error"], x["error"]
+        block = "modify=True" if what == "init_rank0" else "modify=False"  # as the user wrote it
+        assert f"gathered_params({block})" in x["error"], x["error"]
         assert x["unchanged"], f"rank {r}: the failed block changed the params"
 
 

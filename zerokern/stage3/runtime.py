@@ -841,8 +841,9 @@ class Stage3Runtime(ShardedGrads):
         differ = differ_across_ranks([fingerprint(v) for v in views], agree_max)
         if differ:
             name = self.guard.param_name(params[differ[0]])
+            block = f"gathered_params(modify={write_back})"
             raise RuntimeError(
-                "zerokern stage 3 (gathered_params(modify=True)): params of a unit (first "
+                f"zerokern stage 3 ({block}): params of a unit (first "
                 f"'{name}') were changed inside the block on some ranks only, or to different "
                 f"values on different ranks (of {world.world_size}); each rank takes back only "
                 "its own piece, so the model would be a mix of the ranks' values. Make the same "
