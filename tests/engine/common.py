@@ -51,6 +51,13 @@ def launcher_env(rank: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws),
                       LOCAL_WORLD_SIZE=str(ws))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # The harness runs each rank at one intra-op thread; accelerate's state sets
+    # torch.set_num_threads(cores / local ranks) when OMP_NUM_THREADS is unset (2 at N = 1).
+    # With 2 threads the forward of a tiny GPT-2 gave another last bit now and then: the
+    # clean-clone CI at 590146e failed test_accelerate_state's bitwise resume on the first loss
+    # after a step (4.839353084 vs 4.839353561, every later loss equal), measured 2 of 33 fresh
+    # processes with 2 threads and 0 of 60 with OMP_NUM_THREADS=1.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @contextlib.contextmanager

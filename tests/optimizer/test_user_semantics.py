@@ -133,6 +133,41 @@ def _changed_before_step(rank, ws, stage):
     return out
 
 
+def _group_changed(rank, ws, stage, memo):
+    """[Note: hyperparameters changed between steps] (core/optimizer.py): after a step, a bad
+    value in the second param group (lr NaN) or another optimizer's key in the first
+    (amsgrad=True, which torch would honour): a clear error at step() before anything is
+    updated; the value put back, the run goes on to the reference's params (the failed
+    step left no trace, its step count included)."""
+    ref = memo.setdefault("plain", _ref(rank, ws)[0])
+    out = {}
+    for name, gi, change in (("lr_nan", 1, {"lr": float("nan")}),
+                             ("amsgrad", 0, {"amsgrad": True})):
+        torch.manual_seed(0)
+        model = M.make_model()
+        opt = M.zero_opt(model, stage)
+        for s in range(STEPS):
+            opt.zero_grad()
+            opt.backward(M.loss_fn(model, M.rank_tokens(s, rank, ws)))
+            if s == STEPS - 1:
+                group = opt.param_groups[gi]
+                saved = {k: group[k] for k in change if k in group}
+                group.update(change)
+                before = M.full_snapshot(model, opt)
+                try:
+                    opt.step()
+                    out[name] = "stepped"
+                except ValueError as e:
+                    out[name] = str(e)
+                out[name + "_unchanged"] = _rel(M.full_snapshot(model, opt), before) == 0
+                for k in change:
+                    group.pop(k)
+                group.update(saved)
+            opt.step()
+        out[name + "_rel"] = _rel(M.full_snapshot(model, opt), ref)
+    return out
+
+
 def _rel(a, b):
     return M.rel_err(a, b)
 
@@ -379,6 +414,7 @@ def _rank_cases(rank, ws):
         cases[f"after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbsnsbcbs"))
         cases[f"step_twice_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbssbs"))
         cases[f"changed_before_step_s{st}"] = p(_changed_before_step, rank, ws, st)
+        cases[f"group_changed_s{st}"] = p(_group_changed, rank, ws, st, memo)
         cases[f"opt_clip_s{st}"] = p(_opt_clip, rank, ws, st, memo, 2.0)
         cases[f"opt_clip_inf_s{st}"] = p(_opt_clip, rank, ws, st, memo, math.inf)
         cases[f"torch_clip_s{st}"] = p(_torch_clip, rank, ws, st, memo)
@@ -530,6 +566,19 @@ def test_load_state_dict_after_construction_with_offload(ws, stage):
 def test_params_replaced_are_followed(ws, stage):
     for rel in case(_res(ws), f"replaced_s{stage}"):
         assert rel <= TOL
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_param_group_changed_between_steps_is_checked_before_the_step(ws, stage):
+    """Before: the lr NaN in group 1 raised in group 1's kernel after group 0 was updated (a
+    half step; the retry updated group 0 twice), and amsgrad=True was ignored."""
+    for r, x in enumerate(case(_res(ws), f"group_changed_s{stage}")):
+        assert "lr must be" in x["lr_nan"] and "param group 1" in x["lr_nan"], x["lr_nan"]
+        assert "'amsgrad'" in x["amsgrad"] and "param group 0" in x["amsgrad"], x["amsgrad"]
+        for name in ("lr_nan", "amsgrad"):
+            assert x[name + "_unchanged"], f"rank {r}: the failed step ({name}) changed params"
+            assert x[name + "_rel"] <= TOL, f"rank {r}: {name}: vs DDP + AdamW {x[name + '_rel']}"
 
 
 @pytest.mark.parametrize("ws", WS)

@@ -265,9 +265,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gs.finish_aborted_backward("step()")  # [Note: a backward that raised]
         try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
             self._check_grads_ready(gs)
-        except RuntimeError as e:
+            self._check_groups_now()
+        except (RuntimeError, ValueError, TypeError) as e:
             self.comm.signal_failure(e)
             raise
+
+    def _check_groups_now(self) -> None:
+        """[Note: hyperparameters changed between steps] torch reads a param group's values at
+        every step, so users change them between steps (a beta2 or weight-decay schedule, an
+        lr set by hand). Each value was checked at construction, and the kernels check theirs
+        again, but only when their bucket's turn comes: a bad value in group 1 (an lr of -1 or
+        NaN) raised after group 0 had been updated, so the step was half done and its retry
+        updated group 0 twice (shown on the old code: 9 params changed by the failed step). A
+        key of another optimizer added since (`group["amsgrad"] = True`, `"maximize"`, a
+        misspelt "weight_decy") was not checked at all, and the update went on without it.
+        So every group is checked here, before anything changes: its rule's values (a few
+        comparisons per group, no device read: a tensor lr is left to the kernel), and its
+        keys again when they changed since the last check (zerokern.rules [Note: a rule's
+        keys]; a scheduler's "initial_lr" passes)."""
+        seen = self.__dict__.setdefault("_group_keys_checked", {})
+        for gi, group in enumerate(self.param_groups):
+            rule, where = self.rules[gi], f"param group {gi}"
+            missing = [k for k in rule.defaults if k not in group]
+            if missing:
+                raise ValueError(f"{type(self).__name__}.step(): {where} has no {missing[0]!r} "
+                                 f"any more (the {rule.name!r} rule reads it at every step)")
+            keys = frozenset(k for k in group if k != "params")
+            if seen.get(gi) != keys:
+                rule.check_group_keys(keys, where=where, allowed=self._group_keys)
+                seen[gi] = keys
+            rule.check_group(group, where=where)
 
     def _check_grads_ready(self, gs) -> None:
         if gs.micro_steps == 0 or not gs.has_grads():
