@@ -168,6 +168,47 @@ def _group_changed(rank, ws, stage, memo):
     return out
 
 
+def _group_params_edited(rank, ws, stage):
+    """[Note: a group's params edited] (core/optimizer.py): fine-tuning code appends a param
+    it unfroze to a group, or swaps one in the list; torch would train it. A clear error at
+    zero_grad() and at step() (the user's own zero_grad may be the model's), nothing
+    changed; the list put back, the run goes on."""
+    out = {}
+    for how in ("append", "swap"):
+        torch.manual_seed(0)
+        model = M.make_model()
+        opt = M.zero_opt(model, stage)
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws)))
+        opt.step()
+        ps = opt.param_groups[0]["params"]
+        extra = nn.Parameter(torch.randn(4))
+        old = ps[0]
+        if how == "append":
+            ps.append(extra)
+        else:
+            ps[0] = extra
+        before = M.full_snapshot(model, opt)
+        for where, call in (("zero_grad", lambda: opt.zero_grad()),
+                            ("step", lambda: (model.zero_grad(), opt.backward(
+                                M.loss_fn(model, M.rank_tokens(1, rank, ws))), opt.step()))):
+            try:
+                call()
+                out[f"{how}_{where}"] = "no error"
+            except RuntimeError as e:
+                out[f"{how}_{where}"] = str(e)
+        out[how + "_unchanged"] = _rel(M.full_snapshot(model, opt), before) == 0
+        if how == "append":
+            ps.pop()
+        else:
+            ps[0] = old
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(1, rank, ws)))
+        opt.step()
+        out[how + "_goes_on"] = _rel(M.full_snapshot(model, opt), before) > 0
+    return out
+
+
 def _rel(a, b):
     return M.rel_err(a, b)
 
@@ -415,6 +456,7 @@ def _rank_cases(rank, ws):
         cases[f"step_twice_s{st}"] = p(_schedule, rank, ws, st, memo, list("zbssbs"))
         cases[f"changed_before_step_s{st}"] = p(_changed_before_step, rank, ws, st)
         cases[f"group_changed_s{st}"] = p(_group_changed, rank, ws, st, memo)
+        cases[f"group_params_edited_s{st}"] = p(_group_params_edited, rank, ws, st)
         cases[f"opt_clip_s{st}"] = p(_opt_clip, rank, ws, st, memo, 2.0)
         cases[f"opt_clip_inf_s{st}"] = p(_opt_clip, rank, ws, st, memo, math.inf)
         cases[f"torch_clip_s{st}"] = p(_torch_clip, rank, ws, st, memo)
@@ -579,6 +621,20 @@ def test_a_param_group_changed_between_steps_is_checked_before_the_step(ws, stag
         for name in ("lr_nan", "amsgrad"):
             assert x[name + "_unchanged"], f"rank {r}: the failed step ({name}) changed params"
             assert x[name + "_rel"] <= TOL, f"rank {r}: {name}: vs DDP + AdamW {x[name + '_rel']}"
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_params_added_to_a_group_after_construction_are_a_clear_error(ws, stage):
+    """Before: the appended param made opt.zero_grad() raise an IndexError, and a param
+    swapped into the list was never trained, silently."""
+    for r, x in enumerate(case(_res(ws), f"group_params_edited_s{stage}")):
+        for how in ("append", "swap"):
+            for where in ("zero_grad", "step"):
+                msg = x[f"{how}_{where}"]
+                assert "params of param group 0 were changed after" in msg, msg
+            assert x[how + "_unchanged"], f"rank {r}: {how}: the refused calls changed params"
+            assert x[how + "_goes_on"], f"rank {r}: {how}: the run did not go on"
 
 
 @pytest.mark.parametrize("ws", WS)

@@ -118,6 +118,48 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 
+class GroupParamsWatch:
+    """[Note: a group's params edited] torch's optimizers read `group["params"]` at every
+    step, so fine-tuning code unfreezes a layer and appends its params to a group (or swaps one
+    for another in the list). Our buffers were laid out at construction, and a group's list is
+    its buffer's own (FlatGroup.params): an appended param was not trained, and the next
+    backward or zero_grad() raised an IndexError from inside the grad bookkeeping; a param
+    swapped in place was silently never trained. So each group's list is compared with the
+    construction's by identity, at every backward (its first hook), zero_grad() and step():
+    one pass over the params (~30 us per 1000), and any change is a clear error before
+    anything changes. The groups are read from the optimizer each time (a load_state_dict may
+    give it new group dicts, holding the same lists)."""
+
+    def __init__(self, opt) -> None:
+        self._opt = weakref.ref(opt)
+        self.params = [tuple(g["params"]) for g in opt.param_groups]
+
+    def check(self, where: str) -> None:
+        opt = self._opt()
+        if opt is None or getattr(getattr(opt, "grad_sync", None), "detached", False):
+            return  # a newer optimizer took the params over: not ours to watch
+        groups, ref = opt.param_groups, self.params
+        cls = type(opt).__name__
+        if len(groups) != len(ref):
+            raise RuntimeError(
+                f"zerokern ({where}): {cls}'s param_groups has {len(groups)} groups, "
+                f"{len(ref)} when it was built. The flat buffers are laid out once: build a "
+                "new optimizer over the groups you want (zerokern.checkpoint carries the "
+                "state over)")
+        for gi, (group, ps0) in enumerate(zip(groups, ref)):
+            ps = group.get("params")
+            if not isinstance(ps, (list, tuple)) or len(ps) != len(ps0) \
+                    or any(a is not b for a, b in zip(ps, ps0)):
+                n = len(ps) if isinstance(ps, (list, tuple)) else type(ps).__name__
+                raise RuntimeError(
+                    f"zerokern ({where}): the params of param group {gi} were changed after "
+                    f"{cls} was built ({len(ps0)} params then, {n} now: a param appended, "
+                    "removed or swapped in the list). The flat buffers are laid out once, so "
+                    "an added param would not be trained (torch's AdamW would train it). Put "
+                    "the list back, or build the optimizer after changing which params train "
+                    "(zerokern.checkpoint carries the state over)")
+
+
 class UnfreezeWatch:
     """Params frozen when ZeroAdamW was built (the model's, or those given): refused once they
     require grad ([Note: a param frozen at construction]), at the model's forward (a pre-hook

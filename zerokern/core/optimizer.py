@@ -37,7 +37,7 @@ import torch
 
 from zerokern import kernels
 from zerokern.core.decision import decide
-from zerokern.core.frozen_slots import FrozenSkip, HostUnused, UnfreezeWatch
+from zerokern.core.frozen_slots import FrozenSkip, GroupParamsWatch, HostUnused, UnfreezeWatch
 from zerokern.core.model_sync import (
     ModelWatch,
     model_tensors,
@@ -140,6 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._frozen_skip = FrozenSkip()  # frozen after construction (frozen_slots.py)
         for group, ps in zip(self.param_groups, d.trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
+        self._group_watch = GroupParamsWatch(self)  # [Note: a group's params edited]
         for ps in d.trainable:  # re-creating an optimizer on a model takes its params over
             for p in ps:
                 ref = getattr(p, "_zerokern_sync", None)
@@ -208,6 +209,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not P.shards_params:  # stages 0-2 follow model.to() and load_state_dict
             self.model_watch = ModelWatch(self, model)
             gs.watchers = (self._unfrozen, self.model_watch)
+        gs.watchers = (self._group_watch,) + tuple(gs.watchers)
         self.activations = None  # activation_checkpointing (stage3/activation_policy.py)
         if d.act_mode is not None:
             from zerokern.stage3.activation_policy import apply_policy
@@ -264,6 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._follow_model("step()")
         gs.finish_aborted_backward("step()")  # [Note: a backward that raised]
         try:  # what this rank's user did to p.grad: maybe on this rank only (comm/abort.py)
+            self._group_watch.check("step()")
             self._check_grads_ready(gs)
             self._check_groups_now()
         except (RuntimeError, ValueError, TypeError) as e:
@@ -522,6 +525,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             set_to_none: True (torch's default): `p.grad` becomes None; with
                 free_grads=True the gradient memory is freed too. False: zeros.
         """
+        self._group_watch.check("zero_grad()")
         self.grad_sync.zero_grad(set_to_none)
         self._clip_next = None
 
