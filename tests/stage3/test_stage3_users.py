@@ -384,6 +384,43 @@ def _gc(rank, ws):
     return [r() is None for r in refs]
 
 
+def _copies(rank, ws):
+    """[Note: a copy of a stage-3 model] (guards.py): copy.deepcopy of the model (an EMA,
+    torch.optim.swa_utils.AveragedModel) outside gathered_params() is a clear error; inside
+    it, the copy runs as a plain model, and an AveragedModel updated inside the block after
+    each step averages the params of every step (checked against a float64 mean of the
+    gathered params)."""
+    import copy
+
+    model = M.make_model()
+    opt = M.zero_opt(model, 3)
+    x = M.rank_tokens(0, rank, ws)[:, :-1]
+    out = {}
+    try:
+        copy.deepcopy(model)
+        out["outside"] = None
+    except RuntimeError as e:
+        out["outside"] = str(e)
+    with opt.gathered_params():
+        twin = copy.deepcopy(model)
+        want = model(x)
+    out["twin_equal"] = torch.equal(twin(x), want)
+    out["twin_values"] = all(p.numel() > 0 for p in twin.parameters())
+    with opt.gathered_params():
+        avg = torch.optim.swa_utils.AveragedModel(model)
+    seen = []
+    for s in range(3):
+        train3(model, opt, rank, ws, steps=1, start=s)
+        with opt.gathered_params():
+            avg.update_parameters(model)
+            seen.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+    mean = {n: sum(d[n] for d in seen) / len(seen) for n in seen[0]}
+    out["avg_err"] = max((p.double() - mean[n[len("module."):]]).abs().max().item()
+                         for n, p in avg.named_parameters())
+    out["moved"] = max((seen[-1][n] - seen[0][n]).abs().max().item() for n in mean)
+    return out
+
+
 def _to(rank, ws):
     out = {}
     for what, fn in (("dtype", lambda m: m.to(torch.bfloat16)),
@@ -529,6 +566,7 @@ def _misc_worker(rank, ws):
         "state_dict": functools.partial(_state_dict, rank, ws),
         "load_state_dict": functools.partial(_load_state_dict, rank, ws),
         "gc": functools.partial(_gc, rank, ws),
+        "copies": functools.partial(_copies, rank, ws),
         "to": functools.partial(_to, rank, ws),
     })
 
@@ -625,6 +663,17 @@ def test_torch_compile_matches_eager(mode):
     for r, x in enumerate(_misc(f"compile_{mode}")):
         assert x["moved"] > 100 * TOL["param"]
         assert x["rel"] <= TOL["param"], f"rank {r}: compiled vs eager {x['rel']:.3g}"
+
+
+def test_a_copy_of_the_model_is_made_inside_gathered_params():
+    """Before: the deep copy held the empty shards and its forward raised a KeyError from the
+    stage-3 hooks, wherever it was made (an EMA or AveragedModel could not run at all)."""
+    for r, x in enumerate(_misc("copies")):
+        assert x["outside"] is not None and "opt.gathered_params()" in x["outside"] \
+            and "copy.deepcopy" in x["outside"], x["outside"]
+        assert x["twin_values"] and x["twin_equal"], f"rank {r}: the copy is not the model"
+        assert x["moved"] > 100 * TOL["param"]
+        assert x["avg_err"] <= 1e-6, f"rank {r}: AveragedModel vs the mean {x['avg_err']:.3g}"
 
 
 def test_state_dict_outside_gathered_params_is_a_clear_error():

@@ -19,6 +19,9 @@ otherwise act on those empty tensors without a word. `ModelGuard` hooks the mode
 - `model.to(device)` / `.half()` / `.float()` after the optimizer was built raises at the next
   forward or step (the params are the optimizer's views; a moved or cast empty tensor would be
   silently replaced by the next gather), and so does a changed set of parameters.
+- `copy.deepcopy(model)` (torch.optim.swa_utils.AveragedModel, an EMA) or `torch.save(model)`
+  outside `opt.gathered_params()` raises, naming gathered_params() ([Note: a copy of a
+  stage-3 model]); inside the block the copy holds the full values and runs as a plain model.
 Hooks hold the sync through a weak reference ([Note: weak, eager hooks] in weak_hook.py).
 """
 
@@ -33,6 +36,49 @@ from zerokern.geometry.dtensor_params import is_dtensor, like_param, local
 from zerokern.grads.weak_hook import weak_hook
 
 from .sharded_flat import Residency
+
+
+def _none():
+    """What a pickled CopyGuard becomes when loaded: no `__deepcopy__` of its own, so
+    copy.deepcopy copies the (then plain) param as torch does."""
+    return None
+
+
+class CopyGuard:
+    """A stage-3 param's `__deepcopy__` (an instance attribute, which copy.deepcopy finds before
+    Parameter's own).
+
+    [Note: a copy of a stage-3 model]
+    Between steps a stage-3 param is an empty tensor. `copy.deepcopy(model)` (what
+    torch.optim.swa_utils.AveragedModel, timm's ModelEma and hand-written EMAs do) copied those
+    empty tensors: the copy's forward then failed with a KeyError from our hooks, and an EMA
+    updated from the model outside gathered_params() copied empty into empty, silently.
+    `torch.save(model)` pickled the empty tensors, a checkpoint with no values. So copying or
+    pickling a param while it is sharded raises, naming gathered_params(); inside the block
+    the param holds its full values and is copied as torch copies it (the copy is a plain
+    Parameter; the model's hooks, shared by the copy's modules, let modules that are not the
+    model's run untouched, runtime.py). Pickling the guard while the param is whole gives
+    `_none` (the loaded param copies as torch's)."""
+
+    def __init__(self, guard: ModelGuard, p: torch.nn.Parameter) -> None:
+        self._guard = weakref.ref(guard)
+        self._p = weakref.ref(p)
+
+    def _check(self, what: str):
+        guard, p = self._guard(), self._p()
+        if guard is not None and p is not None:
+            guard.refuse_copy(p, what)
+        return p
+
+    def __call__(self, memo):
+        p = self._check("copy.deepcopy")
+        if p is None:
+            raise RuntimeError("zerokern stage 3: a param's copy guard outlived its param")
+        return type(p).__deepcopy__(p, memo)
+
+    def __reduce__(self):
+        self._check("pickling (torch.save(model))")
+        return (_none, ())
 
 
 def _ddp_forward_active() -> bool:
@@ -56,6 +102,10 @@ class ModelGuard:
             self._names.setdefault(id(p), name)
         self._loaded = []  # (buffer, slot) that this load_state_dict wrote ([Note: a write to
         # a sharded param]: torch's copy_ moves their counters; the post-hook takes them)
+        for f in list(sync.groups) + sync.frozen:  # [Note: a copy of a stage-3 model]
+            for p in f.params:
+                if isinstance(p, torch.nn.Parameter):
+                    p.__deepcopy__ = CopyGuard(self, p)
         on_sd, on_load = weak_hook(self, "_on_state_dict"), weak_hook(self, "_on_load")
         loaded = weak_hook(self, "_after_load")
         own = weak_hook(self, "_own_values")
@@ -66,7 +116,7 @@ class ModelGuard:
             if not any(id(p) in self.where for p in mod._parameters.values() if p is not None):
                 continue
             self.hooks.append(mod.register_state_dict_pre_hook(
-                lambda m, prefix, keep_vars: on_sd(keep_vars)))
+                lambda m, prefix, keep_vars: on_sd(m, keep_vars)))
             self.hooks.append(mod.register_load_state_dict_pre_hook(
                 lambda m, sd, prefix, *rest: on_load(m, sd, prefix, *rest)))
             self.hooks.append(mod.register_load_state_dict_post_hook(
@@ -123,6 +173,23 @@ class ModelGuard:
                 if written:
                     self.raise_write(where, f.params[written[0]], inside_block=False)
 
+    def refuse_copy(self, p, what: str) -> None:
+        """Raise where p is sharded now ([Note: a copy of a stage-3 model])."""
+        place = self.where.get(id(p))
+        if place is None:
+            return
+        f, i = place
+        if p.numel() == 0 and f.layout.slots[i].numel > 0:
+            raise RuntimeError(
+                f"zerokern stage 3: {what} of param '{self.param_name(p)}' outside "
+                "opt.gathered_params(): between steps each rank holds only its piece of the "
+                "params and the param tensors are empty, so a copy of the model (copy.deepcopy, "
+                "torch.optim.swa_utils.AveragedModel, an EMA) or a pickled model would hold "
+                "no values. Copy it inside `with opt.gathered_params():` on every rank "
+                "(collective), and update an EMA inside the block too; to save, use "
+                "zerokern.checkpoint.save(path, model, opt) or a state dict taken inside the "
+                "block")
+
     def param_name(self, p) -> str:
         """p's name in the model (its first, for a tied param)."""
         return self._names.get(id(p), "?")
@@ -150,10 +217,12 @@ class ModelGuard:
         raise error
 
     # ---- state dicts ----------------------------------------------------------------------------
-    def _on_state_dict(self, keep_vars: bool) -> None:
+    def _on_state_dict(self, module, keep_vars: bool) -> None:
         sync = self._sync()
         if sync is None or keep_vars or sync.all_gathered:
             return
+        if not any(id(p) in self.where for p in module._parameters.values() if p is not None):
+            return  # a copy's module ([Note: a copy of a stage-3 model]): its own params
         raise RuntimeError(
             "zerokern stage 3: model.state_dict() outside opt.gathered_params(): the params "
             "are sharded across ranks and this rank holds only its piece (the param tensors "

@@ -317,11 +317,25 @@ class Stage3Runtime(ShardedGrads):
             return [self.schedule[self._fcur]]
         return self.schedule[self._fcur:]
 
+    def _unit_index(self, module):
+        """module's unit, or None for a module of a copy of the model: it shares the model's
+        hooks and holds its own full params (guards.py [Note: a copy of a stage-3 model])."""
+        ui = self._unit_of.get(id(module))
+        if ui is None and any(id(p) in self.guard.where for p in module.parameters()):
+            raise RuntimeError(f"zerokern stage 3: a {type(module).__name__} holding sharded "
+                               "params is not one of the model's units (changed after "
+                               "ZeroAdamW wrapped the model?)")
+        return ui
+
     def _pre_forward_hook(self, module, args, kwargs):
-        self._pre_forward(self.units[self._unit_of[id(module)]], args, kwargs)
+        ui = self._unit_index(module)
+        if ui is not None:
+            self._pre_forward(self.units[ui], args, kwargs)
 
     def _post_forward_hook(self, module, args, out):
-        self._post_forward(self.units[self._unit_of[id(module)]], out)
+        ui = self._unit_index(module)
+        if ui is not None:
+            self._post_forward(self.units[ui], out)
 
     def _pre_forward(self, u: Unit, args=(), kwargs=None) -> None:
         if self.in_backward:  # checkpoint recompute: gathered by the output hook, or here
