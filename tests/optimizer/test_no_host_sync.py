@@ -4,8 +4,10 @@ While opt.backward(loss) and opt.step() run, every way to read a tensor on the h
 Tensor.item / .cpu / .tolist / .numpy / __bool__ / __float__ / __int__ and torch.cuda.synchronize.
 These are CPU tensors, where such a read costs nothing, but the same line on a GPU stalls the
 stream, so it is a violation of the rule in our code all the same. One read is let through:
-comm/host_agree.py's read_host_flags, stage 3's agreement on late units, which reads a CPU
-tensor that is never on a device (it raises for any other). Stages 0-2, fp32 / bf16 /
+comm/host_agree.py's read_host_flags, which reads a CPU tensor that is never on a device (it
+raises for any other): stage 3's agreement on late units, and the hyperparameter agreement's
+sums where the step's stats live on the host (core/hyper_agreement.py; on a GPU it reads
+nothing outside debug mode). Stages 0-2, fp32 / bf16 /
 fp16 (dynamic scale) and clipping; backends "reference" and "cpu"; world size 1 in this process
 (no process group) and 2 spawned ranks (the collectives' path).
 """

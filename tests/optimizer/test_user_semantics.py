@@ -209,6 +209,40 @@ def _group_params_edited(rank, ws, stage):
     return out
 
 
+def _hyper_differ(rank, ws, stage, memo):
+    """[Note: the same hyperparameters on every rank] (core/hyper_agreement.py): the last rank
+    alone sets lr x 10 before the last step (a scheduler stepped on the main process only):
+    every rank raises at step() before anything is updated, and again on a retry without a
+    new backward; the lr put back, zero_grad() and the backward again, the run ends at DDP +
+    AdamW's params."""
+    ref = memo.setdefault("plain", _ref(rank, ws)[0])
+    torch.manual_seed(0)
+    model = M.make_model()
+    opt = M.zero_opt(model, stage)
+    out = {}
+    for s in range(STEPS):
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(s, rank, ws)))
+        if s == STEPS - 1:
+            lr = opt.param_groups[0]["lr"]
+            if rank == ws - 1:
+                opt.param_groups[0]["lr"] = lr * 10
+            before = M.full_snapshot(model, opt)
+            for k in ("first", "retry"):
+                try:
+                    opt.step()
+                    out[k] = "stepped"
+                except ValueError as e:
+                    out[k] = str(e)
+            out["unchanged"] = _rel(M.full_snapshot(model, opt), before) == 0
+            opt.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+            opt.backward(M.loss_fn(model, M.rank_tokens(s, rank, ws)))
+        opt.step()
+    out["rel"] = _rel(M.full_snapshot(model, opt), ref)
+    return out
+
+
 def _rel(a, b):
     return M.rel_err(a, b)
 
@@ -457,6 +491,8 @@ def _rank_cases(rank, ws):
         cases[f"changed_before_step_s{st}"] = p(_changed_before_step, rank, ws, st)
         cases[f"group_changed_s{st}"] = p(_group_changed, rank, ws, st, memo)
         cases[f"group_params_edited_s{st}"] = p(_group_params_edited, rank, ws, st)
+        if ws > 1:
+            cases[f"hyper_differ_s{st}"] = p(_hyper_differ, rank, ws, st, memo)
         cases[f"opt_clip_s{st}"] = p(_opt_clip, rank, ws, st, memo, 2.0)
         cases[f"opt_clip_inf_s{st}"] = p(_opt_clip, rank, ws, st, memo, math.inf)
         cases[f"torch_clip_s{st}"] = p(_torch_clip, rank, ws, st, memo)
@@ -635,6 +671,18 @@ def test_params_added_to_a_group_after_construction_are_a_clear_error(ws, stage)
                 assert "params of param group 0 were changed after" in msg, msg
             assert x[how + "_unchanged"], f"rank {r}: {how}: the refused calls changed params"
             assert x[how + "_goes_on"], f"rank {r}: {how}: the run did not go on"
+
+
+@pytest.mark.parametrize("ws", ws_params(2, 3))
+@pytest.mark.parametrize("stage", STAGES)
+def test_hyperparameters_that_differ_across_ranks_are_a_clear_error(ws, stage):
+    """Before: each rank stepped with its own lr, without a word (the replicas drift apart at
+    stage 0; at stages 1-3 every rank holds pieces trained with different lrs)."""
+    for r, x in enumerate(case(_res(ws), f"hyper_differ_s{stage}")):
+        for k in ("first", "retry"):
+            assert "differ across the data-parallel ranks" in x[k], f"rank {r} {k}: {x[k]}"
+        assert x["unchanged"], f"rank {r}: the refused step changed params"
+        assert x["rel"] <= TOL, f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
 
 
 @pytest.mark.parametrize("ws", WS)

@@ -38,6 +38,8 @@ import torch
 from zerokern import kernels
 from zerokern.core.decision import decide
 from zerokern.core.frozen_slots import FrozenSkip, GroupParamsWatch, HostUnused, UnfreezeWatch
+from zerokern.core.hyper_agreement import SLOTS as HYPER_SLOTS
+from zerokern.core.hyper_agreement import HyperAgreement
 from zerokern.core.model_sync import (
     ModelWatch,
     model_tensors,
@@ -193,8 +195,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._flag_base = 2 if self.tp is None else 3
         self._flag_index = {(gi, i): j for j, (gi, i) in enumerate(
             (gi, i) for gi, g in enumerate(self.flat_groups) for i in range(len(g.params)))}
-        self._stats = torch.zeros(self._flag_base + len(self._flag_index), dtype=torch.float32,
+        # + the groups' hyperparameter fingerprints ([Note: the same hyperparameters on every
+        # rank] in hyper_agreement.py) after the flags, in the same all-reduce
+        self._flag_end = self._flag_base + len(self._flag_index)
+        self._stats = torch.zeros(self._flag_end + HYPER_SLOTS, dtype=torch.float32,
                                   device=dev)
+        self._hyper = HyperAgreement(dev)
         if self.placement.offload is not None:  # the host skips params no rank used
             self._frozen_skip.host = self.placement.unused = HostUnused(self)
         self._tp_stats = None if self.tp is None else TpStats(self.flat_groups)
@@ -322,7 +328,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stats = self._stats
         base = self._flag_base
         stats.zero_()
-        self._set_used_flags(stats[base:])
+        self._set_used_flags(stats[base:self._flag_end])
+        self._hyper.fill_(stats[self._flag_end:], self.param_groups, self.rules)
         found, sumsq = stats[0], stats[1]
         mp = self.model_parallel
         averaged = self.pattern.grads_averaged
@@ -349,6 +356,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # over the other slices of the model (tensor / pipeline ranks): [found_inf, sumsq],
         # not the flags (their params are others)
         self.plan.agree_(stats[:2], dp=False, label="tp grad stats")
+        self._hyper.read(stats[self._flag_end:])
         # Each shard holds the sum over the whole world (comm.reduce_grads_): divide by it.
         divisor = 1 if averaged else self.comm.world.world_size
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
@@ -402,6 +410,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_ready()
         self._prepare()
+        self._hyper.check(self.param_groups, "step()")  # before anything is updated
         gs = self.grad_sync
         found = self._stats[0]
         clip = None
@@ -418,10 +427,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # copied where a step can roll back (offload="nvme": [Note: all or nothing])
         held = {gi: plan.snapshot() for gi, plan in self._plans.items()
                 if self.offload == "nvme" and hasattr(plan, "snapshot")}
-        place.begin(grad_scale, found, self._stats[self._flag_base:])  # (offload: the flags)
+        place.begin(grad_scale, found, self._stats[self._flag_base:self._flag_end])  # (offload)
         # params frozen since, and params no rank used: left as they are (frozen_slots.py;
         # after place.begin, which settles whether a compact master is expanded)
-        self._frozen_skip.begin(self, found, self._stats[self._flag_base:] == 0)
+        self._frozen_skip.begin(self, found, self._stats[self._flag_base:self._flag_end] == 0)
         for gi, g in enumerate(self.flat_groups):
             rule = self.rules[g.group_index]
             hyper = rule.hyper(self.param_groups[g.group_index])
