@@ -81,11 +81,13 @@ def test_train_two_ranks_compare_end_to_end(tmp_path):
         {k: v for k, v in est.items() if k != "live_units"}
     # Comm: stage 2 sends a reduce-scatter + all-gather of the padded buffer per step, i.e.
     # §5's 2Ψ(N-1)/N elements plus padding, plus the stats all-reduce: found_inf and sumsq,
-    # and one fp32 "used" flag per trainable param tensor ([Note: a param no rank used]).
+    # one fp32 "used" flag per trainable param tensor ([Note: a param no rank used]), and the
+    # hyperparameter fingerprints ([Note: the same hyperparameters on every rank]).
+    from zerokern.core.hyper_agreement import SLOTS
     from zerokern.tools.gpt import build_gpt
 
     flags = sum(1 for p in build_gpt("tiny").parameters() if p.requires_grad)
-    stats_bytes = 4 * (2 + flags)
+    stats_bytes = 4 * (2 + flags + SLOTS)
     c = m["comm_per_step"]
     pad_bytes = 2 * 128 * 4 * 2  # < N*128 padding elements, fp32, sent twice
     assert 0 <= c["total"] - stats_bytes - m["comm_formula_bytes_per_step"] < pad_bytes

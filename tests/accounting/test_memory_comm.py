@@ -42,7 +42,8 @@ ELEM = {"fp32": 4, "bf16": 2}
 
 def stats_bytes(opt) -> int:
     """The step's stats all-reduce: [found_inf, sumsq] and one fp32 "used" flag per param
-    tensor ([Note: a param no rank used] in frozen_slots.py), at every stage."""
+    tensor ([Note: a param no rank used] in frozen_slots.py) and the hyperparameter
+    fingerprints (core/hyper_agreement.py), at every stage."""
     return opt._stats.numel() * opt._stats.element_size()
 
 

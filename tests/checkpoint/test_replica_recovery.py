@@ -55,8 +55,8 @@ def _same(a: dict, b: dict) -> bool:
 
 
 @torch.no_grad()
-def _lose_state(model, opt) -> None:
-    """Garbage in everything a load writes, and the params, LR and scaler besides."""
+def _lose_state(model, opt, lr: bool = True) -> None:
+    """Garbage in everything a load writes, and the params, LR (`lr`) and scaler besides."""
     view = optimizer_view(model, opt)
     ts = [t for p in view.held for t in p.tensors().values()] + [v.value for v in view.values]
     ts += [t for _, _, t in model_extras(model, view)] + [p for p in model.parameters()]
@@ -64,7 +64,7 @@ def _lose_state(model, opt) -> None:
         t.detach().fill_(math.nan if t.is_floating_point() else 7)
     for c in view.steps:
         c.value.fill_(123)
-    for g in opt.param_groups:
+    for g in opt.param_groups if lr else ():
         g["lr"] = 0.5
 
 
@@ -75,7 +75,7 @@ def _run(rank, mesh, stage, precision, opt_kw, lose: bool, heal: bool):
     at_k = _state(model, opt)
     out = {}
     if lose and rank >= 2:  # replica 1: ranks 2 and 3 of the (2, 2) mesh
-        _lose_state(model, opt)
+        _lose_state(model, opt, lr=lose != "state")
     if heal:
         rep = ck.recover_from_replica(model, opt, client_state={"step": K} if rank < 2
                                       else "not sent")
@@ -86,6 +86,14 @@ def _run(rank, mesh, stage, precision, opt_kw, lose: bool, heal: bool):
     M.train_zero(model, opt, rank, WS, K, start=K)
     out["final"] = _state(model, opt)
     return out
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def _uninterrupted(rank, mesh, stage, precision, opt_kw):
@@ -132,7 +140,11 @@ def _worker(rank, ws):
                                                  kw)
         cases[f"heal-{name}"] = functools.partial(_run, rank, mesh, stage, precision, kw, True,
                                                   True)
-    cases["no-heal"] = functools.partial(_run, rank, mesh, 2, "bf16", {}, True, False)
+    # the LR kept: an LR that differs across the ranks is refused at the next step
+    # (core/hyper_agreement.py), so the lost params and state alone show the departure
+    cases["no-heal"] = functools.partial(_run, rank, mesh, 2, "bf16", {}, "state", False)
+    cases["no-heal-lr"] = functools.partial(_raised, _run, rank, mesh, 2, "bf16", {}, True,
+                                            False)
     cases["kept"] = functools.partial(_run, rank, mesh, 2, "bf16", {}, False, True)
     for what in ("source", "layout", "verify"):
         cases[f"refused-{what}"] = functools.partial(_refused, rank, mesh, what)
@@ -158,6 +170,13 @@ def test_negative_control_without_recovery_the_run_departs():
     refs = case(_results(), "ref-s2-bf16")
     for r, (res, ref) in enumerate(zip(case(_results(), "no-heal"), refs)):
         assert not _same(res["final"], ref), r
+
+
+def test_without_recovery_a_lost_lr_is_refused_on_every_rank():
+    """The lost replica's LR garbled too: the ranks' hyperparameter agreement refuses the next
+    step on every rank (before it, the run trained on with two LRs)."""
+    for r, msg in enumerate(case(_results(), "no-heal-lr")):
+        assert "differ across the data-parallel ranks" in msg, f"rank {r}: {msg}"
 
 
 def test_the_source_replica_keeps_its_state():
