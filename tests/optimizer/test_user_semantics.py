@@ -243,6 +243,36 @@ def _hyper_differ(rank, ws, stage, memo):
     return out
 
 
+def _fp16_torch_clip(rank, ws):
+    """[Note: an edit of a loss-scaled p.grad] (core/optimizer.py): fp16 at stage 0, p.grad
+    holds the loss-scaled gradient; torch's clip_grad_norm_ / clip_grad_value_ on it is a
+    clear error at step() (before, a wrong step), nothing changed; after zero_grad() the
+    same loop with opt.clip_grad_norm_ trains."""
+    out = {}
+    for how in ("norm", "value"):
+        model = M.make_model()
+        opt = M.zero_opt(model, 0, "fp16", loss_scale={"init_scale": 2.0**12})
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws)))
+        before = M.snapshot(model)
+        if how == "norm":
+            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        else:
+            nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        try:
+            opt.step()
+            out[how] = "stepped"
+        except RuntimeError as e:
+            out[how] = str(e)
+        out[how + "_unchanged"] = M.bitwise_equal(M.snapshot(model), before)
+        opt.zero_grad()
+        opt.backward(M.loss_fn(model, M.rank_tokens(1, rank, ws)))
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        out[how + "_goes_on"] = not M.bitwise_equal(M.snapshot(model), before)
+    return out
+
+
 def _rel(a, b):
     return M.rel_err(a, b)
 
@@ -500,6 +530,7 @@ def _rank_cases(rank, ws):
         cases[f"fp16_plain_s{st}"] = p(_fp16_plain, rank, ws, st)
         cases[f"gc_s{st}"] = p(_gc, rank, ws, st)
         cases[f"no_sync_comm_s{st}"] = p(_no_sync_comm, rank, ws, st)
+    cases["fp16_torch_clip_s0"] = p(_fp16_torch_clip, rank, ws)
     for st in (0, 1):  # p.grad can be assigned where a full grad buffer exists
         cases[f"assigned_after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo,
                                                   list("zbsabsnabs"))
@@ -683,6 +714,18 @@ def test_hyperparameters_that_differ_across_ranks_are_a_clear_error(ws, stage):
             assert "differ across the data-parallel ranks" in x[k], f"rank {r} {k}: {x[k]}"
         assert x["unchanged"], f"rank {r}: the refused step changed params"
         assert x["rel"] <= TOL, f"rank {r}: vs DDP + AdamW {x['rel']:.3g}"
+
+
+@pytest.mark.parametrize("ws", WS)
+def test_torch_clipping_of_loss_scaled_grads_is_a_clear_error(ws):
+    """Before: torch's clipping acted on the fp16 loss-scaled p.grad (2^12 x the gradient) and
+    the step ran on the wrongly clipped gradient without a word."""
+    for r, x in enumerate(case(_res(ws), "fp16_torch_clip_s0")):
+        for how in ("norm", "value"):
+            assert "changed in place after the backward" in x[how] \
+                and "opt.clip_grad_norm_" in x[how], f"rank {r} {how}: {x[how]}"
+            assert x[how + "_unchanged"], f"rank {r}: the refused step changed params"
+            assert x[how + "_goes_on"], f"rank {r}: the run did not go on"
 
 
 @pytest.mark.parametrize("ws", WS)

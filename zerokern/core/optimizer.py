@@ -311,6 +311,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "zero_grad(): "
                                "run loss.backward() (or opt.backward(loss)) first")
         gs.check_unchanged_since_backward()
+        self._check_scaled_grads_untouched(gs)
         if gs.unscaled_backward:
             raise RuntimeError(
                 f"{type(self).__name__}(precision={self.precision!r}): a backward since "
@@ -318,6 +319,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "not go through the loss scale, so its gradients would be divided by a scale "
                 "that was never applied. Use opt.backward(loss) or "
                 "opt.scale_loss(loss).backward() for every backward (then opt.zero_grad())")
+
+    def _check_scaled_grads_untouched(self, gs) -> None:
+        """[Note: an edit of a loss-scaled p.grad] With a loss scale (fp16, or an explicit
+        loss_scale=), stage 0's p.grad views the reduced gradient as the backward left it:
+        multiplied by the scale (torch's GradScaler leaves p.grad scaled too, until
+        scaler.unscale_(opt)). torch.nn.utils.clip_grad_norm_(model.parameters(), c) on it
+        measured the scaled norm and shrank the gradient by about the scale more than
+        asked, and clip_grad_value_ clipped scaled values: a wrong step without a word (fp16
+        at stage 0, N = 2, scale 2^12, clip 0.05: the params moved 0.0025 in 3 steps, 0.0057
+        with opt.clip_grad_norm_). So
+        an in-place change to a p.grad since the backward is refused under a loss scale
+        (version counters: each p.grad views its bucket, whose counter every view shares);
+        opt.clip_grad_norm_ clips the unscaled gradient. Without a loss scale an edit is
+        the user's to make, and stage 0 steps with it as DDP would."""
+        if not gs.require_scaled:
+            return
+        edited = gs.edited_grad()
+        if edited is None:
+            return
+        gi, i = edited
+        raise RuntimeError(
+            f"{type(self).__name__}(precision={self.precision!r}): p.grad of param {i} in param "
+            f"group {gi} was changed in place after the backward (e.g. torch.nn.utils."
+            "clip_grad_norm_ or clip_grad_value_), but under a loss scale p.grad holds the "
+            f"scaled gradient (x {float(self.scaler.scale):g} now), so the change acts on "
+            "scaled values (torch's GradScaler asks for scaler.unscale_(opt) first). Clip with "
+            "opt.clip_grad_norm_(max_norm), which clips the unscaled gradient, or "
+            "max_grad_norm=; opt.zero_grad() starts over")
 
     def _prepare(self) -> None:
         """Reduce, then found_inf/sumsq/grad_norm: once per set of grads (Note steps 1-3)."""
@@ -362,6 +391,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unscale = (self.scaler.scale * float(divisor)).reciprocal()
         torch.mul(sumsq.sqrt(), self._unscale, out=self.grad_norm)
         self._prepared = gs.generation
+        gs.see_grad_edits()  # what the preparation itself did to the buffers is ours
 
     def _set_used_flags(self, flags: torch.Tensor) -> None:
         """flags (zeroed, on the device) := 1 for every param that got a gradient on this rank

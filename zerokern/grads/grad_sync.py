@@ -103,6 +103,7 @@ class GradSync:
         self._got: List[List[bool]] = [[False] * len(g.params) for g in groups]  # this backward
         self._exposed: List[List[Optional[torch.Tensor]]] = [[None] * len(g.params)
                                                              for g in groups]
+        self._versions: List[List[Optional[int]]] = [[None] * len(g.params) for g in groups]
         self._hooks = []
         # [Note: weak, eager hooks] (weak_hook.py)
         begin, on_grad = weak_hook(self, "begin_from_hook"), weak_hook(self, "_on_grad")
@@ -229,6 +230,22 @@ class GradSync:
                 else:
                     p.grad = self.exposed_grad(gi, i)
                 self._exposed[gi][i] = p.grad
+        self.see_grad_edits()
+
+    def see_grad_edits(self) -> None:
+        """[Note: an edit of a loss-scaled p.grad] The exposed grads' version counters now (a
+        view shares its buffer's), so that `edited_grad` finds the user's in-place changes
+        since: after each backward, and after the step's own preparation."""
+        self._versions = [[None if t is None else t._version for t in row]
+                          for row in self._exposed]
+
+    def edited_grad(self) -> Optional[Tuple[int, int]]:
+        """(group, index) of an exposed p.grad changed in place since `see_grad_edits`."""
+        for gi, row in enumerate(self._exposed):
+            for i, t in enumerate(row):
+                if t is not None and t._version != self._versions[gi][i]:
+                    return gi, i
+        return None
 
     def detach(self) -> None:
         """Remove the hooks; the owning optimizer can no longer step (params were taken over)."""
