@@ -143,6 +143,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group, ps in zip(self.param_groups, d.trainable):
             group["params"] = ps  # frozen params leave the group; duplicates (ties) are gone
         self._group_watch = GroupParamsWatch(self)  # [Note: a group's params edited]
+        self._group_keys_checked: dict = {}  # group -> its keys at the last check
         for ps in d.trainable:  # re-creating an optimizer on a model takes its params over
             for p in ps:
                 ref = getattr(p, "_zerokern_sync", None)
@@ -292,7 +293,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comparisons per group, no device read: a tensor lr is left to the kernel), and its
         keys again when they changed since the last check (zerokern.rules [Note: a rule's
         keys]; a scheduler's "initial_lr" passes)."""
-        seen = self.__dict__.setdefault("_group_keys_checked", {})
+        seen = self._group_keys_checked
         for gi, group in enumerate(self.param_groups):
             rule, where = self.rules[gi], f"param group {gi}"
             missing = [k for k in rule.defaults if k not in group]
