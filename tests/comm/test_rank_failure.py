@@ -68,7 +68,7 @@ def _grad_changed_in_place(rank, ws, stage):
     ([Note: grads read where they lie] in comm/pieces.py); the other ranks' backward is clean."""
     import zerokern as zk
 
-    from .test_pieces import _Net, _user_hooks
+    from .test_pieces import _Net, _user_hooks, checked_at_the_end
 
     model = _Net()
     if rank == 0:
@@ -85,7 +85,8 @@ def _grad_changed_in_place(rank, ws, stage):
             opt.backward(model(x, rank))
             opt.step()
 
-    return _outcome(run)
+    with checked_at_the_end():
+        return _outcome(run)
 
 
 def _param_file_truncated(rank, ws):

@@ -243,6 +243,71 @@ def _hyper_differ(rank, ws, stage, memo):
     return out
 
 
+def _post_hooks(rank, ws, stage, memo, micro):
+    """Hooks the user registers after the wrap with p.register_post_accumulate_grad_hook: one
+    scales a weight's gradient by 3 in place, one records the norm of another's. DDP reduces
+    after them (a hook on the AccumulateGrad node), so they see this rank's gradient (the sum
+    of the micro-batches so far) and the scaled one is reduced. `micro` micro-batches per step,
+    all but the last under no_sync(). Returns (params' rel err to DDP + AdamW, the seen norms'
+    max rel err to DDP's); at stages 2-3 with micro > 1, the error of the second backward, on
+    every rank, whether that failed backward changed any param, and whether the run goes on
+    after zero_grad()."""
+    def hooked(model):
+        seen = []
+
+        def scale(p):
+            p.grad.mul_(3)
+
+        def record(p):
+            seen.append(float(p.grad.norm()))
+
+        model.get_parameter("blocks.0.qkv.weight").register_post_accumulate_grad_hook(scale)
+        model.get_parameter("blocks.1.fc1.weight").register_post_accumulate_grad_hook(record)
+        return seen
+
+    def run(model, net, opt, backward, no_sync):
+        seen = hooked(model)
+        for s in range(STEPS):
+            opt.zero_grad()
+            for m in range(micro):
+                ctx = no_sync() if (ws > 1 and m < micro - 1) else contextlib.nullcontext()
+                with ctx:
+                    backward(M.loss_fn(net, M.rank_tokens(s, rank, ws, micro=m)) / micro)
+            opt.step()
+        return seen
+
+    key = f"post_hooks{micro}"
+    if key not in memo:
+        torch.manual_seed(0)
+        model = M.make_model()
+        net = model if ws == 1 else nn.parallel.DistributedDataParallel(model)
+        seen = run(model, net, M.torch_adamw(model), lambda loss: loss.backward(),
+                   getattr(net, "no_sync", None))
+        memo[key] = M.snapshot(model), seen
+    ref, ref_seen = memo[key]
+    torch.manual_seed(0)
+    model = M.make_model()
+    opt = M.zero_opt(model, stage)
+    if stage >= 2 and micro > 1:
+        hooked(model)
+        opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws, micro=0)) / micro)
+        before = M.full_snapshot(model, opt)
+        try:
+            opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws, micro=1)) / micro)
+            return "no error", False, False
+        except RuntimeError as e:
+            msg, unchanged = str(e), _rel(M.full_snapshot(model, opt), before) == 0
+        opt.zero_grad()  # one backward per step: the loop goes on
+        opt.backward(M.loss_fn(model, M.rank_tokens(1, rank, ws)))
+        opt.step()
+        return msg, unchanged, _rel(M.full_snapshot(model, opt), before) > 0
+    seen = run(model, model, opt, opt.backward, opt.no_sync)
+    if len(seen) != len(ref_seen):
+        return math.inf, f"{len(seen)} norms seen, DDP's hook saw {len(ref_seen)}"
+    return _rel(M.full_snapshot(model, opt), ref), max(abs(a - b) / b
+                                                       for a, b in zip(seen, ref_seen))
+
+
 def _fp16_torch_clip(rank, ws):
     """[Note: an edit of a loss-scaled p.grad] (core/optimizer.py): fp16 at stage 0, p.grad
     holds the loss-scaled gradient; torch's clip_grad_norm_ / clip_grad_value_ on it is a
@@ -530,6 +595,8 @@ def _rank_cases(rank, ws):
         cases[f"fp16_plain_s{st}"] = p(_fp16_plain, rank, ws, st)
         cases[f"gc_s{st}"] = p(_gc, rank, ws, st)
         cases[f"no_sync_comm_s{st}"] = p(_no_sync_comm, rank, ws, st)
+        cases[f"post_hooks_s{st}"] = p(_post_hooks, rank, ws, st, memo, 1)
+        cases[f"post_hooks_accum_s{st}"] = p(_post_hooks, rank, ws, st, memo, 2)
     cases["fp16_torch_clip_s0"] = p(_fp16_torch_clip, rank, ws)
     for st in (0, 1):  # p.grad can be assigned where a full grad buffer exists
         cases[f"assigned_after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo,
@@ -726,6 +793,31 @@ def test_torch_clipping_of_loss_scaled_grads_is_a_clear_error(ws):
                 and "opt.clip_grad_norm_" in x[how], f"rank {r} {how}: {x[how]}"
             assert x[how + "_unchanged"], f"rank {r}: the refused step changed params"
             assert x[how + "_goes_on"], f"rank {r}: the run did not go on"
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_post_accumulate_grad_hooks_see_and_change_the_gradient_as_under_ddp(ws, stage):
+    """Before: zerokern's own post-accumulate hook ran first and launched the bucket's
+    reduction, so a hook registered after the wrap scaled a gradient already reduced (stage
+    1: in a consumed buffer, a wrong step without a word, 5e-3 off), read a divided gradient
+    (stage 0) or found p.grad None (stages 2-3). Now as DDP; at stages 2-3 (no full gradient
+    held) accumulation under such a hook is a clear error on every rank."""
+    for r, res in enumerate(case(_res(ws), f"post_hooks_s{stage}")):
+        rel, seen_rel = res
+        assert rel <= TOL, f"rank {r}: params vs DDP + AdamW with the same hooks: {rel:.3g}"
+        assert isinstance(seen_rel, float) and seen_rel <= 1e-6, f"rank {r}: {seen_rel}"
+    for r, res in enumerate(case(_res(ws), f"post_hooks_accum_s{stage}")):
+        if stage < 2:
+            rel, seen_rel = res
+            assert rel <= TOL, f"rank {r}: accumulation: params vs DDP: {rel:.3g}"
+            assert isinstance(seen_rel, float) and seen_rel <= 1e-6, f"rank {r}: {seen_rel}"
+        else:
+            msg, unchanged, goes_on = res
+            assert "register_post_accumulate_grad_hook" in msg and "accumulation" in msg, \
+                f"rank {r}: {msg}"
+            assert unchanged, f"rank {r}: the refused backward changed params"
+            assert goes_on, f"rank {r}: the run did not go on after zero_grad()"
 
 
 @pytest.mark.parametrize("ws", WS)

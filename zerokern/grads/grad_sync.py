@@ -105,6 +105,9 @@ class GradSync:
                                                              for g in groups]
         self._versions: List[List[Optional[int]]] = [[None] * len(g.params) for g in groups]
         self._hooks = []
+        # (group, index, param, our post-accumulate hook's id): [Note: the user's
+        # post-accumulate hooks run first]
+        self._last_hooks: List[Tuple[int, int, torch.Tensor, int]] = []
         # [Note: weak, eager hooks] (weak_hook.py)
         begin, on_grad = weak_hook(self, "begin_from_hook"), weak_hook(self, "_on_grad")
         ref = weakref.ref(self)
@@ -112,8 +115,9 @@ class GradSync:
             for i, p in enumerate(g.params):
                 p._zerokern_sync = ref  # marks the param as owned (see ZeroAdamW's check)
                 self._hooks.append(p.register_hook(lambda grad: begin(False)))
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, gi=gi, i=i: on_grad(gi, i, p)))
+                h = p.register_post_accumulate_grad_hook(lambda p, gi=gi, i=i: on_grad(gi, i, p))
+                self._hooks.append(h)
+                self._last_hooks.append((gi, i, p, h.id))
 
     # ---- backward bookkeeping ---------------------------------------------------------------
     def mark_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -127,14 +131,16 @@ class GradSync:
         if self.state is TrainingState.IDLE and not self.detached:
             self._begin_backward(scaled)
 
-    def _begin_backward(self, scaled: bool = False) -> None:
+    def _begin_backward(self, scaled: bool = False, in_post_hook: bool = False) -> None:
         """First hook of a backward: queue its end, follow the user's p.grad changes."""
         if self.state is not TrainingState.IDLE:
             return
-        if self.require_scaled and not scaled:
-            self.unscaled_backward = True
         for w in self.watchers:
             w.check("backward")
+        if not in_post_hook:  # (torch is iterating a param's post hooks: leave them be)
+            self._run_after_user_hooks()
+        if self.require_scaled and not scaled:
+            self.unscaled_backward = True
         self.state = TrainingState.PRE_BACKWARD
         Variable._execution_engine.queue_callback(self._end_backward)
         self.generation += 1
@@ -145,6 +151,46 @@ class GradSync:
             raise
         self._got = [[False] * len(g.params) for g in self.groups]
         self.begin_backward()
+
+    def _run_after_user_hooks(self) -> None:
+        """[Note: the user's post-accumulate hooks run first]
+        A hook the user registers with p.register_post_accumulate_grad_hook after the wrap
+        would run after ours, which takes the gradient (stages 2-3: p.grad is None after it),
+        divides it (stage 0) and may launch its bucket's reduction: a hook that scaled the
+        gradient changed one already reduced, racing the collective or, at stage 1, in a
+        consumed buffer (a wrong step without a word, test_user_semantics); one that read it
+        read the reduced or divided one. DDP reduces from a hook on the AccumulateGrad node,
+        which runs after all of them, so they see and change this rank's gradient (the sum
+        since zero_grad under no_sync()). Here our hook is moved to the end of each param's
+        hooks at the start of every backward, before any gradient lands: torch runs them in
+        the dict's insertion order, so it is popped and put back (OrderedDict.move_to_end
+        leaves the dict's own order as it was). Only params with another hook are touched.
+
+        Stages 2-3 hold no full gradient: a backward that adds to one held since zero_grad()
+        (accumulation) would show the hook this backward's gradient only, where torch and DDP
+        show the sum, and a hook that scales it would be applied to another number. That is
+        refused here, on this rank before anything lands (the peers raise in their next
+        collective: comm/abort.py)."""
+        held = []
+        for gi, i, p, hid in self._last_hooks:
+            hooks = p._post_accumulate_grad_hooks
+            if len(hooks) > 1 and hid in hooks:
+                if self.stage >= 2 and p.grad is not None:
+                    held.append((gi, i))
+                if next(reversed(hooks)) != hid:
+                    hooks[hid] = hooks.pop(hid)
+        if held:
+            gi, i = held[0]
+            error = RuntimeError(
+                f"zerokern stage {self.stage}: param {i} of param group {gi} has a hook from "
+                "p.register_post_accumulate_grad_hook, and this backward adds to its gradient "
+                "held since zero_grad() (accumulation): stages 2-3 keep no full gradient, so "
+                "the hook would see this backward's gradient only, where torch and DDP show "
+                f"the sum ({len(held)} such param(s)). Call opt.zero_grad() after each "
+                "step and use one backward per step, use stage 0 or 1, or use p.register_hook "
+                "(it sees each backward's gradient, the same at every stage and under DDP)")
+            self.comm.signal_failure(error)
+            raise error
 
     def _end_backward(self) -> None:
         self.end_backward()
@@ -167,7 +213,7 @@ class GradSync:
                 raise TypeError(f"zerokern: param {i} of param group {gi} is a DTensor but got "
                                 "a plain-tensor gradient")
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        self._begin_backward()
+        self._begin_backward(in_post_hook=True)
         self._got[gi][i] = True
         self.on_grad(gi, i, p)
 
@@ -252,6 +298,7 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._last_hooks = []
         self.detached = True
 
     def finish_aborted_backward(self, where: str) -> None:
