@@ -27,6 +27,7 @@ from .ring import FutureWork, RingRunner
 # are never destroyed, so one per optimizer would leak connections.
 _SPLIT_GROUPS: dict = {}
 _CHANNELS: dict = {}  # process group -> AbortChannel (abort.py)
+_RINGS: dict = {}  # process group -> RingRunner ([Note: one ring per process group])
 
 
 def forget_groups() -> None:
@@ -34,7 +35,25 @@ def forget_groups() -> None:
     `dist.destroy_process_group()`, before a new default group (comm/quorum.py)."""
     _SPLIT_GROUPS.clear()
     _CHANNELS.clear()
+    for ring in _RINGS.values():
+        ring.close()
+    _RINGS.clear()
     forget_channels()
+
+
+def _ring_of(group, rank: int, world_size: int) -> RingRunner:
+    """[Note: one ring per process group]
+    The gloo ring runs a group's collectives on one background thread, in the order they are
+    submitted. Each optimizer had a ring of its own, so two optimizers on one process group (a
+    second optimizer for some params, a generator and a discriminator) sent their buckets in
+    whatever order their two threads reached the wire: the ranks paired one optimizer's
+    bucket with the other's, "the ranks issued different collectives" at best, a collective
+    timeout at stages 1-2 (tests/optimizer/test_two_optimizers.py, N = 2 and 3). Every
+    optimizer on a group now submits to the group's one ring, so its collectives run in
+    program order, the same on every rank, as the group's abort channel counts them."""
+    if group not in _RINGS:
+        _RINGS[group] = RingRunner(group, rank, world_size)
+    return _RINGS[group]
 
 # torch 2.13 renamed the flat-tensor collectives (*_single); older torch has only *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -149,7 +168,7 @@ class GroupComm:
         if self.world_size > 1 and self.backend == "gloo":
             guard_gloo_exit()  # [Note: the gloo exit race] in exit_guard.py
             if os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
-                self.ring = RingRunner(self.group, self.rank, self.world_size)
+                self.ring = _ring_of(self.group, self.rank, self.world_size)
 
     def split(self) -> GroupComm:
         """A Comm over a second process group with the same ranks (the same group object for

@@ -86,6 +86,11 @@ class RingRunner:
                     "this process group's ring", shm._timeout_s(self.group), e) from e
             raise
 
+    def close(self) -> None:
+        """The group was destroyed (collectives.forget_groups): let the thread go."""
+        self.stop("its process group was destroyed")
+        self._pool.shutdown(wait=False)
+
     def submit(self, fn, *args) -> Future:
         self._last = self._pool.submit(self._run, fn, *args)
         return self._last

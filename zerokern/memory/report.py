@@ -160,8 +160,9 @@ def memory_report(opt) -> Dict[str, Any]:
     # Stage 3's reduce-scatter Comm shares the world (and replicate) group with opt.comm:
     # each group once.
     comms = [opt.comm, getattr(opt.grad_sync, "rs_comm", opt.comm)]
-    groups = {id(gc): gc for c in comms for gc in c.group_comms() if gc.ring is not None}
-    out["comm_buffers"] = sum(gc.ring.shm_bytes for gc in groups.values())
+    rings = {id(gc.ring): gc.ring for c in comms for gc in c.group_comms()
+             if gc.ring is not None}  # one per process group ([Note: one ring per process group])
+    out["comm_buffers"] = sum(ring.shm_bytes for ring in rings.values())
     acts = getattr(opt, "activations", None)
     if acts is not None:  # activation_checkpointing: what the units hold for backward
         out["activations"] = acts.report()  # ([Note: what the activation rows count])
