@@ -243,15 +243,16 @@ def _hyper_differ(rank, ws, stage, memo):
     return out
 
 
-def _post_hooks(rank, ws, stage, memo, micro):
+def _post_hooks(rank, ws, stage, memo, micro, no_sync=True):
     """Hooks the user registers after the wrap with p.register_post_accumulate_grad_hook: one
     scales a weight's gradient by 3 in place, one records the norm of another's. DDP reduces
     after them (a hook on the AccumulateGrad node), so they see this rank's gradient (the sum
     of the micro-batches so far) and the scaled one is reduced. `micro` micro-batches per step,
-    all but the last under no_sync(). Returns (params' rel err to DDP + AdamW, the seen norms'
-    max rel err to DDP's); at stages 2-3 with micro > 1, the error of the second backward, on
-    every rank, whether that failed backward changed any param, and whether the run goes on
-    after zero_grad()."""
+    all but the last under no_sync() (no_sync=False: each reduces). Returns (params' rel err to
+    DDP + AdamW, the seen norms' max rel err to DDP's); where the sum is held only reduced and
+    sharded (stages 2-3; stage 1 without no_sync()) and micro > 1, the error of the second
+    backward on every rank, whether that failed backward changed any param, and whether the
+    run goes on after zero_grad()."""
     def hooked(model):
         seen = []
 
@@ -265,18 +266,19 @@ def _post_hooks(rank, ws, stage, memo, micro):
         model.get_parameter("blocks.1.fc1.weight").register_post_accumulate_grad_hook(record)
         return seen
 
-    def run(model, net, opt, backward, no_sync):
+    def run(model, net, opt, backward, sync_off):
         seen = hooked(model)
         for s in range(STEPS):
             opt.zero_grad()
             for m in range(micro):
-                ctx = no_sync() if (ws > 1 and m < micro - 1) else contextlib.nullcontext()
+                ctx = sync_off() if (sync_off is not None and no_sync and m < micro - 1) \
+                    else contextlib.nullcontext()
                 with ctx:
                     backward(M.loss_fn(net, M.rank_tokens(s, rank, ws, micro=m)) / micro)
             opt.step()
         return seen
 
-    key = f"post_hooks{micro}"
+    key = f"post_hooks{micro}{no_sync}"
     if key not in memo:
         torch.manual_seed(0)
         model = M.make_model()
@@ -288,7 +290,7 @@ def _post_hooks(rank, ws, stage, memo, micro):
     torch.manual_seed(0)
     model = M.make_model()
     opt = M.zero_opt(model, stage)
-    if stage >= 2 and micro > 1:
+    if micro > 1 and (stage >= 2 or stage == 1 and not no_sync):
         hooked(model)
         opt.backward(M.loss_fn(model, M.rank_tokens(0, rank, ws, micro=0)) / micro)
         before = M.full_snapshot(model, opt)
@@ -597,6 +599,7 @@ def _rank_cases(rank, ws):
         cases[f"no_sync_comm_s{st}"] = p(_no_sync_comm, rank, ws, st)
         cases[f"post_hooks_s{st}"] = p(_post_hooks, rank, ws, st, memo, 1)
         cases[f"post_hooks_accum_s{st}"] = p(_post_hooks, rank, ws, st, memo, 2)
+        cases[f"post_hooks_synced_s{st}"] = p(_post_hooks, rank, ws, st, memo, 2, False)
     cases["fp16_torch_clip_s0"] = p(_fp16_torch_clip, rank, ws)
     for st in (0, 1):  # p.grad can be assigned where a full grad buffer exists
         cases[f"assigned_after_reduce_s{st}"] = p(_schedule, rank, ws, st, memo,
@@ -801,14 +804,16 @@ def test_post_accumulate_grad_hooks_see_and_change_the_gradient_as_under_ddp(ws,
     """Before: zerokern's own post-accumulate hook ran first and launched the bucket's
     reduction, so a hook registered after the wrap scaled a gradient already reduced (stage
     1: in a consumed buffer, a wrong step without a word, 5e-3 off), read a divided gradient
-    (stage 0) or found p.grad None (stages 2-3). Now as DDP; at stages 2-3 (no full gradient
-    held) accumulation under such a hook is a clear error on every rank."""
+    (stage 0) or found p.grad None (stages 2-3). Now as DDP; where the sum is held only reduced
+    and sharded (stages 2-3, stage 1 without no_sync()) accumulation under such a hook is a
+    clear error on every rank (stage 1, N = 1, before that check: 1e-2 off)."""
     for r, res in enumerate(case(_res(ws), f"post_hooks_s{stage}")):
         rel, seen_rel = res
         assert rel <= TOL, f"rank {r}: params vs DDP + AdamW with the same hooks: {rel:.3g}"
         assert isinstance(seen_rel, float) and seen_rel <= 1e-6, f"rank {r}: {seen_rel}"
-    for r, res in enumerate(case(_res(ws), f"post_hooks_accum_s{stage}")):
-        if stage < 2:
+    for r, res in enumerate(case(_res(ws), f"post_hooks_accum_s{stage}")
+                            + case(_res(ws), f"post_hooks_synced_s{stage}")):
+        if len(res) == 2:
             rel, seen_rel = res
             assert rel <= TOL, f"rank {r}: accumulation: params vs DDP: {rel:.3g}"
             assert isinstance(seen_rel, float) and seen_rel <= 1e-6, f"rank {r}: {seen_rel}"

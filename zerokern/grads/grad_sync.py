@@ -78,6 +78,12 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
 
 
+def _released(grad: Optional[torch.Tensor]) -> bool:
+    """Whether p.grad is our placeholder for a gradient held only reduced and sharded."""
+    return grad is not None and isinstance(local(grad) if is_dtensor(grad) else grad,
+                                           ReleasedGrad)
+
+
 class GradSync:
     """Base: hooks, backward bookkeeping and the p.grad state shared by all stages."""
 
@@ -167,16 +173,17 @@ class GradSync:
         leaves the dict's own order as it was). Only params with another hook are touched; the
         walk over the params costs 66 us per backward for 1000 params (the 2-core VM).
 
-        Stages 2-3 hold no full gradient: a backward that adds to one held since zero_grad()
+        A gradient held only reduced and sharded (p.grad a ReleasedGrad: stages 2-3, and stage
+        1 after a backward outside no_sync()) is no full gradient: a backward that adds to it
         (accumulation) would show the hook this backward's gradient only, where torch and DDP
-        show the sum, and a hook that scales it would be applied to another number. That is
-        refused here, on this rank before anything lands (the peers raise in their next
-        collective: comm/abort.py)."""
+        show the sum, and a hook that scales it would act on another number (stage 1, N = 1,
+        two backward passes: 1e-2 off). That is refused here, on this rank before anything
+        lands (the peers raise in their next collective: comm/abort.py)."""
         held = []
         for gi, i, p, hid in self._last_hooks:
             hooks = p._post_accumulate_grad_hooks
             if len(hooks) > 1 and hid in hooks:
-                if self.stage >= 2 and p.grad is not None:
+                if _released(p.grad):
                     held.append((gi, i))
                 if next(reversed(hooks)) != hid:
                     hooks[hid] = hooks.pop(hid)
@@ -185,11 +192,13 @@ class GradSync:
             error = RuntimeError(
                 f"zerokern stage {self.stage}: param {i} of param group {gi} has a hook from "
                 "p.register_post_accumulate_grad_hook, and this backward adds to its gradient "
-                "held since zero_grad() (accumulation): stages 2-3 keep no full gradient, so "
-                "the hook would see this backward's gradient only, where torch and DDP show "
-                f"the sum ({len(held)} such param(s)). Call opt.zero_grad() after each "
-                "step and use one backward per step, use stage 0 or 1, or use p.register_hook "
-                "(it sees each backward's gradient, the same at every stage and under DDP)")
+                "held since zero_grad() (accumulation), which exists only reduced and sharded "
+                "(stages 2-3, and stage 1 after a backward outside no_sync()): the hook would "
+                "see this backward's gradient only, where torch and DDP show the sum "
+                f"({len(held)} such param(s)). Use one backward per step (opt.zero_grad() "
+                "after each step), accumulate under opt.no_sync() at stage 0 or 1, or use "
+                "p.register_hook (it sees each backward's gradient, the same at every stage "
+                "and under DDP)")
             self.comm.signal_failure(error)
             raise error
 
