@@ -106,6 +106,24 @@ def _param_file_truncated(rank, ws):
         return out
 
 
+def _rank0_alone_in_gathered_params(rank, ws):
+    """DDP's habit at stage 3: rank 0 alone saves the model (`if rank == 0:` around
+    opt.gathered_params() and model.state_dict()); the others go on training. Each waits in
+    another collective at the same number ([Note: ranks stuck in different collectives] in
+    comm/abort.py)."""
+    model = M.make_model()
+    opt = M.zero_opt(model, 3)
+    M.train_zero(model, opt, rank, ws, 1)
+
+    def rest():
+        if rank == 0:
+            with opt.gathered_params():
+                model.state_dict()
+        M.train_zero(model, opt, rank, ws, 2)
+
+    return _outcome(rest)
+
+
 def _check(results, victim, victim_error, victim_text):
     for r, res in enumerate(results):
         assert res["err"] is not None, f"rank {r} did not raise"
@@ -146,3 +164,16 @@ def test_a_grad_changed_in_place_on_one_rank_fails_every_rank_promptly(ws, stage
     process group's timeout there (before: CollectiveTimeout after PG_TIMEOUT)."""
     _check(spawn(_grad_changed_in_place, ws, stage), 0, "RuntimeError",
            "was changed in place after zerokern took it")
+
+
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_collective_run_on_one_rank_only_is_a_clear_error_on_every_rank(ws):
+    """Before: every rank waited the process group's timeout (a CollectiveTimeout after 60 s
+    here, 30 min by default; probe at N = 2). Now each rank raises within seconds, naming the
+    two collectives: its own CollectiveMismatch, or the peer's, posted (RankAborted)."""
+    for r, res in enumerate(spawn(_rank0_alone_in_gathered_params, ws)):
+        assert res["err"] is not None, f"rank {r} did not raise"
+        name, msg = res["err"]
+        assert name in ("CollectiveMismatch", "RankAborted"), (r, name, msg)
+        assert "issued different collectives" in msg and "gathered_params" in msg, (r, msg)
+        assert res["elapsed"] < PROMPT_S < PG_TIMEOUT, (r, res["elapsed"])

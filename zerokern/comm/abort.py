@@ -57,9 +57,10 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from . import liveness
-from .errors import PeerLost, RankAborted  # noqa: F401 (this module's names too)
+from .errors import CollectiveMismatch, PeerLost, RankAborted  # noqa: F401 (names here too)
 
 POLL_S = 0.05  # s between store checks while a collective has not landed
+STALL_S = 2.0  # s a wait lasts before the ranks' positions are compared, and between compares
 PG_TIMEOUT_ENV = "ZEROKERN_PG_TIMEOUT_S"  # spawn.py and `zerokern train`: the group's timeout
 PG_TIMEOUT_KNOB = (
     "raise the process group's timeout: init_process_group(..., timeout=datetime.timedelta("
@@ -133,7 +134,61 @@ class AbortChannel:
             liveness.start(self.store, self.rank, dist.get_world_size())
         name = getattr(group, "group_name", None) or "world"
         self.key = f"zerokern/abort/{name}"
+        self.rings: list = []  # the rings counting on this channel (the group's, its split's)
         _ALL.append(self)
+
+    def watch_ring(self, ring) -> None:
+        """Compare `ring`'s running job with the peers' when a wait stalls ([Note: ranks stuck
+        in different collectives])."""
+        if all(r is not ring for r in self.rings):
+            self.rings.append(ring)
+
+    def compare_positions(self) -> None:
+        """[Note: ranks stuck in different collectives]
+        A branch that runs collectives on some ranks only (`if rank == 0:` around
+        opt.gathered_params(), a checkpoint save, a clip) leaves each rank waiting in a
+        different collective, each for its peers, until the process group's timeout (60 s in
+        the tests, 30 min by default): a hang. Every collective's number on this channel
+        counts in program order, the same on every rank ([Note: collective order]), and each
+        ring says which job it runs (ring.position: number and description). So a wait that
+        lasts STALL_S posts this rank's position in the store and reads its peers'; a peer
+        stuck at the same number in another collective is proof that the ranks went apart,
+        and every rank raises CollectiveMismatch naming both, within about STALL_S (probe:
+        rank 0 alone in gathered_params() at stage 3, N = 2: a CollectiveTimeout after 60 s
+        before). Positions at different numbers prove nothing (a peer may just be slow), so
+        they are left to the timeout. Cost: nothing while collectives land within STALL_S;
+        then one store write and a read per peer every STALL_S."""
+        for ring in self.rings:
+            at = ring.position
+            if at is None:
+                continue
+            index, what = at
+            base = f"{self.key}/at/{ring.name}"
+            try:
+                self.store.set(f"{base}/{self.rank}", f"{index}|{what}")
+                theirs = {}
+                for r in ring.peers:
+                    k = f"{base}/{r}"
+                    if self.store.check([k]):
+                        theirs[r] = self.store.get(k).decode()
+            except Exception:  # noqa: BLE001 - the store is gone: liveness.py judges that
+                return
+            for r, rec in theirs.items():
+                n, _, other = rec.partition("|")
+                if int(n) == index and other != what:
+                    err = CollectiveMismatch(
+                        f"zerokern: the ranks issued different collectives on this process "
+                        f"group: rank {self.rank} waits in a {what}, rank {r} in a {other}, "
+                        f"both at collective #{index} of the group, for more than "
+                        f"{STALL_S:.0f} s. Code that runs collectives on some ranks only must "
+                        "run on every rank: `with opt.gathered_params():` (saving a stage-3 "
+                        "model), zk.checkpoint.save, opt.clip_grad_norm_, a backward or a "
+                        "step under `if rank == 0:`. Every rank raises this; the process "
+                        "group is now out of step and cannot be used again: exit and restart "
+                        "from the last checkpoint")
+                    err.origin, err.root = self.rank, str(err)
+                    self.signal(err, at=-1)  # the peers raise it too, even if they exit first
+                    self._abort(err, f"rank {r} waits in another collective")
 
     def next_index(self) -> int:
         i = self.issued
@@ -209,8 +264,12 @@ class AbortChannel:
         if self.store is None:
             done(None)
             return
+        compare_at = time.monotonic() + STALL_S
         while not done(POLL_S):
             self.check(index)
+            if self.rings and time.monotonic() >= compare_at:
+                self.compare_positions()
+                compare_at = time.monotonic() + STALL_S
 
 
 class Watch:
@@ -224,9 +283,15 @@ class Watch:
         if all(c.store is None for c, _ in self.pairs):
             done(None)
             return
+        compare_at = time.monotonic() + STALL_S
         while not done(POLL_S):
             for c, i in self.pairs:
                 c.check(i)
+            if time.monotonic() >= compare_at:
+                for c, _ in self.pairs:
+                    if c.store is not None and c.rings:
+                        c.compare_positions()
+                compare_at = time.monotonic() + STALL_S
 
 
 def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):

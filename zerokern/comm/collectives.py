@@ -41,6 +41,14 @@ def forget_groups() -> None:
     forget_channels()
 
 
+def _describe(fn, args) -> str:
+    """A ring job as the peers must see it alike: its function and its tensors' sizes (never
+    their types: a rank may pass a staging buffer where another passes Pieces)."""
+    name = getattr(fn, "__name__", "collective").lstrip("_")
+    sizes = [str(a.numel()) for a in args if callable(getattr(a, "numel", None))]
+    return f"{name} of {' and '.join(sizes) or 'no'} elements"
+
+
 def _ring_of(group, rank: int, world_size: int) -> RingRunner:
     """[Note: one ring per process group]
     The gloo ring runs a group's collectives on one background thread, in the order they are
@@ -169,6 +177,7 @@ class GroupComm:
             guard_gloo_exit()  # [Note: the gloo exit race] in exit_guard.py
             if os.environ.get("ZEROKERN_GLOO_RING", "1") != "0":
                 self.ring = _ring_of(self.group, self.rank, self.world_size)
+                self.abort.watch_ring(self.ring)
 
     def split(self) -> GroupComm:
         """A Comm over a second process group with the same ranks (the same group object for
@@ -231,7 +240,8 @@ class GroupComm:
 
     def _on_ring(self, async_op: bool, fn, *args):
         """Run fn on the ring thread (one order for every collective); a handle if async."""
-        h = FutureWork(self.ring.submit(fn, *args), self.abort, self.abort.next_index())
+        i = self.abort.next_index()
+        h = FutureWork(self.ring.submit(fn, *args, at=(i, _describe(fn, args))), self.abort, i)
         if async_op:
             return h
         h.wait()

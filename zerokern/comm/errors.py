@@ -24,3 +24,9 @@ class PeerLost(RankAborted):
             "raises this; the process group is now out of step and cannot be used again: "
             "exit, and restart from the last checkpoint (torchrun --max-restarts restarts "
             "the job)")
+
+
+class CollectiveMismatch(RankAborted):
+    """Two ranks wait in different collectives at the same place in their order ([Note: ranks
+    stuck in different collectives] in abort.py): a branch ran collectives on some ranks only.
+    Every rank raises it; exit and restart."""

@@ -16,7 +16,7 @@ overlaps with the caller's backward pass: the waits and the adds release the GIL
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,11 @@ class RingRunner:
         # [Note: a shared-memory ring] (shm.py): None until the first collective that can use
         # it (set up then, on every rank alike), False where the ranks cannot share memory
         self._shm = None
+        # the job running now, (its number on the group's abort channel, what it is), for
+        # [Note: ranks stuck in different collectives] (abort.py); None between jobs
+        self.position: Optional[Tuple[int, str]] = None
+        self.name = getattr(group, "group_name", None) or "world"
+        self.peers = self._peers
 
     def stop(self, why: str) -> None:
         """No job submitted or queued from now on communicates: each raises at once.
@@ -91,9 +96,17 @@ class RingRunner:
         self.stop("its process group was destroyed")
         self._pool.shutdown(wait=False)
 
-    def submit(self, fn, *args) -> Future:
-        self._last = self._pool.submit(self._run, fn, *args)
+    def submit(self, fn, *args, at: Optional[Tuple[int, str]] = None) -> Future:
+        """Queue fn(*args); `at`: its (number, description) while it runs (self.position)."""
+        self._last = self._pool.submit(self._run_at, at, fn, *args)
         return self._last
+
+    def _run_at(self, at, fn, *args):
+        self.position = at
+        try:
+            return self._run(fn, *args)
+        finally:
+            self.position = None
 
     def drain(self) -> None:
         """Wait until every job submitted so far has run (errors surface at their handle)."""
