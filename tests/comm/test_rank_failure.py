@@ -124,6 +124,24 @@ def _rank0_alone_in_gathered_params(rank, ws):
     return _outcome(rest)
 
 
+def _rank0_alone_saves(rank, ws):
+    """DDP's habit at stage 2: rank 0 alone saves a checkpoint (zk.checkpoint.save, whose
+    steps are object all-gathers of torch's, not ring jobs); the others go on training."""
+    import zerokern as zk
+
+    model = M.make_model()
+    opt = M.zero_opt(model, 2)
+    M.train_zero(model, opt, rank, ws, 1)
+
+    def rest():
+        if rank == 0:
+            with tempfile.TemporaryDirectory(prefix="zk_alone_") as d:
+                zk.checkpoint.save(d, model, opt)
+        M.train_zero(model, opt, rank, ws, 2)
+
+    return _outcome(rest)
+
+
 def _check(results, victim, victim_error, victim_text):
     for r, res in enumerate(results):
         assert res["err"] is not None, f"rank {r} did not raise"
@@ -167,13 +185,16 @@ def test_a_grad_changed_in_place_on_one_rank_fails_every_rank_promptly(ws, stage
 
 
 @pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_a_collective_run_on_one_rank_only_is_a_clear_error_on_every_rank(ws):
+@pytest.mark.parametrize("alone", ["gathered_params", "checkpoint_save"])
+def test_a_collective_run_on_one_rank_only_is_a_clear_error_on_every_rank(ws, alone):
     """Before: every rank waited the process group's timeout (a CollectiveTimeout after 60 s
-    here, 30 min by default; probe at N = 2). Now each rank raises within seconds, naming the
+    here, 30 min by default; probes at N = 2). Now each rank raises within seconds, naming the
     two collectives: its own CollectiveMismatch, or the peer's, posted (RankAborted)."""
-    for r, res in enumerate(spawn(_rank0_alone_in_gathered_params, ws)):
+    fn = _rank0_alone_in_gathered_params if alone == "gathered_params" else _rank0_alone_saves
+    seen = "checkpoint save/load" if alone == "checkpoint_save" else "gathered_params"
+    for r, res in enumerate(spawn(fn, ws)):
         assert res["err"] is not None, f"rank {r} did not raise"
         name, msg = res["err"]
         assert name in ("CollectiveMismatch", "RankAborted"), (r, name, msg)
-        assert "issued different collectives" in msg and "gathered_params" in msg, (r, msg)
+        assert "issued different collectives" in msg and seen in msg, (r, msg)
         assert res["elapsed"] < PROMPT_S < PG_TIMEOUT, (r, res["elapsed"])

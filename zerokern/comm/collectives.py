@@ -41,6 +41,14 @@ def forget_groups() -> None:
     forget_channels()
 
 
+def channel_of(group):
+    """The abort channel (abort.py) of a process group an optimizer uses (None: no optimizer
+    on it yet, or world size 1). group None: the default group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _CHANNELS.get(group if group is not None else dist.group.WORLD)
+
+
 def _describe(fn, args) -> str:
     """A ring job as the peers must see it alike: its function and its tensors' sizes (never
     their types: a rank may pass a staging buffer where another passes Pieces)."""

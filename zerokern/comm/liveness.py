@@ -431,7 +431,8 @@ def is_connection_error(error: BaseException) -> bool:
 _WATCHED: Dict[Any, ThreadPoolExecutor] = {}
 
 
-def watched(fn: Callable[[], object], what: str, group=None, poll_s: float = 0.05):
+def watched(fn: Callable[[], object], what: str, group=None, poll_s: float = 0.05,
+            on_poll: Optional[Callable[[], None]] = None):
     """Run fn (a blocking collective of torch's on `group`) on a helper thread and wait for
     it here, checking the verdict every poll_s: a lost peer raises PeerLost within a poll of
     the verdict even where the collective itself would wait for the process group's timeout
@@ -455,3 +456,5 @@ def watched(fn: Callable[[], object], what: str, group=None, poll_s: float = 0.0
             lost = live.lost()
             if lost is not None and not fut.done():
                 raise peer_lost_error(lost, live.rank, what) from None
+            if on_poll is not None:  # (abort.py's Waiting.poll: it may raise)
+                on_poll()
