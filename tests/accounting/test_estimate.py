@@ -44,7 +44,7 @@ from torch import nn
 
 import zerokern as zk
 from tests.support import models as M
-from tests.support.harness import cached, case, one_thread, run_cases  # noqa: F401 (fixture)
+from tests.support.harness import cached, case, fresh_rings, one_thread, run_cases  # noqa: F401 (fixture)
 from zerokern import cli
 from zerokern.accounting import cli as EC
 from zerokern.accounting import estimate as E
@@ -154,10 +154,12 @@ def _staged_run(n, s, p, b, rank, world_size) -> dict:
     import os
 
     os.environ["ZEROKERN_SHM"] = "0"
+    fresh_rings()  # (the group's ring decided its transport at its first collective)
     try:
         return _train_and_report(n, s, p, b, rank, world_size)
     finally:
         os.environ.pop("ZEROKERN_SHM")
+        fresh_rings()
 
 
 def _controls(specs, n, s, p, b, rank, world_size) -> dict:

@@ -28,23 +28,13 @@ import torch
 
 from zerokern.comm import GroupComm, shm
 
-from ..support.harness import cached, case, run_cases
+from ..support.harness import cached, case, fresh_rings, run_cases
 from ..support.models import make_model, train_zero, zero_opt
 
 # x86-64 Linux with /dev/shm (CI's machines): elsewhere every group keeps the TCP rings
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared-memory ring here")
 
 PER = 5000  # elements per rank's chunk: 20 KB of fp32, 5 rounds of a 4 KiB slot
-
-
-def _fresh_ring() -> None:
-    """The next GroupComm on the group gets a ring and exchange of its own: every optimizer on a
-    process group shares one ring ([Note: one ring per process group], comm/collectives.py), so
-    a case that breaks an exchange on purpose, or changes how the ring is set up, drops it."""
-    from zerokern.comm import collectives
-    for ring in collectives._RINGS.values():
-        ring.close()
-    collectives._RINGS.clear()
 
 
 def _inp(rank: int, ws: int, dtype=torch.float32, seed: int = 100) -> torch.Tensor:
@@ -80,11 +70,11 @@ def _calls(comm: GroupComm, rank: int, ws: int) -> dict:
 
 def _collectives(rank, ws):
     shm.SLOT_BYTES = 4096  # many rounds per collective
-    _fresh_ring()
+    fresh_rings()
     comm = GroupComm()
     res = _calls(comm, rank, ws)
     res["uses_shm"] = comm.ring.uses_shm
-    _fresh_ring()
+    fresh_rings()
     tcp = GroupComm()
     tcp.ring._shm = False  # the TCP ring on the same group
     res["tcp"] = _calls(tcp, rank, ws)
@@ -144,7 +134,7 @@ def _one_rank_cannot(rank, ws, why):
         else:  # "small /dev/shm"
             real = os.statvfs
             shm.os.statvfs = lambda path: _SmallDevShm() if path == "/dev/shm" else real(path)
-    _fresh_ring()
+    fresh_rings()
     comm = GroupComm()
     out = _calls(comm, rank, ws)
     out["uses_shm"] = comm.ring.uses_shm
@@ -199,7 +189,7 @@ def _mismatch(rank, ws):
     rank raises, none mixes the data, and the exchange refuses what comes after."""
     out = {}
     for what in ("size", "dtype"):
-        _fresh_ring()
+        fresh_rings()
         comm = GroupComm()
         t = torch.ones(8 * ws)
         comm.all_gather_(t, t[rank * 8:(rank + 1) * 8])  # sets the segments up
@@ -227,7 +217,7 @@ def _stuck_peer(rank, ws):
     def rank0_waits(prepare):
         """A fresh exchange (set up by both ranks); then rank 0 starts an all-gather rank 1
         never joins: (error, seconds to raise)."""
-        _fresh_ring()
+        fresh_rings()
         comm = GroupComm()
         t = torch.ones(8 * ws)
         comm.all_gather_(t, t[rank * 8:(rank + 1) * 8])  # sets the segments up
@@ -278,7 +268,7 @@ def _train(rank, ws):
     for stage in (0, 2, 3):
         for mode in ("shm", "tcp"):
             os.environ["ZEROKERN_SHM"] = "1" if mode == "shm" else "0"
-            _fresh_ring()
+            fresh_rings()
             model = make_model()
             opt = zero_opt(model, stage)
             rec = train_zero(model, opt, rank, ws, steps=3)

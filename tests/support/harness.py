@@ -143,6 +143,18 @@ def _case_errors(results: dict) -> dict:
     return {k: v for k, v in results.items() if isinstance(v, CaseError)}
 
 
+def fresh_rings() -> None:
+    """The next optimizer (or GroupComm) on a process group gets a ring and shared-memory
+    exchange of its own. Every optimizer on a group shares one ring ([Note: one ring per
+    process group], comm/collectives.py), which decides its transport (ZEROKERN_SHM) at its
+    first collective: a case that switches the transport in the same process, or breaks an
+    exchange on purpose, drops the ring before (and after) it."""
+    from zerokern.comm import collectives
+    for ring in collectives._RINGS.values():
+        ring.close()
+    collectives._RINGS.clear()
+
+
 def run_cases(cases: Dict[str, Callable[[], Any]]) -> Dict[str, Any]:
     """Child side: run each case, recording its return value or traceback (CaseError).
 
