@@ -135,7 +135,19 @@ class AbortChannel:
         name = getattr(group, "group_name", None) or "world"
         self.key = f"zerokern/abort/{name}"
         self.rings: list = []  # the rings counting on this channel (the group's, its split's)
+        self._posted: set = set()  # store keys of this rank's positions now posted
         _ALL.append(self)
+
+    def withdraw_positions(self) -> None:
+        """The stalled wait ended: delete this rank's posted positions, so that no later
+        process group on the same store reads them ([Note: ranks stuck in different
+        collectives])."""
+        keys, self._posted = self._posted, set()
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to read it
+                pass
 
     def watch_ring(self, ring) -> None:
         """Compare `ring`'s running job with the peers' when a wait stalls ([Note: ranks stuck
@@ -168,6 +180,7 @@ class AbortChannel:
             base = f"{self.key}/at/{ring.name}"
             try:
                 self.store.set(f"{base}/{self.rank}", f"{index}|{what}")
+                self._posted.add(f"{base}/{self.rank}")
                 theirs = {}
                 for r in ring.peers:
                     k = f"{base}/{r}"
@@ -272,6 +285,8 @@ class AbortChannel:
             if self.rings and time.monotonic() >= compare_at:
                 self.compare_positions()
                 compare_at = time.monotonic() + STALL_S
+        if self._posted:
+            self.withdraw_positions()
 
 
 class Waiting:
@@ -294,6 +309,8 @@ class Waiting:
 
     def __exit__(self, *exc) -> None:
         self.channel.rings = [r for r in self.channel.rings if r is not self]
+        if self.channel._posted:
+            self.channel.withdraw_positions()
 
     def poll(self) -> None:
         if self.channel.store is not None and time.monotonic() >= self._compare_at:
@@ -321,6 +338,9 @@ class Watch:
                     if c.store is not None and c.rings:
                         c.compare_positions()
                 compare_at = time.monotonic() + STALL_S
+        for c, _ in self.pairs:
+            if c._posted:
+                c.withdraw_positions()
 
 
 def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):
