@@ -25,7 +25,7 @@ class _RecordingRing:
     def __init__(self, calls):
         self.calls = calls
 
-    def submit(self, fn, *args, at=None):
+    def submit(self, fn, *args, index=None):
         self.calls.append(("ring", getattr(fn, "__name__", str(fn))))
         f = Future()
         f.set_result(None)

@@ -8,7 +8,6 @@ on any rank.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
 from typing import Any, List, Optional
@@ -16,8 +15,8 @@ from typing import Any, List, Optional
 import torch.distributed as dist
 
 from ..comm import liveness
-from ..comm.abort import CollectiveMismatch, PeerLost, Waiting, explain, is_timeout, timeout_error
-from ..comm.collectives import channel_of
+from ..comm.abort import CollectiveMismatch, PeerLost, explain, is_timeout, timeout_error
+from ..comm.collectives import waiting_in
 from .format import CheckpointError
 
 
@@ -33,16 +32,12 @@ class Collective:
         out: List[Any] = [None] * self.world_size
         t0 = time.monotonic()
         what = "a step of checkpoint save/load"
-        ch = channel_of(self.group)
-        # counted on the group's abort channel and compared with the peers' positions when it
-        # stalls ([Note: ranks stuck in different collectives]: a save on rank 0 alone)
-        waiting = Waiting(ch, self.group if self.group is not None else dist.group.WORLD,
-                          "checkpoint save/load all_gather_object") if ch is not None else None
-        try:  # on a helper thread, watched for a lost rank ([Note: a rank that dies])
-            with waiting if waiting is not None else contextlib.nullcontext():
+        try:  # on a helper thread, watched for a lost rank ([Note: a rank that dies]), and
+            # compared with the peers' positions when it stalls ([Note: ranks stuck in
+            # different collectives]: a save on rank 0 alone)
+            with waiting_in(self.group, "checkpoint save/load all_gather_object") as waiting:
                 liveness.watched(lambda: dist.all_gather_object(out, obj, group=self.group),
-                                 what, self.group,
-                                 on_poll=waiting.poll if waiting is not None else None)
+                                 what, self.group, on_poll=getattr(waiting, "poll", None))
         except (PeerLost, CollectiveMismatch):
             raise
         except Exception as e:  # noqa: BLE001 - gloo's timeout: say what to raise

@@ -132,8 +132,7 @@ class AbortChannel:
         self.store = _default_store()
         if dist.is_initialized():  # [Note: a rank that dies] in liveness.py: once per process
             liveness.start(self.store, self.rank, dist.get_world_size())
-        name = getattr(group, "group_name", None) or "world"
-        self.key = f"zerokern/abort/{name}"
+        self.key = f"zerokern/abort/{group_name(group)}"
         self.rings: list = []  # the rings counting on this channel (the group's, its split's)
         self._posted: set = set()  # store keys of this rank's positions now posted
         _ALL.append(self)
@@ -151,9 +150,12 @@ class AbortChannel:
 
     def watch_ring(self, ring) -> None:
         """Compare `ring`'s running job with the peers' when a wait stalls ([Note: ranks stuck
-        in different collectives])."""
+        in different collectives]); anything with `position`, `name` and `peers`."""
         if all(r is not ring for r in self.rings):
             self.rings.append(ring)
+
+    def unwatch_ring(self, ring) -> None:
+        self.rings = [r for r in self.rings if r is not ring]
 
     def compare_positions(self) -> None:
         """[Note: ranks stuck in different collectives]
@@ -282,11 +284,8 @@ class AbortChannel:
         compare_at = time.monotonic() + STALL_S
         while not done(POLL_S):
             self.check(index)
-            if self.rings and time.monotonic() >= compare_at:
-                self.compare_positions()
-                compare_at = time.monotonic() + STALL_S
-        if self._posted:
-            self.withdraw_positions()
+            compare_at = _compare_when_stalled((self,), compare_at)
+        _withdraw((self,))
 
 
 class Waiting:
@@ -298,7 +297,7 @@ class Waiting:
     def __init__(self, channel: AbortChannel, group, what: str) -> None:
         self.channel = channel
         self.position = (channel.next_index(), what)
-        self.name = getattr(group, "group_name", None) or "world"
+        self.name = group_name(group)
         me = dist.get_rank()
         self.peers = [r for r in dist.get_process_group_ranks(group) if r != me]
         self._compare_at = time.monotonic() + STALL_S
@@ -308,14 +307,11 @@ class Waiting:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.channel.rings = [r for r in self.channel.rings if r is not self]
-        if self.channel._posted:
-            self.channel.withdraw_positions()
+        self.channel.unwatch_ring(self)
+        _withdraw((self.channel,))
 
     def poll(self) -> None:
-        if self.channel.store is not None and time.monotonic() >= self._compare_at:
-            self.channel.compare_positions()
-            self._compare_at = time.monotonic() + STALL_S
+        self._compare_at = _compare_when_stalled((self.channel,), self._compare_at)
 
 
 class Watch:
@@ -330,17 +326,35 @@ class Watch:
             done(None)
             return
         compare_at = time.monotonic() + STALL_S
+        channels = [c for c, _ in self.pairs]
         while not done(POLL_S):
             for c, i in self.pairs:
                 c.check(i)
-            if time.monotonic() >= compare_at:
-                for c, _ in self.pairs:
-                    if c.store is not None and c.rings:
-                        c.compare_positions()
-                compare_at = time.monotonic() + STALL_S
-        for c, _ in self.pairs:
-            if c._posted:
-                c.withdraw_positions()
+            compare_at = _compare_when_stalled(channels, compare_at)
+        _withdraw(channels)
+
+
+def group_name(group) -> str:
+    """A process group's name in the store's keys, alike on every rank."""
+    return getattr(group, "group_name", None) or "world"
+
+
+def _compare_when_stalled(channels, compare_at: float) -> float:
+    """A stalled wait's position compare, due at `compare_at` ([Note: ranks stuck in
+    different collectives]); returns when the next is due."""
+    if time.monotonic() < compare_at:
+        return compare_at
+    for c in channels:
+        if c.store is not None and c.rings:
+            c.compare_positions()
+    return time.monotonic() + STALL_S
+
+
+def _withdraw(channels) -> None:
+    """The wait ended: withdraw the positions it posted."""
+    for c in channels:
+        if c._posted:
+            c.withdraw_positions()
 
 
 def polled(fut_wait: Callable[[float], None], is_done: Callable[[], bool]):

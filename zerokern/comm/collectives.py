@@ -8,6 +8,7 @@ copy or a no-op and nothing is counted as sent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from typing import Optional
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .abort import AbortChannel, forget_channels
+from .abort import AbortChannel, Waiting, forget_channels
 from .debug import CollectiveLog
 from .debug import enabled as _debug_enabled
 from .exit_guard import guard_gloo_exit
@@ -41,20 +42,16 @@ def forget_groups() -> None:
     forget_channels()
 
 
-def channel_of(group):
-    """The abort channel (abort.py) of a process group an optimizer uses (None: no optimizer
-    on it yet, or world size 1). group None: the default group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return _CHANNELS.get(group if group is not None else dist.group.WORLD)
-
-
-def _describe(fn, args) -> str:
-    """A ring job as the peers must see it alike: its function and its tensors' sizes (never
-    their types: a rank may pass a staging buffer where another passes Pieces)."""
-    name = getattr(fn, "__name__", "collective").lstrip("_")
-    sizes = [str(a.numel()) for a in args if callable(getattr(a, "numel", None))]
-    return f"{name} of {' and '.join(sizes) or 'no'} elements"
+def waiting_in(group, what: str):
+    """A context for a blocking collective of torch's on `group` (None: the default group)
+    that takes part in the ranks' position compare (abort.Waiting; [Note: ranks stuck in
+    different collectives]); a no-op context where no optimizer's channel serves the group.
+    Its `poll` (None for the no-op) is called while the collective waits."""
+    if dist.is_available() and dist.is_initialized():
+        group = group if group is not None else dist.group.WORLD
+        if group in _CHANNELS:
+            return Waiting(_CHANNELS[group], group, what)
+    return contextlib.nullcontext()
 
 
 def _ring_of(group, rank: int, world_size: int) -> RingRunner:
@@ -249,7 +246,7 @@ class GroupComm:
     def _on_ring(self, async_op: bool, fn, *args):
         """Run fn on the ring thread (one order for every collective); a handle if async."""
         i = self.abort.next_index()
-        h = FutureWork(self.ring.submit(fn, *args, at=(i, _describe(fn, args))), self.abort, i)
+        h = FutureWork(self.ring.submit(fn, *args, index=i), self.abort, i)
         if async_op:
             return h
         h.wait()

@@ -16,13 +16,22 @@ overlaps with the caller's backward pass: the waits and the adds release the GIL
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import liveness, shm
-from .abort import PeerLost, RankAborted, explain, is_timeout, on_abort, polled, timeout_error
+from .abort import (
+    PeerLost,
+    RankAborted,
+    explain,
+    group_name,
+    is_timeout,
+    on_abort,
+    polled,
+    timeout_error,
+)
 from .pieces import Pieces
 
 
@@ -39,7 +48,7 @@ class RingRunner:
             (rank - 1) % world_size
         # the peers' global ranks, named when a connection to one of them closes (liveness.py)
         me = dist.get_global_rank(group, rank) if group else rank
-        self._peers = [r for r in (dist.get_process_group_ranks(group) if group else
+        self.peers = [r for r in (dist.get_process_group_ranks(group) if group else
                                    range(world_size)) if r != me]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokern-ring")
         self._last: Future = None  # the latest submitted job (the queue runs in order)
@@ -49,11 +58,10 @@ class RingRunner:
         # [Note: a shared-memory ring] (shm.py): None until the first collective that can use
         # it (set up then, on every rank alike), False where the ranks cannot share memory
         self._shm = None
-        # the job running now, (its number on the group's abort channel, what it is), for
+        # the job running now (its number on the group's abort channel, fn, args), for
         # [Note: ranks stuck in different collectives] (abort.py); None between jobs
-        self.position: Optional[Tuple[int, str]] = None
-        self.name = getattr(group, "group_name", None) or "world"
-        self.peers = self._peers
+        self._job: Optional[Tuple[int, Any, tuple]] = None
+        self.name = group_name(group)
 
     def stop(self, why: str) -> None:
         """No job submitted or queued from now on communicates: each raises at once.
@@ -78,7 +86,7 @@ class RingRunner:
             # a peer's connection closed: the rank that was lost, by name (liveness.py
             # [Note: a rank that dies]), or the post of a peer that raised first (abort.py)
             lost = explain(e, f"a {what} on a ring of {self.world_size} ranks",
-                                    self._peers)
+                                    self.peers)
             if lost is not None:
                 raise lost from e
             if is_timeout(e) and not isinstance(e, RankAborted):
@@ -96,17 +104,32 @@ class RingRunner:
         self.stop("its process group was destroyed")
         self._pool.shutdown(wait=False)
 
-    def submit(self, fn, *args, at: Optional[Tuple[int, str]] = None) -> Future:
-        """Queue fn(*args); `at`: its (number, description) while it runs (self.position)."""
-        self._last = self._pool.submit(self._run_at, at, fn, *args)
+    def submit(self, fn, *args, index: Optional[int] = None) -> Future:
+        """Queue fn(*args); `index`: its number on the group's abort channel (self.position
+        while it runs)."""
+        self._last = self._pool.submit(self._run_at, index, fn, *args)
         return self._last
 
-    def _run_at(self, at, fn, *args):
-        self.position = at
+    def _run_at(self, index, fn, *args):
+        self._job = None if index is None else (index, fn, args)
         try:
             return self._run(fn, *args)
         finally:
-            self.position = None
+            self._job = None
+
+    @property
+    def position(self) -> Optional[Tuple[int, str]]:
+        """(number, description) of the job running now, or None. The description is what
+        every rank sees alike: the function and its tensors' sizes, never their types (a rank
+        may pass a staging buffer where another passes Pieces). Formatted only when asked (a
+        stalled wait), not per job."""
+        job = self._job
+        if job is None:
+            return None
+        index, fn, args = job
+        name = getattr(fn, "__name__", "collective").lstrip("_")
+        sizes = [str(a.numel()) for a in args if callable(getattr(a, "numel", None))]
+        return index, f"{name} of {' and '.join(sizes) or 'no'} elements"
 
     def drain(self) -> None:
         """Wait until every job submitted so far has run (errors surface at their handle)."""
